@@ -1,0 +1,291 @@
+//! The CPU reference backend: f32 throughout, parallel over rows with rayon.
+
+pub mod attention;
+pub mod matmul;
+
+use super::{AttnMask, Backend, MlaDims, Routing};
+use crate::engine::cache::RowSource;
+use crate::engine::rope::RopeTable;
+use crate::error::{Error, Result};
+use crate::model::layout::MoeLayout;
+use crate::stats::TensorStats;
+use crate::tensor::Tensor;
+
+pub struct CpuBackend;
+
+fn same_shape(op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.shape() != b.shape() {
+        return Err(Error::invalid(format!(
+            "{op}: shapes {:?} and {:?} differ",
+            a.shape(),
+            b.shape()
+        )));
+    }
+    Ok(())
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let k = x.cols();
+        let out = w.shape()[0];
+        let w_cols = w.numel() / out.max(1);
+        if w_cols != k {
+            return Err(Error::invalid(format!(
+                "linear: input has {k} features but the weight is {:?}",
+                w.shape()
+            )));
+        }
+        let n = x.rows();
+        let mut shape = x.shape().to_vec();
+        *shape.last_mut().expect("linear input has a shape") = out;
+        crate::tensor::checked_numel(&shape, "linear output")?;
+        let mut y = matmul::matmul_t(x.data(), n, k, w.data(), out);
+        if let Some(b) = bias {
+            for row in y.chunks_mut(out) {
+                for (v, bv) in row.iter_mut().zip(b.data()) {
+                    *v += bv;
+                }
+            }
+        }
+        Ok(Tensor::from_vec(&shape, y))
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+        let c = x.cols();
+        let mut out = Tensor::zeros(x.shape())?;
+        for (o, row) in out.data_mut().chunks_mut(c).zip(x.data().chunks(c)) {
+            let mean_sq = row.iter().map(|v| v * v).sum::<f32>() / c as f32;
+            let inv = 1.0 / (mean_sq + eps as f32).sqrt();
+            for ((ov, v), w) in o.iter_mut().zip(row).zip(weight.data()) {
+                *ov = w * (v * inv);
+            }
+        }
+        Ok(out)
+    }
+
+    fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+        let c = x.cols();
+        let mut out = Tensor::zeros(x.shape())?;
+        for (o, row) in out.data_mut().chunks_mut(c).zip(x.data().chunks(c)) {
+            let mean = row.iter().sum::<f32>() / c as f32;
+            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / c as f32;
+            let inv = 1.0 / (var + eps as f32).sqrt();
+            for (((ov, v), w), b) in o.iter_mut().zip(row).zip(weight.data()).zip(bias.data()) {
+                *ov = (v - mean) * inv * w + b;
+            }
+        }
+        Ok(out)
+    }
+
+    fn rope(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        table: &RopeTable,
+        positions: &[usize],
+        interleaved: bool,
+    ) -> Result<Tensor> {
+        let n = positions.len();
+        let d = x.numel() / (n * heads).max(1);
+        if n * heads * d != x.numel() || 2 * table.inv_freq.len() > d {
+            return Err(Error::invalid(format!(
+                "rope: tensor {:?} is not {n} tokens × {heads} heads of at least {} values",
+                x.shape(),
+                2 * table.inv_freq.len()
+            )));
+        }
+        let mut out = x.clone();
+        for (t, token) in out.data_mut().chunks_mut(heads * d).enumerate() {
+            for head in token.chunks_mut(d) {
+                table.rotate(head, positions[t], interleaved);
+            }
+        }
+        Ok(out)
+    }
+
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        same_shape("silu_mul", gate, up)?;
+        let data = gate
+            .data()
+            .iter()
+            .zip(up.data())
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        Ok(Tensor::from_vec(gate.shape(), data))
+    }
+
+    fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        same_shape("add", a, b)?;
+        let data = a.data().iter().zip(b.data()).map(|(x, y)| x + y).collect();
+        Ok(Tensor::from_vec(a.shape(), data))
+    }
+
+    fn slice_groups(
+        &self,
+        x: &Tensor,
+        groups: usize,
+        start: usize,
+        width: usize,
+    ) -> Result<Tensor> {
+        let n = x.rows();
+        let gw = x.cols() / groups.max(1);
+        if groups * gw != x.cols() || start + width > gw {
+            return Err(Error::invalid(format!(
+                "slice: cannot take columns {start}..{} of {groups} groups from {:?}",
+                start + width,
+                x.shape()
+            )));
+        }
+        let mut out = Vec::with_capacity(n * groups * width);
+        for row in x.data().chunks(x.cols()) {
+            for g in row.chunks(gw) {
+                out.extend_from_slice(&g[start..start + width]);
+            }
+        }
+        let shape = if groups == 1 {
+            vec![n, width]
+        } else {
+            vec![n, groups, width]
+        };
+        Ok(Tensor::from_vec(&shape, out))
+    }
+
+    fn concat_groups(&self, a: &Tensor, b: &Tensor, groups: usize) -> Result<Tensor> {
+        let (wa, wb) = (a.cols(), b.cols());
+        let rows = a.rows();
+        if rows != b.rows() || groups == 0 || rows % groups != 0 {
+            return Err(Error::invalid(format!(
+                "concat: {:?} and {:?} are not rows of {groups} groups",
+                a.shape(),
+                b.shape()
+            )));
+        }
+        let n = rows / groups;
+        let mut out = Vec::with_capacity(a.numel() + b.numel());
+        for (ga, gb) in a.data().chunks(wa).zip(b.data().chunks(wb)) {
+            out.extend_from_slice(ga);
+            out.extend_from_slice(gb);
+        }
+        Ok(Tensor::from_vec(&[n, groups, wa + wb], out))
+    }
+
+    fn scale(&self, x: &Tensor, s: f32) -> Result<Tensor> {
+        Ok(Tensor::from_vec(
+            x.shape(),
+            x.data().iter().map(|v| v * s).collect(),
+        ))
+    }
+
+    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor> {
+        let c = x.cols();
+        let mut out = Vec::with_capacity(rows.len() * c);
+        for &r in rows {
+            if r >= x.rows() {
+                return Err(Error::invalid(format!(
+                    "gather: row {r} of a {:?} tensor",
+                    x.shape()
+                )));
+            }
+            out.extend_from_slice(x.row(r));
+        }
+        Ok(Tensor::from_vec(&[rows.len(), c], out))
+    }
+
+    fn scatter_add_rows(
+        &self,
+        acc: &mut Tensor,
+        rows: &[usize],
+        y: &Tensor,
+        weights: &[f32],
+    ) -> Result<()> {
+        let c = acc.cols();
+        if y.cols() != c || y.rows() != rows.len() || weights.len() != rows.len() {
+            return Err(Error::invalid(format!(
+                "scatter_add: {:?} rows into {:?}",
+                y.shape(),
+                acc.shape()
+            )));
+        }
+        for (i, (&r, &w)) in rows.iter().zip(weights).enumerate() {
+            let src = &y.data()[i * c..(i + 1) * c];
+            matmul::axpy(&mut acc.data_mut()[r * c..(r + 1) * c], w, src);
+        }
+        Ok(())
+    }
+
+    fn route(&self, logits: &Tensor, bias: &Tensor, moe: &MoeLayout) -> Result<Routing> {
+        Ok(crate::engine::moe::route(logits, bias.data(), moe))
+    }
+
+    fn absorb_query(&self, q_nope: &Tensor, kv_b: &Tensor, dims: MlaDims) -> Result<Tensor> {
+        attention::absorb_query(q_nope, kv_b, dims)
+    }
+
+    fn apply_w_uv(&self, o_lat: &Tensor, kv_b: &Tensor, dims: MlaDims) -> Result<Tensor> {
+        attention::apply_w_uv(o_lat, kv_b, dims)
+    }
+
+    fn assemble_kv(&self, kv: &Tensor, k_pe: &Tensor, dims: MlaDims) -> Result<(Tensor, Tensor)> {
+        let n = kv.rows();
+        let (p, r, v) = (dims.nope, dims.rope, dims.v);
+        let mut k = Vec::with_capacity(n * dims.heads * (p + r));
+        let mut vals = Vec::with_capacity(n * dims.heads * v);
+        for t in 0..n {
+            let row = kv.row(t);
+            let pe = k_pe.row(t);
+            for h in 0..dims.heads {
+                let head = &row[h * (p + v)..(h + 1) * (p + v)];
+                k.extend_from_slice(&head[..p]);
+                k.extend_from_slice(pe);
+                vals.extend_from_slice(&head[p..]);
+            }
+        }
+        Ok((
+            Tensor::from_vec(&[n, dims.heads * (p + r)], k),
+            Tensor::from_vec(&[n, dims.heads * v], vals),
+        ))
+    }
+
+    fn attention_naive(
+        &self,
+        q: &Tensor,
+        k: &dyn RowSource,
+        v: &dyn RowSource,
+        dims: MlaDims,
+        mask: &AttnMask,
+        scale: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        attention::naive(q, k, v, dims, mask, scale)
+    }
+
+    fn attention_latent(
+        &self,
+        q_lat: &Tensor,
+        q_pe: &Tensor,
+        cache: &dyn RowSource,
+        dims: MlaDims,
+        mask: &AttnMask,
+        scale: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        attention::latent(q_lat, q_pe, cache, dims, mask, scale)
+    }
+
+    fn index_scores(
+        &self,
+        q: &Tensor,
+        weights: &Tensor,
+        keys: &dyn RowSource,
+        positions: &[usize],
+        scale: f32,
+    ) -> Result<Tensor> {
+        attention::index_scores(q, weights, keys, positions, scale)
+    }
+
+    fn stats(&self, t: &Tensor) -> TensorStats {
+        TensorStats::of(t.data())
+    }
+}

@@ -1,0 +1,208 @@
+//! Backends run the numerical ops of the forward pass. The CPU backend is the reference and is
+//! always built; a CUDA backend with mladb's own kernels comes beside it. The engine calls only
+//! this trait for arithmetic, so the same op sequence runs on either.
+
+pub mod cpu;
+
+use crate::engine::cache::RowSource;
+use crate::engine::rope::RopeTable;
+use crate::error::{Error, Result};
+use crate::model::layout::MoeLayout;
+use crate::stats::TensorStats;
+use crate::tensor::Tensor;
+
+/// The experts chosen for each token and their weights (already normalised and scaled).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    /// [tokens][top_k] expert ids, in order of choice score.
+    pub experts: Vec<Vec<usize>>,
+    /// [tokens][top_k] weights.
+    pub weights: Vec<Vec<f32>>,
+}
+
+/// Which keys each query row may attend to.
+#[derive(Debug, Clone)]
+pub struct AttnMask {
+    /// Absolute position of each query row; query i sees keys 0..=positions[i] (causal).
+    pub positions: Vec<usize>,
+    /// When present, query i sees only these keys (sorted, each ≤ positions[i]): the DSA
+    /// indexer's top-k selection.
+    pub selected: Option<Vec<Vec<usize>>>,
+}
+
+impl AttnMask {
+    pub fn causal(positions: Vec<usize>) -> AttnMask {
+        AttnMask {
+            positions,
+            selected: None,
+        }
+    }
+
+    /// The keys query `i` attends to.
+    pub fn keys(&self, i: usize) -> KeyIter<'_> {
+        match &self.selected {
+            Some(sel) => KeyIter::Listed(sel[i].iter()),
+            None => KeyIter::Prefix(0..self.positions[i] + 1),
+        }
+    }
+}
+
+pub enum KeyIter<'a> {
+    Prefix(std::ops::Range<usize>),
+    Listed(std::slice::Iter<'a, usize>),
+}
+
+impl Iterator for KeyIter<'_> {
+    type Item = usize;
+    fn next(&mut self) -> Option<usize> {
+        match self {
+            KeyIter::Prefix(r) => r.next(),
+            KeyIter::Listed(it) => it.next().copied(),
+        }
+    }
+}
+
+/// Head geometry of MLA, as the attention ops need it.
+#[derive(Debug, Clone, Copy)]
+pub struct MlaDims {
+    pub heads: usize,
+    /// qk_nope_head_dim (P)
+    pub nope: usize,
+    /// qk_rope_head_dim (R)
+    pub rope: usize,
+    /// v_head_dim (V)
+    pub v: usize,
+    /// kv_lora_rank (L)
+    pub latent: usize,
+}
+
+/// The numerical ops of the forward pass. Shapes are row-major; "[n, ...]" means one row per token.
+pub trait Backend: Send + Sync {
+    fn name(&self) -> &'static str;
+
+    /// y = x·Wᵀ (+ b): x [n, in], w [out, in] → [n, out].
+    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor>;
+
+    /// RMSNorm over the last dimension, computed in f32 as HF does.
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor>;
+
+    /// LayerNorm (with weight and bias) over the last dimension.
+    fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor>;
+
+    /// x viewed as [n, heads, head_dim]: rotates the first 2·table.inv_freq.len() elements of
+    /// each head for the row's position; the rest is copied.
+    fn rope(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        table: &RopeTable,
+        positions: &[usize],
+        interleaved: bool,
+    ) -> Result<Tensor>;
+
+    /// SiLU(gate) · up.
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor>;
+
+    /// a + b, same shapes.
+    fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor>;
+
+    /// x viewed as [n, groups, group_width] → [n, groups, width] taking columns start..start+width
+    /// of every group (splits q into q_nope | q_pe, kv_a into c_kv | k_pe).
+    fn slice_groups(&self, x: &Tensor, groups: usize, start: usize, width: usize)
+        -> Result<Tensor>;
+
+    /// a [n, groups, wa] and b [n, groups, wb] → [n, groups, wa + wb] (q_nope | q_pe per head).
+    fn concat_groups(&self, a: &Tensor, b: &Tensor, groups: usize) -> Result<Tensor>;
+
+    /// x · s.
+    fn scale(&self, x: &Tensor, s: f32) -> Result<Tensor>;
+
+    /// Rows `rows` of x [n, c] → [rows.len(), c] (tokens routed to one expert).
+    fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor>;
+
+    /// acc[rows[i]] += weights[i] · y[i] (an expert's weighted output back to its tokens).
+    fn scatter_add_rows(
+        &self,
+        acc: &mut Tensor,
+        rows: &[usize],
+        y: &Tensor,
+        weights: &[f32],
+    ) -> Result<()>;
+
+    /// MoE routing from router logits [n, experts]: sigmoid scores, bias for the choice only,
+    /// group-limited top-k. Returns per token the chosen experts and their weights.
+    fn route(&self, logits: &Tensor, bias: &Tensor, moe: &MoeLayout) -> Result<Routing>;
+
+    /// Absorbed path: q_lat[t,h] = W_UK[h]ᵀ·q_nope[t,h], W_UK[h] = kv_b rows of head h, 0..P.
+    /// q_nope [n, heads, P] → [n, heads, L].
+    fn absorb_query(&self, q_nope: &Tensor, kv_b: &Tensor, dims: MlaDims) -> Result<Tensor>;
+
+    /// Absorbed path: o[t,h] = W_UV[h]·o_lat[t,h], W_UV[h] = kv_b rows of head h, P..P+V.
+    /// o_lat [n, heads, L] → [n, heads·V].
+    fn apply_w_uv(&self, o_lat: &Tensor, kv_b: &Tensor, dims: MlaDims) -> Result<Tensor>;
+
+    /// Naive path: decompressed kv [n, heads·(P+V)] and roped k_pe [n, R] → per-head
+    /// K [n, heads·(P+R)] (k_nope | k_pe) and V [n, heads·V].
+    fn assemble_kv(&self, kv: &Tensor, k_pe: &Tensor, dims: MlaDims) -> Result<(Tensor, Tensor)>;
+
+    /// Multi-head attention over cached per-head K/V rows. q [n, heads, P+R]. Returns the output
+    /// [n, heads·V] and the probabilities [heads, n, context].
+    fn attention_naive(
+        &self,
+        q: &Tensor,
+        k: &dyn RowSource,
+        v: &dyn RowSource,
+        dims: MlaDims,
+        mask: &AttnMask,
+        scale: f32,
+    ) -> Result<(Tensor, Tensor)>;
+
+    /// MQA over the latent cache (rows c_kv | k_pe): score = q_lat·c_kv + q_pe·k_pe, value = c_kv.
+    /// q_lat [n, heads, L], q_pe [n, heads, R]. Returns o_lat [n, heads, L] and the
+    /// probabilities [heads, n, context].
+    fn attention_latent(
+        &self,
+        q_lat: &Tensor,
+        q_pe: &Tensor,
+        cache: &dyn RowSource,
+        dims: MlaDims,
+        mask: &AttnMask,
+        scale: f32,
+    ) -> Result<(Tensor, Tensor)>;
+
+    /// DSA indexer scores: s[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·key[j]·scale) for causal j, −∞
+    /// elsewhere. q [n, heads, D], w [n, heads] → [n, context].
+    fn index_scores(
+        &self,
+        q: &Tensor,
+        weights: &Tensor,
+        keys: &dyn RowSource,
+        positions: &[usize],
+        scale: f32,
+    ) -> Result<Tensor>;
+
+    /// Statistics of a tensor (one pass).
+    fn stats(&self, t: &Tensor) -> TensorStats;
+}
+
+/// Which backend `--device` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceChoice {
+    Cpu,
+    Cuda,
+    Auto,
+}
+
+/// Picks the backend for a device choice. Returns the backend and, when `auto` fell back, why.
+pub fn select(choice: DeviceChoice) -> Result<(Box<dyn Backend>, Option<String>)> {
+    match choice {
+        DeviceChoice::Cpu => Ok((Box::new(cpu::CpuBackend), None)),
+        DeviceChoice::Cuda => Err(Error::invalid(
+            "--device cuda: the CUDA backend is not built yet (use --device cpu or auto)",
+        )),
+        DeviceChoice::Auto => Ok((
+            Box::new(cpu::CpuBackend),
+            Some("device auto: using the CPU (the CUDA backend is not built yet)".to_string()),
+        )),
+    }
+}

@@ -1,0 +1,104 @@
+//! `mladb bench`: per-layer wall time of the forward pass, split into weight fetching and
+//! compute, plus peak memory. A benchmark, not a test: it reports, it does not judge.
+
+use super::args::{default_prompt, parse_layers, ModelArgs};
+use crate::backend::cpu::CpuBackend;
+use crate::engine::generate::{self, Schedule};
+use crate::engine::{Engine, EngineOptions, MlaPaths, NullObserver, Phase};
+use crate::error::Result;
+use clap::Args;
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Layers to run: A..B, A..=B or A (default 0..2).
+    #[arg(long, default_value = "0..2")]
+    pub layers: String,
+    /// Prompt length (prefill tokens).
+    #[arg(long, default_value_t = 3)]
+    pub prompt: usize,
+    /// Decode steps after the prefill.
+    #[arg(long, default_value_t = 2)]
+    pub decode: usize,
+    /// Disable MLA absorption (naive decode).
+    #[arg(long)]
+    pub mla_disable: bool,
+}
+
+/// Peak resident memory of this process in bytes, where the OS tells it.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+pub fn bench(args: &BenchArgs) -> Result<()> {
+    let model = args.model.load()?;
+    let layers = parse_layers(&args.layers, model.layout.num_layers)?;
+    let paths = if args.mla_disable {
+        MlaPaths::disabled()
+    } else {
+        MlaPaths::production()
+    };
+    let backend = CpuBackend;
+    let mut engine = Engine::new(
+        &model,
+        &backend,
+        EngineOptions {
+            paths,
+            layers: layers.clone(),
+        },
+    )?;
+    let schedule = Schedule {
+        prompt: default_prompt(model.layout.vocab_size, args.prompt.max(1)),
+        prefill_len: args.prompt.max(1),
+        decode_steps: args.decode,
+    };
+    let start = std::time::Instant::now();
+    generate::run(&mut engine, &schedule, &mut NullObserver)?;
+    let total = start.elapsed().as_secs_f64();
+    println!(
+        "mladb bench: {} layers {}..{}, prompt {} tokens, {} decode steps, {} threads",
+        model.layout.name,
+        layers.start,
+        layers.end,
+        schedule.prefill_len,
+        args.decode,
+        rayon::current_num_threads()
+    );
+    println!(
+        "{:<10} {:>5} {:>10} {:>10} {:>10}",
+        "phase", "layer", "total s", "weights s", "compute s"
+    );
+    for t in engine.timings() {
+        println!(
+            "{:<10} {:>5} {:>10.3} {:>10.3} {:>10.3}",
+            t.phase.to_string(),
+            t.layer,
+            t.seconds,
+            t.weight_seconds,
+            t.seconds - t.weight_seconds
+        );
+    }
+    let per_phase = |want: fn(&Phase) -> bool| {
+        let v: Vec<_> = engine.timings().iter().filter(|t| want(&t.phase)).collect();
+        let n = v.len().max(1) as f64;
+        (
+            v.iter().map(|t| t.seconds).sum::<f64>() / n,
+            v.iter().map(|t| t.seconds - t.weight_seconds).sum::<f64>() / n,
+        )
+    };
+    let (pf, pf_compute) = per_phase(|p| *p == Phase::Prefill);
+    let (dc, dc_compute) = per_phase(|p| matches!(p, Phase::Decode(_)));
+    println!("mean per layer: prefill {pf:.3}s ({pf_compute:.3}s compute), decode {dc:.3}s ({dc_compute:.3}s compute)");
+    println!("whole run {total:.3}s (embedding, final norm and lm_head included)");
+    if let Some(rss) = peak_rss_bytes() {
+        println!(
+            "peak resident memory {:.2} GiB",
+            rss as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok(())
+}

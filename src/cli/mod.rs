@@ -1,0 +1,46 @@
+//! The command line: argument definitions and one module per subcommand. Commands are thin:
+//! they build a model and an engine, and format what the engine reports.
+
+pub mod args;
+pub mod bench;
+pub mod dump;
+pub mod layout_cmd;
+pub mod run;
+pub mod table;
+
+use crate::error::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "mladb",
+    version,
+    about = "A debugger for Multi-head Latent Attention (MLA) execution in GLM-5 and DeepSeek-V3",
+    long_about = "mladb steps through a GLM-5 or DeepSeek-V3 forward pass op by op, on synthetic \
+                  weights or a real checkpoint, and shows what each op produced.\n\nWith no \
+                  subcommand it runs `mladb run` on the built-in glm5-tiny layout."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run a forward pass headless and print the op trace.
+    Run(run::RunArgs),
+    /// Time the forward pass per layer (with synthetic or real weights).
+    Bench(bench::BenchArgs),
+    /// List, show or import model layouts.
+    Layout(layout_cmd::LayoutArgs),
+}
+
+/// Runs the parsed command line.
+pub fn main(cli: Cli) -> Result<()> {
+    match cli.command {
+        None => run::run(&run::RunArgs::default_demo()),
+        Some(Command::Run(args)) => run::run(&args),
+        Some(Command::Bench(args)) => bench::bench(&args),
+        Some(Command::Layout(args)) => layout_cmd::layout(&args),
+    }
+}

@@ -1,0 +1,208 @@
+//! KV caches, one set per decoder layer.
+//!
+//! * [`LatentCache`]: what MLA really stores, the normalised c_kv (kv_lora_rank) followed by the
+//!   roped k_pe (qk_rope_head_dim) of every token: 576 values per token for GLM-5. Stored in
+//!   fixed-size pages reached through a block table, like vLLM's paged cache and FlashMLA's, so
+//!   that slot-mapping faults have a place to live.
+//! * [`ExpandedCache`]: per-head K (qk_nope + qk_rope) and V (v_head_dim) of every token, what the
+//!   MLA-disabled (naive) path attends over in decode. Filled from the latent cache on demand.
+//! * [`IndexKeyCache`]: the DSA indexer's keys.
+
+use crate::error::{Error, Result};
+use crate::tensor::{checked_numel, BufferId};
+
+/// Tokens per page (FlashMLA and vLLM's MLA backends use 64).
+pub const PAGE_SIZE: usize = 64;
+
+/// Something attention can read cached rows from.
+pub trait RowSource: Sync {
+    /// Number of cached tokens.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Row of token `t`.
+    fn row(&self, t: usize) -> &[f32];
+}
+
+/// One layer's paged latent cache.
+#[derive(Debug)]
+pub struct LatentCache {
+    width: usize,
+    /// Physical pages, each PAGE_SIZE rows of `width`.
+    pages: Vec<Vec<f32>>,
+    /// Logical page i of the sequence lives in physical page block_table[i].
+    block_table: Vec<usize>,
+    len: usize,
+    id: BufferId,
+}
+
+impl LatentCache {
+    pub fn new(width: usize) -> LatentCache {
+        LatentCache {
+            width,
+            pages: Vec::new(),
+            block_table: Vec::new(),
+            len: 0,
+            id: BufferId::fresh_cache(),
+        }
+    }
+
+    pub fn id(&self) -> BufferId {
+        self.id
+    }
+
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// Appends one token's row (c_kv | k_pe).
+    pub fn push(&mut self, row: &[f32]) -> Result<()> {
+        assert_eq!(row.len(), self.width, "latent row of the wrong width");
+        let slot = self.len % PAGE_SIZE;
+        if slot == 0 {
+            checked_numel(&[PAGE_SIZE, self.width], "latent cache page")?;
+            self.block_table.push(self.pages.len());
+            self.pages.push(vec![0.0; PAGE_SIZE * self.width]);
+        }
+        let page = self.block_table[self.len / PAGE_SIZE];
+        self.pages[page][slot * self.width..(slot + 1) * self.width].copy_from_slice(row);
+        self.len += 1;
+        Ok(())
+    }
+
+    /// Bytes held (whole pages).
+    pub fn bytes(&self) -> usize {
+        self.pages.len() * PAGE_SIZE * self.width * 4
+    }
+
+    /// The block table: logical page → physical page.
+    pub fn block_table(&self) -> &[usize] {
+        &self.block_table
+    }
+}
+
+impl RowSource for LatentCache {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn row(&self, t: usize) -> &[f32] {
+        assert!(t < self.len, "latent cache read past its end");
+        let page = self.block_table[t / PAGE_SIZE];
+        let slot = t % PAGE_SIZE;
+        &self.pages[page][slot * self.width..(slot + 1) * self.width]
+    }
+}
+
+/// A growable cache of fixed-width rows, one per token.
+#[derive(Debug)]
+pub struct RowCache {
+    width: usize,
+    data: Vec<f32>,
+    id: BufferId,
+}
+
+impl RowCache {
+    pub fn new(width: usize) -> RowCache {
+        RowCache {
+            width,
+            data: Vec::new(),
+            id: BufferId::fresh_cache(),
+        }
+    }
+
+    pub fn id(&self) -> BufferId {
+        self.id
+    }
+
+    pub fn push(&mut self, row: &[f32]) -> Result<()> {
+        assert_eq!(row.len(), self.width, "cache row of the wrong width");
+        let new_len = self.data.len() + self.width;
+        if new_len.saturating_mul(4) > crate::tensor::MAX_TENSOR_BYTES {
+            return Err(Error::Allocation {
+                what: "KV cache".into(),
+                detail: format!("{} tokens of width {}", new_len / self.width, self.width),
+            });
+        }
+        self.data.extend_from_slice(row);
+        Ok(())
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.data.len() * 4
+    }
+}
+
+impl RowSource for RowCache {
+    fn len(&self) -> usize {
+        self.data.len() / self.width
+    }
+
+    fn row(&self, t: usize) -> &[f32] {
+        &self.data[t * self.width..(t + 1) * self.width]
+    }
+}
+
+/// Per-head K and V rows of every token: K rows are heads × (qk_nope + qk_rope), V rows heads × v.
+#[derive(Debug)]
+pub struct ExpandedCache {
+    pub k: RowCache,
+    pub v: RowCache,
+}
+
+impl ExpandedCache {
+    pub fn new(k_width: usize, v_width: usize) -> ExpandedCache {
+        ExpandedCache {
+            k: RowCache::new(k_width),
+            v: RowCache::new(v_width),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.k.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// All caches of one layer.
+#[derive(Debug)]
+pub struct LayerCache {
+    pub latent: LatentCache,
+    /// Created the first time the naive path needs it.
+    pub expanded: Option<ExpandedCache>,
+    /// DSA indexer keys (layers with their own indexer).
+    pub index_keys: Option<RowCache>,
+}
+
+impl LayerCache {
+    pub fn bytes(&self) -> usize {
+        self.latent.bytes()
+            + self
+                .expanded
+                .as_ref()
+                .map_or(0, |e| e.k.bytes() + e.v.bytes())
+            + self.index_keys.as_ref().map_or(0, RowCache::bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paged_rows_read_back_across_page_boundaries() {
+        let mut c = LatentCache::new(3);
+        for t in 0..(PAGE_SIZE * 2 + 5) {
+            c.push(&[t as f32, -(t as f32), 0.5]).unwrap();
+        }
+        assert_eq!(c.len(), PAGE_SIZE * 2 + 5);
+        assert_eq!(c.block_table(), &[0, 1, 2]);
+        for t in [0, PAGE_SIZE - 1, PAGE_SIZE, 2 * PAGE_SIZE + 4] {
+            assert_eq!(c.row(t), &[t as f32, -(t as f32), 0.5]);
+        }
+    }
+}

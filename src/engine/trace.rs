@@ -1,0 +1,159 @@
+//! The op trace: one event per op of the forward pass, in execution order.
+//!
+//! This is the engine's only output channel to the rest of mladb (debugger, TUI, sessions, `run`):
+//! the engine knows nothing of who listens. An [`Observer`] sees each event together with the
+//! output tensor itself, and may stop the run by returning an error.
+
+use crate::error::Result;
+use crate::stats::TensorStats;
+use crate::tensor::{BufferId, DType, Tensor};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Which forward pass an op belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Phase {
+    Prefill,
+    /// The K-th decode step, counted from 0.
+    Decode(usize),
+}
+
+impl fmt::Display for Phase {
+    /// `prefill` or `decode.K`: the PHASE part of dump names.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Phase::Prefill => write!(f, "prefill"),
+            Phase::Decode(k) => write!(f, "decode.{k}"),
+        }
+    }
+}
+
+/// What an op computes; lets consumers treat families of ops alike (e.g. per-head figures for
+/// attention ops).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OpKind {
+    Embedding,
+    RmsNorm,
+    LayerNorm,
+    Linear,
+    Rope,
+    /// Rows written to a KV cache.
+    CacheWrite,
+    /// DSA indexer scores [tokens, context].
+    IndexScores,
+    /// DSA top-k selection (indices).
+    IndexTopK,
+    /// W_UK folded into the query (absorbed path).
+    AbsorbQuery,
+    /// Decompressed per-head keys/values (naive path).
+    Decompress,
+    /// Softmax probabilities [heads, tokens, context].
+    AttentionProbs,
+    /// Attention output per head, before o_proj.
+    Attention,
+    /// Latent attention output (absorbed path), before W_UV.
+    AttentionLatent,
+    Residual,
+    Activation,
+    /// MoE router: chosen experts' weights and ids.
+    Router,
+    Experts,
+    Sum,
+    Logits,
+}
+
+/// Where an op's output lives, or what it read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufferRef {
+    pub id: BufferId,
+    /// Host address, or the device pointer for device buffers.
+    pub address: u64,
+    pub bytes: usize,
+    pub device: Device,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+impl BufferRef {
+    pub fn of(t: &Tensor) -> BufferRef {
+        BufferRef {
+            id: t.id(),
+            address: t.address(),
+            bytes: t.size_bytes(),
+            device: Device::Cpu,
+        }
+    }
+}
+
+/// One op of the forward pass.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpEvent {
+    /// Position in the run's trace, from 0.
+    pub index: usize,
+    pub phase: Phase,
+    /// Decoder layer, or `None` for ops outside the layers (embedding, final norm, logits).
+    pub layer: Option<usize>,
+    /// HF module name where a module exists (`model.layers.3.self_attn.kv_a_proj_with_mqa`),
+    /// else a sub-op name under it (`model.layers.3.self_attn.q_absorbed`).
+    pub name: String,
+    pub kind: OpKind,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    pub stats: TensorStats,
+    pub output: BufferRef,
+    pub inputs: Vec<BufferRef>,
+    /// Token positions this op covers: start..end.
+    pub positions: (usize, usize),
+}
+
+impl OpEvent {
+    /// `PHASE/OPNAME`, the public name of this op's output in dumps.
+    pub fn dump_name(&self) -> String {
+        format!("{}/{}", self.phase, self.name)
+    }
+}
+
+/// Receives every op event with the op's output. Returning an error stops the run.
+pub trait Observer {
+    fn on_op(&mut self, event: &OpEvent, output: &Tensor) -> Result<()>;
+}
+
+/// Ignores everything.
+pub struct NullObserver;
+
+impl Observer for NullObserver {
+    fn on_op(&mut self, _: &OpEvent, _: &Tensor) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Keeps every event and a copy of every output: for tests and dumps of small models.
+#[derive(Default)]
+pub struct Recorder {
+    pub events: Vec<OpEvent>,
+    pub outputs: Vec<Tensor>,
+}
+
+impl Observer for Recorder {
+    fn on_op(&mut self, event: &OpEvent, output: &Tensor) -> Result<()> {
+        self.events.push(event.clone());
+        self.outputs.push(output.clone());
+        Ok(())
+    }
+}
+
+impl Recorder {
+    /// The output of the op named `name` in `phase`.
+    pub fn output(&self, phase: Phase, name: &str) -> Option<&Tensor> {
+        self.events
+            .iter()
+            .position(|e| e.phase == phase && e.name == name)
+            .map(|i| &self.outputs[i])
+    }
+}

@@ -1,0 +1,58 @@
+//! The library's error type. Every error names what it is about (a file, a tensor, an op) so the
+//! CLI can print it as one `error:` line.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in mladb's library code.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file was read but its contents are malformed.
+    #[error("{}: {msg}", path.display())]
+    Parse { path: PathBuf, msg: String },
+    /// A tensor the model needs is absent from the weights.
+    #[error("tensor {name} is missing from {source_desc}")]
+    MissingTensor { name: String, source_desc: String },
+    /// A tensor has a shape other than the layout implies.
+    #[error("tensor {name} in {source_desc}: expected shape {expected:?}, found {found:?}")]
+    ShapeMismatch {
+        name: String,
+        source_desc: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    /// An allocation would exceed mladb's caps (bad input must never allocate without bound).
+    #[error("refusing to allocate {what}: {detail}")]
+    Allocation { what: String, detail: String },
+    /// Any other invalid input or request, described in words.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl Error {
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Error::Invalid(msg.into())
+    }
+
+    pub fn parse(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+        Error::Parse {
+            path: path.into(),
+            msg: msg.into(),
+        }
+    }
+
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

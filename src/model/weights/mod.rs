@@ -1,0 +1,198 @@
+//! Weights behind one trait, fetched lazily per tensor (and per expert, and per row range) so that
+//! a full-size layout runs without ever holding the whole model in memory.
+
+pub mod safetensors;
+pub mod synthetic;
+
+use super::catalog::Catalog;
+use super::layout::Layout;
+use crate::error::{Error, Result};
+use crate::tensor::{checked_numel, Tensor};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Where weight values come from. Names are the canonical HF names of [`Catalog`].
+pub trait WeightSource: Send + Sync {
+    /// A short description for messages ("synthetic (seed 0)", a directory path).
+    fn describe(&self) -> String;
+    /// The stored shape of a tensor, or `None` when the source lacks it.
+    fn shape(&self, name: &str) -> Option<Vec<usize>>;
+    /// Fills `out` with rows `start_row..` of the tensor viewed as a matrix
+    /// [shape[0], product of the rest]; `out.len()` is a whole number of rows.
+    fn read_rows(&self, name: &str, start_row: usize, out: &mut [f32]) -> Result<()>;
+}
+
+/// Materialised weights with a byte budget: tensors are kept (least recently used first out)
+/// until the budget is full, so repeated steps do not refetch, and full-size models still fit.
+pub struct WeightStore {
+    source: Box<dyn WeightSource>,
+    catalog: Catalog,
+    budget_bytes: usize,
+    cache: Mutex<LruCache>,
+    /// Total time spent in the source (reading or generating), in nanoseconds.
+    fetch_nanos: AtomicU64,
+}
+
+#[derive(Default)]
+struct LruCache {
+    tensors: HashMap<String, Arc<Tensor>>,
+    order: VecDeque<String>,
+    bytes: usize,
+}
+
+impl WeightStore {
+    /// Wraps a source, checking that every tensor the layout needs is present with its shape.
+    pub fn new(
+        layout: &Layout,
+        source: Box<dyn WeightSource>,
+        budget_bytes: usize,
+    ) -> Result<WeightStore> {
+        let catalog = Catalog::new(layout);
+        for (name, spec) in catalog.iter() {
+            match source.shape(name) {
+                None => {
+                    return Err(Error::MissingTensor {
+                        name: name.clone(),
+                        source_desc: source.describe(),
+                    })
+                }
+                Some(found) if found != spec.shape => {
+                    return Err(Error::ShapeMismatch {
+                        name: name.clone(),
+                        source_desc: source.describe(),
+                        expected: spec.shape.clone(),
+                        found,
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(WeightStore {
+            source,
+            catalog,
+            budget_bytes,
+            cache: Mutex::new(LruCache::default()),
+            fetch_nanos: AtomicU64::new(0),
+        })
+    }
+
+    pub fn describe(&self) -> String {
+        self.source.describe()
+    }
+
+    pub fn catalog(&self) -> &Catalog {
+        &self.catalog
+    }
+
+    fn spec_shape(&self, name: &str) -> Result<&[usize]> {
+        self.catalog
+            .get(name)
+            .map(|s| s.shape.as_slice())
+            .ok_or_else(|| Error::invalid(format!("the layout has no tensor named {name}")))
+    }
+
+    /// Shape of a tensor of the layout.
+    pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        self.spec_shape(name).map(<[usize]>::to_vec)
+    }
+
+    /// Bytes the whole tensor takes in f32.
+    pub fn size_bytes(&self, name: &str) -> Result<usize> {
+        Ok(self.spec_shape(name)?.iter().product::<usize>() * 4)
+    }
+
+    /// Whether a whole tensor of this size may be cached.
+    pub fn fits_budget(&self, bytes: usize) -> bool {
+        bytes <= self.budget_bytes
+    }
+
+    /// The whole tensor, from the cache or fetched (and cached when the budget allows).
+    pub fn get(&self, name: &str) -> Result<Arc<Tensor>> {
+        if let Some(t) = self.lock().touch(name) {
+            return Ok(t);
+        }
+        let shape = self.shape(name)?;
+        let rows = shape.first().copied().unwrap_or(1);
+        let tensor = self.fetch(name, &shape, 0, rows)?;
+        let tensor = Arc::new(tensor);
+        let bytes = tensor.size_bytes();
+        if bytes <= self.budget_bytes {
+            self.lock()
+                .insert(name, tensor.clone(), bytes, self.budget_bytes);
+        }
+        Ok(tensor)
+    }
+
+    /// Rows `start..start + count` of a tensor viewed as a matrix; never cached.
+    pub fn rows(&self, name: &str, start: usize, count: usize) -> Result<Tensor> {
+        let shape = self.shape(name)?;
+        let total = shape.first().copied().unwrap_or(1);
+        if start.checked_add(count).is_none_or(|end| end > total) {
+            return Err(Error::invalid(format!(
+                "rows {start}..{} of {name} are out of range (it has {total})",
+                start.saturating_add(count)
+            )));
+        }
+        self.fetch(name, &shape, start, count)
+    }
+
+    fn fetch(&self, name: &str, shape: &[usize], start: usize, count: usize) -> Result<Tensor> {
+        let cols: usize = shape.iter().skip(1).product();
+        let mut out_shape = shape.to_vec();
+        if out_shape.is_empty() {
+            out_shape.push(1);
+        }
+        out_shape[0] = count;
+        let n = checked_numel(&out_shape, name)?;
+        let begin = Instant::now();
+        let mut data = vec![0.0f32; n];
+        debug_assert_eq!(n, count * cols);
+        self.source.read_rows(name, start, &mut data)?;
+        self.fetch_nanos
+            .fetch_add(begin.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(Tensor::from_vec(&out_shape, data))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LruCache> {
+        // A poisoned lock only means another thread panicked mid-insert; the map is still valid.
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Seconds spent so far reading or generating weights.
+    pub fn fetch_seconds(&self) -> f64 {
+        self.fetch_nanos.load(Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    /// Bytes currently held by the cache.
+    pub fn cached_bytes(&self) -> usize {
+        self.lock().bytes
+    }
+}
+
+impl LruCache {
+    fn touch(&mut self, name: &str) -> Option<Arc<Tensor>> {
+        let t = self.tensors.get(name)?.clone();
+        if let Some(pos) = self.order.iter().position(|n| n == name) {
+            let n = self.order.remove(pos).expect("position is in range");
+            self.order.push_back(n);
+        }
+        Some(t)
+    }
+
+    fn insert(&mut self, name: &str, t: Arc<Tensor>, bytes: usize, budget: usize) {
+        while self.bytes + bytes > budget {
+            let Some(oldest) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(old) = self.tensors.remove(&oldest) {
+                self.bytes -= old.size_bytes();
+            }
+        }
+        if self.tensors.insert(name.to_string(), t).is_none() {
+            self.order.push_back(name.to_string());
+            self.bytes += bytes;
+        }
+    }
+}
