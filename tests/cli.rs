@@ -1,0 +1,250 @@
+//! Every public command, run as the real binary.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn mladb(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args(args)
+        .output()
+        .expect("the mladb binary runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Bad input: exit code 2 and exactly one `error:` line naming the problem; never a panic.
+fn assert_clean_error(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "exit code; stderr: {err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "one line: {err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    assert!(err.contains(needle), "expected '{needle}' in: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+fn fixture(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(case)
+}
+
+#[test]
+fn run_prints_the_op_trace_of_glm5_tiny() {
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "3,141,59",
+        "--decode",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for needle in [
+        "model.embed_tokens",
+        "model.layers.0.self_attn.kv_a_proj_with_mqa",
+        "model.layers.3.self_attn.q_absorbed",
+        "model.layers.1.mlp.gate.topk_indices",
+        "decode.1",
+        "logits",
+    ] {
+        assert!(out.contains(needle), "missing {needle}");
+    }
+}
+
+#[test]
+fn bare_mladb_runs_the_default_demo() {
+    let o = mladb(&[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("glm5-tiny"));
+}
+
+#[test]
+fn json_output_is_one_object_per_op_then_a_summary() {
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "deepseek-v3-tiny",
+        "--tokens",
+        "1,2,3,4",
+        "--prefill",
+        "2",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let (summary, ops) = lines.split_last().unwrap();
+    assert_eq!(summary["type"], "summary");
+    assert_eq!(summary["events"].as_u64().unwrap() as usize, ops.len());
+    assert!(ops.iter().all(|op| op["type"] == "op"));
+    for (i, op) in ops.iter().enumerate() {
+        assert_eq!(op["index"].as_u64().unwrap() as usize, i);
+        assert!(op["stats"]["l2"].is_number());
+        assert!(op["output"]["id"].is_number());
+    }
+    // Two prompt tokens prefilled, two decoded (decode.0 and decode.1).
+    assert!(ops
+        .iter()
+        .any(|op| op["phase"] == serde_json::json!({"Decode": 1})));
+}
+
+#[test]
+fn dump_writes_phase_slash_op_tensors() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("trace.safetensors");
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "5,6,7",
+        "--decode",
+        "1",
+        "--dump",
+        path.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let logits = st.tensor("prefill/logits").unwrap();
+    assert_eq!(logits.shape(), &[3, 2048]);
+    assert_eq!(logits.dtype(), safetensors::Dtype::F32);
+    assert_eq!(
+        st.tensor("prefill/model.layers.2").unwrap().shape(),
+        &[3, 256]
+    );
+    assert_eq!(st.tensor("decode.0/logits").unwrap().shape(), &[1, 2048]);
+    assert!(st
+        .tensor("decode.0/model.layers.0.self_attn.attn_latent")
+        .is_ok());
+}
+
+#[test]
+fn layers_option_runs_a_slice_of_the_model() {
+    let o = mladb(&["run", "--layout", "glm5-tiny", "--layers", "1..3", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("model.layers.1.") && out.contains("model.layers.2."));
+    assert!(!out.contains("model.layers.0.") && !out.contains("model.layers.3."));
+}
+
+#[test]
+fn runs_an_hf_checkpoint_directory() {
+    let o = mladb(&[
+        "run",
+        "--model",
+        fixture("glm5-sparse").to_str().unwrap(),
+        "--decode",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("model.layers.3.self_attn.indexer.topk"));
+}
+
+#[test]
+fn layout_commands() {
+    let o = mladb(&["layout", "list"]);
+    assert!(o.status.success());
+    assert!(stdout(&o).contains("glm5-tiny") && stdout(&o).contains("deepseek-v3"));
+    let o = mladb(&["layout", "show", "glm5"]);
+    assert!(stdout(&o).contains("kv_lora_rank: 512"));
+    let config = fixture("deepseek-v3-yarn").join("config.json");
+    let o = mladb(&["layout", "import", config.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("Yarn"));
+}
+
+#[test]
+fn bad_input_is_one_error_line_and_exit_2() {
+    assert_clean_error(
+        &mladb(&["run", "--layout", "glm6"]),
+        "unknown layout 'glm6'",
+    );
+    assert_clean_error(
+        &mladb(&["run", "--layout", "glm5-tiny", "--tokens", "3,99999"]),
+        "token id 99999",
+    );
+    assert_clean_error(
+        &mladb(&["run", "--layout", "glm5-tiny", "--tokens", "3,x"]),
+        "'x' is not a token id",
+    );
+    assert_clean_error(
+        &mladb(&["run", "--layout", "glm5-tiny", "--layers", "3..9"]),
+        "--layers 3..9",
+    );
+    assert_clean_error(&mladb(&["run", "--device", "cuda"]), "CUDA backend");
+    assert_clean_error(
+        &mladb(&["run", "--model", "/nonexistent/dir"]),
+        "/nonexistent/dir",
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let ron = dir.path().join("broken.ron");
+    std::fs::write(&ron, "(name: \"x\", family: Glm5, vocab_size: 12,,)").unwrap();
+    assert_clean_error(
+        &mladb(&["run", "--layout", ron.to_str().unwrap()]),
+        "broken.ron: line 1",
+    );
+    let huge = dir.path().join("huge.ron");
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("layouts/glm5-tiny.ron"),
+    )
+    .unwrap()
+    .replace("vocab_size: 2048", "vocab_size: 1000000000000");
+    std::fs::write(&huge, text).unwrap();
+    assert_clean_error(
+        &mladb(&["run", "--layout", huge.to_str().unwrap()]),
+        "vocab_size",
+    );
+
+    // A checkpoint with a malformed config, an unknown model type, and a truncated shard.
+    let src = fixture("deepseek-v3-plain");
+    let ckpt = dir.path().join("ckpt");
+    std::fs::create_dir(&ckpt).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), ckpt.join(f)).unwrap();
+    }
+    let ckpt_arg = ckpt.to_str().unwrap();
+    let weights = std::fs::read(ckpt.join("model.safetensors")).unwrap();
+    std::fs::write(
+        ckpt.join("model.safetensors"),
+        &weights[..weights.len() - 100],
+    )
+    .unwrap();
+    assert_clean_error(
+        &mladb(&["run", "--model", ckpt_arg]),
+        "model.safetensors: not a valid safetensors file",
+    );
+    std::fs::write(ckpt.join("model.safetensors"), &weights).unwrap();
+    let config = std::fs::read_to_string(ckpt.join("config.json")).unwrap();
+    std::fs::write(ckpt.join("config.json"), &config[..config.len() / 2]).unwrap();
+    assert_clean_error(
+        &mladb(&["run", "--model", ckpt_arg]),
+        "config.json: not valid JSON",
+    );
+    std::fs::write(
+        ckpt.join("config.json"),
+        config.replace("deepseek_v3", "llama"),
+    )
+    .unwrap();
+    assert_clean_error(
+        &mladb(&["run", "--model", ckpt_arg]),
+        "unsupported model_type 'llama'",
+    );
+    // A config that disagrees with the weights names the tensor and both shapes.
+    let mut v: serde_json::Value = serde_json::from_str(&config).unwrap();
+    v["kv_lora_rank"] = serde_json::json!(16);
+    std::fs::write(ckpt.join("config.json"), v.to_string()).unwrap();
+    assert_clean_error(&mladb(&["run", "--model", ckpt_arg]), "expected shape");
+}

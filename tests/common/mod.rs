@@ -1,0 +1,48 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use mladb::backend::cpu::CpuBackend;
+use mladb::engine::generate::{self, Outcome, Schedule};
+use mladb::engine::{Engine, EngineOptions, MlaPaths, Phase, Recorder};
+use mladb::model::{Layout, Model};
+use mladb::tensor::Tensor;
+
+pub const BUDGET: usize = 1 << 30;
+
+pub fn synthetic(layout: &str, seed: u64) -> Model {
+    Model::synthetic(Layout::resolve(layout).unwrap(), seed, BUDGET).unwrap()
+}
+
+/// Runs a schedule on a fresh engine, recording every op.
+pub fn record(
+    model: &Model,
+    paths: MlaPaths,
+    prompt: &[u32],
+    prefill: usize,
+    decode: usize,
+) -> (Recorder, Outcome) {
+    let mut engine =
+        Engine::new(model, &CpuBackend, EngineOptions::all_layers(model, paths)).unwrap();
+    let mut rec = Recorder::default();
+    let schedule = Schedule {
+        prompt: prompt.to_vec(),
+        prefill_len: prefill,
+        decode_steps: decode,
+    };
+    let outcome = generate::run(&mut engine, &schedule, &mut rec).unwrap();
+    (rec, outcome)
+}
+
+pub fn output<'a>(rec: &'a Recorder, phase: Phase, name: &str) -> &'a Tensor {
+    rec.output(phase, name)
+        .unwrap_or_else(|| panic!("no op {name} in {phase}"))
+}
+
+pub fn prompt(vocab: usize, len: usize) -> Vec<u32> {
+    (0..len).map(|i| ((i * 7919 + 11) % vocab) as u32).collect()
+}
+
+/// Last row of a [rows, cols] tensor.
+pub fn last_row(t: &Tensor) -> &[f32] {
+    t.row(t.rows() - 1)
+}
