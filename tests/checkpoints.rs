@@ -14,6 +14,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 type Tensors = BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>;
+/// Per layer prefix, per expert: the bytes of gate, up and down.
+type ExpertBytes = BTreeMap<String, BTreeMap<usize, [Option<Vec<u8>>; 3]>>;
 
 fn read_fixture(case: &str) -> (std::path::PathBuf, Tensors) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -91,7 +93,7 @@ fn stacked_experts_load_the_same_model() {
     let (src, tensors) = read_fixture("glm5-sparse");
     let dir = new_checkpoint(&src);
     let mut out = Tensors::new();
-    let mut stacks: BTreeMap<String, BTreeMap<usize, [Option<Vec<u8>>; 3]>> = BTreeMap::new();
+    let mut stacks = ExpertBytes::new();
     let mut dims = BTreeMap::new();
     for (name, (d, shape, bytes)) in tensors {
         if let Some((prefix, rest)) = name.split_once(".mlp.experts.") {

@@ -92,7 +92,13 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     };
     let (pf, pf_compute) = per_phase(|p| *p == Phase::Prefill);
     let (dc, dc_compute) = per_phase(|p| matches!(p, Phase::Decode(_)));
-    println!("mean per layer: prefill {pf:.3}s ({pf_compute:.3}s compute), decode {dc:.3}s ({dc_compute:.3}s compute)");
+    println!(
+        "mean per layer: prefill {:.2} ms ({:.2} ms compute), decode {:.2} ms ({:.2} ms compute)",
+        pf * 1e3,
+        pf_compute * 1e3,
+        dc * 1e3,
+        dc_compute * 1e3
+    );
     println!("whole run {total:.3}s (embedding, final norm and lm_head included)");
     if let Some(rss) = peak_rss_bytes() {
         println!(

@@ -16,7 +16,7 @@ use super::forward::MlaPath;
 use super::moe::top_k_indices;
 use super::rope::RopeTable;
 use super::sink::Sink;
-use super::trace::{BufferRef, OpKind};
+use super::trace::{BufferRef, Device, OpKind};
 use crate::backend::{AttnMask, Backend, MlaDims};
 use crate::error::Result;
 use crate::model::catalog::layer_prefix;
@@ -172,12 +172,7 @@ pub fn attention_block(
     for t in 0..n {
         cache.latent.push(written.row(t))?;
     }
-    let cache_ref = BufferRef {
-        id: cache.latent.id(),
-        address: 0,
-        bytes: cache.latent.bytes(),
-        device: super::trace::Device::Cpu,
-    };
+    let cache_ref = cache_ref_of(cache);
     sink.emit_as(
         l,
         &ctx.name("self_attn.latent_cache"),
@@ -237,18 +232,11 @@ pub fn attention_block(
             let q_full = b.concat_groups(&q_nope, &q_pe, dims.heads)?;
             let (out, probs) =
                 b.attention_naive(&q_full, &expanded.k, &expanded.v, dims, &mask, scale)?;
-            let k_ref = BufferRef {
-                id: expanded.k.id(),
-                address: 0,
-                bytes: expanded.k.bytes(),
-                device: super::trace::Device::Cpu,
-            };
-            let v_ref = BufferRef {
-                id: expanded.v.id(),
-                bytes: expanded.v.bytes(),
-                ..k_ref
-            };
-            let reads = vec![BufferRef::of(&q_full), k_ref, v_ref];
+            let reads = vec![
+                BufferRef::of(&q_full),
+                row_cache_ref(&expanded.k),
+                row_cache_ref(&expanded.v),
+            ];
             sink.emit_as(
                 l,
                 &ctx.name("self_attn.attn_probs"),
@@ -327,9 +315,18 @@ pub fn attention_block(
 fn cache_ref_of(cache: &LayerCache) -> BufferRef {
     BufferRef {
         id: cache.latent.id(),
-        address: 0,
+        address: cache.latent.address(),
         bytes: cache.latent.bytes(),
-        device: super::trace::Device::Cpu,
+        device: Device::Cpu,
+    }
+}
+
+fn row_cache_ref(cache: &RowCache) -> BufferRef {
+    BufferRef {
+        id: cache.id(),
+        address: cache.address(),
+        bytes: cache.bytes(),
+        device: Device::Cpu,
     }
 }
 

@@ -71,6 +71,11 @@ impl LatentCache {
         Ok(())
     }
 
+    /// Address of the first page (0 while empty): the cache's "device pointer".
+    pub fn address(&self) -> u64 {
+        self.pages.first().map_or(0, |p| p.as_ptr() as u64)
+    }
+
     /// Bytes held (whole pages).
     pub fn bytes(&self) -> usize {
         self.pages.len() * PAGE_SIZE * self.width * 4
@@ -131,6 +136,11 @@ impl RowCache {
 
     pub fn bytes(&self) -> usize {
         self.data.len() * 4
+    }
+
+    /// Address of the rows (it moves when the cache grows).
+    pub fn address(&self) -> u64 {
+        self.data.as_ptr() as u64
     }
 }
 

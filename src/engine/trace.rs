@@ -10,8 +10,8 @@ use crate::tensor::{BufferId, DType, Tensor};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// Which forward pass an op belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+/// Which forward pass an op belongs to. Serialised as its display form, `prefill` or `decode.K`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Phase {
     Prefill,
     /// The K-th decode step, counted from 0.
@@ -25,6 +25,33 @@ impl fmt::Display for Phase {
             Phase::Prefill => write!(f, "prefill"),
             Phase::Decode(k) => write!(f, "decode.{k}"),
         }
+    }
+}
+
+impl std::str::FromStr for Phase {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Phase, String> {
+        if s == "prefill" {
+            return Ok(Phase::Prefill);
+        }
+        s.strip_prefix("decode.")
+            .and_then(|k| k.parse().ok())
+            .map(Phase::Decode)
+            .ok_or_else(|| format!("'{s}' is not a phase (prefill or decode.K)"))
+    }
+}
+
+impl Serialize for Phase {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Phase {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Phase, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
     }
 }
 

@@ -240,7 +240,7 @@ impl Layout {
         if let Some(r) = self.q_lora_rank {
             check_range("q_lora_rank", r, MAX_DIM)?;
         }
-        if self.qk_rope_head_dim % 2 != 0 {
+        if !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(Error::invalid(format!(
                 "qk_rope_head_dim must be even (RoPE rotates pairs), got {}",
                 self.qk_rope_head_dim
@@ -430,7 +430,7 @@ impl MoeLayout {
                 self.n_shared_experts
             )));
         }
-        if self.n_routed_experts % self.n_group != 0 {
+        if !self.n_routed_experts.is_multiple_of(self.n_group) {
             return Err(Error::invalid(format!(
                 "moe.n_routed_experts {} is not a multiple of moe.n_group {}",
                 self.n_routed_experts, self.n_group

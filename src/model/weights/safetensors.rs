@@ -242,7 +242,7 @@ impl WeightSource for CheckpointWeights {
             )
         })?;
         let count_rows = out.len() / r.cols;
-        if out.len() % r.cols != 0 || start_row + count_rows > r.rows {
+        if !out.len().is_multiple_of(r.cols) || start_row + count_rows > r.rows {
             return Err(Error::invalid(format!(
                 "rows {start_row}..{} of {name} are out of range",
                 start_row + count_rows
