@@ -130,6 +130,30 @@ fn dump_writes_phase_slash_op_tensors() {
 }
 
 #[test]
+fn prefill_zero_feeds_the_whole_prompt_through_decode() {
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2,3",
+        "--prefill",
+        "0",
+        "--json",
+        "--device",
+        "auto",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("using the CPU"),
+        "auto says why it fell back"
+    );
+    let out = stdout(&o);
+    assert!(!out.contains("\"phase\":\"prefill\""));
+    assert!(out.contains("\"phase\":\"decode.2\""));
+}
+
+#[test]
 fn layers_option_runs_a_slice_of_the_model() {
     let o = mladb(&["run", "--layout", "glm5-tiny", "--layers", "1..3", "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -241,6 +265,29 @@ fn bad_input_is_one_error_line_and_exit_2() {
         &mladb(&["run", "--model", ckpt_arg]),
         "unsupported model_type 'llama'",
     );
+    // A shard without one tensor, and a directory without any shard.
+    std::fs::write(ckpt.join("config.json"), &config).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&weights).unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != "model.layers.1.self_attn.kv_b_proj.weight")
+        .collect();
+    std::fs::write(
+        ckpt.join("model.safetensors"),
+        safetensors::serialize(kept, None).unwrap(),
+    )
+    .unwrap();
+    assert_clean_error(
+        &mladb(&["run", "--model", ckpt_arg]),
+        "tensor model.layers.1.self_attn.kv_b_proj.weight is missing",
+    );
+    std::fs::remove_file(ckpt.join("model.safetensors")).unwrap();
+    assert_clean_error(
+        &mladb(&["run", "--model", ckpt_arg]),
+        "no *.safetensors files",
+    );
+    std::fs::write(ckpt.join("model.safetensors"), &weights).unwrap();
     // A config that disagrees with the weights names the tensor and both shapes.
     let mut v: serde_json::Value = serde_json::from_str(&config).unwrap();
     v["kv_lora_rank"] = serde_json::json!(16);

@@ -21,14 +21,9 @@ fn softmax(scores: &mut [f32]) {
     }
 }
 
-/// Per (query, head) result: output row and (key, probability) pairs.
-struct HeadResult {
-    out: Vec<f32>,
-    probs: Vec<(usize, f32)>,
-}
-
-/// Runs `f` for every (query i, head h) pair, in parallel when worth it, and assembles the
-/// output [n, heads, out_width] and the probabilities [heads, n, context].
+/// Per (query, head) result: the output row, written into the probability row as it goes.
+/// Runs `f(i, h, out_row, prob_row)` for every (query i, head h) pair, in parallel when worth
+/// it, and assembles the output [n, heads, out_width] and the probabilities [heads, n, context].
 fn per_query_head<F>(
     n: usize,
     dims: MlaDims,
@@ -37,27 +32,40 @@ fn per_query_head<F>(
     f: F,
 ) -> Result<(Tensor, Tensor)>
 where
-    F: Fn(usize, usize) -> HeadResult + Sync,
+    F: Fn(usize, usize, &mut [f32], &mut [f32]) + Sync,
 {
     let heads = dims.heads;
-    let pairs: Vec<(usize, usize)> = (0..n)
-        .flat_map(|i| (0..heads).map(move |h| (i, h)))
-        .collect();
-    let results: Vec<HeadResult> = if n * heads * context * out_width < 1 << 15 {
-        pairs.iter().map(|&(i, h)| f(i, h)).collect()
-    } else {
-        pairs.par_iter().map(|&(i, h)| f(i, h)).collect()
-    };
-    let mut out = Tensor::zeros(&[n, heads, out_width])?;
+    // Head-major output first, so each (h, i) owns one output chunk and one probability row.
+    let mut out_hm = Tensor::zeros(&[heads, n, out_width])?;
     let mut probs = Tensor::zeros(&[heads, n, context])?;
-    for (&(i, h), r) in pairs.iter().zip(results) {
-        out.data_mut()[(i * heads + h) * out_width..][..out_width].copy_from_slice(&r.out);
-        let row = &mut probs.data_mut()[(h * n + i) * context..][..context];
-        for (j, p) in r.probs {
-            row[j] = p;
+    let work = |(r, (o, p)): (usize, (&mut [f32], &mut [f32]))| f(r % n, r / n, o, p);
+    let chunks = out_hm
+        .data_mut()
+        .chunks_mut(out_width)
+        .zip(probs.data_mut().chunks_mut(context.max(1)));
+    if n * heads * context * out_width < 1 << 15 {
+        chunks.enumerate().for_each(work);
+    } else {
+        let chunks: Vec<_> = chunks.collect();
+        chunks.into_par_iter().enumerate().for_each(work);
+    }
+    let mut out = Tensor::zeros(&[n, heads, out_width])?;
+    for h in 0..heads {
+        for i in 0..n {
+            out.data_mut()[(i * heads + h) * out_width..][..out_width]
+                .copy_from_slice(&out_hm.data()[(h * n + i) * out_width..][..out_width]);
         }
     }
     Ok((out, probs))
+}
+
+/// Softmax over the listed keys' scores, written into `probs` at those keys.
+fn scatter_softmax(keys: &[usize], mut scores: Vec<f32>, probs: &mut [f32]) -> Vec<f32> {
+    softmax(&mut scores);
+    for (&j, &p) in keys.iter().zip(&scores) {
+        probs[j] = p;
+    }
+    scores
 }
 
 pub fn naive(
@@ -71,21 +79,16 @@ pub fn naive(
     let n = mask.positions.len();
     let d = dims.nope + dims.rope;
     let context = k.len();
-    let (out, probs) = per_query_head(n, dims, dims.v, context, |i, h| {
+    let (out, probs) = per_query_head(n, dims, dims.v, context, |i, h, out, probs| {
         let qh = &q.data()[(i * dims.heads + h) * d..][..d];
         let keys: Vec<usize> = mask.keys(i).collect();
-        let mut scores: Vec<f32> = keys
+        let scores: Vec<f32> = keys
             .iter()
             .map(|&j| dot(qh, &k.row(j)[h * d..(h + 1) * d]) * scale)
             .collect();
-        softmax(&mut scores);
-        let mut out = vec![0f32; dims.v];
-        for (&j, &p) in keys.iter().zip(&scores) {
-            axpy(&mut out, p, &v.row(j)[h * dims.v..(h + 1) * dims.v]);
-        }
-        HeadResult {
-            out,
-            probs: keys.into_iter().zip(scores).collect(),
+        let p = scatter_softmax(&keys, scores, probs);
+        for (&j, &pj) in keys.iter().zip(&p) {
+            axpy(out, pj, &v.row(j)[h * dims.v..(h + 1) * dims.v]);
         }
     })?;
     Ok((out.reshaped(&[n, dims.heads * dims.v]), probs))
@@ -102,25 +105,20 @@ pub fn latent(
     let n = mask.positions.len();
     let (l, r) = (dims.latent, dims.rope);
     let context = cache.len();
-    per_query_head(n, dims, l, context, |i, h| {
+    per_query_head(n, dims, l, context, |i, h, out, probs| {
         let ql = &q_lat.data()[(i * dims.heads + h) * l..][..l];
         let qp = &q_pe.data()[(i * dims.heads + h) * r..][..r];
         let keys: Vec<usize> = mask.keys(i).collect();
-        let mut scores: Vec<f32> = keys
+        let scores: Vec<f32> = keys
             .iter()
             .map(|&j| {
                 let row = cache.row(j);
                 (dot(ql, &row[..l]) + dot(qp, &row[l..l + r])) * scale
             })
             .collect();
-        softmax(&mut scores);
-        let mut out = vec![0f32; l];
-        for (&j, &p) in keys.iter().zip(&scores) {
-            axpy(&mut out, p, &cache.row(j)[..l]);
-        }
-        HeadResult {
-            out,
-            probs: keys.into_iter().zip(scores).collect(),
+        let p = scatter_softmax(&keys, scores, probs);
+        for (&j, &pj) in keys.iter().zip(&p) {
+            axpy(out, pj, &cache.row(j)[..l]);
         }
     })
 }

@@ -58,8 +58,8 @@ impl Backend for CpuBackend {
         let c = x.cols();
         let mut out = Tensor::zeros(x.shape())?;
         for (o, row) in out.data_mut().chunks_mut(c).zip(x.data().chunks(c)) {
-            let mean_sq = row.iter().map(|v| v * v).sum::<f32>() / c as f32;
-            let inv = 1.0 / (mean_sq + eps as f32).sqrt();
+            let mean_sq = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / c as f64;
+            let inv = (1.0 / (mean_sq + eps).sqrt()) as f32;
             for ((ov, v), w) in o.iter_mut().zip(row).zip(weight.data()) {
                 *ov = w * (v * inv);
             }
@@ -71,9 +71,13 @@ impl Backend for CpuBackend {
         let c = x.cols();
         let mut out = Tensor::zeros(x.shape())?;
         for (o, row) in out.data_mut().chunks_mut(c).zip(x.data().chunks(c)) {
-            let mean = row.iter().sum::<f32>() / c as f32;
-            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / c as f32;
-            let inv = 1.0 / (var + eps as f32).sqrt();
+            let mean64 = row.iter().map(|&v| v as f64).sum::<f64>() / c as f64;
+            let var = row
+                .iter()
+                .map(|&v| (v as f64 - mean64).powi(2))
+                .sum::<f64>()
+                / c as f64;
+            let (mean, inv) = (mean64 as f32, (1.0 / (var + eps).sqrt()) as f32);
             for (((ov, v), w), b) in o.iter_mut().zip(row).zip(weight.data()).zip(bias.data()) {
                 *ov = (v - mean) * inv * w + b;
             }
