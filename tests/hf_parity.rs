@@ -14,7 +14,12 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 const TOLERANCE: f64 = 1e-4;
-const CASES: [&str; 3] = ["glm5-sparse", "deepseek-v3-yarn", "deepseek-v3-plain"];
+const CASES: [&str; 4] = [
+    "glm5-sparse",
+    "deepseek-v3-yarn",
+    "deepseek-v3-plain",
+    "deepseek-v3-fp8",
+];
 
 struct Reference {
     tensors: HashMap<String, Vec<f32>>,
@@ -220,6 +225,19 @@ fn fixtures_exercise_what_they_claim() {
         yarn.layout.qk_head_dim(),
         "v_head_dim differs from qk head dim"
     );
+    let fp8 = std::fs::read(fixture_dir("deepseek-v3-fp8").join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&fp8).unwrap();
+    let kv_b = st
+        .tensor("model.layers.0.self_attn.kv_b_proj.weight")
+        .unwrap();
+    assert_eq!(
+        kv_b.dtype(),
+        safetensors::Dtype::F8_E4M3,
+        "FP8 weights with block scales"
+    );
+    assert!(st
+        .tensor("model.layers.0.self_attn.kv_b_proj.weight_scale_inv")
+        .is_ok());
     let plain = model("deepseek-v3-plain");
     assert!(
         plain.layout.q_lora_rank.is_none()

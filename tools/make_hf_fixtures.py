@@ -142,6 +142,35 @@ CASES = {
     ),
 }
 
+# DeepSeek-V3's official checkpoints store projections as FP8 E4M3 with one f32 scale per block
+# (`weight_scale_inv`). This case stores the yarn model that way, with small blocks so that a
+# matrix holds several; the reference outputs are transformers' on the dequantized weights.
+CASES["deepseek-v3-fp8"] = dict(CASES["deepseek-v3-yarn"], fp8_block=[16, 16], prompt_len=7, prefill_len=4, generate=2)
+
+
+def fp8_quantize(model, block):
+    """Rounds every projection to FP8 blocks in place; returns {name: (fp8 bytes, scale_inv)}."""
+    bh, bw = block
+    stored = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() != 2 or not name.endswith("proj.weight") and "proj_with_mqa" not in name:
+                continue
+            rows, cols = p.shape
+            sr, sc = -(-rows // bh), -(-cols // bw)
+            scale = torch.empty(sr, sc)
+            q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+            for i in range(sr):
+                for j in range(sc):
+                    blk = p[i * bh : (i + 1) * bh, j * bw : (j + 1) * bw]
+                    s = blk.abs().max().clamp(min=1e-12) / 448.0
+                    scale[i, j] = s
+                    q[i * bh : (i + 1) * bh, j * bw : (j + 1) * bw] = (blk / s).to(torch.float8_e4m3fn)
+            deq = q.to(torch.float32) * scale.repeat_interleave(bh, 0)[:rows].repeat_interleave(bw, 1)[:, :cols]
+            p.copy_(deq)
+            stored[name] = (q, scale)
+    return stored
+
 
 def redraw_weights(model, gen):
     """Healthy scales: projections ~ 1/sqrt(fan_in), norms near 1, biases small, router spread."""
@@ -268,7 +297,8 @@ def build(name, case, seed):
     gen = torch.Generator().manual_seed(seed)
     redraw_weights(model, gen)
     prompt = torch.randint(0, config.vocab_size, (case["prompt_len"],), generator=gen)
-    return config, model, prompt
+    fp8 = fp8_quantize(model, case["fp8_block"]) if "fp8_block" in case else None
+    return config, model, prompt, fp8
 
 
 @torch.no_grad()
@@ -313,7 +343,7 @@ def references(model, prompt, case, check):
 
 def make(name, case, out_dir):
     for seed in range(100):
-        config, model, prompt = build(name, case, seed)
+        config, model, prompt, fp8 = build(name, case, seed)
         check = MarginCheck(model, config)
         ref, generated = references(model, prompt, case, check)
         check.remove()
@@ -328,6 +358,8 @@ def make(name, case, out_dir):
     model.save_pretrained(target, safe_serialization=True)
     for extra in ["generation_config.json"]:
         (target / extra).unlink(missing_ok=True)
+    if fp8 is not None:
+        write_fp8_checkpoint(target, fp8, case["fp8_block"])
     tensors = {k: v.contiguous() for k, v in ref.items()}
     tensors["prompt"] = prompt.to(torch.int32)
     meta = {
@@ -342,6 +374,26 @@ def make(name, case, out_dir):
     save_file(tensors, str(target / "reference.safetensors"), metadata=meta)
     size = sum(f.stat().st_size for f in target.iterdir())
     print(f"{name}: seed {seed}, margin {check.worst:.2e}, generated {generated}, {size / 1024:.0f} KiB")
+
+
+def write_fp8_checkpoint(target, fp8, block):
+    """Replaces the saved f32 projections by FP8 + weight_scale_inv, as DeepSeek ships them."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(target / "model.safetensors"))
+    for name, (q, scale) in fp8.items():
+        assert name in weights, name
+        weights[name] = q
+        weights[name + "_scale_inv"] = scale
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": block,
+    }
+    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def main():

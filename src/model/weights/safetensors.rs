@@ -1,6 +1,10 @@
 //! HF checkpoint directories: `config.json` plus one or more memory-mapped `*.safetensors` files
 //! (sharded through `model.safetensors.index.json` or not), with f32, f16 or bf16 weights.
 //!
+//! FP8 checkpoints (DeepSeek-V3's official format: `F8_E4M3` weights with a `weight_scale_inv`
+//! per block of `quantization_config.weight_block_size`, 128×128 by default) are dequantized as
+//! rows are read: w = fp8 · scale_inv[row / block_rows, col / block_cols].
+//!
 //! Routed experts may be stored one by one (`mlp.experts.E.gate_proj.weight`, the hub format) or
 //! stacked (`mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I], the
 //! in-memory format of transformers 5); a per-expert name maps onto a row range of the stack.
@@ -38,6 +42,8 @@ pub struct CheckpointWeights {
     dir: PathBuf,
     files: Vec<(PathBuf, Mmap)>,
     tensors: HashMap<String, Stored>,
+    /// Rows and columns sharing one FP8 scale.
+    fp8_block: [usize; 2],
 }
 
 impl CheckpointWeights {
@@ -66,7 +72,56 @@ impl CheckpointWeights {
             dir: dir.to_path_buf(),
             files,
             tensors,
+            fp8_block: fp8_block_size(dir)?,
         })
+    }
+
+    fn bytes_of(&self, stored: &Stored) -> (&Path, &[u8]) {
+        let (path, mmap) = &self.files[stored.file];
+        (path, &mmap[stored.begin..stored.end])
+    }
+
+    /// Dequantizes rows of an FP8 weight [out, in] with its block scales.
+    fn read_fp8_rows(
+        &self,
+        name: &str,
+        r: &Resolved,
+        start_row: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let (path, bytes) = self.bytes_of(r.stored);
+        let scale_name = format!("{}_scale_inv", name);
+        let scales = self.tensors.get(&scale_name).ok_or_else(|| {
+            Error::parse(
+                path,
+                format!("FP8 tensor {name} has no {scale_name} beside it"),
+            )
+        })?;
+        let [bh, bw] = self.fp8_block;
+        let (rows, cols) = (r.rows, r.cols);
+        let expected = [rows.div_ceil(bh), cols.div_ceil(bw)];
+        if r.first_row != 0 || scales.dtype != Dtype::F32 || scales.shape != expected {
+            return Err(Error::parse(
+                path,
+                format!(
+                    "{scale_name} is {:?} {:?}; an F32 tensor of shape {expected:?} was expected for blocks of {bh}×{bw}",
+                    scales.dtype, scales.shape
+                ),
+            ));
+        }
+        let (_, scale_bytes) = self.bytes_of(scales);
+        let scale = |i: usize| {
+            let b = &scale_bytes[i * 4..i * 4 + 4];
+            f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        };
+        for (k, row_out) in out.chunks_mut(cols).enumerate() {
+            let row = start_row + k;
+            let q = &bytes[row * cols..(row + 1) * cols];
+            for (c, (o, &byte)) in row_out.iter_mut().zip(q).enumerate() {
+                *o = fp8_e4m3_to_f32(byte) * scale((row / bh) * expected[1] + c / bw);
+            }
+        }
+        Ok(())
     }
 
     /// Finds the rows of a canonical tensor name.
@@ -209,7 +264,49 @@ fn element_size(dtype: Dtype) -> Option<usize> {
     match dtype {
         Dtype::F32 => Some(4),
         Dtype::F16 | Dtype::BF16 => Some(2),
+        Dtype::F8_E4M3 => Some(1),
         _ => None,
+    }
+}
+
+/// The FP8 block size from `config.json`'s `quantization_config` ([128, 128] when absent).
+fn fp8_block_size(dir: &Path) -> Result<[usize; 2]> {
+    let path = dir.join("config.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok([128, 128]);
+    };
+    let value: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::parse(&path, format!("not valid JSON: {e}")))?;
+    let Some(block) = value.pointer("/quantization_config/weight_block_size") else {
+        return Ok([128, 128]);
+    };
+    match block
+        .as_array()
+        .map(|a| a.iter().map(|v| v.as_u64()).collect::<Vec<_>>())
+    {
+        Some(v) if v.len() == 2 && v.iter().all(|x| matches!(x, Some(1..=65536))) => {
+            Ok([v[0].unwrap() as usize, v[1].unwrap() as usize])
+        }
+        _ => Err(Error::parse(
+            &path,
+            "quantization_config.weight_block_size must be two sizes in 1..=65536",
+        )),
+    }
+}
+
+/// OCP FP8 E4M3 ("fn": no infinities; 0x7F and 0xFF are NaN): 1 sign, 4 exponent (bias 7),
+/// 3 mantissa bits.
+pub fn fp8_e4m3_to_f32(byte: u8) -> f32 {
+    let sign = if byte & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = ((byte >> 3) & 0xF) as i32;
+    let man = (byte & 0x7) as f32;
+    if exp == 0xF && byte & 0x7 == 0x7 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        sign * man / 8.0 * 2f32.powi(-6)
+    } else {
+        sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
     }
 }
 
@@ -236,7 +333,7 @@ impl WeightSource for CheckpointWeights {
             Error::parse(
                 path,
                 format!(
-                    "tensor {name} is stored as {:?}; mladb reads F32, F16 and BF16 checkpoints",
+                    "tensor {name} is stored as {:?}; mladb reads F32, F16, BF16 and block-scaled F8_E4M3 checkpoints",
                     r.stored.dtype
                 ),
             )
@@ -257,6 +354,9 @@ impl WeightSource for CheckpointWeights {
             ));
         }
         let bytes = &mmap[begin..end];
+        if r.stored.dtype == Dtype::F8_E4M3 {
+            return self.read_fp8_rows(name, &r, start_row, out);
+        }
         match r.stored.dtype {
             Dtype::F32 => {
                 for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
@@ -276,5 +376,21 @@ impl WeightSource for CheckpointWeights {
             _ => unreachable!("element_size accepted only float types"),
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fp8_e4m3_to_f32;
+
+    #[test]
+    fn fp8_decoding_matches_the_format() {
+        // Values torch's float8_e4m3fn gives for these bytes.
+        assert_eq!(fp8_e4m3_to_f32(0), 0.0);
+        assert_eq!(fp8_e4m3_to_f32(56), 1.0);
+        assert_eq!(fp8_e4m3_to_f32(194), -2.5);
+        assert_eq!(fp8_e4m3_to_f32(126), 448.0);
+        assert_eq!(fp8_e4m3_to_f32(1), 0.001953125);
+        assert!(fp8_e4m3_to_f32(127).is_nan() && fp8_e4m3_to_f32(255).is_nan());
     }
 }
