@@ -16,7 +16,7 @@ use super::forward::MlaPath;
 use super::moe::top_k_indices;
 use super::rope::RopeTable;
 use super::sink::Sink;
-use super::trace::{BufferRef, Device, OpKind};
+use super::trace::{BufferRef, OpKind};
 use crate::backend::{AttnMask, Backend, MlaDims};
 use crate::error::Result;
 use crate::model::catalog::layer_prefix;
@@ -94,7 +94,8 @@ pub fn attention_block(
                 &ctx.name("self_attn.q_a_proj"),
                 OpKind::Linear,
                 &q_a,
-                &[x, &w],
+                &[x],
+                &[&w],
             )?;
             let w = ctx.weight("self_attn.q_a_layernorm.weight")?;
             let q_resid = b.rms_norm(&q_a, &w, layout.lora_norm_eps)?;
@@ -103,7 +104,8 @@ pub fn attention_block(
                 &ctx.name("self_attn.q_a_layernorm"),
                 OpKind::RmsNorm,
                 &q_resid,
-                &[&q_a, &w],
+                &[&q_a],
+                &[&w],
             )?;
             let w = ctx.weight("self_attn.q_b_proj.weight")?;
             let q = b.linear(&q_resid, &w, None)?;
@@ -112,7 +114,8 @@ pub fn attention_block(
                 &ctx.name("self_attn.q_b_proj"),
                 OpKind::Linear,
                 &q,
-                &[&q_resid, &w],
+                &[&q_resid],
+                &[&w],
             )?;
             (q, Some(q_resid))
         }
@@ -124,7 +127,8 @@ pub fn attention_block(
                 &ctx.name("self_attn.q_proj"),
                 OpKind::Linear,
                 &q,
-                &[x, &w],
+                &[x],
+                &[&w],
             )?;
             (q, None)
         }
@@ -139,7 +143,8 @@ pub fn attention_block(
         &ctx.name("self_attn.kv_a_proj_with_mqa"),
         OpKind::Linear,
         &kv_a,
-        &[x, &w],
+        &[x],
+        &[&w],
     )?;
     let c_kv_raw = b.slice_groups(&kv_a, 1, 0, dims.latent)?;
     let k_pe_raw = b.slice_groups(&kv_a, 1, dims.latent, dims.rope)?;
@@ -150,14 +155,22 @@ pub fn attention_block(
         &ctx.name("self_attn.kv_a_layernorm"),
         OpKind::RmsNorm,
         &c_kv,
-        &[&kv_a, &w],
+        &[&kv_a],
+        &[&w],
     )?;
 
     let q_nope = b.slice_groups(&q, dims.heads, 0, dims.nope)?;
     let q_pe_raw = b.slice_groups(&q, dims.heads, dims.nope, dims.rope)?;
     let interleaved = layout.rope.interleaved;
     let q_pe = b.rope(&q_pe_raw, dims.heads, ctx.rope, ctx.positions, interleaved)?;
-    sink.emit(l, &ctx.name("self_attn.q_rope"), OpKind::Rope, &q_pe, &[&q])?;
+    sink.emit(
+        l,
+        &ctx.name("self_attn.q_rope"),
+        OpKind::Rope,
+        &q_pe,
+        &[&q],
+        &[],
+    )?;
     let k_pe = b.rope(&k_pe_raw, 1, ctx.rope, ctx.positions, interleaved)?;
     sink.emit(
         l,
@@ -165,6 +178,7 @@ pub fn attention_block(
         OpKind::Rope,
         &k_pe,
         &[&kv_a],
+        &[],
     )?;
 
     // The latent cache gets c_kv | k_pe of every new token.
@@ -193,6 +207,7 @@ pub fn attention_block(
     let attn = match path {
         MlaPath::Naive => {
             let start = ctx.positions[0];
+            let latent_ref = cache_ref_of(cache);
             let expanded = cache.expanded.get_or_insert_with(|| {
                 ExpandedCache::new(dims.heads * (dims.nope + dims.rope), dims.heads * dims.v)
             });
@@ -207,16 +222,25 @@ pub fn attention_block(
                 let old_c = b.slice_groups(&old, 1, 0, dims.latent)?;
                 let old_pe = b.slice_groups(&old, 1, dims.latent, dims.rope)?;
                 let kv = b.linear(&old_c, &kv_b, None)?;
-                sink.emit(
+                let reads = vec![latent_ref, BufferRef::weight(&kv_b)];
+                sink.emit_as(
                     l,
                     &ctx.name("self_attn.expand_cache"),
                     OpKind::Decompress,
                     &kv,
-                    &[&old, &kv_b],
+                    BufferRef::of(&kv),
+                    reads,
                 )?;
-                let (k_rows, v_rows) = b.assemble_kv(&kv, &old_pe, dims)?;
-                push_rows(&mut expanded.k, &k_rows)?;
-                push_rows(&mut expanded.v, &v_rows)?;
+                let reads = vec![BufferRef::of(&kv), latent_ref];
+                append_expanded(
+                    ctx,
+                    expanded,
+                    &kv,
+                    &old_pe,
+                    "self_attn.kv_cache_backfill",
+                    reads,
+                    sink,
+                )?;
             }
             let kv = b.linear(&c_kv, &kv_b, None)?;
             sink.emit(
@@ -224,18 +248,18 @@ pub fn attention_block(
                 &ctx.name("self_attn.kv_b_proj"),
                 OpKind::Decompress,
                 &kv,
-                &[&c_kv, &kv_b],
+                &[&c_kv],
+                &[&kv_b],
             )?;
-            let (k_rows, v_rows) = b.assemble_kv(&kv, &k_pe, dims)?;
-            push_rows(&mut expanded.k, &k_rows)?;
-            push_rows(&mut expanded.v, &v_rows)?;
+            let reads = vec![BufferRef::of(&kv), BufferRef::of(&k_pe)];
+            append_expanded(ctx, expanded, &kv, &k_pe, "self_attn.kv_cache", reads, sink)?;
             let q_full = b.concat_groups(&q_nope, &q_pe, dims.heads)?;
             let (out, probs) =
                 b.attention_naive(&q_full, &expanded.k, &expanded.v, dims, &mask, scale)?;
             let reads = vec![
-                BufferRef::of(&q_full),
-                row_cache_ref(&expanded.k),
-                row_cache_ref(&expanded.v),
+                BufferRef::of(&q),
+                BufferRef::of(&q_pe),
+                BufferRef::cache(expanded.id(), expanded.address(), expanded.bytes()),
             ];
             sink.emit_as(
                 l,
@@ -262,7 +286,8 @@ pub fn attention_block(
                 &ctx.name("self_attn.q_absorbed"),
                 OpKind::AbsorbQuery,
                 &q_lat,
-                &[&q, &kv_b],
+                &[&q],
+                &[&kv_b],
             )?;
             let (o_lat, probs) =
                 b.attention_latent(&q_lat, &q_pe, &cache.latent, dims, &mask, scale)?;
@@ -293,7 +318,8 @@ pub fn attention_block(
                 &ctx.name("self_attn.attn_output"),
                 OpKind::Attention,
                 &out,
-                &[&o_lat, &kv_b],
+                &[&o_lat],
+                &[&kv_b],
             )?;
             out
         }
@@ -307,27 +333,47 @@ pub fn attention_block(
         &ctx.name("self_attn.o_proj"),
         OpKind::Linear,
         &out,
-        &[&attn, &w],
+        &[&attn],
+        &[&w],
     )?;
     Ok(out)
 }
 
 fn cache_ref_of(cache: &LayerCache) -> BufferRef {
-    BufferRef {
-        id: cache.latent.id(),
-        address: cache.latent.address(),
-        bytes: cache.latent.bytes(),
-        device: Device::Cpu,
-    }
+    BufferRef::cache(
+        cache.latent.id(),
+        cache.latent.address(),
+        cache.latent.bytes(),
+    )
 }
 
-fn row_cache_ref(cache: &RowCache) -> BufferRef {
-    BufferRef {
-        id: cache.id(),
-        address: cache.address(),
-        bytes: cache.bytes(),
-        device: Device::Cpu,
-    }
+/// Appends decompressed tokens to the expanded cache: kv [n, heads·(P+V)] from kv_b_proj and
+/// their roped k_pe [n, R] become per-head K (k_nope | k_pe) and V rows. Reported as a cache
+/// write of the rows K | V.
+fn append_expanded(
+    ctx: &LayerCtx,
+    expanded: &mut ExpandedCache,
+    kv: &Tensor,
+    k_pe: &Tensor,
+    op: &str,
+    reads: Vec<BufferRef>,
+    sink: &mut Sink,
+) -> Result<()> {
+    let b = ctx.backend;
+    let (k_rows, v_rows) = b.assemble_kv(kv, k_pe, ctx.dims())?;
+    push_rows(&mut expanded.k, &k_rows)?;
+    push_rows(&mut expanded.v, &v_rows)?;
+    let written = b.concat_groups(&k_rows, &v_rows, 1)?;
+    let written = written.reshaped(&[k_rows.rows(), k_rows.cols() + v_rows.cols()]);
+    let buffer = BufferRef::cache(expanded.id(), expanded.address(), expanded.bytes());
+    sink.emit_as(
+        Some(ctx.layer),
+        &ctx.name(op),
+        OpKind::CacheWrite,
+        &written,
+        buffer,
+        reads,
+    )
 }
 
 fn push_rows(cache: &mut RowCache, rows: &Tensor) -> Result<()> {
@@ -365,7 +411,8 @@ fn dsa_selection(
         &ctx.name("self_attn.indexer.wq_b"),
         OpKind::Linear,
         &q_proj,
-        &[q_resid, &w],
+        &[q_resid],
+        &[&w],
     )?;
     let w = ctx.weight("self_attn.indexer.wk.weight")?;
     let k_proj = b.linear(x, &w, None)?;
@@ -374,7 +421,8 @@ fn dsa_selection(
         &ctx.name("self_attn.indexer.wk"),
         OpKind::Linear,
         &k_proj,
-        &[x, &w],
+        &[x],
+        &[&w],
     )?;
     let (nw, nb) = (
         ctx.weight("self_attn.indexer.k_norm.weight")?,
@@ -386,7 +434,8 @@ fn dsa_selection(
         &ctx.name("self_attn.indexer.k_norm"),
         OpKind::LayerNorm,
         &k_normed,
-        &[&k_proj, &nw, &nb],
+        &[&k_proj],
+        &[&nw, &nb],
     )?;
     let q = b.rope(
         &q_proj,
@@ -401,6 +450,7 @@ fn dsa_selection(
         OpKind::Rope,
         &q,
         &[&q_proj],
+        &[],
     )?;
     let k = b.rope(&k_normed, 1, ctx.rope, ctx.positions, ix.rope_interleaved)?;
     sink.emit(
@@ -409,11 +459,21 @@ fn dsa_selection(
         OpKind::Rope,
         &k,
         &[&k_normed],
+        &[],
     )?;
     let keys = cache
         .index_keys
         .get_or_insert_with(|| RowCache::new(ix.head_dim));
     push_rows(keys, &k)?;
+    let buffer = BufferRef::cache(keys.id(), keys.address(), keys.bytes());
+    sink.emit_as(
+        l,
+        &ctx.name("self_attn.indexer.key_cache"),
+        OpKind::CacheWrite,
+        &k,
+        buffer,
+        vec![BufferRef::of(&k)],
+    )?;
     let w = ctx.weight("self_attn.indexer.weights_proj.weight")?;
     let head_weights = b.linear(x, &w, None)?;
     sink.emit(
@@ -421,22 +481,29 @@ fn dsa_selection(
         &ctx.name("self_attn.indexer.weights_proj"),
         OpKind::Linear,
         &head_weights,
-        &[x, &w],
+        &[x],
+        &[&w],
     )?;
-    let head_weights = b.scale(&head_weights, (ix.n_heads as f32).powf(-0.5))?;
+    let scaled_weights = b.scale(&head_weights, (ix.n_heads as f32).powf(-0.5))?;
     let scores = b.index_scores(
         &q,
-        &head_weights,
+        &scaled_weights,
         keys,
         ctx.positions,
         (ix.head_dim as f32).powf(-0.5),
     )?;
-    sink.emit(
+    let reads = vec![
+        BufferRef::of(&q),
+        BufferRef::of(&head_weights),
+        BufferRef::cache(keys.id(), keys.address(), keys.bytes()),
+    ];
+    sink.emit_as(
         l,
         &ctx.name("self_attn.indexer.scores"),
         OpKind::IndexScores,
         &scores,
-        &[&q, &head_weights],
+        BufferRef::of(&scores),
+        reads,
     )?;
 
     // Top-k among each query's causal keys; a query with no more than topk of them keeps all.
@@ -465,6 +532,7 @@ fn dsa_selection(
         OpKind::IndexTopK,
         &topk,
         &[&scores],
+        &[],
     )?;
     let selection = if sparse { Some(kept) } else { None };
     *shared_selection = Some(selection.clone());

@@ -155,10 +155,12 @@ impl RowSource for RowCache {
 }
 
 /// Per-head K and V rows of every token: K rows are heads × (qk_nope + qk_rope), V rows heads × v.
+/// One logical buffer for the trace (one id), stored as two row caches.
 #[derive(Debug)]
 pub struct ExpandedCache {
     pub k: RowCache,
     pub v: RowCache,
+    id: BufferId,
 }
 
 impl ExpandedCache {
@@ -166,7 +168,12 @@ impl ExpandedCache {
         ExpandedCache {
             k: RowCache::new(k_width),
             v: RowCache::new(v_width),
+            id: BufferId::fresh_cache(),
         }
+    }
+
+    pub fn id(&self) -> BufferId {
+        self.id
     }
 
     pub fn len(&self) -> usize {
@@ -175,6 +182,15 @@ impl ExpandedCache {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.k.bytes() + self.v.bytes()
+    }
+
+    /// Address of the K rows.
+    pub fn address(&self) -> u64 {
+        self.k.address()
     }
 }
 

@@ -208,7 +208,7 @@ impl<'m> Engine<'m> {
             rows.extend_from_slice(model.weights.rows(embed_name, t as usize, 1)?.data());
         }
         let mut h = Tensor::from_vec(&[tokens.len(), layout.hidden_size], rows);
-        sink.emit(None, "model.embed_tokens", OpKind::Embedding, &h, &[])?;
+        sink.emit(None, "model.embed_tokens", OpKind::Embedding, &h, &[], &[])?;
 
         let mut shared_selection: Option<Selection> = None;
         for layer in self.options.layers.clone() {
@@ -233,7 +233,8 @@ impl<'m> Engine<'m> {
                 &ctx.name("input_layernorm"),
                 OpKind::RmsNorm,
                 &x,
-                &[&h, &w],
+                &[&h],
+                &[&w],
             )?;
             let attn = attention_block(&ctx, &x, cache, path, &mut shared_selection, &mut sink)?;
             let h_mid = b.add(&h, &attn)?;
@@ -243,6 +244,7 @@ impl<'m> Engine<'m> {
                 OpKind::Residual,
                 &h_mid,
                 &[&h, &attn],
+                &[],
             )?;
             let w = ctx.weight("post_attention_layernorm.weight")?;
             let x = b.rms_norm(&h_mid, &w, layout.rms_norm_eps)?;
@@ -251,7 +253,8 @@ impl<'m> Engine<'m> {
                 &ctx.name("post_attention_layernorm"),
                 OpKind::RmsNorm,
                 &x,
-                &[&h_mid, &w],
+                &[&h_mid],
+                &[&w],
             )?;
             let m = match layout.mlp_kind(layer) {
                 MlpKind::Dense => mlp::dense(&ctx, &x, &mut sink)?,
@@ -264,6 +267,7 @@ impl<'m> Engine<'m> {
                 OpKind::Residual,
                 &h,
                 &[&h_mid, &m],
+                &[],
             )?;
             self.timings.push(LayerTiming {
                 phase,
@@ -275,9 +279,9 @@ impl<'m> Engine<'m> {
 
         let w = model.weights.get("model.norm.weight")?;
         let normed = b.rms_norm(&h, &w, layout.rms_norm_eps)?;
-        sink.emit(None, "model.norm", OpKind::RmsNorm, &normed, &[&h, &w])?;
+        sink.emit(None, "model.norm", OpKind::RmsNorm, &normed, &[&h], &[&w])?;
         let logits = lm_head(model, b, &normed)?;
-        sink.emit(None, "logits", OpKind::Logits, &logits, &[&normed])?;
+        sink.emit(None, "logits", OpKind::Logits, &logits, &[&normed], &[])?;
         self.position += tokens.len();
         Ok(logits)
     }

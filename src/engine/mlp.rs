@@ -32,14 +32,16 @@ fn gated_mlp(
             &ctx.name(&format!("{prefix}.gate_proj")),
             OpKind::Linear,
             &gate,
-            &[x, &wg],
+            &[x],
+            &[&wg],
         )?;
         sink.emit(
             l,
             &ctx.name(&format!("{prefix}.up_proj")),
             OpKind::Linear,
             &up,
-            &[x, &wu],
+            &[x],
+            &[&wu],
         )?;
         sink.emit(
             l,
@@ -47,13 +49,15 @@ fn gated_mlp(
             OpKind::Activation,
             &act,
             &[&gate, &up],
+            &[],
         )?;
         sink.emit(
             l,
             &ctx.name(&format!("{prefix}.down_proj")),
             OpKind::Linear,
             &down,
-            &[&act, &wd],
+            &[&act],
+            &[&wd],
         )?;
     }
     Ok(down)
@@ -68,6 +72,7 @@ pub fn dense(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
         OpKind::Sum,
         &out,
         &[&out],
+        &[],
     )?;
     Ok(out)
 }
@@ -84,7 +89,14 @@ pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
         .expect("validated: MoE layers have a moe section");
     let w = ctx.weight("mlp.gate.weight")?;
     let logits = b.linear(x, &w, None)?;
-    sink.emit(l, &ctx.name("mlp.gate"), OpKind::Linear, &logits, &[x, &w])?;
+    sink.emit(
+        l,
+        &ctx.name("mlp.gate"),
+        OpKind::Linear,
+        &logits,
+        &[x],
+        &[&w],
+    )?;
     let bias = ctx.weight("mlp.gate.e_score_correction_bias")?;
     let routing = b.route(&logits, &bias, moe)?;
     let n = x.rows();
@@ -96,7 +108,8 @@ pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
         &ctx.name("mlp.gate.topk_indices"),
         OpKind::Router,
         &ids,
-        &[&logits, &bias],
+        &[&logits],
+        &[&bias],
     )?;
     let weights = Tensor::from_vec(&[n, k], routing.weights.iter().flatten().copied().collect());
     sink.emit(
@@ -105,6 +118,7 @@ pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
         OpKind::Router,
         &weights,
         &[&logits],
+        &[],
     )?;
 
     // Tokens per expert, in ascending expert order (the order HF accumulates in).
@@ -141,9 +155,10 @@ pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
         OpKind::Experts,
         &routed,
         &[x, &ids, &weights],
+        &[],
     )?;
     if moe.n_shared_experts == 0 {
-        sink.emit(l, &ctx.name("mlp"), OpKind::Sum, &routed, &[&routed])?;
+        sink.emit(l, &ctx.name("mlp"), OpKind::Sum, &routed, &[&routed], &[])?;
         return Ok(routed);
     }
     let shared = gated_mlp(ctx, x, "mlp.shared_experts", false, sink)?;
@@ -153,8 +168,16 @@ pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
         OpKind::Linear,
         &shared,
         &[x],
+        &[],
     )?;
     let out = b.add(&routed, &shared)?;
-    sink.emit(l, &ctx.name("mlp"), OpKind::Sum, &out, &[&routed, &shared])?;
+    sink.emit(
+        l,
+        &ctx.name("mlp"),
+        OpKind::Sum,
+        &out,
+        &[&routed, &shared],
+        &[],
+    )?;
     Ok(out)
 }

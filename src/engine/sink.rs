@@ -15,7 +15,8 @@ pub struct Sink<'a> {
 }
 
 impl Sink<'_> {
-    /// Reports `output` of op `name`, which read `inputs`.
+    /// Reports `output` of op `name`, which read the activations `inputs` (each the output of an
+    /// earlier op) and the weights `weights`.
     pub fn emit(
         &mut self,
         layer: Option<usize>,
@@ -23,20 +24,18 @@ impl Sink<'_> {
         kind: OpKind,
         output: &Tensor,
         inputs: &[&Tensor],
+        weights: &[&Tensor],
     ) -> Result<()> {
-        let out = BufferRef::of(output);
-        self.emit_as(
-            layer,
-            name,
-            kind,
-            output,
-            out,
-            inputs.iter().map(|t| BufferRef::of(t)).collect(),
-        )
+        let reads = inputs
+            .iter()
+            .map(|t| BufferRef::of(t))
+            .chain(weights.iter().map(|t| BufferRef::weight(t)))
+            .collect();
+        self.emit_as(layer, name, kind, output, BufferRef::of(output), reads)
     }
 
     /// Reports an op whose output buffer is not `values` itself (a cache write: `values` holds the
-    /// rows written, `buffer` the cache).
+    /// rows written, `buffer` the cache), with its reads given as buffer references.
     pub fn emit_as(
         &mut self,
         layer: Option<usize>,

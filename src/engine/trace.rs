@@ -98,6 +98,17 @@ pub struct BufferRef {
     pub address: u64,
     pub bytes: usize,
     pub device: Device,
+    pub role: BufferRole,
+}
+
+/// What a buffer holds. An activation read by an op must have been written by an earlier op
+/// (or the same buffer would be a disconnect); weights and caches live across ops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BufferRole {
+    Activation,
+    Weight,
+    Cache,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,12 +119,33 @@ pub enum Device {
 }
 
 impl BufferRef {
+    /// An activation tensor.
     pub fn of(t: &Tensor) -> BufferRef {
         BufferRef {
             id: t.id(),
             address: t.address(),
             bytes: t.size_bytes(),
             device: Device::Cpu,
+            role: BufferRole::Activation,
+        }
+    }
+
+    /// A weight tensor.
+    pub fn weight(t: &Tensor) -> BufferRef {
+        BufferRef {
+            role: BufferRole::Weight,
+            ..BufferRef::of(t)
+        }
+    }
+
+    /// A KV cache buffer.
+    pub fn cache(id: BufferId, address: u64, bytes: usize) -> BufferRef {
+        BufferRef {
+            id,
+            address,
+            bytes,
+            device: Device::Cpu,
+            role: BufferRole::Cache,
         }
     }
 }
