@@ -261,20 +261,13 @@ pub fn attention_block(
                 BufferRef::of(&q_pe),
                 BufferRef::cache(expanded.id(), expanded.address(), expanded.bytes()),
             ];
-            sink.emit_as(
-                l,
-                &ctx.name("self_attn.attn_probs"),
-                OpKind::AttentionProbs,
+            report_attention(
+                ctx,
+                sink,
                 &probs,
-                BufferRef::of(&probs),
-                reads.clone(),
-            )?;
-            sink.emit_as(
-                l,
-                &ctx.name("self_attn.attn_output"),
+                "attn_output",
                 OpKind::Attention,
                 &out,
-                BufferRef::of(&out),
                 reads,
             )?;
             out
@@ -296,20 +289,13 @@ pub fn attention_block(
                 BufferRef::of(&q_pe),
                 cache_ref_of(cache),
             ];
-            sink.emit_as(
-                l,
-                &ctx.name("self_attn.attn_probs"),
-                OpKind::AttentionProbs,
+            report_attention(
+                ctx,
+                sink,
                 &probs,
-                BufferRef::of(&probs),
-                reads.clone(),
-            )?;
-            sink.emit_as(
-                l,
-                &ctx.name("self_attn.attn_latent"),
+                "attn_latent",
                 OpKind::AttentionLatent,
                 &o_lat,
-                BufferRef::of(&o_lat),
                 reads,
             )?;
             let out = b.apply_w_uv(&o_lat, &kv_b, dims)?;
@@ -345,6 +331,31 @@ fn cache_ref_of(cache: &LayerCache) -> BufferRef {
         cache.latent.address(),
         cache.latent.bytes(),
     )
+}
+
+/// Reports an attention kernel's two results, the probabilities and its output, both reading
+/// `reads`.
+fn report_attention(
+    ctx: &LayerCtx,
+    sink: &mut Sink,
+    probs: &Tensor,
+    output_op: &str,
+    output_kind: OpKind,
+    output: &Tensor,
+    reads: Vec<BufferRef>,
+) -> Result<()> {
+    let l = Some(ctx.layer);
+    let probs_ref = BufferRef::of(probs);
+    sink.emit_as(
+        l,
+        &ctx.name("self_attn.attn_probs"),
+        OpKind::AttentionProbs,
+        probs,
+        probs_ref,
+        reads.clone(),
+    )?;
+    let name = ctx.name(&format!("self_attn.{output_op}"));
+    sink.emit_as(l, &name, output_kind, output, BufferRef::of(output), reads)
 }
 
 /// Appends decompressed tokens to the expanded cache: kv [n, heads·(P+V)] from kv_b_proj and
