@@ -18,6 +18,9 @@ pub struct TensorStats {
     pub pos_inf: usize,
     pub neg_inf: usize,
     pub zeros: usize,
+    /// Elements still holding the poison pattern: not written by the op (also counted as NaN).
+    #[serde(default)]
+    pub unwritten: usize,
 }
 
 impl TensorStats {
@@ -35,11 +38,15 @@ impl TensorStats {
             pos_inf: 0,
             neg_inf: 0,
             zeros: 0,
+            unwritten: 0,
         };
         let (mut sum, mut sum_sq, mut finite) = (0f64, 0f64, 0usize);
         for &v in values {
             if v.is_nan() {
                 s.nan += 1;
+                if v.to_bits() == crate::tensor::POISON_BITS {
+                    s.unwritten += 1;
+                }
                 continue;
             }
             if v == f32::INFINITY {
@@ -127,6 +134,9 @@ mod tests {
         assert!(s.has_inf_or_nan());
         assert!(!s.all_zero());
         assert!(TensorStats::of(&[0.0, 0.0]).all_zero());
+        let poison = f32::from_bits(crate::tensor::POISON_BITS);
+        let s = TensorStats::of(&[poison, f32::NAN, 1.0]);
+        assert_eq!((s.nan, s.unwritten), (2, 1));
     }
 
     #[test]

@@ -9,6 +9,10 @@ use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// The poison pattern output buffers are filled with before an op runs (a NaN whose payload no
+/// arithmetic produces), so elements the op did not write can be counted afterwards.
+pub const POISON_BITS: u32 = 0x7FA5_A5A5;
+
 /// Largest single tensor mladb will allocate (12 GiB of f32). Bad input must fail cleanly instead
 /// of asking the allocator for terabytes.
 pub const MAX_TENSOR_BYTES: usize = 12 << 30;
@@ -96,6 +100,21 @@ impl Tensor {
     pub fn zeros(shape: &[usize]) -> Result<Tensor> {
         let n = checked_numel(shape, "tensor")?;
         Ok(Tensor::from_parts(shape.to_vec(), vec![0.0; n], DType::F32))
+    }
+
+    /// A tensor filled with [`POISON_BITS`], or zeros when `poison` is false.
+    pub fn alloc(shape: &[usize], poison: bool) -> Result<Tensor> {
+        let n = checked_numel(shape, "tensor")?;
+        let fill = if poison {
+            f32::from_bits(POISON_BITS)
+        } else {
+            0.0
+        };
+        Ok(Tensor::from_parts(
+            shape.to_vec(),
+            vec![fill; n],
+            DType::F32,
+        ))
     }
 
     /// Wraps `data` with `shape`; the lengths must agree (a violated invariant is a bug).

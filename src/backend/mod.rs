@@ -5,6 +5,7 @@
 pub mod cpu;
 
 use crate::engine::cache::RowSource;
+use crate::engine::faults::KernelFaults;
 use crate::engine::rope::RopeTable;
 use crate::error::{Error, Result};
 use crate::model::layout::MoeLayout;
@@ -76,9 +77,31 @@ pub struct MlaDims {
     pub latent: usize,
 }
 
+/// Where W_UK and W_UV start inside each head's block of kv_b_proj rows ([W_UK (P rows); W_UV
+/// (V rows)] in every real checkpoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvbSplit {
+    pub w_uk_row: usize,
+    pub w_uv_row: usize,
+}
+
+impl KvbSplit {
+    /// The split every real checkpoint uses.
+    pub fn correct(dims: MlaDims) -> KvbSplit {
+        KvbSplit {
+            w_uk_row: 0,
+            w_uv_row: dims.nope,
+        }
+    }
+}
+
 /// The numerical ops of the forward pass. Shapes are row-major; "[n, ...]" means one row per token.
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
+
+    /// An output buffer for an op that writes into a buffer it is handed: filled with the poison
+    /// pattern when `poison` is set (so unwritten elements can be counted), zeros otherwise.
+    fn alloc(&self, shape: &[usize], poison: bool) -> Result<Tensor>;
 
     /// y = x·Wᵀ (+ b): x [n, in], w [out, in] → [n, out].
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor>;
@@ -135,18 +158,31 @@ pub trait Backend: Send + Sync {
 
     /// Absorbed path: q_lat[t,h] = W_UK[h]ᵀ·q_nope[t,h], W_UK[h] = kv_b rows of head h, 0..P.
     /// q_nope [n, heads, P] → [n, heads, L].
-    fn absorb_query(&self, q_nope: &Tensor, kv_b: &Tensor, dims: MlaDims) -> Result<Tensor>;
+    fn absorb_query(
+        &self,
+        q_nope: &Tensor,
+        kv_b: &Tensor,
+        dims: MlaDims,
+        split: KvbSplit,
+    ) -> Result<Tensor>;
 
     /// Absorbed path: o[t,h] = W_UV[h]·o_lat[t,h], W_UV[h] = kv_b rows of head h, P..P+V.
     /// o_lat [n, heads, L] → [n, heads·V].
-    fn apply_w_uv(&self, o_lat: &Tensor, kv_b: &Tensor, dims: MlaDims) -> Result<Tensor>;
+    fn apply_w_uv(
+        &self,
+        o_lat: &Tensor,
+        kv_b: &Tensor,
+        dims: MlaDims,
+        split: KvbSplit,
+    ) -> Result<Tensor>;
 
     /// Naive path: decompressed kv [n, heads·(P+V)] and roped k_pe [n, R] → per-head
     /// K [n, heads·(P+R)] (k_nope | k_pe) and V [n, heads·V].
     fn assemble_kv(&self, kv: &Tensor, k_pe: &Tensor, dims: MlaDims) -> Result<(Tensor, Tensor)>;
 
-    /// Multi-head attention over cached per-head K/V rows. q [n, heads, P+R]. Returns the output
-    /// [n, heads·V] and the probabilities [heads, n, context].
+    /// Multi-head attention over cached per-head K/V rows. q [n, heads, P+R]. Writes the output
+    /// into `out` [n, heads·V] and returns the probabilities [heads, n, context].
+    #[allow(clippy::too_many_arguments)]
     fn attention_naive(
         &self,
         q: &Tensor,
@@ -155,11 +191,14 @@ pub trait Backend: Send + Sync {
         dims: MlaDims,
         mask: &AttnMask,
         scale: f32,
-    ) -> Result<(Tensor, Tensor)>;
+        out: &mut Tensor,
+        faults: KernelFaults,
+    ) -> Result<Tensor>;
 
     /// MQA over the latent cache (rows c_kv | k_pe): score = q_lat·c_kv + q_pe·k_pe, value = c_kv.
-    /// q_lat [n, heads, L], q_pe [n, heads, R]. Returns o_lat [n, heads, L] and the
-    /// probabilities [heads, n, context].
+    /// q_lat [n, heads, L], q_pe [n, heads, R]. Writes o_lat into `out` [n, heads, L] and returns
+    /// the probabilities [heads, n, context].
+    #[allow(clippy::too_many_arguments)]
     fn attention_latent(
         &self,
         q_lat: &Tensor,
@@ -168,7 +207,9 @@ pub trait Backend: Send + Sync {
         dims: MlaDims,
         mask: &AttnMask,
         scale: f32,
-    ) -> Result<(Tensor, Tensor)>;
+        out: &mut Tensor,
+        faults: KernelFaults,
+    ) -> Result<Tensor>;
 
     /// DSA indexer scores: s[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·key[j]·scale) for causal j, −∞
     /// elsewhere. q [n, heads, D], w [n, heads] → [n, context].

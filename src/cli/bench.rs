@@ -47,8 +47,8 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         &model,
         &backend,
         EngineOptions {
-            paths,
             layers: layers.clone(),
+            ..EngineOptions::new(&model, paths)
         },
     )?;
     let schedule = Schedule {

@@ -178,8 +178,8 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
         &model,
         backend.as_ref(),
         EngineOptions {
-            paths,
             layers: layers.clone(),
+            ..EngineOptions::new(&model, paths)
         },
     )?;
     if !args.json {

@@ -10,20 +10,25 @@
 //!
 //! Both use the scale (P+R)^-0.5 (times mscale² under YaRN) and are the same function in exact
 //! arithmetic.
+//!
+//! The attention kernel is called the way production backends call theirs: the wrapper here
+//! allocates the output buffer and hands it to the kernel, and the trace records both the buffer
+//! the kernel wrote and the one the wrapper returned. Several faults of [`super::faults`] are
+//! planted in this file, each where its real counterpart lives.
 
 use super::cache::{ExpandedCache, LayerCache, RowCache, RowSource};
+use super::faults::{Fault, Faults, KernelFaults};
 use super::forward::MlaPath;
 use super::moe::top_k_indices;
 use super::rope::RopeTable;
-use super::sink::Sink;
-use super::trace::{BufferRef, OpKind};
-use crate::backend::{AttnMask, Backend, MlaDims};
-use crate::error::Result;
+use super::sink::{Computed, Sink};
+use super::trace::{BufferRef, OpKind, Phase};
+use crate::backend::{AttnMask, Backend, KvbSplit, MlaDims};
+use crate::error::{Error, Result};
 use crate::model::catalog::layer_prefix;
 use crate::model::layout::{IndexerMode, Layout};
 use crate::model::WeightStore;
 use crate::tensor::Tensor;
-use std::sync::Arc;
 
 /// What one layer's ops need to see.
 pub struct LayerCtx<'a> {
@@ -32,24 +37,18 @@ pub struct LayerCtx<'a> {
     pub backend: &'a dyn Backend,
     pub rope: &'a RopeTable,
     pub layer: usize,
+    pub phase: Phase,
     /// Absolute positions of the tokens of this chunk.
     pub positions: &'a [usize],
+    pub faults: Faults,
+    /// The MLA attention backend serves this run (false under --mla-disable).
+    pub mla_backend: bool,
+    /// Hand kernels poisoned output buffers, so unwritten elements show.
+    pub poison: bool,
 }
 
 impl LayerCtx<'_> {
-    pub fn weight(&self, suffix: &str) -> Result<Arc<Tensor>> {
-        self.weights
-            .get(&format!("{}.{suffix}", layer_prefix(self.layer)))
-    }
-
-    fn optional_bias(&self, suffix: &str) -> Result<Option<Arc<Tensor>>> {
-        if self.layout.attention_bias {
-            self.weight(suffix).map(Some)
-        } else {
-            Ok(None)
-        }
-    }
-
+    /// Full name of a tensor or op of this layer.
     pub fn name(&self, suffix: &str) -> String {
         format!("{}.{suffix}", layer_prefix(self.layer))
     }
@@ -62,6 +61,10 @@ impl LayerCtx<'_> {
             v: self.layout.v_head_dim,
             latent: self.layout.kv_lora_rank,
         }
+    }
+
+    pub fn fault(&self, fault: Fault) -> bool {
+        self.faults.active(fault, self.phase)
     }
 }
 
@@ -82,118 +85,140 @@ pub fn attention_block(
     let (b, layout, l) = (ctx.backend, ctx.layout, Some(ctx.layer));
     let dims = ctx.dims();
     let n = ctx.positions.len();
+    let bias =
+        |r: &mut super::sink::Reads, suffix: &str| -> Result<Option<std::sync::Arc<Tensor>>> {
+            if layout.attention_bias {
+                r.weight(&ctx.name(suffix)).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
 
     // Query: low-rank (q_a → norm → q_b) or a plain q_proj.
     let (q, q_resid) = match layout.q_lora_rank {
         Some(_) => {
-            let w = ctx.weight("self_attn.q_a_proj.weight")?;
-            let bias = ctx.optional_bias("self_attn.q_a_proj.bias")?;
-            let q_a = b.linear(x, &w, bias.as_deref())?;
-            sink.emit(
+            let q_a = sink.op(
                 l,
                 &ctx.name("self_attn.q_a_proj"),
                 OpKind::Linear,
-                &q_a,
                 &[x],
-                &[&w],
+                |r| {
+                    let w = r.weight(&ctx.name("self_attn.q_a_proj.weight"))?;
+                    b.linear(x, &w, bias(r, "self_attn.q_a_proj.bias")?.as_deref())
+                },
             )?;
-            let w = ctx.weight("self_attn.q_a_layernorm.weight")?;
-            let q_resid = b.rms_norm(&q_a, &w, layout.lora_norm_eps)?;
-            sink.emit(
+            let q_resid = sink.op(
                 l,
                 &ctx.name("self_attn.q_a_layernorm"),
                 OpKind::RmsNorm,
-                &q_resid,
                 &[&q_a],
-                &[&w],
+                |r| {
+                    let w = r.weight(&ctx.name("self_attn.q_a_layernorm.weight"))?;
+                    b.rms_norm(&q_a, &w, layout.lora_norm_eps)
+                },
             )?;
-            let w = ctx.weight("self_attn.q_b_proj.weight")?;
-            let q = b.linear(&q_resid, &w, None)?;
-            sink.emit(
+            let q = sink.op(
                 l,
                 &ctx.name("self_attn.q_b_proj"),
                 OpKind::Linear,
-                &q,
                 &[&q_resid],
-                &[&w],
+                |r| {
+                    let w = r.weight(&ctx.name("self_attn.q_b_proj.weight"))?;
+                    b.linear(&q_resid, &w, None)
+                },
             )?;
             (q, Some(q_resid))
         }
         None => {
-            let w = ctx.weight("self_attn.q_proj.weight")?;
-            let q = b.linear(x, &w, None)?;
-            sink.emit(
+            let q = sink.op(
                 l,
                 &ctx.name("self_attn.q_proj"),
                 OpKind::Linear,
-                &q,
                 &[x],
-                &[&w],
+                |r| {
+                    let w = r.weight(&ctx.name("self_attn.q_proj.weight"))?;
+                    b.linear(x, &w, None)
+                },
             )?;
             (q, None)
         }
     };
 
     // Compressed KV: c_kv (normalised) and the shared rope key.
-    let w = ctx.weight("self_attn.kv_a_proj_with_mqa.weight")?;
-    let bias = ctx.optional_bias("self_attn.kv_a_proj_with_mqa.bias")?;
-    let kv_a = b.linear(x, &w, bias.as_deref())?;
-    sink.emit(
+    let kv_a = sink.op(
         l,
         &ctx.name("self_attn.kv_a_proj_with_mqa"),
         OpKind::Linear,
-        &kv_a,
         &[x],
-        &[&w],
+        |r| {
+            let w = r.weight(&ctx.name("self_attn.kv_a_proj_with_mqa.weight"))?;
+            b.linear(
+                x,
+                &w,
+                bias(r, "self_attn.kv_a_proj_with_mqa.bias")?.as_deref(),
+            )
+        },
     )?;
-    let c_kv_raw = b.slice_groups(&kv_a, 1, 0, dims.latent)?;
-    let k_pe_raw = b.slice_groups(&kv_a, 1, dims.latent, dims.rope)?;
-    let w = ctx.weight("self_attn.kv_a_layernorm.weight")?;
-    let c_kv = b.rms_norm(&c_kv_raw, &w, layout.lora_norm_eps)?;
-    sink.emit(
+    let c_kv = sink.op(
         l,
         &ctx.name("self_attn.kv_a_layernorm"),
         OpKind::RmsNorm,
-        &c_kv,
         &[&kv_a],
-        &[&w],
+        |r| {
+            let w = r.weight(&ctx.name("self_attn.kv_a_layernorm.weight"))?;
+            b.rms_norm(
+                &b.slice_groups(&kv_a, 1, 0, dims.latent)?,
+                &w,
+                layout.lora_norm_eps,
+            )
+        },
     )?;
 
-    let q_nope = b.slice_groups(&q, dims.heads, 0, dims.nope)?;
-    let q_pe_raw = b.slice_groups(&q, dims.heads, dims.nope, dims.rope)?;
+    // RoPE on q_pe and k_pe. FAULT rope-noninterleaved: the query side uses the other layout.
     let interleaved = layout.rope.interleaved;
-    let q_pe = b.rope(&q_pe_raw, dims.heads, ctx.rope, ctx.positions, interleaved)?;
-    sink.emit(
+    let q_interleaved = interleaved ^ ctx.fault(Fault::RopeNoninterleaved);
+    let q_pe = sink.op(
         l,
         &ctx.name("self_attn.q_rope"),
         OpKind::Rope,
-        &q_pe,
         &[&q],
-        &[],
+        |_| {
+            let q_pe = b.slice_groups(&q, dims.heads, dims.nope, dims.rope)?;
+            b.rope(&q_pe, dims.heads, ctx.rope, ctx.positions, q_interleaved)
+        },
     )?;
-    let k_pe = b.rope(&k_pe_raw, 1, ctx.rope, ctx.positions, interleaved)?;
-    sink.emit(
+    let k_pe = sink.op(
         l,
         &ctx.name("self_attn.k_rope"),
         OpKind::Rope,
-        &k_pe,
         &[&kv_a],
-        &[],
+        |_| {
+            let k_pe = b.slice_groups(&kv_a, 1, dims.latent, dims.rope)?;
+            b.rope(&k_pe, 1, ctx.rope, ctx.positions, interleaved)
+        },
     )?;
+    let q_nope = b.slice_groups(&q, dims.heads, 0, dims.nope)?;
 
-    // The latent cache gets c_kv | k_pe of every new token.
+    // The latent cache gets c_kv | k_pe of every new token. FAULT kv-cache-off-by-one: decode
+    // maps each token to the slot before its own.
     let written = b.concat_groups(&c_kv, &k_pe, 1)?;
-    for t in 0..n {
-        cache.latent.push(written.row(t))?;
+    let written = written.reshaped(&[n, dims.latent + dims.rope]);
+    for (t, &pos) in ctx.positions.iter().enumerate() {
+        let slot = if ctx.fault(Fault::KvCacheOffByOne) {
+            pos.saturating_sub(1)
+        } else {
+            pos
+        };
+        cache.latent.push_at(written.row(t), slot)?;
     }
-    let cache_ref = cache_ref_of(cache);
-    sink.emit_as(
+    let reads = vec![BufferRef::of(&c_kv), BufferRef::of(&k_pe)];
+    sink.report(
         l,
         &ctx.name("self_attn.latent_cache"),
         OpKind::CacheWrite,
-        &written.reshaped(&[n, dims.latent + dims.rope]),
-        cache_ref,
-        vec![BufferRef::of(&c_kv), BufferRef::of(&k_pe)],
+        &written,
+        latent_ref(cache),
+        reads,
     )?;
 
     let selection = dsa_selection(ctx, x, q_resid.as_ref(), cache, shared_selection, sink)?;
@@ -201,13 +226,19 @@ pub fn attention_block(
         positions: ctx.positions.to_vec(),
         selected: selection,
     };
-    let scale = layout.softmax_scale() as f32;
-    let kv_b = ctx.weight("self_attn.kv_b_proj.weight")?;
+    let kv_b_name = ctx.name("self_attn.kv_b_proj.weight");
+    let kernel_faults = KernelFaults {
+        lse_base_mismatch: ctx.fault(Fault::LseBaseMismatch),
+        skip_padded_rows: ctx.mla_backend && ctx.fault(Fault::SkipPaddedRows),
+    };
+    // FAULT output-buffer-disconnect: the wrapper hands the kernel a phantom buffer.
+    let disconnect = ctx.mla_backend && ctx.fault(Fault::OutputBufferDisconnect);
 
     let attn = match path {
         MlaPath::Naive => {
+            let scale = layout.softmax_scale() as f32;
             let start = ctx.positions[0];
-            let latent_ref = cache_ref_of(cache);
+            let latent = latent_ref(cache);
             let expanded = cache.expanded.get_or_insert_with(|| {
                 ExpandedCache::new(dims.heads * (dims.nope + dims.rope), dims.heads * dims.v)
             });
@@ -219,19 +250,24 @@ pub fn attention_block(
                     .flat_map(|&t| cache.latent.row(t).to_vec())
                     .collect();
                 let old = Tensor::from_vec(&[missing.len(), dims.latent + dims.rope], rows);
-                let old_c = b.slice_groups(&old, 1, 0, dims.latent)?;
                 let old_pe = b.slice_groups(&old, 1, dims.latent, dims.rope)?;
-                let kv = b.linear(&old_c, &kv_b, None)?;
-                let reads = vec![latent_ref, BufferRef::weight(&kv_b)];
-                sink.emit_as(
+                let kv = sink.op_with(
                     l,
                     &ctx.name("self_attn.expand_cache"),
                     OpKind::Decompress,
-                    &kv,
-                    BufferRef::of(&kv),
-                    reads,
+                    &[],
+                    |r| {
+                        let w = r.weight(&kv_b_name)?;
+                        let tensor =
+                            b.linear(&b.slice_groups(&old, 1, 0, dims.latent)?, &w, None)?;
+                        Ok(Computed {
+                            tensor,
+                            kernel_wrote: None,
+                            extra_reads: vec![latent],
+                        })
+                    },
                 )?;
-                let reads = vec![BufferRef::of(&kv), latent_ref];
+                let reads = vec![BufferRef::of(&kv), latent];
                 append_expanded(
                     ctx,
                     expanded,
@@ -242,120 +278,196 @@ pub fn attention_block(
                     sink,
                 )?;
             }
-            let kv = b.linear(&c_kv, &kv_b, None)?;
-            sink.emit(
+            let kv = sink.op(
                 l,
                 &ctx.name("self_attn.kv_b_proj"),
                 OpKind::Decompress,
-                &kv,
                 &[&c_kv],
-                &[&kv_b],
+                |r| {
+                    let w = r.weight(&kv_b_name)?;
+                    b.linear(&c_kv, &w, None)
+                },
             )?;
             let reads = vec![BufferRef::of(&kv), BufferRef::of(&k_pe)];
             append_expanded(ctx, expanded, &kv, &k_pe, "self_attn.kv_cache", reads, sink)?;
-            let q_full = b.concat_groups(&q_nope, &q_pe, dims.heads)?;
-            let (out, probs) =
-                b.attention_naive(&q_full, &expanded.k, &expanded.v, dims, &mask, scale)?;
-            let reads = vec![
-                BufferRef::of(&q),
-                BufferRef::of(&q_pe),
-                BufferRef::cache(expanded.id(), expanded.address(), expanded.bytes()),
-            ];
-            report_attention(
+            let cache_read = BufferRef::cache(expanded.id(), expanded.address(), expanded.bytes());
+            let expanded = &*expanded;
+            let kernel = |out: &mut Tensor| {
+                let q_full = b.concat_groups(&q_nope, &q_pe, dims.heads)?;
+                b.attention_naive(
+                    &q_full,
+                    &expanded.k,
+                    &expanded.v,
+                    dims,
+                    &mask,
+                    scale,
+                    out,
+                    kernel_faults,
+                )
+            };
+            let out_shape = [n, dims.heads * dims.v];
+            run_attention(
                 ctx,
                 sink,
-                &probs,
+                &[&q, &q_pe],
+                cache_read,
                 "attn_output",
                 OpKind::Attention,
-                &out,
-                reads,
-            )?;
-            out
+                &out_shape,
+                disconnect,
+                kernel,
+            )?
         }
         MlaPath::Absorbed => {
-            let q_lat = b.absorb_query(&q_nope, &kv_b, dims)?;
-            sink.emit(
+            // FAULT softmax-scale-latent: the scale taken from the latent cache's width.
+            let scale = if ctx.fault(Fault::SoftmaxScaleLatent) {
+                layout.softmax_scale() * (layout.qk_head_dim() as f64).sqrt()
+                    / (layout.latent_width() as f64).sqrt()
+            } else {
+                layout.softmax_scale()
+            } as f32;
+            let split = kv_b_split(ctx);
+            let q_lat = sink.op(
                 l,
                 &ctx.name("self_attn.q_absorbed"),
                 OpKind::AbsorbQuery,
-                &q_lat,
                 &[&q],
-                &[&kv_b],
+                |r| {
+                    let w = r.weight(&kv_b_name)?;
+                    b.absorb_query(&q_nope, &w, dims, split)
+                },
             )?;
-            let (o_lat, probs) =
-                b.attention_latent(&q_lat, &q_pe, &cache.latent, dims, &mask, scale)?;
-            let reads = vec![
-                BufferRef::of(&q_lat),
-                BufferRef::of(&q_pe),
-                cache_ref_of(cache),
-            ];
-            report_attention(
+            let cache_read = latent_ref(cache);
+            let latent = &cache.latent;
+            let kernel = |out: &mut Tensor| {
+                b.attention_latent(
+                    &q_lat,
+                    &q_pe,
+                    latent,
+                    dims,
+                    &mask,
+                    scale,
+                    out,
+                    kernel_faults,
+                )
+            };
+            let out_shape = [n, dims.heads, dims.latent];
+            let o_lat = run_attention(
                 ctx,
                 sink,
-                &probs,
+                &[&q_lat, &q_pe],
+                cache_read,
                 "attn_latent",
                 OpKind::AttentionLatent,
-                &o_lat,
-                reads,
+                &out_shape,
+                disconnect,
+                kernel,
             )?;
-            let out = b.apply_w_uv(&o_lat, &kv_b, dims)?;
-            sink.emit(
+            sink.op(
                 l,
                 &ctx.name("self_attn.attn_output"),
                 OpKind::Attention,
-                &out,
                 &[&o_lat],
-                &[&kv_b],
-            )?;
-            out
+                |r| {
+                    let w = r.weight(&kv_b_name)?;
+                    b.apply_w_uv(&o_lat, &w, dims, split)
+                },
+            )?
         }
     };
 
-    let w = ctx.weight("self_attn.o_proj.weight")?;
-    let bias = ctx.optional_bias("self_attn.o_proj.bias")?;
-    let out = b.linear(&attn, &w, bias.as_deref())?;
-    sink.emit(
+    sink.op(
         l,
         &ctx.name("self_attn.o_proj"),
         OpKind::Linear,
-        &out,
         &[&attn],
-        &[&w],
-    )?;
-    Ok(out)
+        |r| {
+            let w = r.weight(&ctx.name("self_attn.o_proj.weight"))?;
+            b.linear(&attn, &w, bias(r, "self_attn.o_proj.bias")?.as_deref())
+        },
+    )
 }
 
-fn cache_ref_of(cache: &LayerCache) -> BufferRef {
+/// Where W_UK and W_UV sit in kv_b_proj. FAULT absorb-wrong-split: read as if each head's block
+/// were [W_UV; W_UK].
+fn kv_b_split(ctx: &LayerCtx) -> KvbSplit {
+    let dims = ctx.dims();
+    if ctx.fault(Fault::AbsorbWrongSplit) {
+        KvbSplit {
+            w_uk_row: dims.v,
+            w_uv_row: 0,
+        }
+    } else {
+        KvbSplit::correct(dims)
+    }
+}
+
+/// The attention wrapper: allocates the output buffer, hands it to the kernel and returns it,
+/// reporting the kernel's two results (probabilities, then `output_op`). Under the disconnect
+/// fault the kernel is handed a phantom buffer instead and the returned one stays unwritten.
+#[allow(clippy::too_many_arguments)]
+fn run_attention(
+    ctx: &LayerCtx,
+    sink: &mut Sink,
+    inputs: &[&Tensor],
+    cache_read: BufferRef,
+    output_op: &str,
+    output_kind: OpKind,
+    out_shape: &[usize],
+    disconnect: bool,
+    kernel: impl Fn(&mut Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let b = ctx.backend;
+    let l = Some(ctx.layer);
+    let call = || -> Result<(Tensor, Tensor, BufferRef)> {
+        let mut out = b.alloc(out_shape, ctx.poison)?;
+        if disconnect {
+            let mut phantom = b.alloc(out_shape, ctx.poison)?;
+            let probs = kernel(&mut phantom)?;
+            let wrote = BufferRef::of(&phantom);
+            return Ok((probs, out, wrote));
+        }
+        let probs = kernel(&mut out)?;
+        let wrote = BufferRef::of(&out);
+        Ok((probs, out, wrote))
+    };
+    // One kernel call yields both events; the second takes its result from the first.
+    let mut pending: Option<(Tensor, BufferRef)> = None;
+    sink.op_with(
+        l,
+        &ctx.name("self_attn.attn_probs"),
+        OpKind::AttentionProbs,
+        inputs,
+        |_| {
+            let (probs, out, wrote) = call()?;
+            pending = Some((out, wrote));
+            Ok(Computed {
+                tensor: probs,
+                kernel_wrote: None,
+                extra_reads: vec![cache_read],
+            })
+        },
+    )?;
+    let name = ctx.name(&format!("self_attn.{output_op}"));
+    sink.op_with(l, &name, output_kind, inputs, |_| {
+        let (out, wrote) = match pending.take() {
+            Some(p) => p,
+            None => call().map(|(_, out, wrote)| (out, wrote))?,
+        };
+        Ok(Computed {
+            tensor: out,
+            kernel_wrote: Some(wrote),
+            extra_reads: vec![cache_read],
+        })
+    })
+}
+
+fn latent_ref(cache: &LayerCache) -> BufferRef {
     BufferRef::cache(
         cache.latent.id(),
         cache.latent.address(),
         cache.latent.bytes(),
     )
-}
-
-/// Reports an attention kernel's two results, the probabilities and its output, both reading
-/// `reads`.
-fn report_attention(
-    ctx: &LayerCtx,
-    sink: &mut Sink,
-    probs: &Tensor,
-    output_op: &str,
-    output_kind: OpKind,
-    output: &Tensor,
-    reads: Vec<BufferRef>,
-) -> Result<()> {
-    let l = Some(ctx.layer);
-    let probs_ref = BufferRef::of(probs);
-    sink.emit_as(
-        l,
-        &ctx.name("self_attn.attn_probs"),
-        OpKind::AttentionProbs,
-        probs,
-        probs_ref,
-        reads.clone(),
-    )?;
-    let name = ctx.name(&format!("self_attn.{output_op}"));
-    sink.emit_as(l, &name, output_kind, output, BufferRef::of(output), reads)
 }
 
 /// Appends decompressed tokens to the expanded cache: kv [n, heads·(P+V)] from kv_b_proj and
@@ -377,7 +489,7 @@ fn append_expanded(
     let written = b.concat_groups(&k_rows, &v_rows, 1)?;
     let written = written.reshaped(&[k_rows.rows(), k_rows.cols() + v_rows.cols()]);
     let buffer = BufferRef::cache(expanded.id(), expanded.address(), expanded.bytes());
-    sink.emit_as(
+    sink.report(
         Some(ctx.layer),
         &ctx.name(op),
         OpKind::CacheWrite,
@@ -413,108 +525,105 @@ fn dsa_selection(
         // none; it then attends densely.
         return Ok(shared_selection.clone().unwrap_or(None));
     }
-    let q_resid = q_resid.expect("layout validation requires q_lora_rank with an indexer");
+    let q_resid = q_resid.ok_or_else(|| Error::invalid("the DSA indexer needs q_lora_rank"))?;
     let (b, l) = (ctx.backend, Some(ctx.layer));
-    let w = ctx.weight("self_attn.indexer.wq_b.weight")?;
-    let q_proj = b.linear(q_resid, &w, None)?;
-    sink.emit(
+    let q_proj = sink.op(
         l,
         &ctx.name("self_attn.indexer.wq_b"),
         OpKind::Linear,
-        &q_proj,
         &[q_resid],
-        &[&w],
+        |r| {
+            let w = r.weight(&ctx.name("self_attn.indexer.wq_b.weight"))?;
+            b.linear(q_resid, &w, None)
+        },
     )?;
-    let w = ctx.weight("self_attn.indexer.wk.weight")?;
-    let k_proj = b.linear(x, &w, None)?;
-    sink.emit(
+    let k_proj = sink.op(
         l,
         &ctx.name("self_attn.indexer.wk"),
         OpKind::Linear,
-        &k_proj,
         &[x],
-        &[&w],
+        |r| {
+            let w = r.weight(&ctx.name("self_attn.indexer.wk.weight"))?;
+            b.linear(x, &w, None)
+        },
     )?;
-    let (nw, nb) = (
-        ctx.weight("self_attn.indexer.k_norm.weight")?,
-        ctx.weight("self_attn.indexer.k_norm.bias")?,
-    );
-    let k_normed = b.layer_norm(&k_proj, &nw, &nb, 1e-6)?;
-    sink.emit(
+    let k_normed = sink.op(
         l,
         &ctx.name("self_attn.indexer.k_norm"),
         OpKind::LayerNorm,
-        &k_normed,
         &[&k_proj],
-        &[&nw, &nb],
+        |r| {
+            let w = r.weight(&ctx.name("self_attn.indexer.k_norm.weight"))?;
+            let bias = r.weight(&ctx.name("self_attn.indexer.k_norm.bias"))?;
+            b.layer_norm(&k_proj, &w, &bias, 1e-6)
+        },
     )?;
-    let q = b.rope(
-        &q_proj,
-        ix.n_heads,
-        ctx.rope,
-        ctx.positions,
-        ix.rope_interleaved,
-    )?;
-    sink.emit(
+    let q = sink.op(
         l,
         &ctx.name("self_attn.indexer.q_rope"),
         OpKind::Rope,
-        &q,
         &[&q_proj],
-        &[],
+        |_| {
+            b.rope(
+                &q_proj,
+                ix.n_heads,
+                ctx.rope,
+                ctx.positions,
+                ix.rope_interleaved,
+            )
+        },
     )?;
-    let k = b.rope(&k_normed, 1, ctx.rope, ctx.positions, ix.rope_interleaved)?;
-    sink.emit(
+    let k = sink.op(
         l,
         &ctx.name("self_attn.indexer.k_rope"),
         OpKind::Rope,
-        &k,
         &[&k_normed],
-        &[],
+        |_| b.rope(&k_normed, 1, ctx.rope, ctx.positions, ix.rope_interleaved),
     )?;
     let keys = cache
         .index_keys
         .get_or_insert_with(|| RowCache::new(ix.head_dim));
     push_rows(keys, &k)?;
-    let buffer = BufferRef::cache(keys.id(), keys.address(), keys.bytes());
-    sink.emit_as(
+    let keys_ref = BufferRef::cache(keys.id(), keys.address(), keys.bytes());
+    sink.report(
         l,
         &ctx.name("self_attn.indexer.key_cache"),
         OpKind::CacheWrite,
         &k,
-        buffer,
+        keys_ref,
         vec![BufferRef::of(&k)],
     )?;
-    let w = ctx.weight("self_attn.indexer.weights_proj.weight")?;
-    let head_weights = b.linear(x, &w, None)?;
-    sink.emit(
+    let head_weights = sink.op(
         l,
         &ctx.name("self_attn.indexer.weights_proj"),
         OpKind::Linear,
-        &head_weights,
         &[x],
-        &[&w],
+        |r| {
+            let w = r.weight(&ctx.name("self_attn.indexer.weights_proj.weight"))?;
+            b.linear(x, &w, None)
+        },
     )?;
-    let scaled_weights = b.scale(&head_weights, (ix.n_heads as f32).powf(-0.5))?;
-    let scores = b.index_scores(
-        &q,
-        &scaled_weights,
-        keys,
-        ctx.positions,
-        (ix.head_dim as f32).powf(-0.5),
-    )?;
-    let reads = vec![
-        BufferRef::of(&q),
-        BufferRef::of(&head_weights),
-        BufferRef::cache(keys.id(), keys.address(), keys.bytes()),
-    ];
-    sink.emit_as(
+    let keys = &*keys;
+    let scores = sink.op_with(
         l,
         &ctx.name("self_attn.indexer.scores"),
         OpKind::IndexScores,
-        &scores,
-        BufferRef::of(&scores),
-        reads,
+        &[&q, &head_weights],
+        |_| {
+            let scaled = b.scale(&head_weights, (ix.n_heads as f32).powf(-0.5))?;
+            let tensor = b.index_scores(
+                &q,
+                &scaled,
+                keys,
+                ctx.positions,
+                (ix.head_dim as f32).powf(-0.5),
+            )?;
+            Ok(Computed {
+                tensor,
+                kernel_wrote: None,
+                extra_reads: vec![keys_ref],
+            })
+        },
     )?;
 
     // Top-k among each query's causal keys; a query with no more than topk of them keeps all.
@@ -522,7 +631,6 @@ fn dsa_selection(
     let k_keep = ix.topk.min(context);
     let mut kept: Vec<Vec<usize>> = Vec::with_capacity(ctx.positions.len());
     let mut sparse = false;
-    let mut listing = Vec::with_capacity(ctx.positions.len() * k_keep);
     for (i, &p) in ctx.positions.iter().enumerate() {
         let row = &scores.row(i)[..=p];
         let mut chosen = if row.len() > ix.topk {
@@ -532,18 +640,21 @@ fn dsa_selection(
             (0..row.len()).collect()
         };
         chosen.sort_unstable();
-        listing.extend(chosen.iter().map(|&j| j as f32));
-        listing.extend(std::iter::repeat_n(-1.0, k_keep - chosen.len()));
         kept.push(chosen);
     }
-    let topk = Tensor::from_index_values(&[ctx.positions.len(), k_keep], listing);
-    sink.emit(
+    sink.op(
         l,
         &ctx.name("self_attn.indexer.topk"),
         OpKind::IndexTopK,
-        &topk,
         &[&scores],
-        &[],
+        |_| {
+            let mut listing = Vec::with_capacity(kept.len() * k_keep);
+            for chosen in &kept {
+                listing.extend(chosen.iter().map(|&j| j as f32));
+                listing.extend(std::iter::repeat_n(-1.0, k_keep - chosen.len()));
+            }
+            Ok(Tensor::from_index_values(&[kept.len(), k_keep], listing))
+        },
     )?;
     let selection = if sparse { Some(kept) } else { None };
     *shared_selection = Some(selection.clone());

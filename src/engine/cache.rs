@@ -29,6 +29,8 @@ pub trait RowSource: Sync {
 #[derive(Debug)]
 pub struct LatentCache {
     width: usize,
+    /// New pages are filled with the poison pattern, so a slot nothing wrote reads as such.
+    poison: bool,
     /// Physical pages, each PAGE_SIZE rows of `width`.
     pages: Vec<Vec<f32>>,
     /// Logical page i of the sequence lives in physical page block_table[i].
@@ -38,9 +40,10 @@ pub struct LatentCache {
 }
 
 impl LatentCache {
-    pub fn new(width: usize) -> LatentCache {
+    pub fn new(width: usize, poison: bool) -> LatentCache {
         LatentCache {
             width,
+            poison,
             pages: Vec::new(),
             block_table: Vec::new(),
             len: 0,
@@ -56,18 +59,34 @@ impl LatentCache {
         self.width
     }
 
-    /// Appends one token's row (c_kv | k_pe).
+    /// Appends one token's row (c_kv | k_pe) at its own slot.
     pub fn push(&mut self, row: &[f32]) -> Result<()> {
+        self.push_at(row, self.len)
+    }
+
+    /// Appends one token, writing its row to `slot` (≤ the new token's position). The slot
+    /// mapping is the caller's: a wrong one leaves the token's own slot unwritten.
+    pub fn push_at(&mut self, row: &[f32], slot: usize) -> Result<()> {
         assert_eq!(row.len(), self.width, "latent row of the wrong width");
-        let slot = self.len % PAGE_SIZE;
-        if slot == 0 {
+        assert!(
+            slot <= self.len,
+            "slot {slot} past the token being appended"
+        );
+        if self.len % PAGE_SIZE == 0 {
             checked_numel(&[PAGE_SIZE, self.width], "latent cache page")?;
+            let fill = if self.poison {
+                f32::from_bits(crate::tensor::POISON_BITS)
+            } else {
+                0.0
+            };
             self.block_table.push(self.pages.len());
-            self.pages.push(vec![0.0; PAGE_SIZE * self.width]);
+            self.pages.push(vec![fill; PAGE_SIZE * self.width]);
         }
-        let page = self.block_table[self.len / PAGE_SIZE];
-        self.pages[page][slot * self.width..(slot + 1) * self.width].copy_from_slice(row);
         self.len += 1;
+        let w = self.width;
+        let page = self.block_table[slot / PAGE_SIZE];
+        let at = slot % PAGE_SIZE * w;
+        self.pages[page][at..at + w].copy_from_slice(row);
         Ok(())
     }
 
@@ -221,7 +240,7 @@ mod tests {
 
     #[test]
     fn paged_rows_read_back_across_page_boundaries() {
-        let mut c = LatentCache::new(3);
+        let mut c = LatentCache::new(3, false);
         for t in 0..(PAGE_SIZE * 2 + 5) {
             c.push(&[t as f32, -(t as f32), 0.5]).unwrap();
         }
@@ -230,5 +249,11 @@ mod tests {
         for t in [0, PAGE_SIZE - 1, PAGE_SIZE, 2 * PAGE_SIZE + 4] {
             assert_eq!(c.row(t), &[t as f32, -(t as f32), 0.5]);
         }
+        // A token written one slot early leaves its own slot holding the poison pattern.
+        let mut c = LatentCache::new(2, true);
+        c.push(&[1.0, 1.0]).unwrap();
+        c.push_at(&[2.0, 2.0], 0).unwrap();
+        assert_eq!(c.row(0), &[2.0, 2.0]);
+        assert_eq!(c.row(1)[0].to_bits(), crate::tensor::POISON_BITS);
     }
 }

@@ -3,13 +3,15 @@
 
 use super::attention::{attention_block, LayerCtx, Selection};
 use super::cache::{LatentCache, LayerCache};
+use super::faults::Faults;
 use super::mlp;
 use super::rope::RopeTable;
 use super::sink::Sink;
-use super::trace::{Observer, OpKind, Phase};
+use super::sink::{OpCounts, StorageDtype};
+use super::trace::{Observer, OpKind, Phase, Replay};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::model::catalog::lm_head_name;
+use crate::model::catalog::{layer_prefix, lm_head_name};
 use crate::model::layout::MlpKind;
 use crate::model::Model;
 use crate::tensor::Tensor;
@@ -57,14 +59,31 @@ pub struct EngineOptions {
     pub paths: MlaPaths,
     /// The decoder layers to run; the embedding feeds the first of them directly.
     pub layers: Range<usize>,
+    /// MLA disabled: attention is served by the plain backend (paths are then both naive), so
+    /// faults of the MLA backend do not act.
+    pub mla_disabled: bool,
+    pub faults: Faults,
+    /// Hand kernels and caches poisoned buffers so that unwritten elements show (the debugger's
+    /// buffer forensics); plain runs use zeroed ones.
+    pub poison: bool,
+    pub storage: StorageDtype,
 }
 
 impl EngineOptions {
-    pub fn all_layers(model: &Model, paths: MlaPaths) -> EngineOptions {
+    /// Every layer, the given paths, no faults, no poisoning, f32.
+    pub fn new(model: &Model, paths: MlaPaths) -> EngineOptions {
         EngineOptions {
             paths,
             layers: 0..model.layout.num_layers,
+            mla_disabled: false,
+            faults: Faults::none(),
+            poison: false,
+            storage: StorageDtype::F32,
         }
+    }
+
+    pub fn all_layers(model: &Model, paths: MlaPaths) -> EngineOptions {
+        EngineOptions::new(model, paths)
     }
 }
 
@@ -84,6 +103,9 @@ const LM_HEAD_CHUNK_BYTES: usize = 256 << 20;
 pub struct Engine<'m> {
     model: &'m Model,
     backend: &'m dyn Backend,
+    /// Outputs of an earlier run that may stand in for computing (see [`Replay`]).
+    replay: Option<&'m dyn Replay>,
+    counts: OpCounts,
     options: EngineOptions,
     rope: RopeTable,
     /// One entry per layer of the model; `None` outside the layer range.
@@ -112,7 +134,7 @@ impl<'m> Engine<'m> {
         let caches = (0..layout.num_layers)
             .map(|l| {
                 r.contains(&l).then(|| LayerCache {
-                    latent: LatentCache::new(layout.latent_width()),
+                    latent: LatentCache::new(layout.latent_width(), options.poison),
                     expanded: None,
                     index_keys: None,
                 })
@@ -121,6 +143,8 @@ impl<'m> Engine<'m> {
         Ok(Engine {
             model,
             backend,
+            replay: None,
+            counts: OpCounts::default(),
             rope: RopeTable::new(&layout.rope, layout.qk_rope_head_dim),
             options,
             caches,
@@ -129,6 +153,17 @@ impl<'m> Engine<'m> {
             next_event: 0,
             timings: Vec::new(),
         })
+    }
+
+    /// Lets ops take their outputs from an earlier run where `replay` allows.
+    pub fn with_replay(mut self, replay: &'m dyn Replay) -> Engine<'m> {
+        self.replay = Some(replay);
+        self
+    }
+
+    /// Ops computed and ops replayed so far.
+    pub fn counts(&self) -> OpCounts {
+        self.counts
     }
 
     /// Tokens processed so far.
@@ -194,24 +229,34 @@ impl<'m> Engine<'m> {
         }
         let start = self.position;
         let positions: Vec<usize> = (start..start + tokens.len()).collect();
+        let options = &self.options;
         let mut sink = Sink {
             backend: b,
+            weights: &model.weights,
             observer,
+            replay: self.replay,
+            storage: options.storage,
             phase,
             positions: (start, start + tokens.len()),
             next_index: &mut self.next_event,
+            counts: &mut self.counts,
         };
 
-        let embed_name = "model.embed_tokens.weight";
-        let mut rows = Vec::with_capacity(tokens.len() * layout.hidden_size);
-        for &t in tokens {
-            rows.extend_from_slice(model.weights.rows(embed_name, t as usize, 1)?.data());
-        }
-        let mut h = Tensor::from_vec(&[tokens.len(), layout.hidden_size], rows);
-        sink.emit(None, "model.embed_tokens", OpKind::Embedding, &h, &[], &[])?;
+        let mut h = sink.op(None, "model.embed_tokens", OpKind::Embedding, &[], |_| {
+            let mut rows = Vec::with_capacity(tokens.len() * layout.hidden_size);
+            for &t in tokens {
+                rows.extend_from_slice(
+                    model
+                        .weights
+                        .rows("model.embed_tokens.weight", t as usize, 1)?
+                        .data(),
+                );
+            }
+            Ok(Tensor::from_vec(&[tokens.len(), layout.hidden_size], rows))
+        })?;
 
         let mut shared_selection: Option<Selection> = None;
-        for layer in self.options.layers.clone() {
+        for layer in options.layers.clone() {
             let begin = Instant::now();
             let fetch_before = model.weights.fetch_seconds();
             let ctx = LayerCtx {
@@ -220,54 +265,57 @@ impl<'m> Engine<'m> {
                 backend: b,
                 rope: &self.rope,
                 layer,
+                phase,
                 positions: &positions,
+                faults: options.faults,
+                mla_backend: !options.mla_disabled,
+                poison: options.poison,
             };
             let cache = self.caches[layer]
                 .as_mut()
                 .expect("caches exist for every layer in range");
             let l = Some(layer);
-            let w = ctx.weight("input_layernorm.weight")?;
-            let x = b.rms_norm(&h, &w, layout.rms_norm_eps)?;
-            sink.emit(
+            let x = sink.op(
                 l,
                 &ctx.name("input_layernorm"),
                 OpKind::RmsNorm,
-                &x,
                 &[&h],
-                &[&w],
+                |r| {
+                    b.rms_norm(
+                        &h,
+                        &*r.weight(&ctx.name("input_layernorm.weight"))?,
+                        layout.rms_norm_eps,
+                    )
+                },
             )?;
             let attn = attention_block(&ctx, &x, cache, path, &mut shared_selection, &mut sink)?;
-            let h_mid = b.add(&h, &attn)?;
-            sink.emit(
+            let h_mid = sink.op(
                 l,
                 &ctx.name("attn_residual"),
                 OpKind::Residual,
-                &h_mid,
                 &[&h, &attn],
-                &[],
+                |_| b.add(&h, &attn),
             )?;
-            let w = ctx.weight("post_attention_layernorm.weight")?;
-            let x = b.rms_norm(&h_mid, &w, layout.rms_norm_eps)?;
-            sink.emit(
+            let x = sink.op(
                 l,
                 &ctx.name("post_attention_layernorm"),
                 OpKind::RmsNorm,
-                &x,
                 &[&h_mid],
-                &[&w],
+                |r| {
+                    let w = r.weight(&ctx.name("post_attention_layernorm.weight"))?;
+                    b.rms_norm(&h_mid, &w, layout.rms_norm_eps)
+                },
             )?;
             let m = match layout.mlp_kind(layer) {
                 MlpKind::Dense => mlp::dense(&ctx, &x, &mut sink)?,
                 MlpKind::Moe => mlp::moe(&ctx, &x, &mut sink)?,
             };
-            h = b.add(&h_mid, &m)?;
-            sink.emit(
+            h = sink.op(
                 l,
-                &crate::model::catalog::layer_prefix(layer),
+                &layer_prefix(layer),
                 OpKind::Residual,
-                &h,
                 &[&h_mid, &m],
-                &[],
+                |_| b.add(&h_mid, &m),
             )?;
             self.timings.push(LayerTiming {
                 phase,
@@ -277,11 +325,12 @@ impl<'m> Engine<'m> {
             });
         }
 
-        let w = model.weights.get("model.norm.weight")?;
-        let normed = b.rms_norm(&h, &w, layout.rms_norm_eps)?;
-        sink.emit(None, "model.norm", OpKind::RmsNorm, &normed, &[&h], &[&w])?;
-        let logits = lm_head(model, b, &normed)?;
-        sink.emit(None, "logits", OpKind::Logits, &logits, &[&normed], &[])?;
+        let normed = sink.op(None, "model.norm", OpKind::RmsNorm, &[&h], |r| {
+            b.rms_norm(&h, &*r.weight("model.norm.weight")?, layout.rms_norm_eps)
+        })?;
+        let logits = sink.op(None, "logits", OpKind::Logits, &[&normed], |_| {
+            lm_head(model, b, &normed)
+        })?;
         self.position += tokens.len();
         Ok(logits)
     }

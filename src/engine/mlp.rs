@@ -2,182 +2,175 @@
 //! at a time, plus shared experts).
 
 use super::attention::LayerCtx;
-use super::sink::Sink;
+use super::sink::{Reads, Sink};
 use super::trace::OpKind;
+use crate::backend::Backend;
 use crate::error::Result;
 use crate::model::catalog::expert_weight_name;
 use crate::tensor::Tensor;
 
-/// down(SiLU(gate(x)) · up(x)) with weights under `prefix` (e.g. `mlp` or `mlp.shared_experts`),
-/// reporting each op when `report` is set.
-fn gated_mlp(
-    ctx: &LayerCtx,
+/// down(SiLU(gate(x)) · up(x)) with the three weights named.
+fn gated(
+    b: &dyn Backend,
+    r: &mut Reads,
     x: &Tensor,
-    prefix: &str,
-    report: bool,
-    sink: &mut Sink,
+    gate: &str,
+    up: &str,
+    down: &str,
 ) -> Result<Tensor> {
-    let b = ctx.backend;
-    let l = Some(ctx.layer);
-    let wg = ctx.weight(&format!("{prefix}.gate_proj.weight"))?;
-    let wu = ctx.weight(&format!("{prefix}.up_proj.weight"))?;
-    let wd = ctx.weight(&format!("{prefix}.down_proj.weight"))?;
-    let gate = b.linear(x, &wg, None)?;
-    let up = b.linear(x, &wu, None)?;
-    let act = b.silu_mul(&gate, &up)?;
-    let down = b.linear(&act, &wd, None)?;
-    if report {
-        sink.emit(
-            l,
-            &ctx.name(&format!("{prefix}.gate_proj")),
-            OpKind::Linear,
-            &gate,
-            &[x],
-            &[&wg],
-        )?;
-        sink.emit(
-            l,
-            &ctx.name(&format!("{prefix}.up_proj")),
-            OpKind::Linear,
-            &up,
-            &[x],
-            &[&wu],
-        )?;
-        sink.emit(
-            l,
-            &ctx.name(&format!("{prefix}.act_fn")),
-            OpKind::Activation,
-            &act,
-            &[&gate, &up],
-            &[],
-        )?;
-        sink.emit(
-            l,
-            &ctx.name(&format!("{prefix}.down_proj")),
-            OpKind::Linear,
-            &down,
-            &[&act],
-            &[&wd],
-        )?;
-    }
-    Ok(down)
+    let (wg, wu, wd) = (r.weight(gate)?, r.weight(up)?, r.weight(down)?);
+    let act = b.silu_mul(&b.linear(x, &wg, None)?, &b.linear(x, &wu, None)?)?;
+    b.linear(&act, &wd, None)
 }
 
-/// Dense MLP; its output is also reported as the `mlp` module's output.
+/// Dense MLP, op by op; its output is also reported as the `mlp` module's output.
 pub fn dense(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
-    let out = gated_mlp(ctx, x, "mlp", true, sink)?;
-    sink.emit(
-        Some(ctx.layer),
+    let (b, l) = (ctx.backend, Some(ctx.layer));
+    let gate = sink.op(l, &ctx.name("mlp.gate_proj"), OpKind::Linear, &[x], |r| {
+        b.linear(x, &*r.weight(&ctx.name("mlp.gate_proj.weight"))?, None)
+    })?;
+    let up = sink.op(l, &ctx.name("mlp.up_proj"), OpKind::Linear, &[x], |r| {
+        b.linear(x, &*r.weight(&ctx.name("mlp.up_proj.weight"))?, None)
+    })?;
+    let act = sink.op(
+        l,
+        &ctx.name("mlp.act_fn"),
+        OpKind::Activation,
+        &[&gate, &up],
+        |_| b.silu_mul(&gate, &up),
+    )?;
+    let down = sink.op(
+        l,
+        &ctx.name("mlp.down_proj"),
+        OpKind::Linear,
+        &[&act],
+        |r| b.linear(&act, &*r.weight(&ctx.name("mlp.down_proj.weight"))?, None),
+    )?;
+    sink.report(
+        l,
         &ctx.name("mlp"),
         OpKind::Sum,
-        &out,
-        &[&out],
-        &[],
+        &down,
+        super::trace::BufferRef::of(&down),
+        vec![super::trace::BufferRef::of(&down)],
     )?;
-    Ok(out)
+    Ok(down)
 }
 
 /// MoE: router, the chosen routed experts (each fetched once for all tokens routed to it), and
 /// the shared experts.
 pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
-    let b = ctx.backend;
-    let l = Some(ctx.layer);
+    let (b, l) = (ctx.backend, Some(ctx.layer));
     let moe = ctx
         .layout
         .moe
         .as_ref()
         .expect("validated: MoE layers have a moe section");
-    let w = ctx.weight("mlp.gate.weight")?;
-    let logits = b.linear(x, &w, None)?;
-    sink.emit(
-        l,
-        &ctx.name("mlp.gate"),
-        OpKind::Linear,
-        &logits,
-        &[x],
-        &[&w],
-    )?;
-    let bias = ctx.weight("mlp.gate.e_score_correction_bias")?;
-    let routing = b.route(&logits, &bias, moe)?;
     let n = x.rows();
     let k = moe.num_experts_per_tok;
-    let ids: Vec<usize> = routing.experts.iter().flatten().copied().collect();
-    let ids = Tensor::from_indices(&[n, k], &ids);
-    sink.emit(
+    let logits = sink.op(l, &ctx.name("mlp.gate"), OpKind::Linear, &[x], |r| {
+        b.linear(x, &*r.weight(&ctx.name("mlp.gate.weight"))?, None)
+    })?;
+    let mut routing = None;
+    let bias_name = ctx.name("mlp.gate.e_score_correction_bias");
+    let ids = sink.op(
         l,
         &ctx.name("mlp.gate.topk_indices"),
         OpKind::Router,
-        &ids,
         &[&logits],
-        &[&bias],
+        |r| {
+            let routed = b.route(&logits, &*r.weight(&bias_name)?, moe)?;
+            let ids: Vec<usize> = routed.experts.iter().flatten().copied().collect();
+            routing = Some(routed);
+            Ok(Tensor::from_indices(&[n, k], &ids))
+        },
     )?;
-    let weights = Tensor::from_vec(&[n, k], routing.weights.iter().flatten().copied().collect());
-    sink.emit(
+    let weights = sink.op(
         l,
         &ctx.name("mlp.gate.topk_weights"),
         OpKind::Router,
-        &weights,
         &[&logits],
-        &[],
+        |r| {
+            let routed = match routing.take() {
+                Some(routed) => routed,
+                None => b.route(&logits, &*r.weight(&bias_name)?, moe)?,
+            };
+            Ok(Tensor::from_vec(
+                &[n, k],
+                routed.weights.iter().flatten().copied().collect(),
+            ))
+        },
     )?;
 
-    // Tokens per expert, in ascending expert order (the order HF accumulates in).
-    let mut per_expert: Vec<(Vec<usize>, Vec<f32>)> =
-        vec![(Vec::new(), Vec::new()); moe.n_routed_experts];
-    for (t, (es, ws)) in routing.experts.iter().zip(&routing.weights).enumerate() {
-        for (&e, &w) in es.iter().zip(ws) {
-            per_expert[e].0.push(t);
-            per_expert[e].1.push(w);
-        }
-    }
-    let mut routed = Tensor::zeros(x.shape())?;
-    for (e, (tokens, token_weights)) in per_expert.iter().enumerate() {
-        if tokens.is_empty() {
-            continue;
-        }
-        let xs = b.gather_rows(x, tokens)?;
-        let wg = ctx
-            .weights
-            .get(&expert_weight_name(ctx.layer, e, "gate_proj"))?;
-        let wu = ctx
-            .weights
-            .get(&expert_weight_name(ctx.layer, e, "up_proj"))?;
-        let wd = ctx
-            .weights
-            .get(&expert_weight_name(ctx.layer, e, "down_proj"))?;
-        let act = b.silu_mul(&b.linear(&xs, &wg, None)?, &b.linear(&xs, &wu, None)?)?;
-        let y = b.linear(&act, &wd, None)?;
-        b.scatter_add_rows(&mut routed, tokens, &y, token_weights)?;
-    }
-    sink.emit(
+    let routed = sink.op(
         l,
         &ctx.name("mlp.experts"),
         OpKind::Experts,
-        &routed,
         &[x, &ids, &weights],
-        &[],
+        |r| {
+            // Tokens per expert, in ascending expert order (the order HF accumulates in).
+            let mut per_expert: Vec<(Vec<usize>, Vec<f32>)> =
+                vec![(Vec::new(), Vec::new()); moe.n_routed_experts];
+            for t in 0..n {
+                for (&e, &w) in ids.row(t).iter().zip(weights.row(t)) {
+                    per_expert[e as usize].0.push(t);
+                    per_expert[e as usize].1.push(w);
+                }
+            }
+            let mut routed = Tensor::zeros(x.shape())?;
+            for (e, (tokens, token_weights)) in per_expert.iter().enumerate() {
+                if tokens.is_empty() {
+                    continue;
+                }
+                let xs = b.gather_rows(x, tokens)?;
+                let name = |proj| expert_weight_name(ctx.layer, e, proj);
+                let y = gated(
+                    b,
+                    r,
+                    &xs,
+                    &name("gate_proj"),
+                    &name("up_proj"),
+                    &name("down_proj"),
+                )?;
+                b.scatter_add_rows(&mut routed, tokens, &y, token_weights)?;
+            }
+            Ok(routed)
+        },
     )?;
     if moe.n_shared_experts == 0 {
-        sink.emit(l, &ctx.name("mlp"), OpKind::Sum, &routed, &[&routed], &[])?;
+        let buffer = super::trace::BufferRef::of(&routed);
+        sink.report(
+            l,
+            &ctx.name("mlp"),
+            OpKind::Sum,
+            &routed,
+            buffer,
+            vec![buffer],
+        )?;
         return Ok(routed);
     }
-    let shared = gated_mlp(ctx, x, "mlp.shared_experts", false, sink)?;
-    sink.emit(
+    let shared = sink.op(
         l,
         &ctx.name("mlp.shared_experts"),
         OpKind::Linear,
-        &shared,
         &[x],
-        &[],
+        |r| {
+            let name = |proj: &str| ctx.name(&format!("mlp.shared_experts.{proj}.weight"));
+            gated(
+                b,
+                r,
+                x,
+                &name("gate_proj"),
+                &name("up_proj"),
+                &name("down_proj"),
+            )
+        },
     )?;
-    let out = b.add(&routed, &shared)?;
-    sink.emit(
+    sink.op(
         l,
         &ctx.name("mlp"),
         OpKind::Sum,
-        &out,
         &[&routed, &shared],
-        &[],
-    )?;
-    Ok(out)
+        |_| b.add(&routed, &shared),
+    )
 }

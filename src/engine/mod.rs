@@ -16,6 +16,7 @@
 
 pub mod attention;
 pub mod cache;
+pub mod faults;
 pub mod forward;
 pub mod generate;
 pub mod mlp;
@@ -24,5 +25,7 @@ pub mod rope;
 pub mod sink;
 pub mod trace;
 
+pub use faults::{Fault, Faults};
 pub use forward::{Engine, EngineOptions, LayerTiming, MlaPath, MlaPaths};
-pub use trace::{NullObserver, Observer, OpEvent, OpKind, Phase, Recorder};
+pub use sink::{OpCounts, StorageDtype};
+pub use trace::{NullObserver, Observer, OpEvent, OpKind, Phase, Recorder, Replay};

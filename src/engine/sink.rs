@@ -1,49 +1,202 @@
-//! Turns op outputs into trace events: computes statistics, records buffer identities, numbers
-//! the events and hands them to the observer.
+//! Every op of the forward pass runs through [`Sink::op`]: it takes the output from an earlier
+//! run when one may be replayed, else computes it; applies the storage dtype; computes
+//! statistics; records which buffers were read and written; numbers the event and hands it to
+//! the observer.
 
-use super::trace::{BufferRef, Observer, OpEvent, OpKind, Phase};
+use super::trace::{BufferRef, Observer, OpEvent, OpKind, Phase, Replay};
 use crate::backend::Backend;
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::model::WeightStore;
+use crate::tensor::{DType, Tensor};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+
+/// How activations are stored between ops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StorageDtype {
+    /// f32 throughout.
+    #[default]
+    F32,
+    /// Every op's output rounded to bf16 (round to nearest even), arithmetic in f32: what bf16
+    /// activation storage with f32 accumulation does to the numbers.
+    Bf16,
+}
+
+impl std::str::FromStr for StorageDtype {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<StorageDtype> {
+        match s {
+            "f32" => Ok(StorageDtype::F32),
+            "bf16" => Ok(StorageDtype::Bf16),
+            other => Err(crate::Error::invalid(format!(
+                "dtype '{other}' is not f32 or bf16"
+            ))),
+        }
+    }
+}
+
+/// How many ops a run computed and how many it took from an earlier run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpCounts {
+    pub executed: usize,
+    pub replayed: usize,
+}
+
+/// What an op's computation produced.
+pub struct Computed {
+    pub tensor: Tensor,
+    /// The buffer the kernel wrote, when the op handed it one (see `OpEvent::kernel_wrote`).
+    pub kernel_wrote: Option<BufferRef>,
+    /// Reads that are not activations passed in (caches).
+    pub extra_reads: Vec<BufferRef>,
+}
+
+impl From<Tensor> for Computed {
+    fn from(tensor: Tensor) -> Computed {
+        Computed {
+            tensor,
+            kernel_wrote: None,
+            extra_reads: Vec::new(),
+        }
+    }
+}
+
+/// Weights an op fetches, recorded as reads.
+pub struct Reads<'w> {
+    weights: &'w WeightStore,
+    refs: Vec<BufferRef>,
+}
+
+impl Reads<'_> {
+    /// Fetches a weight by its full name and records the read.
+    pub fn weight(&mut self, name: &str) -> Result<Arc<Tensor>> {
+        let w = self.weights.get(name)?;
+        self.refs.push(BufferRef::weight(&w));
+        Ok(w)
+    }
+}
 
 pub struct Sink<'a> {
     pub backend: &'a dyn Backend,
+    pub weights: &'a WeightStore,
     pub observer: &'a mut dyn Observer,
+    pub replay: Option<&'a dyn Replay>,
+    pub storage: StorageDtype,
     pub phase: Phase,
     pub positions: (usize, usize),
     pub next_index: &'a mut usize,
+    pub counts: &'a mut OpCounts,
 }
 
 impl Sink<'_> {
-    /// Reports `output` of op `name`, which read the activations `inputs` (each the output of an
-    /// earlier op) and the weights `weights`.
-    pub fn emit(
+    /// Runs (or replays) op `name`, which reads the activations `inputs`; `compute` fetches its
+    /// weights through `Reads` and returns the output.
+    pub fn op(
         &mut self,
         layer: Option<usize>,
         name: &str,
         kind: OpKind,
-        output: &Tensor,
         inputs: &[&Tensor],
-        weights: &[&Tensor],
-    ) -> Result<()> {
-        let reads = inputs
-            .iter()
-            .map(|t| BufferRef::of(t))
-            .chain(weights.iter().map(|t| BufferRef::weight(t)))
-            .collect();
-        self.emit_as(layer, name, kind, output, BufferRef::of(output), reads)
+        compute: impl FnOnce(&mut Reads) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        self.op_with(layer, name, kind, inputs, |r| {
+            compute(r).map(Computed::from)
+        })
     }
 
-    /// Reports an op whose output buffer is not `values` itself (a cache write: `values` holds the
-    /// rows written, `buffer` the cache), with its reads given as buffer references.
-    pub fn emit_as(
+    /// [`Sink::op`] for ops that report more than their output (kernel buffers, cache reads).
+    pub fn op_with(
+        &mut self,
+        layer: Option<usize>,
+        name: &str,
+        kind: OpKind,
+        inputs: &[&Tensor],
+        compute: impl FnOnce(&mut Reads) -> Result<Computed>,
+    ) -> Result<Tensor> {
+        let index = *self.next_index;
+        let activations = inputs.iter().map(|t| BufferRef::of(t));
+        let (tensor, kernel_wrote, reads, replayed) =
+            match self.replay.and_then(|r| r.lookup(index, self.phase, name)) {
+                Some((old, old_output)) => {
+                    let tensor = old_output.clone();
+                    // The earlier run's weight and cache reads; its kernel buffer if it was
+                    // disconnected, else the new output.
+                    let kept = old
+                        .inputs
+                        .iter()
+                        .filter(|b| b.role != super::trace::BufferRole::Activation);
+                    let reads = activations.chain(kept.copied()).collect();
+                    let kernel_wrote = old.kernel_wrote.map(|k| {
+                        if k.id == old.output.id {
+                            BufferRef::of(&tensor)
+                        } else {
+                            k
+                        }
+                    });
+                    self.counts.replayed += 1;
+                    (tensor, kernel_wrote, reads, true)
+                }
+                None => {
+                    let mut r = Reads {
+                        weights: self.weights,
+                        refs: Vec::new(),
+                    };
+                    let mut c = compute(&mut r)?;
+                    if self.storage == StorageDtype::Bf16 && c.tensor.dtype() == DType::F32 {
+                        round_to_bf16(&mut c.tensor);
+                    }
+                    let reads = activations.chain(c.extra_reads).chain(r.refs).collect();
+                    self.counts.executed += 1;
+                    (c.tensor, c.kernel_wrote, reads, false)
+                }
+            };
+        self.emit(
+            layer,
+            name,
+            kind,
+            &tensor,
+            BufferRef::of(&tensor),
+            kernel_wrote,
+            reads,
+            replayed,
+        )?;
+        Ok(tensor)
+    }
+
+    /// Reports an op with no computation of its own, such as a cache write: `values` are what
+    /// it wrote, `buffer` where.
+    pub fn report(
         &mut self,
         layer: Option<usize>,
         name: &str,
         kind: OpKind,
         values: &Tensor,
         buffer: BufferRef,
+        reads: Vec<BufferRef>,
+    ) -> Result<()> {
+        let replayed = self
+            .replay
+            .is_some_and(|r| r.lookup(*self.next_index, self.phase, name).is_some());
+        if replayed {
+            self.counts.replayed += 1;
+        } else {
+            self.counts.executed += 1;
+        }
+        self.emit(layer, name, kind, values, buffer, None, reads, replayed)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn emit(
+        &mut self,
+        layer: Option<usize>,
+        name: &str,
+        kind: OpKind,
+        values: &Tensor,
+        output: BufferRef,
+        kernel_wrote: Option<BufferRef>,
         inputs: Vec<BufferRef>,
+        replayed: bool,
     ) -> Result<()> {
         let event = OpEvent {
             index: *self.next_index,
@@ -54,11 +207,22 @@ impl Sink<'_> {
             shape: values.shape().to_vec(),
             dtype: values.dtype(),
             stats: self.backend.stats(values),
-            output: buffer,
+            output,
+            kernel_wrote,
             inputs,
             positions: self.positions,
+            replayed,
         };
         *self.next_index += 1;
         self.observer.on_op(&event, values)
+    }
+}
+
+/// Rounds every element to the nearest bf16 (ties to even), keeping NaN and the poison pattern.
+fn round_to_bf16(t: &mut Tensor) {
+    for v in t.data_mut() {
+        if !v.is_nan() {
+            *v = half::bf16::from_f32(*v).to_f32();
+        }
     }
 }

@@ -165,10 +165,18 @@ pub struct OpEvent {
     pub shape: Vec<usize>,
     pub dtype: DType,
     pub stats: TensorStats,
+    /// The buffer the op handed on to its consumers.
     pub output: BufferRef,
+    /// For an op that hands a kernel an output buffer: the buffer the kernel really wrote. It
+    /// differs from `output` exactly when the two are disconnected.
+    pub kernel_wrote: Option<BufferRef>,
     pub inputs: Vec<BufferRef>,
     /// Token positions this op covers: start..end.
     pub positions: (usize, usize),
+    /// The output was taken from an earlier run instead of being computed (re-execution after a
+    /// flag change starts at the first op the change affects).
+    #[serde(default)]
+    pub replayed: bool,
 }
 
 impl OpEvent {
@@ -176,6 +184,13 @@ impl OpEvent {
     pub fn dump_name(&self) -> String {
         format!("{}/{}", self.phase, self.name)
     }
+}
+
+/// Outputs of an earlier run that a new run may take instead of computing them: the ops before
+/// the first op a flag change affects.
+pub trait Replay: Sync {
+    /// The earlier event and output at `index`, if it may be reused for op `name` of `phase`.
+    fn lookup(&self, index: usize, phase: Phase, name: &str) -> Option<(&OpEvent, &Tensor)>;
 }
 
 /// Receives every op event with the op's output. Returning an error stops the run.

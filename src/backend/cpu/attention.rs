@@ -1,12 +1,26 @@
-//! CPU attention for both MLA paths and the DSA indexer scores. Softmax in f32 with the running
-//! maximum subtracted, as HF's eager attention does.
+//! CPU attention for both MLA paths and the DSA indexer scores.
+//!
+//! Naive attention is a plain causal softmax (f32, running maximum subtracted), as HF's eager
+//! attention computes it. Latent (absorbed) attention is computed the way decode kernels such as
+//! FlashMLA and vLLM's Triton MLA decode do it: the context is cut into blocks of
+//! [`SPLIT_KV_BLOCK`] positions, each block yields a partial output and its log-sum-exp, and the
+//! partials are merged with weights exp(lse_block − lse_total). In exact arithmetic both are the
+//! same softmax; the split structure is what the `lse-base-mismatch` fault corrupts.
+//!
+//! Both kernels write into an output buffer the caller hands them and write every element of it
+//! (unless the `skip-padded-rows` fault makes them skip some), so poisoned buffers reveal what
+//! was left unwritten.
 
 use super::matmul::{axpy, dot};
-use crate::backend::{AttnMask, MlaDims};
+use crate::backend::{AttnMask, KvbSplit, MlaDims};
 use crate::engine::cache::RowSource;
-use crate::error::Result;
+use crate::engine::faults::KernelFaults;
+use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use rayon::prelude::*;
+
+/// Context positions per split-KV block of the latent attention kernel.
+pub const SPLIT_KV_BLOCK: usize = 8;
 
 /// Softmax of `scores` in place.
 fn softmax(scores: &mut [f32]) {
@@ -21,53 +35,62 @@ fn softmax(scores: &mut [f32]) {
     }
 }
 
-/// Per (query, head) result: the output row, written into the probability row as it goes.
 /// Runs `f(i, h, out_row, prob_row)` for every (query i, head h) pair, in parallel when worth
-/// it, and assembles the output [n, heads, out_width] and the probabilities [heads, n, context].
+/// it, writing the output into `out` [n, heads, out_width] and returning the probabilities
+/// [heads, n, context]. `f` returns false for a row it skipped (left unwritten).
 fn per_query_head<F>(
     n: usize,
     dims: MlaDims,
+    out: &mut Tensor,
     out_width: usize,
     context: usize,
     f: F,
-) -> Result<(Tensor, Tensor)>
+) -> Result<Tensor>
 where
-    F: Fn(usize, usize, &mut [f32], &mut [f32]) + Sync,
+    F: Fn(usize, usize, &mut [f32], &mut [f32]) -> bool + Sync,
 {
     let heads = dims.heads;
-    // Head-major output first, so each (h, i) owns one output chunk and one probability row.
-    let mut out_hm = Tensor::zeros(&[heads, n, out_width])?;
+    if out.numel() != n * heads * out_width {
+        return Err(Error::invalid(format!(
+            "attention output buffer {:?} is not {n} × {heads} × {out_width}",
+            out.shape()
+        )));
+    }
+    // Head-major scratch first, so each (h, i) owns one output chunk and one probability row.
+    let mut out_hm = vec![0f32; heads * n * out_width];
+    let mut written = vec![true; heads * n];
     let mut probs = Tensor::zeros(&[heads, n, context])?;
-    let work = |(r, (o, p)): (usize, (&mut [f32], &mut [f32]))| f(r % n, r / n, o, p);
+    let work = |(r, ((o, p), w)): (usize, ((&mut [f32], &mut [f32]), &mut bool))| {
+        *w = f(r % n, r / n, o, p)
+    };
     let chunks = out_hm
-        .data_mut()
         .chunks_mut(out_width)
-        .zip(probs.data_mut().chunks_mut(context.max(1)));
+        .zip(probs.data_mut().chunks_mut(context.max(1)))
+        .zip(written.iter_mut());
     if n * heads * context * out_width < 1 << 15 {
         chunks.enumerate().for_each(work);
     } else {
         let chunks: Vec<_> = chunks.collect();
         chunks.into_par_iter().enumerate().for_each(work);
     }
-    let mut out = Tensor::zeros(&[n, heads, out_width])?;
+    let dst = out.data_mut();
     for h in 0..heads {
         for i in 0..n {
-            out.data_mut()[(i * heads + h) * out_width..][..out_width]
-                .copy_from_slice(&out_hm.data()[(h * n + i) * out_width..][..out_width]);
+            if written[h * n + i] {
+                dst[(i * heads + h) * out_width..][..out_width]
+                    .copy_from_slice(&out_hm[(h * n + i) * out_width..][..out_width]);
+            }
         }
     }
-    Ok((out, probs))
+    Ok(probs)
 }
 
-/// Softmax over the listed keys' scores, written into `probs` at those keys.
-fn scatter_softmax(keys: &[usize], mut scores: Vec<f32>, probs: &mut [f32]) -> Vec<f32> {
-    softmax(&mut scores);
-    for (&j, &p) in keys.iter().zip(&scores) {
-        probs[j] = p;
-    }
-    scores
+/// Whether the skip-padded-rows fault drops this row: the last head of every query.
+fn skipped(faults: KernelFaults, h: usize, dims: MlaDims) -> bool {
+    faults.skip_padded_rows && h + 1 == dims.heads
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn naive(
     q: &Tensor,
     k: &dyn RowSource,
@@ -75,25 +98,42 @@ pub fn naive(
     dims: MlaDims,
     mask: &AttnMask,
     scale: f32,
-) -> Result<(Tensor, Tensor)> {
+    out: &mut Tensor,
+    faults: KernelFaults,
+) -> Result<Tensor> {
     let n = mask.positions.len();
     let d = dims.nope + dims.rope;
     let context = k.len();
-    let (out, probs) = per_query_head(n, dims, dims.v, context, |i, h, out, probs| {
+    per_query_head(n, dims, out, dims.v, context, |i, h, out, probs| {
+        if skipped(faults, h, dims) {
+            return false;
+        }
         let qh = &q.data()[(i * dims.heads + h) * d..][..d];
         let keys: Vec<usize> = mask.keys(i).collect();
-        let scores: Vec<f32> = keys
+        let mut p: Vec<f32> = keys
             .iter()
             .map(|&j| dot(qh, &k.row(j)[h * d..(h + 1) * d]) * scale)
             .collect();
-        let p = scatter_softmax(&keys, scores, probs);
+        softmax(&mut p);
+        out.fill(0.0);
         for (&j, &pj) in keys.iter().zip(&p) {
+            probs[j] = pj;
             axpy(out, pj, &v.row(j)[h * dims.v..(h + 1) * dims.v]);
         }
-    })?;
-    Ok((out.reshaped(&[n, dims.heads * dims.v]), probs))
+        true
+    })
 }
 
+/// One split-KV block's partial: unnormalised output, its running max and sum.
+struct Partial {
+    keys: Vec<usize>,
+    scores: Vec<f32>,
+    max: f32,
+    sum: f32,
+    acc: Vec<f32>,
+}
+
+#[allow(clippy::too_many_arguments)]
 pub fn latent(
     q_lat: &Tensor,
     q_pe: &Tensor,
@@ -101,29 +141,76 @@ pub fn latent(
     dims: MlaDims,
     mask: &AttnMask,
     scale: f32,
-) -> Result<(Tensor, Tensor)> {
+    out: &mut Tensor,
+    faults: KernelFaults,
+) -> Result<Tensor> {
     let n = mask.positions.len();
     let (l, r) = (dims.latent, dims.rope);
     let context = cache.len();
-    per_query_head(n, dims, l, context, |i, h, out, probs| {
+    per_query_head(n, dims, out, l, context, |i, h, out, probs| {
+        if skipped(faults, h, dims) {
+            return false;
+        }
         let ql = &q_lat.data()[(i * dims.heads + h) * l..][..l];
         let qp = &q_pe.data()[(i * dims.heads + h) * r..][..r];
-        let keys: Vec<usize> = mask.keys(i).collect();
-        let scores: Vec<f32> = keys
-            .iter()
-            .map(|&j| {
-                let row = cache.row(j);
-                (dot(ql, &row[..l]) + dot(qp, &row[l..l + r])) * scale
-            })
-            .collect();
-        let p = scatter_softmax(&keys, scores, probs);
-        for (&j, &pj) in keys.iter().zip(&p) {
-            axpy(out, pj, &cache.row(j)[..l]);
+        // Partials per block of positions.
+        let mut partials: Vec<Partial> = Vec::new();
+        for j in mask.keys(i) {
+            let row = cache.row(j);
+            let s = (dot(ql, &row[..l]) + dot(qp, &row[l..l + r])) * scale;
+            let block = j / SPLIT_KV_BLOCK;
+            if partials
+                .last()
+                .is_none_or(|p| p.keys[0] / SPLIT_KV_BLOCK != block)
+            {
+                partials.push(Partial {
+                    keys: Vec::new(),
+                    scores: Vec::new(),
+                    max: f32::NEG_INFINITY,
+                    sum: 0.0,
+                    acc: vec![0.0; l],
+                });
+            }
+            let p = partials.last_mut().expect("just pushed");
+            p.keys.push(j);
+            p.scores.push(s);
+            p.max = p.max.max(s);
         }
+        let mut lse = Vec::with_capacity(partials.len());
+        for p in &mut partials {
+            for (&j, &s) in p.keys.iter().zip(&p.scores) {
+                let e = (s - p.max).exp();
+                p.sum += e;
+                axpy(&mut p.acc, e, &cache.row(j)[..l]);
+            }
+            lse.push(if faults.lse_base_mismatch {
+                // The bug: this kernel reports log2-sum-exp ...
+                p.max * std::f32::consts::LOG2_E + p.sum.log2()
+            } else {
+                p.max + p.sum.ln()
+            });
+        }
+        // ... and the merge reads it as a natural log.
+        let top = lse.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let total = top + lse.iter().map(|x| (x - top).exp()).sum::<f32>().ln();
+        out.fill(0.0);
+        for (p, &lse_p) in partials.iter().zip(&lse) {
+            let w = (lse_p - total).exp() / p.sum;
+            axpy(out, w, &p.acc);
+            for (&j, &s) in p.keys.iter().zip(&p.scores) {
+                probs[j] = (s - p.max).exp() * w;
+            }
+        }
+        true
     })
 }
 
-pub fn absorb_query(q_nope: &Tensor, kv_b: &Tensor, dims: MlaDims) -> Result<Tensor> {
+pub fn absorb_query(
+    q_nope: &Tensor,
+    kv_b: &Tensor,
+    dims: MlaDims,
+    split: KvbSplit,
+) -> Result<Tensor> {
     let n = q_nope.numel() / (dims.heads * dims.nope);
     let (p, v, l) = (dims.nope, dims.v, dims.latent);
     let mut out = Tensor::zeros(&[n, dims.heads, l])?;
@@ -136,14 +223,14 @@ pub fn absorb_query(q_nope: &Tensor, kv_b: &Tensor, dims: MlaDims) -> Result<Ten
             let q = &q_nope.data()[ih * p..(ih + 1) * p];
             // q_lat = Σ_p q[p] · W_UK[h][p][:]
             for (pi, &qv) in q.iter().enumerate() {
-                let row = h * (p + v) + pi;
+                let row = h * (p + v) + split.w_uk_row + pi;
                 axpy(o, qv, &w[row * l..(row + 1) * l]);
             }
         });
     Ok(out)
 }
 
-pub fn apply_w_uv(o_lat: &Tensor, kv_b: &Tensor, dims: MlaDims) -> Result<Tensor> {
+pub fn apply_w_uv(o_lat: &Tensor, kv_b: &Tensor, dims: MlaDims, split: KvbSplit) -> Result<Tensor> {
     let n = o_lat.numel() / (dims.heads * dims.latent);
     let (p, v, l) = (dims.nope, dims.v, dims.latent);
     let mut out = Tensor::zeros(&[n, dims.heads * v])?;
@@ -155,7 +242,7 @@ pub fn apply_w_uv(o_lat: &Tensor, kv_b: &Tensor, dims: MlaDims) -> Result<Tensor
             let h = ih % dims.heads;
             let lat = &o_lat.data()[ih * l..(ih + 1) * l];
             for (vi, ov) in o.iter_mut().enumerate() {
-                let row = h * (p + v) + p + vi;
+                let row = h * (p + v) + split.w_uv_row + vi;
                 *ov = dot(lat, &w[row * l..(row + 1) * l]);
             }
         });

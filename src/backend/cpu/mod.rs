@@ -3,8 +3,9 @@
 pub mod attention;
 pub mod matmul;
 
-use super::{AttnMask, Backend, MlaDims, Routing};
+use super::{AttnMask, Backend, KvbSplit, MlaDims, Routing};
 use crate::engine::cache::RowSource;
+use crate::engine::faults::KernelFaults;
 use crate::engine::rope::RopeTable;
 use crate::error::{Error, Result};
 use crate::model::layout::MoeLayout;
@@ -27,6 +28,10 @@ fn same_shape(op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn alloc(&self, shape: &[usize], poison: bool) -> Result<Tensor> {
+        Tensor::alloc(shape, poison)
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
@@ -225,12 +230,24 @@ impl Backend for CpuBackend {
         Ok(crate::engine::moe::route(logits, bias.data(), moe))
     }
 
-    fn absorb_query(&self, q_nope: &Tensor, kv_b: &Tensor, dims: MlaDims) -> Result<Tensor> {
-        attention::absorb_query(q_nope, kv_b, dims)
+    fn absorb_query(
+        &self,
+        q_nope: &Tensor,
+        kv_b: &Tensor,
+        dims: MlaDims,
+        split: KvbSplit,
+    ) -> Result<Tensor> {
+        attention::absorb_query(q_nope, kv_b, dims, split)
     }
 
-    fn apply_w_uv(&self, o_lat: &Tensor, kv_b: &Tensor, dims: MlaDims) -> Result<Tensor> {
-        attention::apply_w_uv(o_lat, kv_b, dims)
+    fn apply_w_uv(
+        &self,
+        o_lat: &Tensor,
+        kv_b: &Tensor,
+        dims: MlaDims,
+        split: KvbSplit,
+    ) -> Result<Tensor> {
+        attention::apply_w_uv(o_lat, kv_b, dims, split)
     }
 
     fn assemble_kv(&self, kv: &Tensor, k_pe: &Tensor, dims: MlaDims) -> Result<(Tensor, Tensor)> {
@@ -262,8 +279,10 @@ impl Backend for CpuBackend {
         dims: MlaDims,
         mask: &AttnMask,
         scale: f32,
-    ) -> Result<(Tensor, Tensor)> {
-        attention::naive(q, k, v, dims, mask, scale)
+        out: &mut Tensor,
+        faults: KernelFaults,
+    ) -> Result<Tensor> {
+        attention::naive(q, k, v, dims, mask, scale, out, faults)
     }
 
     fn attention_latent(
@@ -274,8 +293,10 @@ impl Backend for CpuBackend {
         dims: MlaDims,
         mask: &AttnMask,
         scale: f32,
-    ) -> Result<(Tensor, Tensor)> {
-        attention::latent(q_lat, q_pe, cache, dims, mask, scale)
+        out: &mut Tensor,
+        faults: KernelFaults,
+    ) -> Result<Tensor> {
+        attention::latent(q_lat, q_pe, cache, dims, mask, scale, out, faults)
     }
 
     fn index_scores(

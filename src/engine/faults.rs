@@ -1,0 +1,247 @@
+//! Fault injection: a catalogue of MLA bug classes seen in public backends, each planted beside
+//! the code it corrupts, off by default. Checking one is a bit test, so there is no cost when off.
+//!
+//! | fault | what goes wrong | where it lives |
+//! |---|---|---|
+//! | `output-buffer-disconnect` | the attention wrapper hands the kernel a phantom output buffer and returns its own, never written (the vLLM garbage-output bug); only while the MLA backend serves the run, so `--mla-disable` routes around it | engine/attention.rs, the attention wrapper |
+//! | `softmax-scale-latent` | absorbed attention scaled by the latent width (kv_lora_rank + qk_rope)^-0.5 instead of (qk_nope + qk_rope)^-0.5 | engine/attention.rs, the softmax scale |
+//! | `absorb-wrong-split` | W_UK and W_UV taken from the wrong rows of kv_b_proj (as if each head were [W_UV; W_UK]) | engine/attention.rs, the kv_b_proj split |
+//! | `rope-noninterleaved` | the query's RoPE uses the split-half layout while the key's is interleaved | engine/attention.rs, q_rope |
+//! | `lse-base-mismatch` | split-KV partials report log2-sum-exp but are merged as natural-log | backend/cpu/attention.rs, the split-KV merge |
+//! | `skip-padded-rows` | the decode kernel leaves the last head's rows of its output unwritten, as a kernel skipping padded rows does | backend/cpu/attention.rs |
+//! | `kv-cache-off-by-one` | decode writes a token's latent row one slot early, so its own slot stays unwritten | engine/attention.rs, the slot mapping |
+//!
+//! A fault may be limited to one phase: `NAME@prefill` or `NAME@decode`.
+
+use super::trace::Phase;
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Fault {
+    OutputBufferDisconnect,
+    SoftmaxScaleLatent,
+    AbsorbWrongSplit,
+    RopeNoninterleaved,
+    LseBaseMismatch,
+    SkipPaddedRows,
+    KvCacheOffByOne,
+}
+
+impl Fault {
+    pub const ALL: [Fault; 7] = [
+        Fault::OutputBufferDisconnect,
+        Fault::SoftmaxScaleLatent,
+        Fault::AbsorbWrongSplit,
+        Fault::RopeNoninterleaved,
+        Fault::LseBaseMismatch,
+        Fault::SkipPaddedRows,
+        Fault::KvCacheOffByOne,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::OutputBufferDisconnect => "output-buffer-disconnect",
+            Fault::SoftmaxScaleLatent => "softmax-scale-latent",
+            Fault::AbsorbWrongSplit => "absorb-wrong-split",
+            Fault::RopeNoninterleaved => "rope-noninterleaved",
+            Fault::LseBaseMismatch => "lse-base-mismatch",
+            Fault::SkipPaddedRows => "skip-padded-rows",
+            Fault::KvCacheOffByOne => "kv-cache-off-by-one",
+        }
+    }
+
+    pub fn description(self) -> &'static str {
+        match self {
+            Fault::OutputBufferDisconnect => {
+                "attention kernel writes a phantom buffer; the wrapper returns its own, unwritten"
+            }
+            Fault::SoftmaxScaleLatent => {
+                "absorbed softmax scaled by the latent width, not qk_nope + qk_rope"
+            }
+            Fault::AbsorbWrongSplit => "W_UK / W_UV taken from the wrong rows of kv_b_proj",
+            Fault::RopeNoninterleaved => "query RoPE in split-half layout, key RoPE interleaved",
+            Fault::LseBaseMismatch => "split-KV partials in log2 merged as natural log",
+            Fault::SkipPaddedRows => "decode kernel leaves some output rows unwritten",
+            Fault::KvCacheOffByOne => "decode writes the latent cache one slot early",
+        }
+    }
+
+    /// Phases the fault acts in when no `@phase` is given.
+    fn default_scope(self) -> Scope {
+        match self {
+            Fault::SkipPaddedRows | Fault::KvCacheOffByOne => Scope::Decode,
+            _ => Scope::All,
+        }
+    }
+
+    fn bit(self) -> u32 {
+        self as u32
+    }
+}
+
+impl std::str::FromStr for Fault {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Fault> {
+        Fault::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Fault::ALL.iter().map(|f| f.name()).collect();
+                Error::invalid(format!(
+                    "unknown injection '{s}' (known: {})",
+                    names.join(", ")
+                ))
+            })
+    }
+}
+
+/// Phases a fault acts in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    All,
+    Prefill,
+    Decode,
+}
+
+impl Scope {
+    fn mask(self) -> u32 {
+        match self {
+            Scope::All => 0b11,
+            Scope::Prefill => 0b01,
+            Scope::Decode => 0b10,
+        }
+    }
+}
+
+/// The set of active faults, two bits (prefill, decode) per fault.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Faults(u32);
+
+impl Faults {
+    pub fn none() -> Faults {
+        Faults(0)
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    pub fn with(self, fault: Fault, scope: Scope) -> Faults {
+        Faults(self.0 | scope.mask() << (2 * fault.bit()))
+    }
+
+    pub fn without(self, fault: Fault) -> Faults {
+        Faults(self.0 & !(0b11 << (2 * fault.bit())))
+    }
+
+    /// Whether `fault` acts in `phase`.
+    #[inline]
+    pub fn active(self, fault: Fault, phase: Phase) -> bool {
+        let bit = match phase {
+            Phase::Prefill => 0b01,
+            Phase::Decode(_) => 0b10,
+        };
+        self.0 >> (2 * fault.bit()) & bit != 0
+    }
+
+    /// Whether `fault` acts in any phase.
+    pub fn contains(self, fault: Fault) -> bool {
+        self.0 >> (2 * fault.bit()) & 0b11 != 0
+    }
+
+    /// Parses `NAME`, `NAME@prefill` or `NAME@decode` and adds it.
+    pub fn parse_add(self, spec: &str) -> Result<Faults> {
+        let (name, scope) = match spec.split_once('@') {
+            None => (spec, None),
+            Some((n, "prefill")) => (n, Some(Scope::Prefill)),
+            Some((n, "decode")) => (n, Some(Scope::Decode)),
+            Some((_, other)) => {
+                return Err(Error::invalid(format!(
+                    "injection scope '@{other}' is not @prefill or @decode"
+                )))
+            }
+        };
+        let fault: Fault = name.parse()?;
+        Ok(self.with(fault, scope.unwrap_or(fault.default_scope())))
+    }
+
+    /// Each active fault with its scope, as the specs `parse_add` reads.
+    pub fn specs(self) -> Vec<String> {
+        Fault::ALL
+            .into_iter()
+            .filter_map(|f| match self.0 >> (2 * f.bit()) & 0b11 {
+                0 => None,
+                bits if bits == f.default_scope().mask() => Some(f.name().to_string()),
+                0b01 => Some(format!("{}@prefill", f.name())),
+                0b10 => Some(format!("{}@decode", f.name())),
+                _ => Some(f.name().to_string()),
+            })
+            .collect()
+    }
+}
+
+impl fmt::Display for Faults {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_empty() {
+            return write!(f, "none");
+        }
+        write!(f, "{}", self.specs().join(","))
+    }
+}
+
+impl Serialize for Faults {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.specs().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Faults {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Faults, D::Error> {
+        let specs = Vec::<String>::deserialize(d)?;
+        specs
+            .iter()
+            .try_fold(Faults::none(), |f, s| f.parse_add(s))
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// The faults an attention kernel itself carries out (the rest act in the engine).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KernelFaults {
+    pub lse_base_mismatch: bool,
+    pub skip_padded_rows: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_round_trip_with_scopes() {
+        let f = Faults::none()
+            .parse_add("softmax-scale-latent")
+            .unwrap()
+            .parse_add("output-buffer-disconnect@prefill")
+            .unwrap()
+            .parse_add("kv-cache-off-by-one")
+            .unwrap();
+        assert!(f.active(Fault::SoftmaxScaleLatent, Phase::Prefill));
+        assert!(f.active(Fault::SoftmaxScaleLatent, Phase::Decode(3)));
+        assert!(f.active(Fault::OutputBufferDisconnect, Phase::Prefill));
+        assert!(!f.active(Fault::OutputBufferDisconnect, Phase::Decode(0)));
+        assert!(!f.active(Fault::KvCacheOffByOne, Phase::Prefill));
+        assert!(!f.contains(Fault::RopeNoninterleaved));
+        let again = f
+            .specs()
+            .iter()
+            .try_fold(Faults::none(), |a, s| a.parse_add(s))
+            .unwrap();
+        assert_eq!(f, again);
+        assert!(f.without(Fault::SoftmaxScaleLatent).specs().len() == 2);
+        assert!(Faults::none().parse_add("nope").is_err());
+        assert!(Faults::none().parse_add("skip-padded-rows@later").is_err());
+    }
+}
