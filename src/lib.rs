@@ -8,6 +8,7 @@
 
 pub mod backend;
 pub mod cli;
+pub mod debug;
 pub mod engine;
 pub mod error;
 pub mod fsutil;

@@ -1,0 +1,159 @@
+//! Breakpoints: on a layer, on op names, or on a condition of an op's output (tfdbg's
+//! `has_inf_or_nan` and friends, and a difference from the comparison run).
+
+use crate::engine::trace::OpEvent;
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Breakpoint {
+    /// Entering decoder layer L (its first op in each phase).
+    Layer(usize),
+    /// Any op whose name matches the pattern (`*` any run of characters, `?` one character).
+    Op(String),
+    /// The output holds NaN or ±Inf.
+    NanInf,
+    /// Every element of the output is zero.
+    AllZero,
+    /// The largest |value| of the output is above this.
+    AbsMaxAbove(f64),
+    /// The relative L2 difference from the same op of the comparison run is above this.
+    DiffAbove(f64),
+}
+
+impl Breakpoint {
+    /// Parses `layer N`, `op PATTERN`, `nan`, `zero`, `absmax>X`, `diff>X` (what `:break` takes).
+    pub fn parse(text: &str) -> Result<Breakpoint> {
+        let text = text.trim();
+        let bad = || {
+            Error::invalid(format!(
+                "breakpoint '{text}': expected layer N, op PATTERN, nan, zero, absmax>X or diff>X"
+            ))
+        };
+        let number = |s: &str| {
+            s.trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite())
+                .ok_or_else(bad)
+        };
+        if let Some(rest) = text.strip_prefix("layer") {
+            return rest
+                .trim()
+                .parse()
+                .map(Breakpoint::Layer)
+                .map_err(|_| bad());
+        }
+        if let Some(rest) = text.strip_prefix("op ") {
+            return Ok(Breakpoint::Op(rest.trim().to_string()));
+        }
+        if let Some(rest) = text.strip_prefix("absmax>") {
+            return number(rest).map(Breakpoint::AbsMaxAbove);
+        }
+        if let Some(rest) = text.strip_prefix("diff>") {
+            return number(rest).map(Breakpoint::DiffAbove);
+        }
+        match text {
+            "nan" | "inf" | "has_inf_or_nan" => Ok(Breakpoint::NanInf),
+            "zero" | "all_zero" => Ok(Breakpoint::AllZero),
+            _ => Err(bad()),
+        }
+    }
+
+    /// Whether the op `event` (preceded by `previous`) triggers this breakpoint; `diff` is its
+    /// relative difference from the comparison run, when there is one.
+    pub fn hits(&self, event: &OpEvent, previous: Option<&OpEvent>, diff: Option<f64>) -> bool {
+        match self {
+            Breakpoint::Layer(l) => {
+                event.layer == Some(*l)
+                    && previous.is_none_or(|p| p.layer != Some(*l) || p.phase != event.phase)
+            }
+            Breakpoint::Op(pattern) => glob_match(pattern, &event.name),
+            Breakpoint::NanInf => {
+                let s = &event.stats;
+                s.nan
+                    + s.pos_inf
+                    + if event.kind == crate::engine::OpKind::IndexScores {
+                        0
+                    } else {
+                        s.neg_inf
+                    }
+                    > 0
+            }
+            Breakpoint::AllZero => event.stats.all_zero(),
+            Breakpoint::AbsMaxAbove(v) => event.stats.abs_max > *v,
+            Breakpoint::DiffAbove(v) => diff.is_some_and(|d| !(d <= *v)),
+        }
+    }
+}
+
+impl fmt::Display for Breakpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Breakpoint::Layer(l) => write!(f, "layer {l}"),
+            Breakpoint::Op(p) => write!(f, "op {p}"),
+            Breakpoint::NanInf => write!(f, "nan"),
+            Breakpoint::AllZero => write!(f, "zero"),
+            Breakpoint::AbsMaxAbove(v) => write!(f, "absmax>{v}"),
+            Breakpoint::DiffAbove(v) => write!(f, "diff>{v}"),
+        }
+    }
+}
+
+/// Glob matching with `*` (any run, also empty) and `?` (one character).
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let (p, t): (Vec<char>, Vec<char>) = (pattern.chars().collect(), text.chars().collect());
+    let (mut pi, mut ti) = (0, 0);
+    let (mut star, mut mark) = (None, 0);
+    while ti < t.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some(pi);
+            mark = ti;
+            pi += 1;
+        } else if let Some(s) = star {
+            pi = s + 1;
+            mark += 1;
+            ti = mark;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == '*')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parsing_and_globs() {
+        assert_eq!(Breakpoint::parse("layer 3").unwrap(), Breakpoint::Layer(3));
+        assert_eq!(
+            Breakpoint::parse("op *q_absorbed").unwrap(),
+            Breakpoint::Op("*q_absorbed".into())
+        );
+        assert_eq!(
+            Breakpoint::parse("absmax>100").unwrap(),
+            Breakpoint::AbsMaxAbove(100.0)
+        );
+        assert_eq!(
+            Breakpoint::parse("diff>1e-3").unwrap(),
+            Breakpoint::DiffAbove(1e-3)
+        );
+        assert_eq!(Breakpoint::parse("nan").unwrap(), Breakpoint::NanInf);
+        assert!(Breakpoint::parse("layer x").is_err());
+        assert!(Breakpoint::parse("sometimes").is_err());
+        assert!(glob_match(
+            "*q_absorbed",
+            "model.layers.3.self_attn.q_absorbed"
+        ));
+        assert!(glob_match("model.layers.?.mlp", "model.layers.3.mlp"));
+        assert!(!glob_match("model.layers.?.mlp", "model.layers.13.mlp"));
+        assert!(glob_match("*attn*", "x.self_attn.o_proj"));
+        assert!(!glob_match("*attn", "x.self_attn.o_proj"));
+    }
+}

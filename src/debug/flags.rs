@@ -1,0 +1,267 @@
+//! The flags a debugging session varies, one at a time: MLA disable, the path of each phase,
+//! force-dequantize, device, dtype and fault injections. A flag change knows the first op it
+//! affects, so a re-execution can take everything before it from the previous run.
+
+use crate::engine::faults::{Fault, Faults};
+use crate::engine::trace::{OpEvent, OpKind, Phase};
+use crate::engine::{EngineOptions, MlaPath, MlaPaths, StorageDtype};
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::ops::Range;
+
+/// Where ops run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceFlag {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Flags {
+    /// Route attention around the MLA backend: naive everywhere (`VLLM_MLA_DISABLE=1`).
+    pub mla_disable: bool,
+    /// Paths while MLA is enabled (production: naive prefill, absorbed decode).
+    pub prefill_path: MlaPath,
+    pub decode_path: MlaPath,
+    /// Dequantize kv_b_proj once at load instead of deriving W_UK/W_UV through the identity
+    /// trick. Only quantized weights give it something to do.
+    pub force_dequant: bool,
+    pub device: DeviceFlag,
+    pub dtype: StorageDtype,
+    pub faults: Faults,
+}
+
+impl Default for Flags {
+    fn default() -> Flags {
+        Flags {
+            mla_disable: false,
+            prefill_path: MlaPath::Naive,
+            decode_path: MlaPath::Absorbed,
+            force_dequant: false,
+            device: DeviceFlag::Cpu,
+            dtype: StorageDtype::F32,
+            faults: Faults::none(),
+        }
+    }
+}
+
+fn parse_bool(key: &str, value: &str) -> Result<bool> {
+    match value {
+        "" | "on" | "true" | "1" | "yes" => Ok(true),
+        "off" | "false" | "0" | "no" => Ok(false),
+        other => Err(Error::invalid(format!("{key}: '{other}' is not on or off"))),
+    }
+}
+
+fn parse_path(key: &str, value: &str) -> Result<MlaPath> {
+    match value {
+        "naive" => Ok(MlaPath::Naive),
+        "absorbed" => Ok(MlaPath::Absorbed),
+        other => Err(Error::invalid(format!(
+            "{key}: '{other}' is not naive or absorbed"
+        ))),
+    }
+}
+
+/// The flag names `set` understands, for help texts.
+pub const FLAG_NAMES: &[&str] = &[
+    "mla-disable",
+    "prefill-path",
+    "decode-path",
+    "force-dequant",
+    "device",
+    "dtype",
+    "inject",
+];
+
+impl Flags {
+    /// The attention path of each phase.
+    pub fn paths(&self) -> MlaPaths {
+        if self.mla_disable {
+            MlaPaths::disabled()
+        } else {
+            MlaPaths {
+                prefill: self.prefill_path,
+                decode: self.decode_path,
+            }
+        }
+    }
+
+    pub fn path_of(&self, phase: Phase) -> MlaPath {
+        match phase {
+            Phase::Prefill => self.paths().prefill,
+            Phase::Decode(_) => self.paths().decode,
+        }
+    }
+
+    /// Engine options for these flags.
+    pub fn engine_options(&self, layers: Range<usize>, poison: bool) -> Result<EngineOptions> {
+        if self.device == DeviceFlag::Cuda {
+            return Err(Error::invalid(
+                "device cuda: the CUDA backend is not built yet",
+            ));
+        }
+        Ok(EngineOptions {
+            paths: self.paths(),
+            layers,
+            mla_disabled: self.mla_disable,
+            faults: self.faults,
+            poison,
+            storage: self.dtype,
+        })
+    }
+
+    /// Sets one flag from text (`:set FLAG VALUE`, `--a FLAG=VALUE`). `inject` adds a fault
+    /// (`NAME` or `NAME@phase`), `inject -NAME` removes one, `inject none` clears them all.
+    /// Returns a note when the change has nothing to act on.
+    pub fn set(&mut self, key: &str, value: &str) -> Result<Option<String>> {
+        match key {
+            "mla-disable" => self.mla_disable = parse_bool(key, value)?,
+            "prefill-path" => self.prefill_path = parse_path(key, value)?,
+            "decode-path" => self.decode_path = parse_path(key, value)?,
+            "force-dequant" => {
+                self.force_dequant = parse_bool(key, value)?;
+                return Ok(Some(
+                    "force-dequant has nothing to act on: kv_b_proj is not quantized in this model \
+                     (quantized weights come from GGUF files or --quant)"
+                        .to_string(),
+                ));
+            }
+            "device" => {
+                self.device = match value {
+                    "cpu" => DeviceFlag::Cpu,
+                    "cuda" => {
+                        return Err(Error::invalid(
+                            "device cuda: the CUDA backend is not built yet",
+                        ))
+                    }
+                    other => {
+                        return Err(Error::invalid(format!(
+                            "device: '{other}' is not cpu or cuda"
+                        )))
+                    }
+                }
+            }
+            "dtype" => self.dtype = value.parse()?,
+            "inject" => match value {
+                "none" => self.faults = Faults::none(),
+                v if v.starts_with('-') => {
+                    let name = v[1..].split('@').next().unwrap_or_default();
+                    self.faults = self.faults.without(name.parse::<Fault>()?);
+                }
+                v => self.faults = self.faults.parse_add(v)?,
+            },
+            other => {
+                return Err(Error::invalid(format!(
+                    "unknown flag '{other}' (flags: {})",
+                    FLAG_NAMES.join(", ")
+                )))
+            }
+        }
+        Ok(None)
+    }
+
+    /// Flags from a comma-separated list of `FLAG` or `FLAG=VALUE` (empty: the defaults).
+    pub fn parse(text: &str) -> Result<Flags> {
+        let mut flags = Flags::default();
+        for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (k, v) = item.split_once('=').unwrap_or((item, ""));
+            flags.set(k.trim(), v.trim())?;
+        }
+        Ok(flags)
+    }
+
+    /// The index of the first event of `events` (a run with `self`) whose output `new` could
+    /// change, or `None` when no op of that run is affected. Conservative: an op that might
+    /// change counts as changed, so reusing the ops before it is always exact.
+    pub fn first_affected(&self, new: &Flags, events: &[OpEvent]) -> Option<usize> {
+        if self.dtype != new.dtype || self.device != new.device {
+            return (!events.is_empty()).then_some(0);
+        }
+        events.iter().position(|e| self.affects(new, e))
+    }
+
+    fn affects(&self, new: &Flags, e: &OpEvent) -> bool {
+        let attention_path_op = matches!(
+            e.kind,
+            OpKind::Decompress
+                | OpKind::AbsorbQuery
+                | OpKind::AttentionProbs
+                | OpKind::Attention
+                | OpKind::AttentionLatent
+        ) || e.name.ends_with("self_attn.kv_cache");
+        if self.path_of(e.phase) != new.path_of(e.phase) && attention_path_op {
+            return true;
+        }
+        Fault::ALL.into_iter().any(|f| {
+            let (was, is) = (self.fault_acts(f, e.phase), new.fault_acts(f, e.phase));
+            was != is && fault_touches(f, e, if was { self } else { new })
+        })
+    }
+
+    /// Whether fault `f` acts in `phase` under these flags.
+    fn fault_acts(&self, f: Fault, phase: Phase) -> bool {
+        let mla_only = matches!(f, Fault::OutputBufferDisconnect | Fault::SkipPaddedRows);
+        self.faults.active(f, phase) && !(mla_only && self.mla_disable)
+    }
+}
+
+/// The first ops a fault can change, under the flags it acts with.
+fn fault_touches(f: Fault, e: &OpEvent, flags: &Flags) -> bool {
+    let absorbed = flags.path_of(e.phase) == MlaPath::Absorbed;
+    let kernel = matches!(
+        e.kind,
+        OpKind::AttentionProbs | OpKind::Attention | OpKind::AttentionLatent
+    );
+    match f {
+        Fault::OutputBufferDisconnect | Fault::SkipPaddedRows => kernel,
+        Fault::SoftmaxScaleLatent | Fault::LseBaseMismatch => absorbed && kernel,
+        Fault::AbsorbWrongSplit => absorbed && e.kind == OpKind::AbsorbQuery,
+        Fault::RopeNoninterleaved => e.name.ends_with("self_attn.q_rope"),
+        Fault::KvCacheOffByOne => e.name.ends_with("self_attn.latent_cache"),
+    }
+}
+
+impl fmt::Display for Flags {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let paths = self.paths();
+        write!(
+            f,
+            "mla-disable {} · prefill {:?} · decode {:?} · force-dequant {} · device {:?} · dtype {:?} · inject {}",
+            if self.mla_disable { "on" } else { "off" },
+            paths.prefill,
+            paths.decode,
+            if self.force_dequant { "on" } else { "off" },
+            self.device,
+            self.dtype,
+            self.faults
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_and_set() {
+        let f = Flags::parse("mla-disable, inject=softmax-scale-latent, dtype=bf16").unwrap();
+        assert!(f.mla_disable && f.dtype == StorageDtype::Bf16);
+        assert!(f.faults.contains(Fault::SoftmaxScaleLatent));
+        assert_eq!(f.paths(), MlaPaths::disabled());
+        let mut g = f;
+        g.set("inject", "-softmax-scale-latent").unwrap();
+        assert!(g.faults.is_empty());
+        assert!(g
+            .set("force-dequant", "on")
+            .unwrap()
+            .unwrap()
+            .contains("nothing to act on"));
+        assert!(g.set("device", "cuda").is_err());
+        assert!(g.set("colour", "red").is_err());
+        assert!(Flags::parse("decode-path=sideways").is_err());
+    }
+}

@@ -1,0 +1,23 @@
+//! The debugger core: what turns a forward pass into a debugger. A library API that the TUI,
+//! sessions and headless commands drive; it holds no UI code.
+//!
+//! * [`flags`]: the variables a hunt changes one at a time (MLA disable, paths, dtype, faults),
+//!   and the first op each change affects;
+//! * [`record`], [`runner`]: runs kept whole, and re-runs that reuse an earlier run's leading ops;
+//! * [`controller`]: stepping, breakpoints and live flag changes over a running engine;
+//! * [`compare`], [`bisect`], [`external`]: per-op comparisons of runs, phases and dumps;
+//! * [`forensics`], [`detect`]: buffer forensics and the detectors of `mladb check`.
+
+pub mod bisect;
+pub mod breakpoint;
+pub mod compare;
+pub mod controller;
+pub mod detect;
+pub mod external;
+pub mod flags;
+pub mod forensics;
+pub mod record;
+pub mod runner;
+
+pub use flags::Flags;
+pub use record::RunRecord;

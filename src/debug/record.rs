@@ -1,0 +1,102 @@
+//! A run as the debugger keeps it: the flags it ran with, every event and every output, and how
+//! many ops were computed or taken from an earlier run. A record is an [`Observer`] (it fills as
+//! the engine runs) and a [`Replay`] source (a later run may reuse its leading ops).
+
+use super::flags::Flags;
+use crate::engine::generate::Outcome;
+use crate::engine::trace::{Observer, OpEvent, Phase, Replay};
+use crate::engine::OpCounts;
+use crate::error::Result;
+use crate::tensor::Tensor;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+#[derive(Debug, Clone, Default)]
+pub struct RunRecord {
+    pub flags: Flags,
+    pub events: Vec<OpEvent>,
+    pub outputs: Vec<Arc<Tensor>>,
+    pub counts: OpCounts,
+    /// Set when the run finished.
+    pub outcome: Option<Outcome>,
+    /// Set when the run failed or was stopped.
+    pub error: Option<String>,
+    by_name: HashMap<(Phase, String), usize>,
+}
+
+impl RunRecord {
+    pub fn new(flags: Flags) -> RunRecord {
+        RunRecord {
+            flags,
+            ..RunRecord::default()
+        }
+    }
+
+    pub fn push(&mut self, event: OpEvent, output: Arc<Tensor>) {
+        self.by_name
+            .insert((event.phase, event.name.clone()), self.events.len());
+        if event.replayed {
+            self.counts.replayed += 1;
+        } else {
+            self.counts.executed += 1;
+        }
+        self.events.push(event);
+        self.outputs.push(output);
+    }
+
+    pub fn len(&self) -> usize {
+        self.events.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+
+    pub fn finished(&self) -> bool {
+        self.outcome.is_some()
+    }
+
+    /// Index of op `name` in `phase`.
+    pub fn find(&self, phase: Phase, name: &str) -> Option<usize> {
+        self.by_name.get(&(phase, name.to_string())).copied()
+    }
+
+    /// Output of op `name` in `phase`.
+    pub fn output(&self, phase: Phase, name: &str) -> Option<&Tensor> {
+        self.find(phase, name).map(|i| &*self.outputs[i])
+    }
+
+    /// The phases the run went through, in order.
+    pub fn phases(&self) -> Vec<Phase> {
+        let mut phases: Vec<Phase> = Vec::new();
+        for e in &self.events {
+            if phases.last() != Some(&e.phase) {
+                phases.push(e.phase);
+            }
+        }
+        phases
+    }
+}
+
+impl Observer for RunRecord {
+    fn on_op(&mut self, event: &OpEvent, output: &Tensor) -> Result<()> {
+        self.push(event.clone(), Arc::new(output.clone()));
+        Ok(())
+    }
+}
+
+/// The leading ops of a record, up to (not including) `until`, offered for replay.
+pub struct ReplayPrefix<'a> {
+    pub record: &'a RunRecord,
+    pub until: usize,
+}
+
+impl Replay for ReplayPrefix<'_> {
+    fn lookup(&self, index: usize, phase: Phase, name: &str) -> Option<(&OpEvent, &Tensor)> {
+        if index >= self.until {
+            return None;
+        }
+        let e = self.record.events.get(index)?;
+        (e.phase == phase && e.name == name).then(|| (e, &*self.record.outputs[index]))
+    }
+}

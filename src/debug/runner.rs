@@ -1,0 +1,47 @@
+//! Runs a schedule to its end under a set of flags and keeps everything: the building block of
+//! `check`, `bisect` and the comparisons.
+
+use super::flags::Flags;
+use super::record::{ReplayPrefix, RunRecord};
+use crate::backend::Backend;
+use crate::engine::generate::{self, Schedule};
+use crate::engine::Engine;
+use crate::error::Result;
+use crate::model::Model;
+use std::ops::Range;
+
+/// What every run of one debugging job shares.
+#[derive(Clone, Copy)]
+pub struct Job<'a> {
+    pub model: &'a Model,
+    pub backend: &'a dyn Backend,
+    pub schedule: &'a Schedule,
+    pub layers: &'a Range<usize>,
+    /// Poisoned buffers, so unwritten elements show (the debugger always wants this).
+    pub poison: bool,
+}
+
+impl Job<'_> {
+    /// Runs the schedule with `flags`, taking the ops before `replay.until` from `replay`.
+    pub fn run(&self, flags: Flags, replay: Option<ReplayPrefix>) -> Result<RunRecord> {
+        self.run_schedule(flags, self.schedule, replay)
+    }
+
+    /// Runs another schedule (a whole-sequence prefill, say) with `flags`.
+    pub fn run_schedule(
+        &self,
+        flags: Flags,
+        schedule: &Schedule,
+        replay: Option<ReplayPrefix>,
+    ) -> Result<RunRecord> {
+        let options = flags.engine_options(self.layers.clone(), self.poison)?;
+        let mut engine = Engine::new(self.model, self.backend, options)?;
+        if let Some(r) = &replay {
+            engine = engine.with_replay(r);
+        }
+        let mut record = RunRecord::new(flags);
+        let outcome = generate::run(&mut engine, schedule, &mut record)?;
+        record.outcome = Some(outcome);
+        Ok(record)
+    }
+}
