@@ -294,3 +294,192 @@ fn bad_input_is_one_error_line_and_exit_2() {
     std::fs::write(ckpt.join("config.json"), v.to_string()).unwrap();
     assert_clean_error(&mladb(&["run", "--model", ckpt_arg]), "expected shape");
 }
+
+#[test]
+fn check_exits_0_clean_1_with_findings_and_prints_json_findings() {
+    let clean = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--prefill",
+        "9",
+        "--decode",
+        "2",
+    ]);
+    assert_eq!(
+        clean.status.code(),
+        Some(0),
+        "{}{}",
+        stdout(&clean),
+        stderr(&clean)
+    );
+    assert!(stdout(&clean).contains("no findings"));
+    let bad = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--prefill",
+        "9",
+        "--decode",
+        "2",
+        "--inject",
+        "output-buffer-disconnect",
+        "--json",
+    ]);
+    assert_eq!(bad.status.code(), Some(1), "{}", stderr(&bad));
+    let lines: Vec<serde_json::Value> = stdout(&bad)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let (summary, findings) = lines.split_last().unwrap();
+    assert_eq!(summary["type"], "summary");
+    let kinds: Vec<&str> = findings
+        .iter()
+        .map(|f| f["kind"].as_str().unwrap())
+        .collect();
+    assert!(
+        kinds.contains(&"buffer-disconnect") && kinds.contains(&"unwritten"),
+        "{kinds:?}"
+    );
+    for f in findings {
+        for key in ["kind", "op", "phase", "detail"] {
+            assert!(f[key].is_string(), "{key} in {f}");
+        }
+    }
+    let disconnect = findings
+        .iter()
+        .find(|f| f["kind"] == "buffer-disconnect")
+        .unwrap();
+    assert_eq!(disconnect["op"], "model.layers.0.self_attn.attn_output");
+    assert_eq!(disconnect["phase"], "prefill");
+    // MLA disabled routes around the broken backend: the same fault finds nothing.
+    let routed = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--prefill",
+        "9",
+        "--decode",
+        "2",
+        "--inject",
+        "output-buffer-disconnect",
+        "--mla-disable",
+    ]);
+    assert_eq!(routed.status.code(), Some(0), "{}", stdout(&routed));
+}
+
+#[test]
+fn check_against_a_reference_dump_from_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("clean.safetensors");
+    let dump_arg = dump.to_str().unwrap();
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--prefill",
+        "9",
+        "--decode",
+        "2",
+        "--dump",
+        dump_arg,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let same = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--prefill",
+        "9",
+        "--decode",
+        "2",
+        "--reference",
+        dump_arg,
+    ]);
+    assert_eq!(same.status.code(), Some(0), "{}", stdout(&same));
+    let rope = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--prefill",
+        "9",
+        "--decode",
+        "2",
+        "--reference",
+        dump_arg,
+        "--inject",
+        "rope-noninterleaved",
+        "--json",
+    ]);
+    assert_eq!(rope.status.code(), Some(1));
+    let first: serde_json::Value =
+        serde_json::from_str(stdout(&rope).lines().next().unwrap()).unwrap();
+    assert_eq!(first["kind"], "reference-mismatch");
+    assert_eq!(first["op"], "model.layers.0.self_attn.q_rope");
+    assert_clean_error(
+        &mladb(&[
+            "check",
+            "--layout",
+            "glm5-tiny",
+            "--reference",
+            "/nonexistent.safetensors",
+        ]),
+        "/nonexistent.safetensors",
+    );
+    assert_clean_error(
+        &mladb(&["check", "--layout", "glm5-tiny", "--inject", "gremlins"]),
+        "unknown injection 'gremlins'",
+    );
+}
+
+#[test]
+fn bisect_names_the_first_divergent_op() {
+    let o = mladb(&[
+        "bisect",
+        "--layout",
+        "glm5-tiny",
+        "--prefill",
+        "9",
+        "--decode",
+        "2",
+        "--a",
+        "inject=softmax-scale-latent",
+        "--b",
+        "",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["first"]["name"], "model.layers.0.self_attn.attn_probs");
+    assert_eq!(v["first"]["phase"], "decode.0");
+    assert!(v["first"]["diff"]["Ok"]["rel_l2"].as_f64().unwrap() > 1e-3);
+    let same = mladb(&[
+        "bisect",
+        "--layout",
+        "glm5-tiny",
+        "--decode",
+        "1",
+        "--a",
+        "",
+        "--b",
+        "decode-path=naive",
+    ]);
+    assert_eq!(
+        same.status.code(),
+        Some(0),
+        "absorbed and naive agree: {}",
+        stdout(&same)
+    );
+    assert_clean_error(
+        &mladb(&[
+            "bisect",
+            "--layout",
+            "glm5-tiny",
+            "--a",
+            "dtype=f64",
+            "--b",
+            "",
+        ]),
+        "--a",
+    );
+}

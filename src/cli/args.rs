@@ -1,6 +1,9 @@
 //! Options shared by the commands that build a model, and their parsers.
 
-use crate::backend::DeviceChoice;
+use crate::backend::{self, Backend, DeviceChoice};
+use crate::debug::Flags;
+use crate::engine::generate::Schedule;
+use crate::engine::MlaPath;
 use crate::error::{Error, Result};
 use crate::model::{Layout, Model};
 use clap::{Args, ValueEnum};
@@ -44,6 +47,168 @@ impl ModelArgs {
                 let layout = Layout::resolve(self.layout.as_deref().unwrap_or("glm5-tiny"))?;
                 Model::synthetic(layout, self.seed, budget)
             }
+        }
+    }
+}
+
+/// The model, the tokens and the layers of a run: what `run`, `check` and `bisect` share.
+#[derive(Args, Debug, Clone)]
+pub struct RunSetup {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt token ids, comma-separated (default: a 12-token prompt that fits the vocabulary).
+    #[arg(long)]
+    pub tokens: Option<String>,
+    /// Prefill the first K prompt tokens, then feed the rest one by one through decode
+    /// (default: the whole prompt).
+    #[arg(long)]
+    pub prefill: Option<usize>,
+    /// Greedy tokens to decode after the prompt.
+    #[arg(long, default_value_t = 0)]
+    pub decode: usize,
+    /// Run only these decoder layers: A..B (half-open), A..=B or A.
+    #[arg(long)]
+    pub layers: Option<String>,
+    /// cpu, cuda or auto (auto falls back to the CPU and says why).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+}
+
+/// A loaded model with the schedule and layers to run.
+pub struct Prepared {
+    pub model: Model,
+    pub backend: Box<dyn Backend>,
+    pub schedule: Schedule,
+    pub layers: Range<usize>,
+    pub load_seconds: f64,
+}
+
+impl RunSetup {
+    pub fn with_layout(name: &str, decode: usize) -> RunSetup {
+        RunSetup {
+            model: ModelArgs::with_layout(name),
+            tokens: None,
+            prefill: None,
+            decode,
+            layers: None,
+            device: DeviceArg::Cpu,
+        }
+    }
+
+    /// Loads the model and checks the schedule against it.
+    pub fn prepare(&self) -> Result<Prepared> {
+        let (backend, note) = backend::select(self.device.into())?;
+        if let Some(note) = note {
+            eprintln!("{note}");
+        }
+        let start = std::time::Instant::now();
+        let model = self.model.load()?;
+        let load_seconds = start.elapsed().as_secs_f64();
+        let layout = &model.layout;
+        let layers = match &self.layers {
+            Some(text) => parse_layers(text, layout.num_layers)?,
+            None => 0..layout.num_layers,
+        };
+        let prompt = match &self.tokens {
+            Some(t) => parse_tokens(t)?,
+            None => default_prompt(layout.vocab_size, 12),
+        };
+        if let Some(t) = prompt.iter().find(|&&t| t as usize >= layout.vocab_size) {
+            return Err(Error::invalid(format!(
+                "--tokens: token id {t} is out of the vocabulary of {} (vocab_size {})",
+                layout.name, layout.vocab_size
+            )));
+        }
+        let schedule = Schedule {
+            prefill_len: self.prefill.unwrap_or(prompt.len()),
+            prompt,
+            decode_steps: self.decode,
+        };
+        schedule.validate()?;
+        Ok(Prepared {
+            model,
+            backend,
+            schedule,
+            layers,
+            load_seconds,
+        })
+    }
+}
+
+/// The debugging flags as options.
+#[derive(Args, Debug, Clone, Default)]
+pub struct FlagArgs {
+    /// Disable MLA weight absorption: naive attention in prefill and decode, served around the
+    /// MLA backend (what VLLM_MLA_DISABLE=1 does).
+    #[arg(long)]
+    pub mla_disable: bool,
+    /// Attention path of the prefill (default naive, as production backends run it).
+    #[arg(long, value_enum)]
+    pub prefill_path: Option<PathArg>,
+    /// Attention path of decode steps (default absorbed).
+    #[arg(long, value_enum)]
+    pub decode_path: Option<PathArg>,
+    /// Plant a fault: NAME or NAME@prefill / NAME@decode (repeatable). Names:
+    /// output-buffer-disconnect, softmax-scale-latent, absorb-wrong-split, rope-noninterleaved,
+    /// lse-base-mismatch, skip-padded-rows, kv-cache-off-by-one.
+    #[arg(long = "inject")]
+    pub inject: Vec<String>,
+    /// Activation storage: f32, or bf16 (outputs rounded to bf16, f32 arithmetic).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Dequantize kv_b_proj at load instead of through the identity matrix (needs quantized
+    /// weights to act on).
+    #[arg(long)]
+    pub force_dequant: bool,
+}
+
+impl FlagArgs {
+    pub fn flags(&self) -> Result<Flags> {
+        let mut flags = Flags::default();
+        if self.mla_disable {
+            if self.prefill_path == Some(PathArg::Absorbed)
+                || self.decode_path == Some(PathArg::Absorbed)
+            {
+                return Err(Error::invalid(
+                    "--mla-disable makes every path naive: it contradicts an absorbed path",
+                ));
+            }
+            flags.mla_disable = true;
+        }
+        if let Some(p) = self.prefill_path {
+            flags.prefill_path = p.into();
+        }
+        if let Some(p) = self.decode_path {
+            flags.decode_path = p.into();
+        }
+        for spec in &self.inject {
+            flags
+                .set("inject", spec)
+                .map_err(|e| Error::invalid(format!("--inject: {e}")))?;
+        }
+        flags
+            .set("dtype", &self.dtype)
+            .map_err(|e| Error::invalid(format!("--dtype: {e}")))?;
+        if self.force_dequant {
+            if let Some(note) = flags.set("force-dequant", "on")? {
+                eprintln!("note: {note}");
+            }
+        }
+        Ok(flags)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PathArg {
+    Naive,
+    Absorbed,
+}
+
+impl From<PathArg> for MlaPath {
+    fn from(p: PathArg) -> MlaPath {
+        match p {
+            PathArg::Naive => MlaPath::Naive,
+            PathArg::Absorbed => MlaPath::Absorbed,
         }
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod args;
 pub mod bench;
+pub mod check;
 pub mod dump;
 pub mod layout_cmd;
 pub mod run;
@@ -29,18 +30,27 @@ pub struct Cli {
 pub enum Command {
     /// Run a forward pass headless and print the op trace.
     Run(run::RunArgs),
+    /// Run the detectors (NaN/Inf, all-zero, unwritten, buffer disconnects, absorbed vs naive,
+    /// prefill vs decode, a reference dump) and print findings; exit 1 when there are any.
+    Check(check::CheckArgs),
+    /// Find the first op whose output differs between two flag sets (or a run and a dump).
+    Bisect(check::BisectArgs),
     /// Time the forward pass per layer (with synthetic or real weights).
     Bench(bench::BenchArgs),
     /// List, show or import model layouts.
     Layout(layout_cmd::LayoutArgs),
 }
 
-/// Runs the parsed command line.
-pub fn main(cli: Cli) -> Result<()> {
-    match cli.command {
-        None => run::run(&run::RunArgs::default_demo()),
-        Some(Command::Run(args)) => run::run(&args),
-        Some(Command::Bench(args)) => bench::bench(&args),
-        Some(Command::Layout(args)) => layout_cmd::layout(&args),
-    }
+/// Runs the parsed command line; the exit code is 0, or 1 when `check` or `bisect` found
+/// something.
+pub fn main(cli: Cli) -> Result<u8> {
+    let found = match cli.command {
+        None => run::run(&run::RunArgs::default_demo()).map(|_| false),
+        Some(Command::Run(args)) => run::run(&args).map(|_| false),
+        Some(Command::Check(args)) => check::run(&args),
+        Some(Command::Bisect(args)) => check::bisect(&args),
+        Some(Command::Bench(args)) => bench::bench(&args).map(|_| false),
+        Some(Command::Layout(args)) => layout_cmd::layout(&args).map(|_| false),
+    }?;
+    Ok(found as u8)
 }

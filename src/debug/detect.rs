@@ -170,12 +170,36 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
 
     findings.sort_by_key(|f| (f.index, f.kind as u8));
     Ok(CheckReport {
-        findings,
+        findings: fold_repeats(findings),
         notes,
         tolerance,
         run,
         ops_executed: ops,
     })
+}
+
+/// One finding per kind and op: the same op found again in later phases is listed in the
+/// first finding's detail instead of repeating it.
+fn fold_repeats(findings: Vec<Finding>) -> Vec<Finding> {
+    let mut out: Vec<Finding> = Vec::new();
+    let mut again: Vec<Vec<Phase>> = Vec::new();
+    for f in findings {
+        match out.iter().position(|g| g.kind == f.kind && g.op == f.op) {
+            Some(i) => again[i].push(f.phase),
+            None => {
+                out.push(f);
+                again.push(Vec::new());
+            }
+        }
+    }
+    for (f, phases) in out.iter_mut().zip(again) {
+        if !phases.is_empty() {
+            let list: Vec<String> = phases.iter().map(Phase::to_string).collect();
+            f.detail
+                .push_str(&format!(" [also in {}]", list.join(", ")));
+        }
+    }
+    out
 }
 
 /// Findings that one run shows by itself.
