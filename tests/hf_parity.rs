@@ -245,3 +245,69 @@ fn fixtures_exercise_what_they_claim() {
             && plain.layout.attention_bias
     );
 }
+
+/// tools/hf_dump.py recorded every module output of transformers for glm5-sparse (prefill 6,
+/// then 4 prompt tokens and 3 greedy ones through decode); mapped to mladb's op names with the
+/// HF name map, every one agrees with mladb's op of the same name.
+#[test]
+fn every_hf_module_output_matches_the_op_of_the_same_name() {
+    use mladb::debug::detect::{check, CheckOptions, FindingKind};
+    use mladb::debug::external::{ExternalDump, NameMap};
+    use mladb::debug::runner::Job;
+    use mladb::debug::Flags;
+    use mladb::engine::generate::Schedule;
+    let reference = load_reference("glm5-sparse");
+    let model = model("glm5-sparse");
+    let dump_path = fixture_dir("glm5-sparse").join("hf-dump.safetensors");
+    let schedule = Schedule {
+        prompt: reference.prompt.clone(),
+        prefill_len: 6,
+        decode_steps: 3,
+    };
+    let layers = 0..model.layout.num_layers;
+    let job = Job {
+        model: &model,
+        backend: &CpuBackend,
+        schedule: &schedule,
+        layers: &layers,
+        poison: true,
+    };
+    let dump = ExternalDump::load(&dump_path, &NameMap::hf()).unwrap();
+    let run = job.run(Flags::default(), None).unwrap();
+    let compared = dump.compare(&run, model.layout.num_heads);
+    assert!(compared.len() > 500, "{} ops compared", compared.len());
+    for c in &compared {
+        let d = c
+            .diff
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{} {}: {e}", c.phase, c.name));
+        assert!(
+            d.rel_l2 < TOLERANCE,
+            "{} {}: {}",
+            c.phase,
+            c.name,
+            d.summary()
+        );
+    }
+    // A fault shows against it at the first op transformers also has.
+    let dump = ExternalDump::load(&dump_path, &NameMap::hf()).unwrap();
+    let options = CheckOptions {
+        tolerance: None,
+        reference: Some(dump),
+    };
+    let report = check(
+        &job,
+        Flags::parse("inject=rope-noninterleaved").unwrap(),
+        &options,
+    )
+    .unwrap();
+    let first = report
+        .findings
+        .iter()
+        .find(|f| f.kind == FindingKind::ReferenceMismatch)
+        .unwrap();
+    assert_eq!(
+        (first.phase, first.op.as_str()),
+        (Phase::Prefill, "model.layers.0.self_attn.o_proj")
+    );
+}

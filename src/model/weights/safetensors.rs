@@ -178,7 +178,8 @@ impl CheckpointWeights {
     }
 }
 
-/// The shard files: from the index when there is one, else every `*.safetensors` in the folder.
+/// The shard files: from the index when there is one, else model.safetensors, else every
+/// `*.safetensors` in the folder.
 fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
@@ -218,6 +219,12 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>> {
                 }
             })
             .collect();
+    }
+    // The single-file layout: model.safetensors (other safetensors files beside it, such as
+    // dumps, are not weights).
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
     }
     let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| Error::io(dir, e))?
