@@ -24,6 +24,9 @@ pub struct BenchArgs {
     /// Disable MLA absorption (naive decode).
     #[arg(long)]
     pub mla_disable: bool,
+    /// Also time `check` (all detectors) against a plain run, both with weights already fetched.
+    #[arg(long)]
+    pub check: bool,
 }
 
 /// Peak resident memory of this process in bytes, where the OS tells it.
@@ -100,11 +103,61 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         dc_compute * 1e3
     );
     println!("whole run {total:.3}s (embedding, final norm and lm_head included)");
+    if args.check {
+        bench_check(&model, &layers, &schedule, args.mla_disable)?;
+    }
     if let Some(rss) = peak_rss_bytes() {
         println!(
             "peak resident memory {:.2} GiB",
             rss as f64 / (1u64 << 30) as f64
         );
     }
+    Ok(())
+}
+
+/// Times a plain run and `check` on the same schedule, with the weights already fetched.
+fn bench_check(
+    model: &crate::model::Model,
+    layers: &std::ops::Range<usize>,
+    schedule: &Schedule,
+    mla_disable: bool,
+) -> Result<()> {
+    use crate::debug::detect::{check, CheckOptions};
+    use crate::debug::runner::Job;
+    use crate::debug::Flags;
+    let flags = Flags {
+        mla_disable,
+        ..Flags::default()
+    };
+    let backend = CpuBackend;
+    let start = std::time::Instant::now();
+    let options = flags.engine_options(layers.clone(), false)?;
+    let mut engine = Engine::new(model, &backend, options)?;
+    generate::run(&mut engine, schedule, &mut NullObserver)?;
+    let plain = start.elapsed().as_secs_f64();
+    let plain_ops = engine.counts().executed;
+    let job = Job {
+        model,
+        backend: &backend,
+        schedule,
+        layers,
+        poison: true,
+    };
+    let start = std::time::Instant::now();
+    let report = check(
+        &job,
+        flags,
+        &CheckOptions {
+            tolerance: None,
+            reference: None,
+        },
+    )?;
+    let checked = start.elapsed().as_secs_f64();
+    println!(
+        "check: {checked:.3}s against a plain run's {plain:.3}s ({:.2}×): {} ops computed against {plain_ops} (the run, the other MLA path, a whole-sequence prefill), {} findings",
+        checked / plain,
+        report.ops_executed,
+        report.findings.len()
+    );
     Ok(())
 }

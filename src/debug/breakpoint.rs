@@ -83,7 +83,7 @@ impl Breakpoint {
             }
             Breakpoint::AllZero => event.stats.all_zero(),
             Breakpoint::AbsMaxAbove(v) => event.stats.abs_max > *v,
-            Breakpoint::DiffAbove(v) => diff.is_some_and(|d| !(d <= *v)),
+            Breakpoint::DiffAbove(v) => diff.is_some_and(|d| d.is_nan() || d > *v),
         }
     }
 }

@@ -24,7 +24,7 @@ pub struct Diff {
 impl Diff {
     /// The difference exceeds `tolerance` (NaN always does).
     pub fn exceeds(&self, tolerance: f64) -> bool {
-        !(self.rel_l2 <= tolerance)
+        self.rel_l2.is_nan() || self.rel_l2 > tolerance
     }
 
     /// The head with the largest error.

@@ -72,7 +72,7 @@ impl LatentCache {
             slot <= self.len,
             "slot {slot} past the token being appended"
         );
-        if self.len % PAGE_SIZE == 0 {
+        if self.len.is_multiple_of(PAGE_SIZE) {
             checked_numel(&[PAGE_SIZE, self.width], "latent cache page")?;
             let fill = if self.poison {
                 f32::from_bits(crate::tensor::POISON_BITS)

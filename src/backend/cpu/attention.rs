@@ -60,9 +60,8 @@ where
     let mut out_hm = vec![0f32; heads * n * out_width];
     let mut written = vec![true; heads * n];
     let mut probs = Tensor::zeros(&[heads, n, context])?;
-    let work = |(r, ((o, p), w)): (usize, ((&mut [f32], &mut [f32]), &mut bool))| {
-        *w = f(r % n, r / n, o, p)
-    };
+    type Row<'a> = (usize, ((&'a mut [f32], &'a mut [f32]), &'a mut bool));
+    let work = |(r, ((o, p), w)): Row| *w = f(r % n, r / n, o, p);
     let chunks = out_hm
         .chunks_mut(out_width)
         .zip(probs.data_mut().chunks_mut(context.max(1)))
