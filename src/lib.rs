@@ -13,7 +13,9 @@ pub mod engine;
 pub mod error;
 pub mod fsutil;
 pub mod model;
+pub mod session;
 pub mod stats;
 pub mod tensor;
+pub mod tui;
 
 pub use error::{Error, Result};

@@ -290,6 +290,7 @@ fn stepping_next_layer_and_breakpoints() {
     assert_eq!(c.continue_run(), Stop::Breakpoint(0));
     assert_eq!(c.position().unwrap().phase, Phase::Decode(0));
     assert_eq!(c.history().len(), 1, "the finished run is kept");
+    assert_eq!(c.run_number(), 1);
 }
 
 #[test]

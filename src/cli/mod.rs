@@ -19,7 +19,8 @@ use clap::{Parser, Subcommand};
     about = "A debugger for Multi-head Latent Attention (MLA) execution in GLM-5 and DeepSeek-V3",
     long_about = "mladb steps through a GLM-5 or DeepSeek-V3 forward pass op by op, on synthetic \
                   weights or a real checkpoint, and shows what each op produced.\n\nWith no \
-                  subcommand it runs `mladb run` on the built-in glm5-tiny layout."
+                  subcommand it opens the debugger on the built-in glm5-tiny layout (or, when not \
+                  on a terminal, prints `mladb run` of it)."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -28,6 +29,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Open the interactive debugger (what a bare `mladb` does on a terminal).
+    Tui(crate::tui::TuiArgs),
     /// Run a forward pass headless and print the op trace.
     Run(run::RunArgs),
     /// Run the detectors (NaN/Inf, all-zero, unwritten, buffer disconnects, absorbed vs naive,
@@ -45,7 +48,15 @@ pub enum Command {
 /// something.
 pub fn main(cli: Cli) -> Result<u8> {
     let found = match cli.command {
-        None => run::run(&run::RunArgs::default_demo()).map(|_| false),
+        None => {
+            use std::io::IsTerminal;
+            if std::io::stdin().is_terminal() && std::io::stdout().is_terminal() {
+                crate::tui::run(&crate::tui::TuiArgs::default_demo()).map(|_| false)
+            } else {
+                run::run(&run::RunArgs::default_demo()).map(|_| false)
+            }
+        }
+        Some(Command::Tui(args)) => crate::tui::run(&args).map(|_| false),
         Some(Command::Run(args)) => run::run(&args).map(|_| false),
         Some(Command::Check(args)) => check::run(&args),
         Some(Command::Bisect(args)) => check::bisect(&args),

@@ -20,6 +20,7 @@ use crate::model::Model;
 use crate::tensor::Tensor;
 use serde::Serialize;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -46,6 +47,8 @@ pub enum Stop {
     End,
     /// The engine failed; the message says why.
     Failed(String),
+    /// The user cancelled a long run; the engine is paused where it was.
+    Cancelled,
 }
 
 /// What a flag change did.
@@ -140,7 +143,15 @@ pub struct Controller {
     comparison: Option<usize>,
     breakpoints: Vec<Breakpoint>,
     worker: Worker,
+    /// Set from another thread to stop a running `continue`, `next_layer` or re-execution
+    /// between two ops.
+    cancel: Arc<AtomicBool>,
+    /// Told of every op as it arrives (a UI streams them).
+    listener: Option<Listener>,
 }
+
+/// A callback for every op the controller receives: (run number, the run's flags, event, output).
+pub type Listener = Box<dyn FnMut(usize, &Flags, &OpEvent, &Arc<Tensor>) + Send>;
 
 impl Controller {
     /// Starts a paused run: nothing has executed yet.
@@ -165,7 +176,42 @@ impl Controller {
             comparison: None,
             breakpoints: Vec::new(),
             worker,
+            cancel: Arc::new(AtomicBool::new(false)),
+            listener: None,
         })
+    }
+
+    /// The flag that cancels a running command when set (it is cleared when a command starts).
+    pub fn cancel_flag(&self) -> Arc<AtomicBool> {
+        self.cancel.clone()
+    }
+
+    /// Shares a cancel flag owned elsewhere (a UI thread sets it on Esc).
+    pub fn set_cancel_flag(&mut self, flag: Arc<AtomicBool>) {
+        self.cancel = flag;
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// Sets the callback told of every op as it arrives.
+    pub fn set_listener(&mut self, listener: Listener) {
+        self.listener = Some(listener);
+    }
+
+    /// The number of the current run: runs are numbered from 0, earlier ones are in
+    /// `history()` at their number.
+    pub fn run_number(&self) -> usize {
+        self.history.len()
+    }
+
+    pub fn layers(&self) -> &Range<usize> {
+        &self.layers
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.swap(false, Ordering::Relaxed)
     }
 
     pub fn flags(&self) -> Flags {
@@ -174,6 +220,10 @@ impl Controller {
 
     pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    pub fn model_arc(&self) -> Arc<Model> {
+        self.model.clone()
     }
 
     pub fn schedule(&self) -> &Schedule {
@@ -261,6 +311,9 @@ impl Controller {
         }
         match self.worker.events.recv() {
             Ok(Message::Op(event, output)) => {
+                if let Some(listener) = &mut self.listener {
+                    listener(self.history.len(), &self.current.flags, &event, &output);
+                }
                 self.current.push(*event, output);
                 self.worker.paused = true;
                 Some(self.current.len() - 1)
@@ -300,7 +353,11 @@ impl Controller {
     /// next phase), stopping early at a breakpoint.
     pub fn next_layer(&mut self) -> Stop {
         let start = self.current.events.last().map(|e| (e.phase, e.layer));
+        self.cancel.store(false, Ordering::Relaxed);
         loop {
+            if self.cancelled() {
+                return Stop::Cancelled;
+            }
             let Some(i) = self.advance() else {
                 return self.ended();
             };
@@ -320,7 +377,11 @@ impl Controller {
 
     /// Runs until a breakpoint is hit or the run ends.
     pub fn continue_run(&mut self) -> Stop {
+        self.cancel.store(false, Ordering::Relaxed);
         loop {
+            if self.cancelled() {
+                return Stop::Cancelled;
+            }
             let Some(i) = self.advance() else {
                 return self.ended();
             };
@@ -378,9 +439,7 @@ impl Controller {
     pub fn restart(&mut self) {
         self.worker.stop();
         let previous = std::mem::replace(&mut self.current, RunRecord::new(self.flags));
-        if !previous.is_empty() {
-            self.history.push(Arc::new(previous));
-        }
+        self.history.push(Arc::new(previous));
         self.worker = spawn(
             &self.model,
             &self.backend,
@@ -418,6 +477,7 @@ impl Controller {
             });
         }
         self.worker.stop();
+        self.cancel.store(false, Ordering::Relaxed);
         let old = Arc::new(std::mem::replace(&mut self.current, RunRecord::new(new)));
         let first = self.flags.first_affected(&new, &old.events);
         let until = first.unwrap_or(old.len());
@@ -435,11 +495,14 @@ impl Controller {
         // Run to where the previous run stood: its end, or its last op (or the point where the
         // new run passes it, when the change removed that op).
         match old.events.last() {
-            _ if old.finished() => while self.advance().is_some() {},
+            _ if old.finished() => while !self.cancelled() && self.advance().is_some() {},
             None => {}
             Some(stop) => {
                 let target = order_key(stop);
                 while let Some(i) = self.advance() {
+                    if self.cancelled() {
+                        break;
+                    }
                     let e = &self.current.events[i];
                     if (e.phase, &e.name) == (stop.phase, &stop.name) || order_key(e) > target {
                         break;

@@ -225,6 +225,51 @@ fn fault_touches(f: Fault, e: &OpEvent, flags: &Flags) -> bool {
     }
 }
 
+impl Flags {
+    /// What changed from `self` to `new`, e.g. `mla-disable off → on`.
+    pub fn changes_to(&self, new: &Flags) -> String {
+        let onoff = |b: bool| if b { "on" } else { "off" };
+        let mut out = Vec::new();
+        if self.mla_disable != new.mla_disable {
+            out.push(format!(
+                "mla-disable {} → {}",
+                onoff(self.mla_disable),
+                onoff(new.mla_disable)
+            ));
+        }
+        let (a, b) = (self.paths(), new.paths());
+        if !self.mla_disable && !new.mla_disable {
+            if a.prefill != b.prefill {
+                out.push(format!("prefill {:?} → {:?}", a.prefill, b.prefill).to_lowercase());
+            }
+            if a.decode != b.decode {
+                out.push(format!("decode {:?} → {:?}", a.decode, b.decode).to_lowercase());
+            }
+        }
+        if self.force_dequant != new.force_dequant {
+            out.push(format!(
+                "force-dequant {} → {}",
+                onoff(self.force_dequant),
+                onoff(new.force_dequant)
+            ));
+        }
+        if self.device != new.device {
+            out.push(format!("device {:?} → {:?}", self.device, new.device).to_lowercase());
+        }
+        if self.dtype != new.dtype {
+            out.push(format!("dtype {:?} → {:?}", self.dtype, new.dtype).to_lowercase());
+        }
+        if self.faults != new.faults {
+            out.push(format!("inject {} → {}", self.faults, new.faults));
+        }
+        if out.is_empty() {
+            "same flags".to_string()
+        } else {
+            out.join(", ")
+        }
+    }
+}
+
 impl fmt::Display for Flags {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let paths = self.paths();

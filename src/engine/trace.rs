@@ -90,6 +90,16 @@ pub enum OpKind {
     Logits,
 }
 
+impl OpKind {
+    /// The kind's name as the trace serialises it (`attention_probs`).
+    pub fn name(self) -> String {
+        serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default()
+    }
+}
+
 /// Where an op's output lives, or what it read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BufferRef {

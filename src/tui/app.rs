@@ -1,0 +1,713 @@
+//! The TUI's state and how input changes it. Everything the screen shows is derived from here;
+//! the only way in is [`App::on_key`], [`App::on_mouse`] and [`App::tick`] (updates from the
+//! debugger), so the state machine can be driven synchronously in tests.
+
+use super::driver::Driver;
+use super::host::{cursor_of, AuxKind, Command, Info, Update};
+use super::keys::{Action, Keymap};
+use super::theme::Theme;
+use crate::debug::breakpoint::Breakpoint;
+use crate::debug::controller::Stop;
+use crate::debug::{Flags, RunRecord};
+use crate::engine::faults::Fault;
+use crate::engine::trace::{OpEvent, Phase};
+use ratatui::crossterm::event::{KeyCode, KeyEvent, MouseButton, MouseEvent, MouseEventKind};
+use ratatui::layout::Rect;
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The right-hand pane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tab {
+    Tensor,
+    Buffers,
+    Compare,
+}
+
+impl Tab {
+    pub const ALL: [Tab; 3] = [Tab::Tensor, Tab::Buffers, Tab::Compare];
+
+    pub fn title(self) -> &'static str {
+        match self {
+            Tab::Tensor => "Tensor",
+            Tab::Buffers => "Buffers",
+            Tab::Compare => "Compare",
+        }
+    }
+}
+
+/// A view over the main screen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Overlay {
+    None,
+    Help,
+    Learn { scroll: u16 },
+    Inject { selected: usize },
+    Command { input: String },
+}
+
+/// A row of the execution tree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Node {
+    Phase(Phase),
+    Layer(Phase, usize),
+    Op(usize),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Row {
+    pub node: Node,
+    pub depth: u8,
+}
+
+/// The debugger's state as the UI knows it, built from updates.
+#[derive(Default)]
+pub struct Mirror {
+    pub info: Option<Info>,
+    /// Runs by number; the last is the current one.
+    pub runs: Vec<RunRecord>,
+    pub comparison: Option<usize>,
+    pub aux: HashMap<(usize, AuxKind), Arc<RunRecord>>,
+    pub breakpoints: Vec<Breakpoint>,
+    pub flags: Flags,
+    pub busy: Option<String>,
+    pub last_stop: Option<Stop>,
+}
+
+impl Mirror {
+    pub fn current(&self) -> Option<&RunRecord> {
+        self.runs.last()
+    }
+
+    pub fn current_number(&self) -> usize {
+        self.runs.len().saturating_sub(1)
+    }
+
+    pub fn comparison_run(&self) -> Option<&RunRecord> {
+        self.comparison.and_then(|i| self.runs.get(i))
+    }
+
+    pub fn aux(&self, kind: AuxKind) -> Option<&RunRecord> {
+        self.aux.get(&(self.current_number(), kind)).map(|r| &**r)
+    }
+
+    /// The last op executed in the current run.
+    pub fn position(&self) -> Option<&OpEvent> {
+        self.current().and_then(|r| r.events.last())
+    }
+
+    pub fn layout(&self) -> Option<&crate::model::Layout> {
+        self.info.as_ref().map(|i| &i.layout)
+    }
+}
+
+pub struct App {
+    driver: Box<dyn Driver>,
+    pub mirror: Mirror,
+    pub keymap: Keymap,
+    pub theme: Theme,
+    pub tab: Tab,
+    pub overlay: Overlay,
+    pub selected: Option<Node>,
+    pub expanded: HashSet<Node>,
+    /// First tree row shown.
+    pub scroll: usize,
+    /// The selection follows the execution position.
+    pub follow: bool,
+    /// Attention head shown in heat maps and per-head figures.
+    pub head: usize,
+    pub log: Vec<String>,
+    pub notes: Vec<String>,
+    pub quit: bool,
+    /// Screen areas of the last draw, for the mouse.
+    pub areas: Areas,
+    /// First divergent op per (run, ops so far, comparison kind), so whole-run comparisons are
+    /// computed once per change rather than once per frame.
+    pub divergence_cache: RefCell<HashMap<(usize, usize, u8), Divergence>>,
+    /// Whether op (run, index) diverges from comparison run (…, comparison), once computed.
+    pub mark_cache: RefCell<HashMap<(usize, usize, usize), bool>>,
+}
+
+/// The first op over tolerance in a comparison, and how many ops were compared.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Divergence {
+    pub first: Option<(usize, Phase, String)>,
+    pub compared: usize,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Areas {
+    pub tree: Rect,
+    pub tabs: Rect,
+}
+
+impl App {
+    pub fn new(driver: Box<dyn Driver>, keymap: Keymap, theme: Theme) -> App {
+        let mut app = App {
+            driver,
+            mirror: Mirror::default(),
+            keymap,
+            theme,
+            tab: Tab::Tensor,
+            overlay: Overlay::None,
+            selected: None,
+            expanded: HashSet::new(),
+            scroll: 0,
+            follow: true,
+            head: 0,
+            log: Vec::new(),
+            notes: Vec::new(),
+            quit: false,
+            areas: Areas::default(),
+            divergence_cache: RefCell::new(HashMap::new()),
+            mark_cache: RefCell::new(HashMap::new()),
+        };
+        app.tick();
+        app
+    }
+
+    fn send(&mut self, command: Command) {
+        self.driver.send(command);
+        self.tick();
+    }
+
+    pub fn say(&mut self, line: impl Into<String>) {
+        let line = line.into();
+        crate::tui::logfile::write(&line);
+        self.log.push(line);
+        if self.log.len() > 500 {
+            self.log.drain(..100);
+        }
+    }
+
+    /// Takes in what the debugger reported. Returns whether anything changed.
+    pub fn tick(&mut self) -> bool {
+        let updates = self.driver.poll();
+        let changed = !updates.is_empty();
+        for u in updates {
+            self.apply(u);
+        }
+        changed
+    }
+
+    fn apply(&mut self, update: Update) {
+        let m = &mut self.mirror;
+        match update {
+            Update::Loaded(info) => {
+                self.say(format!(
+                    "loaded {} ({} layers, {}) from {}",
+                    info.layout.name,
+                    info.layout.num_layers,
+                    info.layout.family.hf_model_type(),
+                    info.source
+                ));
+                self.divergence_cache.borrow_mut().clear();
+                self.mark_cache.borrow_mut().clear();
+                let m = &mut self.mirror;
+                m.info = Some(*info);
+                m.runs.clear();
+                m.aux.clear();
+                m.comparison = None;
+                self.selected = None;
+                self.follow = true;
+            }
+            Update::Op {
+                run,
+                flags,
+                event,
+                output,
+            } => {
+                while m.runs.len() <= run {
+                    m.runs.push(RunRecord::new(flags));
+                }
+                m.runs[run].push(*event, output);
+                if self.follow {
+                    self.select_position();
+                }
+            }
+            Update::Comparison(c) => m.comparison = c,
+            Update::Finished {
+                run,
+                outcome,
+                error,
+            } => {
+                if let Some(r) = m.runs.get_mut(run) {
+                    r.outcome = outcome.clone();
+                    r.error = error.clone();
+                }
+                match (outcome, error) {
+                    (Some(o), _) => self.say(format!(
+                        "run {run} finished: generated {:?}, next token {}",
+                        o.generated, o.next_token
+                    )),
+                    (_, Some(e)) => self.say(format!("run {run} failed: {e}")),
+                    _ => {}
+                }
+            }
+            Update::Stopped(stop) => {
+                if let Stop::Failed(e) = &stop {
+                    self.say(format!("engine error: {e}"));
+                }
+                if stop == Stop::Cancelled {
+                    self.say("cancelled");
+                }
+                self.mirror.last_stop = Some(stop);
+                if self.follow {
+                    self.select_position();
+                }
+            }
+            Update::Breakpoints(b) => m.breakpoints = b,
+            Update::Flags(f) => m.flags = f,
+            Update::Aux { run, kind, record } => {
+                m.aux.insert((run, kind), record);
+            }
+            Update::Select(index) => {
+                self.follow = false;
+                self.select(Node::Op(index));
+            }
+            Update::Log(line) => self.say(line),
+            Update::Error(e) => self.say(format!("error: {e}")),
+            Update::Busy(b) => m.busy = b,
+        }
+    }
+
+    /// Selects a node, expanding what holds it.
+    pub fn select(&mut self, node: Node) {
+        if let Node::Op(i) = node {
+            if let Some(e) = self.mirror.current().and_then(|r| r.events.get(i)) {
+                self.expanded.insert(Node::Phase(e.phase));
+                if let Some(l) = e.layer {
+                    self.expanded.insert(Node::Layer(e.phase, l));
+                }
+            }
+        }
+        self.selected = Some(node);
+    }
+
+    fn select_position(&mut self) {
+        if let Some(i) = self.mirror.position().map(|e| e.index) {
+            self.select(Node::Op(i));
+        }
+    }
+
+    /// The selected op, if an op row is selected.
+    pub fn selected_op(&self) -> Option<(usize, &OpEvent)> {
+        match self.selected? {
+            Node::Op(i) => self.mirror.current()?.events.get(i).map(|e| (i, e)),
+            _ => None,
+        }
+    }
+
+    /// The layer the selection is in (for the Learn view and layer breakpoints).
+    pub fn selected_layer(&self) -> Option<usize> {
+        match self.selected? {
+            Node::Layer(_, l) => Some(l),
+            Node::Op(_) => self.selected_op().and_then(|(_, e)| e.layer),
+            Node::Phase(_) => None,
+        }
+    }
+
+    /// The visible rows of the execution tree.
+    pub fn rows(&self) -> Vec<Row> {
+        let mut rows = Vec::new();
+        let Some(run) = self.mirror.current() else {
+            return rows;
+        };
+        let mut i = 0;
+        let events = &run.events;
+        while i < events.len() {
+            let phase = events[i].phase;
+            let phase_node = Node::Phase(phase);
+            rows.push(Row {
+                node: phase_node,
+                depth: 0,
+            });
+            let open = self.expanded.contains(&phase_node);
+            while i < events.len() && events[i].phase == phase {
+                match events[i].layer {
+                    None => {
+                        if open {
+                            rows.push(Row {
+                                node: Node::Op(i),
+                                depth: 1,
+                            });
+                        }
+                        i += 1;
+                    }
+                    Some(l) => {
+                        let layer_node = Node::Layer(phase, l);
+                        if open {
+                            rows.push(Row {
+                                node: layer_node,
+                                depth: 1,
+                            });
+                        }
+                        let layer_open = open && self.expanded.contains(&layer_node);
+                        while i < events.len()
+                            && events[i].phase == phase
+                            && events[i].layer == Some(l)
+                        {
+                            if layer_open {
+                                rows.push(Row {
+                                    node: Node::Op(i),
+                                    depth: 2,
+                                });
+                            }
+                            i += 1;
+                        }
+                    }
+                }
+            }
+        }
+        rows
+    }
+
+    fn selected_row(&self, rows: &[Row]) -> Option<usize> {
+        let sel = self.selected?;
+        rows.iter().position(|r| r.node == sel).or_else(|| {
+            // A collapsed op: its layer or phase row.
+            let e = match sel {
+                Node::Op(i) => self.mirror.current()?.events.get(i)?,
+                _ => return None,
+            };
+            rows.iter()
+                .position(|r| e.layer.is_some_and(|l| r.node == Node::Layer(e.phase, l)))
+                .or_else(|| rows.iter().position(|r| r.node == Node::Phase(e.phase)))
+        })
+    }
+
+    fn move_selection(&mut self, delta: isize) {
+        let rows = self.rows();
+        if rows.is_empty() {
+            return;
+        }
+        let at = self.selected_row(&rows).unwrap_or(0) as isize;
+        let to = (at + delta).clamp(0, rows.len() as isize - 1) as usize;
+        self.follow = false;
+        self.selected = Some(rows[to].node);
+    }
+
+    fn toggle_expand(&mut self) {
+        let Some(node) = self.selected else { return };
+        match node {
+            Node::Phase(_) | Node::Layer(..) => {
+                if !self.expanded.remove(&node) {
+                    self.expanded.insert(node);
+                }
+            }
+            Node::Op(_) => self.tab = Tab::Tensor,
+        }
+    }
+
+    pub fn on_key(&mut self, key: KeyEvent) {
+        match self.overlay.clone() {
+            Overlay::Command { input } => return self.command_key(key, input),
+            Overlay::Inject { selected } => return self.inject_key(key, selected),
+            Overlay::Help => {
+                self.overlay = Overlay::None;
+                if self.keymap.action(&key) == Some(Action::Quit) {
+                    self.quit = true;
+                }
+                return;
+            }
+            Overlay::Learn { scroll } => {
+                match self.keymap.action(&key) {
+                    Some(Action::Down) => {
+                        self.overlay = Overlay::Learn {
+                            scroll: scroll.saturating_add(1),
+                        }
+                    }
+                    Some(Action::Up) => {
+                        self.overlay = Overlay::Learn {
+                            scroll: scroll.saturating_sub(1),
+                        }
+                    }
+                    Some(Action::PageDown) => {
+                        self.overlay = Overlay::Learn {
+                            scroll: scroll.saturating_add(10),
+                        }
+                    }
+                    Some(Action::PageUp) => {
+                        self.overlay = Overlay::Learn {
+                            scroll: scroll.saturating_sub(10),
+                        }
+                    }
+                    Some(Action::NextHead) => self.head += 1,
+                    Some(Action::Quit) | Some(Action::Cancel) | Some(Action::Learn) => {
+                        self.overlay = Overlay::None
+                    }
+                    _ => {}
+                }
+                return;
+            }
+            Overlay::None => {}
+        }
+        if let Some(action) = self.keymap.action(&key) {
+            self.act(action);
+        }
+    }
+
+    pub fn act(&mut self, action: Action) {
+        match action {
+            Action::Up => self.move_selection(-1),
+            Action::Down => self.move_selection(1),
+            Action::PageUp => self.move_selection(-10),
+            Action::PageDown => self.move_selection(10),
+            Action::Top => self.move_selection(isize::MIN / 2),
+            Action::Bottom => self.move_selection(isize::MAX / 2),
+            Action::Expand => self.toggle_expand(),
+            Action::Step => self.run_command(Command::Step),
+            Action::NextLayer => self.run_command(Command::NextLayer),
+            Action::Continue => self.run_command(Command::Continue),
+            Action::Restart => self.run_command(Command::Restart),
+            Action::ToggleBreakpoint => {
+                let bp = match self.selected {
+                    Some(Node::Op(_)) => self
+                        .selected_op()
+                        .map(|(_, e)| Breakpoint::Op(e.name.clone())),
+                    Some(Node::Layer(_, l)) => Some(Breakpoint::Layer(l)),
+                    _ => None,
+                };
+                match bp {
+                    Some(bp) => self.send(Command::ToggleBreakpoint(bp)),
+                    None => self.say("select an op or a layer to set a breakpoint"),
+                }
+            }
+            Action::ToggleMla => {
+                let on = !self.mirror.flags.mla_disable;
+                self.follow = true;
+                self.send(Command::SetFlag(
+                    "mla-disable".into(),
+                    if on { "on" } else { "off" }.into(),
+                ));
+                self.tab = Tab::Compare;
+            }
+            Action::ToggleForceDequant => {
+                let on = !self.mirror.flags.force_dequant;
+                self.send(Command::SetFlag(
+                    "force-dequant".into(),
+                    if on { "on" } else { "off" }.into(),
+                ));
+            }
+            Action::InjectMenu => self.overlay = Overlay::Inject { selected: 0 },
+            Action::Compare => {
+                self.tab = Tab::Compare;
+                let finished = self.mirror.current().is_some_and(|r| r.finished());
+                if finished && self.mirror.aux(AuxKind::OtherPath).is_none() {
+                    self.send(Command::Compare);
+                } else if !finished {
+                    self.say(format!(
+                        "absorbed vs naive and prefill vs decode need a finished run: press {} to continue",
+                        self.keymap.key_of(Action::Continue)
+                    ));
+                }
+            }
+            Action::Learn => {
+                self.overlay = Overlay::Learn { scroll: 0 };
+                let finished = self.mirror.current().is_some_and(|r| r.finished());
+                if finished && self.mirror.aux(AuxKind::OtherPath).is_none() {
+                    self.send(Command::Compare);
+                }
+            }
+            Action::Command => {
+                self.overlay = Overlay::Command {
+                    input: String::new(),
+                }
+            }
+            Action::NextTab => {
+                let i = Tab::ALL.iter().position(|t| *t == self.tab).unwrap_or(0);
+                self.tab = Tab::ALL[(i + 1) % Tab::ALL.len()];
+            }
+            Action::NextHead => {
+                let heads = self.mirror.layout().map_or(1, |l| l.num_heads);
+                self.head = (self.head + 1) % heads.max(1);
+            }
+            Action::Follow => {
+                self.follow = true;
+                self.select_position();
+            }
+            Action::Help => self.overlay = Overlay::Help,
+            Action::Cancel => {
+                if self.mirror.busy.is_some() {
+                    self.driver.cancel();
+                }
+                self.overlay = Overlay::None;
+            }
+            Action::Quit => self.quit = true,
+        }
+    }
+
+    fn run_command(&mut self, command: Command) {
+        if let Some(what) = &self.mirror.busy {
+            self.say(format!("busy ({what}): Esc cancels"));
+            return;
+        }
+        self.follow = true;
+        self.send(command);
+    }
+
+    fn inject_key(&mut self, key: KeyEvent, selected: usize) {
+        let n = Fault::ALL.len();
+        match self.keymap.action(&key) {
+            Some(Action::Down) => {
+                self.overlay = Overlay::Inject {
+                    selected: (selected + 1) % n,
+                }
+            }
+            Some(Action::Up) => {
+                self.overlay = Overlay::Inject {
+                    selected: (selected + n - 1) % n,
+                }
+            }
+            Some(Action::Expand) => {
+                let fault = Fault::ALL[selected];
+                let on = self.mirror.flags.faults.contains(fault);
+                let value = if on {
+                    format!("-{}", fault.name())
+                } else {
+                    fault.name().to_string()
+                };
+                self.follow = true;
+                self.send(Command::SetFlag("inject".into(), value));
+            }
+            Some(Action::Cancel) | Some(Action::InjectMenu) | Some(Action::Quit) => {
+                self.overlay = Overlay::None
+            }
+            _ => {}
+        }
+    }
+
+    fn command_key(&mut self, key: KeyEvent, mut input: String) {
+        match key.code {
+            KeyCode::Esc => self.overlay = Overlay::None,
+            KeyCode::Enter => {
+                self.overlay = Overlay::None;
+                self.execute(input.trim());
+            }
+            KeyCode::Backspace => {
+                input.pop();
+                self.overlay = Overlay::Command { input };
+            }
+            KeyCode::Char(c) => {
+                input.push(c);
+                self.overlay = Overlay::Command { input };
+            }
+            _ => self.overlay = Overlay::Command { input },
+        }
+    }
+
+    /// Runs a command-line command.
+    pub fn execute(&mut self, line: &str) {
+        if line.is_empty() {
+            return;
+        }
+        self.say(format!(":{line}"));
+        let (word, rest) = line
+            .split_once(' ')
+            .map_or((line, ""), |(w, r)| (w, r.trim()));
+        match word {
+            "break" | "b" => match Breakpoint::parse(rest) {
+                Ok(bp) => self.send(Command::AddBreakpoint(bp)),
+                Err(e) => self.say(format!("error: {e}")),
+            },
+            "delete" | "unbreak" => match Breakpoint::parse(rest) {
+                Ok(bp) => self.send(Command::RemoveBreakpoint(bp)),
+                Err(e) => self.say(format!("error: {e}")),
+            },
+            "run" | "continue" | "c" => self.run_command(Command::Continue),
+            "step" | "s" => {
+                let n: usize = rest.parse().unwrap_or(1).max(1);
+                for _ in 0..n {
+                    self.run_command(Command::Step);
+                }
+            }
+            "next" | "n" => self.run_command(Command::NextLayer),
+            "restart" => self.run_command(Command::Restart),
+            "bisect" => self.send(Command::Bisect),
+            "compare" => self.send(Command::Compare),
+            "set" => match rest.split_once(' ') {
+                Some((flag, value)) => {
+                    self.follow = true;
+                    self.send(Command::SetFlag(flag.trim().into(), value.trim().into()))
+                }
+                None => self.say("usage: set FLAG VALUE (flags: mla-disable, prefill-path, decode-path, force-dequant, device, dtype, inject)"),
+            },
+            "save" if !rest.is_empty() => {
+                let cursor = self.selected_op().map(|(_, e)| cursor_of(e));
+                let notes = self.notes.clone();
+                self.send(Command::Save {
+                    path: PathBuf::from(rest),
+                    cursor,
+                    notes,
+                });
+            }
+            "load" if !rest.is_empty() => self.send(Command::Load(PathBuf::from(rest))),
+            "note" if !rest.is_empty() => {
+                self.notes.push(rest.to_string());
+                self.say(format!("noted: {rest}"));
+            }
+            "quit" | "q" => self.quit = true,
+            "help" => self.overlay = Overlay::Help,
+            _ => self.say(format!(
+                "error: unknown command '{line}' (break SPEC, delete SPEC, run, step [N], next, restart, bisect, compare, set FLAG VALUE, save FILE, load FILE, note TEXT, quit)"
+            )),
+        }
+    }
+
+    pub fn on_mouse(&mut self, m: MouseEvent) {
+        match m.kind {
+            MouseEventKind::ScrollDown => self.move_selection(3),
+            MouseEventKind::ScrollUp => self.move_selection(-3),
+            MouseEventKind::Down(MouseButton::Left) => {
+                let (x, y) = (m.column, m.row);
+                let tree = self.areas.tree;
+                if tree.contains((x, y).into()) && y > tree.y && y < tree.y + tree.height - 1 {
+                    let rows = self.rows();
+                    let index = self.scroll + (y - tree.y - 1) as usize;
+                    if let Some(row) = rows.get(index) {
+                        if self.selected == Some(row.node) {
+                            self.toggle_expand();
+                        }
+                        self.follow = false;
+                        self.selected = Some(row.node);
+                    }
+                }
+                let tabs = self.areas.tabs;
+                if tabs.contains((x, y).into()) {
+                    let mut at = tabs.x + 1;
+                    for tab in Tab::ALL {
+                        let w = tab.title().len() as u16 + 3;
+                        if x >= at && x < at + w {
+                            self.tab = tab;
+                        }
+                        at += w;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Fraction of the run done, while a command runs (for the gauge).
+    pub fn progress(&self) -> Option<f64> {
+        self.mirror.busy.as_ref()?;
+        let info = self.mirror.info.as_ref()?;
+        let e = self.mirror.position()?;
+        let s = &info.schedule;
+        let phases = (if s.prefill_len > 0 { 1 } else { 0 }) + s.prompt.len() - s.prefill_len
+            + s.decode_steps;
+        let phase_index = match e.phase {
+            Phase::Prefill => 0,
+            Phase::Decode(k) => k + usize::from(s.prefill_len > 0),
+        };
+        let layers = info.layers.len().max(1) as f64;
+        let within = match e.layer {
+            Some(l) => (l - info.layers.start + 1) as f64 / (layers + 1.0),
+            None if e.name == "model.embed_tokens" => 0.0,
+            None => 1.0,
+        };
+        Some(((phase_index as f64 + within) / phases.max(1) as f64).clamp(0.0, 1.0))
+    }
+}

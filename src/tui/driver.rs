@@ -1,0 +1,125 @@
+//! How the UI reaches the debugger: it sends commands and polls updates, never waiting. The real
+//! UI runs the host on a worker thread; tests run it inline, so a key press is fully handled
+//! when `send` returns and no test sleeps.
+
+use super::host::{Command, Host, HostSpec, Update};
+use crate::error::Result;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+pub trait Driver {
+    /// Queues a command (the inline driver runs it at once).
+    fn send(&mut self, command: Command);
+    /// Updates that arrived since the last poll; never blocks.
+    fn poll(&mut self) -> Vec<Update>;
+    /// Asks a running command to stop between two ops.
+    fn cancel(&self);
+}
+
+/// The host on a worker thread.
+pub struct ThreadDriver {
+    commands: Option<Sender<Command>>,
+    updates: Receiver<Update>,
+    cancel: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl ThreadDriver {
+    pub fn start(spec: HostSpec) -> Result<ThreadDriver> {
+        let (command_tx, command_rx) = channel::<Command>();
+        let (update_tx, update_rx) = channel::<Update>();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let thread_cancel = cancel.clone();
+        let handle = std::thread::Builder::new()
+            .name("mladb-debugger".into())
+            .spawn(move || {
+                let tx = Mutex::new(update_tx);
+                let send: super::host::Send = Arc::new(move |u| {
+                    let _ = tx.lock().unwrap_or_else(|p| p.into_inner()).send(u);
+                });
+                let mut host = match Host::new(spec, send.clone(), thread_cancel) {
+                    Ok(h) => h,
+                    Err(e) => {
+                        send(Update::Error(e.to_string()));
+                        return;
+                    }
+                };
+                while let Ok(command) = command_rx.recv() {
+                    host.handle(command);
+                }
+            })
+            .map_err(|e| crate::Error::invalid(format!("cannot start the debugger thread: {e}")))?;
+        Ok(ThreadDriver {
+            commands: Some(command_tx),
+            updates: update_rx,
+            cancel,
+            handle: Some(handle),
+        })
+    }
+}
+
+impl Driver for ThreadDriver {
+    fn send(&mut self, command: Command) {
+        if let Some(tx) = &self.commands {
+            let _ = tx.send(command);
+        }
+    }
+
+    fn poll(&mut self) -> Vec<Update> {
+        self.updates.try_iter().collect()
+    }
+
+    fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Drop for ThreadDriver {
+    fn drop(&mut self) {
+        // Stop whatever runs, close the command queue, and wait for the thread.
+        self.cancel.store(true, Ordering::Relaxed);
+        self.commands = None;
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The host on the caller's thread: commands complete inside `send`.
+pub struct InlineDriver {
+    host: Host,
+    queue: Arc<Mutex<Vec<Update>>>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl InlineDriver {
+    pub fn new(spec: HostSpec) -> Result<InlineDriver> {
+        let queue = Arc::new(Mutex::new(Vec::new()));
+        let q = queue.clone();
+        let send: super::host::Send =
+            Arc::new(move |u| q.lock().unwrap_or_else(|p| p.into_inner()).push(u));
+        let cancel = Arc::new(AtomicBool::new(false));
+        let host = Host::new(spec, send, cancel.clone())?;
+        Ok(InlineDriver {
+            host,
+            queue,
+            cancel,
+        })
+    }
+}
+
+impl Driver for InlineDriver {
+    fn send(&mut self, command: Command) {
+        self.host.handle(command);
+    }
+
+    fn poll(&mut self) -> Vec<Update> {
+        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,339 @@
+//! Key bindings: defaults in code, any of them overridable from a RON file, and the help screen
+//! made from the same table.
+
+use crate::error::{Error, Result};
+use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Everything a key can do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Action {
+    Up,
+    Down,
+    PageUp,
+    PageDown,
+    Top,
+    Bottom,
+    Expand,
+    Step,
+    NextLayer,
+    Continue,
+    Restart,
+    ToggleBreakpoint,
+    ToggleMla,
+    ToggleForceDequant,
+    InjectMenu,
+    Compare,
+    Learn,
+    Command,
+    NextTab,
+    NextHead,
+    Follow,
+    Help,
+    Cancel,
+    Quit,
+}
+
+impl Action {
+    pub const ALL: [Action; 24] = [
+        Action::Up,
+        Action::Down,
+        Action::PageUp,
+        Action::PageDown,
+        Action::Top,
+        Action::Bottom,
+        Action::Expand,
+        Action::Step,
+        Action::NextLayer,
+        Action::Continue,
+        Action::Restart,
+        Action::ToggleBreakpoint,
+        Action::ToggleMla,
+        Action::ToggleForceDequant,
+        Action::InjectMenu,
+        Action::Compare,
+        Action::Learn,
+        Action::Command,
+        Action::NextTab,
+        Action::NextHead,
+        Action::Follow,
+        Action::Help,
+        Action::Cancel,
+        Action::Quit,
+    ];
+
+    pub fn description(self) -> &'static str {
+        match self {
+            Action::Up => "move up",
+            Action::Down => "move down",
+            Action::PageUp => "page up",
+            Action::PageDown => "page down",
+            Action::Top => "first row",
+            Action::Bottom => "last row",
+            Action::Expand => "expand / collapse a phase or layer",
+            Action::Step => "step one op",
+            Action::NextLayer => "step to the next layer",
+            Action::Continue => "continue to a breakpoint or the end",
+            Action::Restart => "restart the run",
+            Action::ToggleBreakpoint => "toggle a breakpoint on the selected op or layer",
+            Action::ToggleMla => "toggle MLA disable (re-executes, compares)",
+            Action::ToggleForceDequant => "toggle force-dequantize",
+            Action::InjectMenu => "fault injection menu",
+            Action::Compare => "comparison of the selected op",
+            Action::Learn => "Learn view: weight absorption on this layer",
+            Action::Command => "command line (break, run, step, bisect, save, load, set)",
+            Action::NextTab => "next pane: tensor / buffers / compare",
+            Action::NextHead => "next attention head in the heat map",
+            Action::Follow => "jump to the execution position",
+            Action::Help => "this help",
+            Action::Cancel => "close a view; cancel a running command",
+            Action::Quit => "quit",
+        }
+    }
+
+    fn default_keys(self) -> &'static [&'static str] {
+        match self {
+            Action::Up => &["k", "up"],
+            Action::Down => &["j", "down"],
+            Action::PageUp => &["pageup", "ctrl-u"],
+            Action::PageDown => &["pagedown", "ctrl-d"],
+            Action::Top => &["g", "home"],
+            Action::Bottom => &["G", "end"],
+            Action::Expand => &["enter", "space"],
+            Action::Step => &["s"],
+            Action::NextLayer => &["n"],
+            Action::Continue => &["c"],
+            Action::Restart => &["R"],
+            Action::ToggleBreakpoint => &["b"],
+            Action::ToggleMla => &["m"],
+            Action::ToggleForceDequant => &["f"],
+            Action::InjectMenu => &["i"],
+            Action::Compare => &["d"],
+            Action::Learn => &["l"],
+            Action::Command => &[":"],
+            Action::NextTab => &["tab"],
+            Action::NextHead => &["h"],
+            Action::Follow => &["."],
+            Action::Help => &["?"],
+            Action::Cancel => &["esc"],
+            Action::Quit => &["q", "ctrl-c"],
+        }
+    }
+}
+
+/// One key with its modifiers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Key {
+    code: KeyCode,
+    ctrl: bool,
+}
+
+impl Key {
+    /// `j`, `G`, `?`, `enter`, `esc`, `tab`, `space`, `up`, `pageup`, `home`, `f5`, `ctrl-c`.
+    pub fn parse(text: &str) -> Result<Key> {
+        let (ctrl, name) = match text.strip_prefix("ctrl-") {
+            Some(rest) => (true, rest),
+            None => (false, text),
+        };
+        let code = match name {
+            "enter" => KeyCode::Enter,
+            "esc" => KeyCode::Esc,
+            "tab" => KeyCode::Tab,
+            "space" => KeyCode::Char(' '),
+            "up" => KeyCode::Up,
+            "down" => KeyCode::Down,
+            "left" => KeyCode::Left,
+            "right" => KeyCode::Right,
+            "pageup" => KeyCode::PageUp,
+            "pagedown" => KeyCode::PageDown,
+            "home" => KeyCode::Home,
+            "end" => KeyCode::End,
+            "backspace" => KeyCode::Backspace,
+            f if f.len() > 1 && f.starts_with('f') && f[1..].parse::<u8>().is_ok() => {
+                KeyCode::F(f[1..].parse().expect("checked"))
+            }
+            c if c.chars().count() == 1 => KeyCode::Char(c.chars().next().expect("one char")),
+            other => return Err(Error::invalid(format!("unknown key '{other}'"))),
+        };
+        Ok(Key { code, ctrl })
+    }
+
+    fn matches(&self, event: &KeyEvent) -> bool {
+        let ctrl = event.modifiers.contains(KeyModifiers::CONTROL);
+        ctrl == self.ctrl && self.code == event.code
+    }
+
+    pub fn label(&self) -> String {
+        let name = match self.code {
+            KeyCode::Enter => "Enter".to_string(),
+            KeyCode::Esc => "Esc".to_string(),
+            KeyCode::Tab => "Tab".to_string(),
+            KeyCode::Char(' ') => "Space".to_string(),
+            KeyCode::Up => "↑".to_string(),
+            KeyCode::Down => "↓".to_string(),
+            KeyCode::Left => "←".to_string(),
+            KeyCode::Right => "→".to_string(),
+            KeyCode::PageUp => "PgUp".to_string(),
+            KeyCode::PageDown => "PgDn".to_string(),
+            KeyCode::Home => "Home".to_string(),
+            KeyCode::End => "End".to_string(),
+            KeyCode::F(n) => format!("F{n}"),
+            KeyCode::Char(c) => c.to_string(),
+            other => format!("{other:?}"),
+        };
+        if self.ctrl {
+            format!("Ctrl-{name}")
+        } else {
+            name
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Keymap {
+    bindings: Vec<(Action, Vec<Key>)>,
+}
+
+impl Default for Keymap {
+    fn default() -> Keymap {
+        Keymap {
+            bindings: Action::ALL
+                .iter()
+                .map(|&a| {
+                    (
+                        a,
+                        a.default_keys()
+                            .iter()
+                            .map(|k| Key::parse(k).expect("default keys parse"))
+                            .collect(),
+                    )
+                })
+                .collect(),
+        }
+    }
+}
+
+impl Keymap {
+    /// The defaults with the actions a RON file names rebound, e.g.
+    /// `{ "step": ["s", "f10"], "next-layer": ["f11"] }`.
+    pub fn with_overrides(path: &Path) -> Result<Keymap> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let overrides: BTreeMap<Action, Vec<String>> = ron::from_str(&text).map_err(|e| {
+            Error::parse(
+                path,
+                format!(
+                    "line {}, column {}: {}",
+                    e.span.start.line, e.span.start.col, e.code
+                ),
+            )
+        })?;
+        let mut map = Keymap::default();
+        for (action, keys) in overrides {
+            let keys = keys
+                .iter()
+                .map(|k| Key::parse(k).map_err(|e| Error::parse(path, format!("{action:?}: {e}"))))
+                .collect::<Result<Vec<Key>>>()?;
+            if let Some(slot) = map.bindings.iter_mut().find(|(a, _)| *a == action) {
+                slot.1 = keys;
+            }
+        }
+        Ok(map)
+    }
+
+    /// The key file to use: `$MLADB_KEYS`, else `~/.config/mladb/keys.ron` when it exists.
+    pub fn default_path() -> Option<std::path::PathBuf> {
+        if let Some(p) = std::env::var_os("MLADB_KEYS") {
+            return Some(p.into());
+        }
+        let config = std::env::var_os("XDG_CONFIG_HOME")
+            .map(std::path::PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".config"))
+            })?;
+        let path = config.join("mladb").join("keys.ron");
+        path.exists().then_some(path)
+    }
+
+    pub fn action(&self, event: &KeyEvent) -> Option<Action> {
+        self.bindings
+            .iter()
+            .find(|(_, keys)| keys.iter().any(|k| k.matches(event)))
+            .map(|(a, _)| *a)
+    }
+
+    /// The first key of an action, for hints ("press d").
+    pub fn key_of(&self, action: Action) -> String {
+        self.bindings
+            .iter()
+            .find(|(a, _)| *a == action)
+            .and_then(|(_, k)| k.first())
+            .map(Key::label)
+            .unwrap_or_else(|| "?".into())
+    }
+
+    /// (keys, description) of every action, for the help screen.
+    pub fn help(&self) -> Vec<(String, &'static str)> {
+        self.bindings
+            .iter()
+            .map(|(a, keys)| {
+                (
+                    keys.iter().map(Key::label).collect::<Vec<_>>().join(" "),
+                    a.description(),
+                )
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(c: KeyCode, m: KeyModifiers) -> KeyEvent {
+        KeyEvent::new(c, m)
+    }
+
+    #[test]
+    fn defaults_and_overrides() {
+        let map = Keymap::default();
+        assert_eq!(
+            map.action(&key(KeyCode::Char('s'), KeyModifiers::NONE)),
+            Some(Action::Step)
+        );
+        assert_eq!(
+            map.action(&key(KeyCode::Char('c'), KeyModifiers::CONTROL)),
+            Some(Action::Quit)
+        );
+        assert_eq!(
+            map.action(&key(KeyCode::Down, KeyModifiers::NONE)),
+            Some(Action::Down)
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.ron");
+        std::fs::write(&path, r#"{ "step": ["f10"], "quit": ["x", "ctrl-q"] }"#).unwrap();
+        let map = Keymap::with_overrides(&path).unwrap();
+        assert_eq!(
+            map.action(&key(KeyCode::F(10), KeyModifiers::NONE)),
+            Some(Action::Step)
+        );
+        assert_eq!(
+            map.action(&key(KeyCode::Char('s'), KeyModifiers::NONE)),
+            None
+        );
+        assert_eq!(
+            map.action(&key(KeyCode::Char('q'), KeyModifiers::CONTROL)),
+            Some(Action::Quit)
+        );
+        assert_eq!(map.key_of(Action::Step), "F10");
+        std::fs::write(&path, r#"{ "jump": ["j"] }"#).unwrap();
+        assert!(Keymap::with_overrides(&path)
+            .unwrap_err()
+            .to_string()
+            .contains("keys.ron"));
+        std::fs::write(&path, r#"{ "step": ["hyper-s"] }"#).unwrap();
+        assert!(Keymap::with_overrides(&path).is_err());
+    }
+}

@@ -1,0 +1,209 @@
+//! The comparison of the selected op: against the run before the last flag change (run A vs run
+//! B), against the same tokens on the other MLA path (absorbed vs naive), and, for a decode op,
+//! against its token's row in a whole-sequence prefill. Each section names the first divergent op.
+
+use super::{num, short_name};
+use crate::debug::compare::{
+    compare_runs, diff, first_divergence, heads_of, prefill_vs_decode, Diff, OpComparison,
+};
+use crate::debug::RunRecord;
+use crate::engine::trace::Phase;
+use crate::tui::app::{App, Divergence};
+use crate::tui::host::AuxKind;
+use crate::tui::keys::Action;
+use ratatui::layout::Rect;
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Paragraph, Wrap};
+use ratatui::Frame;
+
+const TOLERANCE: f64 = 1e-4;
+
+fn figures<'a>(app: &App, d: &Diff) -> Vec<Line<'a>> {
+    let t = &app.theme;
+    let style = if d.exceeds(TOLERANCE) {
+        t.diverge()
+    } else {
+        t.ok()
+    };
+    let mut lines = vec![Line::from(vec![
+        Span::styled(format!("  rel L2 {}", num(d.rel_l2)), style),
+        Span::raw(format!(
+            "  max |Δ| {} at {:?}  cos {:.6}",
+            num(d.max_abs),
+            d.max_abs_at,
+            d.cosine
+        )),
+    ])];
+    if !d.per_head.is_empty() {
+        let heads: Vec<String> = d
+            .per_head
+            .iter()
+            .enumerate()
+            .map(|(h, e)| format!("h{h} {}", num(*e)))
+            .collect();
+        lines.push(Line::from(format!("  per head: {}", heads.join("  "))));
+    }
+    lines
+}
+
+fn op_vs(
+    app: &App,
+    other: &RunRecord,
+    phase: Phase,
+    name: &str,
+    row: Option<usize>,
+) -> Option<Diff> {
+    let run = app.mirror.current()?;
+    let i = run.find(phase, name)?;
+    let e = &run.events[i];
+    let heads = app.mirror.layout()?.num_heads;
+    let a = run.outputs[i].data();
+    match row {
+        None => {
+            let j = other.find(phase, name)?;
+            let b = other.outputs[j].data();
+            (a.len() == b.len()).then(|| diff(a, b, &e.shape, heads_of(e, heads)))
+        }
+        Some(_) => {
+            let comparisons = prefill_vs_decode(&single(run, i), other, heads);
+            comparisons.into_iter().next()?.diff.ok()
+        }
+    }
+}
+
+/// A record holding just op `i` of `run` (to compare one decode op with a prefill row).
+fn single(run: &RunRecord, i: usize) -> RunRecord {
+    let mut r = RunRecord::new(run.flags);
+    r.push(run.events[i].clone(), run.outputs[i].clone());
+    r
+}
+
+/// The first divergent op of a whole-run comparison, computed once per run state.
+fn first<'a>(
+    app: &App,
+    kind: u8,
+    label: &str,
+    compute: impl FnOnce() -> Vec<OpComparison>,
+) -> Line<'a> {
+    let t = &app.theme;
+    let run = app.mirror.current();
+    let key = (
+        app.mirror.current_number(),
+        run.map_or(0, |r| r.len()),
+        kind,
+    );
+    let cached = app.divergence_cache.borrow().get(&key).cloned();
+    let d = cached.unwrap_or_else(|| {
+        let list = compute();
+        let d = Divergence {
+            first: first_divergence(&list, TOLERANCE).map(|c| (c.index, c.phase, c.name.clone())),
+            compared: list.len(),
+        };
+        app.divergence_cache.borrow_mut().insert(key, d.clone());
+        d
+    });
+    match d.first {
+        Some((index, phase, name)) => Line::from(Span::styled(
+            format!(
+                "  first divergent op: #{index} {phase} {}",
+                short_name(&name)
+            ),
+            t.diverge(),
+        )),
+        None => Line::from(Span::styled(
+            format!(
+                "  {label}: all {} ops agree within {TOLERANCE:.0e}",
+                d.compared
+            ),
+            t.ok(),
+        )),
+    }
+}
+
+pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
+    let t = &app.theme;
+    let Some((_, e)) = app.selected_op() else {
+        frame.render_widget(Paragraph::new("Select an op to compare it."), area);
+        return;
+    };
+    let run = app.mirror.current().expect("an op is selected");
+    let heads = app.mirror.layout().map_or(1, |l| l.num_heads);
+    let mut lines = Vec::new();
+
+    // Run A vs run B.
+    match (app.mirror.comparison, app.mirror.comparison_run()) {
+        (Some(n), Some(other)) => {
+            lines.push(Line::from(Span::styled(
+                format!("vs run {n} ({})", other.flags.changes_to(&run.flags)),
+                t.title(),
+            )));
+            match op_vs(app, other, e.phase, &e.name, None) {
+                Some(d) => lines.extend(figures(app, &d)),
+                None => lines.push(Line::from(format!(
+                    "  run {n} has no such op (another path, or not reached)"
+                ))),
+            }
+            lines.push(first(app, 0, "this run", || {
+                compare_runs(run, other, heads)
+            }));
+        }
+        _ => lines.push(Line::from(vec![
+            Span::styled("vs an earlier run: ", t.title()),
+            Span::raw(format!(
+                "change a flag ({} MLA disable, {} injections) to get one",
+                app.keymap.key_of(Action::ToggleMla),
+                app.keymap.key_of(Action::InjectMenu)
+            )),
+        ])),
+    }
+
+    // Absorbed vs naive, prefill vs decode.
+    let (other_path, whole) = (
+        app.mirror.aux(AuxKind::OtherPath),
+        app.mirror.aux(AuxKind::WholePrefill),
+    );
+    if other_path.is_none() {
+        lines.push(Line::from(vec![
+            Span::styled("absorbed vs naive, prefill vs decode: ", t.title()),
+            Span::raw(if run.finished() {
+                format!("press {} to compute", app.keymap.key_of(Action::Compare))
+            } else {
+                format!(
+                    "finish the run first ({} continues)",
+                    app.keymap.key_of(Action::Continue)
+                )
+            }),
+        ]));
+    }
+    if let Some(other) = other_path {
+        let paths = (run.flags.path_of(e.phase), other.flags.path_of(e.phase));
+        lines.push(Line::from(Span::styled(
+            format!("{:?} vs {:?} ({})", paths.0, paths.1, e.phase).to_lowercase(),
+            t.title(),
+        )));
+        match op_vs(app, other, e.phase, &e.name, None) {
+            Some(d) => lines.extend(figures(app, &d)),
+            None => lines.push(Line::from("  the other path has no such op")),
+        }
+        lines.push(first(app, 1, "absorbed vs naive", || {
+            compare_runs(run, other, heads)
+        }));
+    }
+    if let Some(whole) = whole {
+        lines.push(Line::from(Span::styled(
+            "decode vs the same token in a whole prefill",
+            t.title(),
+        )));
+        match e.phase {
+            Phase::Decode(_) => match op_vs(app, whole, e.phase, &e.name, Some(e.positions.0)) {
+                Some(d) => lines.extend(figures(app, &d)),
+                None => lines.push(Line::from("  not comparable by token row")),
+            },
+            Phase::Prefill => lines.push(Line::from("  (select a decode op)")),
+        }
+        lines.push(first(app, 2, "prefill vs decode", || {
+            prefill_vs_decode(run, whole, heads)
+        }));
+    }
+    frame.render_widget(Paragraph::new(lines).wrap(Wrap { trim: false }), area);
+}

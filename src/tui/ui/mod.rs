@@ -1,0 +1,271 @@
+//! Drawing: one function per pane, all reading the [`App`] state. Usable from 80×24 up.
+//!
+//! ```text
+//! flags bar ............................................................
+//! execution tree        │ [Tensor] [Buffers] [Compare]
+//!   phase > layer > op  │ the selected op
+//! log ..................................................................
+//! status line / command line / progress gauge ..........................
+//! ```
+
+mod buffers;
+mod compare;
+mod learn;
+mod overlays;
+mod tensor;
+mod tree;
+
+use super::app::{App, Overlay, Tab};
+use crate::debug::compare::{diff, heads_of, Diff};
+use crate::debug::controller::Stop;
+use crate::engine::trace::OpEvent;
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::Style;
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Block, Borders, Gauge, Paragraph, Tabs, Wrap};
+use ratatui::Frame;
+
+/// Draws the whole screen.
+pub fn draw(frame: &mut Frame, app: &mut App) {
+    let area = frame.area();
+    let [flags, main, log, status] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Min(8),
+        Constraint::Length(4),
+        Constraint::Length(1),
+    ])
+    .areas(area);
+    flags_bar(frame, app, flags);
+    let [left, right] =
+        Layout::horizontal([Constraint::Percentage(40), Constraint::Percentage(60)]).areas(main);
+    tree::draw(frame, app, left);
+    right_pane(frame, app, right);
+    log_pane(frame, app, log);
+    status_line(frame, app, status);
+    match &app.overlay {
+        Overlay::Help => overlays::help(frame, app, area),
+        Overlay::Learn { scroll } => learn::draw(frame, app, area, *scroll),
+        Overlay::Inject { selected } => overlays::inject(frame, app, area, *selected),
+        Overlay::Command { .. } | Overlay::None => {}
+    }
+}
+
+fn flags_bar(frame: &mut Frame, app: &App, area: Rect) {
+    let t = &app.theme;
+    let f = &app.mirror.flags;
+    let onoff = |on: bool| if on { "on" } else { "off" };
+    let item = |name: &str, value: String, on: bool| {
+        let label = if name.is_empty() {
+            String::new()
+        } else {
+            format!("{name} ")
+        };
+        vec![
+            Span::styled(label, t.dim()),
+            Span::styled(value, if on { t.on() } else { t.base() }),
+            Span::styled(" │ ", t.dim()),
+        ]
+    };
+    let paths = f.paths();
+    let mut spans = vec![
+        Span::styled(" mladb ", t.title()),
+        Span::styled("│ ", t.dim()),
+    ];
+    spans.extend(item(
+        "MLA-disable",
+        onoff(f.mla_disable).into(),
+        f.mla_disable,
+    ));
+    spans.extend(item(
+        "",
+        format!("{:?}/{:?}", paths.prefill, paths.decode).to_lowercase(),
+        false,
+    ));
+    spans.extend(item(
+        "dequant",
+        onoff(f.force_dequant).into(),
+        f.force_dequant,
+    ));
+    spans.extend(item(
+        "",
+        format!("{:?} {:?}", f.device, f.dtype).to_lowercase(),
+        f.dtype != Default::default(),
+    ));
+    spans.extend(item("inject", f.faults.to_string(), !f.faults.is_empty()));
+    spans.pop();
+    frame.render_widget(Paragraph::new(Line::from(spans)), area);
+}
+
+fn right_pane(frame: &mut Frame, app: &mut App, area: Rect) {
+    let t = app.theme;
+    let [tabs, body] = Layout::vertical([Constraint::Length(1), Constraint::Min(1)]).areas(area);
+    app.areas.tabs = tabs;
+    let titles: Vec<Line> = Tab::ALL.iter().map(|t| Line::from(t.title())).collect();
+    let selected = Tab::ALL.iter().position(|x| *x == app.tab).unwrap_or(0);
+    frame.render_widget(
+        Tabs::new(titles)
+            .select(selected)
+            .highlight_style(t.selected())
+            .divider("│"),
+        tabs,
+    );
+    let block = Block::default().borders(Borders::ALL).title(Span::styled(
+        match app.selected_op() {
+            Some((_, e)) => format!(" {} · {} ", e.phase, short_name(&e.name)),
+            None => " no op selected ".to_string(),
+        },
+        t.title(),
+    ));
+    let inner = block.inner(body);
+    frame.render_widget(block, body);
+    match app.tab {
+        Tab::Tensor => tensor::draw(frame, app, inner),
+        Tab::Buffers => buffers::draw(frame, app, inner),
+        Tab::Compare => compare::draw(frame, app, inner),
+    }
+}
+
+fn log_pane(frame: &mut Frame, app: &App, area: Rect) {
+    let lines: Vec<Line> = app
+        .log
+        .iter()
+        .rev()
+        .take(area.height.saturating_sub(1) as usize)
+        .rev()
+        .map(|l| Line::from(l.as_str()))
+        .collect();
+    frame.render_widget(
+        Paragraph::new(lines)
+            .block(
+                Block::default()
+                    .borders(Borders::TOP)
+                    .title(Span::styled(" log ", app.theme.dim())),
+            )
+            .wrap(Wrap { trim: false }),
+        area,
+    );
+}
+
+fn status_line(frame: &mut Frame, app: &App, area: Rect) {
+    let t = &app.theme;
+    if let Overlay::Command { input } = &app.overlay {
+        frame.render_widget(Paragraph::new(format!(":{input}█")), area);
+        return;
+    }
+    if let (Some(what), Some(p)) = (&app.mirror.busy, app.progress()) {
+        let gauge = Gauge::default()
+            .ratio(p)
+            .label(format!("{what}: {:.0}% · Esc cancels", p * 100.0))
+            .gauge_style(t.accent());
+        frame.render_widget(gauge, area);
+        return;
+    }
+    let m = &app.mirror;
+    let state = match (&m.busy, m.current(), &m.last_stop) {
+        (_, None, _) => "starting".to_string(),
+        (Some(what), _, _) => format!("running: {what}"),
+        (_, Some(r), _) if r.finished() => "finished".to_string(),
+        (_, Some(r), _) if r.error.is_some() => "failed".to_string(),
+        (_, _, Some(Stop::Breakpoint(b))) => match m.breakpoints.get(*b) {
+            Some(bp) => format!("paused at breakpoint {bp}"),
+            None => "paused at a breakpoint".to_string(),
+        },
+        (_, _, Some(Stop::Cancelled)) => "paused (cancelled)".to_string(),
+        _ => "paused".to_string(),
+    };
+    let position = match m.position() {
+        Some(e) => format!(
+            "#{} {} {}{}",
+            e.index,
+            e.phase,
+            e.layer.map(|l| format!("L{l} ")).unwrap_or_default(),
+            short_name(&e.name)
+        ),
+        None => "before the first op".to_string(),
+    };
+    let run = match m.comparison {
+        Some(c) => format!("run {} (vs {c})", m.current_number()),
+        None => format!("run {}", m.current_number()),
+    };
+    let line = Line::from(vec![
+        Span::styled(format!(" {state} "), t.selected()),
+        Span::raw(format!(
+            " {position} · {run} · {} ops ",
+            m.current().map_or(0, |r| r.len())
+        )),
+        Span::styled(
+            format!("· {} help ", app.keymap.key_of(super::keys::Action::Help)),
+            t.dim(),
+        ),
+    ]);
+    frame.render_widget(Paragraph::new(line), area);
+}
+
+/// An op name without its layer prefix (`self_attn.q_b_proj` for `model.layers.3.self_attn.q_b_proj`).
+pub fn short_name(name: &str) -> &str {
+    if let Some(rest) = name.strip_prefix("model.layers.") {
+        if let Some((_, op)) = rest.split_once('.') {
+            return op;
+        }
+        return name;
+    }
+    name
+}
+
+/// How the selected op compares with the same op of the comparison run.
+pub fn diff_with_comparison(app: &App, index: usize) -> Option<Diff> {
+    let run = app.mirror.current()?;
+    let other = app.mirror.comparison_run()?;
+    let e = run.events.get(index)?;
+    let j = other.find(e.phase, &e.name)?;
+    let (a, b) = (run.outputs[index].data(), other.outputs[j].data());
+    let heads = app.mirror.layout()?.num_heads;
+    (a.len() == b.len()).then(|| diff(a, b, &e.shape, heads_of(e, heads)))
+}
+
+/// A status mark for an op: disconnected, unwritten, NaN/Inf, diverging from the comparison
+/// run, or ok.
+pub fn op_mark(app: &App, index: usize, e: &OpEvent) -> (&'static str, Style) {
+    let t = &app.theme;
+    let s = &e.stats;
+    if e.kernel_wrote.is_some_and(|k| k.id != e.output.id) {
+        return ("x", t.bad());
+    }
+    if s.unwritten > 0 {
+        return ("?", t.warn());
+    }
+    let neg_inf = if e.kind == crate::engine::OpKind::IndexScores {
+        0
+    } else {
+        s.neg_inf
+    };
+    if s.nan + s.pos_inf + neg_inf > 0 {
+        return ("!", t.bad());
+    }
+    if let Some(c) = app.mirror.comparison {
+        let key = (app.mirror.current_number(), index, c);
+        let cached = app.mark_cache.borrow().get(&key).copied();
+        let diverges = cached.unwrap_or_else(|| {
+            let d = diff_with_comparison(app, index).is_some_and(|d| d.exceeds(1e-4));
+            app.mark_cache.borrow_mut().insert(key, d);
+            d
+        });
+        if diverges {
+            return ("≠", t.diverge());
+        }
+    }
+    ("·", t.ok())
+}
+
+/// A number in a short, fixed-width-friendly form.
+pub fn num(v: f64) -> String {
+    if v.is_nan() {
+        "nan".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "+inf" } else { "-inf" }.into()
+    } else if v != 0.0 && (v.abs() >= 1e4 || v.abs() < 1e-3) {
+        format!("{v:.2e}")
+    } else {
+        format!("{v:.4}")
+    }
+}
