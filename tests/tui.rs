@@ -82,8 +82,9 @@ fn position(app: &App) -> (Phase, String) {
 /// Buffer ids come from a process-wide counter and addresses from the allocator: mask them.
 fn snapshot(name: &str, text: &str) {
     let mut settings = insta::Settings::clone_current();
-    settings.add_filter(r"@0x[0-9a-f]+", "@[addr]");
-    settings.add_filter(r"buf \d+", "buf [id]");
+    // Both are printed at fixed widths, so masking them keeps the layout.
+    settings.add_filter(r"@0x[0-9a-f]{12}", "@[address    ]");
+    settings.add_filter(r"buf \d+ *", "buf [id]    ");
     settings.set_snapshot_path("snapshots");
     settings.bind(|| insta::assert_snapshot!(name, text));
 }

@@ -3,13 +3,11 @@
 
 use crate::error::{Error, Result};
 use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
-use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Everything a key can do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Deserialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Action {
     Up,
     Down,
@@ -64,6 +62,30 @@ impl Action {
         Action::Cancel,
         Action::Quit,
     ];
+
+    /// The action's name in key files (`next-layer`).
+    pub fn name(self) -> String {
+        format!("{self:?}")
+            .chars()
+            .enumerate()
+            .flat_map(|(i, c)| {
+                let lower = c.to_ascii_lowercase();
+                if c.is_ascii_uppercase() && i > 0 {
+                    vec!['-', lower]
+                } else {
+                    vec![lower]
+                }
+            })
+            .collect()
+    }
+
+    pub fn from_name(name: &str) -> Option<Action> {
+        Action::ALL.into_iter().find(|a| a.name() == name)
+    }
+
+    pub fn names() -> Vec<String> {
+        Action::ALL.iter().map(|a| a.name()).collect()
+    }
 
     pub fn description(self) -> &'static str {
         match self {
@@ -221,7 +243,7 @@ impl Keymap {
     /// `{ "step": ["s", "f10"], "next-layer": ["f11"] }`.
     pub fn with_overrides(path: &Path) -> Result<Keymap> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let overrides: BTreeMap<Action, Vec<String>> = ron::from_str(&text).map_err(|e| {
+        let overrides: BTreeMap<String, Vec<String>> = ron::from_str(&text).map_err(|e| {
             Error::parse(
                 path,
                 format!(
@@ -231,7 +253,13 @@ impl Keymap {
             )
         })?;
         let mut map = Keymap::default();
-        for (action, keys) in overrides {
+        for (name, keys) in overrides {
+            let action = Action::from_name(&name).ok_or_else(|| {
+                Error::parse(
+                    path,
+                    format!("unknown action '{name}' (actions: {})", Action::names().join(", ")),
+                )
+            })?;
             let keys = keys
                 .iter()
                 .map(|k| Key::parse(k).map_err(|e| Error::parse(path, format!("{action:?}: {e}"))))

@@ -12,7 +12,8 @@ use ratatui::widgets::{Paragraph, Wrap};
 use ratatui::Frame;
 
 fn buf(b: &BufferRef) -> String {
-    format!("buf {} @{:#x} {}", b.id.0, b.address, bytes(b.bytes))
+    // Fixed widths: ids and addresses line up, and the layout does not shift with them.
+    format!("buf {:<7} @{:#014x} {}", b.id.0, b.address, bytes(b.bytes))
 }
 
 fn bytes(n: usize) -> String {
@@ -99,7 +100,7 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
                 t.dim(),
             )));
             lines.push(Line::from(format!(
-                "  kernel ({}) wrote buf {}",
+                "  kernel ({}) wrote buf {:<7}",
                 short_name(&chain.kernel_op),
                 chain.kernel_wrote.id.0
             )));
@@ -109,7 +110,7 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             )));
             lines.push(Line::from(
                 match (&chain.consumer_op, &chain.consumer_read) {
-                    (Some(op), Some(b)) => format!("  → {} read buf {}", short_name(op), b.id.0),
+                    (Some(op), Some(b)) => format!("  → {} read buf {:<7}", short_name(op), b.id.0),
                     _ => "  → no op read it (yet)".to_string(),
                 },
             ));
