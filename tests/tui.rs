@@ -201,6 +201,18 @@ fn navigation_expand_mouse_and_follow() {
     assert_eq!(app.selected, Some(Node::Phase(Phase::Prefill)));
     key(&mut app, KeyCode::Tab);
     assert_eq!(app.tab, Tab::Buffers);
+    press(&mut app, "]]");
+    assert_eq!(app.tree_percent, 50);
+    let wide = app.areas.tree.width;
+    screen(&mut app, 100, 30);
+    assert!(
+        app.areas.tree.width > wide,
+        "the tree pane is resizable: {} then {}",
+        wide,
+        app.areas.tree.width
+    );
+    press(&mut app, "[[[[[[[[[");
+    assert_eq!(app.tree_percent, 20);
     press(&mut app, "q");
     assert!(app.quit);
 }

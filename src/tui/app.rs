@@ -118,6 +118,8 @@ pub struct App {
     pub follow: bool,
     /// Attention head shown in heat maps and per-head figures.
     pub head: usize,
+    /// Width of the execution tree, in percent of the screen.
+    pub tree_percent: u16,
     pub log: Vec<String>,
     pub notes: Vec<String>,
     pub quit: bool,
@@ -157,6 +159,7 @@ impl App {
             scroll: 0,
             follow: true,
             head: 0,
+            tree_percent: 40,
             log: Vec::new(),
             notes: Vec::new(),
             quit: false,
@@ -528,6 +531,8 @@ impl App {
                 self.follow = true;
                 self.select_position();
             }
+            Action::Narrower => self.tree_percent = self.tree_percent.saturating_sub(5).max(20),
+            Action::Wider => self.tree_percent = (self.tree_percent + 5).min(70),
             Action::Help => self.overlay = Overlay::Help,
             Action::Cancel => {
                 if self.mirror.busy.is_some() {

@@ -30,13 +30,15 @@ pub enum Action {
     NextTab,
     NextHead,
     Follow,
+    Narrower,
+    Wider,
     Help,
     Cancel,
     Quit,
 }
 
 impl Action {
-    pub const ALL: [Action; 24] = [
+    pub const ALL: [Action; 26] = [
         Action::Up,
         Action::Down,
         Action::PageUp,
@@ -58,6 +60,8 @@ impl Action {
         Action::NextTab,
         Action::NextHead,
         Action::Follow,
+        Action::Narrower,
+        Action::Wider,
         Action::Help,
         Action::Cancel,
         Action::Quit,
@@ -110,6 +114,8 @@ impl Action {
             Action::NextTab => "next pane: tensor / buffers / compare",
             Action::NextHead => "next attention head in the heat map",
             Action::Follow => "jump to the execution position",
+            Action::Narrower => "narrower execution tree",
+            Action::Wider => "wider execution tree",
             Action::Help => "this help",
             Action::Cancel => "close a view; cancel a running command",
             Action::Quit => "quit",
@@ -139,6 +145,8 @@ impl Action {
             Action::NextTab => &["tab"],
             Action::NextHead => &["h"],
             Action::Follow => &["."],
+            Action::Narrower => &["["],
+            Action::Wider => &["]"],
             Action::Help => &["?"],
             Action::Cancel => &["esc"],
             Action::Quit => &["q", "ctrl-c"],
@@ -257,7 +265,10 @@ impl Keymap {
             let action = Action::from_name(&name).ok_or_else(|| {
                 Error::parse(
                     path,
-                    format!("unknown action '{name}' (actions: {})", Action::names().join(", ")),
+                    format!(
+                        "unknown action '{name}' (actions: {})",
+                        Action::names().join(", ")
+                    ),
                 )
             })?;
             let keys = keys

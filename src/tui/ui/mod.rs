@@ -36,8 +36,11 @@ pub fn draw(frame: &mut Frame, app: &mut App) {
     ])
     .areas(area);
     flags_bar(frame, app, flags);
-    let [left, right] =
-        Layout::horizontal([Constraint::Percentage(40), Constraint::Percentage(60)]).areas(main);
+    let [left, right] = Layout::horizontal([
+        Constraint::Percentage(app.tree_percent),
+        Constraint::Percentage(100 - app.tree_percent),
+    ])
+    .areas(main);
     tree::draw(frame, app, left);
     right_pane(frame, app, right);
     log_pane(frame, app, log);
