@@ -7,7 +7,9 @@
 
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
+use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 /// The poison pattern output buffers are filled with before an op runs (a NaN whose payload no
 /// arithmetic produces), so elements the op did not write can be counted afterwards.
@@ -74,13 +76,36 @@ pub fn checked_numel(shape: &[usize], what: &str) -> Result<usize> {
     Ok(n)
 }
 
-/// A row-major f32 tensor that owns its buffer.
-#[derive(Debug)]
+/// A copy of a tensor in device memory, owned by the backend that made it.
+pub trait DeviceBuffer: Send + Sync {
+    /// The device pointer.
+    fn address(&self) -> u64;
+    fn bytes(&self) -> usize;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// A row-major f32 tensor that owns its buffer, with an optional device mirror.
+///
+/// The host copy is always there (the trace and the debugger read it). A device backend attaches
+/// the device buffer the values came from, or were uploaded to, so that the next op finds them
+/// resident; the mirror is dropped with the tensor, and dropped when the host data is changed.
 pub struct Tensor {
     shape: Vec<usize>,
     data: Vec<f32>,
     dtype: DType,
     id: BufferId,
+    device: OnceLock<Arc<dyn DeviceBuffer>>,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tensor")
+            .field("shape", &self.shape)
+            .field("dtype", &self.dtype)
+            .field("id", &self.id)
+            .field("device", &self.device.get().map(|d| d.address()))
+            .finish()
+    }
 }
 
 impl Clone for Tensor {
@@ -91,6 +116,7 @@ impl Clone for Tensor {
             data: self.data.clone(),
             dtype: self.dtype,
             id: BufferId::fresh(),
+            device: OnceLock::new(),
         }
     }
 }
@@ -148,7 +174,23 @@ impl Tensor {
             data,
             dtype,
             id: BufferId::fresh(),
+            device: OnceLock::new(),
         }
+    }
+
+    /// The device mirror, if a device backend attached one.
+    pub fn device(&self) -> Option<&Arc<dyn DeviceBuffer>> {
+        self.device.get()
+    }
+
+    /// Attaches a device mirror holding the same values; returns false if one is attached.
+    pub fn attach_device(&self, buffer: Arc<dyn DeviceBuffer>) -> bool {
+        self.device.set(buffer).is_ok()
+    }
+
+    /// The host data for a device backend that updates both copies itself (the mirror stays).
+    pub fn data_mut_keeping_device(&mut self) -> &mut [f32] {
+        &mut self.data
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -180,7 +222,9 @@ impl Tensor {
         &self.data
     }
 
+    /// Mutable host data; the device mirror (if any) no longer matches and is dropped.
     pub fn data_mut(&mut self) -> &mut [f32] {
+        self.device = OnceLock::new();
         &mut self.data
     }
 

@@ -3,6 +3,7 @@
 //! this trait for arithmetic, so the same op sequence runs on either.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::engine::cache::RowSource;
 use crate::engine::faults::KernelFaults;

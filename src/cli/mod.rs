@@ -5,6 +5,7 @@ pub mod args;
 pub mod bench;
 pub mod check;
 pub mod dump;
+pub mod kernels;
 pub mod layout_cmd;
 pub mod run;
 pub mod table;
@@ -40,6 +41,9 @@ pub enum Command {
     Bisect(check::BisectArgs),
     /// Time the forward pass per layer (with synthetic or real weights).
     Bench(bench::BenchArgs),
+    /// Compile every CUDA kernel through NVRTC for the named architectures and report
+    /// registers, shared memory and spills (no GPU needed).
+    Kernels(kernels::KernelsArgs),
     /// List, show or import model layouts.
     Layout(layout_cmd::LayoutArgs),
 }
@@ -62,6 +66,7 @@ pub fn main(cli: Cli) -> Result<u8> {
         Some(Command::Bisect(args)) => check::bisect(&args),
         Some(Command::Bench(args)) => bench::bench(&args).map(|_| false),
         Some(Command::Layout(args)) => layout_cmd::layout(&args).map(|_| false),
+        Some(Command::Kernels(args)) => kernels::run(&args),
     }?;
     Ok(found as u8)
 }

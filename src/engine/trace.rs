@@ -129,14 +129,24 @@ pub enum Device {
 }
 
 impl BufferRef {
-    /// An activation tensor.
+    /// An activation tensor: its device copy when it has one (the buffer the kernels used),
+    /// else its host buffer.
     pub fn of(t: &Tensor) -> BufferRef {
-        BufferRef {
-            id: t.id(),
-            address: t.address(),
-            bytes: t.size_bytes(),
-            device: Device::Cpu,
-            role: BufferRole::Activation,
+        match t.device() {
+            Some(d) => BufferRef {
+                id: t.id(),
+                address: d.address(),
+                bytes: d.bytes(),
+                device: Device::Cuda,
+                role: BufferRole::Activation,
+            },
+            None => BufferRef {
+                id: t.id(),
+                address: t.address(),
+                bytes: t.size_bytes(),
+                device: Device::Cpu,
+                role: BufferRole::Activation,
+            },
         }
     }
 

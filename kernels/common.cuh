@@ -1,0 +1,74 @@
+// Shared helpers of mladb's kernels. Storage is float or bf16; bf16 is handled as 16-bit
+// patterns converted by bit operations, so no CUDA header is needed (NVRTC compiles these files
+// on a machine with no toolkit). Arithmetic is always float.
+#pragma once
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// The poison pattern of unwritten outputs (a signalling NaN: arithmetic never produces it).
+#define POISON_F32 0x7FA5A5A5u
+#define POISON_BF16 0x7FA5u
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
+
+// Round to nearest even; NaN stays a (quiet) NaN.
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+template <typename T> struct St;
+template <> struct St<float> {
+    static __device__ __forceinline__ float ld(const float* p, u64 i) { return p[i]; }
+    static __device__ __forceinline__ void st(float* p, u64 i, float v) { p[i] = v; }
+};
+template <> struct St<bf16_t> {
+    static __device__ __forceinline__ float ld(const bf16_t* p, u64 i) { return bf16_to_f32(p[i]); }
+    static __device__ __forceinline__ void st(bf16_t* p, u64 i, float v) { p[i] = f32_to_bf16(v); }
+};
+
+template <typename T> __device__ __forceinline__ float ld(const T* p, u64 i) { return St<T>::ld(p, i); }
+template <typename T> __device__ __forceinline__ void st(T* p, u64 i, float v) { St<T>::st(p, i, v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum / max over blockDim.x (a multiple of 32, at most 1024) threads; every thread
+// gets the result. `scratch` holds 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+// Kernels are templates over the storage type T (float or bf16_t) with one extern "C" entry
+// point per type, named NAME_f32 and NAME_bf16: the host side picks one by the storage dtype.

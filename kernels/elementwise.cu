@@ -1,0 +1,76 @@
+// Elementwise and layout kernels: poison/zero fill, add, bias, scale, SiLU gate, slicing and
+// concatenating head groups, gathering rows for an expert and adding them back.
+#include "common.cuh"
+
+#define GRID_STRIDE(i, n) for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+
+extern "C" __global__ void fill_u32(u32* p, u32 v, u64 n) { GRID_STRIDE(i, n) p[i] = v; }
+extern "C" __global__ void fill_u16(unsigned short* p, unsigned short v, u64 n) { GRID_STRIDE(i, n) p[i] = v; }
+
+template <typename T> __device__ void add_k(const T* a, const T* b, T* out, u64 n) {
+    GRID_STRIDE(i, n) st(out, i, ld(a, i) + ld(b, i));
+}
+extern "C" __global__ void add_f32(const float* a, const float* b, float* out, u64 n) { add_k(a, b, out, n); }
+extern "C" __global__ void add_bf16(const bf16_t* a, const bf16_t* b, bf16_t* out, u64 n) { add_k(a, b, out, n); }
+
+// x[r, c] += bias[c], in place.
+template <typename T> __device__ void add_bias_k(T* x, const T* bias, u64 rows, u64 cols) {
+    GRID_STRIDE(i, rows * cols) st(x, i, ld(x, i) + ld(bias, i % cols));
+}
+extern "C" __global__ void add_bias_f32(float* x, const float* b, u64 rows, u64 cols) { add_bias_k(x, b, rows, cols); }
+extern "C" __global__ void add_bias_bf16(bf16_t* x, const bf16_t* b, u64 rows, u64 cols) { add_bias_k(x, b, rows, cols); }
+
+template <typename T> __device__ void scale_k(const T* x, float s, T* out, u64 n) {
+    GRID_STRIDE(i, n) st(out, i, ld(x, i) * s);
+}
+extern "C" __global__ void scale_f32(const float* x, float s, float* out, u64 n) { scale_k(x, s, out, n); }
+extern "C" __global__ void scale_bf16(const bf16_t* x, float s, bf16_t* out, u64 n) { scale_k(x, s, out, n); }
+
+// SiLU(gate) * up.
+template <typename T> __device__ void silu_mul_k(const T* g, const T* u, T* out, u64 n) {
+    GRID_STRIDE(i, n) {
+        float x = ld(g, i);
+        st(out, i, x / (1.0f + expf(-x)) * ld(u, i));
+    }
+}
+extern "C" __global__ void silu_mul_f32(const float* g, const float* u, float* out, u64 n) { silu_mul_k(g, u, out, n); }
+extern "C" __global__ void silu_mul_bf16(const bf16_t* g, const bf16_t* u, bf16_t* out, u64 n) { silu_mul_k(g, u, out, n); }
+
+// x [rows, groups, gw] -> out [rows, groups, width], columns start..start+width of each group.
+template <typename T> __device__ void slice_groups_k(const T* x, T* out, u64 rows, u64 groups, u64 gw, u64 start, u64 width) {
+    GRID_STRIDE(i, rows * groups * width) {
+        u64 c = i % width, g = i / width;
+        out[i] = x[g * gw + start + c];
+    }
+}
+extern "C" __global__ void slice_groups_f32(const float* x, float* o, u64 r, u64 g, u64 gw, u64 s, u64 w) { slice_groups_k(x, o, r, g, gw, s, w); }
+extern "C" __global__ void slice_groups_bf16(const bf16_t* x, bf16_t* o, u64 r, u64 g, u64 gw, u64 s, u64 w) { slice_groups_k(x, o, r, g, gw, s, w); }
+
+// a [rows·groups, wa] and b [rows·groups, wb] -> out [rows·groups, wa + wb].
+template <typename T> __device__ void concat_groups_k(const T* a, const T* b, T* out, u64 n_groups, u64 wa, u64 wb) {
+    u64 w = wa + wb;
+    GRID_STRIDE(i, n_groups * w) {
+        u64 c = i % w, g = i / w;
+        out[i] = c < wa ? a[g * wa + c] : b[g * wb + (c - wa)];
+    }
+}
+extern "C" __global__ void concat_groups_f32(const float* a, const float* b, float* o, u64 n, u64 wa, u64 wb) { concat_groups_k(a, b, o, n, wa, wb); }
+extern "C" __global__ void concat_groups_bf16(const bf16_t* a, const bf16_t* b, bf16_t* o, u64 n, u64 wa, u64 wb) { concat_groups_k(a, b, o, n, wa, wb); }
+
+// out[i] = x[rows[i]] for rows of `cols` elements.
+template <typename T> __device__ void gather_rows_k(const T* x, const int* rows, T* out, u64 n, u64 cols) {
+    GRID_STRIDE(i, n * cols) out[i] = x[(u64)rows[i / cols] * cols + i % cols];
+}
+extern "C" __global__ void gather_rows_f32(const float* x, const int* r, float* o, u64 n, u64 c) { gather_rows_k(x, r, o, n, c); }
+extern "C" __global__ void gather_rows_bf16(const bf16_t* x, const int* r, bf16_t* o, u64 n, u64 c) { gather_rows_k(x, r, o, n, c); }
+
+// acc[rows[i]] += w[i] * y[i]; the rows of one call are distinct (one expert's tokens).
+template <typename T> __device__ void scatter_add_rows_k(T* acc, const int* rows, const T* y, const float* w, u64 n, u64 cols) {
+    GRID_STRIDE(i, n * cols) {
+        u64 r = i / cols, c = i % cols;
+        u64 at = (u64)rows[r] * cols + c;
+        st(acc, at, ld(acc, at) + w[r] * ld(y, i));
+    }
+}
+extern "C" __global__ void scatter_add_rows_f32(float* a, const int* r, const float* y, const float* w, u64 n, u64 c) { scatter_add_rows_k(a, r, y, w, n, c); }
+extern "C" __global__ void scatter_add_rows_bf16(bf16_t* a, const int* r, const bf16_t* y, const float* w, u64 n, u64 c) { scatter_add_rows_k(a, r, y, w, n, c); }

@@ -1,0 +1,150 @@
+//! The kernels of `kernels/`, embedded in the binary and compiled at run time by NVRTC: to PTX
+//! for the device at hand (the driver JIT-compiles it), or to a cubin for a named architecture
+//! to report registers, shared memory and spills (`mladb kernels --arch sm_120`).
+
+use crate::error::{Error, Result};
+use cudarc::nvrtc::{result as nvrtc, sys};
+use std::ffi::CString;
+
+const COMMON: &str = include_str!("../../../kernels/common.cuh");
+
+/// (file name, source) of every kernel file.
+pub const SOURCES: &[(&str, &str)] = &[
+    ("elementwise.cu", include_str!("../../../kernels/elementwise.cu")),
+    ("norm.cu", include_str!("../../../kernels/norm.cu")),
+    ("rope.cu", include_str!("../../../kernels/rope.cu")),
+    ("stats.cu", include_str!("../../../kernels/stats.cu")),
+    ("router.cu", include_str!("../../../kernels/router.cu")),
+    ("mla.cu", include_str!("../../../kernels/mla.cu")),
+    ("indexer.cu", include_str!("../../../kernels/indexer.cu")),
+    ("attention.cu", include_str!("../../../kernels/attention.cu")),
+];
+
+/// The source with `common.cuh` inlined (NVRTC is given no include files).
+pub fn full_source(src: &str) -> String {
+    src.replace("#include \"common.cuh\"", COMMON)
+}
+
+/// Whether NVRTC can be loaded (probe before the first NVRTC call: cudarc panics otherwise).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to open the shared library.
+    unsafe { sys::is_culib_present() }
+}
+
+/// What compiling one file produced.
+pub struct Compiled {
+    /// PTX text, or the cubin bytes.
+    pub code: Vec<u8>,
+    /// NVRTC's log (warnings, and ptxas' resource report for cubins).
+    pub log: String,
+}
+
+/// Compiles `name` for `arch`: `compute_XY` gives PTX, `sm_XY` a cubin (with ptxas' report).
+pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
+    if !nvrtc_present() {
+        return Err(Error::invalid(
+            "NVRTC (libnvrtc.so) is not on the library path: CUDA kernels cannot be compiled",
+        ));
+    }
+    let cubin = arch.starts_with("sm_");
+    let source = CString::new(full_source(src)).map_err(|_| Error::invalid(format!("{name}: NUL in source")))?;
+    let cname = CString::new(name).expect("file names have no NUL");
+    let mut options = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "--fmad=true".to_string(),
+        "-default-device".to_string(),
+    ];
+    if cubin {
+        options.push("--ptxas-options=-v".to_string());
+    }
+    let fail = |e: &dyn std::fmt::Debug| Error::invalid(format!("NVRTC on {name} for {arch}: {e:?}"));
+    let prog = nvrtc::create_program(&source, Some(&cname)).map_err(|e| fail(&e))?;
+    // SAFETY: `prog` is a live program until destroy_program below; options are valid C strings.
+    let compiled = unsafe { nvrtc::compile_program(prog, &options) };
+    let log = unsafe { nvrtc::get_program_log(prog) }
+        .map(|l| c_chars_to_string(&l))
+        .unwrap_or_default();
+    if compiled.is_err() {
+        unsafe {
+            let _ = nvrtc::destroy_program(prog);
+        }
+        return Err(Error::invalid(format!("{name} does not compile for {arch}:\n{log}")));
+    }
+    let code = if cubin {
+        unsafe { get_cubin(prog) }
+    } else {
+        unsafe { nvrtc::get_ptx(prog) }.map(|p| c_chars_to_string(&p).into_bytes()).map_err(|e| fail(&e))
+    };
+    unsafe {
+        let _ = nvrtc::destroy_program(prog);
+    }
+    Ok(Compiled { code: code?, log })
+}
+
+fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = chars.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// # Safety
+/// `prog` must be a successfully compiled NVRTC program (for a real architecture).
+unsafe fn get_cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>> {
+    let mut size = 0usize;
+    let r = sys::nvrtcGetCUBINSize(prog, &mut size);
+    if r != sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(Error::invalid(format!("nvrtcGetCUBINSize: {r:?}")));
+    }
+    let mut buf = vec![0u8; size];
+    let r = sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char);
+    if r != sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(Error::invalid(format!("nvrtcGetCUBIN: {r:?}")));
+    }
+    Ok(buf)
+}
+
+/// ptxas' resource report per function: (function, registers, shared bytes, spill stores, spill loads).
+pub fn resources(log: &str) -> Vec<(String, u32, u32, u32, u32)> {
+    let mut out = Vec::new();
+    let mut current: Option<String> = None;
+    let mut spills = (0, 0);
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            current = rest.split('\'').next().map(str::to_string);
+            spills = (0, 0);
+        } else if line.contains("bytes spill stores") {
+            let nums: Vec<u32> = numbers(line);
+            if nums.len() >= 3 {
+                spills = (nums[1], nums[2]);
+            }
+        } else if let (Some(f), true) = (&current, line.contains("Used") && line.contains("registers")) {
+            let regs = number_before(line, "registers").unwrap_or(0);
+            let smem = number_before(line, "bytes smem").unwrap_or(0);
+            out.push((f.clone(), regs, smem, spills.0, spills.1));
+            current = None;
+        }
+    }
+    out
+}
+
+fn numbers(line: &str) -> Vec<u32> {
+    line.split(|c: char| !c.is_ascii_digit()).filter_map(|t| t.parse().ok()).collect()
+}
+
+fn number_before(line: &str, marker: &str) -> Option<u32> {
+    let head = &line[..line.find(marker)?];
+    head.split(|c: char| !c.is_ascii_digit()).filter(|t| !t.is_empty()).last()?.parse().ok()
+}
+
+/// The compiled form a log and its cubin describe, for the CLI.
+pub fn describe_version() -> String {
+    if !nvrtc_present() {
+        return "NVRTC not found".to_string();
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: writes two ints.
+    unsafe {
+        sys::nvrtcVersion(&mut major, &mut minor);
+    }
+    format!("NVRTC {major}.{minor}")
+}

@@ -1,0 +1,50 @@
+//! `mladb kernels --arch ARCH`: compiles every kernel of kernels/ through NVRTC for an
+//! architecture and reports, per kernel, whether it compiled and its registers, shared memory
+//! and spills. Needs no GPU, only NVRTC: this is how Blackwell (sm_100, sm_120) is checked here.
+
+use crate::backend::cuda::compile::{compile, describe_version, resources, SOURCES};
+use crate::error::{Error, Result};
+use clap::Args;
+
+#[derive(Args, Debug, Clone)]
+pub struct KernelsArgs {
+    /// Architectures, comma-separated (sm_80, sm_90, sm_100, sm_120, or compute_XY for PTX only).
+    #[arg(long, default_value = "sm_80,sm_90,sm_100,sm_120")]
+    pub arch: String,
+}
+
+/// Returns whether every kernel compiled for every architecture.
+pub fn run(args: &KernelsArgs) -> Result<bool> {
+    let archs: Vec<&str> = args.arch.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
+    for a in &archs {
+        let ok = (a.starts_with("sm_") || a.starts_with("compute_")) && a[a.find('_').unwrap_or(0) + 1..].chars().all(|c| c.is_ascii_alphanumeric());
+        if !ok {
+            return Err(Error::invalid(format!("--arch: '{a}' is not an architecture like sm_90 or compute_90")));
+        }
+    }
+    println!("mladb kernels: {} for {}", describe_version(), archs.join(", "));
+    let mut all_ok = true;
+    for arch in &archs {
+        for (file, src) in SOURCES {
+            match compile(file, src, arch) {
+                Ok(c) => {
+                    let res = resources(&c.log);
+                    println!("{arch:<8} {file:<16} ok ({} bytes)", c.code.len());
+                    for (f, regs, smem, st, ld) in res {
+                        let warn = if st + ld > 0 { "  SPILLS" } else { "" };
+                        println!("           {f:<36} {regs:>3} registers {smem:>6} B smem  spill st/ld {st}/{ld}{warn}");
+                    }
+                }
+                Err(e) => {
+                    all_ok = false;
+                    println!("{arch:<8} {file:<16} FAILED");
+                    for line in e.to_string().lines().take(20) {
+                        println!("           {line}");
+                    }
+                }
+            }
+        }
+    }
+    println!("{}", if all_ok { "all kernels compiled" } else { "some kernels did not compile" });
+    Ok(!all_ok)
+}
