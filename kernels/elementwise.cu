@@ -5,7 +5,7 @@
 #define GRID_STRIDE(i, n) for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 
 extern "C" __global__ void fill_u32(u32* p, u32 v, u64 n) { GRID_STRIDE(i, n) p[i] = v; }
-extern "C" __global__ void fill_u16(unsigned short* p, unsigned short v, u64 n) { GRID_STRIDE(i, n) p[i] = v; }
+extern "C" __global__ void fill_u16(unsigned short* p, u32 v, u64 n) { GRID_STRIDE(i, n) p[i] = (unsigned short)v; }
 
 template <typename T> __device__ void add_k(const T* a, const T* b, T* out, u64 n) {
     GRID_STRIDE(i, n) st(out, i, ld(a, i) + ld(b, i));

@@ -8,7 +8,7 @@ pub mod cuda;
 use crate::engine::cache::RowSource;
 use crate::engine::faults::KernelFaults;
 use crate::engine::rope::RopeTable;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::layout::MoeLayout;
 use crate::stats::TensorStats;
 use crate::tensor::Tensor;
@@ -235,16 +235,18 @@ pub enum DeviceChoice {
     Auto,
 }
 
-/// Picks the backend for a device choice. Returns the backend and, when `auto` fell back, why.
-pub fn select(choice: DeviceChoice) -> Result<(Box<dyn Backend>, Option<String>)> {
+/// Picks the backend for a device choice; `storage` is the device's storage type. Returns the
+/// backend and, when `auto` fell back to the CPU, why.
+pub fn select(choice: DeviceChoice, storage: crate::engine::StorageDtype) -> Result<(Box<dyn Backend>, Option<String>)> {
     match choice {
         DeviceChoice::Cpu => Ok((Box::new(cpu::CpuBackend), None)),
-        DeviceChoice::Cuda => Err(Error::invalid(
-            "--device cuda: the CUDA backend is not built yet (use --device cpu or auto)",
-        )),
-        DeviceChoice::Auto => Ok((
-            Box::new(cpu::CpuBackend),
-            Some("device auto: using the CPU (the CUDA backend is not built yet)".to_string()),
-        )),
+        DeviceChoice::Cuda => Ok((Box::new(cuda::CudaBackend::new(storage)?), None)),
+        DeviceChoice::Auto => match cuda::probe() {
+            Ok(()) => match cuda::CudaBackend::new(storage) {
+                Ok(b) => Ok((Box::new(b), None)),
+                Err(e) => Ok((Box::new(cpu::CpuBackend), Some(format!("device auto: using the CPU ({e})")))),
+            },
+            Err(why) => Ok((Box::new(cpu::CpuBackend), Some(format!("device auto: using the CPU ({why})")))),
+        },
     }
 }

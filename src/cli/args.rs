@@ -95,9 +95,9 @@ impl RunSetup {
         }
     }
 
-    /// Loads the model and checks the schedule against it.
-    pub fn prepare(&self) -> Result<Prepared> {
-        let (backend, note) = backend::select(self.device.into())?;
+    /// Loads the model and checks the schedule against it; the device stores values as `flags.dtype`.
+    pub fn prepare(&self, flags: &Flags) -> Result<Prepared> {
+        let (backend, note) = backend::select(self.device.into(), flags.dtype)?;
         if let Some(note) = note {
             eprintln!("{note}");
         }
@@ -153,9 +153,10 @@ pub struct FlagArgs {
     /// lse-base-mismatch, skip-padded-rows, kv-cache-off-by-one.
     #[arg(long = "inject")]
     pub inject: Vec<String>,
-    /// Activation storage: f32, or bf16 (outputs rounded to bf16, f32 arithmetic).
-    #[arg(long, default_value = "f32")]
-    pub dtype: String,
+    /// Storage of values: f32, or bf16 (f32 arithmetic, every op's output stored as bf16).
+    /// Default: bf16 on CUDA, f32 on the CPU.
+    #[arg(long)]
+    pub dtype: Option<String>,
     /// Dequantize kv_b_proj at load instead of through the identity matrix (needs quantized
     /// weights to act on).
     #[arg(long)]
@@ -163,7 +164,8 @@ pub struct FlagArgs {
 }
 
 impl FlagArgs {
-    pub fn flags(&self) -> Result<Flags> {
+    /// The flags for a run on `device`.
+    pub fn flags(&self, device: DeviceArg) -> Result<Flags> {
         let mut flags = Flags::default();
         if self.mla_disable {
             if self.prefill_path == Some(PathArg::Absorbed)
@@ -186,9 +188,13 @@ impl FlagArgs {
                 .set("inject", spec)
                 .map_err(|e| Error::invalid(format!("--inject: {e}")))?;
         }
+        let default_dtype = if device == DeviceArg::Cuda { "bf16" } else { "f32" };
         flags
-            .set("dtype", &self.dtype)
+            .set("dtype", self.dtype.as_deref().unwrap_or(default_dtype))
             .map_err(|e| Error::invalid(format!("--dtype: {e}")))?;
+        if device == DeviceArg::Cuda {
+            flags.device = crate::debug::flags::DeviceFlag::Cuda;
+        }
         if self.force_dequant {
             if let Some(note) = flags.set("force-dequant", "on")? {
                 eprintln!("note: {note}");

@@ -35,7 +35,7 @@ pub struct CheckArgs {
 
 /// Runs the check; returns whether anything was found.
 pub fn run(args: &CheckArgs) -> Result<bool> {
-    let flags = args.flags.flags()?;
+    let flags = args.flags.flags(args.setup.device)?;
     if let Some(t) = args.tolerance {
         if !(t.is_finite() && t >= 0.0) {
             return Err(Error::invalid(format!(
@@ -50,7 +50,7 @@ pub fn run(args: &CheckArgs) -> Result<bool> {
         )?),
         None => None,
     };
-    let p = args.setup.prepare()?;
+    let p = args.setup.prepare(&flags)?;
     let job = Job {
         model: &p.model,
         backend: p.backend.as_ref(),
@@ -179,7 +179,7 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
         )?),
         None => None,
     };
-    let p = args.setup.prepare()?;
+    let p = args.setup.prepare(&flags_a)?;
     let heads = p.model.layout.num_heads;
     let job = Job {
         model: &p.model,

@@ -33,10 +33,7 @@ impl RunArgs {
     pub fn default_demo() -> RunArgs {
         RunArgs {
             setup: RunSetup::with_layout("glm5-tiny", 4),
-            flags: FlagArgs {
-                dtype: "f32".into(),
-                ..FlagArgs::default()
-            },
+            flags: FlagArgs::default(),
             json: false,
             dump: None,
         }
@@ -77,8 +74,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
 
 /// `mladb run` writing to `out`.
 pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
-    let flags = args.flags.flags()?;
-    let p = args.setup.prepare()?;
+    let flags = args.flags.flags(args.setup.device)?;
+    let p = args.setup.prepare(&flags)?;
     let (model, schedule, layers) = (&p.model, &p.schedule, &p.layers);
     let layout = &model.layout;
     let options = flags.engine_options(layers.clone(), false)?;

@@ -476,7 +476,22 @@ impl Controller {
                 note: None,
             });
         }
+        // Another device, or another storage type on the GPU, needs another backend.
+        let device_changed = new.device != self.flags.device
+            || (new.device == super::flags::DeviceFlag::Cuda && new.dtype != self.flags.dtype);
+        let backend = if device_changed {
+            let choice = match new.device {
+                super::flags::DeviceFlag::Cpu => crate::backend::DeviceChoice::Cpu,
+                super::flags::DeviceFlag::Cuda => crate::backend::DeviceChoice::Cuda,
+            };
+            Some(Arc::<dyn Backend>::from(crate::backend::select(choice, new.dtype)?.0))
+        } else {
+            None
+        };
         self.worker.stop();
+        if let Some(b) = backend {
+            self.backend = b;
+        }
         self.cancel.store(false, Ordering::Relaxed);
         let old = Arc::new(std::mem::replace(&mut self.current, RunRecord::new(new)));
         let first = self.flags.first_affected(&new, &old.events);

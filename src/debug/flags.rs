@@ -99,11 +99,6 @@ impl Flags {
 
     /// Engine options for these flags.
     pub fn engine_options(&self, layers: Range<usize>, poison: bool) -> Result<EngineOptions> {
-        if self.device == DeviceFlag::Cuda {
-            return Err(Error::invalid(
-                "device cuda: the CUDA backend is not built yet",
-            ));
-        }
         Ok(EngineOptions {
             paths: self.paths(),
             layers,
@@ -134,9 +129,9 @@ impl Flags {
                 self.device = match value {
                     "cpu" => DeviceFlag::Cpu,
                     "cuda" => {
-                        return Err(Error::invalid(
-                            "device cuda: the CUDA backend is not built yet",
-                        ))
+                        crate::backend::cuda::probe()
+                            .map_err(|why| Error::invalid(format!("device cuda: {why}")))?;
+                        DeviceFlag::Cuda
                     }
                     other => {
                         return Err(Error::invalid(format!(

@@ -23,6 +23,21 @@ pub trait RowSource: Sync {
     }
     /// Row of token `t`.
     fn row(&self, t: usize) -> &[f32];
+    /// The cache's identity (a device mirror is kept per cache).
+    fn id(&self) -> BufferId;
+    /// Values per row.
+    fn width(&self) -> usize;
+    /// The slot of every write so far, in order: a device mirror replays the ones it has not
+    /// seen yet.
+    fn writes(&self) -> &[usize];
+    /// For a paged cache, logical page → physical page.
+    fn block_table(&self) -> Option<&[usize]> {
+        None
+    }
+    /// Unwritten slots hold the poison pattern.
+    fn poisoned(&self) -> bool {
+        false
+    }
 }
 
 /// One layer's paged latent cache.
@@ -37,6 +52,7 @@ pub struct LatentCache {
     block_table: Vec<usize>,
     len: usize,
     id: BufferId,
+    writes: Vec<usize>,
 }
 
 impl LatentCache {
@@ -48,6 +64,7 @@ impl LatentCache {
             block_table: Vec::new(),
             len: 0,
             id: BufferId::fresh_cache(),
+            writes: Vec::new(),
         }
     }
 
@@ -87,6 +104,7 @@ impl LatentCache {
         let page = self.block_table[slot / PAGE_SIZE];
         let at = slot % PAGE_SIZE * w;
         self.pages[page][at..at + w].copy_from_slice(row);
+        self.writes.push(slot);
         Ok(())
     }
 
@@ -111,6 +129,26 @@ impl RowSource for LatentCache {
         self.len
     }
 
+    fn id(&self) -> BufferId {
+        self.id
+    }
+
+    fn width(&self) -> usize {
+        self.width
+    }
+
+    fn writes(&self) -> &[usize] {
+        &self.writes
+    }
+
+    fn block_table(&self) -> Option<&[usize]> {
+        Some(&self.block_table)
+    }
+
+    fn poisoned(&self) -> bool {
+        self.poison
+    }
+
     fn row(&self, t: usize) -> &[f32] {
         assert!(t < self.len, "latent cache read past its end");
         let page = self.block_table[t / PAGE_SIZE];
@@ -125,6 +163,7 @@ pub struct RowCache {
     width: usize,
     data: Vec<f32>,
     id: BufferId,
+    writes: Vec<usize>,
 }
 
 impl RowCache {
@@ -133,6 +172,7 @@ impl RowCache {
             width,
             data: Vec::new(),
             id: BufferId::fresh_cache(),
+            writes: Vec::new(),
         }
     }
 
@@ -149,6 +189,7 @@ impl RowCache {
                 detail: format!("{} tokens of width {}", new_len / self.width, self.width),
             });
         }
+        self.writes.push(self.data.len() / self.width);
         self.data.extend_from_slice(row);
         Ok(())
     }
@@ -166,6 +207,18 @@ impl RowCache {
 impl RowSource for RowCache {
     fn len(&self) -> usize {
         self.data.len() / self.width
+    }
+
+    fn id(&self) -> BufferId {
+        self.id
+    }
+
+    fn width(&self) -> usize {
+        self.width
+    }
+
+    fn writes(&self) -> &[usize] {
+        &self.writes
     }
 
     fn row(&self, t: usize) -> &[f32] {

@@ -37,18 +37,15 @@ impl TuiArgs {
     pub fn default_demo() -> TuiArgs {
         TuiArgs {
             setup: RunSetup::with_layout("glm5-tiny", 4),
-            flags: FlagArgs {
-                dtype: "f32".into(),
-                ..FlagArgs::default()
-            },
+            flags: FlagArgs::default(),
             keys: None,
         }
     }
 
     /// Loads everything the TUI needs; errors here end the program before the screen changes.
     pub fn spec(&self) -> Result<host::HostSpec> {
-        let flags = self.flags.flags()?;
-        let p = self.setup.prepare()?;
+        let flags = self.flags.flags(self.setup.device)?;
+        let p = self.setup.prepare(&flags)?;
         let source = match &self.setup.model.model {
             Some(dir) => ModelSource::Checkpoint {
                 path: dir.clone(),

@@ -1,0 +1,336 @@
+//! The GPU: context, stream, cuBLAS handle, the loaded kernels, device buffers with a registry,
+//! copies between host and device, and kernel launches. Every `unsafe` of the CUDA backend is in
+//! this file, with the invariant it relies on beside it.
+
+use super::compile::{compile, SOURCES};
+use crate::error::{Error, Result};
+use crate::tensor::{DeviceBuffer, POISON_BITS};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// How values are stored on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elem {
+    F32,
+    Bf16,
+}
+
+impl Elem {
+    pub fn size(self) -> usize {
+        match self {
+            Elem::F32 => 4,
+            Elem::Bf16 => 2,
+        }
+    }
+
+    /// The kernel-name suffix of this storage type.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Elem::F32 => "f32",
+            Elem::Bf16 => "bf16",
+        }
+    }
+}
+
+/// bf16 bits of the poison pattern (its high half), and the f32 pattern it stands for on the host.
+const POISON_BF16: u16 = (POISON_BITS >> 16) as u16;
+
+fn to_bf16(v: f32) -> u16 {
+    if v.to_bits() == POISON_BITS {
+        return POISON_BF16;
+    }
+    half::bf16::from_f32(v).to_bits()
+}
+
+fn from_bf16(b: u16) -> f32 {
+    if b == POISON_BF16 {
+        return f32::from_bits(POISON_BITS);
+    }
+    half::bf16::from_bits(b).to_f32()
+}
+
+/// One device allocation. The registry numbers every allocation and keeps its label.
+pub struct DevBuf {
+    slice: CudaSlice<u8>,
+    pub ptr: u64,
+    pub elem: Elem,
+    /// Elements (of `elem`), not bytes.
+    pub len: usize,
+    pub serial: u64,
+}
+
+impl DeviceBuffer for DevBuf {
+    fn address(&self) -> u64 {
+        self.ptr
+    }
+    fn bytes(&self) -> usize {
+        self.len * self.elem.size()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A kernel argument: device pointers and sizes are u64, scalars f32 or i32, as in kernels/.
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    U64(u64),
+    F32(f32),
+    I32(i32),
+}
+
+impl From<u64> for Arg {
+    fn from(v: u64) -> Arg {
+        Arg::U64(v)
+    }
+}
+impl From<usize> for Arg {
+    fn from(v: usize) -> Arg {
+        Arg::U64(v as u64)
+    }
+}
+impl From<f32> for Arg {
+    fn from(v: f32) -> Arg {
+        Arg::F32(v)
+    }
+}
+impl From<i32> for Arg {
+    fn from(v: i32) -> Arg {
+        Arg::I32(v)
+    }
+}
+impl From<&DevBuf> for Arg {
+    fn from(b: &DevBuf) -> Arg {
+        Arg::U64(b.ptr)
+    }
+}
+
+/// A record of the device buffer registry.
+#[derive(Debug, Clone)]
+pub struct Allocation {
+    pub serial: u64,
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub blas: CudaBlas,
+    functions: HashMap<String, CudaFunction>,
+    pub name: String,
+    /// compute capability, e.g. "90".
+    pub arch: String,
+    next_serial: AtomicU64,
+    /// The most recent allocations (a bounded log), for the buffers view and tests.
+    pub registry: Mutex<Vec<Allocation>>,
+}
+
+fn driver_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::invalid(format!("CUDA {what}: {e:?}"))
+}
+
+impl Gpu {
+    /// Opens device `ordinal` and compiles every kernel for it. Fails cleanly (never panics)
+    /// when the driver, NVRTC or a device is missing.
+    pub fn open(ordinal: usize) -> Result<Gpu> {
+        // SAFETY: only tries to open libcuda; cudarc would panic on the first call without it.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(Error::invalid("no CUDA driver (libcuda.so) on this machine"));
+        }
+        if !super::compile::nvrtc_present() {
+            return Err(Error::invalid("NVRTC (libnvrtc.so) is not on the library path"));
+        }
+        let count = CudaContext::device_count().map_err(driver_err("device count"))?;
+        if count <= ordinal as i32 {
+            return Err(Error::invalid(format!("no CUDA device {ordinal} ({count} present)")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_err("context"))?;
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::invalid(format!("cuBLAS: {e:?}")))?;
+        let (major, minor) = ctx.compute_capability().map_err(driver_err("compute capability"))?;
+        let arch = format!("{major}{minor}");
+        let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        let mut functions = HashMap::new();
+        for (file, src) in SOURCES {
+            let compiled = compile(file, src, &format!("compute_{arch}"))?;
+            let ptx = Ptx::from_src(String::from_utf8_lossy(&compiled.code).into_owned());
+            let module = ctx.load_module(ptx).map_err(driver_err("module load"))?;
+            for name in kernel_names(src) {
+                let f = module.load_function(&name).map_err(driver_err("kernel lookup"))?;
+                functions.insert(name, f);
+            }
+        }
+        Ok(Gpu {
+            ctx,
+            stream,
+            blas,
+            functions,
+            name,
+            arch,
+            next_serial: AtomicU64::new(1),
+            registry: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Allocates `len` elements (contents undefined until written).
+    pub fn alloc(&self, len: usize, elem: Elem) -> Result<DevBuf> {
+        let bytes = (len * elem.size()).max(4);
+        // SAFETY: the memory is uninitialised; every caller fills it (a fill kernel, an upload
+        // or a kernel that writes all of it) before it is read.
+        let slice = unsafe { self.stream.alloc::<u8>(bytes) }.map_err(driver_err("alloc"))?;
+        let ptr = {
+            let (p, _sync) = slice.device_ptr(&self.stream);
+            p
+        };
+        let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
+        let mut reg = self.registry.lock().unwrap_or_else(|p| p.into_inner());
+        reg.push(Allocation { serial, ptr, bytes });
+        if reg.len() > 4096 {
+            reg.drain(..1024);
+        }
+        Ok(DevBuf {
+            slice,
+            ptr,
+            elem,
+            len,
+            serial,
+        })
+    }
+
+    /// Fills a buffer with the poison pattern (or zeros).
+    pub fn fill(&self, buf: &DevBuf, poison: bool) -> Result<()> {
+        let n = buf.len as u64;
+        match buf.elem {
+            Elem::F32 => self.launch("fill_u32", grid(n), 256, 0, &[buf.into(), Arg::I32(if poison { POISON_BITS as i32 } else { 0 }), n.into()]),
+            Elem::Bf16 => self.launch("fill_u16", grid(n), 256, 0, &[buf.into(), Arg::I32(if poison { POISON_BF16 as i32 } else { 0 }), n.into()]),
+        }
+    }
+
+    /// A buffer holding `data` in `elem`.
+    pub fn upload(&self, data: &[f32], elem: Elem) -> Result<DevBuf> {
+        let mut buf = self.alloc(data.len(), elem)?;
+        self.write(&mut buf, 0, data)?;
+        Ok(buf)
+    }
+
+    /// Writes `data` at element offset `at` of `buf`.
+    pub fn write(&self, buf: &mut DevBuf, at: usize, data: &[f32]) -> Result<()> {
+        if at + data.len() > buf.len {
+            return Err(Error::invalid("device write past the end of a buffer"));
+        }
+        let bytes: Vec<u8> = match buf.elem {
+            Elem::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Elem::Bf16 => data.iter().flat_map(|v| to_bf16(*v).to_le_bytes()).collect(),
+        };
+        let offset = at * buf.elem.size();
+        let mut view = buf.slice.slice_mut(offset..offset + bytes.len());
+        self.stream.memcpy_htod(&bytes, &mut view).map_err(driver_err("upload"))?;
+        Ok(())
+    }
+
+    /// A buffer of i32 values (positions, indices).
+    pub fn upload_i32(&self, data: &[i32]) -> Result<DevBuf> {
+        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut buf = self.alloc(data.len(), Elem::F32)?;
+        let mut view = buf.slice.slice_mut(0..bytes.len().max(1).min(buf.len * 4));
+        if !bytes.is_empty() {
+            self.stream.memcpy_htod(&bytes, &mut view).map_err(driver_err("upload"))?;
+        }
+        Ok(buf)
+    }
+
+    /// A buffer of bytes (masks).
+    pub fn upload_bytes(&self, data: &[u8]) -> Result<DevBuf> {
+        let mut buf = self.alloc(data.len().div_ceil(4), Elem::F32)?;
+        if !data.is_empty() {
+            let mut view = buf.slice.slice_mut(0..data.len());
+            self.stream.memcpy_htod(data, &mut view).map_err(driver_err("upload"))?;
+        }
+        Ok(buf)
+    }
+
+    /// Copies a buffer back as f32 (waits for the stream, so kernel errors surface here).
+    pub fn download(&self, buf: &DevBuf) -> Result<Vec<f32>> {
+        let mut bytes = vec![0u8; buf.len * buf.elem.size()];
+        if !bytes.is_empty() {
+            let view = buf.slice.slice(0..bytes.len());
+            self.stream.memcpy_dtoh(&view, &mut bytes).map_err(driver_err("download"))?;
+        }
+        self.stream.synchronize().map_err(driver_err("kernel"))?;
+        Ok(match buf.elem {
+            Elem::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Elem::Bf16 => bytes.chunks_exact(2).map(|b| from_bf16(u16::from_le_bytes([b[0], b[1]]))).collect(),
+        })
+    }
+
+    /// Raw bytes of a buffer (i32 or f64 results of kernels).
+    pub fn download_bytes(&self, buf: &DevBuf, bytes: usize) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; bytes];
+        if bytes > 0 {
+            let view = buf.slice.slice(0..bytes);
+            self.stream.memcpy_dtoh(&view, &mut out).map_err(driver_err("download"))?;
+        }
+        self.stream.synchronize().map_err(driver_err("kernel"))?;
+        Ok(out)
+    }
+
+    /// Copies `len` elements from `src` at `from` to `dst` at `to` (same storage type).
+    pub fn copy(&self, src: &DevBuf, from: usize, dst: &mut DevBuf, to: usize, len: usize) -> Result<()> {
+        let s = src.elem.size();
+        let view = src.slice.slice(from * s..(from + len) * s);
+        let mut out = dst.slice.slice_mut(to * s..(to + len) * s);
+        self.stream.memcpy_dtod(&view, &mut out).map_err(driver_err("copy"))
+    }
+
+    /// Launches kernel `name` on a grid of `grid` blocks of `block` threads.
+    pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, shared: u32, args: &[Arg]) -> Result<()> {
+        let f = self
+            .functions
+            .get(name)
+            .ok_or_else(|| Error::invalid(format!("no CUDA kernel named {name}")))?;
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::U64(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: shared,
+        };
+        // SAFETY: each call site passes the argument list its kernel's extern "C" signature
+        // declares (pointers and sizes as u64, scalars as f32/i32), in order; pointers come from
+        // live DevBufs large enough for every index the kernel touches given those sizes. `args`
+        // outlives the launch.
+        unsafe { b.launch(cfg) }.map_err(driver_err(name))?;
+        Ok(())
+    }
+
+    /// Memory in use and in all, in bytes.
+    pub fn memory(&self) -> (usize, usize) {
+        self.ctx.mem_get_info().map(|(free, total)| (total - free, total)).unwrap_or((0, 0))
+    }
+}
+
+/// A 1-D grid covering `n` elements with 256-thread blocks (grid-stride loops do the rest).
+pub fn grid(n: u64) -> (u32, u32, u32) {
+    (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1)
+}
+
+/// The extern "C" kernel names defined in a source file.
+fn kernel_names(src: &str) -> Vec<String> {
+    src.lines()
+        .filter_map(|l| l.trim_start().strip_prefix("extern \"C\" __global__ void "))
+        .filter_map(|rest| rest.split('(').next())
+        .map(|n| n.trim().to_string())
+        .collect()
+}
