@@ -100,6 +100,11 @@ impl KvbSplit {
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
 
+    /// Fill every output buffer with the poison pattern before the op writes it, so that
+    /// elements an op leaves unwritten show (buffer forensics, kernel tests). Host backends build
+    /// their outputs element by element and ignore it.
+    fn set_poison_outputs(&self, _on: bool) {}
+
     /// An output buffer for an op that writes into a buffer it is handed: filled with the poison
     /// pattern when `poison` is set (so unwritten elements can be counted), zeros otherwise.
     fn alloc(&self, shape: &[usize], poison: bool) -> Result<Tensor>;

@@ -131,6 +131,7 @@ impl<'m> Engine<'m> {
                 r.start, r.end, layout.num_layers
             )));
         }
+        backend.set_poison_outputs(options.poison);
         let caches = (0..layout.num_layers)
             .map(|l| {
                 r.contains(&l).then(|| LayerCache {

@@ -46,3 +46,24 @@ pub fn prompt(vocab: usize, len: usize) -> Vec<u32> {
 pub fn last_row(t: &Tensor) -> &[f32] {
     t.row(t.rows() - 1)
 }
+
+/// The GPU backends to test when a GPU is present (f32 and bf16 storage), each with the
+/// relative error allowed for a whole forward pass against the CPU; none (and the reason
+/// printed) otherwise.
+pub fn gpu_backends() -> Vec<(&'static str, std::sync::Arc<dyn mladb::backend::Backend>, f64)> {
+    use mladb::engine::StorageDtype;
+    match mladb::backend::cuda::probe() {
+        Ok(()) => [("cuda-f32", StorageDtype::F32, 1e-4), ("cuda-bf16", StorageDtype::Bf16, 6e-2)]
+            .into_iter()
+            .map(|(name, storage, tol)| {
+                let b: std::sync::Arc<dyn mladb::backend::Backend> =
+                    std::sync::Arc::new(mladb::backend::cuda::CudaBackend::new(storage).expect("a probed GPU opens"));
+                (name, b, tol)
+            })
+            .collect(),
+        Err(why) => {
+            eprintln!("GPU tests skipped: {why}");
+            Vec::new()
+        }
+    }
+}

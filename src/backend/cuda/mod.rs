@@ -22,6 +22,7 @@ use crate::stats::TensorStats;
 use crate::tensor::{BufferId, DType, DeviceBuffer, Tensor};
 use device::{grid, Arg, DevBuf, Elem, Gpu};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// A device copy of a KV cache, kept in step with the host cache's writes.
@@ -37,6 +38,7 @@ pub struct CudaBackend {
     gpu: Gpu,
     elem: Elem,
     caches: Mutex<HashMap<BufferId, CacheMirror>>,
+    poison_outputs: AtomicBool,
 }
 
 /// Whether a CUDA device can be used, and if not, why.
@@ -69,6 +71,7 @@ impl CudaBackend {
                 StorageDtype::Bf16 => Elem::Bf16,
             },
             caches: Mutex::new(HashMap::new()),
+            poison_outputs: AtomicBool::new(false),
         })
     }
 
@@ -113,7 +116,11 @@ impl CudaBackend {
 
     fn out(&self, numel: usize) -> Result<DevBuf> {
         crate::tensor::checked_numel(&[numel], "device tensor")?;
-        self.gpu.alloc(numel, self.elem)
+        let buf = self.gpu.alloc(numel, self.elem)?;
+        if self.poison_outputs.load(Ordering::Relaxed) {
+            self.gpu.fill(&buf, true)?;
+        }
+        Ok(buf)
     }
 
     /// Brings a cache's device mirror up to date; returns its device pointer.
@@ -208,6 +215,10 @@ fn same_shape(op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    fn set_poison_outputs(&self, on: bool) {
+        self.poison_outputs.store(on, Ordering::Relaxed);
     }
 
     fn alloc(&self, shape: &[usize], poison: bool) -> Result<Tensor> {
