@@ -113,8 +113,17 @@ pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
                 vec![(Vec::new(), Vec::new()); moe.n_routed_experts];
             for t in 0..n {
                 for (&e, &w) in ids.row(t).iter().zip(weights.row(t)) {
-                    per_expert[e as usize].0.push(t);
-                    per_expert[e as usize].1.push(w);
+                    let slot = per_expert
+                        .get_mut(e as usize)
+                        .filter(|_| e >= 0.0)
+                        .ok_or_else(|| {
+                            crate::Error::invalid(format!(
+                                "the router chose expert {e} of {}",
+                                moe.n_routed_experts
+                            ))
+                        })?;
+                    slot.0.push(t);
+                    slot.1.push(w);
                 }
             }
             let mut routed = Tensor::zeros(x.shape())?;

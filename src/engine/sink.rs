@@ -143,7 +143,9 @@ impl Sink<'_> {
                         refs: Vec::new(),
                     };
                     let mut c = compute(&mut r)?;
-                    if self.storage == StorageDtype::Bf16 && c.tensor.dtype() == DType::F32 {
+                    // Device outputs are already stored in the run's dtype (the device backend
+                    // was made for it); host outputs are rounded here.
+                    if self.storage == StorageDtype::Bf16 && c.tensor.dtype() == DType::F32 && c.tensor.device().is_none() {
                         round_to_bf16(&mut c.tensor);
                     }
                     let reads = activations.chain(c.extra_reads).chain(r.refs).collect();

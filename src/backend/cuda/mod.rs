@@ -454,7 +454,7 @@ impl Backend for CudaBackend {
         let b = self.gpu.upload(bias.data(), Elem::F32)?;
         let ids = self.gpu.alloc(tokens * k, Elem::F32)?;
         let w = self.gpu.alloc(tokens * k, Elem::F32)?;
-        let scratch = self.gpu.alloc(tokens * (e + moe.n_group), Elem::F32)?;
+        let scratch = self.gpu.alloc(tokens * (2 * e + moe.n_group), Elem::F32)?;
         self.gpu.launch(
             "route_f32",
             grid(tokens as u64),
