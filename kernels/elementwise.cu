@@ -74,3 +74,19 @@ template <typename T> __device__ void scatter_add_rows_k(T* acc, const int* rows
 }
 extern "C" __global__ void scatter_add_rows_f32(float* a, const int* r, const float* y, const float* w, u64 n, u64 c) { scatter_add_rows_k(a, r, y, w, n, c); }
 extern "C" __global__ void scatter_add_rows_bf16(bf16_t* a, const int* r, const bf16_t* y, const float* w, u64 n, u64 c) { scatter_add_rows_k(a, r, y, w, n, c); }
+
+// Uniform values in [-amp, amp) from a counter hash (seed, index), for benchmark inputs that
+// are neither zeros nor one repeated value.
+__device__ __forceinline__ float hash_uniform(u64 seed, u64 i) {
+    u64 x = seed * 0x9E3779B97F4A7C15ull + i;
+    x ^= x >> 30; x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27; x *= 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return (float)(x >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f;
+}
+extern "C" __global__ void fill_random_bf16(bf16_t* p, u64 seed, float amp, u64 n) {
+    GRID_STRIDE(i, n) p[i] = f32_to_bf16(amp * hash_uniform(seed, i));
+}
+extern "C" __global__ void fill_random_f32(float* p, u64 seed, float amp, u64 n) {
+    GRID_STRIDE(i, n) p[i] = amp * hash_uniform(seed, i);
+}

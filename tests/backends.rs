@@ -31,8 +31,12 @@ fn backends() -> Vec<Under> {
     }];
     match mladb::backend::cuda::probe() {
         Ok(()) => {
-            for (name, storage, tolerance) in [("cuda-f32", StorageDtype::F32, 2e-5), ("cuda-bf16", StorageDtype::Bf16, 2e-2)] {
-                let b = mladb::backend::cuda::CudaBackend::new(storage).expect("a probed GPU opens");
+            for (name, storage, tolerance) in [
+                ("cuda-f32", StorageDtype::F32, 2e-5),
+                ("cuda-bf16", StorageDtype::Bf16, 2e-2),
+            ] {
+                let b =
+                    mladb::backend::cuda::CudaBackend::new(storage).expect("a probed GPU opens");
                 b.set_poison_outputs(true);
                 v.push(Under {
                     name,
@@ -46,33 +50,31 @@ fn backends() -> Vec<Under> {
     v
 }
 
-/// Fresh random values: a new seed per process (printed, to reproduce a failure).
-fn seed() -> u64 {
-    use std::sync::OnceLock;
-    static SEED: OnceLock<u64> = OnceLock::new();
-    *SEED.get_or_init(|| {
-        let s = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1);
-        eprintln!("random inputs from seed {s}");
-        s
-    })
-}
-
 fn random(shape: &[usize], name: &str, scale: f32) -> Tensor {
-    let key = tensor_key(seed(), name);
+    let key = tensor_key(common::seed(), name);
     let n: usize = shape.iter().product();
-    Tensor::from_vec(shape, (0..n).map(|i| scale * normalish(key, i as u64)).collect())
+    Tensor::from_vec(
+        shape,
+        (0..n).map(|i| scale * normalish(key, i as u64)).collect(),
+    )
 }
 
 fn check(u: &Under, op: &str, got: &Tensor, want: &Tensor) {
     assert_eq!(got.shape(), want.shape(), "{} {op}: shape", u.name);
     let stats = u.backend.stats(got);
-    assert_eq!(stats.unwritten, 0, "{} {op}: {} elements unwritten", u.name, stats.unwritten);
+    assert_eq!(
+        stats.unwritten, 0,
+        "{} {op}: {} elements unwritten",
+        u.name, stats.unwritten
+    );
     // Equal infinities (masked scores) agree; NaN never does.
     let err = mladb::debug::compare::diff(got.data(), want.data(), got.shape(), None).rel_l2;
-    assert!(err <= u.tolerance, "{} {op}: rel L2 {err:.3e} > {:.1e}", u.name, u.tolerance);
+    assert!(
+        err <= u.tolerance,
+        "{} {op}: rel L2 {err:.3e} > {:.1e}",
+        u.name,
+        u.tolerance
+    );
 }
 
 #[test]
@@ -96,27 +98,84 @@ fn linear_norms_rope_and_elementwise_ops() {
     let positions: Vec<usize> = (3..10).collect();
     for u in backends() {
         let b = &*u.backend;
-        check(&u, "linear", &b.linear(&x, &w, None).unwrap(), &cpu.linear(&x, &w, None).unwrap());
-        check(&u, "linear+bias", &b.linear(&x, &w, Some(&bias)).unwrap(), &cpu.linear(&x, &w, Some(&bias)).unwrap());
-        check(&u, "rms_norm", &b.rms_norm(&x, &nw, 1e-6).unwrap(), &cpu.rms_norm(&x, &nw, 1e-6).unwrap());
-        check(&u, "layer_norm", &b.layer_norm(&x, &nw, &nb, 1e-6).unwrap(), &cpu.layer_norm(&x, &nw, &nb, 1e-6).unwrap());
+        check(
+            &u,
+            "linear",
+            &b.linear(&x, &w, None).unwrap(),
+            &cpu.linear(&x, &w, None).unwrap(),
+        );
+        check(
+            &u,
+            "linear+bias",
+            &b.linear(&x, &w, Some(&bias)).unwrap(),
+            &cpu.linear(&x, &w, Some(&bias)).unwrap(),
+        );
+        check(
+            &u,
+            "rms_norm",
+            &b.rms_norm(&x, &nw, 1e-6).unwrap(),
+            &cpu.rms_norm(&x, &nw, 1e-6).unwrap(),
+        );
+        check(
+            &u,
+            "layer_norm",
+            &b.layer_norm(&x, &nw, &nb, 1e-6).unwrap(),
+            &cpu.layer_norm(&x, &nw, &nb, 1e-6).unwrap(),
+        );
         for interleaved in [true, false] {
             let want = cpu.rope(&q, 4, &table, &positions, interleaved).unwrap();
-            check(&u, "rope", &b.rope(&q, 4, &table, &positions, interleaved).unwrap(), &want);
+            check(
+                &u,
+                "rope",
+                &b.rope(&q, 4, &table, &positions, interleaved).unwrap(),
+                &want,
+            );
         }
-        check(&u, "silu_mul", &b.silu_mul(&x, &g).unwrap(), &cpu.silu_mul(&x, &g).unwrap());
-        check(&u, "add", &b.add(&x, &g).unwrap(), &cpu.add(&x, &g).unwrap());
-        check(&u, "scale", &b.scale(&x, 0.37).unwrap(), &cpu.scale(&x, 0.37).unwrap());
-        check(&u, "slice_groups", &b.slice_groups(&x, 4, 8, 16).unwrap(), &cpu.slice_groups(&x, 4, 8, 16).unwrap());
+        check(
+            &u,
+            "silu_mul",
+            &b.silu_mul(&x, &g).unwrap(),
+            &cpu.silu_mul(&x, &g).unwrap(),
+        );
+        check(
+            &u,
+            "add",
+            &b.add(&x, &g).unwrap(),
+            &cpu.add(&x, &g).unwrap(),
+        );
+        check(
+            &u,
+            "scale",
+            &b.scale(&x, 0.37).unwrap(),
+            &cpu.scale(&x, 0.37).unwrap(),
+        );
+        check(
+            &u,
+            "slice_groups",
+            &b.slice_groups(&x, 4, 8, 16).unwrap(),
+            &cpu.slice_groups(&x, 4, 8, 16).unwrap(),
+        );
         let a2 = random(&[7, 4, 8], "a2", 1.0);
         let b2 = random(&[7, 4, 16], "b2", 1.0);
-        check(&u, "concat_groups", &b.concat_groups(&a2, &b2, 4).unwrap(), &cpu.concat_groups(&a2, &b2, 4).unwrap());
+        check(
+            &u,
+            "concat_groups",
+            &b.concat_groups(&a2, &b2, 4).unwrap(),
+            &cpu.concat_groups(&a2, &b2, 4).unwrap(),
+        );
         let rows = [5usize, 0, 3];
-        check(&u, "gather_rows", &b.gather_rows(&x, &rows).unwrap(), &cpu.gather_rows(&x, &rows).unwrap());
+        check(
+            &u,
+            "gather_rows",
+            &b.gather_rows(&x, &rows).unwrap(),
+            &cpu.gather_rows(&x, &rows).unwrap(),
+        );
         let y = random(&[3, 96], "y", 1.0);
         let (mut got, mut want) = (x.clone(), x.clone());
-        b.scatter_add_rows(&mut got, &rows, &y, &[0.5, 1.5, -2.0]).unwrap();
-        cpu.scatter_add_rows(&mut want, &rows, &y, &[0.5, 1.5, -2.0]).unwrap();
+        b.scatter_add_rows(&mut got, &rows, &y, &[0.5, 1.5, -2.0])
+            .unwrap();
+        cpu.scatter_add_rows(&mut want, &rows, &y, &[0.5, 1.5, -2.0])
+            .unwrap();
         check(&u, "scatter_add_rows", &got, &want);
     }
 }
@@ -134,11 +193,25 @@ fn statistics_count_everything_on_every_backend() {
         // Through an op so that the tensor lives on the device: x · 1.
         let on = u.backend.scale(&t, 1.0).unwrap();
         let s = u.backend.stats(&on);
-        assert_eq!((s.nan, s.pos_inf, s.neg_inf, s.unwritten), (want.nan, 1, 1, 0), "{}", u.name);
+        assert_eq!(
+            (s.nan, s.pos_inf, s.neg_inf, s.unwritten),
+            (want.nan, 1, 1, 0),
+            "{}",
+            u.name
+        );
         assert!(s.zeros >= 1 && s.count == 1000, "{}", u.name);
         let tol = u.tolerance.max(1e-6);
-        for (a, b) in [(s.mean, want.mean), (s.std, want.std), (s.l2, want.l2), (s.abs_max, want.abs_max)] {
-            assert!((a - b).abs() <= tol * b.abs().max(1.0) * 10.0, "{}: {a} vs {b}", u.name);
+        for (a, b) in [
+            (s.mean, want.mean),
+            (s.std, want.std),
+            (s.l2, want.l2),
+            (s.abs_max, want.abs_max),
+        ] {
+            assert!(
+                (a - b).abs() <= tol * b.abs().max(1.0) * 10.0,
+                "{}: {a} vs {b}",
+                u.name
+            );
         }
         // Poison written by nobody is counted as unwritten (the CPU keeps it as it was given).
         let fresh = u.backend.alloc(&[64], true).unwrap();
@@ -164,7 +237,12 @@ fn routing_picks_the_same_experts() {
     for u in backends() {
         let got = u.backend.route(&logits, &bias, &moe).unwrap();
         assert_eq!(got.experts, want.experts, "{}", u.name);
-        for (a, b) in got.weights.iter().flatten().zip(want.weights.iter().flatten()) {
+        for (a, b) in got
+            .weights
+            .iter()
+            .flatten()
+            .zip(want.weights.iter().flatten())
+        {
             assert!((a - b).abs() < 1e-5, "{}: {a} vs {b}", u.name);
         }
     }
@@ -189,11 +267,27 @@ fn mla_projections() {
     let o_lat = random(&[5, d.heads, d.latent], "ol", 1.0);
     let kv = random(&[5, d.heads * (d.nope + d.v)], "kv", 1.0);
     let k_pe = random(&[5, d.rope], "kpe", 1.0);
-    for split in [KvbSplit::correct(d), KvbSplit { w_uk_row: d.v, w_uv_row: 0 }] {
+    for split in [
+        KvbSplit::correct(d),
+        KvbSplit {
+            w_uk_row: d.v,
+            w_uv_row: 0,
+        },
+    ] {
         for u in backends() {
             let b = &*u.backend;
-            check(&u, "absorb_query", &b.absorb_query(&q_nope, &kv_b, d, split).unwrap(), &cpu.absorb_query(&q_nope, &kv_b, d, split).unwrap());
-            check(&u, "apply_w_uv", &b.apply_w_uv(&o_lat, &kv_b, d, split).unwrap(), &cpu.apply_w_uv(&o_lat, &kv_b, d, split).unwrap());
+            check(
+                &u,
+                "absorb_query",
+                &b.absorb_query(&q_nope, &kv_b, d, split).unwrap(),
+                &cpu.absorb_query(&q_nope, &kv_b, d, split).unwrap(),
+            );
+            check(
+                &u,
+                "apply_w_uv",
+                &b.apply_w_uv(&o_lat, &kv_b, d, split).unwrap(),
+                &cpu.apply_w_uv(&o_lat, &kv_b, d, split).unwrap(),
+            );
             let (k, v) = b.assemble_kv(&kv, &k_pe, d).unwrap();
             let (wk, wv) = cpu.assemble_kv(&kv, &k_pe, d).unwrap();
             check(&u, "assemble_kv K", &k, &wk);
@@ -210,7 +304,10 @@ fn caches(t: usize) -> (LatentCache, RowCache, RowCache) {
     for i in 0..t {
         latent.push(rows.row(i)).unwrap();
     }
-    let (mut k, mut v) = (RowCache::new(d.heads * (d.nope + d.rope)), RowCache::new(d.heads * d.v));
+    let (mut k, mut v) = (
+        RowCache::new(d.heads * (d.nope + d.rope)),
+        RowCache::new(d.heads * d.v),
+    );
     let kr = random(&[t, d.heads * (d.nope + d.rope)], "k", 1.0);
     let vr = random(&[t, d.heads * d.v], "v", 1.0);
     for i in 0..t {
@@ -247,19 +344,42 @@ fn attention_both_paths_with_causal_and_sparse_masks() {
     let q_lat = random(&[n, d.heads, d.latent], "ql", 1.0);
     let q_pe = random(&[n, d.heads, d.rope], "qp", 1.0);
     for mask in masks(70, n) {
-        for faults in [KernelFaults::default(), KernelFaults { lse_base_mismatch: true, skip_padded_rows: false }] {
+        for faults in [
+            KernelFaults::default(),
+            KernelFaults {
+                lse_base_mismatch: true,
+                skip_padded_rows: false,
+            },
+        ] {
             let mut want_out = cpu.alloc(&[n, d.heads * d.v], true).unwrap();
-            let want_p = cpu.attention_naive(&q, &k, &v, d, &mask, 0.125, &mut want_out, faults).unwrap();
+            let want_p = cpu
+                .attention_naive(&q, &k, &v, d, &mask, 0.125, &mut want_out, faults)
+                .unwrap();
             let mut want_lat = cpu.alloc(&[n, d.heads, d.latent], true).unwrap();
-            let want_lp = cpu.attention_latent(&q_lat, &q_pe, &latent, d, &mask, 0.125, &mut want_lat, faults).unwrap();
+            let want_lp = cpu
+                .attention_latent(
+                    &q_lat,
+                    &q_pe,
+                    &latent,
+                    d,
+                    &mask,
+                    0.125,
+                    &mut want_lat,
+                    faults,
+                )
+                .unwrap();
             for u in backends() {
                 let b = &*u.backend;
                 let mut out = b.alloc(&[n, d.heads * d.v], true).unwrap();
-                let p = b.attention_naive(&q, &k, &v, d, &mask, 0.125, &mut out, faults).unwrap();
+                let p = b
+                    .attention_naive(&q, &k, &v, d, &mask, 0.125, &mut out, faults)
+                    .unwrap();
                 check(&u, "attention_naive out", &out, &want_out);
                 check(&u, "attention_naive probs", &p, &want_p);
                 let mut lat = b.alloc(&[n, d.heads, d.latent], true).unwrap();
-                let lp = b.attention_latent(&q_lat, &q_pe, &latent, d, &mask, 0.125, &mut lat, faults).unwrap();
+                let lp = b
+                    .attention_latent(&q_lat, &q_pe, &latent, d, &mask, 0.125, &mut lat, faults)
+                    .unwrap();
                 check(&u, "attention_latent out", &lat, &want_lat);
                 check(&u, "attention_latent probs", &lp, &want_lp);
             }
@@ -280,8 +400,23 @@ fn a_kernel_that_skips_rows_leaves_them_unwritten_everywhere() {
     for u in backends() {
         let b = &*u.backend;
         let mut out = b.alloc(&[1, d.heads, d.latent], true).unwrap();
-        b.attention_latent(&q_lat, &q_pe, &latent, d, &AttnMask::causal(vec![19]), 0.1, &mut out, faults).unwrap();
-        assert_eq!(b.stats(&out).unwritten, d.latent, "{}: the last head's row", u.name);
+        b.attention_latent(
+            &q_lat,
+            &q_pe,
+            &latent,
+            d,
+            &AttnMask::causal(vec![19]),
+            0.1,
+            &mut out,
+            faults,
+        )
+        .unwrap();
+        assert_eq!(
+            b.stats(&out).unwritten,
+            d.latent,
+            "{}: the last head's row",
+            u.name
+        );
     }
 }
 
@@ -296,9 +431,14 @@ fn indexer_scores() {
     let q = random(&[n, 4, 16], "iq", 1.0);
     let w = random(&[n, 4], "iw", 1.0);
     let positions: Vec<usize> = (24..30).collect();
-    let want = CpuBackend.index_scores(&q, &w, &keys, &positions, 0.25).unwrap();
+    let want = CpuBackend
+        .index_scores(&q, &w, &keys, &positions, 0.25)
+        .unwrap();
     for u in backends() {
-        let got = u.backend.index_scores(&q, &w, &keys, &positions, 0.25).unwrap();
+        let got = u
+            .backend
+            .index_scores(&q, &w, &keys, &positions, 0.25)
+            .unwrap();
         check(&u, "index_scores", &got, &want);
     }
 }

@@ -16,7 +16,12 @@ use mladb::model::Model;
 use mladb::stats::rel_l2;
 use std::path::Path;
 
-fn run(model: &Model, backend: &dyn mladb::backend::Backend, flags: Flags, schedule: &Schedule) -> mladb::debug::RunRecord {
+fn run(
+    model: &Model,
+    backend: &dyn mladb::backend::Backend,
+    flags: Flags,
+    schedule: &Schedule,
+) -> mladb::debug::RunRecord {
     let layers = 0..model.layout.num_layers;
     Job {
         model,
@@ -32,7 +37,11 @@ fn run(model: &Model, backend: &dyn mladb::backend::Backend, flags: Flags, sched
 #[test]
 fn tiny_layouts_match_the_cpu_on_every_path() {
     for (name, gpu, tol) in gpu_backends() {
-        let storage = if name.ends_with("bf16") { StorageDtype::Bf16 } else { StorageDtype::F32 };
+        let storage = if name.ends_with("bf16") {
+            StorageDtype::Bf16
+        } else {
+            StorageDtype::F32
+        };
         for layout in ["glm5-tiny", "deepseek-v3-tiny"] {
             let model = synthetic(layout, 31);
             let schedule = Schedule {
@@ -40,7 +49,14 @@ fn tiny_layouts_match_the_cpu_on_every_path() {
                 prefill_len: 9,
                 decode_steps: 2,
             };
-            for paths in [MlaPaths::production(), MlaPaths::disabled(), MlaPaths { prefill: MlaPath::Absorbed, decode: MlaPath::Naive }] {
+            for paths in [
+                MlaPaths::production(),
+                MlaPaths::disabled(),
+                MlaPaths {
+                    prefill: MlaPath::Absorbed,
+                    decode: MlaPath::Naive,
+                },
+            ] {
                 let flags = Flags {
                     prefill_path: paths.prefill,
                     decode_path: paths.decode,
@@ -52,14 +68,31 @@ fn tiny_layouts_match_the_cpu_on_every_path() {
                 let g = run(&model, gpu.as_ref(), flags, &schedule);
                 assert_eq!(cpu.len(), g.len(), "{name} {layout}: op count");
                 for phase in cpu.phases() {
-                    let (a, b) = (g.output(phase, "logits").unwrap(), cpu.output(phase, "logits").unwrap());
+                    let (a, b) = (
+                        g.output(phase, "logits").unwrap(),
+                        cpu.output(phase, "logits").unwrap(),
+                    );
                     let err = rel_l2(a.data(), b.data());
-                    assert!(err < tol, "{name} {layout} {paths:?} {phase}: logits rel err {err:.3e}");
+                    assert!(
+                        err < tol,
+                        "{name} {layout} {paths:?} {phase}: logits rel err {err:.3e}"
+                    );
                 }
                 // Nothing unwritten, and the buffers the trace names are device buffers.
-                assert!(g.events.iter().all(|e| e.stats.unwritten == 0), "{name} {layout}: unwritten elements");
-                let on_device = g.events.iter().filter(|e| e.output.device == mladb::engine::trace::Device::Cuda).count();
-                assert!(on_device > g.len() / 2, "{name}: {on_device} of {} outputs on the device", g.len());
+                assert!(
+                    g.events.iter().all(|e| e.stats.unwritten == 0),
+                    "{name} {layout}: unwritten elements"
+                );
+                let on_device = g
+                    .events
+                    .iter()
+                    .filter(|e| e.output.device == mladb::engine::trace::Device::Cuda)
+                    .count();
+                assert!(
+                    on_device > g.len() / 2,
+                    "{name}: {on_device} of {} outputs on the device",
+                    g.len()
+                );
             }
         }
     }
@@ -71,13 +104,32 @@ fn hf_fixtures_match_transformers_on_the_gpu() {
         if name.ends_with("bf16") {
             continue;
         }
-        for case in ["glm5-sparse", "deepseek-v3-yarn", "deepseek-v3-plain", "deepseek-v3-fp8"] {
-            let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(case);
+        for case in [
+            "glm5-sparse",
+            "deepseek-v3-yarn",
+            "deepseek-v3-plain",
+            "deepseek-v3-fp8",
+        ] {
+            let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/hf")
+                .join(case);
             let model = Model::hf_checkpoint(&dir, BUDGET).unwrap();
             let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
             let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-            let prompt: Vec<u32> = st.tensor("prompt").unwrap().data().chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u32).collect();
-            let want: Vec<f32> = st.tensor("prefill/logits").unwrap().data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let prompt: Vec<u32> = st
+                .tensor("prompt")
+                .unwrap()
+                .data()
+                .chunks_exact(4)
+                .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u32)
+                .collect();
+            let want: Vec<f32> = st
+                .tensor("prefill/logits")
+                .unwrap()
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
             let schedule = Schedule {
                 prefill_len: prompt.len(),
                 prompt,
@@ -85,7 +137,10 @@ fn hf_fixtures_match_transformers_on_the_gpu() {
             };
             let g = run(&model, gpu.as_ref(), Flags::default(), &schedule);
             let err = rel_l2(g.output(Phase::Prefill, "logits").unwrap().data(), &want);
-            assert!(err < tol, "{name} {case}: logits vs transformers rel err {err:.3e}");
+            assert!(
+                err < tol,
+                "{name} {case}: logits vs transformers rel err {err:.3e}"
+            );
         }
     }
 }
@@ -110,20 +165,59 @@ fn the_fault_catalogue_is_caught_on_the_gpu() {
             layers: &layers,
             poison: true,
         };
-        let clean = check(&job, Flags::default(), &CheckOptions { tolerance: None, reference: None }).unwrap();
+        let clean = check(
+            &job,
+            Flags::default(),
+            &CheckOptions {
+                tolerance: None,
+                reference: None,
+            },
+        )
+        .unwrap();
         assert!(clean.findings.is_empty(), "{name}: {:#?}", clean.findings);
         for (fault, kind, op) in [
-            ("output-buffer-disconnect", FindingKind::BufferDisconnect, "attn_output"),
-            ("softmax-scale-latent", FindingKind::AbsorbedNaiveMismatch, "attn_probs"),
-            ("absorb-wrong-split", FindingKind::AbsorbedNaiveMismatch, "attn_probs"),
-            ("lse-base-mismatch", FindingKind::AbsorbedNaiveMismatch, "attn_probs"),
+            (
+                "output-buffer-disconnect",
+                FindingKind::BufferDisconnect,
+                "attn_output",
+            ),
+            (
+                "softmax-scale-latent",
+                FindingKind::AbsorbedNaiveMismatch,
+                "attn_probs",
+            ),
+            (
+                "absorb-wrong-split",
+                FindingKind::AbsorbedNaiveMismatch,
+                "attn_probs",
+            ),
+            (
+                "lse-base-mismatch",
+                FindingKind::AbsorbedNaiveMismatch,
+                "attn_probs",
+            ),
             ("skip-padded-rows", FindingKind::Unwritten, "attn_latent"),
-            ("kv-cache-off-by-one", FindingKind::PrefillDecodeMismatch, "attn_probs"),
+            (
+                "kv-cache-off-by-one",
+                FindingKind::PrefillDecodeMismatch,
+                "attn_probs",
+            ),
         ] {
-            let report = check(&job, Flags::parse(&format!("inject={fault}")).unwrap(), &CheckOptions { tolerance: None, reference: None }).unwrap();
+            let report = check(
+                &job,
+                Flags::parse(&format!("inject={fault}")).unwrap(),
+                &CheckOptions {
+                    tolerance: None,
+                    reference: None,
+                },
+            )
+            .unwrap();
             let want = format!("model.layers.0.self_attn.{op}");
             assert!(
-                report.findings.iter().any(|f| f.kind == kind && f.op == want),
+                report
+                    .findings
+                    .iter()
+                    .any(|f| f.kind == kind && f.op == want),
                 "{name} {fault}: {:#?}",
                 report.findings
             );

@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
-# Runs mladb's GPU checks on a machine with an NVIDIA GPU and the CUDA runtime libraries
-# (NVRTC, cuBLAS): kernels compiled for the device and for Blackwell, every backend op against
-# the CPU, whole forward passes and the fault catalogue on the GPU. Binaries are built elsewhere
-# (cargo test --release --no-run; strip) and put in .device-bin/.
+# Runs mladb's GPU checks and benchmarks on a machine with an NVIDIA GPU and the CUDA runtime
+# libraries (NVRTC, cuBLAS): kernels compiled for the device and for Blackwell, every backend op
+# against the CPU, the tensor-core MLA kernels against the f64 reference, whole forward passes
+# and the fault catalogue on the GPU, then `mladb bench --device cuda` and the PyTorch
+# comparison. Binaries are built elsewhere (cargo test --release --no-run; strip) and put in
+# .device-bin/. Usage: tools/gpu_check.sh [tests|bench|all]
 set -u
+what=${1:-all}
 for lib in libnvrtc.so.13 libcublas.so.13; do
   dir=$(dirname "$(find /usr/local/cuda* /usr/lib /opt -name "$lib*" 2>/dev/null | head -1)" 2>/dev/null)
   [ -n "$dir" ] && export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
 done
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
 # The tests find their fixtures under the path they were built at.
 mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
 B=.device-bin
 OUT=${OUT:-/tmp}
-$B/mladb kernels --arch sm_90,sm_120 > "$OUT/kernels.txt" 2>&1; tail -3 "$OUT/kernels.txt"
-$B/backends --test-threads=1 > "$OUT/backends.txt" 2>&1; grep -E "^test |panicked|result|seed|skipped" "$OUT/backends.txt" | head -40
-$B/gpu_forward --test-threads=1 > "$OUT/gpu_forward.txt" 2>&1; grep -E "^test |panicked|result|skipped|rel err" "$OUT/gpu_forward.txt" | head -40
-$B/mladb run --device cuda --layout glm5-tiny --tokens 1,2,3 --decode 2 > "$OUT/run.txt" 2>&1; tail -4 "$OUT/run.txt"
+if [ "$what" != bench ]; then
+  $B/mladb kernels --arch sm_90,sm_120 > "$OUT/kernels.txt" 2>&1; tail -1 "$OUT/kernels.txt"
+  for t in fast_kernels backends gpu_forward; do
+    $B/$t --test-threads=1 > "$OUT/$t.txt" 2>&1
+    grep -E "^test |panicked|test result|skipped|worst" "$OUT/$t.txt" | head -30
+  done
+  $B/mladb run --device cuda --layout glm5-tiny --tokens 1,2,3 --decode 2 > "$OUT/run.txt" 2>&1; tail -2 "$OUT/run.txt"
+fi
+if [ "$what" != tests ]; then
+  python3 tools/torch_mla_bench.py ${QUICK:+--quick} > "$OUT/torch_bench.txt" 2>&1
+  $B/mladb bench --device cuda ${QUICK:+--quick} --layout glm5 --layers 3 --prompt ${PROMPT:-128} --decode 4 --weight-cache-mb 60000 > "$OUT/bench.txt" 2>&1
+  cat "$OUT/torch_bench.txt" "$OUT/bench.txt"
+fi

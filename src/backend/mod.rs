@@ -242,16 +242,25 @@ pub enum DeviceChoice {
 
 /// Picks the backend for a device choice; `storage` is the device's storage type. Returns the
 /// backend and, when `auto` fell back to the CPU, why.
-pub fn select(choice: DeviceChoice, storage: crate::engine::StorageDtype) -> Result<(Box<dyn Backend>, Option<String>)> {
+pub fn select(
+    choice: DeviceChoice,
+    storage: crate::engine::StorageDtype,
+) -> Result<(Box<dyn Backend>, Option<String>)> {
     match choice {
         DeviceChoice::Cpu => Ok((Box::new(cpu::CpuBackend), None)),
         DeviceChoice::Cuda => Ok((Box::new(cuda::CudaBackend::new(storage)?), None)),
         DeviceChoice::Auto => match cuda::probe() {
             Ok(()) => match cuda::CudaBackend::new(storage) {
                 Ok(b) => Ok((Box::new(b), None)),
-                Err(e) => Ok((Box::new(cpu::CpuBackend), Some(format!("device auto: using the CPU ({e})")))),
+                Err(e) => Ok((
+                    Box::new(cpu::CpuBackend),
+                    Some(format!("device auto: using the CPU ({e})")),
+                )),
             },
-            Err(why) => Ok((Box::new(cpu::CpuBackend), Some(format!("device auto: using the CPU ({why})")))),
+            Err(why) => Ok((
+                Box::new(cpu::CpuBackend),
+                Some(format!("device auto: using the CPU ({why})")),
+            )),
         },
     }
 }

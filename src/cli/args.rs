@@ -188,7 +188,11 @@ impl FlagArgs {
                 .set("inject", spec)
                 .map_err(|e| Error::invalid(format!("--inject: {e}")))?;
         }
-        let default_dtype = if device == DeviceArg::Cuda { "bf16" } else { "f32" };
+        let default_dtype = if device == DeviceArg::Cuda {
+            "bf16"
+        } else {
+            "f32"
+        };
         flags
             .set("dtype", self.dtype.as_deref().unwrap_or(default_dtype))
             .map_err(|e| Error::invalid(format!("--dtype: {e}")))?;

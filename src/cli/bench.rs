@@ -27,6 +27,25 @@ pub struct BenchArgs {
     /// Also time `check` (all detectors) against a plain run, both with weights already fetched.
     #[arg(long)]
     pub check: bool,
+    /// Where to run: cpu, or cuda (the device's ceilings, the tensor-core MLA decode and
+    /// prefill kernels at GLM-5 dimensions, then the layers above on the device).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
+    /// With --device cuda: a small grid of kernel shapes.
+    #[arg(long)]
+    pub quick: bool,
+    /// With --device cuda: skip the kernel grids, time only the layers.
+    #[arg(long)]
+    pub no_kernels: bool,
+    /// With --device cuda: the decode shapes as BATCH:CONTEXT,... (default: the full grid).
+    #[arg(long)]
+    pub decode_shapes: Option<String>,
+    /// With --device cuda: the prefill lengths as N,... (default: 1024,2048,4096,8192).
+    #[arg(long)]
+    pub prefill_lengths: Option<String>,
+    /// With --device cuda: skip the whole-layer timing.
+    #[arg(long)]
+    pub no_layers: bool,
 }
 
 /// Peak resident memory of this process in bytes, where the OS tells it.
@@ -38,6 +57,9 @@ pub fn peak_rss_bytes() -> Option<u64> {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
+    if args.device == "cuda" {
+        return super::bench_gpu::bench_gpu(args);
+    }
     let model = args.model.load()?;
     let layers = parse_layers(&args.layers, model.layout.num_layers)?;
     let paths = if args.mla_disable {

@@ -15,14 +15,28 @@ pub struct KernelsArgs {
 
 /// Returns whether every kernel compiled for every architecture.
 pub fn run(args: &KernelsArgs) -> Result<bool> {
-    let archs: Vec<&str> = args.arch.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
+    let archs: Vec<&str> = args
+        .arch
+        .split(',')
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .collect();
     for a in &archs {
-        let ok = (a.starts_with("sm_") || a.starts_with("compute_")) && a[a.find('_').unwrap_or(0) + 1..].chars().all(|c| c.is_ascii_alphanumeric());
+        let ok = (a.starts_with("sm_") || a.starts_with("compute_"))
+            && a[a.find('_').unwrap_or(0) + 1..]
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric());
         if !ok {
-            return Err(Error::invalid(format!("--arch: '{a}' is not an architecture like sm_90 or compute_90")));
+            return Err(Error::invalid(format!(
+                "--arch: '{a}' is not an architecture like sm_90 or compute_90"
+            )));
         }
     }
-    println!("mladb kernels: {} for {}", describe_version(), archs.join(", "));
+    println!(
+        "mladb kernels: {} for {}",
+        describe_version(),
+        archs.join(", ")
+    );
     let mut all_ok = true;
     for arch in &archs {
         for (file, src) in SOURCES {
@@ -30,9 +44,16 @@ pub fn run(args: &KernelsArgs) -> Result<bool> {
                 Ok(c) => {
                     let res = resources(&c.log);
                     println!("{arch:<8} {file:<16} ok ({} bytes)", c.code.len());
-                    for (f, regs, smem, st, ld) in res {
-                        let warn = if st + ld > 0 { "  SPILLS" } else { "" };
-                        println!("           {f:<36} {regs:>3} registers {smem:>6} B smem  spill st/ld {st}/{ld}{warn}");
+                    for r in res {
+                        let warn = match (r.spill_stores + r.spill_loads > 0, r.stack_bytes > 0) {
+                            (true, _) => "  SPILLS",
+                            (false, true) => "  LOCAL MEMORY",
+                            _ => "",
+                        };
+                        println!(
+                            "           {:<36} {:>3} registers {:>6} B smem  stack {:>4} B  spill st/ld {}/{}{warn}",
+                            r.function, r.registers, r.shared_bytes, r.stack_bytes, r.spill_stores, r.spill_loads
+                        );
                     }
                 }
                 Err(e) => {
@@ -45,6 +66,13 @@ pub fn run(args: &KernelsArgs) -> Result<bool> {
             }
         }
     }
-    println!("{}", if all_ok { "all kernels compiled" } else { "some kernels did not compile" });
+    println!(
+        "{}",
+        if all_ok {
+            "all kernels compiled"
+        } else {
+            "some kernels did not compile"
+        }
+    );
     Ok(!all_ok)
 }

@@ -3,6 +3,7 @@
 
 pub mod args;
 pub mod bench;
+pub mod bench_gpu;
 pub mod check;
 pub mod dump;
 pub mod kernels;

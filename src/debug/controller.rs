@@ -484,7 +484,9 @@ impl Controller {
                 super::flags::DeviceFlag::Cpu => crate::backend::DeviceChoice::Cpu,
                 super::flags::DeviceFlag::Cuda => crate::backend::DeviceChoice::Cuda,
             };
-            Some(Arc::<dyn Backend>::from(crate::backend::select(choice, new.dtype)?.0))
+            Some(Arc::<dyn Backend>::from(
+                crate::backend::select(choice, new.dtype)?.0,
+            ))
         } else {
             None
         };

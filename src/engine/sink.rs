@@ -7,6 +7,7 @@ use super::trace::{BufferRef, Observer, OpEvent, OpKind, Phase, Replay};
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::model::WeightStore;
+use crate::stats::TensorStats;
 use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -145,7 +146,10 @@ impl Sink<'_> {
                     let mut c = compute(&mut r)?;
                     // Device outputs are already stored in the run's dtype (the device backend
                     // was made for it); host outputs are rounded here.
-                    if self.storage == StorageDtype::Bf16 && c.tensor.dtype() == DType::F32 && c.tensor.device().is_none() {
+                    if self.storage == StorageDtype::Bf16
+                        && c.tensor.dtype() == DType::F32
+                        && c.tensor.device().is_none()
+                    {
                         round_to_bf16(&mut c.tensor);
                     }
                     let reads = activations.chain(c.extra_reads).chain(r.refs).collect();
@@ -208,7 +212,11 @@ impl Sink<'_> {
             kind,
             shape: values.shape().to_vec(),
             dtype: values.dtype(),
-            stats: self.backend.stats(values),
+            stats: if self.observer.wants_stats() {
+                self.backend.stats(values)
+            } else {
+                TensorStats::of(&[])
+            },
             output,
             kernel_wrote,
             inputs,

@@ -216,13 +216,36 @@ pub trait Replay: Sync {
 /// Receives every op event with the op's output. Returning an error stops the run.
 pub trait Observer {
     fn on_op(&mut self, event: &OpEvent, output: &Tensor) -> Result<()>;
+
+    /// Whether events need their statistics (one pass over every output). An observer that
+    /// never reads them says no, and the run skips that pass.
+    fn wants_stats(&self) -> bool {
+        true
+    }
 }
 
-/// Ignores everything.
+/// Ignores everything (events come without statistics).
 pub struct NullObserver;
 
 impl Observer for NullObserver {
     fn on_op(&mut self, _: &OpEvent, _: &Tensor) -> Result<()> {
+        Ok(())
+    }
+
+    fn wants_stats(&self) -> bool {
+        false
+    }
+}
+
+/// Takes every event with its statistics and keeps nothing: what capturing the trace costs.
+pub struct StatsObserver {
+    pub events: usize,
+}
+
+impl Observer for StatsObserver {
+    fn on_op(&mut self, event: &OpEvent, _: &Tensor) -> Result<()> {
+        self.events += 1;
+        std::hint::black_box(&event.stats);
         Ok(())
     }
 }

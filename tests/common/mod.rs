@@ -50,20 +50,65 @@ pub fn last_row(t: &Tensor) -> &[f32] {
 /// The GPU backends to test when a GPU is present (f32 and bf16 storage), each with the
 /// relative error allowed for a whole forward pass against the CPU; none (and the reason
 /// printed) otherwise.
-pub fn gpu_backends() -> Vec<(&'static str, std::sync::Arc<dyn mladb::backend::Backend>, f64)> {
+pub fn gpu_backends() -> Vec<(
+    &'static str,
+    std::sync::Arc<dyn mladb::backend::Backend>,
+    f64,
+)> {
     use mladb::engine::StorageDtype;
     match mladb::backend::cuda::probe() {
-        Ok(()) => [("cuda-f32", StorageDtype::F32, 1e-4), ("cuda-bf16", StorageDtype::Bf16, 6e-2)]
-            .into_iter()
-            .map(|(name, storage, tol)| {
-                let b: std::sync::Arc<dyn mladb::backend::Backend> =
-                    std::sync::Arc::new(mladb::backend::cuda::CudaBackend::new(storage).expect("a probed GPU opens"));
-                (name, b, tol)
-            })
-            .collect(),
+        Ok(()) => [
+            ("cuda-f32", StorageDtype::F32, 1e-4),
+            ("cuda-bf16", StorageDtype::Bf16, 6e-2),
+        ]
+        .into_iter()
+        .map(|(name, storage, tol)| {
+            let b: std::sync::Arc<dyn mladb::backend::Backend> = std::sync::Arc::new(
+                mladb::backend::cuda::CudaBackend::new(storage).expect("a probed GPU opens"),
+            );
+            (name, b, tol)
+        })
+        .collect(),
         Err(why) => {
             eprintln!("GPU tests skipped: {why}");
             Vec::new()
         }
+    }
+}
+
+/// Fresh random inputs: a new seed per process (printed, to reproduce a failure).
+pub fn seed() -> u64 {
+    use std::sync::OnceLock;
+    static SEED: OnceLock<u64> = OnceLock::new();
+    *SEED.get_or_init(|| {
+        let s = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        eprintln!("random inputs from seed {s}");
+        s
+    })
+}
+
+/// A small 64-bit LCG with an output mix (splitmix), for test inputs.
+pub struct Lcg(u64);
+
+impl Lcg {
+    pub fn new(seed: u64) -> Lcg {
+        Lcg(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
     }
 }

@@ -7,22 +7,38 @@ use cudarc::nvrtc::{result as nvrtc, sys};
 use std::ffi::CString;
 
 const COMMON: &str = include_str!("../../../kernels/common.cuh");
+const MMA: &str = include_str!("../../../kernels/mma.cuh");
 
 /// (file name, source) of every kernel file.
 pub const SOURCES: &[(&str, &str)] = &[
-    ("elementwise.cu", include_str!("../../../kernels/elementwise.cu")),
+    (
+        "elementwise.cu",
+        include_str!("../../../kernels/elementwise.cu"),
+    ),
     ("norm.cu", include_str!("../../../kernels/norm.cu")),
     ("rope.cu", include_str!("../../../kernels/rope.cu")),
     ("stats.cu", include_str!("../../../kernels/stats.cu")),
     ("router.cu", include_str!("../../../kernels/router.cu")),
     ("mla.cu", include_str!("../../../kernels/mla.cu")),
     ("indexer.cu", include_str!("../../../kernels/indexer.cu")),
-    ("attention.cu", include_str!("../../../kernels/attention.cu")),
+    (
+        "attention.cu",
+        include_str!("../../../kernels/attention.cu"),
+    ),
+    (
+        "mla_decode.cu",
+        include_str!("../../../kernels/mla_decode.cu"),
+    ),
+    (
+        "flash_prefill.cu",
+        include_str!("../../../kernels/flash_prefill.cu"),
+    ),
 ];
 
-/// The source with `common.cuh` inlined (NVRTC is given no include files).
+/// The source with `common.cuh` and `mma.cuh` inlined (NVRTC is given no include files).
 pub fn full_source(src: &str) -> String {
     src.replace("#include \"common.cuh\"", COMMON)
+        .replace("#include \"mma.cuh\"", MMA)
 }
 
 /// Whether NVRTC can be loaded (probe before the first NVRTC call: cudarc panics otherwise).
@@ -47,7 +63,8 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
         ));
     }
     let cubin = arch.starts_with("sm_");
-    let source = CString::new(full_source(src)).map_err(|_| Error::invalid(format!("{name}: NUL in source")))?;
+    let source = CString::new(full_source(src))
+        .map_err(|_| Error::invalid(format!("{name}: NUL in source")))?;
     let cname = CString::new(name).expect("file names have no NUL");
     let mut options = vec![
         format!("--gpu-architecture={arch}"),
@@ -58,7 +75,8 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     if cubin {
         options.push("--ptxas-options=-v".to_string());
     }
-    let fail = |e: &dyn std::fmt::Debug| Error::invalid(format!("NVRTC on {name} for {arch}: {e:?}"));
+    let fail =
+        |e: &dyn std::fmt::Debug| Error::invalid(format!("NVRTC on {name} for {arch}: {e:?}"));
     let prog = nvrtc::create_program(&source, Some(&cname)).map_err(|e| fail(&e))?;
     // SAFETY: `prog` is a live program until destroy_program below; options are valid C strings.
     let compiled = unsafe { nvrtc::compile_program(prog, &options) };
@@ -69,12 +87,16 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
         unsafe {
             let _ = nvrtc::destroy_program(prog);
         }
-        return Err(Error::invalid(format!("{name} does not compile for {arch}:\n{log}")));
+        return Err(Error::invalid(format!(
+            "{name} does not compile for {arch}:\n{log}"
+        )));
     }
     let code = if cubin {
         unsafe { get_cubin(prog) }
     } else {
-        unsafe { nvrtc::get_ptx(prog) }.map(|p| c_chars_to_string(&p).into_bytes()).map_err(|e| fail(&e))
+        unsafe { nvrtc::get_ptx(prog) }
+            .map(|p| c_chars_to_string(&p).into_bytes())
+            .map_err(|e| fail(&e))
     };
     unsafe {
         let _ = nvrtc::destroy_program(prog);
@@ -83,7 +105,11 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
 }
 
 fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
-    let bytes: Vec<u8> = chars.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    let bytes: Vec<u8> = chars
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
@@ -103,24 +129,45 @@ unsafe fn get_cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>> {
     Ok(buf)
 }
 
-/// ptxas' resource report per function: (function, registers, shared bytes, spill stores, spill loads).
-pub fn resources(log: &str) -> Vec<(String, u32, u32, u32, u32)> {
+/// What ptxas reports of one kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resources {
+    pub function: String,
+    pub registers: u32,
+    pub shared_bytes: u32,
+    /// Per-thread local memory: spills, and arrays the compiler could not keep in registers
+    /// (indexed by a value it cannot resolve at compile time).
+    pub stack_bytes: u32,
+    pub spill_stores: u32,
+    pub spill_loads: u32,
+}
+
+/// ptxas' resource report, one entry per kernel.
+pub fn resources(log: &str) -> Vec<Resources> {
     let mut out = Vec::new();
     let mut current: Option<String> = None;
-    let mut spills = (0, 0);
+    let mut frame = (0, 0, 0);
     for line in log.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             current = rest.split('\'').next().map(str::to_string);
-            spills = (0, 0);
+            frame = (0, 0, 0);
         } else if line.contains("bytes spill stores") {
             let nums: Vec<u32> = numbers(line);
             if nums.len() >= 3 {
-                spills = (nums[1], nums[2]);
+                frame = (nums[0], nums[1], nums[2]);
             }
-        } else if let (Some(f), true) = (&current, line.contains("Used") && line.contains("registers")) {
-            let regs = number_before(line, "registers").unwrap_or(0);
-            let smem = number_before(line, "bytes smem").unwrap_or(0);
-            out.push((f.clone(), regs, smem, spills.0, spills.1));
+        } else if let (Some(f), true) = (
+            &current,
+            line.contains("Used") && line.contains("registers"),
+        ) {
+            out.push(Resources {
+                function: f.clone(),
+                registers: number_before(line, "registers").unwrap_or(0),
+                shared_bytes: number_before(line, "bytes smem").unwrap_or(0),
+                stack_bytes: frame.0,
+                spill_stores: frame.1,
+                spill_loads: frame.2,
+            });
             current = None;
         }
     }
@@ -128,12 +175,18 @@ pub fn resources(log: &str) -> Vec<(String, u32, u32, u32, u32)> {
 }
 
 fn numbers(line: &str) -> Vec<u32> {
-    line.split(|c: char| !c.is_ascii_digit()).filter_map(|t| t.parse().ok()).collect()
+    line.split(|c: char| !c.is_ascii_digit())
+        .filter_map(|t| t.parse().ok())
+        .collect()
 }
 
 fn number_before(line: &str, marker: &str) -> Option<u32> {
     let head = &line[..line.find(marker)?];
-    head.split(|c: char| !c.is_ascii_digit()).filter(|t| !t.is_empty()).last()?.parse().ok()
+    head.split(|c: char| !c.is_ascii_digit())
+        .filter(|t| !t.is_empty())
+        .last()?
+        .parse()
+        .ok()
 }
 
 /// The compiled form a log and its cubin describe, for the CLI.

@@ -6,7 +6,9 @@ use super::compile::{compile, SOURCES};
 use crate::error::{Error, Result};
 use crate::tensor::{DeviceBuffer, POISON_BITS};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 use std::any::Any;
 use std::collections::HashMap;
@@ -141,19 +143,28 @@ impl Gpu {
     pub fn open(ordinal: usize) -> Result<Gpu> {
         // SAFETY: only tries to open libcuda; cudarc would panic on the first call without it.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err(Error::invalid("no CUDA driver (libcuda.so) on this machine"));
+            return Err(Error::invalid(
+                "no CUDA driver (libcuda.so) on this machine",
+            ));
         }
         if !super::compile::nvrtc_present() {
-            return Err(Error::invalid("NVRTC (libnvrtc.so) is not on the library path"));
+            return Err(Error::invalid(
+                "NVRTC (libnvrtc.so) is not on the library path",
+            ));
         }
         let count = CudaContext::device_count().map_err(driver_err("device count"))?;
         if count <= ordinal as i32 {
-            return Err(Error::invalid(format!("no CUDA device {ordinal} ({count} present)")));
+            return Err(Error::invalid(format!(
+                "no CUDA device {ordinal} ({count} present)"
+            )));
         }
         let ctx = CudaContext::new(ordinal).map_err(driver_err("context"))?;
         let stream = ctx.default_stream();
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::invalid(format!("cuBLAS: {e:?}")))?;
-        let (major, minor) = ctx.compute_capability().map_err(driver_err("compute capability"))?;
+        let blas =
+            CudaBlas::new(stream.clone()).map_err(|e| Error::invalid(format!("cuBLAS: {e:?}")))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver_err("compute capability"))?;
         let arch = format!("{major}{minor}");
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
         let mut functions = HashMap::new();
@@ -162,7 +173,9 @@ impl Gpu {
             let ptx = Ptx::from_src(String::from_utf8_lossy(&compiled.code).into_owned());
             let module = ctx.load_module(ptx).map_err(driver_err("module load"))?;
             for name in kernel_names(src) {
-                let f = module.load_function(&name).map_err(driver_err("kernel lookup"))?;
+                let f = module
+                    .load_function(&name)
+                    .map_err(driver_err("kernel lookup"))?;
                 functions.insert(name, f);
             }
         }
@@ -207,8 +220,28 @@ impl Gpu {
     pub fn fill(&self, buf: &DevBuf, poison: bool) -> Result<()> {
         let n = buf.len as u64;
         match buf.elem {
-            Elem::F32 => self.launch("fill_u32", grid(n), 256, 0, &[buf.into(), Arg::I32(if poison { POISON_BITS as i32 } else { 0 }), n.into()]),
-            Elem::Bf16 => self.launch("fill_u16", grid(n), 256, 0, &[buf.into(), Arg::I32(if poison { POISON_BF16 as i32 } else { 0 }), n.into()]),
+            Elem::F32 => self.launch(
+                "fill_u32",
+                grid(n),
+                256,
+                0,
+                &[
+                    buf.into(),
+                    Arg::I32(if poison { POISON_BITS as i32 } else { 0 }),
+                    n.into(),
+                ],
+            ),
+            Elem::Bf16 => self.launch(
+                "fill_u16",
+                grid(n),
+                256,
+                0,
+                &[
+                    buf.into(),
+                    Arg::I32(if poison { POISON_BF16 as i32 } else { 0 }),
+                    n.into(),
+                ],
+            ),
         }
     }
 
@@ -226,11 +259,16 @@ impl Gpu {
         }
         let bytes: Vec<u8> = match buf.elem {
             Elem::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            Elem::Bf16 => data.iter().flat_map(|v| to_bf16(*v).to_le_bytes()).collect(),
+            Elem::Bf16 => data
+                .iter()
+                .flat_map(|v| to_bf16(*v).to_le_bytes())
+                .collect(),
         };
         let offset = at * buf.elem.size();
         let mut view = buf.slice.slice_mut(offset..offset + bytes.len());
-        self.stream.memcpy_htod(&bytes, &mut view).map_err(driver_err("upload"))?;
+        self.stream
+            .memcpy_htod(&bytes, &mut view)
+            .map_err(driver_err("upload"))?;
         Ok(())
     }
 
@@ -240,7 +278,9 @@ impl Gpu {
         let mut buf = self.alloc(data.len(), Elem::F32)?;
         let mut view = buf.slice.slice_mut(0..bytes.len().max(1).min(buf.len * 4));
         if !bytes.is_empty() {
-            self.stream.memcpy_htod(&bytes, &mut view).map_err(driver_err("upload"))?;
+            self.stream
+                .memcpy_htod(&bytes, &mut view)
+                .map_err(driver_err("upload"))?;
         }
         Ok(buf)
     }
@@ -250,7 +290,9 @@ impl Gpu {
         let mut buf = self.alloc(data.len().div_ceil(4), Elem::F32)?;
         if !data.is_empty() {
             let mut view = buf.slice.slice_mut(0..data.len());
-            self.stream.memcpy_htod(data, &mut view).map_err(driver_err("upload"))?;
+            self.stream
+                .memcpy_htod(data, &mut view)
+                .map_err(driver_err("upload"))?;
         }
         Ok(buf)
     }
@@ -260,12 +302,20 @@ impl Gpu {
         let mut bytes = vec![0u8; buf.len * buf.elem.size()];
         if !bytes.is_empty() {
             let view = buf.slice.slice(0..bytes.len());
-            self.stream.memcpy_dtoh(&view, &mut bytes).map_err(driver_err("download"))?;
+            self.stream
+                .memcpy_dtoh(&view, &mut bytes)
+                .map_err(driver_err("download"))?;
         }
         self.stream.synchronize().map_err(driver_err("kernel"))?;
         Ok(match buf.elem {
-            Elem::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            Elem::Bf16 => bytes.chunks_exact(2).map(|b| from_bf16(u16::from_le_bytes([b[0], b[1]]))).collect(),
+            Elem::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Elem::Bf16 => bytes
+                .chunks_exact(2)
+                .map(|b| from_bf16(u16::from_le_bytes([b[0], b[1]])))
+                .collect(),
         })
     }
 
@@ -274,26 +324,52 @@ impl Gpu {
         let mut out = vec![0u8; bytes];
         if bytes > 0 {
             let view = buf.slice.slice(0..bytes);
-            self.stream.memcpy_dtoh(&view, &mut out).map_err(driver_err("download"))?;
+            self.stream
+                .memcpy_dtoh(&view, &mut out)
+                .map_err(driver_err("download"))?;
         }
         self.stream.synchronize().map_err(driver_err("kernel"))?;
         Ok(out)
     }
 
     /// Copies `len` elements from `src` at `from` to `dst` at `to` (same storage type).
-    pub fn copy(&self, src: &DevBuf, from: usize, dst: &mut DevBuf, to: usize, len: usize) -> Result<()> {
+    pub fn copy(
+        &self,
+        src: &DevBuf,
+        from: usize,
+        dst: &mut DevBuf,
+        to: usize,
+        len: usize,
+    ) -> Result<()> {
         let s = src.elem.size();
         let view = src.slice.slice(from * s..(from + len) * s);
         let mut out = dst.slice.slice_mut(to * s..(to + len) * s);
-        self.stream.memcpy_dtod(&view, &mut out).map_err(driver_err("copy"))
+        self.stream
+            .memcpy_dtod(&view, &mut out)
+            .map_err(driver_err("copy"))
     }
 
     /// Launches kernel `name` on a grid of `grid` blocks of `block` threads.
-    pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, shared: u32, args: &[Arg]) -> Result<()> {
+    pub fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         let f = self
             .functions
             .get(name)
             .ok_or_else(|| Error::invalid(format!("no CUDA kernel named {name}")))?;
+        if shared > 48 * 1024 {
+            // Dynamic shared memory past 48 KB must be asked for per function.
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .map_err(driver_err("shared memory attribute"))?;
+        }
         let mut b = self.stream.launch_builder(f);
         for a in args {
             match a {
@@ -315,9 +391,154 @@ impl Gpu {
         Ok(())
     }
 
+    /// y [n, out] = x [n, k] · wᵀ (w [out, k]), all row-major in `elem`, f32 accumulation.
+    ///
+    /// # Safety
+    /// The three addresses must be live device buffers of at least n·k, out·k and n·out
+    /// elements of type `elem`.
+    pub unsafe fn gemm_xwt(
+        &self,
+        x: u64,
+        w: u64,
+        y: u64,
+        n: usize,
+        k: usize,
+        out: usize,
+        elem: Elem,
+    ) -> Result<()> {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+        };
+        let ty = match elem {
+            Elem::F32 => cudaDataType_t::CUDA_R_32F,
+            Elem::Bf16 => cudaDataType_t::CUDA_R_16BF,
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Row-major y [n, out] is, column-major, y' (out × n) = w' (read transposed, lda = k)
+        // times x' (ldb = k); alpha and beta are host f32 as CUBLAS_COMPUTE_32F expects.
+        cudarc::cublas::result::gemm_ex(
+            *self.blas.handle(),
+            cublasOperation_t::CUBLAS_OP_T,
+            cublasOperation_t::CUBLAS_OP_N,
+            out as i32,
+            n as i32,
+            k as i32,
+            (&alpha) as *const f32 as *const _,
+            w as *const _,
+            ty,
+            k as i32,
+            x as *const _,
+            ty,
+            k as i32,
+            (&beta) as *const f32 as *const _,
+            y as *mut _,
+            ty,
+            out as i32,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+        .map_err(|e| Error::invalid(format!("cuBLAS GEMM: {e:?}")))
+    }
+
+    /// Copies `len` elements from element `from` of a buffer back as f32.
+    pub fn download_range(&self, buf: &DevBuf, from: usize, len: usize) -> Result<Vec<f32>> {
+        if from + len > buf.len {
+            return Err(Error::invalid("device read past the end of a buffer"));
+        }
+        let s = buf.elem.size();
+        let mut bytes = vec![0u8; len * s];
+        if !bytes.is_empty() {
+            let view = buf.slice.slice(from * s..(from + len) * s);
+            self.stream
+                .memcpy_dtoh(&view, &mut bytes)
+                .map_err(driver_err("download"))?;
+        }
+        self.stream.synchronize().map_err(driver_err("kernel"))?;
+        Ok(match buf.elem {
+            Elem::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Elem::Bf16 => bytes
+                .chunks_exact(2)
+                .map(|b| from_bf16(u16::from_le_bytes([b[0], b[1]])))
+                .collect(),
+        })
+    }
+
+    /// Times `work` with device events: `reps` samples, each of `inner` back-to-back calls,
+    /// after `warmup` untimed calls; returns milliseconds per call, one value per sample.
+    pub fn time_ms(
+        &self,
+        warmup: usize,
+        reps: usize,
+        inner: usize,
+        mut work: impl FnMut() -> Result<()>,
+    ) -> Result<Vec<f64>> {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        for _ in 0..warmup {
+            work()?;
+        }
+        self.stream.synchronize().map_err(driver_err("kernel"))?;
+        let mut out = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let start = self
+                .stream
+                .record_event(Some(CU_EVENT_DEFAULT))
+                .map_err(driver_err("event"))?;
+            for _ in 0..inner.max(1) {
+                work()?;
+            }
+            let end = self
+                .stream
+                .record_event(Some(CU_EVENT_DEFAULT))
+                .map_err(driver_err("event"))?;
+            let ms = start.elapsed_ms(&end).map_err(driver_err("event timing"))?;
+            out.push(ms as f64 / inner.max(1) as f64);
+        }
+        Ok(out)
+    }
+
+    /// The most shared memory one block may ask for (the opt-in limit).
+    pub fn max_shared_per_block(&self) -> usize {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
+        self.ctx.attribute(OPTIN).map_or(48 * 1024, |v| v as usize)
+    }
+
+    /// Shared memory of one multiprocessor (what its resident blocks share).
+    pub fn max_shared_per_multiprocessor(&self) -> usize {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR as PER_SM;
+        self.ctx.attribute(PER_SM).map_or(48 * 1024, |v| v as usize)
+    }
+
+    /// Streaming multiprocessors of the device.
+    pub fn multiprocessors(&self) -> usize {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
+        self.ctx.attribute(SMS).map_or(1, |v| v.max(1) as usize)
+    }
+
+    /// Fills a buffer with uniform random values in [-amp, amp) (bench inputs).
+    pub fn fill_random(&self, buf: &DevBuf, seed: u64, amp: f32) -> Result<()> {
+        let n = buf.len as u64;
+        let name = match buf.elem {
+            Elem::F32 => "fill_random_f32",
+            Elem::Bf16 => "fill_random_bf16",
+        };
+        self.launch(
+            name,
+            grid(n),
+            256,
+            0,
+            &[buf.into(), seed.into(), amp.into(), n.into()],
+        )
+    }
+
     /// Memory in use and in all, in bytes.
     pub fn memory(&self) -> (usize, usize) {
-        self.ctx.mem_get_info().map(|(free, total)| (total - free, total)).unwrap_or((0, 0))
+        self.ctx
+            .mem_get_info()
+            .map(|(free, total)| (total - free, total))
+            .unwrap_or((0, 0))
     }
 }
 
@@ -326,11 +547,72 @@ pub fn grid(n: u64) -> (u32, u32, u32) {
     (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1)
 }
 
-/// The extern "C" kernel names defined in a source file.
-fn kernel_names(src: &str) -> Vec<String> {
-    src.lines()
-        .filter_map(|l| l.trim_start().strip_prefix("extern \"C\" __global__ void "))
-        .filter_map(|rest| rest.split('(').next())
-        .map(|n| n.trim().to_string())
-        .collect()
+/// The extern "C" kernel names defined in a source file: declared directly, or through a macro
+/// whose body declares one (`FLASH_PREFILL(name, ...)`: the name is its first argument).
+pub fn kernel_names(src: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut macros: Vec<String> = Vec::new();
+    let mut in_macro: Option<(String, bool)> = None;
+    for line in src.lines() {
+        let t = line.trim_start();
+        if let Some((name, declares)) = in_macro.as_mut() {
+            *declares |= line.contains("extern \"C\"");
+            if !line.trim_end().ends_with('\\') {
+                if *declares {
+                    macros.push(name.clone());
+                }
+                in_macro = None;
+            }
+            continue;
+        }
+        if let Some(rest) = t.strip_prefix("#define ") {
+            let name = rest
+                .split(|c: char| c == '(' || c.is_whitespace())
+                .next()
+                .unwrap_or("")
+                .to_string();
+            let declares = line.contains("extern \"C\"");
+            if line.trim_end().ends_with('\\') {
+                in_macro = Some((name, declares));
+            } else if declares {
+                macros.push(name);
+            }
+            continue;
+        }
+        if let Some(rest) = t.strip_prefix("extern \"C\" __global__ void ") {
+            // `__launch_bounds__(...)` may stand between `void` and the name.
+            let rest = match rest.strip_prefix("__launch_bounds__") {
+                Some(b) => b.split_once(')').map_or("", |(_, name)| name),
+                None => rest,
+            };
+            if let Some(name) = rest.split('(').next() {
+                names.push(name.trim().to_string());
+            }
+            continue;
+        }
+        if let Some((mac, args)) = t.split_once('(') {
+            if macros.iter().any(|m| m == mac) {
+                if let Some(first) = args.split([',', ')']).next() {
+                    names.push(first.trim().to_string());
+                }
+            }
+        }
+    }
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn kernel_names_cover_plain_bounded_and_macro_declarations() {
+        let src = "extern \"C\" __global__ void plain(int a) {}\n\
+                   extern \"C\" __global__ void __launch_bounds__(256, 1) bounded(int a) {}\n\
+                   #define MAKE(NAME, X) \\\n    extern \"C\" __global__ void NAME(int a) { body<X>(a); }\n\
+                   #define OTHER(A) (A + 1)\n\
+                   MAKE(made_a, 1)\nMAKE(made_b, 2)\nint y = OTHER(3);\n";
+        assert_eq!(
+            super::kernel_names(src),
+            ["plain", "bounded", "made_a", "made_b"]
+        );
+    }
 }

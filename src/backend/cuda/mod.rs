@@ -10,6 +10,7 @@
 
 pub mod compile;
 pub mod device;
+pub mod fast;
 
 use super::{AttnMask, Backend, KvbSplit, MlaDims, Routing};
 use crate::engine::cache::{RowSource, PAGE_SIZE};
@@ -91,7 +92,10 @@ impl CudaBackend {
     /// else uploaded now (and attached, so later ops find it).
     fn dev(&self, t: &Tensor) -> Result<Arc<dyn DeviceBuffer>> {
         if let Some(d) = t.device() {
-            if d.as_any().downcast_ref::<DevBuf>().is_some_and(|b| b.elem == self.elem) {
+            if d.as_any()
+                .downcast_ref::<DevBuf>()
+                .is_some_and(|b| b.elem == self.elem)
+            {
                 return Ok(d.clone());
             }
         }
@@ -158,11 +162,18 @@ impl CudaBackend {
         let mut i = 0;
         while i < writes.len() {
             let mut j = i + 1;
-            while j < writes.len() && writes[j] == writes[j - 1] + 1 && physical(writes[j]) == physical(writes[j - 1]) + 1 {
+            while j < writes.len()
+                && writes[j] == writes[j - 1] + 1
+                && physical(writes[j]) == physical(writes[j - 1]) + 1
+            {
                 j += 1;
             }
-            let rows: Vec<f32> = writes[i..j].iter().flat_map(|&s| src.row(s).to_vec()).collect();
-            self.gpu.write(&mut mirror.buf, physical(writes[i]) * width, &rows)?;
+            let rows: Vec<f32> = writes[i..j]
+                .iter()
+                .flat_map(|&s| src.row(s).to_vec())
+                .collect();
+            self.gpu
+                .write(&mut mirror.buf, physical(writes[i]) * width, &rows)?;
             i = j;
         }
         mirror.applied = src.writes().len();
@@ -174,7 +185,9 @@ impl CudaBackend {
     /// The mask as bytes [n, context] (1 = the query may see the key), or a null pointer for
     /// plain causal masking.
     fn mask_bytes(&self, mask: &AttnMask, context: usize) -> Result<Option<DevBuf>> {
-        let Some(sel) = &mask.selected else { return Ok(None) };
+        let Some(sel) = &mask.selected else {
+            return Ok(None);
+        };
         let mut bytes = vec![0u8; sel.len() * context];
         for (i, keys) in sel.iter().enumerate() {
             for &j in keys {
@@ -191,23 +204,35 @@ impl CudaBackend {
         self.gpu.upload_i32(&p)
     }
 
-    fn elementwise(&self, name: &str, inputs: &[&Tensor], extra: &[Arg], shape: &[usize]) -> Result<Tensor> {
+    fn elementwise(
+        &self,
+        name: &str,
+        inputs: &[&Tensor],
+        extra: &[Arg],
+        shape: &[usize],
+    ) -> Result<Tensor> {
         let n = shape.iter().product::<usize>();
         let out = self.out(n)?;
-        let bufs: Vec<Arc<dyn DeviceBuffer>> = inputs.iter().map(|t| self.dev(t)).collect::<Result<_>>()?;
+        let bufs: Vec<Arc<dyn DeviceBuffer>> =
+            inputs.iter().map(|t| self.dev(t)).collect::<Result<_>>()?;
         // Kernel argument order: inputs, extra scalars, out, n (see elementwise.cu).
         let mut ordered: Vec<Arg> = bufs.iter().map(|b| Arg::U64(Self::ptr(b))).collect();
         ordered.extend_from_slice(extra);
         ordered.push(Arg::U64(out.ptr));
         ordered.push(Arg::U64(n as u64));
-        self.gpu.launch(&self.k(name), grid(n as u64), 256, 0, &ordered)?;
+        self.gpu
+            .launch(&self.k(name), grid(n as u64), 256, 0, &ordered)?;
         self.finish(out, shape)
     }
 }
 
 fn same_shape(op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
     if a.shape() != b.shape() {
-        return Err(Error::invalid(format!("{op}: shapes {:?} and {:?} differ", a.shape(), b.shape())));
+        return Err(Error::invalid(format!(
+            "{op}: shapes {:?} and {:?} differ",
+            a.shape(),
+            b.shape()
+        )));
     }
     Ok(())
 }
@@ -231,50 +256,32 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
         let k = x.cols();
         let out_features = w.shape()[0];
         if w.numel() != out_features * k {
-            return Err(Error::invalid(format!("linear: input has {k} features but the weight is {:?}", w.shape())));
+            return Err(Error::invalid(format!(
+                "linear: input has {k} features but the weight is {:?}",
+                w.shape()
+            )));
         }
         let n = x.rows();
         let mut shape = x.shape().to_vec();
         *shape.last_mut().expect("linear input has a shape") = out_features;
         let (xd, wd) = (self.dev(x)?, self.dev(w)?);
         let y = self.out(n * out_features)?;
-        let ty = match self.elem {
-            Elem::F32 => cudaDataType_t::CUDA_R_32F,
-            Elem::Bf16 => cudaDataType_t::CUDA_R_16BF,
-        };
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        // Row-major y [n, out] = x [n, k] · wᵀ is, column-major, y' (out × n) = wᵀ' · x' with w
-        // read transposed (lda = k) and x as is (ldb = k).
-        // SAFETY: the three pointers are live device buffers of n·k, out·k and n·out elements
-        // of type `ty`; alpha/beta are host f32 as CUBLAS_COMPUTE_32F expects.
+        // SAFETY: dev() and out() give live buffers of n·k, out·k and n·out elements of this
+        // backend's storage type.
         unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.gpu.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                out_features as i32,
-                n as i32,
-                k as i32,
-                (&alpha) as *const f32 as *const _,
-                wd.address() as *const _,
-                ty,
-                k as i32,
-                xd.address() as *const _,
-                ty,
-                k as i32,
-                (&beta) as *const f32 as *const _,
-                y.ptr as *mut _,
-                ty,
-                out_features as i32,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| Error::invalid(format!("cuBLAS GEMM: {e:?}")))?;
+            self.gpu.gemm_xwt(
+                xd.address(),
+                wd.address(),
+                y.ptr,
+                n,
+                k,
+                out_features,
+                self.elem,
+            )?
+        };
         if let Some(b) = bias {
             let bd = self.dev(b)?;
             self.gpu.launch(
@@ -282,7 +289,12 @@ impl Backend for CudaBackend {
                 grid((n * out_features) as u64),
                 256,
                 0,
-                &[y.ptr.into(), Self::ptr(&bd).into(), n.into(), out_features.into()],
+                &[
+                    y.ptr.into(),
+                    Self::ptr(&bd).into(),
+                    n.into(),
+                    out_features.into(),
+                ],
             )?;
         }
         self.finish(y, &shape)
@@ -297,7 +309,13 @@ impl Backend for CudaBackend {
             (rows.max(1) as u32, 1, 1),
             256,
             0,
-            &[Self::ptr(&xd).into(), Self::ptr(&wd).into(), out.ptr.into(), cols.into(), (eps as f32).into()],
+            &[
+                Self::ptr(&xd).into(),
+                Self::ptr(&wd).into(),
+                out.ptr.into(),
+                cols.into(),
+                (eps as f32).into(),
+            ],
         )?;
         self.finish(out, x.shape())
     }
@@ -323,12 +341,22 @@ impl Backend for CudaBackend {
         self.finish(out, x.shape())
     }
 
-    fn rope(&self, x: &Tensor, heads: usize, table: &RopeTable, positions: &[usize], interleaved: bool) -> Result<Tensor> {
+    fn rope(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        table: &RopeTable,
+        positions: &[usize],
+        interleaved: bool,
+    ) -> Result<Tensor> {
         let n = positions.len();
         let d = x.numel() / (n * heads).max(1);
         let half = table.inv_freq.len();
         if n * heads * d != x.numel() || 2 * half > d {
-            return Err(Error::invalid(format!("rope: tensor {:?} does not fit {n} tokens × {heads} heads", x.shape())));
+            return Err(Error::invalid(format!(
+                "rope: tensor {:?} does not fit {n} tokens × {heads} heads",
+                x.shape()
+            )));
         }
         let xd = self.dev(x)?;
         let pos = self.positions(positions)?;
@@ -365,11 +393,21 @@ impl Backend for CudaBackend {
         self.elementwise("add", &[a, b], &[], a.shape())
     }
 
-    fn slice_groups(&self, x: &Tensor, groups: usize, start: usize, width: usize) -> Result<Tensor> {
+    fn slice_groups(
+        &self,
+        x: &Tensor,
+        groups: usize,
+        start: usize,
+        width: usize,
+    ) -> Result<Tensor> {
         let rows = x.rows();
         let gw = x.cols() / groups.max(1);
         if groups * gw != x.cols() || start + width > gw {
-            return Err(Error::invalid(format!("slice: columns {start}..{} of {groups} groups of {:?}", start + width, x.shape())));
+            return Err(Error::invalid(format!(
+                "slice: columns {start}..{} of {groups} groups of {:?}",
+                start + width,
+                x.shape()
+            )));
         }
         let xd = self.dev(x)?;
         let n = rows * groups * width;
@@ -379,9 +417,21 @@ impl Backend for CudaBackend {
             grid(n as u64),
             256,
             0,
-            &[Self::ptr(&xd).into(), out.ptr.into(), rows.into(), groups.into(), gw.into(), start.into(), width.into()],
+            &[
+                Self::ptr(&xd).into(),
+                out.ptr.into(),
+                rows.into(),
+                groups.into(),
+                gw.into(),
+                start.into(),
+                width.into(),
+            ],
         )?;
-        let shape = if groups == 1 { vec![rows, width] } else { vec![rows, groups, width] };
+        let shape = if groups == 1 {
+            vec![rows, width]
+        } else {
+            vec![rows, groups, width]
+        };
         self.finish(out, &shape)
     }
 
@@ -389,7 +439,11 @@ impl Backend for CudaBackend {
         let (wa, wb) = (a.cols(), b.cols());
         let rows = a.rows();
         if rows != b.rows() || groups == 0 || rows % groups != 0 {
-            return Err(Error::invalid(format!("concat: {:?} and {:?} are not rows of {groups} groups", a.shape(), b.shape())));
+            return Err(Error::invalid(format!(
+                "concat: {:?} and {:?} are not rows of {groups} groups",
+                a.shape(),
+                b.shape()
+            )));
         }
         let (ad, bd) = (self.dev(a)?, self.dev(b)?);
         let out = self.out(rows * (wa + wb))?;
@@ -398,7 +452,14 @@ impl Backend for CudaBackend {
             grid((rows * (wa + wb)) as u64),
             256,
             0,
-            &[Self::ptr(&ad).into(), Self::ptr(&bd).into(), out.ptr.into(), rows.into(), wa.into(), wb.into()],
+            &[
+                Self::ptr(&ad).into(),
+                Self::ptr(&bd).into(),
+                out.ptr.into(),
+                rows.into(),
+                wa.into(),
+                wb.into(),
+            ],
         )?;
         self.finish(out, &[rows / groups, groups, wa + wb])
     }
@@ -410,37 +471,70 @@ impl Backend for CudaBackend {
     fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor> {
         let c = x.cols();
         if let Some(r) = rows.iter().find(|&&r| r >= x.rows()) {
-            return Err(Error::invalid(format!("gather: row {r} of a {:?} tensor", x.shape())));
+            return Err(Error::invalid(format!(
+                "gather: row {r} of a {:?} tensor",
+                x.shape()
+            )));
         }
         let xd = self.dev(x)?;
-        let idx = self.gpu.upload_i32(&rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
+        let idx = self
+            .gpu
+            .upload_i32(&rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
         let out = self.out(rows.len() * c)?;
         self.gpu.launch(
             &self.k("gather_rows"),
             grid((rows.len() * c) as u64),
             256,
             0,
-            &[Self::ptr(&xd).into(), (&idx).into(), out.ptr.into(), rows.len().into(), c.into()],
+            &[
+                Self::ptr(&xd).into(),
+                (&idx).into(),
+                out.ptr.into(),
+                rows.len().into(),
+                c.into(),
+            ],
         )?;
         self.finish(out, &[rows.len(), c])
     }
 
-    fn scatter_add_rows(&self, acc: &mut Tensor, rows: &[usize], y: &Tensor, weights: &[f32]) -> Result<()> {
+    fn scatter_add_rows(
+        &self,
+        acc: &mut Tensor,
+        rows: &[usize],
+        y: &Tensor,
+        weights: &[f32],
+    ) -> Result<()> {
         let c = acc.cols();
         if y.cols() != c || y.rows() != rows.len() || weights.len() != rows.len() {
-            return Err(Error::invalid(format!("scatter_add: {:?} rows into {:?}", y.shape(), acc.shape())));
+            return Err(Error::invalid(format!(
+                "scatter_add: {:?} rows into {:?}",
+                y.shape(),
+                acc.shape()
+            )));
         }
         let (ad, yd) = (self.dev(acc)?, self.dev(y)?);
-        let idx = self.gpu.upload_i32(&rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
+        let idx = self
+            .gpu
+            .upload_i32(&rows.iter().map(|&r| r as i32).collect::<Vec<_>>())?;
         let w = self.gpu.upload(weights, Elem::F32)?;
         self.gpu.launch(
             &self.k("scatter_add_rows"),
             grid((rows.len() * c) as u64),
             256,
             0,
-            &[Self::ptr(&ad).into(), (&idx).into(), Self::ptr(&yd).into(), (&w).into(), rows.len().into(), c.into()],
+            &[
+                Self::ptr(&ad).into(),
+                (&idx).into(),
+                Self::ptr(&yd).into(),
+                (&w).into(),
+                rows.len().into(),
+                c.into(),
+            ],
         )?;
-        let buf = ad.as_any().downcast_ref::<DevBuf>().expect("dev() returns DevBufs");
+        let buf = ad
+            .as_any()
+            .downcast_ref::<DevBuf>()
+            .expect("dev() returns DevBufs");
         let data = self.gpu.download(buf)?;
         acc.data_mut_keeping_device().copy_from_slice(&data);
         Ok(())
@@ -477,14 +571,23 @@ impl Backend for CudaBackend {
         )?;
         let id_bytes = self.gpu.download_bytes(&ids, tokens * k * 4)?;
         let weights = self.gpu.download(&w)?;
-        let ids: Vec<usize> = id_bytes.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize).collect();
+        let ids: Vec<usize> = id_bytes
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+            .collect();
         Ok(Routing {
             experts: ids.chunks(k).map(<[usize]>::to_vec).collect(),
             weights: weights.chunks(k).map(<[f32]>::to_vec).collect(),
         })
     }
 
-    fn absorb_query(&self, q_nope: &Tensor, kv_b: &Tensor, dims: MlaDims, split: KvbSplit) -> Result<Tensor> {
+    fn absorb_query(
+        &self,
+        q_nope: &Tensor,
+        kv_b: &Tensor,
+        dims: MlaDims,
+        split: KvbSplit,
+    ) -> Result<Tensor> {
         let n = q_nope.numel() / (dims.heads * dims.nope);
         let (qd, wd) = (self.dev(q_nope)?, self.dev(kv_b)?);
         let total = n * dims.heads * dims.latent;
@@ -509,7 +612,13 @@ impl Backend for CudaBackend {
         self.finish(out, &[n, dims.heads, dims.latent])
     }
 
-    fn apply_w_uv(&self, o_lat: &Tensor, kv_b: &Tensor, dims: MlaDims, split: KvbSplit) -> Result<Tensor> {
+    fn apply_w_uv(
+        &self,
+        o_lat: &Tensor,
+        kv_b: &Tensor,
+        dims: MlaDims,
+        split: KvbSplit,
+    ) -> Result<Tensor> {
         let n = o_lat.numel() / (dims.heads * dims.latent);
         let (ld, wd) = (self.dev(o_lat)?, self.dev(kv_b)?);
         let total = n * dims.heads * dims.v;
@@ -576,7 +685,11 @@ impl Backend for CudaBackend {
         let context = k.len();
         let heads = dims.heads;
         if out.numel() != n * heads * dims.v {
-            return Err(Error::invalid(format!("attention output buffer {:?} is not {n} × {heads} × {}", out.shape(), dims.v)));
+            return Err(Error::invalid(format!(
+                "attention output buffer {:?} is not {n} × {heads} × {}",
+                out.shape(),
+                dims.v
+            )));
         }
         let qd = self.dev(q)?;
         let (kp, vp) = (self.sync_cache(k)?, self.sync_cache(v)?);
@@ -607,7 +720,10 @@ impl Backend for CudaBackend {
                 (faults.skip_padded_rows as i32).into(),
             ],
         )?;
-        let buf = od.as_any().downcast_ref::<DevBuf>().expect("dev() returns DevBufs");
+        let buf = od
+            .as_any()
+            .downcast_ref::<DevBuf>()
+            .expect("dev() returns DevBufs");
         let data = self.gpu.download(buf)?;
         out.data_mut_keeping_device().copy_from_slice(&data);
         self.finish(probs, &[heads, n, context])
@@ -628,12 +744,22 @@ impl Backend for CudaBackend {
         let context = cache.len();
         let (heads, l, r) = (dims.heads, dims.latent, dims.rope);
         if out.numel() != n * heads * l {
-            return Err(Error::invalid(format!("attention output buffer {:?} is not {n} × {heads} × {l}", out.shape())));
+            return Err(Error::invalid(format!(
+                "attention output buffer {:?} is not {n} × {heads} × {l}",
+                out.shape()
+            )));
         }
         let (qld, qpd) = (self.dev(q_lat)?, self.dev(q_pe)?);
         let cp = self.sync_cache(cache)?;
-        let table: Vec<i32> = cache.block_table().unwrap_or(&[]).iter().map(|&p| p as i32).collect();
-        let bt = self.gpu.upload_i32(if table.is_empty() { &[0] } else { &table })?;
+        let table: Vec<i32> = cache
+            .block_table()
+            .unwrap_or(&[])
+            .iter()
+            .map(|&p| p as i32)
+            .collect();
+        let bt = self
+            .gpu
+            .upload_i32(if table.is_empty() { &[0] } else { &table })?;
         let od = self.dev(out)?;
         let pos = self.positions(&mask.positions)?;
         let m = self.mask_bytes(mask, context)?;
@@ -692,13 +818,23 @@ impl Backend for CudaBackend {
                 (faults.skip_padded_rows as i32).into(),
             ],
         )?;
-        let buf = od.as_any().downcast_ref::<DevBuf>().expect("dev() returns DevBufs");
+        let buf = od
+            .as_any()
+            .downcast_ref::<DevBuf>()
+            .expect("dev() returns DevBufs");
         let data = self.gpu.download(buf)?;
         out.data_mut_keeping_device().copy_from_slice(&data);
         self.finish(probs, &[heads, n, context])
     }
 
-    fn index_scores(&self, q: &Tensor, weights: &Tensor, keys: &dyn RowSource, positions: &[usize], scale: f32) -> Result<Tensor> {
+    fn index_scores(
+        &self,
+        q: &Tensor,
+        weights: &Tensor,
+        keys: &dyn RowSource,
+        positions: &[usize],
+        scale: f32,
+    ) -> Result<Tensor> {
         let n = positions.len();
         let heads = weights.cols();
         let d = q.numel() / (n * heads).max(1);
@@ -729,8 +865,13 @@ impl Backend for CudaBackend {
     }
 
     fn stats(&self, t: &Tensor) -> TensorStats {
+        // Small tensors are summed from their host copy (downloaded from the device, poison
+        // included): a kernel launch and its wait would cost more than the pass.
+        const DEVICE_STATS_FROM: usize = 1 << 14;
         match t.device().and_then(|d| d.as_any().downcast_ref::<DevBuf>()) {
-            Some(buf) if t.dtype() == DType::F32 => self.device_stats(buf).unwrap_or_else(|_| TensorStats::of(t.data())),
+            Some(buf) if t.dtype() == DType::F32 && t.numel() >= DEVICE_STATS_FROM => self
+                .device_stats(buf)
+                .unwrap_or_else(|_| TensorStats::of(t.data())),
             _ => TensorStats::of(t.data()),
         }
     }
@@ -744,10 +885,33 @@ impl CudaBackend {
         let blocks = (n.div_ceil(256)).clamp(1, 1024) as u32;
         let partials = self.gpu.alloc(blocks as usize * STATS * 2, Elem::F32)?;
         let name = format!("stats_{}", buf.elem.suffix());
-        self.gpu.launch(&name, (blocks, 1, 1), 256, 0, &[buf.ptr.into(), n.into(), (&partials).into()])?;
-        let bytes = self.gpu.download_bytes(&partials, blocks as usize * STATS * 8)?;
-        let vals: Vec<f64> = bytes.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes"))).collect();
-        let mut acc = [0f64, 0.0, f64::INFINITY, f64::NEG_INFINITY, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        self.gpu.launch(
+            &name,
+            (blocks, 1, 1),
+            256,
+            0,
+            &[buf.ptr.into(), n.into(), (&partials).into()],
+        )?;
+        let bytes = self
+            .gpu
+            .download_bytes(&partials, blocks as usize * STATS * 8)?;
+        let vals: Vec<f64> = bytes
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect();
+        let mut acc = [
+            0f64,
+            0.0,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+        ];
         for p in vals.chunks_exact(STATS) {
             acc[0] += p[0];
             acc[1] += p[1];

@@ -1,0 +1,255 @@
+// MLA decode on tensor cores: absorbed attention of one query token per sequence over the paged
+// latent cache (rows of 512 c_kv + 64 k_pe in bf16), split-KV with a log-sum-exp merge, as
+// FlashMLA and vLLM's Triton decode kernel do it, written with mma.sync/ldmatrix/cp.async only
+// so that it runs on every architecture from sm_80 (Blackwell sm_120 included).
+//
+// Block = (split, sequence, group of 64 heads), 8 warps. The 64×576 query block stays in shared
+// memory; KV tiles of TILE tokens stream through (double-buffered with cp.async when STAGES = 2).
+// Warp w owns heads 16·(w%4).. of the block and, for S = Q·Kᵀ, tokens of half (w/4) of the tile;
+// for O += P·V, output dims of half (w/4). Softmax runs in base 2 on the fly (online softmax);
+// each split writes its normalised output and natural-log LSE, and mla_decode_combine weighs the
+// splits by exp(lse_split − lse_total).
+#include "common.cuh"
+#include "mma.cuh"
+
+#define HEADS 64
+#define DQK 576
+#define DV 512
+#define STRIDE 584   // shared row stride in bf16: 1168 bytes shifts rows by 4 banks
+#define PAGE 64
+#define THREADS 256
+#define NT_OF(TILE) ((TILE) / 2 / 8)
+
+template <int TILE, int STAGES>
+__device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
+                             const int* seq_lens, float scale_log2, float* part_o, float* part_lse, int splits,
+                             int total_heads) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr int PSTRIDE = TILE + 8;
+    constexpr int CHUNKS = DQK / 8;  // 16-byte chunks per row
+    bf16_t* sQ = (bf16_t*)smem;
+    bf16_t* sKV = sQ + HEADS * STRIDE;
+    bf16_t* sP = sKV + STAGES * TILE * STRIDE;
+    float* sMax = (float*)(sP + HEADS * PSTRIDE);  // [2][HEADS]
+    float* sSum = sMax + 2 * HEADS;                // [2][HEADS] (and HEADS floats spare)
+    const unsigned sQ_a = smem_addr(sQ), sKV_a = smem_addr(sKV), sP_a = smem_addr(sP);
+
+    const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * HEADS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int mt = warp % 4, half = warp / 4;
+    const int g = lane / 4, qd = lane % 4, mi = lane / 8;
+    const int n_tok = seq_lens[b];
+    int chunk = (n_tok + splits - 1) / splits;
+    chunk = (chunk + TILE - 1) / TILE * TILE;
+    const int t_begin = split * chunk;
+    const int t_end = min(t_begin + chunk, n_tok);
+    const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
+
+    if (t_begin >= t_end) {
+        for (int i = threadIdx.x; i < HEADS * DV; i += THREADS) part_o[out_row * DV + i] = 0.0f;
+        for (int i = threadIdx.x; i < HEADS; i += THREADS) part_lse[out_row + i] = -INFINITY;
+        return;
+    }
+
+    // The query block.
+    const bf16_t* qb = q + ((u64)b * total_heads + head0) * DQK;
+    for (int c = threadIdx.x; c < HEADS * CHUNKS; c += THREADS) {
+        int r = c / CHUNKS, k = (c % CHUNKS) * 8;
+        cp_async16(sQ_a + (r * STRIDE + k) * 2, qb + (u64)r * DQK + k);
+    }
+    cp_async_commit();
+
+    // One tile of TILE tokens. Tiles start at multiples of TILE (which divides PAGE), so a tile
+    // lies in one page: one block-table lookup per tile. Rows past the end are zeroed.
+    const int* bt = block_table + (u64)b * max_pages;
+    auto load_tile = [&](int t0, int stage) {
+        const bf16_t* src = cache + ((u64)bt[t0 / PAGE] * PAGE + t0 % PAGE) * DQK;
+        const unsigned dst = sKV_a + stage * TILE * STRIDE * 2;
+#pragma unroll
+        for (int i = 0; i < (TILE * CHUNKS + THREADS - 1) / THREADS; i++) {
+            int c = threadIdx.x + i * THREADS;
+            if (c < TILE * CHUNKS) {
+                int r = c / CHUNKS, k = (c % CHUNKS) * 8;
+                if (t0 + r < t_end)
+                    cp_async16(dst + (r * STRIDE + k) * 2, src + r * DQK + k);
+                else
+                    st_shared_zero16(dst + (r * STRIDE + k) * 2);
+            }
+        }
+        cp_async_commit();
+    };
+
+    // Per-lane ldmatrix offsets (bytes): A rows of this warp's 16 heads, B rows of its tokens.
+    const unsigned q_lane = sQ_a + ((mt * 16 + (mi % 2) * 8 + lane % 8) * STRIDE + (mi / 2) * 8) * 2;
+    const int tok_base = half * (TILE / 2);
+    const unsigned k_lane = (((NT_OF(TILE) == 2 ? (mi / 2) * 8 : 0) + tok_base + lane % 8) * STRIDE +
+                             (NT_OF(TILE) == 2 ? (mi % 2) * 8 : ((lane / 8) % 2) * 8)) * 2;
+    const unsigned p_lane = sP_a + ((mt * 16 + (mi % 2) * 8 + lane % 8) * PSTRIDE + (mi / 2) * 8) * 2;
+    const unsigned v_lane = (((mi % 2) * 8 + lane % 8) * STRIDE + half * (DV / 2) + (mi / 2) * 8) * 2;
+
+    float o[DV / 2 / 8][4];
+#pragma unroll
+    for (int i = 0; i < DV / 2 / 8; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.0f, 0.0f};
+    constexpr int NT = NT_OF(TILE);  // n-tiles of 8 tokens per warp in S
+
+    load_tile(t_begin, 0);
+    int stage = 0;
+    for (int t0 = t_begin; t0 < t_end; t0 += TILE) {
+        if (STAGES == 2 && t0 + TILE < t_end) {
+            load_tile(t0 + TILE, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const unsigned kv = sKV_a + stage * TILE * STRIDE * 2;
+
+        // S = Q·Kᵀ for 16 heads × TILE/2 tokens; even and odd k-steps in separate accumulators
+        // so that two independent chains of mma hide each other's latency.
+        float s[NT][4], s2[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[nt][e] = s2[nt][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < DQK / 16; kk++) {
+            unsigned a[4];
+            ldsm_x4(a, q_lane + kk * 32);
+            unsigned bb[4];
+            if (NT == 2)
+                ldsm_x4(bb, kv + k_lane + kk * 32);
+            else
+                ldsm_x2(bb, kv + k_lane + kk * 32);
+            if (kk % 2 == 0) {
+                mma_bf16(s[0], a, bb);
+                if (NT == 2) mma_bf16(s[NT - 1], a, bb + 2);
+            } else {
+                mma_bf16(s2[0], a, bb);
+                if (NT == 2) mma_bf16(s2[NT - 1], a, bb + 2);
+            }
+        }
+
+        // Online softmax in base 2: rows g and g+8 of this warp's 16 heads.
+        float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int tok = t0 + tok_base + nt * 8 + qd * 2 + (e % 2);
+                float v = tok < t_end ? (s[nt][e] + s2[nt][e]) * scale_log2 : -INFINITY;
+                s[nt][e] = v;
+                tile_max[e / 2] = fmaxf(tile_max[e / 2], v);
+            }
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+            if (qd == 0) sMax[half * HEADS + mt * 16 + g + r * 8] = tile_max[r];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            int row = mt * 16 + g + r * 8;
+            float m_new = fmaxf(m_run[r], fmaxf(sMax[row], sMax[HEADS + row]));
+            float alpha = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[r] - m_new);
+            float m_use = m_new == -INFINITY ? 0.0f : m_new;
+            float sum = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = r * 2; e < r * 2 + 2; e++) {
+                    float p = fast_exp2(s[nt][e] - m_use);
+                    s[nt][e] = p;
+                    sum += p;
+                }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            l_run[r] = l_run[r] * alpha + sum;
+            m_run[r] = m_new;
+#pragma unroll
+            for (int nt = 0; nt < DV / 2 / 8; nt++) {
+                o[nt][r * 2] *= alpha;
+                o[nt][r * 2 + 1] *= alpha;
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            int col = tok_base + nt * 8 + qd * 2;
+            *(unsigned*)(sP + (mt * 16 + g) * PSTRIDE + col) = pack_bf16(s[nt][0], s[nt][1]);
+            *(unsigned*)(sP + (mt * 16 + g + 8) * PSTRIDE + col) = pack_bf16(s[nt][2], s[nt][3]);
+        }
+        __syncthreads();
+
+        // O += P·V for 16 heads × DV/2 dims; V is the first DV columns of the tile.
+#pragma unroll
+        for (int ks = 0; ks < TILE / 16; ks++) {
+            unsigned a[4];
+            ldsm_x4(a, p_lane + ks * 32);
+#pragma unroll
+            for (int nt = 0; nt < DV / 2 / 8; nt += 2) {
+                unsigned bb[4];
+                ldsm_x4_trans(bb, kv + v_lane + (ks * 16 * STRIDE + nt * 8) * 2);
+                mma_bf16(o[nt], a, bb);
+                mma_bf16(o[nt + 1], a, bb + 2);
+            }
+        }
+        __syncthreads();  // the tile and P are free for the next round
+        stage ^= (STAGES - 1);
+        if (STAGES == 1 && t0 + TILE < t_end) load_tile(t0 + TILE, 0);
+    }
+
+    // Both halves' sums per row, then the normalised output and the natural-log LSE.
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+        if (qd == 0) sSum[half * HEADS + mt * 16 + g + r * 8] = l_run[r];
+    __syncthreads();
+    float l0 = sSum[mt * 16 + g] + sSum[HEADS + mt * 16 + g];
+    float l1 = sSum[mt * 16 + g + 8] + sSum[HEADS + mt * 16 + g + 8];
+    float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < DV / 2 / 8; nt++) {
+        int dim = half * (DV / 2) + nt * 8 + qd * 2;
+        *(float2*)(part_o + (out_row + mt * 16 + g) * DV + dim) = make_float2(o[nt][0] * inv0, o[nt][1] * inv0);
+        *(float2*)(part_o + (out_row + mt * 16 + g + 8) * DV + dim) = make_float2(o[nt][2] * inv1, o[nt][3] * inv1);
+    }
+    if (qd == 0 && half == 0) {
+        const float ln2 = 0.6931471805599453f;
+        part_lse[out_row + mt * 16 + g] = l0 > 0.0f ? (m_run[0] + log2f(l0)) * ln2 : -INFINITY;
+        part_lse[out_row + mt * 16 + g + 8] = l1 > 0.0f ? (m_run[1] + log2f(l1)) * ln2 : -INFINITY;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t32(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
+               float* part_o, float* part_lse, int splits, int heads) {
+    mla_decode_k<32, 2>(q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t16(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
+               float* part_o, float* part_lse, int splits, int heads) {
+    mla_decode_k<16, 1>(q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads);
+}
+
+// out[b, h, :] = Σ_s exp(lse_s − lse) · O_s with lse = log Σ_s exp(lse_s); one block per (b, h).
+extern "C" __global__ void mla_decode_combine(const float* part_o, const float* part_lse, bf16_t* out, float* lse_out,
+                                              int splits, int heads) {
+    int b = blockIdx.x, h = blockIdx.y;
+    float top = -INFINITY;
+    for (int s = 0; s < splits; s++) top = fmaxf(top, part_lse[((u64)b * splits + s) * heads + h]);
+    float total = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        float l = part_lse[((u64)b * splits + s) * heads + h];
+        if (l > -INFINITY) total += expf(l - top);
+    }
+    float lse = top + logf(total);
+    for (int d = threadIdx.x; d < DV; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            float l = part_lse[((u64)b * splits + s) * heads + h];
+            if (l > -INFINITY) acc += expf(l - lse) * part_o[(((u64)b * splits + s) * heads + h) * DV + d];
+        }
+        out[((u64)b * heads + h) * DV + d] = f32_to_bf16(acc);
+    }
+    if (threadIdx.x == 0) lse_out[(u64)b * heads + h] = lse;
+}

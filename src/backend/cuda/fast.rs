@@ -1,0 +1,323 @@
+//! The tensor-core MLA kernels (kernels/mla_decode.cu, kernels/flash_prefill.cu) on raw device
+//! buffers: the decode and prefill that a serving engine runs, for `mladb bench` and for the
+//! checks against the CPU reference. bf16 storage, f32 accumulation.
+//!
+//! The debugger's own attention kernels (attention.cu) also write the attention probabilities
+//! and take fault injections; these do neither, and are built for speed.
+
+use super::device::{Arg, DevBuf, Elem, Gpu};
+use crate::error::{Error, Result};
+
+/// Latent width (kv_lora_rank) and RoPE width of every MLA model mladb knows (GLM-5, DeepSeek-V3).
+pub const LATENT: usize = 512;
+pub const ROPE: usize = 64;
+/// Tokens per page of the paged latent cache.
+pub const PAGE: usize = 64;
+/// Heads one decode block handles.
+const HEAD_GROUP: usize = 64;
+
+/// One decode launch: `batch` sequences of one query token each.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeShape {
+    pub batch: usize,
+    pub heads: usize,
+    /// Columns of the block table (pages per sequence at most).
+    pub max_pages: usize,
+    /// The longest sequence (tokens), to choose the KV split.
+    pub max_len: usize,
+}
+
+/// The decode kernel variant a device can run: (name, shared bytes per block). 32-token tiles in
+/// two stages where 156 KB of shared memory are there (A100, Hopper, B200), 16-token tiles in
+/// one stage otherwise (99 KB: sm_86/89, sm_120). `MLADB_DECODE_TILE=16` forces the small one
+/// (two blocks per multiprocessor on Hopper), for experiments.
+fn decode_variant(gpu: &Gpu) -> Result<(&'static str, u32)> {
+    let stride = 584 * 2;
+    let size = |tile: usize, stages: usize| {
+        (HEAD_GROUP * stride
+            + stages * tile * stride
+            + HEAD_GROUP * (tile + 8) * 2
+            + 5 * HEAD_GROUP * 4) as u32
+    };
+    let (big, small) = (size(32, 2), size(16, 1));
+    let limit = gpu.max_shared_per_block() as u32;
+    let force_small = std::env::var("MLADB_DECODE_TILE").is_ok_and(|v| v == "16");
+    if limit >= big && !force_small {
+        Ok(("mla_decode_t32", big))
+    } else if limit >= small {
+        Ok(("mla_decode_t16", small))
+    } else {
+        Err(Error::invalid(format!("the MLA decode kernel needs {small} bytes of shared memory per block; this device allows {limit}")))
+    }
+}
+
+/// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
+/// walks (plus a fixed cost per split for its start and the merge), at no fewer than 64 tokens
+/// per split.
+pub fn decode_splits(gpu: &Gpu, shape: DecodeShape) -> usize {
+    let per_sm = decode_variant(gpu).map_or(1, |(_, smem)| {
+        (gpu.max_shared_per_multiprocessor() / (smem as usize + 1024)).max(1)
+    });
+    let slots = gpu.multiprocessors() * per_sm;
+    let base = shape.batch * shape.heads.div_ceil(HEAD_GROUP);
+    let mut best = (usize::MAX, 1);
+    for s in 1..=shape.max_len.div_ceil(64).clamp(1, 64) {
+        let waves = (base * s).div_ceil(slots);
+        let cost = waves * (shape.max_len.div_ceil(s) + 128);
+        if cost < best.0 {
+            best = (cost, s);
+        }
+    }
+    best.1
+}
+
+/// Scratch of a decode launch: per-split outputs and log-sum-exps.
+pub struct DecodeWork {
+    part_o: DevBuf,
+    part_lse: DevBuf,
+    pub splits: usize,
+}
+
+impl DecodeWork {
+    pub fn new(gpu: &Gpu, shape: DecodeShape) -> Result<DecodeWork> {
+        let splits = decode_splits(gpu, shape);
+        Ok(DecodeWork {
+            part_o: gpu.alloc(shape.batch * splits * shape.heads * LATENT, Elem::F32)?,
+            part_lse: gpu.alloc(shape.batch * splits * shape.heads, Elem::F32)?,
+            splits,
+        })
+    }
+}
+
+/// Absorbed MLA decode: `q` [batch, heads, 576] bf16 (q_nope·W_UK then q_pe), `cache` the paged
+/// latent cache [pages·64, 576] bf16, `block_table` [batch, max_pages] i32, `seq_lens` [batch]
+/// i32. Writes `out` [batch, heads, 512] bf16 (the latent output, before W_UV) and `lse`
+/// [batch, heads] f32.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_decode(
+    gpu: &Gpu,
+    shape: DecodeShape,
+    q: &DevBuf,
+    cache: &DevBuf,
+    block_table: &DevBuf,
+    seq_lens: &DevBuf,
+    scale: f32,
+    out: &DevBuf,
+    lse: &DevBuf,
+    work: &DecodeWork,
+) -> Result<()> {
+    if shape.heads % HEAD_GROUP != 0 {
+        return Err(Error::invalid(format!(
+            "the MLA decode kernel takes heads in groups of {HEAD_GROUP}; got {}",
+            shape.heads
+        )));
+    }
+    let width = LATENT + ROPE;
+    let need = [
+        (q, shape.batch * shape.heads * width, Elem::Bf16, "q"),
+        (out, shape.batch * shape.heads * LATENT, Elem::Bf16, "out"),
+        (lse, shape.batch * shape.heads, Elem::F32, "lse"),
+        (
+            block_table,
+            shape.batch * shape.max_pages,
+            Elem::F32,
+            "block table",
+        ),
+        (seq_lens, shape.batch, Elem::F32, "sequence lengths"),
+        (
+            &work.part_o,
+            shape.batch * work.splits * shape.heads * LATENT,
+            Elem::F32,
+            "workspace",
+        ),
+    ];
+    for (buf, len, elem, what) in need {
+        if buf.len < len || buf.elem != elem {
+            return Err(Error::invalid(format!(
+                "MLA decode: the {what} buffer is too small or of the wrong type"
+            )));
+        }
+    }
+    if cache.elem != Elem::Bf16 || cache.len % (PAGE * width) != 0 {
+        return Err(Error::invalid(
+            "MLA decode: the cache must be bf16 pages of 64 rows of 576",
+        ));
+    }
+    let (name, smem) = decode_variant(gpu)?;
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+    gpu.launch(
+        name,
+        (
+            work.splits as u32,
+            shape.batch as u32,
+            (shape.heads / HEAD_GROUP) as u32,
+        ),
+        256,
+        smem,
+        &[
+            q.into(),
+            cache.into(),
+            block_table.into(),
+            Arg::I32(shape.max_pages as i32),
+            seq_lens.into(),
+            scale_log2.into(),
+            (&work.part_o).into(),
+            (&work.part_lse).into(),
+            Arg::I32(work.splits as i32),
+            Arg::I32(shape.heads as i32),
+        ],
+    )?;
+    gpu.launch(
+        "mla_decode_combine",
+        (shape.batch as u32, shape.heads as u32, 1),
+        128,
+        0,
+        &[
+            (&work.part_o).into(),
+            (&work.part_lse).into(),
+            out.into(),
+            lse.into(),
+            Arg::I32(work.splits as i32),
+            Arg::I32(shape.heads as i32),
+        ],
+    )
+}
+
+/// The prefill head dimensions the kernel is built for: (q·k width, v width).
+pub const PREFILL_DIMS: [(usize, usize); 2] = [(256, 256), (192, 128)];
+
+/// The prefill variant for the device's shared memory: (suffix, rows per block, bytes).
+fn prefill_variant(gpu: &Gpu, dqk: usize, dv: usize) -> Result<(String, usize, u32)> {
+    let size = |rows: usize, tile: usize, stages: usize| {
+        ((rows * (dqk + 8) + stages * tile * (dqk + 8 + dv + 8)) * 2) as u32
+    };
+    let limit = gpu.max_shared_per_block() as u32;
+    let dims = match (dqk, dv) {
+        (256, 256) => "d256",
+        (192, 128) => "d192",
+        _ => {
+            return Err(Error::invalid(format!(
+                "the prefill kernel is built for head dims 256/256 and 192/128, not {dqk}/{dv}"
+            )))
+        }
+    };
+    // `MLADB_PREFILL_VARIANT=r64t64` (or another tag) forces one, for experiments.
+    let forced = std::env::var("MLADB_PREFILL_VARIANT").ok();
+    for (rows, tile, stages, tag) in [
+        (128, 64, 2, "r128t64"),
+        (64, 64, 1, "r64t64"),
+        (128, 32, 2, "r128t32"),
+        (64, 32, 1, "r64t32"),
+    ] {
+        let bytes = size(rows, tile, stages);
+        if forced.as_deref().is_some_and(|f| f != tag) {
+            continue;
+        }
+        if bytes <= limit {
+            return Ok((format!("flash_prefill_{tag}_{dims}"), rows, bytes));
+        }
+    }
+    Err(Error::invalid(format!(
+        "the prefill kernel needs more shared memory than this device's {limit} bytes"
+    )))
+}
+
+/// Causal prefill of one sequence: `q`, `k` [n, heads, dqk] bf16, `v` [n, heads, dv] bf16;
+/// writes `out` [n, heads, dv] bf16 and, if given, `lse` [n, heads] f32.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_prefill(
+    gpu: &Gpu,
+    n: usize,
+    heads: usize,
+    (dqk, dv): (usize, usize),
+    q: &DevBuf,
+    k: &DevBuf,
+    v: &DevBuf,
+    scale: f32,
+    out: &DevBuf,
+    lse: Option<&DevBuf>,
+) -> Result<()> {
+    let (name, rows, smem) = prefill_variant(gpu, dqk, dv)?;
+    for (buf, len, what) in [
+        (q, n * heads * dqk, "q"),
+        (k, n * heads * dqk, "k"),
+        (v, n * heads * dv, "v"),
+        (out, n * heads * dv, "out"),
+    ] {
+        if buf.len < len || buf.elem != Elem::Bf16 {
+            return Err(Error::invalid(format!(
+                "prefill: the {what} buffer is too small or not bf16"
+            )));
+        }
+    }
+    if let Some(l) = lse {
+        if l.len < n * heads || l.elem != Elem::F32 {
+            return Err(Error::invalid(
+                "prefill: the lse buffer is too small or not f32",
+            ));
+        }
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        &name,
+        (n.div_ceil(rows) as u32, heads as u32, 1),
+        (rows * 2) as u32,
+        smem,
+        &[
+            q.into(),
+            k.into(),
+            v.into(),
+            out.into(),
+            lse.map_or(0u64, |l| l.ptr).into(),
+            Arg::I32(n as i32),
+            Arg::I32(heads as i32),
+            (scale * std::f32::consts::LOG2_E).into(),
+        ],
+    )
+}
+
+/// The f64 reference the fast kernels are checked against: softmax(scale · q·kᵢ) over the
+/// given (key, value) rows, times the values. Keys may be wider than q (only q's width is used).
+pub fn reference_attention<'a>(
+    q: &[f32],
+    rows: impl Iterator<Item = (&'a [f32], &'a [f32])>,
+    scale: f64,
+) -> Vec<f64> {
+    let rows: Vec<(&[f32], &[f32])> = rows.collect();
+    let scores: Vec<f64> = rows
+        .iter()
+        .map(|(k, _)| {
+            q.iter()
+                .zip(k.iter())
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum::<f64>()
+                * scale
+        })
+        .collect();
+    let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let width = rows.first().map_or(0, |(_, v)| v.len());
+    let mut out = vec![0.0; width];
+    for (w, (_, v)) in weights.iter().zip(&rows) {
+        for (o, &x) in out.iter_mut().zip(v.iter()) {
+            *o += w / total * x as f64;
+        }
+    }
+    out
+}
+
+/// ‖a − b‖ / ‖b‖, with NaN (an unwritten or broken element) giving infinity.
+pub fn relative_error(a: &[f32], b: &[f64]) -> f64 {
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        if !x.is_finite() {
+            return f64::INFINITY;
+        }
+        diff += (x as f64 - y).powi(2);
+        norm += y * y;
+    }
+    (diff / norm.max(1e-300)).sqrt()
+}

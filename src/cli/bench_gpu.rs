@@ -1,0 +1,437 @@
+//! `mladb bench --device cuda`: the device's own ceilings (copy bandwidth, cuBLAS bf16 GEMM
+//! rate), then the tensor-core MLA kernels at GLM-5 dimensions (64 heads, latent 512 + 64) in
+//! GB/s and TFLOP/s against those ceilings, each shape checked against the f64 reference, then
+//! whole decoder layers through the engine with and without trace statistics.
+//!
+//! Inputs are random (never zeros), outputs poisoned before the run; every time is the median
+//! of event-timed samples after a warm-up; shapes whose data would sit in L2 rotate among copies.
+
+use super::bench::BenchArgs;
+use crate::backend::cuda::device::{DevBuf, Elem, Gpu};
+use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
+use crate::backend::cuda::CudaBackend;
+use crate::engine::generate::{self, Schedule};
+use crate::engine::trace::StatsObserver;
+use crate::engine::{Engine, EngineOptions, MlaPaths, NullObserver, Phase, StorageDtype};
+use crate::error::{Error, Result};
+
+const GLM5_HEADS: usize = 64;
+/// Data per timed call below which copies of the inputs rotate (H200's L2 is 50 MB).
+const ROTATE_BELOW: usize = 256 << 20;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Back-to-back calls per timed sample, so that one sample lasts about a millisecond or more.
+fn inner_for(estimate_ms: f64) -> usize {
+    (1.0 / estimate_ms.max(1e-3)).ceil().clamp(1.0, 200.0) as usize
+}
+
+/// Milliseconds per call, median of `reps` samples.
+fn time(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>) -> Result<f64> {
+    let probe = median(gpu.time_ms(2, 3, 1, &mut work)?);
+    Ok(median(gpu.time_ms(2, reps, inner_for(probe), work)?))
+}
+
+fn random(gpu: &Gpu, len: usize, elem: Elem, seed: u64, amp: f32) -> Result<DevBuf> {
+    let buf = gpu.alloc(len, elem)?;
+    gpu.fill_random(&buf, seed, amp)?;
+    Ok(buf)
+}
+
+pub struct Ceilings {
+    pub copy_gbs: f64,
+    pub gemm_tflops: f64,
+}
+
+/// Device-to-device copy of 2 GiB (bytes read + written), and an 8192³ bf16 GEMM.
+fn ceilings(gpu: &Gpu) -> Result<Ceilings> {
+    let len = 1usize << 30; // bf16 elements: 2 GiB
+    let src = random(gpu, len, Elem::Bf16, 1, 1.0)?;
+    let mut dst = gpu.alloc(len, Elem::Bf16)?;
+    let ms = median(gpu.time_ms(3, 20, 1, || gpu.copy(&src, 0, &mut dst, 0, len))?);
+    let copy_gbs = 2.0 * (len * 2) as f64 / (ms * 1e-3) / 1e9;
+    drop((src, dst));
+    let n = 8192;
+    let a = random(gpu, n * n, Elem::Bf16, 2, 1.0)?;
+    let b = random(gpu, n * n, Elem::Bf16, 3, 1.0)?;
+    let c = gpu.alloc(n * n, Elem::Bf16)?;
+    // SAFETY: three live n×n bf16 buffers.
+    let ms = median(gpu.time_ms(3, 20, 1, || unsafe {
+        gpu.gemm_xwt(a.ptr, b.ptr, c.ptr, n, n, n, Elem::Bf16)
+    })?);
+    let gemm_tflops = 2.0 * (n * n * n) as f64 / (ms * 1e-3) / 1e12;
+    Ok(Ceilings {
+        copy_gbs,
+        gemm_tflops,
+    })
+}
+
+/// One decode shape: returns (ms, GB/s, worst relative error of the sampled heads).
+fn decode_shape(
+    gpu: &Gpu,
+    batch: usize,
+    context: usize,
+    seed: u64,
+) -> Result<(f64, f64, f64, usize)> {
+    let width = LATENT + ROPE;
+    let heads = GLM5_HEADS;
+    let pages_per_seq = context.div_ceil(PAGE);
+    let pages = batch * pages_per_seq;
+    let cache_bytes = pages * PAGE * width * 2;
+    let copies = (ROTATE_BELOW / cache_bytes.max(1)).clamp(1, 8);
+    let caches: Vec<DevBuf> = (0..copies)
+        .map(|i| {
+            random(
+                gpu,
+                pages * PAGE * width,
+                Elem::Bf16,
+                seed + 10 + i as u64,
+                1.0,
+            )
+        })
+        .collect::<Result<_>>()?;
+    let q = random(gpu, batch * heads * width, Elem::Bf16, seed, 1.0)?;
+    // A shuffled block table, as a paged allocator hands pages out after churn.
+    let mut order: Vec<i32> = (0..pages as i32).collect();
+    let mut x = seed | 1;
+    for i in (1..order.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        order.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    let table = gpu.upload_i32(&order)?;
+    let lens = gpu.upload_i32(&vec![context as i32; batch])?;
+    let out = gpu.alloc(batch * heads * LATENT, Elem::Bf16)?;
+    let lse = gpu.alloc(batch * heads, Elem::F32)?;
+    gpu.fill(&out, true)?;
+    let shape = DecodeShape {
+        batch,
+        heads,
+        max_pages: pages_per_seq,
+        max_len: context,
+    };
+    let work = DecodeWork::new(gpu, shape)?;
+    let scale = 1.0 / (192.0f32 + 64.0).sqrt();
+    let mut turn = 0;
+    let ms = time(gpu, 15, || {
+        turn = (turn + 1) % copies;
+        fast::mla_decode(
+            gpu,
+            shape,
+            &q,
+            &caches[turn],
+            &table,
+            &lens,
+            scale,
+            &out,
+            &lse,
+            &work,
+        )
+    })?;
+    // Check sequences 0 and the last, heads 0 and 63, against the f64 reference (last run's cache).
+    fast::mla_decode(
+        gpu, shape, &q, &caches[0], &table, &lens, scale, &out, &lse, &work,
+    )?;
+    let mut worst: f64 = 0.0;
+    for b in [0, batch - 1] {
+        let mut rows = Vec::with_capacity(context * width);
+        for p in 0..pages_per_seq {
+            let page = order[b * pages_per_seq + p] as usize;
+            let take = (context - p * PAGE).min(PAGE);
+            rows.extend(gpu.download_range(&caches[0], page * PAGE * width, take * width)?);
+        }
+        for h in [0, heads - 1] {
+            let qv = gpu.download_range(&q, (b * heads + h) * width, width)?;
+            let got = gpu.download_range(&out, (b * heads + h) * LATENT, LATENT)?;
+            let want = fast::reference_attention(
+                &qv,
+                rows.chunks(width).map(|r| (r, &r[..LATENT])),
+                scale as f64,
+            );
+            worst = worst.max(fast::relative_error(&got, &want));
+        }
+    }
+    let bytes = (batch * context * width * 2 + batch * heads * (width + LATENT) * 2) as f64;
+    Ok((ms, bytes / (ms * 1e-3) / 1e9, worst, work.splits))
+}
+
+/// One causal prefill shape at GLM-5's head dims (256/256): (ms, TFLOP/s, worst error).
+fn prefill_shape(gpu: &Gpu, n: usize, seed: u64) -> Result<(f64, f64, f64)> {
+    let heads = GLM5_HEADS;
+    let (dqk, dv) = (256, 256);
+    let q = random(gpu, n * heads * dqk, Elem::Bf16, seed, 1.0)?;
+    let k = random(gpu, n * heads * dqk, Elem::Bf16, seed + 1, 1.0)?;
+    let v = random(gpu, n * heads * dv, Elem::Bf16, seed + 2, 1.0)?;
+    let out = gpu.alloc(n * heads * dv, Elem::Bf16)?;
+    gpu.fill(&out, true)?;
+    let scale = 1.0 / (dqk as f32).sqrt();
+    let ms = time(gpu, 10, || {
+        fast::flash_prefill(gpu, n, heads, (dqk, dv), &q, &k, &v, scale, &out, None)
+    })?;
+    let flops = 2.0 * heads as f64 * (dqk + dv) as f64 * (n as f64 * (n as f64 + 1.0) / 2.0);
+    let mut worst: f64 = 0.0;
+    for (row, h) in [(0, 0), (n / 2, 17), (n - 1, heads - 1)] {
+        let qv = gpu.download_range(&q, (row * heads + h) * dqk, dqk)?;
+        let mut keys = Vec::with_capacity((row + 1) * dqk);
+        let mut vals = Vec::with_capacity((row + 1) * dv);
+        for j in 0..=row {
+            keys.extend(gpu.download_range(&k, (j * heads + h) * dqk, dqk)?);
+            vals.extend(gpu.download_range(&v, (j * heads + h) * dv, dv)?);
+        }
+        let got = gpu.download_range(&out, (row * heads + h) * dv, dv)?;
+        let want =
+            fast::reference_attention(&qv, keys.chunks(dqk).zip(vals.chunks(dv)), scale as f64);
+        worst = worst.max(fast::relative_error(&got, &want));
+    }
+    Ok((ms, flops / (ms * 1e-3) / 1e12, worst))
+}
+
+fn parse_count(text: &str, what: &str) -> Result<usize> {
+    match text.trim().parse::<usize>() {
+        Ok(v) if (1..=1 << 20).contains(&v) => Ok(v),
+        _ => Err(Error::invalid(format!(
+            "{what}: '{text}' is not a count from 1 to 1048576"
+        ))),
+    }
+}
+
+/// The decode grid: --decode-shapes, or batch 1/16/64/128 × context 1k..32k (--quick: fewer).
+fn decode_shapes(args: &BenchArgs) -> Result<Vec<(usize, usize)>> {
+    if let Some(list) = &args.decode_shapes {
+        return list
+            .split(',')
+            .map(|pair| match pair.split_once(':') {
+                Some((b, c)) => Ok((
+                    parse_count(b, "--decode-shapes")?,
+                    parse_count(c, "--decode-shapes")?,
+                )),
+                None => Err(Error::invalid(format!(
+                    "--decode-shapes: '{pair}' is not BATCH:CONTEXT"
+                ))),
+            })
+            .collect();
+    }
+    let batches: &[usize] = if args.quick {
+        &[1, 64]
+    } else {
+        &[1, 16, 64, 128]
+    };
+    let contexts: &[usize] = if args.quick {
+        &[1024, 8192]
+    } else {
+        &[1024, 2048, 4096, 8192, 16384, 32768]
+    };
+    Ok(batches
+        .iter()
+        .flat_map(|&b| contexts.iter().map(move |&c| (b, c)))
+        .collect())
+}
+
+/// The prefill lengths: --prefill-lengths, or 1k..8k (--quick: 1k and 4k).
+fn prefill_lengths(args: &BenchArgs) -> Result<Vec<usize>> {
+    match &args.prefill_lengths {
+        Some(list) => list
+            .split(',')
+            .map(|n| parse_count(n, "--prefill-lengths"))
+            .collect(),
+        None => Ok(if args.quick {
+            vec![1024, 4096]
+        } else {
+            vec![1024, 2048, 4096, 8192]
+        }),
+    }
+}
+
+/// Bytes of bf16 weights one decode step of layer `l` reads: everything of the layer but the
+/// routed experts, plus `routed` of them.
+fn decode_weight_bytes(model: &crate::model::Model, l: usize, routed: usize) -> usize {
+    let catalog = crate::model::catalog::Catalog::new(&model.layout);
+    let prefix = format!("{}.", crate::model::catalog::layer_prefix(l));
+    let experts = format!("{prefix}mlp.experts.");
+    let mut total = 0;
+    let mut expert0 = 0;
+    for (name, spec) in catalog.iter().filter(|(n, _)| n.starts_with(&prefix)) {
+        let bytes = spec.shape.iter().product::<usize>() * 2;
+        if let Some(rest) = name.strip_prefix(&experts) {
+            if rest.starts_with("0.") {
+                expert0 += bytes;
+            }
+        } else {
+            total += bytes;
+        }
+    }
+    total + routed * expert0
+}
+
+pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
+    let backend = CudaBackend::new(StorageDtype::Bf16)?;
+    let gpu = backend.gpu();
+    println!(
+        "mladb bench on {} (sm_{}, {} multiprocessors, {} KB shared memory per block), {}",
+        gpu.name,
+        gpu.arch,
+        gpu.multiprocessors(),
+        gpu.max_shared_per_block() / 1024,
+        chrono_free_date()
+    );
+    let c = ceilings(gpu)?;
+    println!("ceilings: device-to-device copy {:.0} GB/s (read + write), cuBLAS bf16 GEMM 8192³ {:.0} TFLOP/s", c.copy_gbs, c.gemm_tflops);
+
+    if !args.no_kernels {
+        println!("\nMLA decode (absorbed, paged latent cache 512+64, 64 heads, bf16), one query token per sequence");
+        println!(
+            "{:>6} {:>8} {:>10} {:>9} {:>8} {:>7} {:>10}",
+            "batch", "context", "time us", "GB/s", "of copy", "splits", "rel err"
+        );
+        for (b, ctx) in decode_shapes(args)? {
+            {
+                let (ms, gbs, err, splits) = decode_shape(gpu, b, ctx, (b * 100_000 + ctx) as u64)?;
+                println!(
+                    "{b:>6} {ctx:>8} {:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e}",
+                    ms * 1e3,
+                    100.0 * gbs / c.copy_gbs
+                );
+                if !(err < 1e-2) {
+                    return Err(Error::invalid(format!("MLA decode at batch {b}, context {ctx} disagrees with the reference (relative error {err:.2e})")));
+                }
+            }
+        }
+        println!("\nMLA prefill (causal flash attention, 64 heads, head dims 256/256, bf16)");
+        println!(
+            "{:>8} {:>10} {:>9} {:>8} {:>10}",
+            "tokens", "time ms", "TFLOP/s", "of GEMM", "rel err"
+        );
+        for n in prefill_lengths(args)? {
+            let (ms, tflops, err) = prefill_shape(gpu, n, n as u64)?;
+            println!(
+                "{n:>8} {ms:>10.3} {tflops:>9.0} {:>7.0}% {err:>10.1e}",
+                100.0 * tflops / c.gemm_tflops
+            );
+            if !(err < 1e-2) {
+                return Err(Error::invalid(format!("MLA prefill at {n} tokens disagrees with the reference (relative error {err:.2e})")));
+            }
+        }
+    }
+
+    if args.no_layers {
+        return Ok(());
+    }
+    // Whole decoder layers through the engine (every op's output also copied back to the host,
+    // as the debugger needs), with weights already resident: a warm-up run fetches them.
+    let model = args.model.load()?;
+    let layers = super::args::parse_layers(&args.layers, model.layout.num_layers)?;
+    let paths = if args.mla_disable {
+        MlaPaths::disabled()
+    } else {
+        MlaPaths::production()
+    };
+    let schedule = Schedule {
+        prompt: super::args::default_prompt(model.layout.vocab_size, args.prompt.max(1)),
+        prefill_len: args.prompt.max(1),
+        decode_steps: args.decode,
+    };
+    let options = || EngineOptions {
+        layers: layers.clone(),
+        ..EngineOptions::new(&model, paths)
+    };
+    println!(
+        "\nwhole layers: {} layers {}..{}, prompt {} tokens, {} decode steps, bf16 on the device",
+        model.layout.name, layers.start, layers.end, schedule.prefill_len, args.decode
+    );
+    let warm = std::time::Instant::now();
+    generate::run(
+        &mut Engine::new(&model, &backend, options())?,
+        &schedule,
+        &mut NullObserver,
+    )?;
+    println!(
+        "warm-up run (fetches and uploads the weights) {:.1} s",
+        warm.elapsed().as_secs_f64()
+    );
+    let per_phase = |stats: bool| -> Result<(f64, f64)> {
+        let mut engine = Engine::new(&model, &backend, options())?;
+        if stats {
+            generate::run(&mut engine, &schedule, &mut StatsObserver { events: 0 })?;
+        } else {
+            generate::run(&mut engine, &schedule, &mut NullObserver)?;
+        }
+        let mean = |want: fn(&Phase) -> bool| {
+            let v: Vec<f64> = engine
+                .timings()
+                .iter()
+                .filter(|t| want(&t.phase))
+                .map(|t| t.seconds)
+                .collect();
+            v.iter().sum::<f64>() / v.len().max(1) as f64
+        };
+        Ok((
+            mean(|p| *p == Phase::Prefill),
+            mean(|p| matches!(p, Phase::Decode(_))),
+        ))
+    };
+    let mut plain = Vec::new();
+    let mut with_stats = Vec::new();
+    for _ in 0..3 {
+        plain.push(per_phase(false)?);
+        with_stats.push(per_phase(true)?);
+    }
+    let med = |v: &[(f64, f64)], pick: fn(&(f64, f64)) -> f64| median(v.iter().map(pick).collect());
+    let (pf, dc) = (med(&plain, |t| t.0), med(&plain, |t| t.1));
+    let (pfs, dcs) = (med(&with_stats, |t| t.0), med(&with_stats, |t| t.1));
+    println!(
+        "{:<28} {:>12} {:>12} {:>9}",
+        "per layer (median of 3 runs)", "no stats ms", "stats ms", "overhead"
+    );
+    println!(
+        "{:<28} {:>12.2} {:>12.2} {:>8.1}%",
+        "prefill",
+        pf * 1e3,
+        pfs * 1e3,
+        100.0 * (pfs / pf - 1.0)
+    );
+    if args.decode > 0 {
+        println!(
+            "{:<28} {:>12.2} {:>12.2} {:>8.1}%",
+            "decode step",
+            dc * 1e3,
+            dcs * 1e3,
+            100.0 * (dcs / dc - 1.0)
+        );
+        if let Some(moe) = &model.layout.moe {
+            let bytes = decode_weight_bytes(&model, layers.start, moe.num_experts_per_tok);
+            let floor_ms = bytes as f64 / (c.copy_gbs * 1e9 / 2.0) * 1e3;
+            println!(
+                "decode weight-read floor of layer {}: {:.2} GB of bf16 weights ({} routed experts) / {:.0} GB/s read = {:.3} ms",
+                layers.start,
+                bytes as f64 / 1e9,
+                moe.num_experts_per_tok,
+                c.copy_gbs / 2.0,
+                floor_ms
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Today's date (UTC) from the system clock, as YYYY-MM-DD.
+fn chrono_free_date() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let days = (secs / 86_400) as i64;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}

@@ -1,0 +1,187 @@
+//! The tensor-core MLA kernels (decode over the paged latent cache, causal flash prefill)
+//! against an f64 reference on fresh random bf16 inputs, outputs poisoned first. GPU only:
+//! skipped with the reason printed where there is none.
+
+mod common;
+
+use mladb::backend::cuda::device::{Elem, Gpu};
+use mladb::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
+use mladb::backend::cuda::CudaBackend;
+use mladb::engine::StorageDtype;
+
+fn gpu() -> Option<CudaBackend> {
+    match mladb::backend::cuda::probe() {
+        Ok(()) => Some(CudaBackend::new(StorageDtype::Bf16).expect("a probed GPU opens")),
+        Err(why) => {
+            eprintln!("GPU tests skipped: {why}");
+            None
+        }
+    }
+}
+
+/// Random values in [-1, 1), rounded to bf16 (what the device holds).
+fn random_bf16(rng: &mut common::Lcg, n: usize, amp: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| half::bf16::from_f32(amp * (rng.next_f32() * 2.0 - 1.0)).to_f32())
+        .collect()
+}
+
+#[test]
+fn tensor_core_decode_matches_reference() {
+    let Some(backend) = gpu() else { return };
+    let gpu: &Gpu = backend.gpu();
+    let seed = common::seed();
+    let mut rng = common::Lcg::new(seed);
+    eprintln!("seed {seed}");
+    let width = LATENT + ROPE;
+    let lens = [1usize, 77, 900, 2100];
+    let heads = 128;
+    let batch = lens.len();
+    let pages_of: Vec<usize> = lens.iter().map(|l| l.div_ceil(PAGE)).collect();
+    let total_pages: usize = pages_of.iter().sum::<usize>() + 3;
+    let max_pages = *pages_of.iter().max().unwrap();
+    // Pages handed out in a shuffled order, as a paged allocator does after churn.
+    let mut order: Vec<usize> = (0..total_pages).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.next_u64() as usize % (i + 1));
+    }
+    let mut table = vec![0i32; batch * max_pages];
+    let mut next = 0;
+    for (b, &np) in pages_of.iter().enumerate() {
+        for p in 0..np {
+            table[b * max_pages + p] = order[next] as i32;
+            next += 1;
+        }
+    }
+    let cache = random_bf16(&mut rng, total_pages * PAGE * width, 1.0);
+    let q = random_bf16(&mut rng, batch * heads * width, 1.0);
+    let scale = 1.0 / (192.0f32).sqrt();
+    let shape = DecodeShape {
+        batch,
+        heads,
+        max_pages,
+        max_len: *lens.iter().max().unwrap(),
+    };
+    let d_cache = gpu.upload(&cache, Elem::Bf16).unwrap();
+    let d_q = gpu.upload(&q, Elem::Bf16).unwrap();
+    let d_table = gpu.upload_i32(&table).unwrap();
+    let d_lens = gpu
+        .upload_i32(&lens.iter().map(|&l| l as i32).collect::<Vec<_>>())
+        .unwrap();
+    let out = gpu.alloc(batch * heads * LATENT, Elem::Bf16).unwrap();
+    let lse = gpu.alloc(batch * heads, Elem::F32).unwrap();
+    gpu.fill(&out, true).unwrap();
+    gpu.fill(&lse, true).unwrap();
+    let work = DecodeWork::new(gpu, shape).unwrap();
+    fast::mla_decode(
+        gpu, shape, &d_q, &d_cache, &d_table, &d_lens, scale, &out, &lse, &work,
+    )
+    .unwrap();
+    let got = gpu.download(&out).unwrap();
+    let got_lse = gpu.download(&lse).unwrap();
+    let mut worst: f64 = 0.0;
+    for b in 0..batch {
+        let row = |t: usize| {
+            let page = table[b * max_pages + t / PAGE] as usize;
+            let at = (page * PAGE + t % PAGE) * width;
+            &cache[at..at + width]
+        };
+        for h in 0..heads {
+            let qv = &q[(b * heads + h) * width..][..width];
+            let want = fast::reference_attention(
+                qv,
+                (0..lens[b]).map(|t| (row(t), &row(t)[..LATENT])),
+                scale as f64,
+            );
+            let err = fast::relative_error(&got[(b * heads + h) * LATENT..][..LATENT], &want);
+            worst = worst.max(err);
+            // The log-sum-exp of the scores, natural log.
+            let scores: Vec<f64> = (0..lens[b])
+                .map(|t| {
+                    qv.iter()
+                        .zip(row(t))
+                        .map(|(&a, &c)| a as f64 * c as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let want_lse = top + scores.iter().map(|s| (s - top).exp()).sum::<f64>().ln();
+            let l = got_lse[b * heads + h] as f64;
+            assert!(
+                (l - want_lse).abs() < 2e-2 * want_lse.abs().max(1.0),
+                "lse of sequence {b} head {h}: {l} vs {want_lse} (seed {seed})"
+            );
+        }
+    }
+    eprintln!("decode: worst relative error {worst:.2e} over {batch} sequences × {heads} heads, {} splits", work.splits);
+    assert!(worst < 1e-2, "decode relative error {worst} (seed {seed})");
+}
+
+#[test]
+fn tensor_core_prefill_matches_reference() {
+    let Some(backend) = gpu() else { return };
+    let gpu: &Gpu = backend.gpu();
+    let seed = common::seed();
+    let mut rng = common::Lcg::new(seed ^ 0x5eed);
+    eprintln!("seed {seed}");
+    for (dqk, dv) in fast::PREFILL_DIMS {
+        let (n, heads) = (300, 3);
+        let q = random_bf16(&mut rng, n * heads * dqk, 1.0);
+        let k = random_bf16(&mut rng, n * heads * dqk, 1.0);
+        let v = random_bf16(&mut rng, n * heads * dv, 1.0);
+        let scale = 1.0 / (dqk as f32).sqrt();
+        let (dq, dk, dvv) = (
+            gpu.upload(&q, Elem::Bf16).unwrap(),
+            gpu.upload(&k, Elem::Bf16).unwrap(),
+            gpu.upload(&v, Elem::Bf16).unwrap(),
+        );
+        let out = gpu.alloc(n * heads * dv, Elem::Bf16).unwrap();
+        let lse = gpu.alloc(n * heads, Elem::F32).unwrap();
+        gpu.fill(&out, true).unwrap();
+        gpu.fill(&lse, true).unwrap();
+        fast::flash_prefill(
+            gpu,
+            n,
+            heads,
+            (dqk, dv),
+            &dq,
+            &dk,
+            &dvv,
+            scale,
+            &out,
+            Some(&lse),
+        )
+        .unwrap();
+        let got = gpu.download(&out).unwrap();
+        let got_lse = gpu.download(&lse).unwrap();
+        let mut worst: f64 = 0.0;
+        for i in 0..n {
+            for h in 0..heads {
+                let qv = &q[(i * heads + h) * dqk..][..dqk];
+                let rows = (0..=i).map(|j| {
+                    (
+                        &k[(j * heads + h) * dqk..][..dqk],
+                        &v[(j * heads + h) * dv..][..dv],
+                    )
+                });
+                let want = fast::reference_attention(qv, rows, scale as f64);
+                worst = worst.max(fast::relative_error(
+                    &got[(i * heads + h) * dv..][..dv],
+                    &want,
+                ));
+                assert!(
+                    got_lse[i * heads + h].is_finite(),
+                    "lse of row {i} head {h} unwritten"
+                );
+            }
+        }
+        eprintln!(
+            "prefill {dqk}/{dv}: worst relative error {worst:.2e} over {n} rows × {heads} heads"
+        );
+        assert!(
+            worst < 1e-2,
+            "prefill {dqk}/{dv} relative error {worst} (seed {seed})"
+        );
+    }
+}

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""The MLA decode and prefill shapes of `mladb bench --device cuda`, in plain PyTorch on the same
+GPU, for the README's side-by-side table.
+
+decode: absorbed MLA over a dense latent cache [B, ctx, 512+64] (torch gets a contiguous cache,
+        no paging): scores = q·cacheᵀ (bmm), softmax in f32, out = P·cache[..., :512] (bmm).
+prefill: causal scaled_dot_product_attention, 64 heads, head dims 256/256 (torch picks its
+        flash/cuDNN kernels).
+Times are medians of CUDA-event samples after a warm-up; inputs are random bf16.
+Usage: python3 tools/torch_mla_bench.py [--quick]
+"""
+import sys
+import torch
+import torch.nn.functional as F
+
+HEADS, LATENT, ROPE = 64, 512, 64
+
+
+def timed(fn, reps=15):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record(); fn(); end.record(); torch.cuda.synchronize()
+    inner = max(1, min(200, int(1.0 / max(start.elapsed_time(end), 1e-3))))
+    samples = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / inner)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def main():
+    quick = "--quick" in sys.argv
+    dev = torch.device("cuda")
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}")
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src))
+    copy = 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
+    del src, dst
+    a = torch.empty(8192, 8192, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
+    b = torch.empty_like(a).uniform_(-1, 1)
+    ms = timed(lambda: a @ b.T)
+    gemm = 2 * 8192**3 / (ms * 1e-3) / 1e12
+    del a, b
+    print(f"ceilings: copy {copy:.0f} GB/s, bf16 GEMM {gemm:.0f} TFLOP/s")
+
+    print("\ntorch MLA decode (bmm, f32 softmax, bmm; dense cache)")
+    print(f"{'batch':>6} {'context':>8} {'time us':>10} {'GB/s':>9} {'of copy':>8}")
+    scale = (192 + 64) ** -0.5
+    for bsz in ([1, 64] if quick else [1, 16, 64, 128]):
+        for ctx in ([1024, 8192] if quick else [1024, 2048, 4096, 8192, 16384, 32768]):
+            q = torch.empty(bsz, HEADS, LATENT + ROPE, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
+            cache = torch.empty(bsz, ctx, LATENT + ROPE, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
+
+            def decode():
+                s = torch.bmm(q, cache.transpose(1, 2)).float() * scale
+                p = torch.softmax(s, dim=-1).to(torch.bfloat16)
+                return torch.bmm(p, cache[:, :, :LATENT])
+
+            ms = timed(decode)
+            nbytes = bsz * ctx * (LATENT + ROPE) * 2 + bsz * HEADS * (LATENT + ROPE + LATENT) * 2
+            gbs = nbytes / (ms * 1e-3) / 1e9
+            print(f"{bsz:>6} {ctx:>8} {ms * 1e3:>10.1f} {gbs:>9.0f} {100 * gbs / copy:>7.0f}%")
+            del q, cache
+
+    print("\ntorch MLA prefill (causal SDPA, 64 heads, 256/256)")
+    print(f"{'tokens':>8} {'time ms':>10} {'TFLOP/s':>9} {'of GEMM':>8}")
+    for n in ([1024, 4096] if quick else [1024, 2048, 4096, 8192]):
+        q = torch.empty(1, HEADS, n, 256, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
+        k = torch.empty_like(q).uniform_(-1, 1)
+        v = torch.empty_like(q).uniform_(-1, 1)
+        ms = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps=10)
+        flops = 2 * HEADS * (256 + 256) * n * (n + 1) / 2
+        tf = flops / (ms * 1e-3) / 1e12
+        print(f"{n:>8} {ms:>10.3f} {tf:>9.0f} {100 * tf / gemm:>7.0f}%")
+        del q, k, v
+
+
+if __name__ == "__main__":
+    main()
