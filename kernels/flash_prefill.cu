@@ -109,6 +109,7 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
                     mma_bf16(s[nt + 1], a, bb + 2);
                 }
             }
+            unsigned pa[TILE / 16][4];
             // Mask (causal, and keys past n) only on tiles that cross the diagonal or the end.
             if (t0 + TILE - 1 > row0 || t0 + TILE > n) {
 #pragma unroll
@@ -120,46 +121,60 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
                         if (tok > row || tok >= n) s[nt][e] = -INFINITY;
                     }
             }
+            // Online softmax with a lazy maximum: the running maximum (and the rescaling of O
+            // and the sums) moves only when some row of the warp grows by more than 2^8, so most
+            // tiles skip the rescale; P then stays below 2^8, well inside f32 and bf16.
+            float tile_max[2];
+            bool grow = false;
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                float tile_max = -INFINITY;
+                float t = -INFINITY;
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) tile_max = fmaxf(tile_max, fmaxf(s[nt][r * 2], s[nt][r * 2 + 1]));
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-                float m_new = fmaxf(m_run[r], tile_max);
-                // exp2(s·scale − m·scale) as one FMA and one ex2 per score.
-                float m_scaled = m_new == -INFINITY ? 0.0f : m_new * scale_log2;
-                float alpha = fast_exp2(m_run[r] * scale_log2 - m_scaled);
-                float sum = 0.0f;
+                for (int nt = 0; nt < NT; nt++) t = fmaxf(t, fmaxf(s[nt][r * 2], s[nt][r * 2 + 1]));
+                t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, 1));
+                t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, 2));
+                tile_max[r] = t;
+                grow |= (t - m_run[r]) * scale_log2 > 8.0f;
+            }
+            if (__any_sync(0xffffffffu, grow)) {
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++)
+                for (int r = 0; r < 2; r++) {
+                    float m_new = fmaxf(m_run[r], tile_max[r]);
+                    float alpha = m_new == -INFINITY ? 1.0f : fast_exp2((m_run[r] - m_new) * scale_log2);
+                    l_run[r] *= alpha;
+                    m_run[r] = m_new;
 #pragma unroll
-                    for (int e = r * 2; e < r * 2 + 2; e++) {
-                        float p = fast_exp2(fmaf(s[nt][e], scale_log2, -m_scaled));
-                        s[nt][e] = p;
-                        sum += p;
+                    for (int nt = 0; nt < DV / 8; nt++) {
+                        o[nt][r * 2] *= alpha;
+                        o[nt][r * 2 + 1] *= alpha;
                     }
-                l_run[r] = l_run[r] * alpha + sum;  // per-lane partial sums; reduced at the end
-                m_run[r] = m_new;
-#pragma unroll
-                for (int nt = 0; nt < DV / 8; nt++) {
-                    o[nt][r * 2] *= alpha;
-                    o[nt][r * 2 + 1] *= alpha;
                 }
             }
-            // O += P·V: the S accumulators of n-tiles 2j and 2j+1 are the A fragment of k-step j.
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                // exp2(s·scale − m·scale) as one FMA and one ex2 per score.
+                float m_scaled = m_run[r] == -INFINITY ? 0.0f : m_run[r] * scale_log2;
+                float sum = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    float p0 = fast_exp2(fmaf(s[nt][r * 2], scale_log2, -m_scaled));
+                    float p1 = fast_exp2(fmaf(s[nt][r * 2 + 1], scale_log2, -m_scaled));
+                    sum += p0 + p1;
+                    // P as bf16 pairs, laid out as the A fragments of P·V: the S accumulators
+                    // of n-tiles 2j and 2j+1 are k-step j (rows g: regs 0 and 2; g+8: 1 and 3).
+                    pa[nt / 2][(nt % 2) * 2 + r] = pack_bf16(p0, p1);
+                }
+                l_run[r] += sum;  // per-lane partial sums; reduced at the end
+            }
+            // O += P·V.
 #pragma unroll
             for (int ks = 0; ks < TILE / 16; ks++) {
-                unsigned a[4] = {pack_bf16(s[2 * ks][0], s[2 * ks][1]), pack_bf16(s[2 * ks][2], s[2 * ks][3]),
-                                 pack_bf16(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                                 pack_bf16(s[2 * ks + 1][2], s[2 * ks + 1][3])};
 #pragma unroll
                 for (int nt = 0; nt < DV / 8; nt += 2) {
                     unsigned bb[4];
                     ldsm_x4_trans(bb, vt + (ks * 16 * SV + nt * 8) * 2);
-                    mma_bf16(o[nt], a, bb);
-                    mma_bf16(o[nt + 1], a, bb + 2);
+                    mma_bf16(o[nt], pa[ks], bb);
+                    mma_bf16(o[nt + 1], pa[ks], bb + 2);
                 }
             }
         }

@@ -23,7 +23,7 @@
 template <int TILE, int STAGES>
 __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
                              const int* seq_lens, float scale_log2, float* part_o, float* part_lse, int splits,
-                             int total_heads) {
+                             int total_heads, bf16_t* out, float* lse_out) {
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int PSTRIDE = TILE + 8;
     constexpr int CHUNKS = DQK / 8;  // 16-byte chunks per row
@@ -45,9 +45,15 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
     const int t_end = min(t_begin + chunk, n_tok);
     const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
 
-    if (t_begin >= t_end) {
-        for (int i = threadIdx.x; i < HEADS * DV; i += THREADS) part_o[out_row * DV + i] = 0.0f;
-        for (int i = threadIdx.x; i < HEADS; i += THREADS) part_lse[out_row + i] = -INFINITY;
+    if (t_begin >= t_end) {  // an empty split (or sequence): nothing to attend to
+        if (splits == 1) {
+            const u64 row = (u64)b * total_heads + head0;
+            for (int i = threadIdx.x; i < HEADS * DV; i += THREADS) out[row * DV + i] = 0;
+            for (int i = threadIdx.x; i < HEADS; i += THREADS) lse_out[row + i] = -INFINITY;
+        } else {
+            for (int i = threadIdx.x; i < HEADS * DV; i += THREADS) part_o[out_row * DV + i] = 0.0f;
+            for (int i = threadIdx.x; i < HEADS; i += THREADS) part_lse[out_row + i] = -INFINITY;
+        }
         return;
     }
 
@@ -149,12 +155,34 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
             if (qd == 0) sMax[half * HEADS + mt * 16 + g + r * 8] = tile_max[r];
         }
         __syncthreads();
+        // A lazy running maximum: it (and the rescale of O and the sums) moves only when a row
+        // of the warp grows by more than 2^8. Both warps of a head group read the same maxima
+        // and history, so they decide alike and write P against the same reference.
+        float m_tile[2];
+        bool grow = false;
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             int row = mt * 16 + g + r * 8;
-            float m_new = fmaxf(m_run[r], fmaxf(sMax[row], sMax[HEADS + row]));
-            float alpha = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[r] - m_new);
-            float m_use = m_new == -INFINITY ? 0.0f : m_new;
+            m_tile[r] = fmaxf(sMax[row], sMax[HEADS + row]);
+            grow |= m_tile[r] - m_run[r] > 8.0f;
+        }
+        if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                float m_new = fmaxf(m_run[r], m_tile[r]);
+                float alpha = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[r] - m_new);
+                l_run[r] *= alpha;
+                m_run[r] = m_new;
+#pragma unroll
+                for (int nt = 0; nt < DV / 2 / 8; nt++) {
+                    o[nt][r * 2] *= alpha;
+                    o[nt][r * 2 + 1] *= alpha;
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float m_use = m_run[r] == -INFINITY ? 0.0f : m_run[r];
             float sum = 0.0f;
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
@@ -166,13 +194,7 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
                 }
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            l_run[r] = l_run[r] * alpha + sum;
-            m_run[r] = m_new;
-#pragma unroll
-            for (int nt = 0; nt < DV / 2 / 8; nt++) {
-                o[nt][r * 2] *= alpha;
-                o[nt][r * 2 + 1] *= alpha;
-            }
+            l_run[r] += sum;
         }
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
@@ -208,6 +230,24 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
     float l0 = sSum[mt * 16 + g] + sSum[HEADS + mt * 16 + g];
     float l1 = sSum[mt * 16 + g + 8] + sSum[HEADS + mt * 16 + g + 8];
     float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    const float ln2 = 0.6931471805599453f;
+    const float lse0 = l0 > 0.0f ? (m_run[0] + log2f(l0)) * ln2 : -INFINITY;
+    const float lse1 = l1 > 0.0f ? (m_run[1] + log2f(l1)) * ln2 : -INFINITY;
+    if (splits == 1) {
+        // One split: this is the final result (no merge pass).
+        const u64 row = (u64)b * total_heads + head0 + mt * 16 + g;
+#pragma unroll
+        for (int nt = 0; nt < DV / 2 / 8; nt++) {
+            int dim = half * (DV / 2) + nt * 8 + qd * 2;
+            *(unsigned*)(out + row * DV + dim) = pack_bf16(o[nt][0] * inv0, o[nt][1] * inv0);
+            *(unsigned*)(out + (row + 8) * DV + dim) = pack_bf16(o[nt][2] * inv1, o[nt][3] * inv1);
+        }
+        if (qd == 0 && half == 0) {
+            lse_out[row] = lse0;
+            lse_out[row + 8] = lse1;
+        }
+        return;
+    }
 #pragma unroll
     for (int nt = 0; nt < DV / 2 / 8; nt++) {
         int dim = half * (DV / 2) + nt * 8 + qd * 2;
@@ -215,41 +255,75 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
         *(float2*)(part_o + (out_row + mt * 16 + g + 8) * DV + dim) = make_float2(o[nt][2] * inv1, o[nt][3] * inv1);
     }
     if (qd == 0 && half == 0) {
-        const float ln2 = 0.6931471805599453f;
-        part_lse[out_row + mt * 16 + g] = l0 > 0.0f ? (m_run[0] + log2f(l0)) * ln2 : -INFINITY;
-        part_lse[out_row + mt * 16 + g + 8] = l1 > 0.0f ? (m_run[1] + log2f(l1)) * ln2 : -INFINITY;
+        part_lse[out_row + mt * 16 + g] = lse0;
+        part_lse[out_row + mt * 16 + g + 8] = lse1;
     }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t32(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
-               float* part_o, float* part_lse, int splits, int heads) {
-    mla_decode_k<32, 2>(q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads);
+               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_k<32, 2>(q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t16(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
-               float* part_o, float* part_lse, int splits, int heads) {
-    mla_decode_k<16, 1>(q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads);
+               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_k<16, 1>(q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
-// out[b, h, :] = Σ_s exp(lse_s − lse) · O_s with lse = log Σ_s exp(lse_s); one block per (b, h).
+// out[b, h, :] = Σ_s exp(lse_s − lse) · O_s with lse = log Σ_s exp(lse_s). Block = (b, h, a
+// quarter of the 512 dims), one warp per split up to 8 (blockDim.x = 32 × warps): the split
+// weights go to shared memory once; warp w sums splits w, w + warps, ... with a float4 of 4 dims
+// per lane (many loads in flight: with one query per
+// sequence and many splits this merge is the larger part of the decode), then the warps' sums
+// are added through shared memory.
+#define MAX_SPLITS 256
+#define COMBINE_WARPS 8
 extern "C" __global__ void mla_decode_combine(const float* part_o, const float* part_lse, bf16_t* out, float* lse_out,
                                               int splits, int heads) {
-    int b = blockIdx.x, h = blockIdx.y;
+    __shared__ float w[MAX_SPLITS];
+    __shared__ float scratch[32];
+    __shared__ float4 partial[COMBINE_WARPS][32];
+    const int b = blockIdx.x, h = blockIdx.y, d0 = blockIdx.z * 128;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     float top = -INFINITY;
-    for (int s = 0; s < splits; s++) top = fmaxf(top, part_lse[((u64)b * splits + s) * heads + h]);
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) top = fmaxf(top, part_lse[((u64)b * splits + s) * heads + h]);
+    top = block_max(top, scratch);
     float total = 0.0f;
-    for (int s = 0; s < splits; s++) {
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
         float l = part_lse[((u64)b * splits + s) * heads + h];
-        if (l > -INFINITY) total += expf(l - top);
+        float e = l > -INFINITY ? expf(l - top) : 0.0f;
+        w[s] = e;
+        total += e;
     }
-    float lse = top + logf(total);
-    for (int d = threadIdx.x; d < DV; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            float l = part_lse[((u64)b * splits + s) * heads + h];
-            if (l > -INFINITY) acc += expf(l - lse) * part_o[(((u64)b * splits + s) * heads + h) * DV + d];
+    total = block_sum(total, scratch);  // its barriers also order the writes of w before the reads
+    const u64 stride = (u64)heads * DV;
+    const float* base = part_o + ((u64)b * splits * heads + h) * DV + d0 + lane * 4;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+    for (int s = warp; s < splits; s += warps) {
+        float ws = w[s];
+        if (ws > 0.0f) {
+            float4 v = *(const float4*)(base + s * stride);
+            acc.x += ws * v.x;
+            acc.y += ws * v.y;
+            acc.z += ws * v.z;
+            acc.w += ws * v.w;
         }
-        out[((u64)b * heads + h) * DV + d] = f32_to_bf16(acc);
     }
-    if (threadIdx.x == 0) lse_out[(u64)b * heads + h] = lse;
+    partial[warp][lane] = acc;
+    __syncthreads();
+    if (warp == 0) {
+        float4 sum = partial[0][lane];
+        for (int i = 1; i < warps; i++) {
+            float4 v = partial[i][lane];
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        bf16_t* dst = out + ((u64)b * heads + h) * DV + d0 + lane * 4;
+        *(uint2*)dst = make_uint2(pack_bf16(sum.x * inv, sum.y * inv), pack_bf16(sum.z * inv, sum.w * inv));
+    }
+    if (threadIdx.x == 0 && blockIdx.z == 0) lse_out[(u64)b * heads + h] = total > 0.0f ? top + logf(total) : -INFINITY;
 }

@@ -295,7 +295,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
                     ms * 1e3,
                     100.0 * gbs / c.copy_gbs
                 );
-                if !(err < 1e-2) {
+                if err.is_nan() || err >= 1e-2 {
                     return Err(Error::invalid(format!("MLA decode at batch {b}, context {ctx} disagrees with the reference (relative error {err:.2e})")));
                 }
             }
@@ -311,7 +311,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
                 "{n:>8} {ms:>10.3} {tflops:>9.0} {:>7.0}% {err:>10.1e}",
                 100.0 * tflops / c.gemm_tflops
             );
-            if !(err < 1e-2) {
+            if err.is_nan() || err >= 1e-2 {
                 return Err(Error::invalid(format!("MLA prefill at {n} tokens disagrees with the reference (relative error {err:.2e})")));
             }
         }

@@ -57,9 +57,13 @@ pub fn gpu_backends() -> Vec<(
 )> {
     use mladb::engine::StorageDtype;
     match mladb::backend::cuda::probe() {
+        // Per op (and, in f32, per logit vector) against the CPU at the same storage dtype: f32
+        // checks the logic; bf16, two implementations of bf16 storage (the CPU's emulated
+        // rounding, the device's), which were seen to differ by under 3e-2 per op on the tiny
+        // layouts until a selection flips (gpu_forward.rs stops there). A real fault lands near 1.
         Ok(()) => [
             ("cuda-f32", StorageDtype::F32, 1e-4),
-            ("cuda-bf16", StorageDtype::Bf16, 6e-2),
+            ("cuda-bf16", StorageDtype::Bf16, 5e-2),
         ]
         .into_iter()
         .map(|(name, storage, tol)| {

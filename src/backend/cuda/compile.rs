@@ -183,8 +183,7 @@ fn numbers(line: &str) -> Vec<u32> {
 fn number_before(line: &str, marker: &str) -> Option<u32> {
     let head = &line[..line.find(marker)?];
     head.split(|c: char| !c.is_ascii_digit())
-        .filter(|t| !t.is_empty())
-        .last()?
+        .rfind(|t| !t.is_empty())?
         .parse()
         .ok()
 }
@@ -200,4 +199,31 @@ pub fn describe_version() -> String {
         sys::nvrtcVersion(&mut major, &mut minor);
     }
     format!("NVRTC {major}.{minor}")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn resources_reads_ptxas_reports() {
+        let log = "ptxas info    : Compiling entry function 'mla_decode_t32' for 'sm_90'\n\
+                   ptxas info    : Function properties for mla_decode_t32\n\
+                   \x20   24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n\
+                   ptxas info    : Used 236 registers, used 1 barriers, 400 bytes smem, 448 bytes cmem[0]\n\
+                   ptxas info    : Compiling entry function 'fill_u32' for 'sm_90'\n\
+                   ptxas info    : Used 10 registers, 372 bytes cmem[0]\n";
+        let r = super::resources(log);
+        assert_eq!(r.len(), 2);
+        assert_eq!(
+            (r[0].function.as_str(), r[0].registers, r[0].shared_bytes),
+            ("mla_decode_t32", 236, 400)
+        );
+        assert_eq!(
+            (r[0].stack_bytes, r[0].spill_stores, r[0].spill_loads),
+            (24, 8, 12)
+        );
+        assert_eq!(
+            (r[1].function.as_str(), r[1].registers, r[1].stack_bytes),
+            ("fill_u32", 10, 0)
+        );
+    }
 }

@@ -396,6 +396,7 @@ impl Gpu {
     /// # Safety
     /// The three addresses must be live device buffers of at least n·k, out·k and n·out
     /// elements of type `elem`.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn gemm_xwt(
         &self,
         x: u64,

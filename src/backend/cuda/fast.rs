@@ -13,6 +13,8 @@ pub const LATENT: usize = 512;
 pub const ROPE: usize = 64;
 /// Tokens per page of the paged latent cache.
 pub const PAGE: usize = 64;
+/// The most KV splits (mla_decode.cu's MAX_SPLITS).
+const MAX_SPLITS: usize = 256;
 /// Heads one decode block handles.
 const HEAD_GROUP: usize = 64;
 
@@ -61,9 +63,9 @@ pub fn decode_splits(gpu: &Gpu, shape: DecodeShape) -> usize {
     let slots = gpu.multiprocessors() * per_sm;
     let base = shape.batch * shape.heads.div_ceil(HEAD_GROUP);
     let mut best = (usize::MAX, 1);
-    for s in 1..=shape.max_len.div_ceil(64).clamp(1, 64) {
+    for s in 1..=shape.max_len.div_ceil(64).clamp(1, MAX_SPLITS) {
         let waves = (base * s).div_ceil(slots);
-        let cost = waves * (shape.max_len.div_ceil(s) + 128);
+        let cost = waves * (shape.max_len.div_ceil(s) + 192);
         if cost < best.0 {
             best = (cost, s);
         }
@@ -80,7 +82,17 @@ pub struct DecodeWork {
 
 impl DecodeWork {
     pub fn new(gpu: &Gpu, shape: DecodeShape) -> Result<DecodeWork> {
-        let splits = decode_splits(gpu, shape);
+        DecodeWork::with_splits(gpu, shape, decode_splits(gpu, shape))
+    }
+
+    /// Scratch for a chosen number of splits (1 to 256; tests use it to cover both the
+    /// single-split path, which writes the result directly, and the merge).
+    pub fn with_splits(gpu: &Gpu, shape: DecodeShape, splits: usize) -> Result<DecodeWork> {
+        if !(1..=MAX_SPLITS).contains(&splits) {
+            return Err(Error::invalid(format!(
+                "MLA decode: {splits} splits (1 to {MAX_SPLITS})"
+            )));
+        }
         Ok(DecodeWork {
             part_o: gpu.alloc(shape.batch * splits * shape.heads * LATENT, Elem::F32)?,
             part_lse: gpu.alloc(shape.batch * splits * shape.heads, Elem::F32)?,
@@ -106,7 +118,7 @@ pub fn mla_decode(
     lse: &DevBuf,
     work: &DecodeWork,
 ) -> Result<()> {
-    if shape.heads % HEAD_GROUP != 0 {
+    if !shape.heads.is_multiple_of(HEAD_GROUP) {
         return Err(Error::invalid(format!(
             "the MLA decode kernel takes heads in groups of {HEAD_GROUP}; got {}",
             shape.heads
@@ -138,7 +150,7 @@ pub fn mla_decode(
             )));
         }
     }
-    if cache.elem != Elem::Bf16 || cache.len % (PAGE * width) != 0 {
+    if cache.elem != Elem::Bf16 || !cache.len.is_multiple_of(PAGE * width) {
         return Err(Error::invalid(
             "MLA decode: the cache must be bf16 pages of 64 rows of 576",
         ));
@@ -165,12 +177,21 @@ pub fn mla_decode(
             (&work.part_lse).into(),
             Arg::I32(work.splits as i32),
             Arg::I32(shape.heads as i32),
+            out.into(),
+            lse.into(),
         ],
     )?;
+    if work.splits == 1 {
+        return Ok(()); // the kernel wrote the result itself
+    }
     gpu.launch(
         "mla_decode_combine",
-        (shape.batch as u32, shape.heads as u32, 1),
-        128,
+        (
+            shape.batch as u32,
+            shape.heads as u32,
+            (LATENT / 128) as u32,
+        ),
+        256,
         0,
         &[
             (&work.part_o).into(),

@@ -438,7 +438,7 @@ impl Backend for CudaBackend {
     fn concat_groups(&self, a: &Tensor, b: &Tensor, groups: usize) -> Result<Tensor> {
         let (wa, wb) = (a.cols(), b.cols());
         let rows = a.rows();
-        if rows != b.rows() || groups == 0 || rows % groups != 0 {
+        if rows != b.rows() || groups == 0 || !rows.is_multiple_of(groups) {
             return Err(Error::invalid(format!(
                 "concat: {:?} and {:?} are not rows of {groups} groups",
                 a.shape(),
