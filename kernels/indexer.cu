@@ -30,6 +30,8 @@ __device__ __forceinline__ u32 order_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// Not yet wired into the CUDA backend (which selects on the host, as the CPU does): its first
+// run on the H200 hung on the 32-bit overflow fixed below, and the fix has not run on a GPU yet.
 // Top-k per query row among its causal keys (j ≤ positions[t]): writes selected[t, j] = 1 for the
 // k largest scores (ties to the lower index), 0 elsewhere. One block per row: a binary search
 // over the order keys finds the k-th largest, then ties are resolved in index order.
@@ -44,9 +46,11 @@ extern "C" __global__ void topk_select(const float* scores, const int* positions
     for (u64 j = threadIdx.x; j < context; j += blockDim.x) sel[j] = j < valid && valid <= k ? 1 : 0;
     if (valid <= k) return;
     // Largest threshold key with at least k elements >= it.
+    // (hi − lo + 1 is taken in 64 bits: in 32 it wraps to 0 on the first step, and the search
+    // would never move.)
     u32 lo = 0, hi = 0xffffffffu;
     while (lo < hi) {
-        u32 mid = lo + (hi - lo + 1) / 2;
+        u32 mid = lo + (u32)(((u64)hi - lo + 1) / 2);
         if (threadIdx.x == 0) count = 0;
         __syncthreads();
         u32 mine = 0;

@@ -442,3 +442,31 @@ fn indexer_scores() {
         check(&u, "index_scores", &got, &want);
     }
 }
+
+#[test]
+fn indexer_topk_on_ties_masks_and_short_rows() {
+    // Scores on a coarse grid (many ties), −∞ past each row's position, one row shorter than k.
+    let (n, context, k) = (7, 40, 8);
+    let base = random(&[n, context], "tk", 4.0);
+    let positions = [3usize, 9, 17, 25, 31, 38, 39];
+    let mut scores = Tensor::from_vec(
+        &[n, context],
+        base.data().iter().map(|v| v.round()).collect(),
+    );
+    for (i, &p) in positions.iter().enumerate() {
+        for v in &mut scores.data_mut()[i * context + p + 1..(i + 1) * context] {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+    let want = CpuBackend.index_topk(&scores, &positions, k).unwrap();
+    assert_eq!(
+        want[0],
+        vec![0, 1, 2, 3],
+        "a row with fewer causal keys than k keeps them all"
+    );
+    assert!(want[1..].iter().all(|r| r.len() == k));
+    for u in backends() {
+        let got = u.backend.index_topk(&scores, &positions, k).unwrap();
+        assert_eq!(got, want, "{}: index top-k", u.name);
+    }
+}

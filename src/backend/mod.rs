@@ -228,8 +228,45 @@ pub trait Backend: Send + Sync {
         scale: f32,
     ) -> Result<Tensor>;
 
+    /// DSA top-k: for each query row t of `scores` [n, context], the `k` largest scores among
+    /// its causal keys j ≤ positions[t] (all of them when there are no more than k), in the
+    /// total order of f32 with ties to the lower index; each row's keys in ascending order.
+    fn index_topk(
+        &self,
+        scores: &Tensor,
+        positions: &[usize],
+        k: usize,
+    ) -> Result<Vec<Vec<usize>>> {
+        index_topk_host(scores, positions, k)
+    }
+
     /// Statistics of a tensor (one pass).
     fn stats(&self, t: &Tensor) -> TensorStats;
+}
+
+/// The reference DSA top-k (see `Backend::index_topk`).
+pub fn index_topk_host(scores: &Tensor, positions: &[usize], k: usize) -> Result<Vec<Vec<usize>>> {
+    if scores.rows() != positions.len() || positions.iter().any(|&p| p >= scores.cols()) {
+        return Err(crate::error::Error::invalid(format!(
+            "index top-k: {} positions for scores of shape {:?}",
+            positions.len(),
+            scores.shape()
+        )));
+    }
+    Ok(positions
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| {
+            let row = &scores.row(i)[..=p];
+            let mut chosen = if row.len() > k {
+                crate::engine::moe::top_k_indices(row, k)
+            } else {
+                (0..row.len()).collect()
+            };
+            chosen.sort_unstable();
+            chosen
+        })
+        .collect())
 }
 
 /// Which backend `--device` asks for.

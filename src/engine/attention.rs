@@ -19,7 +19,6 @@
 use super::cache::{ExpandedCache, LayerCache, RowCache, RowSource};
 use super::faults::{Fault, Faults, KernelFaults};
 use super::forward::MlaPath;
-use super::moe::top_k_indices;
 use super::rope::RopeTable;
 use super::sink::{Computed, Sink};
 use super::trace::{BufferRef, OpKind, Phase};
@@ -629,19 +628,8 @@ fn dsa_selection(
     // Top-k among each query's causal keys; a query with no more than topk of them keeps all.
     let context = keys.len();
     let k_keep = ix.topk.min(context);
-    let mut kept: Vec<Vec<usize>> = Vec::with_capacity(ctx.positions.len());
-    let mut sparse = false;
-    for (i, &p) in ctx.positions.iter().enumerate() {
-        let row = &scores.row(i)[..=p];
-        let mut chosen = if row.len() > ix.topk {
-            sparse = true;
-            top_k_indices(row, ix.topk)
-        } else {
-            (0..row.len()).collect()
-        };
-        chosen.sort_unstable();
-        kept.push(chosen);
-    }
+    let kept = b.index_topk(&scores, ctx.positions, ix.topk)?;
+    let sparse = ctx.positions.iter().any(|&p| p + 1 > ix.topk);
     sink.op(
         l,
         &ctx.name("self_attn.indexer.topk"),
