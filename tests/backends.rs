@@ -29,23 +29,19 @@ fn backends() -> Vec<Under> {
         backend: Box::new(CpuBackend),
         tolerance: 0.0,
     }];
-    match mladb::backend::cuda::probe() {
-        Ok(()) => {
-            for (name, storage, tolerance) in [
-                ("cuda-f32", StorageDtype::F32, 2e-5),
-                ("cuda-bf16", StorageDtype::Bf16, 2e-2),
-            ] {
-                let b =
-                    mladb::backend::cuda::CudaBackend::new(storage).expect("a probed GPU opens");
-                b.set_poison_outputs(true);
-                v.push(Under {
-                    name,
-                    backend: Box::new(b),
-                    tolerance,
-                });
-            }
-        }
-        Err(why) => eprintln!("CUDA tests skipped: {why}"),
+    for (name, storage, tolerance) in [
+        ("cuda-f32", StorageDtype::F32, 2e-5),
+        ("cuda-bf16", StorageDtype::Bf16, 2e-2),
+    ] {
+        let Some(b) = common::cuda_backend(storage) else {
+            break;
+        };
+        b.set_poison_outputs(true);
+        v.push(Under {
+            name,
+            backend: Box::new(b),
+            tolerance,
+        });
     }
     v
 }

@@ -10,13 +10,7 @@ use mladb::backend::cuda::CudaBackend;
 use mladb::engine::StorageDtype;
 
 fn gpu() -> Option<CudaBackend> {
-    match mladb::backend::cuda::probe() {
-        Ok(()) => Some(CudaBackend::new(StorageDtype::Bf16).expect("a probed GPU opens")),
-        Err(why) => {
-            eprintln!("GPU tests skipped: {why}");
-            None
-        }
-    }
+    common::cuda_backend(StorageDtype::Bf16)
 }
 
 /// Random values in [-1, 1), rounded to bf16 (what the device holds).

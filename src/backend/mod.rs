@@ -2,6 +2,7 @@
 //! always built; a CUDA backend with mladb's own kernels comes beside it. The engine calls only
 //! this trait for arithmetic, so the same op sequence runs on either.
 
+pub mod checks;
 pub mod cpu;
 pub mod cuda;
 

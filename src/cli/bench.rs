@@ -4,7 +4,7 @@
 use super::args::{default_prompt, parse_layers, ModelArgs};
 use crate::backend::cpu::CpuBackend;
 use crate::engine::generate::{self, Schedule};
-use crate::engine::{Engine, EngineOptions, MlaPaths, NullObserver, Phase};
+use crate::engine::{Engine, EngineOptions, LayerTiming, MlaPaths, NullObserver, Phase};
 use crate::error::Result;
 use clap::Args;
 
@@ -107,16 +107,8 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             t.seconds - t.weight_seconds
         );
     }
-    let per_phase = |want: fn(&Phase) -> bool| {
-        let v: Vec<_> = engine.timings().iter().filter(|t| want(&t.phase)).collect();
-        let n = v.len().max(1) as f64;
-        (
-            v.iter().map(|t| t.seconds).sum::<f64>() / n,
-            v.iter().map(|t| t.seconds - t.weight_seconds).sum::<f64>() / n,
-        )
-    };
-    let (pf, pf_compute) = per_phase(|p| *p == Phase::Prefill);
-    let (dc, dc_compute) = per_phase(|p| matches!(p, Phase::Decode(_)));
+    let (pf, pf_compute) = mean_per_layer(engine.timings(), |p| *p == Phase::Prefill);
+    let (dc, dc_compute) = mean_per_layer(engine.timings(), |p| matches!(p, Phase::Decode(_)));
     println!(
         "mean per layer: prefill {:.2} ms ({:.2} ms compute), decode {:.2} ms ({:.2} ms compute)",
         pf * 1e3,
@@ -135,6 +127,17 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Mean seconds per layer over the timings of the phases `want` picks: (in all, computing,
+/// that is without fetching weights).
+pub fn mean_per_layer(timings: &[LayerTiming], want: fn(&Phase) -> bool) -> (f64, f64) {
+    let v: Vec<_> = timings.iter().filter(|t| want(&t.phase)).collect();
+    let n = v.len().max(1) as f64;
+    (
+        v.iter().map(|t| t.seconds).sum::<f64>() / n,
+        v.iter().map(|t| t.seconds - t.weight_seconds).sum::<f64>() / n,
+    )
 }
 
 /// Times a plain run and `check` on the same schedule, with the weights already fetched.

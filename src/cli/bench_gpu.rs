@@ -359,15 +359,8 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
         } else {
             generate::run(&mut engine, &schedule, &mut NullObserver)?;
         }
-        let mean = |want: fn(&Phase) -> bool| {
-            let v: Vec<f64> = engine
-                .timings()
-                .iter()
-                .filter(|t| want(&t.phase))
-                .map(|t| t.seconds)
-                .collect();
-            v.iter().sum::<f64>() / v.len().max(1) as f64
-        };
+        let mean =
+            |want: fn(&Phase) -> bool| super::bench::mean_per_layer(engine.timings(), want).0;
         Ok((
             mean(|p| *p == Phase::Prefill),
             mean(|p| matches!(p, Phase::Decode(_))),

@@ -47,6 +47,22 @@ pub fn last_row(t: &Tensor) -> &[f32] {
     t.row(t.rows() - 1)
 }
 
+/// A CUDA backend storing `storage` when a GPU is present; none (and the reason printed)
+/// otherwise, so that GPU tests skip visibly where there is no GPU.
+pub fn cuda_backend(
+    storage: mladb::engine::StorageDtype,
+) -> Option<mladb::backend::cuda::CudaBackend> {
+    match mladb::backend::cuda::probe() {
+        Ok(()) => {
+            Some(mladb::backend::cuda::CudaBackend::new(storage).expect("a probed GPU opens"))
+        }
+        Err(why) => {
+            eprintln!("GPU tests skipped: {why}");
+            None
+        }
+    }
+}
+
 /// The GPU backends to test when a GPU is present (f32 and bf16 storage), each with the
 /// relative error allowed for a whole forward pass against the CPU; none (and the reason
 /// printed) otherwise.
@@ -56,28 +72,21 @@ pub fn gpu_backends() -> Vec<(
     f64,
 )> {
     use mladb::engine::StorageDtype;
-    match mladb::backend::cuda::probe() {
-        // Per op (and, in f32, per logit vector) against the CPU at the same storage dtype: f32
-        // checks the logic; bf16, two implementations of bf16 storage (the CPU's emulated
-        // rounding, the device's), which were seen to differ by under 3e-2 per op on the tiny
-        // layouts until a selection flips (gpu_forward.rs stops there). A real fault lands near 1.
-        Ok(()) => [
-            ("cuda-f32", StorageDtype::F32, 1e-4),
-            ("cuda-bf16", StorageDtype::Bf16, 5e-2),
-        ]
-        .into_iter()
-        .map(|(name, storage, tol)| {
-            let b: std::sync::Arc<dyn mladb::backend::Backend> = std::sync::Arc::new(
-                mladb::backend::cuda::CudaBackend::new(storage).expect("a probed GPU opens"),
-            );
-            (name, b, tol)
-        })
-        .collect(),
-        Err(why) => {
-            eprintln!("GPU tests skipped: {why}");
-            Vec::new()
-        }
-    }
+    // Per op (and, in f32, per logit vector) against the CPU at the same storage dtype: f32
+    // checks the logic; bf16, two implementations of bf16 storage (the CPU's emulated
+    // rounding, the device's), which were seen to differ by under 3e-2 per op on the tiny
+    // layouts until a selection flips (gpu_forward.rs stops there). A real fault lands near 1.
+    [
+        ("cuda-f32", StorageDtype::F32, 1e-4),
+        ("cuda-bf16", StorageDtype::Bf16, 5e-2),
+    ]
+    .into_iter()
+    .map_while(|(name, storage, tol)| {
+        let b: std::sync::Arc<dyn mladb::backend::Backend> =
+            std::sync::Arc::new(cuda_backend(storage)?);
+        Some((name, b, tol))
+    })
+    .collect()
 }
 
 /// Fresh random inputs: a new seed per process (printed, to reproduce a failure).

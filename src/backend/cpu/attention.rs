@@ -15,7 +15,7 @@ use super::matmul::{axpy, dot};
 use crate::backend::{AttnMask, KvbSplit, MlaDims};
 use crate::engine::cache::RowSource;
 use crate::engine::faults::KernelFaults;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
@@ -50,12 +50,7 @@ where
     F: Fn(usize, usize, &mut [f32], &mut [f32]) -> bool + Sync,
 {
     let heads = dims.heads;
-    if out.numel() != n * heads * out_width {
-        return Err(Error::invalid(format!(
-            "attention output buffer {:?} is not {n} × {heads} × {out_width}",
-            out.shape()
-        )));
-    }
+    super::super::checks::attention_out(out, n, dims, out_width)?;
     // Head-major scratch first, so each (h, i) owns one output chunk and one probability row.
     let mut out_hm = vec![0f32; heads * n * out_width];
     let mut written = vec![true; heads * n];

@@ -3,27 +3,17 @@
 pub mod attention;
 pub mod matmul;
 
+use super::checks::{self, same_shape};
 use super::{AttnMask, Backend, KvbSplit, MlaDims, Routing};
 use crate::engine::cache::RowSource;
 use crate::engine::faults::KernelFaults;
 use crate::engine::rope::RopeTable;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::layout::MoeLayout;
 use crate::stats::TensorStats;
 use crate::tensor::Tensor;
 
 pub struct CpuBackend;
-
-fn same_shape(op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
-    if a.shape() != b.shape() {
-        return Err(Error::invalid(format!(
-            "{op}: shapes {:?} and {:?} differ",
-            a.shape(),
-            b.shape()
-        )));
-    }
-    Ok(())
-}
 
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
@@ -36,14 +26,7 @@ impl Backend for CpuBackend {
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         let k = x.cols();
-        let out = w.shape()[0];
-        let w_cols = w.numel() / out.max(1);
-        if w_cols != k {
-            return Err(Error::invalid(format!(
-                "linear: input has {k} features but the weight is {:?}",
-                w.shape()
-            )));
-        }
+        let out = checks::linear(x, w)?;
         let n = x.rows();
         let mut shape = x.shape().to_vec();
         *shape.last_mut().expect("linear input has a shape") = out;
@@ -99,14 +82,7 @@ impl Backend for CpuBackend {
         interleaved: bool,
     ) -> Result<Tensor> {
         let n = positions.len();
-        let d = x.numel() / (n * heads).max(1);
-        if n * heads * d != x.numel() || 2 * table.inv_freq.len() > d {
-            return Err(Error::invalid(format!(
-                "rope: tensor {:?} is not {n} tokens × {heads} heads of at least {} values",
-                x.shape(),
-                2 * table.inv_freq.len()
-            )));
-        }
+        let d = checks::rope(x, heads, table, n)?;
         let mut out = x.clone();
         for (t, token) in out.data_mut().chunks_mut(heads * d).enumerate() {
             for head in token.chunks_mut(d) {
@@ -141,14 +117,7 @@ impl Backend for CpuBackend {
         width: usize,
     ) -> Result<Tensor> {
         let n = x.rows();
-        let gw = x.cols() / groups.max(1);
-        if groups * gw != x.cols() || start + width > gw {
-            return Err(Error::invalid(format!(
-                "slice: cannot take columns {start}..{} of {groups} groups from {:?}",
-                start + width,
-                x.shape()
-            )));
-        }
+        let gw = checks::slice_groups(x, groups, start, width)?;
         let mut out = Vec::with_capacity(n * groups * width);
         for row in x.data().chunks(x.cols()) {
             for g in row.chunks(gw) {
@@ -166,13 +135,7 @@ impl Backend for CpuBackend {
     fn concat_groups(&self, a: &Tensor, b: &Tensor, groups: usize) -> Result<Tensor> {
         let (wa, wb) = (a.cols(), b.cols());
         let rows = a.rows();
-        if rows != b.rows() || groups == 0 || !rows.is_multiple_of(groups) {
-            return Err(Error::invalid(format!(
-                "concat: {:?} and {:?} are not rows of {groups} groups",
-                a.shape(),
-                b.shape()
-            )));
-        }
+        checks::concat_groups(a, b, groups)?;
         let n = rows / groups;
         let mut out = Vec::with_capacity(a.numel() + b.numel());
         for (ga, gb) in a.data().chunks(wa).zip(b.data().chunks(wb)) {
@@ -190,15 +153,10 @@ impl Backend for CpuBackend {
     }
 
     fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor> {
+        checks::gather_rows(x, rows)?;
         let c = x.cols();
         let mut out = Vec::with_capacity(rows.len() * c);
         for &r in rows {
-            if r >= x.rows() {
-                return Err(Error::invalid(format!(
-                    "gather: row {r} of a {:?} tensor",
-                    x.shape()
-                )));
-            }
             out.extend_from_slice(x.row(r));
         }
         Ok(Tensor::from_vec(&[rows.len(), c], out))
@@ -212,13 +170,7 @@ impl Backend for CpuBackend {
         weights: &[f32],
     ) -> Result<()> {
         let c = acc.cols();
-        if y.cols() != c || y.rows() != rows.len() || weights.len() != rows.len() {
-            return Err(Error::invalid(format!(
-                "scatter_add: {:?} rows into {:?}",
-                y.shape(),
-                acc.shape()
-            )));
-        }
+        checks::scatter_add_rows(acc, rows, y, weights)?;
         for (i, (&r, &w)) in rows.iter().zip(weights).enumerate() {
             let src = &y.data()[i * c..(i + 1) * c];
             matmul::axpy(&mut acc.data_mut()[r * c..(r + 1) * c], w, src);

@@ -12,7 +12,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use std::any::Any;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// How values are stored on the device.
@@ -120,11 +120,18 @@ pub struct Allocation {
     pub bytes: usize,
 }
 
+/// A loaded kernel, and the dynamic shared memory it has been allowed so far (past 48 KB a
+/// function must be granted more, once; launches then only compare).
+struct Kernel {
+    function: CudaFunction,
+    shared_allowed: AtomicU32,
+}
+
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub blas: CudaBlas,
-    functions: HashMap<String, CudaFunction>,
+    functions: HashMap<String, Kernel>,
     pub name: String,
     /// compute capability, e.g. "90".
     pub arch: String,
@@ -176,7 +183,13 @@ impl Gpu {
                 let f = module
                     .load_function(&name)
                     .map_err(driver_err("kernel lookup"))?;
-                functions.insert(name, f);
+                functions.insert(
+                    name,
+                    Kernel {
+                        function: f,
+                        shared_allowed: AtomicU32::new(48 * 1024),
+                    },
+                );
             }
         }
         Ok(Gpu {
@@ -299,24 +312,7 @@ impl Gpu {
 
     /// Copies a buffer back as f32 (waits for the stream, so kernel errors surface here).
     pub fn download(&self, buf: &DevBuf) -> Result<Vec<f32>> {
-        let mut bytes = vec![0u8; buf.len * buf.elem.size()];
-        if !bytes.is_empty() {
-            let view = buf.slice.slice(0..bytes.len());
-            self.stream
-                .memcpy_dtoh(&view, &mut bytes)
-                .map_err(driver_err("download"))?;
-        }
-        self.stream.synchronize().map_err(driver_err("kernel"))?;
-        Ok(match buf.elem {
-            Elem::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Elem::Bf16 => bytes
-                .chunks_exact(2)
-                .map(|b| from_bf16(u16::from_le_bytes([b[0], b[1]])))
-                .collect(),
-        })
+        self.download_range(buf, 0, buf.len)
     }
 
     /// Raw bytes of a buffer (i32 or f64 results of kernels).
@@ -358,19 +354,21 @@ impl Gpu {
         shared: u32,
         args: &[Arg],
     ) -> Result<()> {
-        let f = self
+        let kernel = self
             .functions
             .get(name)
             .ok_or_else(|| Error::invalid(format!("no CUDA kernel named {name}")))?;
-        if shared > 48 * 1024 {
-            // Dynamic shared memory past 48 KB must be asked for per function.
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared as i32,
-            )
-            .map_err(driver_err("shared memory attribute"))?;
+        if shared > kernel.shared_allowed.load(Ordering::Relaxed) {
+            kernel
+                .function
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared as i32,
+                )
+                .map_err(driver_err("shared memory attribute"))?;
+            kernel.shared_allowed.fetch_max(shared, Ordering::Relaxed);
         }
-        let mut b = self.stream.launch_builder(f);
+        let mut b = self.stream.launch_builder(&kernel.function);
         for a in args {
             match a {
                 Arg::U64(v) => b.arg(v),

@@ -56,10 +56,10 @@ fn decode_variant(gpu: &Gpu) -> Result<(&'static str, u32)> {
 /// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
 /// walks (plus a fixed cost per split for its start and the merge), at no fewer than 64 tokens
 /// per split.
-pub fn decode_splits(gpu: &Gpu, shape: DecodeShape) -> usize {
-    let per_sm = decode_variant(gpu).map_or(1, |(_, smem)| {
-        (gpu.max_shared_per_multiprocessor() / (smem as usize + 1024)).max(1)
-    });
+fn decode_splits(gpu: &Gpu, shape: DecodeShape, shared: u32) -> usize {
+    // Blocks per multiprocessor: its shared memory over the block's (plus the 1 KB the driver
+    // reserves per block).
+    let per_sm = (gpu.max_shared_per_multiprocessor() / (shared as usize + 1024)).max(1);
     let slots = gpu.multiprocessors() * per_sm;
     let base = shape.batch * shape.heads.div_ceil(HEAD_GROUP);
     let mut best = (usize::MAX, 1);
@@ -73,8 +73,11 @@ pub fn decode_splits(gpu: &Gpu, shape: DecodeShape) -> usize {
     best.1
 }
 
-/// Scratch of a decode launch: per-split outputs and log-sum-exps.
+/// A decode launch plan: the kernel variant for the device, the split count, and the scratch
+/// (per-split outputs and log-sum-exps), chosen once and reused by every launch of the shape.
 pub struct DecodeWork {
+    kernel: &'static str,
+    shared: u32,
     part_o: DevBuf,
     part_lse: DevBuf,
     pub splits: usize,
@@ -82,7 +85,8 @@ pub struct DecodeWork {
 
 impl DecodeWork {
     pub fn new(gpu: &Gpu, shape: DecodeShape) -> Result<DecodeWork> {
-        DecodeWork::with_splits(gpu, shape, decode_splits(gpu, shape))
+        let (_, shared) = decode_variant(gpu)?;
+        DecodeWork::with_splits(gpu, shape, decode_splits(gpu, shape, shared))
     }
 
     /// Scratch for a chosen number of splits (1 to 256; tests use it to cover both the
@@ -93,7 +97,10 @@ impl DecodeWork {
                 "MLA decode: {splits} splits (1 to {MAX_SPLITS})"
             )));
         }
+        let (kernel, shared) = decode_variant(gpu)?;
         Ok(DecodeWork {
+            kernel,
+            shared,
             part_o: gpu.alloc(shape.batch * splits * shape.heads * LATENT, Elem::F32)?,
             part_lse: gpu.alloc(shape.batch * splits * shape.heads, Elem::F32)?,
             splits,
@@ -155,17 +162,16 @@ pub fn mla_decode(
             "MLA decode: the cache must be bf16 pages of 64 rows of 576",
         ));
     }
-    let (name, smem) = decode_variant(gpu)?;
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     gpu.launch(
-        name,
+        work.kernel,
         (
             work.splits as u32,
             shape.batch as u32,
             (shape.heads / HEAD_GROUP) as u32,
         ),
         256,
-        smem,
+        work.shared,
         &[
             q.into(),
             cache.into(),

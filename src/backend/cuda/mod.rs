@@ -12,6 +12,7 @@ pub mod compile;
 pub mod device;
 pub mod fast;
 
+use super::checks::{self, same_shape};
 use super::{AttnMask, Backend, KvbSplit, MlaDims, Routing};
 use crate::engine::cache::{RowSource, PAGE_SIZE};
 use crate::engine::faults::KernelFaults;
@@ -199,6 +200,55 @@ impl CudaBackend {
         self.gpu.upload_bytes(&bytes).map(Some)
     }
 
+    /// After a kernel wrote `t`'s device buffer in place: copies it back into the host copy,
+    /// keeping the device buffer attached.
+    fn refresh_host(&self, t: &mut Tensor, dev: &Arc<dyn DeviceBuffer>) -> Result<()> {
+        let buf = dev
+            .as_any()
+            .downcast_ref::<DevBuf>()
+            .expect("dev() returns DevBufs");
+        let data = self.gpu.download(buf)?;
+        t.data_mut_keeping_device().copy_from_slice(&data);
+        Ok(())
+    }
+
+    /// absorb_query and apply_w_uv: one kernel over n·heads rows of `x` and the kv_b rows of
+    /// each head starting at `w_row` (the two kernels take the same arguments).
+    #[allow(clippy::too_many_arguments)]
+    fn kv_b_projection(
+        &self,
+        kernel: &str,
+        x: &Tensor,
+        kv_b: &Tensor,
+        dims: MlaDims,
+        n: usize,
+        out_width: usize,
+        w_row: usize,
+        shape: &[usize],
+    ) -> Result<Tensor> {
+        let (xd, wd) = (self.dev(x)?, self.dev(kv_b)?);
+        let total = n * dims.heads * out_width;
+        let out = self.out(total)?;
+        self.gpu.launch(
+            &self.k(kernel),
+            grid(total as u64),
+            256,
+            0,
+            &[
+                Self::ptr(&xd).into(),
+                Self::ptr(&wd).into(),
+                out.ptr.into(),
+                n.into(),
+                dims.heads.into(),
+                dims.nope.into(),
+                dims.v.into(),
+                dims.latent.into(),
+                w_row.into(),
+            ],
+        )?;
+        self.finish(out, shape)
+    }
+
     fn positions(&self, positions: &[usize]) -> Result<DevBuf> {
         let p: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         self.gpu.upload_i32(&p)
@@ -226,17 +276,6 @@ impl CudaBackend {
     }
 }
 
-fn same_shape(op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
-    if a.shape() != b.shape() {
-        return Err(Error::invalid(format!(
-            "{op}: shapes {:?} and {:?} differ",
-            a.shape(),
-            b.shape()
-        )));
-    }
-    Ok(())
-}
-
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
@@ -257,13 +296,7 @@ impl Backend for CudaBackend {
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         let k = x.cols();
-        let out_features = w.shape()[0];
-        if w.numel() != out_features * k {
-            return Err(Error::invalid(format!(
-                "linear: input has {k} features but the weight is {:?}",
-                w.shape()
-            )));
-        }
+        let out_features = checks::linear(x, w)?;
         let n = x.rows();
         let mut shape = x.shape().to_vec();
         *shape.last_mut().expect("linear input has a shape") = out_features;
@@ -350,14 +383,8 @@ impl Backend for CudaBackend {
         interleaved: bool,
     ) -> Result<Tensor> {
         let n = positions.len();
-        let d = x.numel() / (n * heads).max(1);
+        let d = checks::rope(x, heads, table, n)?;
         let half = table.inv_freq.len();
-        if n * heads * d != x.numel() || 2 * half > d {
-            return Err(Error::invalid(format!(
-                "rope: tensor {:?} does not fit {n} tokens × {heads} heads",
-                x.shape()
-            )));
-        }
         let xd = self.dev(x)?;
         let pos = self.positions(positions)?;
         let freq = self.gpu.upload(&table.inv_freq, Elem::F32)?;
@@ -401,14 +428,7 @@ impl Backend for CudaBackend {
         width: usize,
     ) -> Result<Tensor> {
         let rows = x.rows();
-        let gw = x.cols() / groups.max(1);
-        if groups * gw != x.cols() || start + width > gw {
-            return Err(Error::invalid(format!(
-                "slice: columns {start}..{} of {groups} groups of {:?}",
-                start + width,
-                x.shape()
-            )));
-        }
+        let gw = checks::slice_groups(x, groups, start, width)?;
         let xd = self.dev(x)?;
         let n = rows * groups * width;
         let out = self.out(n)?;
@@ -438,13 +458,7 @@ impl Backend for CudaBackend {
     fn concat_groups(&self, a: &Tensor, b: &Tensor, groups: usize) -> Result<Tensor> {
         let (wa, wb) = (a.cols(), b.cols());
         let rows = a.rows();
-        if rows != b.rows() || groups == 0 || !rows.is_multiple_of(groups) {
-            return Err(Error::invalid(format!(
-                "concat: {:?} and {:?} are not rows of {groups} groups",
-                a.shape(),
-                b.shape()
-            )));
-        }
+        checks::concat_groups(a, b, groups)?;
         let (ad, bd) = (self.dev(a)?, self.dev(b)?);
         let out = self.out(rows * (wa + wb))?;
         self.gpu.launch(
@@ -470,12 +484,7 @@ impl Backend for CudaBackend {
 
     fn gather_rows(&self, x: &Tensor, rows: &[usize]) -> Result<Tensor> {
         let c = x.cols();
-        if let Some(r) = rows.iter().find(|&&r| r >= x.rows()) {
-            return Err(Error::invalid(format!(
-                "gather: row {r} of a {:?} tensor",
-                x.shape()
-            )));
-        }
+        checks::gather_rows(x, rows)?;
         let xd = self.dev(x)?;
         let idx = self
             .gpu
@@ -505,13 +514,7 @@ impl Backend for CudaBackend {
         weights: &[f32],
     ) -> Result<()> {
         let c = acc.cols();
-        if y.cols() != c || y.rows() != rows.len() || weights.len() != rows.len() {
-            return Err(Error::invalid(format!(
-                "scatter_add: {:?} rows into {:?}",
-                y.shape(),
-                acc.shape()
-            )));
-        }
+        checks::scatter_add_rows(acc, rows, y, weights)?;
         let (ad, yd) = (self.dev(acc)?, self.dev(y)?);
         let idx = self
             .gpu
@@ -531,12 +534,7 @@ impl Backend for CudaBackend {
                 c.into(),
             ],
         )?;
-        let buf = ad
-            .as_any()
-            .downcast_ref::<DevBuf>()
-            .expect("dev() returns DevBufs");
-        let data = self.gpu.download(buf)?;
-        acc.data_mut_keeping_device().copy_from_slice(&data);
+        self.refresh_host(acc, &ad)?;
         Ok(())
     }
 
@@ -589,27 +587,17 @@ impl Backend for CudaBackend {
         split: KvbSplit,
     ) -> Result<Tensor> {
         let n = q_nope.numel() / (dims.heads * dims.nope);
-        let (qd, wd) = (self.dev(q_nope)?, self.dev(kv_b)?);
-        let total = n * dims.heads * dims.latent;
-        let out = self.out(total)?;
-        self.gpu.launch(
-            &self.k("absorb_query"),
-            grid(total as u64),
-            256,
-            0,
-            &[
-                Self::ptr(&qd).into(),
-                Self::ptr(&wd).into(),
-                out.ptr.into(),
-                n.into(),
-                dims.heads.into(),
-                dims.nope.into(),
-                dims.v.into(),
-                dims.latent.into(),
-                split.w_uk_row.into(),
-            ],
-        )?;
-        self.finish(out, &[n, dims.heads, dims.latent])
+        let shape = [n, dims.heads, dims.latent];
+        self.kv_b_projection(
+            "absorb_query",
+            q_nope,
+            kv_b,
+            dims,
+            n,
+            dims.latent,
+            split.w_uk_row,
+            &shape,
+        )
     }
 
     fn apply_w_uv(
@@ -620,27 +608,17 @@ impl Backend for CudaBackend {
         split: KvbSplit,
     ) -> Result<Tensor> {
         let n = o_lat.numel() / (dims.heads * dims.latent);
-        let (ld, wd) = (self.dev(o_lat)?, self.dev(kv_b)?);
-        let total = n * dims.heads * dims.v;
-        let out = self.out(total)?;
-        self.gpu.launch(
-            &self.k("apply_w_uv"),
-            grid(total as u64),
-            256,
-            0,
-            &[
-                Self::ptr(&ld).into(),
-                Self::ptr(&wd).into(),
-                out.ptr.into(),
-                n.into(),
-                dims.heads.into(),
-                dims.nope.into(),
-                dims.v.into(),
-                dims.latent.into(),
-                split.w_uv_row.into(),
-            ],
-        )?;
-        self.finish(out, &[n, dims.heads * dims.v])
+        let shape = [n, dims.heads * dims.v];
+        self.kv_b_projection(
+            "apply_w_uv",
+            o_lat,
+            kv_b,
+            dims,
+            n,
+            dims.v,
+            split.w_uv_row,
+            &shape,
+        )
     }
 
     fn assemble_kv(&self, kv: &Tensor, k_pe: &Tensor, dims: MlaDims) -> Result<(Tensor, Tensor)> {
@@ -684,13 +662,7 @@ impl Backend for CudaBackend {
         let n = mask.positions.len();
         let context = k.len();
         let heads = dims.heads;
-        if out.numel() != n * heads * dims.v {
-            return Err(Error::invalid(format!(
-                "attention output buffer {:?} is not {n} × {heads} × {}",
-                out.shape(),
-                dims.v
-            )));
-        }
+        checks::attention_out(out, n, dims, dims.v)?;
         let qd = self.dev(q)?;
         let (kp, vp) = (self.sync_cache(k)?, self.sync_cache(v)?);
         let od = self.dev(out)?;
@@ -720,12 +692,7 @@ impl Backend for CudaBackend {
                 (faults.skip_padded_rows as i32).into(),
             ],
         )?;
-        let buf = od
-            .as_any()
-            .downcast_ref::<DevBuf>()
-            .expect("dev() returns DevBufs");
-        let data = self.gpu.download(buf)?;
-        out.data_mut_keeping_device().copy_from_slice(&data);
+        self.refresh_host(out, &od)?;
         self.finish(probs, &[heads, n, context])
     }
 
@@ -743,12 +710,7 @@ impl Backend for CudaBackend {
         let n = mask.positions.len();
         let context = cache.len();
         let (heads, l, r) = (dims.heads, dims.latent, dims.rope);
-        if out.numel() != n * heads * l {
-            return Err(Error::invalid(format!(
-                "attention output buffer {:?} is not {n} × {heads} × {l}",
-                out.shape()
-            )));
-        }
+        checks::attention_out(out, n, dims, l)?;
         let (qld, qpd) = (self.dev(q_lat)?, self.dev(q_pe)?);
         let cp = self.sync_cache(cache)?;
         let table: Vec<i32> = cache
@@ -818,12 +780,7 @@ impl Backend for CudaBackend {
                 (faults.skip_padded_rows as i32).into(),
             ],
         )?;
-        let buf = od
-            .as_any()
-            .downcast_ref::<DevBuf>()
-            .expect("dev() returns DevBufs");
-        let data = self.gpu.download(buf)?;
-        out.data_mut_keeping_device().copy_from_slice(&data);
+        self.refresh_host(out, &od)?;
         self.finish(probs, &[heads, n, context])
     }
 
