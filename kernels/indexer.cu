@@ -30,8 +30,6 @@ __device__ __forceinline__ u32 order_key(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Not yet wired into the CUDA backend (which selects on the host, as the CPU does): its first
-// run on the H200 hung on the 32-bit overflow fixed below, and the fix has not run on a GPU yet.
 // Top-k per query row among its causal keys (j ≤ positions[t]): writes selected[t, j] = 1 for the
 // k largest scores (ties to the lower index), 0 elsewhere. One block per row: a binary search
 // over the order keys finds the k-th largest, then ties are resolved in index order.

@@ -100,3 +100,15 @@ pub fn attention_out(out: &Tensor, n: usize, dims: MlaDims, width: usize) -> Res
     }
     Ok(())
 }
+
+/// DSA top-k: one position per score row, each inside the row.
+pub fn index_topk(scores: &Tensor, positions: &[usize]) -> Result<()> {
+    if scores.rows() != positions.len() || positions.iter().any(|&p| p >= scores.cols()) {
+        return Err(Error::invalid(format!(
+            "index top-k: {} positions for scores of shape {:?}",
+            positions.len(),
+            scores.shape()
+        )));
+    }
+    Ok(())
+}

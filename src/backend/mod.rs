@@ -247,13 +247,7 @@ pub trait Backend: Send + Sync {
 
 /// The reference DSA top-k (see `Backend::index_topk`).
 pub fn index_topk_host(scores: &Tensor, positions: &[usize], k: usize) -> Result<Vec<Vec<usize>>> {
-    if scores.rows() != positions.len() || positions.iter().any(|&p| p >= scores.cols()) {
-        return Err(crate::error::Error::invalid(format!(
-            "index top-k: {} positions for scores of shape {:?}",
-            positions.len(),
-            scores.shape()
-        )));
-    }
+    checks::index_topk(scores, positions)?;
     Ok(positions
         .iter()
         .enumerate()

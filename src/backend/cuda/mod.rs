@@ -821,6 +821,50 @@ impl Backend for CudaBackend {
         self.finish(out, &[n, context])
     }
 
+    fn index_topk(
+        &self,
+        scores: &Tensor,
+        positions: &[usize],
+        k: usize,
+    ) -> Result<Vec<Vec<usize>>> {
+        crate::backend::checks::index_topk(scores, positions)?;
+        let (n, context) = (scores.rows(), scores.cols());
+        if n == 0 || context == 0 {
+            return Ok(vec![Vec::new(); n]);
+        }
+        // The scores as f32 on the device: index_scores leaves them there.
+        let on_device = scores.device().filter(|d| {
+            d.as_any()
+                .downcast_ref::<DevBuf>()
+                .is_some_and(|b| b.elem == Elem::F32)
+        });
+        let scores_dev: Arc<dyn DeviceBuffer> = match on_device {
+            Some(d) => d.clone(),
+            None => Arc::new(self.gpu.upload(scores.data(), Elem::F32)?),
+        };
+        let pos = self.positions(positions)?;
+        let cells = crate::tensor::checked_numel(&[n, context], "top-k selection")?;
+        let selected = self.gpu.alloc(cells.div_ceil(4), Elem::F32)?;
+        self.gpu.launch(
+            "topk_select",
+            (n as u32, 1, 1),
+            256,
+            0,
+            &[
+                Self::ptr(&scores_dev).into(),
+                (&pos).into(),
+                (&selected).into(),
+                context.into(),
+                k.into(),
+            ],
+        )?;
+        let flags = self.gpu.download_bytes(&selected, cells)?;
+        Ok(flags
+            .chunks(context)
+            .map(|row| (0..context).filter(|&j| row[j] != 0).collect())
+            .collect())
+    }
+
     fn stats(&self, t: &Tensor) -> TensorStats {
         // Small tensors are summed from their host copy (downloaded from the device, poison
         // included): a kernel launch and its wait would cost more than the pass.
