@@ -11,6 +11,7 @@ use crate::engine::faults::KernelFaults;
 use crate::engine::rope::RopeTable;
 use crate::error::Result;
 use crate::model::layout::MoeLayout;
+use crate::model::quant::{QuantFaults, QuantTensor};
 use crate::stats::TensorStats;
 use crate::tensor::Tensor;
 
@@ -112,6 +113,17 @@ pub trait Backend: Send + Sync {
 
     /// y = x·Wᵀ (+ b): x [n, in], w [out, in] → [n, out].
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor>;
+
+    /// y = x·Wᵀ with W stored quantized [out, in]: blocks are decoded a slab of rows at a time
+    /// (never the whole weight at once), as a quantized matmul kernel does.
+    fn linear_quant(&self, x: &Tensor, w: &QuantTensor, faults: QuantFaults) -> Result<Tensor> {
+        linear_quant_host(x, w, faults)
+    }
+
+    /// A quantized weight decoded into a plain [rows, cols] tensor (force-dequantize).
+    fn dequantize(&self, w: &QuantTensor, faults: QuantFaults) -> Result<Tensor> {
+        Ok(Tensor::from_vec(&[w.rows, w.cols], w.dequantize(faults)?))
+    }
 
     /// RMSNorm over the last dimension, computed in f32 as HF does.
     fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor>;
@@ -243,6 +255,33 @@ pub trait Backend: Send + Sync {
 
     /// Statistics of a tensor (one pass).
     fn stats(&self, t: &Tensor) -> TensorStats;
+}
+
+/// The reference quantized linear (see `Backend::linear_quant`).
+pub fn linear_quant_host(x: &Tensor, w: &QuantTensor, faults: QuantFaults) -> Result<Tensor> {
+    const SLAB: usize = 64;
+    let k = x.cols();
+    if k != w.cols {
+        return Err(crate::error::Error::invalid(format!(
+            "quantized linear: input of {k} features for a {} weight [{}, {}]",
+            w.ty, w.rows, w.cols
+        )));
+    }
+    let n = x.rows();
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("linear input has a shape") = w.rows;
+    let mut y = vec![0.0f32; crate::tensor::checked_numel(&shape, "quantized linear output")?];
+    let mut slab = vec![0.0f32; SLAB * k];
+    for r0 in (0..w.rows).step_by(SLAB) {
+        let rows = SLAB.min(w.rows - r0);
+        let slab = &mut slab[..rows * k];
+        w.dequantize_rows(r0, slab, faults)?;
+        let part = cpu::matmul::matmul_t(x.data(), n, k, slab, rows);
+        for (yrow, prow) in y.chunks_mut(w.rows).zip(part.chunks(rows)) {
+            yrow[r0..r0 + rows].copy_from_slice(prow);
+        }
+    }
+    Ok(Tensor::from_vec(&shape, y))
 }
 
 /// The reference DSA top-k (see `Backend::index_topk`).

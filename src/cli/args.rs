@@ -26,6 +26,11 @@ pub struct ModelArgs {
     /// Memory for keeping fetched weights between steps, in MiB.
     #[arg(long, default_value_t = 8192)]
     pub weight_cache_mb: usize,
+    /// Quantize the projection weights at load, as a GGUF file would hold them: q8_0, q4_0,
+    /// q4_k or q6_k (K-quant rows that are not multiples of 256 fall back to q4_0 / q8_0, as
+    /// llama.cpp does).
+    #[arg(long)]
+    pub quant: Option<String>,
 }
 
 impl ModelArgs {
@@ -35,19 +40,40 @@ impl ModelArgs {
             model: None,
             seed: 0,
             weight_cache_mb: 8192,
+            quant: None,
         }
     }
 
     /// Builds the model: an HF checkpoint, or a layout (default glm5-tiny) with synthetic weights.
     pub fn load(&self) -> Result<Model> {
         let budget = self.weight_cache_mb.saturating_mul(1 << 20);
+        let quant = self.quant_type()?;
         match &self.model {
-            Some(dir) => Model::hf_checkpoint(dir, budget),
+            Some(path) if crate::model::gguf::is_gguf(path) => {
+                if quant.is_some() {
+                    return Err(Error::invalid(
+                        "--quant applies to synthetic and HF weights; a GGUF file is already quantized",
+                    ));
+                }
+                Model::gguf(path, budget)
+            }
+            Some(dir) => Model::hf_checkpoint_quantized(dir, quant, budget),
             None => {
                 let layout = Layout::resolve(self.layout.as_deref().unwrap_or("glm5-tiny"))?;
-                Model::synthetic(layout, self.seed, budget)
+                Model::synthetic_quantized(layout, self.seed, quant, budget)
             }
         }
+    }
+
+    /// The `--quant` type, if given.
+    pub fn quant_type(&self) -> Result<Option<crate::gguf::GgmlType>> {
+        self.quant
+            .as_deref()
+            .map(|name| {
+                crate::gguf::GgmlType::from_name(name)
+                    .ok_or_else(|| Error::invalid(format!("--quant: unknown type '{name}'")))
+            })
+            .transpose()
     }
 }
 

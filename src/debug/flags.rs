@@ -106,6 +106,7 @@ impl Flags {
             faults: self.faults,
             poison,
             storage: self.dtype,
+            force_dequant: self.force_dequant,
         })
     }
 
@@ -117,14 +118,7 @@ impl Flags {
             "mla-disable" => self.mla_disable = parse_bool(key, value)?,
             "prefill-path" => self.prefill_path = parse_path(key, value)?,
             "decode-path" => self.decode_path = parse_path(key, value)?,
-            "force-dequant" => {
-                self.force_dequant = parse_bool(key, value)?;
-                return Ok(Some(
-                    "force-dequant has nothing to act on: kv_b_proj is not quantized in this model \
-                     (quantized weights come from GGUF files or --quant)"
-                        .to_string(),
-                ));
-            }
+            "force-dequant" => self.force_dequant = parse_bool(key, value)?,
             "device" => {
                 self.device = match value {
                     "cpu" => DeviceFlag::Cpu,
@@ -191,6 +185,14 @@ impl Flags {
         if self.path_of(e.phase) != new.path_of(e.phase) && attention_path_op {
             return true;
         }
+        // Where a quantized kv_b_proj is first used or turned into a plain weight.
+        let kv_b_op = matches!(
+            e.kind,
+            OpKind::Dequantize | OpKind::Decompress | OpKind::AbsorbQuery
+        );
+        if self.force_dequant != new.force_dequant && kv_b_op {
+            return true;
+        }
         Fault::ALL.into_iter().any(|f| {
             let (was, is) = (self.fault_acts(f, e.phase), new.fault_acts(f, e.phase));
             was != is && fault_touches(f, e, if was { self } else { new })
@@ -217,6 +219,10 @@ fn fault_touches(f: Fault, e: &OpEvent, flags: &Flags) -> bool {
         Fault::AbsorbWrongSplit => absorbed && e.kind == OpKind::AbsorbQuery,
         Fault::RopeNoninterleaved => e.name.ends_with("self_attn.q_rope"),
         Fault::KvCacheOffByOne => e.name.ends_with("self_attn.latent_cache"),
+        Fault::Q4kScaleUnpack => matches!(
+            e.kind,
+            OpKind::Dequantize | OpKind::Decompress | OpKind::AbsorbQuery
+        ),
     }
 }
 

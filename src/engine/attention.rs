@@ -20,14 +20,16 @@ use super::cache::{ExpandedCache, LayerCache, RowCache, RowSource};
 use super::faults::{Fault, Faults, KernelFaults};
 use super::forward::MlaPath;
 use super::rope::RopeTable;
-use super::sink::{Computed, Sink};
+use super::sink::{Computed, Reads, Sink};
 use super::trace::{BufferRef, OpKind, Phase};
 use crate::backend::{AttnMask, Backend, KvbSplit, MlaDims};
 use crate::error::{Error, Result};
 use crate::model::catalog::layer_prefix;
 use crate::model::layout::{IndexerMode, Layout};
+use crate::model::quant::{QuantFaults, QuantTensor};
 use crate::model::WeightStore;
 use crate::tensor::Tensor;
+use std::sync::Arc;
 
 /// What one layer's ops need to see.
 pub struct LayerCtx<'a> {
@@ -44,6 +46,8 @@ pub struct LayerCtx<'a> {
     pub mla_backend: bool,
     /// Hand kernels poisoned output buffers, so unwritten elements show.
     pub poison: bool,
+    /// Decode a quantized kv_b_proj once instead of using it quantized.
+    pub force_dequant: bool,
 }
 
 impl LayerCtx<'_> {
@@ -226,6 +230,7 @@ pub fn attention_block(
         selected: selection,
     };
     let kv_b_name = ctx.name("self_attn.kv_b_proj.weight");
+    let kv_b = kv_b_as_used(ctx, cache, sink, path)?;
     let kernel_faults = KernelFaults {
         lse_base_mismatch: ctx.fault(Fault::LseBaseMismatch),
         skip_padded_rows: ctx.mla_backend && ctx.fault(Fault::SkipPaddedRows),
@@ -256,9 +261,8 @@ pub fn attention_block(
                     OpKind::Decompress,
                     &[],
                     |r| {
-                        let w = r.weight(&kv_b_name)?;
-                        let tensor =
-                            b.linear(&b.slice_groups(&old, 1, 0, dims.latent)?, &w, None)?;
+                        let c_old = b.slice_groups(&old, 1, 0, dims.latent)?;
+                        let tensor = kv_b.linear(r, &kv_b_name, b, &c_old)?;
                         Ok(Computed {
                             tensor,
                             kernel_wrote: None,
@@ -282,10 +286,7 @@ pub fn attention_block(
                 &ctx.name("self_attn.kv_b_proj"),
                 OpKind::Decompress,
                 &[&c_kv],
-                |r| {
-                    let w = r.weight(&kv_b_name)?;
-                    b.linear(&c_kv, &w, None)
-                },
+                |r| kv_b.linear(r, &kv_b_name, b, &c_kv),
             )?;
             let reads = vec![BufferRef::of(&kv), BufferRef::of(&k_pe)];
             append_expanded(ctx, expanded, &kv, &k_pe, "self_attn.kv_cache", reads, sink)?;
@@ -332,7 +333,7 @@ pub fn attention_block(
                 OpKind::AbsorbQuery,
                 &[&q],
                 |r| {
-                    let w = r.weight(&kv_b_name)?;
+                    let w = kv_b.weight(r, &kv_b_name)?;
                     b.absorb_query(&q_nope, &w, dims, split)
                 },
             )?;
@@ -368,7 +369,7 @@ pub fn attention_block(
                 OpKind::Attention,
                 &[&o_lat],
                 |r| {
-                    let w = r.weight(&kv_b_name)?;
+                    let w = kv_b.weight(r, &kv_b_name)?;
                     b.apply_w_uv(&o_lat, &w, dims, split)
                 },
             )?
@@ -385,6 +386,106 @@ pub fn attention_block(
             b.linear(&attn, &w, bias(r, "self_attn.o_proj.bias")?.as_deref())
         },
     )
+}
+
+/// kv_b_proj as the run uses it.
+enum KvB {
+    /// Plain weights: read from the weight store.
+    Store,
+    /// Quantized blocks, multiplied with directly (dequantized block by block).
+    Quant(Arc<QuantTensor>, QuantFaults),
+    /// A quantized kv_b_proj made plain once per run.
+    Plain(Arc<Tensor>),
+}
+
+impl KvB {
+    /// x·kv_bᵀ: decompresses latent rows into per-head keys and values.
+    fn linear(&self, r: &mut Reads, name: &str, b: &dyn Backend, x: &Tensor) -> Result<Tensor> {
+        match self {
+            KvB::Store => b.linear(x, &*r.weight(name)?, None),
+            KvB::Quant(q, faults) => b.linear_quant(x, q, *faults),
+            KvB::Plain(w) => b.linear(x, w, None),
+        }
+    }
+
+    /// The plain weight, for the absorbed path's W_UK and W_UV.
+    fn weight(&self, r: &mut Reads, name: &str) -> Result<Arc<Tensor>> {
+        match self {
+            KvB::Store => r.weight(name),
+            KvB::Plain(w) => Ok(w.clone()),
+            KvB::Quant(..) => Err(Error::invalid(format!(
+                "{name}: the absorbed path needs W_UK / W_UV as a plain weight"
+            ))),
+        }
+    }
+}
+
+/// How this layer's kv_b_proj enters attention. Plain weights come from the store. A quantized
+/// kv_b_proj is, with force-dequantize, decoded once per run (`kv_b_dequant`); without it the
+/// naive path multiplies with the blocks, and the absorbed path obtains W_UK / W_UV the way
+/// vLLM does for a quantized layer: an identity matrix pushed through the quantized linear,
+/// transposed (`kv_b_identity`). FAULT q4k-scale-unpack acts in the block decoding of all three.
+fn kv_b_as_used(
+    ctx: &LayerCtx,
+    cache: &mut LayerCache,
+    sink: &mut Sink,
+    path: MlaPath,
+) -> Result<KvB> {
+    let Some(q) = ctx
+        .weights
+        .quantized(&ctx.name("self_attn.kv_b_proj.weight"))?
+    else {
+        return Ok(KvB::Store);
+    };
+    let faults = QuantFaults {
+        q4k_scale_unpack: ctx.fault(Fault::Q4kScaleUnpack),
+    };
+    if !ctx.force_dequant && path == MlaPath::Naive {
+        return Ok(KvB::Quant(q, faults));
+    }
+    if let Some(w) = &cache.kv_b_plain {
+        return Ok(KvB::Plain(w.clone()));
+    }
+    let (b, l) = (ctx.backend, Some(ctx.layer));
+    let w = if ctx.force_dequant {
+        sink.op(
+            l,
+            &ctx.name("self_attn.kv_b_dequant"),
+            OpKind::Dequantize,
+            &[],
+            |_| b.dequantize(&q, faults),
+        )?
+    } else {
+        sink.op(
+            l,
+            &ctx.name("self_attn.kv_b_identity"),
+            OpKind::Dequantize,
+            &[],
+            |_| {
+                let n = q.cols;
+                let mut eye = vec![0.0f32; n * n];
+                eye.iter_mut().step_by(n + 1).for_each(|v| *v = 1.0);
+                let wt = b.linear_quant(&Tensor::from_vec(&[n, n], eye), &q, faults)?;
+                Ok(transpose(&wt))
+            },
+        )?
+    };
+    let w = Arc::new(w);
+    cache.kv_b_plain = Some(w.clone());
+    Ok(KvB::Plain(w))
+}
+
+/// [r, c] → [c, r].
+fn transpose(t: &Tensor) -> Tensor {
+    let (r, c) = (t.rows(), t.cols());
+    let src = t.data();
+    let mut out = vec![0.0f32; r * c];
+    for i in 0..r {
+        for j in 0..c {
+            out[j * r + i] = src[i * c + j];
+        }
+    }
+    Tensor::from_vec(&[c, r], out)
 }
 
 /// Where W_UK and W_UV sit in kv_b_proj. FAULT absorb-wrong-split: read as if each head's block

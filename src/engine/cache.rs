@@ -274,6 +274,9 @@ pub struct LayerCache {
     pub expanded: Option<ExpandedCache>,
     /// DSA indexer keys (layers with their own indexer).
     pub index_keys: Option<RowCache>,
+    /// A quantized kv_b_proj as a plain weight, made once per run (through the identity matrix,
+    /// or force-dequantized).
+    pub kv_b_plain: Option<std::sync::Arc<crate::tensor::Tensor>>,
 }
 
 impl LayerCache {

@@ -10,6 +10,7 @@
 //! | `lse-base-mismatch` | split-KV partials report log2-sum-exp but are merged as natural-log | backend/cpu/attention.rs, the split-KV merge |
 //! | `skip-padded-rows` | the decode kernel leaves the last head's rows of its output unwritten, as a kernel skipping padded rows does | backend/cpu/attention.rs |
 //! | `kv-cache-off-by-one` | decode writes a token's latent row one slot early, so its own slot stays unwritten | engine/attention.rs, the slot mapping |
+//! | `q4k-scale-unpack` | the dequantization kernel unpacks the 6-bit scales and mins of Q4_K sub-blocks 4..7 as if they were 0..3 (acts on a quantized kv_b_proj) | model/quant.rs, `dequantize_with` |
 //!
 //! A fault may be limited to one phase: `NAME@prefill` or `NAME@decode`.
 
@@ -27,10 +28,11 @@ pub enum Fault {
     LseBaseMismatch,
     SkipPaddedRows,
     KvCacheOffByOne,
+    Q4kScaleUnpack,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 7] = [
+    pub const ALL: [Fault; 8] = [
         Fault::OutputBufferDisconnect,
         Fault::SoftmaxScaleLatent,
         Fault::AbsorbWrongSplit,
@@ -38,6 +40,7 @@ impl Fault {
         Fault::LseBaseMismatch,
         Fault::SkipPaddedRows,
         Fault::KvCacheOffByOne,
+        Fault::Q4kScaleUnpack,
     ];
 
     pub fn name(self) -> &'static str {
@@ -49,6 +52,7 @@ impl Fault {
             Fault::LseBaseMismatch => "lse-base-mismatch",
             Fault::SkipPaddedRows => "skip-padded-rows",
             Fault::KvCacheOffByOne => "kv-cache-off-by-one",
+            Fault::Q4kScaleUnpack => "q4k-scale-unpack",
         }
     }
 
@@ -65,6 +69,7 @@ impl Fault {
             Fault::LseBaseMismatch => "split-KV partials in log2 merged as natural log",
             Fault::SkipPaddedRows => "decode kernel leaves some output rows unwritten",
             Fault::KvCacheOffByOne => "decode writes the latent cache one slot early",
+            Fault::Q4kScaleUnpack => "Q4_K sub-blocks 4..7 decoded with the wrong scales and mins",
         }
     }
 

@@ -67,6 +67,8 @@ pub struct EngineOptions {
     /// buffer forensics); plain runs use zeroed ones.
     pub poison: bool,
     pub storage: StorageDtype,
+    /// Decode a quantized kv_b_proj once into a plain weight instead of using it quantized.
+    pub force_dequant: bool,
 }
 
 impl EngineOptions {
@@ -79,6 +81,7 @@ impl EngineOptions {
             faults: Faults::none(),
             poison: false,
             storage: StorageDtype::F32,
+            force_dequant: false,
         }
     }
 
@@ -138,6 +141,7 @@ impl<'m> Engine<'m> {
                     latent: LatentCache::new(layout.latent_width(), options.poison),
                     expanded: None,
                     index_keys: None,
+                    kv_b_plain: None,
                 })
             })
             .collect();
@@ -271,6 +275,7 @@ impl<'m> Engine<'m> {
                 faults: options.faults,
                 mla_backend: !options.mla_disabled,
                 poison: options.poison,
+                force_dequant: options.force_dequant,
             };
             let cache = self.caches[layer]
                 .as_mut()

@@ -75,6 +75,9 @@ pub enum OpKind {
     AbsorbQuery,
     /// Decompressed per-head keys/values (naive path).
     Decompress,
+    /// A quantized weight turned into a plain one (kv_b_proj: through the identity matrix, or
+    /// force-dequantized).
+    Dequantize,
     /// Softmax probabilities [heads, tokens, context].
     AttentionProbs,
     /// Attention output per head, before o_proj.

@@ -6,6 +6,7 @@ pub mod synthetic;
 
 use super::catalog::Catalog;
 use super::layout::Layout;
+use super::quant::QuantTensor;
 use crate::error::{Error, Result};
 use crate::tensor::{checked_numel, Tensor};
 use std::collections::{HashMap, VecDeque};
@@ -22,6 +23,16 @@ pub trait WeightSource: Send + Sync {
     /// Fills `out` with rows `start_row..` of the tensor viewed as a matrix
     /// [shape[0], product of the rest]; `out.len()` is a whole number of rows.
     fn read_rows(&self, name: &str, start_row: usize, out: &mut [f32]) -> Result<()>;
+    /// The tensor's ggml blocks when the source stores it quantized (a GGUF file, `--quant`);
+    /// `read_rows` then returns the decoded values.
+    fn quantized(&self, _name: &str) -> Option<Result<QuantTensor>> {
+        None
+    }
+    /// Rows of the values a quantized tensor was made from, when the source still has them
+    /// (`--quant`): the reference a quantization-error check needs.
+    fn original(&self, _name: &str, _start_row: usize, _out: &mut [f32]) -> Option<Result<()>> {
+        None
+    }
 }
 
 /// Materialised weights with a byte budget: tensors are kept (least recently used first out)
@@ -31,6 +42,8 @@ pub struct WeightStore {
     catalog: Catalog,
     budget_bytes: usize,
     cache: Mutex<LruCache>,
+    /// Quantized forms fetched so far (`None`: the tensor is not quantized).
+    quantized: Mutex<HashMap<String, Option<Arc<QuantTensor>>>>,
     /// Total time spent in the source (reading or generating), in nanoseconds.
     fetch_nanos: AtomicU64,
 }
@@ -74,6 +87,7 @@ impl WeightStore {
             catalog,
             budget_bytes,
             cache: Mutex::new(LruCache::default()),
+            quantized: Mutex::new(HashMap::new()),
             fetch_nanos: AtomicU64::new(0),
         })
     }
@@ -136,6 +150,28 @@ impl WeightStore {
             )));
         }
         self.fetch(name, &shape, start, count)
+    }
+
+    /// The tensor's quantized blocks, when the source stores it quantized (kept once fetched).
+    pub fn quantized(&self, name: &str) -> Result<Option<Arc<QuantTensor>>> {
+        let mut map = self.quantized.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(q) = map.get(name) {
+            return Ok(q.clone());
+        }
+        self.spec_shape(name)?;
+        let q = self.source.quantized(name).transpose()?.map(Arc::new);
+        map.insert(name.to_string(), q.clone());
+        Ok(q)
+    }
+
+    /// The whole tensor as it was before quantization, when the source still has it.
+    pub fn original(&self, name: &str) -> Result<Option<Tensor>> {
+        let shape = self.shape(name)?;
+        let mut data = vec![0.0f32; checked_numel(&shape, name)?];
+        match self.source.original(name, 0, &mut data) {
+            None => Ok(None),
+            Some(r) => r.map(|_| Some(Tensor::from_vec(&shape, data))),
+        }
     }
 
     fn fetch(&self, name: &str, shape: &[usize], start: usize, count: usize) -> Result<Tensor> {
