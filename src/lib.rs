@@ -12,6 +12,7 @@ pub mod debug;
 pub mod engine;
 pub mod error;
 pub mod fsutil;
+pub mod gguf;
 pub mod model;
 pub mod session;
 pub mod stats;
