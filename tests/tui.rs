@@ -38,6 +38,7 @@ fn app_with(flags: &str) -> App {
         source: ModelSource::Layout {
             layout: "glm5-tiny".into(),
             seed: 0,
+            quant: None,
         },
         backend,
         schedule,

@@ -3,6 +3,8 @@
 use super::args::{FlagArgs, RunSetup};
 use super::dump::DumpCollector;
 use super::table;
+use crate::debug::quant::{kv_b_report, LayerQuantReport};
+use crate::debug::runner::Job;
 use crate::engine::generate;
 use crate::engine::{Engine, Observer, OpEvent};
 use crate::error::{Error, Result};
@@ -147,6 +149,77 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
         if let Some(p) = &args.dump {
             writeln!(out, "dumped {events} tensors to {}", p.display()).map_err(io)?;
         }
+    }
+    if model.has_quantized_kv_b() {
+        let job = Job {
+            model,
+            backend: p.backend.as_ref(),
+            schedule,
+            layers,
+            poison: false,
+        };
+        let report = kv_b_report(&job, flags)?;
+        write_kv_b_report(out, &report, args.json).map_err(io)?;
+    }
+    Ok(())
+}
+
+/// Max, mean and the worst head of per-head figures.
+fn summary(v: &[f64]) -> (f64, f64, usize) {
+    let (mut worst, mut at) = (0.0, 0);
+    for (h, &x) in v.iter().enumerate() {
+        if x > worst || x.is_nan() {
+            (worst, at) = (x, h);
+        }
+    }
+    (worst, v.iter().sum::<f64>() / v.len().max(1) as f64, at)
+}
+
+/// The quantized kv_b_proj section: per layer, how far W_UK / W_UV through the identity matrix
+/// are from force-dequantized ones, and how far the attention outputs of the two routes are.
+fn write_kv_b_report(
+    out: &mut dyn Write,
+    report: &[LayerQuantReport],
+    json: bool,
+) -> std::io::Result<()> {
+    if json {
+        for r in report {
+            let line = json!({
+                "type": "kv_b_quant",
+                "layer": r.layer,
+                "ggml_type": r.ty.name(),
+                "w_uk_rel_l2_per_head": r.w_uk,
+                "w_uv_rel_l2_per_head": r.w_uv,
+                "attn_output_rel_l2_per_head": r.attn,
+            });
+            writeln!(out, "{line}")?;
+        }
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "
+quantized kv_b_proj: W_UK / W_UV through the identity matrix vs force-dequantized, and attn_output with each (relative L2 per head: max, mean, worst head)"
+    )?;
+    writeln!(
+        out,
+        "{:>5}  {:<6}  {:<30}  {:<30}  {:<30}",
+        "layer", "type", "W_UK", "W_UV", "attn_output"
+    )?;
+    for r in report {
+        let cell = |v: &[f64]| {
+            let (max, mean, at) = summary(v);
+            format!("{max:.2e} {mean:.2e} h{at}")
+        };
+        writeln!(
+            out,
+            "{:>5}  {:<6}  {:<30}  {:<30}  {:<30}",
+            r.layer,
+            r.ty.name(),
+            cell(&r.w_uk),
+            cell(&r.w_uv),
+            cell(&r.attn)
+        )?;
     }
     Ok(())
 }

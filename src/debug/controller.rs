@@ -453,7 +453,10 @@ impl Controller {
     /// Changes one flag (see [`Flags::set`]) and re-executes.
     pub fn set_flag(&mut self, key: &str, value: &str) -> Result<FlagChange> {
         let mut flags = self.flags;
-        let note = flags.set(key, value)?;
+        let mut note = flags.set(key, value)?;
+        if key == "force-dequant" && !self.model.has_quantized_kv_b() {
+            note = Some(super::flags::FORCE_DEQUANT_IDLE.to_string());
+        }
         let mut change = self.set_flags(flags)?;
         change.note = note;
         Ok(change)
@@ -464,9 +467,11 @@ impl Controller {
     pub fn set_flags(&mut self, new: Flags) -> Result<FlagChange> {
         new.engine_options(self.layers.clone(), true)?;
         let mut inert = self.flags;
-        inert.force_dequant = new.force_dequant;
+        if !self.model.has_quantized_kv_b() {
+            inert.force_dequant = new.force_dequant;
+        }
         if inert == new {
-            // Nothing the engine reads changed (force-dequant has nothing to act on yet).
+            // Nothing the engine reads changed (force-dequant without a quantized kv_b_proj).
             self.flags = new;
             self.current.flags = new;
             return Ok(FlagChange {

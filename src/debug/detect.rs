@@ -147,10 +147,36 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
         notes.push("prefill vs decode: skipped, the run has no decode steps".to_string());
     }
 
-    notes.push(
-        "quantized vs dequantized kv_b_proj: skipped, kv_b_proj is not quantized in this model"
-            .to_string(),
-    );
+    // A quantized kv_b_proj: its decoding against what it was quantized from, then the run
+    // again with the other kv_b_proj route (force-dequantize flipped), op by op.
+    let (quant_found, quant_notes) = super::quant::quant_findings(job, &run)?;
+    findings.extend(quant_found);
+    notes.extend(quant_notes);
+    if job.model.has_quantized_kv_b() {
+        let mut flipped = flags;
+        flipped.force_dequant = !flags.force_dequant;
+        let other = job.run_schedule(flipped, &forced, None)?;
+        ops += other.counts.executed;
+        let route = |on: bool| {
+            if on {
+                "force-dequantized"
+            } else {
+                "quantized (identity)"
+            }
+        };
+        findings.extend(first_per_phase(
+            &compare_runs(&run, &other, heads),
+            tolerance,
+            FindingKind::QuantMismatch,
+            |_| {
+                format!(
+                    "kv_b_proj {} vs {}",
+                    route(flags.force_dequant),
+                    route(flipped.force_dequant)
+                )
+            },
+        ));
+    }
 
     if let Some(reference) = &options.reference {
         let compared = reference.compare(&run, heads);

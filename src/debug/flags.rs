@@ -66,6 +66,10 @@ fn parse_path(key: &str, value: &str) -> Result<MlaPath> {
     }
 }
 
+/// What force-dequantize says on a model whose kv_b_proj is not quantized.
+pub const FORCE_DEQUANT_IDLE: &str = "force-dequant has nothing to act on: kv_b_proj is not \
+     quantized in this model (quantized weights come from GGUF files or --quant)";
+
 /// The flag names `set` understands, for help texts.
 pub const FLAG_NAMES: &[&str] = &[
     "mla-disable",
@@ -301,11 +305,8 @@ mod tests {
         let mut g = f;
         g.set("inject", "-softmax-scale-latent").unwrap();
         assert!(g.faults.is_empty());
-        assert!(g
-            .set("force-dequant", "on")
-            .unwrap()
-            .unwrap()
-            .contains("nothing to act on"));
+        assert!(g.set("force-dequant", "on").unwrap().is_none());
+        assert!(g.force_dequant);
         assert!(g.set("device", "cuda").is_err());
         assert!(g.set("colour", "red").is_err());
         assert!(Flags::parse("decode-path=sideways").is_err());

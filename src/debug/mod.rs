@@ -6,7 +6,8 @@
 //! * [`record`], [`runner`]: runs kept whole, and re-runs that reuse an earlier run's leading ops;
 //! * [`controller`]: stepping, breakpoints and live flag changes over a running engine;
 //! * [`compare`], [`bisect`], [`external`]: per-op comparisons of runs, phases and dumps;
-//! * [`forensics`], [`detect`]: buffer forensics and the detectors of `mladb check`.
+//! * [`forensics`], [`detect`]: buffer forensics and the detectors of `mladb check`;
+//! * [`quant`]: a quantized kv_b_proj's two derivations compared, and its decoding checked.
 
 pub mod bisect;
 pub mod breakpoint;
@@ -16,6 +17,7 @@ pub mod detect;
 pub mod external;
 pub mod flags;
 pub mod forensics;
+pub mod quant;
 pub mod record;
 pub mod runner;
 

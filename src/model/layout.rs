@@ -157,6 +157,10 @@ const BUILTINS: &[Builtin] = &[
         ron: include_str!("../../layouts/glm5-tiny.ron"),
     },
     Builtin {
+        name: "glm5-tiny-wide",
+        ron: include_str!("../../layouts/glm5-tiny-wide.ron"),
+    },
+    Builtin {
         name: "deepseek-v3",
         ron: include_str!("../../layouts/deepseek-v3.ron"),
     },

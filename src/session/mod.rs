@@ -17,10 +17,21 @@ pub const VERSION: u32 = 1;
 /// Where the model of a session comes from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ModelSource {
-    /// A built-in layout name or a .ron path, with synthetic weights from `seed`.
-    Layout { layout: String, seed: u64 },
-    /// An HF checkpoint directory; `fingerprint` notices a changed checkpoint.
-    Checkpoint { path: PathBuf, fingerprint: String },
+    /// A built-in layout name or a .ron path, with synthetic weights from `seed`, quantized at
+    /// load when `quant` names a type (`--quant`).
+    Layout {
+        layout: String,
+        seed: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        quant: Option<String>,
+    },
+    /// An HF checkpoint directory or a GGUF file; `fingerprint` notices a changed one.
+    Checkpoint {
+        path: PathBuf,
+        fingerprint: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        quant: Option<String>,
+    },
 }
 
 /// Where the cursor stood: an op of a phase.
@@ -87,6 +98,19 @@ impl Session {
 /// safetensors files (hashing hundreds of GB is not cheap).
 pub fn checkpoint_fingerprint(dir: &Path) -> Result<String> {
     use crate::model::weights::synthetic::fnv1a64;
+    if dir.is_file() {
+        // A GGUF file: its size and a hash of its first 16 MiB (header, metadata, tensor
+        // table and the start of the data), so a 400 GB file is not read end to end.
+        use std::io::Read;
+        let mut f = std::fs::File::open(dir).map_err(|e| Error::io(dir, e))?;
+        let size = f.metadata().map_err(|e| Error::io(dir, e))?.len();
+        let mut head = Vec::new();
+        f.by_ref()
+            .take(16 << 20)
+            .read_to_end(&mut head)
+            .map_err(|e| Error::io(dir, e))?;
+        return Ok(format!("size:{size},head:{:016x}", fnv1a64(&head)));
+    }
     let config = std::fs::read(dir.join("config.json"))
         .map_err(|e| Error::io(dir.join("config.json"), e))?;
     let mut parts = vec![format!("{:016x}", fnv1a64(&config))];
@@ -119,6 +143,7 @@ mod tests {
             model: ModelSource::Layout {
                 layout: "glm5-tiny".into(),
                 seed: 3,
+                quant: None,
             },
             prompt: vec![1, 2, 3],
             prefill: 2,

@@ -428,11 +428,32 @@ fn describe(c: &Command) -> String {
 /// Loads the model a session names.
 pub fn load_model(source: &ModelSource) -> Result<Model> {
     const BUDGET: usize = 8 << 30;
-    match source {
-        ModelSource::Layout { layout, seed } => {
-            Model::synthetic(Layout::resolve(layout)?, *seed, BUDGET)
+    let args = |layout: Option<&String>,
+                model: Option<&std::path::PathBuf>,
+                seed,
+                quant: &Option<String>| {
+        crate::cli::args::ModelArgs {
+            layout: layout.cloned(),
+            model: model.cloned(),
+            seed,
+            weight_cache_mb: BUDGET >> 20,
+            quant: quant.clone(),
         }
-        ModelSource::Checkpoint { path, fingerprint } => {
+    };
+    match source {
+        ModelSource::Layout {
+            layout,
+            seed,
+            quant,
+        } => {
+            Layout::resolve(layout)?;
+            args(Some(layout), None, *seed, quant).load()
+        }
+        ModelSource::Checkpoint {
+            path,
+            fingerprint,
+            quant,
+        } => {
             let now = crate::session::checkpoint_fingerprint(path)?;
             if &now != fingerprint {
                 return Err(Error::invalid(format!(
@@ -440,7 +461,7 @@ pub fn load_model(source: &ModelSource) -> Result<Model> {
                     path.display()
                 )));
             }
-            Model::hf_checkpoint(path, BUDGET)
+            args(None, Some(path), 0, quant).load()
         }
     }
 }

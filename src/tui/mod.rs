@@ -50,6 +50,7 @@ impl TuiArgs {
             Some(dir) => ModelSource::Checkpoint {
                 path: dir.clone(),
                 fingerprint: crate::session::checkpoint_fingerprint(dir)?,
+                quant: self.setup.model.quant.clone(),
             },
             None => ModelSource::Layout {
                 layout: self
@@ -59,6 +60,7 @@ impl TuiArgs {
                     .clone()
                     .unwrap_or_else(|| "glm5-tiny".into()),
                 seed: self.setup.model.seed,
+                quant: self.setup.model.quant.clone(),
             },
         };
         flags.engine_options(p.layers.clone(), true)?;

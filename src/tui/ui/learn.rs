@@ -107,8 +107,12 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) {
         text("  reorders blocks or assumes another layout yields a wrong W_UK/W_UV, while the naive path (the same quantized matmul on c_kv) is fine.".to_string()),
         text("  force-dequantize instead dequantizes kv_b_proj once at load and treats it as an unquantized layer.".to_string()),
         text(format!(
-            "  Here: force-dequant is {}; kv_b_proj is stored in f32, so both routes give the same W (the flag has nothing to act on until weights are quantized).",
-            if app.mirror.flags.force_dequant { "on" } else { "off" }
+            "  Here: force-dequant is {}; {}",
+            if app.mirror.flags.force_dequant { "on" } else { "off" },
+            match quantized_kv_b_op(app, layer) {
+                Some(op) => format!("layer {layer} made its kv_b_proj plain in op {op} (compare it with the other route by toggling the flag)."),
+                None => "kv_b_proj is not quantized in this run (or its layer has not reached attention), so both routes give the same W (GGUF files and --quant give quantized weights).".to_string(),
+            }
         )),
     ]);
     frame.render_widget(Clear, area);
@@ -128,6 +132,15 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) {
 }
 
 /// This run's attention output of the layer next to the other path's, for the last token.
+/// The op that made this layer's quantized kv_b_proj plain, if the current run has one.
+fn quantized_kv_b_op(app: &App, layer: usize) -> Option<String> {
+    let run = app.mirror.current()?;
+    run.events
+        .iter()
+        .find(|e| e.layer == Some(layer) && e.kind == crate::engine::OpKind::Dequantize)
+        .map(|e| e.name.rsplit('.').next().unwrap_or(&e.name).to_string())
+}
+
 fn outputs(app: &App, layer: usize) -> Vec<Line<'static>> {
     let t = &app.theme;
     let title = Line::from(Span::styled(

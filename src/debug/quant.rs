@@ -1,0 +1,241 @@
+//! Checks of a quantized kv_b_proj: how far the two ways of making W_UK / W_UV from its blocks
+//! (the identity matrix through the quantized linear, or force-dequantize) differ per head, how
+//! far the attention outputs of a run with each differ per head, and whether the decoded weight
+//! is as close to what was quantized as the quantization type allows (the `quant-mismatch`
+//! detector, which catches a dequantization kernel that unpacks blocks wrongly).
+
+use super::detect::{Finding, FindingKind};
+use super::flags::Flags;
+use super::record::RunRecord;
+use super::runner::Job;
+use crate::engine::generate::Schedule;
+use crate::engine::{Fault, OpKind, Phase};
+use crate::error::Result;
+use crate::model::catalog::layer_prefix;
+use crate::model::quant::{QuantFaults, QuantTensor};
+use crate::stats::rel_l2;
+use crate::tensor::Tensor;
+use std::sync::Arc;
+
+/// One layer's figures, per head.
+#[derive(Debug, Clone)]
+pub struct LayerQuantReport {
+    pub layer: usize,
+    pub ty: crate::gguf::GgmlType,
+    /// Relative L2 between W_UK through the identity and W_UK force-dequantized, per head.
+    pub w_uk: Vec<f64>,
+    pub w_uv: Vec<f64>,
+    /// Relative L2 between the attention outputs (`self_attn.attn_output`, every token of the
+    /// run) with force-dequantize off and on, per head.
+    pub attn: Vec<f64>,
+}
+
+fn kv_b_name(l: usize) -> String {
+    format!("{}.self_attn.kv_b_proj.weight", layer_prefix(l))
+}
+
+/// The quantization faults `flags` plant (in any phase: a weight is decoded once).
+pub fn quant_faults(flags: &Flags) -> QuantFaults {
+    QuantFaults {
+        q4k_scale_unpack: [Phase::Prefill, Phase::Decode(0)]
+            .into_iter()
+            .any(|p| flags.faults.active(Fault::Q4kScaleUnpack, p)),
+    }
+}
+
+/// W = (I·W_deqᵀ)ᵀ through the backend's quantized linear, and W decoded directly.
+fn both_derivations(job: &Job, q: &QuantTensor, faults: QuantFaults) -> Result<(Tensor, Tensor)> {
+    let b = job.backend;
+    let n = q.cols;
+    let mut eye = vec![0.0f32; n * n];
+    eye.iter_mut().step_by(n + 1).for_each(|v| *v = 1.0);
+    let wt = b.linear_quant(&Tensor::from_vec(&[n, n], eye), q, faults)?;
+    let (r, c) = (wt.rows(), wt.cols());
+    let mut w = vec![0.0f32; r * c];
+    for (i, row) in wt.data().chunks(c).enumerate() {
+        for (j, &v) in row.iter().enumerate() {
+            w[j * r + i] = v;
+        }
+    }
+    Ok((Tensor::from_vec(&[c, r], w), b.dequantize(q, faults)?))
+}
+
+/// Per-head relative L2 of rows `offset..offset + rows` of each head's block of `block` rows.
+fn per_head(
+    a: &[f32],
+    b: &[f32],
+    heads: usize,
+    block: usize,
+    offset: usize,
+    rows: usize,
+    cols: usize,
+) -> Vec<f64> {
+    (0..heads)
+        .map(|h| {
+            let s = (h * block + offset) * cols;
+            let e = s + rows * cols;
+            rel_l2(&a[s..e], &b[s..e])
+        })
+        .collect()
+}
+
+/// The per-layer report; empty when no kv_b_proj is quantized. Runs the schedule twice (force
+/// dequantize off and on) on the same tokens.
+pub fn kv_b_report(job: &Job, flags: Flags) -> Result<Vec<LayerQuantReport>> {
+    let layout = &job.model.layout;
+    let (n, p, v, lat) = (
+        layout.num_heads,
+        layout.qk_nope_head_dim,
+        layout.v_head_dim,
+        layout.kv_lora_rank,
+    );
+    let quantized: Vec<(usize, Arc<QuantTensor>)> = job
+        .layers
+        .clone()
+        .filter_map(|l| match job.model.weights.quantized(&kv_b_name(l)) {
+            Ok(Some(q)) => Some(Ok((l, q))),
+            Ok(None) => None,
+            Err(e) => Some(Err(e)),
+        })
+        .collect::<Result<_>>()?;
+    if quantized.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (mut off, mut on) = (flags, flags);
+    off.force_dequant = false;
+    on.force_dequant = true;
+    let a = job.run(off, None)?;
+    let tokens = a
+        .outcome
+        .as_ref()
+        .map(|o| o.tokens.clone())
+        .unwrap_or_default();
+    let forced = Schedule {
+        prompt: tokens,
+        prefill_len: job.schedule.prefill_len,
+        decode_steps: 0,
+    };
+    let b = job.run_schedule(on, &forced, None)?;
+    let faults = quant_faults(&flags);
+    let mut out = Vec::new();
+    for (l, q) in quantized {
+        let (through_identity, dequantized) = both_derivations(job, &q, faults)?;
+        let (x, y) = (through_identity.data(), dequantized.data());
+        let attn = attention_per_head(&a, &b, l, n, v);
+        out.push(LayerQuantReport {
+            layer: l,
+            ty: q.ty,
+            w_uk: per_head(x, y, n, p + v, 0, p, lat),
+            w_uv: per_head(x, y, n, p + v, p, v, lat),
+            attn,
+        });
+    }
+    Ok(out)
+}
+
+/// Per-head relative L2 of a layer's attention output over every phase both runs have.
+fn attention_per_head(a: &RunRecord, b: &RunRecord, l: usize, heads: usize, v: usize) -> Vec<f64> {
+    let name = format!("{}.self_attn.attn_output", layer_prefix(l));
+    let (mut xs, mut ys) = (vec![Vec::new(); heads], vec![Vec::new(); heads]);
+    for (i, e) in a.events.iter().enumerate() {
+        if e.name != name {
+            continue;
+        }
+        // The decode steps of `a` are prefill rows of `b` (b prefilled the whole sequence).
+        let Some(j) = b
+            .find(e.phase, &name)
+            .or_else(|| b.find(Phase::Prefill, &name))
+        else {
+            continue;
+        };
+        let (x, y) = (a.outputs[i].data(), b.outputs[j].data());
+        let rows_x = x.len() / (heads * v);
+        let first = e.positions.0;
+        for t in 0..rows_x {
+            let ty = if b.events[j].phase == e.phase {
+                t
+            } else {
+                first + t
+            };
+            if (ty + 1) * heads * v > y.len() {
+                continue;
+            }
+            for h in 0..heads {
+                xs[h].extend_from_slice(&x[(t * heads + h) * v..(t * heads + h + 1) * v]);
+                ys[h].extend_from_slice(&y[(ty * heads + h) * v..(ty * heads + h + 1) * v]);
+            }
+        }
+    }
+    xs.iter().zip(&ys).map(|(x, y)| rel_l2(x, y)).collect()
+}
+
+/// The `quant-mismatch` detector: each quantized kv_b_proj as the run's kernels decode it,
+/// against what it was quantized from (when the weights still have it: `--quant`) with the
+/// error the reference codec makes as the yardstick, or else against the reference codec's
+/// decoding itself (a GGUF file).
+pub fn quant_findings(job: &Job, run: &RunRecord) -> Result<(Vec<Finding>, Vec<String>)> {
+    let faults = quant_faults(&run.flags);
+    let (mut findings, mut notes) = (Vec::new(), Vec::new());
+    let mut checked = 0;
+    for l in job.layers.clone() {
+        let name = kv_b_name(l);
+        let Some(q) = job.model.weights.quantized(&name)? else {
+            continue;
+        };
+        checked += 1;
+        let decoded = job.backend.dequantize(&q, faults)?;
+        let reference = q.dequantize(QuantFaults::default())?;
+        // Where the finding points: the op that made the weight plain, else the first op that
+        // multiplied with it.
+        let (index, op) = run
+            .events
+            .iter()
+            .enumerate()
+            .find(|(_, e)| {
+                e.layer == Some(l) && matches!(e.kind, OpKind::Dequantize | OpKind::Decompress)
+            })
+            .map(|(i, e)| (i, e.name.clone()))
+            .unwrap_or((0, name.clone()));
+        let phase = run.events.get(index).map_or(Phase::Prefill, |e| e.phase);
+        let detail = match job.model.weights.original(&name)? {
+            Some(original) => {
+                let expected = rel_l2(&reference, original.data());
+                let found = rel_l2(decoded.data(), original.data());
+                (found > 1.5 * expected + 1e-6).then(|| {
+                    format!(
+                        "kv_b_proj ({}) decodes {found:.3e} away from the weight it was quantized from; {} quantization explains {expected:.3e}",
+                        q.ty, q.ty
+                    )
+                })
+            }
+            None => {
+                let found = rel_l2(decoded.data(), &reference);
+                (found > 1e-6).then(|| {
+                    format!(
+                        "kv_b_proj ({}) decodes {found:.3e} away from the reference {} decoding",
+                        q.ty, q.ty
+                    )
+                })
+            }
+        };
+        if let Some(detail) = detail {
+            findings.push(Finding {
+                kind: FindingKind::QuantMismatch,
+                phase,
+                op,
+                index,
+                detail,
+            });
+        }
+    }
+    if checked == 0 {
+        notes.push(
+            "quantized kv_b_proj: skipped, kv_b_proj is not quantized in this model".to_string(),
+        );
+    } else {
+        notes.push(format!(
+            "quantized kv_b_proj: decoded weight checked in {checked} layer(s)"
+        ));
+    }
+    Ok((findings, notes))
+}
