@@ -28,7 +28,8 @@ fn tensor_core_decode_matches_reference() {
     let mut rng = common::Lcg::new(seed);
     eprintln!("seed {seed}");
     let width = LATENT + ROPE;
-    let lens = [1usize, 77, 900, 2100];
+    // Lengths off the 16/32-token tile grid, one shorter than a tile, and an empty sequence.
+    let lens = [1usize, 77, 0, 900, 2100];
     let heads = 128;
     let batch = lens.len();
     let pages_of: Vec<usize> = lens.iter().map(|l| l.div_ceil(PAGE)).collect();
@@ -56,6 +57,35 @@ fn tensor_core_decode_matches_reference() {
         max_pages,
         max_len: *lens.iter().max().unwrap(),
     };
+    // The f64 reference (output and natural-log LSE per sequence and head), once.
+    let mut want = Vec::with_capacity(batch * heads);
+    for b in 0..batch {
+        let row = |t: usize| {
+            let page = table[b * max_pages + t / PAGE] as usize;
+            let at = (page * PAGE + t % PAGE) * width;
+            &cache[at..at + width]
+        };
+        for h in 0..heads {
+            let qv = &q[(b * heads + h) * width..][..width];
+            let out = fast::reference_attention(
+                qv,
+                (0..lens[b]).map(|t| (row(t), &row(t)[..LATENT])),
+                scale as f64,
+            );
+            let scores: Vec<f64> = (0..lens[b])
+                .map(|t| {
+                    qv.iter()
+                        .zip(row(t))
+                        .map(|(&a, &c)| a as f64 * c as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = top + scores.iter().map(|s| (s - top).exp()).sum::<f64>().ln();
+            want.push((out, lse));
+        }
+    }
     let d_cache = gpu.upload(&cache, Elem::Bf16).unwrap();
     let d_q = gpu.upload(&q, Elem::Bf16).unwrap();
     let d_table = gpu.upload_i32(&table).unwrap();
@@ -64,59 +94,48 @@ fn tensor_core_decode_matches_reference() {
         .unwrap();
     let out = gpu.alloc(batch * heads * LATENT, Elem::Bf16).unwrap();
     let lse = gpu.alloc(batch * heads, Elem::F32).unwrap();
-    // The split count the device would choose, one split (the kernel writes the result itself),
-    // and an odd count that leaves some splits of the short sequences empty.
+    // Every kernel variant the device can run; for each, the split count the device would
+    // choose, one split (the kernel writes the result itself), an odd count that leaves some
+    // splits of the short sequences empty (merged per row), and 40 (the block-wide merge).
     let chosen = DecodeWork::new(gpu, shape).unwrap().splits;
-    for splits in [chosen, 1, 7] {
-        gpu.fill(&out, true).unwrap();
-        gpu.fill(&lse, true).unwrap();
-        let work = DecodeWork::with_splits(gpu, shape, splits).unwrap();
-        fast::mla_decode(
-            gpu, shape, &d_q, &d_cache, &d_table, &d_lens, scale, &out, &lse, &work,
-        )
-        .unwrap();
-        let got = gpu.download(&out).unwrap();
-        let got_lse = gpu.download(&lse).unwrap();
-        let mut worst: f64 = 0.0;
-        for b in 0..batch {
-            let row = |t: usize| {
-                let page = table[b * max_pages + t / PAGE] as usize;
-                let at = (page * PAGE + t % PAGE) * width;
-                &cache[at..at + width]
-            };
-            for h in 0..heads {
-                let qv = &q[(b * heads + h) * width..][..width];
-                let want = fast::reference_attention(
-                    qv,
-                    (0..lens[b]).map(|t| (row(t), &row(t)[..LATENT])),
-                    scale as f64,
-                );
-                let err = fast::relative_error(&got[(b * heads + h) * LATENT..][..LATENT], &want);
-                worst = worst.max(err);
-                // The log-sum-exp of the scores, natural log.
-                let scores: Vec<f64> = (0..lens[b])
-                    .map(|t| {
-                        qv.iter()
-                            .zip(row(t))
-                            .map(|(&a, &c)| a as f64 * c as f64)
-                            .sum::<f64>()
-                            * scale as f64
-                    })
-                    .collect();
-                let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let want_lse = top + scores.iter().map(|s| (s - top).exp()).sum::<f64>().ln();
-                let l = got_lse[b * heads + h] as f64;
-                assert!(
-                    (l - want_lse).abs() < 2e-2 * want_lse.abs().max(1.0),
-                    "lse of sequence {b} head {h}: {l} vs {want_lse} (seed {seed})"
-                );
+    for variant in fast::decode_variants_for(gpu) {
+        for splits in [chosen, 1, 7, 40] {
+            gpu.fill(&out, true).unwrap();
+            gpu.fill(&lse, true).unwrap();
+            let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
+            fast::mla_decode(
+                gpu, shape, &d_q, &d_cache, &d_table, &d_lens, scale, &out, &lse, &work,
+            )
+            .unwrap();
+            let got = gpu.download(&out).unwrap();
+            let got_lse = gpu.download(&lse).unwrap();
+            let mut worst: f64 = 0.0;
+            for b in 0..batch {
+                for h in 0..heads {
+                    let got_row = &got[(b * heads + h) * LATENT..][..LATENT];
+                    let l = got_lse[b * heads + h] as f64;
+                    if lens[b] == 0 {
+                        // Nothing to attend to: zeros and an LSE of minus infinity.
+                        assert!(
+                            got_row.iter().all(|&x| x == 0.0) && l == f64::NEG_INFINITY,
+                            "{variant}, {splits} splits: empty sequence {b} head {h} gave lse {l}"
+                        );
+                        continue;
+                    }
+                    let (want_out, want_lse) = &want[b * heads + h];
+                    worst = worst.max(fast::relative_error(got_row, want_out));
+                    assert!(
+                        (l - want_lse).abs() < 2e-2 * want_lse.abs().max(1.0),
+                        "{variant}, {splits} splits: lse of sequence {b} head {h}: {l} vs {want_lse} (seed {seed})"
+                    );
+                }
             }
+            eprintln!("decode {variant}: worst relative error {worst:.2e} over {batch} sequences × {heads} heads, {splits} splits");
+            assert!(
+                worst < 1e-2,
+                "decode {variant} relative error {worst} with {splits} splits (seed {seed})"
+            );
         }
-        eprintln!("decode: worst relative error {worst:.2e} over {batch} sequences × {heads} heads, {splits} splits");
-        assert!(
-            worst < 1e-2,
-            "decode relative error {worst} with {splits} splits (seed {seed})"
-        );
     }
 }
 

@@ -29,28 +29,79 @@ pub struct DecodeShape {
     pub max_len: usize,
 }
 
-/// The decode kernel variant a device can run: (name, shared bytes per block). 32-token tiles in
-/// two stages where 156 KB of shared memory are there (A100, Hopper, B200), 16-token tiles in
-/// one stage otherwise (99 KB: sm_86/89, sm_120). `MLADB_DECODE_TILE=16` forces the small one
-/// (two blocks per multiprocessor on Hopper), for experiments.
-fn decode_variant(gpu: &Gpu) -> Result<(&'static str, u32)> {
-    let stride = 584 * 2;
-    let size = |tile: usize, stages: usize| {
-        (HEAD_GROUP * stride
-            + stages * tile * stride
-            + HEAD_GROUP * (tile + 8) * 2
-            + 5 * HEAD_GROUP * 4) as u32
+/// The decode kernel variants, in order of preference: (kernel, shared bytes per block).
+/// `mla_decode_ks3` (split-k S, P·V by output dims, three stages: 222 KB, Hopper and B200);
+/// `mla_decode_ks2` (the same in two stages, 185 KB); `mla_decode_t32` (32-token tiles in two
+/// stages, 156 KB: A100); `mla_decode_t16` (16-token tiles in one stage, 99 KB: sm_86/89,
+/// sm_120). kernels/mla_decode.cu says how they differ.
+fn decode_variants() -> [(&'static str, u32); 4] {
+    let row = 584 * 2; // shared row stride in bytes (576 bf16 padded by 8)
+    let classic = |tile: usize, stages: usize| {
+        (HEAD_GROUP * row + stages * tile * row + HEAD_GROUP * (tile + 8) * 2 + 5 * HEAD_GROUP * 4)
+            as u32
     };
-    let (big, small) = (size(32, 2), size(16, 1));
+    // Q, the stages of 32 rows, the partial-S exchange, P (rows of 40), maxima and sums.
+    let split_k = |stages: usize| {
+        (HEAD_GROUP * row
+            + stages * 32 * row
+            + 2 * 4 * 4 * 2 * 512
+            + HEAD_GROUP * 40 * 2
+            + 8 * HEAD_GROUP * 4) as u32
+    };
+    [
+        ("mla_decode_ks3", split_k(3)),
+        ("mla_decode_ks2", split_k(2)),
+        ("mla_decode_t32", classic(32, 2)),
+        ("mla_decode_t16", classic(16, 1)),
+    ]
+}
+
+/// The decode kernel variants this device's shared memory allows, in order of preference.
+pub fn decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
     let limit = gpu.max_shared_per_block() as u32;
-    let force_small = std::env::var("MLADB_DECODE_TILE").is_ok_and(|v| v == "16");
-    if limit >= big && !force_small {
-        Ok(("mla_decode_t32", big))
-    } else if limit >= small {
-        Ok(("mla_decode_t16", small))
-    } else {
-        Err(Error::invalid(format!("the MLA decode kernel needs {small} bytes of shared memory per block; this device allows {limit}")))
+    decode_variants()
+        .into_iter()
+        .filter(|&(_, bytes)| bytes <= limit)
+        .map(|(name, _)| name)
+        .collect()
+}
+
+/// The decode variant for a device: `forced` (a kernel name) if given, else
+/// `MLADB_DECODE_VARIANT` (ks3, ks2, t32, t16; `MLADB_DECODE_TILE=16` is t16) for experiments,
+/// else the first that fits its shared memory.
+fn decode_variant(gpu: &Gpu, forced: Option<&str>) -> Result<(&'static str, u32)> {
+    let limit = gpu.max_shared_per_block() as u32;
+    let env = std::env::var("MLADB_DECODE_VARIANT")
+        .ok()
+        .map(|v| format!("mla_decode_{v}"))
+        .or_else(|| {
+            std::env::var("MLADB_DECODE_TILE")
+                .is_ok_and(|v| v == "16")
+                .then(|| "mla_decode_t16".to_string())
+        });
+    let want = forced.map(str::to_string).or(env);
+    let variants = decode_variants();
+    if let Some(want) = want {
+        let &(name, bytes) = variants
+            .iter()
+            .find(|(name, _)| *name == want)
+            .ok_or_else(|| Error::invalid(format!("no MLA decode kernel variant {want}")))?;
+        if bytes > limit {
+            return Err(Error::invalid(format!(
+                "{name} needs {bytes} bytes of shared memory per block; this device allows {limit}"
+            )));
+        }
+        return Ok((name, bytes));
     }
+    variants
+        .into_iter()
+        .find(|&(_, bytes)| bytes <= limit)
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "the MLA decode kernel needs {} bytes of shared memory per block; this device allows {limit}",
+                variants[variants.len() - 1].1
+            ))
+        })
 }
 
 /// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
@@ -62,10 +113,15 @@ fn decode_splits(gpu: &Gpu, shape: DecodeShape, shared: u32) -> usize {
     let per_sm = (gpu.max_shared_per_multiprocessor() / (shared as usize + 1024)).max(1);
     let slots = gpu.multiprocessors() * per_sm;
     let base = shape.batch * shape.heads.div_ceil(HEAD_GROUP);
+    // The fixed cost in tokens; `MLADB_DECODE_SPLIT_COST` sets another, for experiments.
+    let fixed = std::env::var("MLADB_DECODE_SPLIT_COST")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(192);
     let mut best = (usize::MAX, 1);
     for s in 1..=shape.max_len.div_ceil(64).clamp(1, MAX_SPLITS) {
         let waves = (base * s).div_ceil(slots);
-        let cost = waves * (shape.max_len.div_ceil(s) + 192);
+        let cost = waves * (shape.max_len.div_ceil(s) + fixed);
         if cost < best.0 {
             best = (cost, s);
         }
@@ -76,7 +132,7 @@ fn decode_splits(gpu: &Gpu, shape: DecodeShape, shared: u32) -> usize {
 /// A decode launch plan: the kernel variant for the device, the split count, and the scratch
 /// (per-split outputs and log-sum-exps), chosen once and reused by every launch of the shape.
 pub struct DecodeWork {
-    kernel: &'static str,
+    pub kernel: &'static str,
     shared: u32,
     part_o: DevBuf,
     part_lse: DevBuf,
@@ -85,19 +141,29 @@ pub struct DecodeWork {
 
 impl DecodeWork {
     pub fn new(gpu: &Gpu, shape: DecodeShape) -> Result<DecodeWork> {
-        let (_, shared) = decode_variant(gpu)?;
+        let (_, shared) = decode_variant(gpu, None)?;
         DecodeWork::with_splits(gpu, shape, decode_splits(gpu, shape, shared))
     }
 
     /// Scratch for a chosen number of splits (1 to 256; tests use it to cover both the
     /// single-split path, which writes the result directly, and the merge).
     pub fn with_splits(gpu: &Gpu, shape: DecodeShape, splits: usize) -> Result<DecodeWork> {
+        DecodeWork::with_variant(gpu, shape, splits, None)
+    }
+
+    /// The same with a chosen kernel variant (a name from [`decode_variants_for`]), for tests.
+    pub fn with_variant(
+        gpu: &Gpu,
+        shape: DecodeShape,
+        splits: usize,
+        variant: Option<&str>,
+    ) -> Result<DecodeWork> {
         if !(1..=MAX_SPLITS).contains(&splits) {
             return Err(Error::invalid(format!(
                 "MLA decode: {splits} splits (1 to {MAX_SPLITS})"
             )));
         }
-        let (kernel, shared) = decode_variant(gpu)?;
+        let (kernel, shared) = decode_variant(gpu, variant)?;
         Ok(DecodeWork {
             kernel,
             shared,
@@ -190,6 +256,30 @@ pub fn mla_decode(
     if work.splits == 1 {
         return Ok(()); // the kernel wrote the result itself
     }
+    let merge_args: [Arg; 6] = [
+        (&work.part_o).into(),
+        (&work.part_lse).into(),
+        out.into(),
+        lse.into(),
+        Arg::I32(work.splits as i32),
+        Arg::I32(shape.heads as i32),
+    ];
+    let rows = shape.batch * shape.heads;
+    if work.splits <= combine_rows_max() && rows >= 512 {
+        // Few splits over many rows: a warp per (sequence, head), no block barriers (the
+        // whole decode at batch 64 × 1k, 2 splits, on the H200: 58 µs instead of 86). Under 64
+        // blocks of rows the block-wide merge spreads wider (batch 1 × 1k, 16 splits: 16.3 µs
+        // against 19–20).
+        let mut args = merge_args.to_vec();
+        args.push(Arg::I32(rows as i32));
+        return gpu.launch(
+            "mla_decode_combine_rows",
+            (rows.div_ceil(8) as u32, 1, 1),
+            256,
+            0,
+            &args,
+        );
+    }
     gpu.launch(
         "mla_decode_combine",
         (
@@ -199,15 +289,18 @@ pub fn mla_decode(
         ),
         256,
         0,
-        &[
-            (&work.part_o).into(),
-            (&work.part_lse).into(),
-            out.into(),
-            lse.into(),
-            Arg::I32(work.splits as i32),
-            Arg::I32(shape.heads as i32),
-        ],
+        &merge_args,
     )
+}
+
+/// Up to how many splits the per-row merge runs (at most 32, a split per lane);
+/// `MLADB_COMBINE_ROWS_MAX` sets another bound, for experiments (0: never).
+fn combine_rows_max() -> usize {
+    std::env::var("MLADB_COMBINE_ROWS_MAX")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(16)
+        .min(32)
 }
 
 /// The prefill head dimensions the kernel is built for: (q·k width, v width).
