@@ -6,6 +6,7 @@ pub mod bench;
 pub mod bench_gpu;
 pub mod check;
 pub mod dump;
+pub mod gguf_cmd;
 pub mod kernels;
 pub mod layout_cmd;
 pub mod run;
@@ -47,6 +48,9 @@ pub enum Command {
     Kernels(kernels::KernelsArgs),
     /// List, show or import model layouts.
     Layout(layout_cmd::LayoutArgs),
+    /// Inspect a GGUF file: metadata, tensors, statistics; dump a tensor dequantized to
+    /// safetensors; or time dequantization on this CPU (--bench-dequant).
+    Gguf(gguf_cmd::GgufArgs),
 }
 
 /// Runs the parsed command line; the exit code is 0, or 1 when `check` or `bisect` found
@@ -68,6 +72,7 @@ pub fn main(cli: Cli) -> Result<u8> {
         Some(Command::Bench(args)) => bench::bench(&args).map(|_| false),
         Some(Command::Layout(args)) => layout_cmd::layout(&args).map(|_| false),
         Some(Command::Kernels(args)) => kernels::run(&args),
+        Some(Command::Gguf(args)) => gguf_cmd::run(&args).map(|_| false),
     }?;
     Ok(found as u8)
 }
