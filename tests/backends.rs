@@ -466,3 +466,87 @@ fn indexer_topk_on_ties_masks_and_short_rows() {
         assert_eq!(got, want, "{}: index top-k", u.name);
     }
 }
+
+/// Random valid blocks of `ty`: random quant bits, with every f16 scale field a finite value
+/// (F16 / BF16 tensors: every value finite).
+fn random_blocks(
+    ty: mladb::gguf::GgmlType,
+    rows: usize,
+    cols: usize,
+) -> mladb::model::quant::QuantTensor {
+    use mladb::gguf::GgmlType as G;
+    let mut rng = common::Lcg::new(common::seed() ^ ty as u64);
+    let (bs, ts) = (ty.block_size(), ty.type_size());
+    let n_blocks = rows * cols / bs;
+    let mut bytes: Vec<u8> = (0..n_blocks * ts).map(|_| rng.next_u64() as u8).collect();
+    let f16_fields: &[usize] = match ty {
+        G::Q8_0 | G::Q4_0 | G::Q5_0 => &[0],
+        G::Q4_1 | G::Q5_1 | G::Q4_K | G::Q5_K => &[0, 2],
+        G::Q2_K => &[80, 82],
+        G::Q3_K => &[108],
+        G::Q6_K => &[208],
+        G::F16 | G::BF16 => &[0],
+        _ => panic!("no block recipe for {ty}"),
+    };
+    for block in bytes.chunks_mut(ts) {
+        for &off in f16_fields {
+            let v = rng.next_f32() * 2.0 - 1.0;
+            let b = if ty == G::BF16 {
+                half::bf16::from_f32(v).to_le_bytes()
+            } else {
+                half::f16::from_f32(v * 0.05).to_le_bytes()
+            };
+            block[off..off + 2].copy_from_slice(&b);
+        }
+    }
+    mladb::model::quant::QuantTensor::new(ty, rows, cols, bytes.into()).unwrap()
+}
+
+#[test]
+fn dequantization_and_the_quantized_linear_match_the_cpu_codec() {
+    use mladb::gguf::GgmlType as G;
+    use mladb::model::quant::QuantFaults;
+    let types = [
+        G::Q8_0,
+        G::Q4_0,
+        G::Q4_1,
+        G::Q5_0,
+        G::Q5_1,
+        G::Q2_K,
+        G::Q3_K,
+        G::Q4_K,
+        G::Q5_K,
+        G::Q6_K,
+        G::F16,
+        G::BF16,
+    ];
+    let fault = QuantFaults {
+        q4k_scale_unpack: true,
+    };
+    let x = random(&[9, 512], "xq", 1.0);
+    let cpu = CpuBackend;
+    for u in backends() {
+        let b = &*u.backend;
+        for ty in types {
+            let w = random_blocks(ty, 40, 512);
+            for faults in [QuantFaults::default(), fault] {
+                let want = Tensor::from_vec(&[40, 512], w.dequantize(faults).unwrap());
+                let got = b.dequantize(&w, faults).unwrap();
+                let op = format!("dequantize {ty} {faults:?}");
+                check(&u, &op, &got, &want);
+                if u.tolerance == 0.0 || u.name == "cuda-f32" {
+                    // Decoding is exact arithmetic in ggml's order: bit for bit.
+                    let same = got
+                        .data()
+                        .iter()
+                        .zip(want.data())
+                        .all(|(p, q)| p.to_bits() == q.to_bits());
+                    assert!(same, "{} {op}: not bit-identical to the CPU codec", u.name);
+                }
+                let want = cpu.linear(&x, &want, None).unwrap();
+                let got = b.linear_quant(&x, &w, faults).unwrap();
+                check(&u, &format!("linear_quant {ty} {faults:?}"), &got, &want);
+            }
+        }
+    }
+}

@@ -40,7 +40,7 @@ impl QuantTensor {
                 "ggml type {ty} cannot be dequantized by mladb"
             )));
         }
-        if cols % ty.block_size() != 0 {
+        if !cols.is_multiple_of(ty.block_size()) {
             return Err(Error::invalid(format!(
                 "{ty} rows of {cols} values are not whole blocks of {}",
                 ty.block_size()
@@ -97,7 +97,7 @@ impl QuantTensor {
         faults: QuantFaults,
     ) -> Result<()> {
         let count = out.len() / self.cols;
-        if out.len() % self.cols != 0 || start + count > self.rows {
+        if !out.len().is_multiple_of(self.cols) || start + count > self.rows {
             return Err(Error::invalid(format!(
                 "rows {start}..{} of a {} [{}, {}] weight",
                 start + count,
@@ -174,7 +174,7 @@ pub fn is_quantizable_name(name: &str) -> bool {
 /// The type a GGUF conversion falls back to when rows are not whole blocks of `ty` (llama.cpp
 /// does this for K-quants whose rows are not multiples of 256).
 pub fn fallback_type(ty: GgmlType, cols: usize) -> Option<GgmlType> {
-    if cols % ty.block_size() == 0 {
+    if cols.is_multiple_of(ty.block_size()) {
         return Some(ty);
     }
     let alternative = match ty {
@@ -182,7 +182,8 @@ pub fn fallback_type(ty: GgmlType, cols: usize) -> Option<GgmlType> {
         GgmlType::Q6_K => GgmlType::Q8_0,
         _ => return None,
     };
-    (cols % alternative.block_size() == 0).then_some(alternative)
+    cols.is_multiple_of(alternative.block_size())
+        .then_some(alternative)
 }
 
 /// A weight source whose projection weights are quantized at load (`--quant TYPE`): rows read

@@ -21,6 +21,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("router.cu", include_str!("../../../kernels/router.cu")),
     ("mla.cu", include_str!("../../../kernels/mla.cu")),
     ("indexer.cu", include_str!("../../../kernels/indexer.cu")),
+    ("dequant.cu", include_str!("../../../kernels/dequant.cu")),
     (
         "attention.cu",
         include_str!("../../../kernels/attention.cu"),

@@ -19,7 +19,9 @@ use crate::engine::faults::KernelFaults;
 use crate::engine::rope::RopeTable;
 use crate::engine::StorageDtype;
 use crate::error::{Error, Result};
+use crate::gguf::GgmlType;
 use crate::model::layout::MoeLayout;
+use crate::model::quant::{QuantFaults, QuantTensor};
 use crate::stats::TensorStats;
 use crate::tensor::{BufferId, DType, DeviceBuffer, Tensor};
 use device::{grid, Arg, DevBuf, Elem, Gpu};
@@ -821,6 +823,72 @@ impl Backend for CudaBackend {
         self.finish(out, &[n, context])
     }
 
+    fn linear_quant(&self, x: &Tensor, w: &QuantTensor, faults: QuantFaults) -> Result<Tensor> {
+        let Some(ty) = quant_kernel_name(w.ty) else {
+            return crate::backend::linear_quant_host(x, w, faults);
+        };
+        let k = x.cols();
+        if k != w.cols {
+            return Err(Error::invalid(format!(
+                "quantized linear: input of {k} features for a {} weight [{}, {}]",
+                w.ty, w.rows, w.cols
+            )));
+        }
+        // One decoded weight row per block in shared memory.
+        let shared = k * 4;
+        if shared > self.gpu.max_shared_per_block() {
+            return crate::backend::linear_quant_host(x, w, faults);
+        }
+        let n = x.rows();
+        let mut shape = x.shape().to_vec();
+        *shape.last_mut().expect("linear input has a shape") = w.rows;
+        let xd = self.dev(x)?;
+        let wd = self.gpu.upload_bytes(w.bytes())?;
+        let y = self.out(crate::tensor::checked_numel(
+            &shape,
+            "quantized linear output",
+        )?)?;
+        self.gpu.launch(
+            &self.k(&format!("linear_{ty}")),
+            (w.rows as u32, n.div_ceil(64) as u32, 1),
+            256,
+            shared as u32,
+            &[
+                Self::ptr(&xd).into(),
+                (&wd).into(),
+                y.ptr.into(),
+                n.into(),
+                k.into(),
+                w.rows.into(),
+                w.row_bytes().into(),
+                (faults.q4k_scale_unpack as i32).into(),
+            ],
+        )?;
+        self.finish(y, &shape)
+    }
+
+    fn dequantize(&self, w: &QuantTensor, faults: QuantFaults) -> Result<Tensor> {
+        let Some(ty) = quant_kernel_name(w.ty) else {
+            return Ok(Tensor::from_vec(&[w.rows, w.cols], w.dequantize(faults)?));
+        };
+        let n = crate::tensor::checked_numel(&[w.rows, w.cols], "dequantized weight")?;
+        let wd = self.gpu.upload_bytes(w.bytes())?;
+        let out = self.out(n)?;
+        self.gpu.launch(
+            &self.k(&format!("dequant_{ty}")),
+            grid(n as u64),
+            256,
+            0,
+            &[
+                (&wd).into(),
+                out.ptr.into(),
+                n.into(),
+                (faults.q4k_scale_unpack as i32).into(),
+            ],
+        )?;
+        self.finish(out, &[w.rows, w.cols])
+    }
+
     fn index_topk(
         &self,
         scores: &Tensor,
@@ -876,6 +944,25 @@ impl Backend for CudaBackend {
             _ => TensorStats::of(t.data()),
         }
     }
+}
+
+/// The name part of the dequantization kernels of a ggml type (kernels/dequant.cu).
+pub fn quant_kernel_name(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q2_K => "q2_k",
+        GgmlType::Q3_K => "q3_k",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::Q5_K => "q5_k",
+        GgmlType::Q6_K => "q6_k",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        _ => return None,
+    })
 }
 
 impl CudaBackend {
