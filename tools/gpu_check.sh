@@ -24,6 +24,9 @@ if [ "$what" != bench ]; then
     grep -E "^test |panicked|test result|skipped|worst" "$OUT/$t.txt" | head -30
   done
   $B/mladb run --device cuda --layout glm5-tiny --tokens 1,2,3 --decode 2 > "$OUT/run.txt" 2>&1; tail -2 "$OUT/run.txt"
+  # A quantized kv_b_proj on the GPU: the two W_UK/W_UV routes per head, and the Q4_K fault.
+  $B/mladb run --device cuda --layout glm5-tiny-wide --quant q4_k --decode 2 > "$OUT/run_q4k.txt" 2>&1; tail -7 "$OUT/run_q4k.txt"
+  $B/mladb check --device cuda --layout glm5-tiny-wide --quant q4_k --inject q4k-scale-unpack > "$OUT/check_q4k.txt" 2>&1; tail -3 "$OUT/check_q4k.txt"
 fi
 if [ "$what" != tests ]; then
   python3 tools/torch_mla_bench.py ${QUICK:+--quick} > "$OUT/torch_bench.txt" 2>&1

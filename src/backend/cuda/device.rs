@@ -547,53 +547,89 @@ pub fn grid(n: u64) -> (u32, u32, u32) {
 }
 
 /// The extern "C" kernel names defined in a source file: declared directly, or through a macro
-/// whose body declares one (`FLASH_PREFILL(name, ...)`: the name is its first argument).
+/// whose body declares them (`FLASH_PREFILL(name, ...)`, or names pasted together from its
+/// parameters: `dequant_##name##_f32`), expanded for each use of the macro.
 pub fn kernel_names(src: &str) -> Vec<String> {
+    /// A macro that declares kernels: its parameters and the name patterns it declares.
+    struct Macro {
+        name: String,
+        params: Vec<String>,
+        patterns: Vec<String>,
+    }
+    fn declared(line: &str) -> Option<String> {
+        let rest = line.split_once("extern \"C\" __global__ void ")?.1;
+        // `__launch_bounds__(...)` may stand between `void` and the name.
+        let rest = match rest.trim_start().strip_prefix("__launch_bounds__") {
+            Some(b) => b.split_once(')').map_or("", |(_, name)| name),
+            None => rest,
+        };
+        rest.split('(').next().map(|n| n.trim().to_string())
+    }
     let mut names = Vec::new();
-    let mut macros: Vec<String> = Vec::new();
-    let mut in_macro: Option<(String, bool)> = None;
+    let mut macros: Vec<Macro> = Vec::new();
+    let mut open: Option<Macro> = None;
     for line in src.lines() {
         let t = line.trim_start();
-        if let Some((name, declares)) = in_macro.as_mut() {
-            *declares |= line.contains("extern \"C\"");
-            if !line.trim_end().ends_with('\\') {
-                if *declares {
-                    macros.push(name.clone());
-                }
-                in_macro = None;
+        let continued = line.trim_end().ends_with('\\');
+        if let Some(m) = open.as_mut() {
+            m.patterns.extend(declared(line));
+            if !continued {
+                macros.push(open.take().expect("open macro"));
             }
             continue;
         }
         if let Some(rest) = t.strip_prefix("#define ") {
-            let name = rest
-                .split(|c: char| c == '(' || c.is_whitespace())
-                .next()
-                .unwrap_or("")
-                .to_string();
-            let declares = line.contains("extern \"C\"");
-            if line.trim_end().ends_with('\\') {
-                in_macro = Some((name, declares));
-            } else if declares {
-                macros.push(name);
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            let params = rest[name.len()..]
+                .strip_prefix('(')
+                .and_then(|p| p.split_once(')'))
+                .map(|(p, _)| p.split(',').map(|s| s.trim().to_string()).collect())
+                .unwrap_or_default();
+            let m = Macro {
+                name,
+                params,
+                patterns: declared(line).into_iter().collect(),
+            };
+            if continued {
+                open = Some(m);
+            } else {
+                macros.push(m);
             }
             continue;
         }
-        if let Some(rest) = t.strip_prefix("extern \"C\" __global__ void ") {
-            // `__launch_bounds__(...)` may stand between `void` and the name.
-            let rest = match rest.strip_prefix("__launch_bounds__") {
-                Some(b) => b.split_once(')').map_or("", |(_, name)| name),
-                None => rest,
-            };
-            if let Some(name) = rest.split('(').next() {
-                names.push(name.trim().to_string());
-            }
+        if let Some(name) = declared(t).filter(|_| t.starts_with("extern")) {
+            names.push(name);
             continue;
         }
         if let Some((mac, args)) = t.split_once('(') {
-            if macros.iter().any(|m| m == mac) {
-                if let Some(first) = args.split([',', ')']).next() {
-                    names.push(first.trim().to_string());
-                }
+            let Some(m) = macros
+                .iter()
+                .find(|m| m.name == mac && !m.patterns.is_empty())
+            else {
+                continue;
+            };
+            let args: Vec<&str> = args
+                .rsplit_once(')')
+                .map_or(args, |(a, _)| a)
+                .split(',')
+                .map(str::trim)
+                .collect();
+            for pattern in &m.patterns {
+                let expanded: String = pattern
+                    .split("##")
+                    .map(|piece| {
+                        let piece = piece.trim();
+                        m.params
+                            .iter()
+                            .position(|p| p == piece)
+                            .and_then(|i| args.get(i).copied())
+                            .unwrap_or(piece)
+                    })
+                    .collect();
+                names.push(expanded);
             }
         }
     }
@@ -608,10 +644,38 @@ mod tests {
                    extern \"C\" __global__ void __launch_bounds__(256, 1) bounded(int a) {}\n\
                    #define MAKE(NAME, X) \\\n    extern \"C\" __global__ void NAME(int a) { body<X>(a); }\n\
                    #define OTHER(A) (A + 1)\n\
-                   MAKE(made_a, 1)\nMAKE(made_b, 2)\nint y = OTHER(3);\n";
+                   MAKE(made_a, 1)\nMAKE(made_b, 2)\nint y = OTHER(3);\n\
+                   #define PASTE(t, B) \\\n    extern \"C\" __global__ void dq_##t##_f32(int a) {} \\\n    extern \"C\" __global__ void mm_##t(int a) {}\n\
+                   PASTE(q4_k, 256)\n";
         assert_eq!(
             super::kernel_names(src),
-            ["plain", "bounded", "made_a", "made_b"]
+            [
+                "plain",
+                "bounded",
+                "made_a",
+                "made_b",
+                "dq_q4_k_f32",
+                "mm_q4_k"
+            ]
         );
+    }
+}
+#[cfg(test)]
+mod source_names {
+    /// Every kernel name found in the real sources is a plain identifier (a macro left
+    /// unexpanded would fail the lookup at run time only, on a GPU).
+    #[test]
+    fn every_kernel_name_is_an_identifier() {
+        let mut total = 0;
+        for (file, src) in crate::backend::cuda::compile::SOURCES {
+            for name in super::kernel_names(src) {
+                assert!(
+                    !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+                    "{file}: kernel name {name:?}"
+                );
+                total += 1;
+            }
+        }
+        assert!(total > 100, "{total} kernels");
     }
 }
