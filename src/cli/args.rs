@@ -130,6 +130,9 @@ impl RunSetup {
         let start = std::time::Instant::now();
         let model = self.model.load()?;
         let load_seconds = start.elapsed().as_secs_f64();
+        if flags.force_dequant && !model.has_quantized_kv_b() {
+            eprintln!("note: {}", crate::debug::flags::FORCE_DEQUANT_IDLE);
+        }
         let layout = &model.layout;
         let layers = match &self.layers {
             Some(text) => parse_layers(text, layout.num_layers)?,
@@ -226,9 +229,7 @@ impl FlagArgs {
             flags.device = crate::debug::flags::DeviceFlag::Cuda;
         }
         if self.force_dequant {
-            if let Some(note) = flags.set("force-dequant", "on")? {
-                eprintln!("note: {note}");
-            }
+            flags.set("force-dequant", "on")?;
         }
         Ok(flags)
     }
