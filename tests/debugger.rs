@@ -89,7 +89,7 @@ fn the_clean_run_has_no_findings() {
         assert!(report
             .notes
             .iter()
-            .any(|n| n.contains("quantized vs dequantized")));
+            .any(|n| n.contains("quantized kv_b_proj: skipped")));
     });
 }
 
