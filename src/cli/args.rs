@@ -13,11 +13,12 @@ use std::path::PathBuf;
 /// Where the model comes from.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Built-in layout name (glm5, glm5-tiny, deepseek-v3, deepseek-v3-tiny) or a .ron file;
+    /// Built-in layout name (glm5, glm5-tiny, glm5-tiny-wide, deepseek-v3, deepseek-v3-tiny) or a .ron file;
     /// weights are synthetic.
     #[arg(long, conflicts_with = "model")]
     pub layout: Option<String>,
-    /// An HF checkpoint directory (config.json + *.safetensors).
+    /// An HF checkpoint directory (config.json + *.safetensors) or a GGUF file (glm-dsa,
+    /// deepseek2).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Seed of the synthetic weights.
@@ -162,6 +163,42 @@ impl RunSetup {
             load_seconds,
         })
     }
+}
+
+impl RunSetup {
+    /// Where the model comes from, as a session records it.
+    pub fn source(&self) -> Result<crate::session::ModelSource> {
+        use crate::session::ModelSource;
+        Ok(match &self.model.model {
+            Some(dir) => ModelSource::Checkpoint {
+                path: dir.clone(),
+                fingerprint: crate::session::checkpoint_fingerprint(dir)?,
+                quant: self.model.quant.clone(),
+            },
+            None => ModelSource::Layout {
+                layout: self
+                    .model
+                    .layout
+                    .clone()
+                    .unwrap_or_else(|| "glm5-tiny".into()),
+                seed: self.model.seed,
+                quant: self.model.quant.clone(),
+            },
+        })
+    }
+}
+
+/// `--record FILE` and `--record-tensors`, shared by `run` and `check`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct RecordArgs {
+    /// Record the session (model source, tokens, flags, every op's statistics, buffers and a
+    /// sample of its values, the outcome) to this RON file, for `mladb replay`.
+    #[arg(long)]
+    pub record: Option<PathBuf>,
+    /// With --record: also write every output in full to a companion safetensors file beside
+    /// it (NAME.tensors.safetensors).
+    #[arg(long, requires = "record")]
+    pub record_tensors: bool,
 }
 
 /// The debugging flags as options.

@@ -1,7 +1,7 @@
 //! `mladb check`: runs the detectors and prints their findings. Exit 0 when there are none, 1
 //! when there are, 2 on bad input.
 
-use super::args::{FlagArgs, RunSetup};
+use super::args::{FlagArgs, RecordArgs, RunSetup};
 use crate::debug::detect::{check, CheckOptions, CheckReport};
 use crate::debug::external::{ExternalDump, NameMap};
 use crate::debug::runner::Job;
@@ -31,6 +31,8 @@ pub struct CheckArgs {
     /// One JSON object per finding (then a summary object).
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub record: RecordArgs,
 }
 
 /// Runs the check; returns whether anything was found.
@@ -68,6 +70,26 @@ pub fn run(args: &CheckArgs) -> Result<bool> {
         },
     )?;
     let seconds = start.elapsed().as_secs_f64();
+    if let Some(path) = &args.record.record {
+        use crate::session::recorded::{RecordedCheck, RecordedRun, RunRole};
+        let mut session = crate::session::Session::new(args.setup.source()?, &p.schedule);
+        session.layers = (p.layers.start, p.layers.end);
+        session.describe_model(&p.model);
+        session.flags = flags;
+        let mut run = RecordedRun::of(&report.run, RunRole::Check, true);
+        run.started_at = 1.min(run.ops.len());
+        session.runs.push(run);
+        session.check = Some(RecordedCheck {
+            findings: report.findings.clone(),
+            notes: report.notes.clone(),
+            tolerance: report.tolerance,
+        });
+        if args.record.record_tensors {
+            session.save_with_tensors(path, std::slice::from_ref(&report.run.outputs))?;
+        } else {
+            session.save(path)?;
+        }
+    }
     if args.json {
         print_json(&report, seconds);
     } else {

@@ -9,6 +9,7 @@ pub mod dump;
 pub mod gguf_cmd;
 pub mod kernels;
 pub mod layout_cmd;
+pub mod replay;
 pub mod run;
 pub mod table;
 
@@ -48,6 +49,9 @@ pub enum Command {
     Kernels(kernels::KernelsArgs),
     /// List, show or import model layouts.
     Layout(layout_cmd::LayoutArgs),
+    /// Open a recorded session in the debugger without recomputation (no model, no GPU);
+    /// --verify recomputes and compares every recorded op; --json / --dump export it.
+    Replay(replay::ReplayArgs),
     /// Inspect a GGUF file: metadata, tensors, statistics; dump a tensor dequantized to
     /// safetensors; or time dequantization on this CPU (--bench-dequant).
     Gguf(gguf_cmd::GgufArgs),
@@ -73,6 +77,7 @@ pub fn main(cli: Cli) -> Result<u8> {
         Some(Command::Layout(args)) => layout_cmd::layout(&args).map(|_| false),
         Some(Command::Kernels(args)) => kernels::run(&args),
         Some(Command::Gguf(args)) => gguf_cmd::run(&args).map(|_| false),
+        Some(Command::Replay(args)) => replay::run(&args),
     }?;
     Ok(found as u8)
 }

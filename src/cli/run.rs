@@ -1,6 +1,6 @@
 //! `mladb run`: a headless forward pass that prints the op trace (a table, or JSON lines).
 
-use super::args::{FlagArgs, RunSetup};
+use super::args::{FlagArgs, RecordArgs, RunSetup};
 use super::dump::DumpCollector;
 use super::table;
 use crate::debug::quant::{kv_b_report, LayerQuantReport};
@@ -8,11 +8,14 @@ use crate::debug::runner::Job;
 use crate::engine::generate;
 use crate::engine::{Engine, Observer, OpEvent};
 use crate::error::{Error, Result};
+use crate::session::recorded::{sample_of, RecordedOp, RecordedOutcome, RecordedRun, RunRole};
+use crate::session::Session;
 use crate::tensor::Tensor;
 use clap::Args;
 use serde_json::json;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Args, Debug, Clone)]
@@ -27,6 +30,8 @@ pub struct RunArgs {
     /// Write every op output as F32 tensors named PHASE/OPNAME to this safetensors file.
     #[arg(long)]
     pub dump: Option<PathBuf>,
+    #[command(flatten)]
+    pub record: RecordArgs,
 }
 
 impl RunArgs {
@@ -38,6 +43,7 @@ impl RunArgs {
             flags: FlagArgs::default(),
             json: false,
             dump: None,
+            record: RecordArgs::default(),
         }
     }
 }
@@ -48,6 +54,10 @@ struct RunObserver<'a> {
     out: &'a mut dyn Write,
     dump: Option<DumpCollector>,
     events: usize,
+    /// `--record`: every op with a sample of its values (and the outputs, with
+    /// `--record-tensors`).
+    record: Option<Vec<RecordedOp>>,
+    record_outputs: Option<Vec<Arc<Tensor>>>,
 }
 
 impl Observer for RunObserver<'_> {
@@ -63,6 +73,15 @@ impl Observer for RunObserver<'_> {
         writeln!(self.out, "{line}").map_err(|e| Error::io("stdout", e))?;
         if let Some(d) = &mut self.dump {
             d.add(event, output);
+        }
+        if let Some(r) = &mut self.record {
+            r.push(RecordedOp {
+                event: event.clone(),
+                sample: sample_of(output.data()),
+            });
+        }
+        if let Some(r) = &mut self.record_outputs {
+            r.push(Arc::new(output.clone()));
         }
         Ok(())
     }
@@ -104,6 +123,8 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
         out,
         dump: args.dump.as_ref().map(|_| DumpCollector::default()),
         events: 0,
+        record: args.record.record.as_ref().map(|_| Vec::new()),
+        record_outputs: args.record.record_tensors.then(Vec::new),
     };
     let run_start = Instant::now();
     let outcome = generate::run(&mut engine, schedule, &mut observer)?;
@@ -111,6 +132,28 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     let events = observer.events;
     if let (Some(path), Some(dump)) = (&args.dump, &observer.dump) {
         dump.write(path)?;
+    }
+    if let (Some(path), Some(ops)) = (&args.record.record, observer.record.take()) {
+        let mut session = Session::new(args.setup.source()?, schedule);
+        session.layers = (layers.start, layers.end);
+        session.describe_model(model);
+        session.flags = flags;
+        session.runs.push(RecordedRun {
+            role: RunRole::Main,
+            flags,
+            poison: false,
+            schedule: None,
+            first_affected: None,
+            started_at: 1.min(ops.len()),
+            compared_with: None,
+            outcome: Some(RecordedOutcome::from(&outcome)),
+            error: None,
+            ops,
+        });
+        match observer.record_outputs.take() {
+            Some(outputs) => session.save_with_tensors(path, &[outputs])?,
+            None => session.save(path)?,
+        }
     }
     let out = observer.out;
     if args.json {

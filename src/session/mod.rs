@@ -1,18 +1,26 @@
 //! Saved debugging sessions, in RON. Version 1 holds what a session *is*: the model source, the
 //! tokens and schedule, the flags, the breakpoints, the cursor and the user's notes; loading it
-//! recomputes the run. (Recorded results, for replay without recomputation, are a later version
-//! of this file; every version the project ships stays loadable.)
+//! recomputes the run. Version 2 adds the recorded results ([`recorded`]): every run with its
+//! flags, where they took effect, its outcome, and per op the trace event and a bounded sample of
+//! values (full tensors optionally in a companion safetensors file), the notes' places in the
+//! timeline and `check`'s findings, so a session replays without recomputation. A version 1 file
+//! loads as a version 2 session with no recorded results.
+
+pub mod recorded;
 
 use crate::debug::breakpoint::Breakpoint;
 use crate::debug::Flags;
 use crate::engine::trace::Phase;
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
+use crate::tensor::Tensor;
+use recorded::{Annotation, RecordedCheck, RecordedRun};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-/// The newest session format this build writes.
-pub const VERSION: u32 = 1;
+/// The newest session format this build writes (it reads 1 and 2).
+pub const VERSION: u32 = 2;
 
 /// Where the model of a session comes from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -58,40 +66,329 @@ pub struct Session {
     pub cursor: Option<Cursor>,
     #[serde(default)]
     pub notes: Vec<String>,
+    /// v2: notes placed in the timeline (replay shows each when it gets there).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub annotations: Vec<Annotation>,
+    /// v2: `mladb check`'s findings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check: Option<RecordedCheck>,
+    /// v2: the companion safetensors file with every recorded output in full (tensors named
+    /// `runN/PHASE/OP`, N indexing `runs`), relative to the session file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensors: Option<PathBuf>,
+    /// v2: the model's layout and a description of its weights, so a replay needs neither the
+    /// weights nor the checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<crate::model::Layout>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<String>,
+    /// v2: the recorded runs, in order (main runs in timeline order, comparison runs after the
+    /// run they belong to). Empty for a v1 file.
+    #[serde(default)]
+    pub runs: Vec<RecordedRun>,
+}
+
+/// Only the version, read first so a newer file gets a clear error before any field does.
+#[derive(Deserialize)]
+struct VersionOnly {
+    version: u32,
 }
 
 impl Session {
-    /// Writes the session atomically (a crash never leaves half a file in place of a good one).
-    pub fn save(&self, path: &Path) -> Result<()> {
-        let config = ron::ser::PrettyConfig::new().depth_limit(4);
-        let text = ron::ser::to_string_pretty(self, config)
-            .map_err(|e| Error::invalid(format!("cannot serialise the session: {e}")))?;
-        write_atomic(path, format!("// mladb session\n{text}\n").as_bytes())
+    /// A session with nothing recorded.
+    pub fn new(model: ModelSource, schedule: &crate::engine::generate::Schedule) -> Session {
+        Session {
+            version: VERSION,
+            model,
+            prompt: schedule.prompt.clone(),
+            prefill: schedule.prefill_len,
+            decode: schedule.decode_steps,
+            layers: (0, 0),
+            flags: Flags::default(),
+            breakpoints: Vec::new(),
+            cursor: None,
+            notes: Vec::new(),
+            annotations: Vec::new(),
+            check: None,
+            tensors: None,
+            layout: None,
+            weights: None,
+            runs: Vec::new(),
+        }
     }
 
-    /// Reads a session; a damaged or hand-edited file gives an error naming the line and field.
+    /// Records the model's layout and weights' description (what replay shows without it).
+    pub fn describe_model(&mut self, model: &crate::model::Model) {
+        self.layout = Some(model.layout.clone());
+        self.weights = Some(model.weights.describe());
+    }
+
+    /// The session's schedule.
+    pub fn schedule(&self) -> crate::engine::generate::Schedule {
+        crate::engine::generate::Schedule {
+            prompt: self.prompt.clone(),
+            prefill_len: self.prefill,
+            decode_steps: self.decode,
+        }
+    }
+
+    /// The session as RON text.
+    pub fn to_ron(&self) -> Result<String> {
+        // Depth 5 puts every recorded op on one line: a few MB for a full-size model, and an
+        // error's line number says which op.
+        let config = ron::ser::PrettyConfig::new().depth_limit(5);
+        let text = ron::ser::to_string_pretty(self, config)
+            .map_err(|e| Error::invalid(format!("cannot serialise the session: {e}")))?;
+        Ok(format!("// mladb session\n{text}\n"))
+    }
+
+    /// Writes the session atomically (a crash never leaves half a file in place of a good one).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        write_atomic(path, self.to_ron()?.as_bytes())
+    }
+
+    /// Writes the session and, beside it, a companion safetensors file with full outputs:
+    /// `outputs[n]` are run n's op outputs (a missing or shorter list records what it holds).
+    /// Both writes are atomic; the companion is written first, so a session never names a
+    /// missing file.
+    pub fn save_with_tensors(&self, path: &Path, outputs: &[Vec<Arc<Tensor>>]) -> Result<()> {
+        let name = companion_name(path)?;
+        let companion = path.with_file_name(&name);
+        let mut names = Vec::new();
+        let mut bytes: Vec<Vec<u8>> = Vec::new();
+        let mut shapes = Vec::new();
+        for (n, run) in self.runs.iter().enumerate() {
+            let Some(outs) = outputs.get(n) else { continue };
+            for (op, out) in run.ops.iter().zip(outs) {
+                names.push(format!("run{n}/{}", op.event.dump_name()));
+                shapes.push(out.shape().to_vec());
+                bytes.push(out.data().iter().flat_map(|v| v.to_le_bytes()).collect());
+            }
+        }
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = names
+            .iter()
+            .zip(shapes.iter().zip(&bytes))
+            .map(|(n, (s, b))| {
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| Error::invalid(format!("tensor {n}: {e}")))
+            })
+            .collect::<Result<_>>()?;
+        let data = safetensors::serialize(views, None)
+            .map_err(|e| Error::invalid(format!("writing {}: {e}", companion.display())))?;
+        write_atomic(&companion, &data)?;
+        let mut with = self.clone();
+        with.tensors = Some(PathBuf::from(name));
+        with.save(path)
+    }
+
+    /// Reads a session; a damaged or hand-edited file gives an error naming the line, column and
+    /// field (`runs[0].ops[41].event.stats.mean`).
     pub fn load(path: &Path) -> Result<Session> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let session: Session = ron::from_str(&text).map_err(|e| {
-            Error::parse(
-                path,
-                format!(
-                    "line {}, column {}: {}",
-                    e.span.start.line, e.span.start.col, e.code
-                ),
-            )
-        })?;
-        if session.version == 0 || session.version > VERSION {
-            return Err(Error::parse(
-                path,
-                format!(
+        Session::parse(&text).map_err(|msg| Error::parse(path, msg))
+    }
+
+    /// Parses session text; the error is the message of [`Session::load`]'s.
+    pub fn parse(text: &str) -> std::result::Result<Session, String> {
+        let error = |e: ron::error::SpannedError| {
+            let (line, col) = (e.span.start.line, e.span.start.col);
+            let field = field_path(text, line, col);
+            let at = if field.is_empty() {
+                String::new()
+            } else {
+                format!(", field {field}")
+            };
+            format!("line {line}, column {col}{at}: {}", e.code)
+        };
+        // The version first: a file from a newer mladb is named as such, not as a bad field.
+        if let Ok(v) = ron::from_str::<VersionOnly>(text) {
+            if v.version == 0 || v.version > VERSION {
+                return Err(format!(
                     "session version {} is not one this build reads (1..={VERSION})",
-                    session.version
-                ),
+                    v.version
+                ));
+            }
+        }
+        let session: Session = ron::from_str(text).map_err(error)?;
+        if session.version == 0 || session.version > VERSION {
+            return Err(format!(
+                "session version {} is not one this build reads (1..={VERSION})",
+                session.version
             ));
+        }
+        if session.version < 2 && (!session.runs.is_empty() || session.tensors.is_some()) {
+            return Err(format!(
+                "a version {} session cannot hold recorded runs (they came with version 2)",
+                session.version
+            ));
+        }
+        for (n, run) in session.runs.iter().enumerate() {
+            for (i, op) in run.ops.iter().enumerate() {
+                let numel: usize = op.event.shape.iter().product();
+                let want = recorded::sample_indices(numel).len();
+                if op.sample.len() != want {
+                    return Err(format!(
+                        "runs[{n}].ops[{i}].sample: {} values where an output of shape {:?} samples {want}",
+                        op.sample.len(),
+                        op.event.shape
+                    ));
+                }
+            }
         }
         Ok(session)
     }
+
+    /// The full outputs of every run from the companion file, if the session has one:
+    /// `result[n][i]` is op i of run n.
+    pub fn load_tensors(&self, session_path: &Path) -> Result<Option<Vec<Vec<Arc<Tensor>>>>> {
+        let Some(rel) = &self.tensors else {
+            return Ok(None);
+        };
+        let path = match session_path.parent() {
+            Some(dir) => dir.join(rel),
+            None => rel.clone(),
+        };
+        let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+        let st = safetensors::SafeTensors::deserialize(&bytes)
+            .map_err(|e| Error::parse(&path, e.to_string()))?;
+        let mut runs = Vec::new();
+        for (n, run) in self.runs.iter().enumerate() {
+            let mut outs = Vec::new();
+            for op in &run.ops {
+                let name = format!("run{n}/{}", op.event.dump_name());
+                let view = st
+                    .tensor(&name)
+                    .map_err(|e| Error::parse(&path, format!("{name}: {e}")))?;
+                if view.dtype() != safetensors::Dtype::F32 {
+                    return Err(Error::parse(&path, format!("{name}: not F32")));
+                }
+                let shape = view.shape().to_vec();
+                let numel: usize = op.event.shape.iter().product();
+                if shape.iter().product::<usize>() != numel {
+                    return Err(Error::parse(
+                        &path,
+                        format!(
+                            "{name}: shape {shape:?} where the session has {:?}",
+                            op.event.shape
+                        ),
+                    ));
+                }
+                let data: Vec<f32> = view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                outs.push(Arc::new(Tensor::from_vec(&shape, data)));
+            }
+            runs.push(outs);
+        }
+        Ok(Some(runs))
+    }
+}
+
+/// The companion file's name: `NAME.tensors.safetensors` for `NAME.ron`.
+fn companion_name(path: &Path) -> Result<String> {
+    let stem = path
+        .file_stem()
+        .ok_or_else(|| Error::invalid(format!("{}: not a file path", path.display())))?;
+    Ok(format!("{}.tensors.safetensors", stem.to_string_lossy()))
+}
+
+/// The field at (line, column) of RON text, as a path from the top (`runs[0].ops[41].sample`):
+/// a scan that follows nesting, list indices and `name:` keys, skipping strings and comments.
+pub fn field_path(text: &str, line: usize, col: usize) -> String {
+    struct Frame {
+        list: bool,
+        field: Option<String>,
+        index: usize,
+    }
+    let mut stack = vec![Frame {
+        list: false,
+        field: None,
+        index: 0,
+    }];
+    let chars: Vec<char> = text.chars().collect();
+    let (mut l, mut c) = (1usize, 1usize);
+    let mut i = 0;
+    let advance = |ch: char, l: &mut usize, c: &mut usize| {
+        if ch == '\n' {
+            *l += 1;
+            *c = 1;
+        } else {
+            *c += 1;
+        }
+    };
+    while i < chars.len() && (l, c) < (line, col) {
+        let ch = chars[i];
+        if ch == '"' {
+            advance(ch, &mut l, &mut c);
+            i += 1;
+            while i < chars.len() && chars[i] != '"' {
+                if chars[i] == '\\' && i + 1 < chars.len() {
+                    advance(chars[i], &mut l, &mut c);
+                    i += 1;
+                }
+                advance(chars[i], &mut l, &mut c);
+                i += 1;
+            }
+        } else if ch == '/' && chars.get(i + 1) == Some(&'/') {
+            while i < chars.len() && chars[i] != '\n' {
+                advance(chars[i], &mut l, &mut c);
+                i += 1;
+            }
+            continue;
+        } else if ch.is_ascii_alphabetic() || ch == '_' {
+            let start = i;
+            while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '_') {
+                advance(chars[i], &mut l, &mut c);
+                i += 1;
+            }
+            let word: String = chars[start..i].iter().collect();
+            let mut j = i;
+            while j < chars.len() && chars[j] == ' ' {
+                j += 1;
+            }
+            if chars.get(j) == Some(&':') {
+                if let Some(top) = stack.last_mut() {
+                    top.field = Some(word);
+                }
+            }
+            continue;
+        } else if matches!(ch, '(' | '[' | '{') {
+            stack.push(Frame {
+                list: ch == '[',
+                field: None,
+                index: 0,
+            });
+        } else if matches!(ch, ')' | ']' | '}') {
+            if stack.len() > 1 {
+                stack.pop();
+            }
+        } else if ch == ',' {
+            if let Some(top) = stack.last_mut() {
+                top.index += 1;
+                if !top.list {
+                    top.field = None;
+                }
+            }
+        }
+        advance(ch, &mut l, &mut c);
+        i += 1;
+    }
+    let mut path = String::new();
+    for f in &stack {
+        if f.list {
+            path.push_str(&format!("[{}]", f.index));
+        }
+        if let Some(name) = &f.field {
+            if !path.is_empty() {
+                path.push('.');
+            }
+            path.push_str(name);
+        }
+    }
+    path
 }
 
 /// A cheap fingerprint of a checkpoint directory: its config.json and the names and sizes of its
@@ -138,25 +435,26 @@ mod tests {
     fn round_trip_and_errors_name_the_line() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.ron");
-        let s = Session {
-            version: VERSION,
-            model: ModelSource::Layout {
+        let mut s = Session::new(
+            ModelSource::Layout {
                 layout: "glm5-tiny".into(),
                 seed: 3,
                 quant: None,
             },
-            prompt: vec![1, 2, 3],
-            prefill: 2,
-            decode: 1,
-            layers: (0, 4),
-            flags: Flags::parse("mla-disable,inject=softmax-scale-latent").unwrap(),
-            breakpoints: vec![Breakpoint::NanInf, Breakpoint::Layer(2)],
-            cursor: Some(Cursor {
-                phase: Phase::Decode(0),
-                op: "logits".into(),
-            }),
-            notes: vec!["absorbed path looks off".into()],
-        };
+            &crate::engine::generate::Schedule {
+                prompt: vec![1, 2, 3],
+                prefill_len: 2,
+                decode_steps: 1,
+            },
+        );
+        s.layers = (0, 4);
+        s.flags = Flags::parse("mla-disable,inject=softmax-scale-latent").unwrap();
+        s.breakpoints = vec![Breakpoint::NanInf, Breakpoint::Layer(2)];
+        s.cursor = Some(Cursor {
+            phase: Phase::Decode(0),
+            op: "logits".into(),
+        });
+        s.notes = vec!["absorbed path looks off".into()];
         s.save(&path).unwrap();
         assert_eq!(Session::load(&path).unwrap(), s);
         let text = std::fs::read_to_string(&path).unwrap();
@@ -165,5 +463,38 @@ mod tests {
         assert!(err.contains("line ") && err.contains("s.ron"), "{err}");
         std::fs::write(&path, &text[..text.len() / 2]).unwrap();
         assert!(Session::load(&path).is_err());
+    }
+
+    #[test]
+    fn a_version_1_file_loads_with_nothing_recorded() {
+        let text = r#"// mladb session
+(
+    version: 1,
+    model: Layout(layout: "glm5-tiny", seed: 0),
+    prompt: [1, 2, 3],
+    prefill: 3,
+    decode: 1,
+    layers: (0, 4),
+    flags: (mla_disable: false, prefill_path: naive, decode_path: absorbed, force_dequant: false, device: cpu, dtype: f32, faults: ["output-buffer-disconnect"]),
+    breakpoints: [],
+    cursor: None,
+    notes: ["a note"],
+)
+"#;
+        let s = Session::parse(text).unwrap();
+        assert_eq!(s.version, 1);
+        assert!(s.runs.is_empty() && s.annotations.is_empty() && s.check.is_none());
+        assert_eq!(s.notes, vec!["a note".to_string()]);
+        let newer = text.replace("version: 1", "version: 9");
+        assert!(Session::parse(&newer).unwrap_err().contains("version 9"));
+    }
+
+    #[test]
+    fn field_paths_follow_nesting() {
+        let text =
+            "(\n  a: 1,\n  runs: [\n    (ops: [(x: 1), (x: 2, y: \"s,(\", z: oops)]),\n  ],\n)";
+        let line = 4;
+        let col = text.lines().nth(3).unwrap().find("oops").unwrap() + 1;
+        assert_eq!(field_path(text, line, col), "runs[0].ops[1].z");
     }
 }

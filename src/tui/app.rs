@@ -130,6 +130,39 @@ pub struct App {
     pub divergence_cache: RefCell<HashMap<(usize, usize, u8), Divergence>>,
     /// Whether op (run, index) diverges from comparison run (…, comparison), once computed.
     pub mark_cache: RefCell<HashMap<(usize, usize, usize), bool>>,
+    /// Where and how often the session is saved unasked (and on quit); `None`: never.
+    pub autosave: Option<Autosave>,
+}
+
+/// The autosave: a path, an interval, and when it last ran.
+#[derive(Debug, Clone)]
+pub struct Autosave {
+    pub path: PathBuf,
+    pub every: std::time::Duration,
+    pub last: std::time::Instant,
+}
+
+impl Autosave {
+    /// `$MLADB_AUTOSAVE` (a path; `off` disables), else `$XDG_STATE_HOME/mladb/autosave.ron`,
+    /// else `~/.local/state/mladb/autosave.ron`; every five minutes and on quit.
+    pub fn from_env() -> Option<Autosave> {
+        let path = match std::env::var_os("MLADB_AUTOSAVE") {
+            Some(p) if p == "off" || p.is_empty() => return None,
+            Some(p) => PathBuf::from(p),
+            None => std::env::var_os("XDG_STATE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| {
+                    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local").join("state"))
+                })?
+                .join("mladb")
+                .join("autosave.ron"),
+        };
+        Some(Autosave {
+            path,
+            every: std::time::Duration::from_secs(300),
+            last: std::time::Instant::now(),
+        })
+    }
 }
 
 /// The first op over tolerance in a comparison, and how many ops were compared.
@@ -166,9 +199,43 @@ impl App {
             areas: Areas::default(),
             divergence_cache: RefCell::new(HashMap::new()),
             mark_cache: RefCell::new(HashMap::new()),
+            autosave: None,
         };
         app.tick();
         app
+    }
+
+    /// Saves the session to the autosave location now (failures are logged, never raised).
+    pub fn autosave_now(&mut self) {
+        let Some(a) = &mut self.autosave else { return };
+        a.last = std::time::Instant::now();
+        let path = a.path.clone();
+        if let Some(dir) = path.parent() {
+            if let Err(e) = std::fs::create_dir_all(dir) {
+                self.say(format!("autosave failed: {}: {e}", dir.display()));
+                return;
+            }
+        }
+        let cursor = self.selected_op().map(|(_, e)| cursor_of(e));
+        let notes = self.notes.clone();
+        self.send(Command::Save {
+            path,
+            cursor,
+            notes,
+            tensors: false,
+            autosave: true,
+        });
+    }
+
+    /// Autosaves when the interval has passed and the debugger is idle.
+    pub fn autosave_if_due(&mut self) {
+        let due = self
+            .autosave
+            .as_ref()
+            .is_some_and(|a| a.last.elapsed() >= a.every);
+        if due && self.mirror.busy.is_none() {
+            self.autosave_now();
+        }
     }
 
     fn send(&mut self, command: Command) {
@@ -640,17 +707,24 @@ impl App {
                 None => self.say("usage: set FLAG VALUE (flags: mla-disable, prefill-path, decode-path, force-dequant, device, dtype, inject)"),
             },
             "save" if !rest.is_empty() => {
+                let (tensors, file) = match rest.strip_prefix("--tensors ") {
+                    Some(f) => (true, f.trim()),
+                    None => (false, rest),
+                };
                 let cursor = self.selected_op().map(|(_, e)| cursor_of(e));
                 let notes = self.notes.clone();
                 self.send(Command::Save {
-                    path: PathBuf::from(rest),
+                    path: PathBuf::from(file),
                     cursor,
                     notes,
+                    tensors,
+                    autosave: false,
                 });
             }
             "load" if !rest.is_empty() => self.send(Command::Load(PathBuf::from(rest))),
             "note" if !rest.is_empty() => {
                 self.notes.push(rest.to_string());
+                self.driver.send(Command::Note(rest.to_string()));
                 self.say(format!("noted: {rest}"));
             }
             "quit" | "q" => self.quit = true,

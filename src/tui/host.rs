@@ -12,7 +12,8 @@ use crate::engine::generate::{Outcome, Schedule};
 use crate::engine::trace::{OpEvent, Phase};
 use crate::error::{Error, Result};
 use crate::model::{Layout, Model};
-use crate::session::{Cursor, ModelSource, Session, VERSION};
+use crate::session::recorded::{Annotation, RecordedRun, RecordedSchedule, RunRole};
+use crate::session::{Cursor, ModelSource, Session};
 use crate::tensor::Tensor;
 use std::ops::Range;
 use std::path::PathBuf;
@@ -39,8 +40,15 @@ pub enum Command {
         path: PathBuf,
         cursor: Option<Cursor>,
         notes: Vec<String>,
+        /// Also write every output in full to a companion safetensors file.
+        tensors: bool,
+        /// An autosave: a failure is logged as such and never interrupts anything.
+        autosave: bool,
     },
     Load(PathBuf),
+    /// A note typed now: the host places it in the timeline (the current run, after its ops so
+    /// far) for the saved session.
+    Note(String),
 }
 
 /// The two comparison runs `Compare` computes.
@@ -115,6 +123,31 @@ pub struct Host {
     source: ModelSource,
     send: Send,
     cancel: Arc<AtomicBool>,
+    /// Per run number: ops it held when it became current, the first op its flags affected,
+    /// the run it was compared with.
+    starts: Vec<(usize, Option<usize>, Option<usize>)>,
+    /// Notes placed in the timeline.
+    annotations: Vec<Annotation>,
+    /// Comparison runs computed, for the saved session.
+    aux: Vec<(usize, AuxKind, Schedule, Arc<RunRecord>)>,
+}
+
+impl AuxKind {
+    /// The name sessions record.
+    pub fn name(self) -> &'static str {
+        match self {
+            AuxKind::OtherPath => "other-path",
+            AuxKind::WholePrefill => "whole-prefill",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<AuxKind> {
+        match name {
+            "other-path" => Some(AuxKind::OtherPath),
+            "whole-prefill" => Some(AuxKind::WholePrefill),
+            _ => None,
+        }
+    }
 }
 
 impl Host {
@@ -149,10 +182,29 @@ impl Host {
             source: spec.source,
             send,
             cancel,
+            starts: Vec::new(),
+            annotations: Vec::new(),
+            aux: Vec::new(),
         };
         // Paused at the first op.
         host.handle(Command::Step);
+        host.note_run_start(None);
         Ok(host)
+    }
+
+    /// Records where the current run started, when it is a new one.
+    fn note_run_start(&mut self, first_affected: Option<usize>) {
+        let c = &self.controller;
+        let n = c.run_number();
+        if self.starts.len() <= n {
+            let compared = c.comparison().and_then(|cmp| {
+                c.history()
+                    .iter()
+                    .position(|r| std::ptr::eq(&**r as *const RunRecord, cmp))
+            });
+            self.starts.resize(n + 1, (0, None, None));
+            self.starts[n] = (c.current().len(), first_affected, compared);
+        }
     }
 
     fn log(&self, msg: impl Into<String>) {
@@ -179,9 +231,12 @@ impl Host {
                 let n = c.run_number();
                 self.log(format!("restarted: run {n}"));
                 self.stopped(|c| c.step());
+                self.note_run_start(None);
             }
             Command::SetFlag(key, value) => {
                 let change = c.set_flag(&key, &value)?;
+                self.note_run_start(change.first_affected.as_ref().map(|f| f.0));
+                let c = &self.controller;
                 let flags = c.flags();
                 (self.send)(Update::Flags(flags));
                 (self.send)(Update::Comparison(c.history().len().checked_sub(1)));
@@ -249,12 +304,28 @@ impl Host {
                 path,
                 cursor,
                 notes,
+                tensors,
+                autosave,
             } => {
-                let session = self.session(cursor, notes);
-                session.save(&path)?;
-                self.log(format!("saved session to {}", path.display()));
+                let result = self.save(&path, cursor, notes, tensors);
+                match (result, autosave) {
+                    (Ok(()), false) => self.log(format!("saved session to {}", path.display())),
+                    (Ok(()), true) => {
+                        crate::tui::logfile::write(&format!("autosaved to {}", path.display()))
+                    }
+                    (Err(e), false) => return Err(e),
+                    (Err(e), true) => self.log(format!("autosave failed: {e}")),
+                }
             }
             Command::Load(path) => self.load(path)?,
+            Command::Note(text) => {
+                let c = &self.controller;
+                self.annotations.push(Annotation {
+                    run: c.run_number(),
+                    op: c.current().len(),
+                    text,
+                });
+            }
         }
         Ok(())
     }
@@ -286,6 +357,11 @@ impl Host {
     fn compare(&mut self) -> Result<()> {
         let c = &self.controller;
         let run = c.current();
+        let number = c.run_number();
+        if self.aux.iter().any(|a| a.0 == number) {
+            self.log("comparisons of this run are already computed");
+            return Ok(());
+        }
         let tokens = match &run.outcome {
             Some(o) => o.tokens.clone(),
             None => {
@@ -302,7 +378,6 @@ impl Host {
             layers: c.layers(),
             poison: true,
         };
-        let number = c.run_number();
         let forced = Schedule {
             prompt: tokens.clone(),
             prefill_len: c.schedule().prefill_len,
@@ -312,40 +387,100 @@ impl Host {
         other.mla_disable = false;
         other.prefill_path = flip(flags.paths().prefill);
         other.decode_path = flip(flags.paths().decode);
-        let record = job.run_schedule(other, &forced, None)?;
+        let record = Arc::new(job.run_schedule(other, &forced, None)?);
+        self.aux
+            .push((number, AuxKind::OtherPath, forced.clone(), record.clone()));
         (self.send)(Update::Aux {
             run: number,
             kind: AuxKind::OtherPath,
-            record: Arc::new(record),
+            record,
         });
         let whole = Schedule {
             prefill_len: tokens.len(),
             prompt: tokens,
             decode_steps: 0,
         };
-        let record = job.run_schedule(flags, &whole, None)?;
+        let record = Arc::new(job.run_schedule(flags, &whole, None)?);
+        self.aux
+            .push((number, AuxKind::WholePrefill, whole.clone(), record.clone()));
         (self.send)(Update::Aux {
             run: number,
             kind: AuxKind::WholePrefill,
-            record: Arc::new(record),
+            record,
         });
         self.log("comparisons ready: absorbed vs naive, prefill vs decode");
         Ok(())
     }
 
-    fn session(&self, cursor: Option<Cursor>, notes: Vec<String>) -> Session {
+    /// The session as it stands: what it is (v1's fields) and everything recorded: every run of
+    /// the controller's history and the current one, the comparison runs computed, the notes'
+    /// places.
+    pub fn session(&self, cursor: Option<Cursor>, notes: Vec<String>) -> Session {
         let c = &self.controller;
-        Session {
-            version: VERSION,
-            model: self.source.clone(),
-            prompt: c.schedule().prompt.clone(),
-            prefill: c.schedule().prefill_len,
-            decode: c.schedule().decode_steps,
-            layers: (c.layers().start, c.layers().end),
-            flags: c.flags(),
-            breakpoints: c.breakpoints().to_vec(),
-            cursor,
-            notes,
+        let mut s = Session::new(self.source.clone(), c.schedule());
+        s.layers = (c.layers().start, c.layers().end);
+        s.describe_model(c.model());
+        s.flags = c.flags();
+        s.breakpoints = c.breakpoints().to_vec();
+        s.cursor = cursor;
+        s.notes = notes
+            .into_iter()
+            .filter(|n| !self.annotations.iter().any(|a| &a.text == n))
+            .collect();
+        s.annotations = self.annotations.clone();
+        let mut records: Vec<&RunRecord> = c.history().iter().map(|r| &**r).collect();
+        records.push(c.current());
+        for (n, record) in records.into_iter().enumerate() {
+            let mut run = RecordedRun::of(record, RunRole::Main, true);
+            let (started_at, first, compared) =
+                self.starts.get(n).copied().unwrap_or((1, None, None));
+            run.started_at = started_at;
+            run.first_affected = first;
+            run.compared_with = compared;
+            s.runs.push(run);
+            for (of, kind, schedule, record) in self.aux.iter().filter(|a| a.0 == n) {
+                let mut run = RecordedRun::of(
+                    record,
+                    RunRole::Aux {
+                        of: *of,
+                        kind: kind.name().to_string(),
+                    },
+                    true,
+                );
+                run.schedule = Some(RecordedSchedule::of(schedule));
+                s.runs.push(run);
+            }
+        }
+        s
+    }
+
+    /// The outputs of every recorded run, in the session's order.
+    fn outputs(&self) -> Vec<Vec<Arc<Tensor>>> {
+        let c = &self.controller;
+        let mut out = Vec::new();
+        let mut records: Vec<&RunRecord> = c.history().iter().map(|r| &**r).collect();
+        records.push(c.current());
+        for (n, record) in records.into_iter().enumerate() {
+            out.push(record.outputs.clone());
+            for (_, _, _, r) in self.aux.iter().filter(|a| a.0 == n) {
+                out.push(r.outputs.clone());
+            }
+        }
+        out
+    }
+
+    fn save(
+        &self,
+        path: &std::path::Path,
+        cursor: Option<Cursor>,
+        notes: Vec<String>,
+        tensors: bool,
+    ) -> Result<()> {
+        let session = self.session(cursor, notes);
+        if tensors {
+            session.save_with_tensors(path, &self.outputs())
+        } else {
+            session.save(path)
         }
     }
 
@@ -394,7 +529,8 @@ impl Host {
             (self.send)(Update::Stopped(Stop::Stepped));
             next.finish_if_done();
         }
-        for note in &session.notes {
+        let placed = session.annotations.iter().map(|a| &a.text);
+        for note in session.notes.iter().chain(placed) {
             next.log(format!("note: {note}"));
         }
         next.log(format!("loaded session {}", path.display()));
@@ -421,6 +557,7 @@ fn describe(c: &Command) -> String {
         Command::Bisect => "bisect".into(),
         Command::Save { .. } => "save".into(),
         Command::Load(_) => "load".into(),
+        Command::Note(_) => "note".into(),
         _ => "breakpoints".into(),
     }
 }

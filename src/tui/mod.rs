@@ -10,13 +10,13 @@ pub mod driver;
 pub mod host;
 pub mod keys;
 pub mod logfile;
+pub mod replay;
 pub mod term;
 pub mod theme;
 pub mod ui;
 
 use crate::cli::args::{FlagArgs, RunSetup};
 use crate::error::Result;
-use crate::session::ModelSource;
 use clap::Args;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -46,23 +46,7 @@ impl TuiArgs {
     pub fn spec(&self) -> Result<host::HostSpec> {
         let flags = self.flags.flags(self.setup.device)?;
         let p = self.setup.prepare(&flags)?;
-        let source = match &self.setup.model.model {
-            Some(dir) => ModelSource::Checkpoint {
-                path: dir.clone(),
-                fingerprint: crate::session::checkpoint_fingerprint(dir)?,
-                quant: self.setup.model.quant.clone(),
-            },
-            None => ModelSource::Layout {
-                layout: self
-                    .setup
-                    .model
-                    .layout
-                    .clone()
-                    .unwrap_or_else(|| "glm5-tiny".into()),
-                seed: self.setup.model.seed,
-                quant: self.setup.model.quant.clone(),
-            },
-        };
+        let source = self.setup.source()?;
         flags.engine_options(p.layers.clone(), true)?;
         Ok(host::HostSpec {
             model: Arc::new(p.model),
@@ -88,6 +72,20 @@ pub fn run(args: &TuiArgs) -> Result<()> {
     let keymap = args.keymap()?;
     let log = logfile::init();
     let driver = driver::ThreadDriver::start(spec)?;
+    let mut app = app::App::new(Box::new(driver), keymap, theme::Theme::from_env());
+    app.say(format!("log file: {} · ? for keys", log.display()));
+    app.autosave = app::Autosave::from_env();
+    term::run_terminal(app)
+}
+
+/// `mladb replay FILE`: the recorded session in the debugger, with no model and no computation.
+pub fn run_replay(path: &std::path::Path, keys: Option<PathBuf>) -> Result<()> {
+    let driver = replay::ReplayDriver::open(path)?;
+    let keymap = match keys.or_else(keys::Keymap::default_path) {
+        Some(path) => keys::Keymap::with_overrides(&path)?,
+        None => keys::Keymap::default(),
+    };
+    let log = logfile::init();
     let mut app = app::App::new(Box::new(driver), keymap, theme::Theme::from_env());
     app.say(format!("log file: {} · ? for keys", log.display()));
     term::run_terminal(app)

@@ -45,6 +45,7 @@ pub fn run_loop<B: Backend, E: EventSource>(
         if app.tick() {
             dirty = true;
         }
+        app.autosave_if_due();
         if dirty {
             terminal.draw(|f| ui::draw(f, app)).map_err(draw_err)?;
             dirty = false;
@@ -59,6 +60,8 @@ pub fn run_loop<B: Backend, E: EventSource>(
         }
         dirty = true;
     }
+    // On quit, the session is saved unasked too (when an autosave is set).
+    app.autosave_now();
     Ok(())
 }
 

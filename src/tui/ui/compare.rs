@@ -4,7 +4,7 @@
 
 use super::{num, short_name};
 use crate::debug::compare::{
-    compare_runs, diff, first_divergence, heads_of, prefill_vs_decode, Diff, OpComparison,
+    compare_runs, first_divergence, prefill_vs_decode, Diff, OpComparison,
 };
 use crate::debug::RunRecord;
 use crate::engine::trace::Phase;
@@ -57,12 +57,10 @@ fn op_vs(
     let i = run.find(phase, name)?;
     let e = &run.events[i];
     let heads = app.mirror.layout()?.num_heads;
-    let a = run.outputs[i].data();
     match row {
         None => {
             let j = other.find(phase, name)?;
-            let b = other.outputs[j].data();
-            (a.len() == b.len()).then(|| diff(a, b, &e.shape, heads_of(e, heads)))
+            super::output_diff(e, &run.outputs[i], &other.outputs[j], heads)
         }
         Some(_) => {
             let comparisons = prefill_vs_decode(&single(run, i), other, heads);
@@ -129,6 +127,14 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
     let run = app.mirror.current().expect("an op is selected");
     let heads = app.mirror.layout().map_or(1, |l| l.num_heads);
     let mut lines = Vec::new();
+    if let Some((i, _)) = app.selected_op() {
+        if crate::session::recorded::is_sampled(e, &run.outputs[i]) {
+            lines.push(Line::from(Span::styled(
+                "replay of sampled values: figures are over the recorded values",
+                t.dim(),
+            )));
+        }
+    }
 
     // Run A vs run B.
     match (app.mirror.comparison, app.mirror.comparison_run()) {

@@ -183,6 +183,14 @@ fn outputs(app: &App, layer: usize) -> Vec<Line<'static>> {
         return vec![title, Line::from("  the other path has no such op")];
     };
     let (a, b) = (&run.outputs[i], &other.outputs[j]);
+    if crate::session::recorded::is_sampled(&run.events[i], a)
+        || crate::session::recorded::is_sampled(&other.events[j], b)
+    {
+        return vec![
+            title,
+            Line::from("  (replay of sampled values: record with tensors to see the rows)"),
+        ];
+    }
     let cols = a.cols();
     let last = a.rows() - 1;
     let (ra, rb) = (a.row(last), b.row(last));

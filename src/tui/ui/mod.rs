@@ -221,9 +221,26 @@ pub fn diff_with_comparison(app: &App, index: usize) -> Option<Diff> {
     let other = app.mirror.comparison_run()?;
     let e = run.events.get(index)?;
     let j = other.find(e.phase, &e.name)?;
-    let (a, b) = (run.outputs[index].data(), other.outputs[j].data());
+    let (a, b) = (&run.outputs[index], &other.outputs[j]);
     let heads = app.mirror.layout()?.num_heads;
-    (a.len() == b.len()).then(|| diff(a, b, &e.shape, heads_of(e, heads)))
+    output_diff(e, a, b, heads)
+}
+
+/// Two outputs of one op compared; over the recorded values when a replay holds samples only.
+pub fn output_diff(
+    e: &OpEvent,
+    a: &crate::tensor::Tensor,
+    b: &crate::tensor::Tensor,
+    heads: usize,
+) -> Option<Diff> {
+    let (x, y) = (a.data(), b.data());
+    if x.len() != y.len() {
+        return None;
+    }
+    if crate::session::recorded::is_sampled(e, a) {
+        return Some(diff(x, y, &[x.len()], None));
+    }
+    Some(diff(x, y, &e.shape, heads_of(e, heads)))
 }
 
 /// A status mark for an op: disconnected, unwritten, NaN/Inf, diverging from the comparison

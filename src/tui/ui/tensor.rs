@@ -5,6 +5,7 @@
 use super::{diff_with_comparison, num};
 use crate::debug::compare::{heads_of, Heads};
 use crate::engine::trace::OpKind;
+use crate::session::recorded::is_sampled;
 use crate::tensor::Tensor;
 use crate::tui::app::App;
 use ratatui::layout::Rect;
@@ -79,12 +80,18 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             ),
         ]),
     ];
-    if let Some(h) = histogram(
-        out.data(),
-        s.min,
-        s.max,
-        (area.width as usize).saturating_sub(36).clamp(8, 48),
-    ) {
+    let sampled = is_sampled(e, out);
+    let histogram = if sampled {
+        None
+    } else {
+        histogram(
+            out.data(),
+            s.min,
+            s.max,
+            (area.width as usize).saturating_sub(36).clamp(8, 48),
+        )
+    };
+    if let Some(h) = histogram {
         lines.push(Line::from(vec![
             label("histogram"),
             Span::styled(h, t.accent()),
@@ -97,6 +104,7 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             .collect::<Vec<_>>()
             .join(" ")
     };
+    // A sample starts with the first values and ends with the last ones.
     let n = out.numel();
     let k = 4.min(n);
     lines.push(Line::from(vec![
@@ -107,6 +115,20 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
         label("last "),
         Span::raw(show(&out.data()[n - k..])),
     ]));
+    if sampled {
+        lines.push(Line::from(Span::styled(
+            format!(
+                "replay: {n} of {} values recorded (no histogram, per-head figures or heat map)",
+                s.count
+            ),
+            t.dim(),
+        )));
+        frame.render_widget(
+            Paragraph::new(lines).wrap(ratatui::widgets::Wrap { trim: false }),
+            area,
+        );
+        return;
+    }
     let heads = app.mirror.layout().map_or(1, |l| l.num_heads);
     if let Some(layout) = heads_of(e, heads) {
         lines.push(Line::from(Span::styled("per head: abs-max / L2", t.dim())));

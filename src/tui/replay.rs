@@ -1,0 +1,579 @@
+//! Replay of a recorded session: the UI's updates rebuilt from the recorded events, with no model,
+//! no weights and no computation. Stepping commands advance through the recorded ops of each run
+//! in order and through the flag changes between runs, as they happened; commands that need
+//! computing (a flag change, comparison runs not recorded) are refused with a log line.
+
+use super::driver::Driver;
+use super::host::{AuxKind, Command, Info, Send, Update};
+use crate::debug::breakpoint::Breakpoint;
+use crate::debug::compare::{compare_runs, diff, first_divergence, heads_of};
+use crate::debug::controller::Stop;
+use crate::debug::RunRecord;
+use crate::error::{Error, Result};
+use crate::model::Layout;
+use crate::session::recorded::{is_sampled, RunRole};
+use crate::session::{Cursor, ModelSource, Session};
+use crate::tensor::Tensor;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// A recorded session, as the debugger host the UI talks to.
+pub struct ReplayHost {
+    session: Session,
+    path: PathBuf,
+    send: Send,
+    info: Info,
+    /// Every recorded run, by its index in `session.runs`.
+    records: Vec<Arc<RunRecord>>,
+    /// Full outputs from the companion file were loaded (else outputs are samples).
+    full: bool,
+    /// Indices into `session.runs` of the timeline's runs (main and check runs), in order.
+    timeline: Vec<usize>,
+    /// The run shown (an index into `timeline`, which is the UI's run number).
+    at: usize,
+    /// Ops of that run delivered so far.
+    shown: usize,
+    /// The end of the current run has been reported.
+    end_shown: bool,
+    breakpoints: Vec<Breakpoint>,
+    /// Notes typed during the replay (saved with the session).
+    annotations: Vec<crate::session::recorded::Annotation>,
+}
+
+impl ReplayHost {
+    /// Opens a recorded session, sends the first screen's updates and goes to its cursor.
+    pub fn open(path: &Path, send: Send) -> Result<ReplayHost> {
+        let session = Session::load(path)?;
+        ReplayHost::new(session, path, send)
+    }
+
+    pub fn new(session: Session, path: &Path, send: Send) -> Result<ReplayHost> {
+        let layout = match (&session.layout, &session.model) {
+            (Some(l), _) => l.clone(),
+            (None, ModelSource::Layout { layout, .. }) => Layout::resolve(layout)?,
+            (None, ModelSource::Checkpoint { .. }) => {
+                return Err(Error::parse(
+                    path,
+                    "the session records no layout of its checkpoint: replay needs a version 2 recording",
+                ))
+            }
+        };
+        let timeline: Vec<usize> = (0..session.runs.len())
+            .filter(|&i| matches!(session.runs[i].role, RunRole::Main | RunRole::Check))
+            .collect();
+        if timeline.is_empty() {
+            return Err(Error::parse(
+                path,
+                "nothing recorded to replay (a version 1 session: open it with `mladb tui` and `:load`, which recomputes it)",
+            ));
+        }
+        let tensors = session.load_tensors(path)?;
+        let full = tensors.is_some();
+        let records = session
+            .runs
+            .iter()
+            .enumerate()
+            .map(|(n, r)| Arc::new(r.to_record(tensors.as_ref().map(|t| &t[n][..]))))
+            .collect();
+        let source = session
+            .weights
+            .clone()
+            .unwrap_or_else(|| format!("{:?}", session.model));
+        let info = Info {
+            layout,
+            source,
+            schedule: session.schedule(),
+            layers: session.layers.0..session.layers.1,
+        };
+        let mut host = ReplayHost {
+            breakpoints: session.breakpoints.clone(),
+            session,
+            path: path.to_path_buf(),
+            send,
+            info,
+            records,
+            full,
+            timeline,
+            at: 0,
+            shown: 0,
+            end_shown: false,
+            annotations: Vec::new(),
+        };
+        host.start();
+        host.go_to_cursor();
+        Ok(host)
+    }
+
+    /// Whether every output is whole (full tensors were recorded).
+    pub fn full(&self) -> bool {
+        self.full
+    }
+
+    fn log(&self, msg: impl Into<String>) {
+        (self.send)(Update::Log(msg.into()));
+    }
+
+    /// The UI's state at the start of the timeline.
+    fn start(&mut self) {
+        (self.send)(Update::Loaded(Box::new(self.info.clone())));
+        let first = &self.session.runs[self.timeline[0]];
+        (self.send)(Update::Flags(first.flags));
+        (self.send)(Update::Breakpoints(self.breakpoints.clone()));
+        self.at = 0;
+        self.shown = 0;
+        self.end_shown = false;
+        let until = first.started_at.max(1);
+        while self.shown < until && self.deliver() {}
+        (self.send)(Update::Stopped(Stop::Stepped));
+        let s = &self.session;
+        let ops: usize = self.timeline.iter().map(|&i| s.runs[i].ops.len()).sum();
+        self.log(format!(
+            "replaying {}: {} run(s), {ops} ops recorded{}; s/n/c step through them and their flag changes; nothing is recomputed",
+            self.path.display(),
+            self.timeline.len(),
+            if self.full { ", full tensors" } else { ", sampled values" }
+        ));
+        for note in &s.notes {
+            self.log(format!("note: {note}"));
+        }
+        if let Some(check) = &s.check {
+            self.log(format!(
+                "check recorded {} finding(s){}",
+                check.findings.len(),
+                check
+                    .findings
+                    .first()
+                    .map(|f| format!(", first: {} at {} {}", f.kind, f.phase, f.op))
+                    .unwrap_or_default()
+            ));
+        }
+        self.annotate();
+    }
+
+    /// Steps to the saved cursor: through the timeline to the last run, up to the cursor's op.
+    fn go_to_cursor(&mut self) {
+        let Some(cursor) = self.session.cursor.clone() else {
+            return;
+        };
+        let last = self.timeline.len() - 1;
+        loop {
+            let here = self.position_matches(&cursor);
+            if self.at == last && (here || self.exhausted()) {
+                break;
+            }
+            if !self.exhausted() {
+                self.deliver();
+            } else if self.at < last {
+                self.next_run();
+            } else {
+                break;
+            }
+        }
+        (self.send)(Update::Stopped(Stop::Stepped));
+        if self.at == last && !self.position_matches(&cursor) {
+            if let Some(i) = self.current().find(cursor.phase, &cursor.op) {
+                if i < self.shown {
+                    (self.send)(Update::Select(i));
+                }
+            }
+        }
+        if self.exhausted() && self.current_run().outcome.is_some() {
+            self.finished();
+        }
+    }
+
+    fn position_matches(&self, cursor: &Cursor) -> bool {
+        self.shown > 0 && {
+            let e = &self.current().events[self.shown - 1];
+            e.phase == cursor.phase && e.name == cursor.op
+        }
+    }
+
+    fn current(&self) -> &Arc<RunRecord> {
+        &self.records[self.timeline[self.at]]
+    }
+
+    fn current_run(&self) -> &crate::session::recorded::RecordedRun {
+        &self.session.runs[self.timeline[self.at]]
+    }
+
+    fn exhausted(&self) -> bool {
+        self.shown >= self.current().len()
+    }
+
+    /// Sends the next recorded op of the current run; false when there is none.
+    fn deliver(&mut self) -> bool {
+        let record = self.current().clone();
+        let Some(event) = record.events.get(self.shown) else {
+            return false;
+        };
+        (self.send)(Update::Op {
+            run: self.at,
+            flags: record.flags,
+            event: Box::new(event.clone()),
+            output: record.outputs[self.shown].clone(),
+        });
+        self.shown += 1;
+        self.annotate();
+        true
+    }
+
+    /// Logs the notes placed at this point of the timeline.
+    fn annotate(&self) {
+        let mut all: Vec<&crate::session::recorded::Annotation> =
+            self.session.annotations.iter().collect();
+        all.extend(self.annotations.iter());
+        for a in all {
+            if a.run == self.at && a.op == self.shown {
+                self.log(format!("note: {}", a.text));
+            }
+        }
+    }
+
+    /// The end of the current run: its outcome (or error) and the comparison runs recorded.
+    fn finished(&mut self) {
+        let run = self.current_run();
+        let (outcome, error) = (
+            run.outcome
+                .as_ref()
+                .map(crate::engine::generate::Outcome::from),
+            run.error.clone(),
+        );
+        (self.send)(Update::Finished {
+            run: self.at,
+            outcome,
+            error,
+        });
+        self.end_shown = true;
+        self.send_aux();
+    }
+
+    /// The comparison runs recorded for the current run; whether there were any.
+    fn send_aux(&self) -> bool {
+        let mut any = false;
+        for (i, r) in self.session.runs.iter().enumerate() {
+            if let RunRole::Aux { of, kind } = &r.role {
+                if *of == self.at {
+                    if let Some(kind) = AuxKind::from_name(kind) {
+                        (self.send)(Update::Aux {
+                            run: self.at,
+                            kind,
+                            record: self.records[i].clone(),
+                        });
+                        any = true;
+                    }
+                }
+            }
+        }
+        any
+    }
+
+    /// Moves to the next run of the timeline: the flag change (or restart) that made it.
+    fn next_run(&mut self) {
+        let previous = self.current_run().flags;
+        self.at += 1;
+        self.shown = 0;
+        self.end_shown = false;
+        let run = self.current_run().clone();
+        let until = run.started_at.max(1).min(run.ops.len());
+        while self.shown < until && self.deliver() {}
+        (self.send)(Update::Flags(run.flags));
+        (self.send)(Update::Comparison(run.compared_with));
+        let what = if run.flags != previous {
+            format!("flags changed to {}", run.flags)
+        } else {
+            "restarted".to_string()
+        };
+        let how = match run.first_affected {
+            Some(i) => {
+                let e = &run.ops[i].event;
+                format!(
+                    ": re-executed from op #{i} ({} {}), {} ops reused",
+                    e.phase, e.name, i
+                )
+            }
+            None => String::new(),
+        };
+        self.log(format!("replay: run {}: {what}{how}", self.at));
+        if self.exhausted() && run.outcome.is_some() {
+            self.finished();
+        }
+    }
+
+    /// At the end of the current run's recording: report the end, or go on to the next run.
+    fn at_end(&mut self) {
+        let finished = self.current_run().outcome.is_some() || self.current_run().error.is_some();
+        if finished && !self.end_shown {
+            let stop = match &self.current_run().error {
+                Some(e) => Stop::Failed(e.clone()),
+                None => Stop::End,
+            };
+            (self.send)(Update::Stopped(stop));
+            self.finished();
+        } else if self.at + 1 < self.timeline.len() {
+            // A flag change (or restart) reports no stop, as in the live debugger.
+            self.next_run();
+        } else if finished {
+            (self.send)(Update::Stopped(Stop::End));
+            self.finished();
+        } else {
+            self.log("replay: the recording ends here");
+        }
+    }
+
+    fn step(&mut self) {
+        if self.deliver() {
+            (self.send)(Update::Stopped(Stop::Stepped));
+        } else {
+            self.at_end();
+        }
+    }
+
+    /// The first breakpoint the op just delivered hits.
+    fn breakpoint_hit(&self) -> Option<usize> {
+        if self.breakpoints.is_empty() || self.shown == 0 {
+            return None;
+        }
+        let run = self.current();
+        let i = self.shown - 1;
+        let e = &run.events[i];
+        let previous = i.checked_sub(1).map(|p| &run.events[p]);
+        let diff = self.op_diff(i);
+        self.breakpoints
+            .iter()
+            .position(|b| b.hits(e, previous, diff))
+    }
+
+    /// rel L2 of op `i` against the comparison run, when both outputs are whole.
+    fn op_diff(&self, i: usize) -> Option<f64> {
+        let other = &self.records[self.timeline[self.current_run().compared_with?]];
+        let run = self.current();
+        let e = &run.events[i];
+        let j = other.find(e.phase, &e.name)?;
+        let (a, b) = (&run.outputs[i], &other.outputs[j]);
+        if is_sampled(e, a) || is_sampled(&other.events[j], b) || a.numel() != b.numel() {
+            return None;
+        }
+        let heads = self.info.layout.num_heads;
+        Some(diff(a.data(), b.data(), &e.shape, heads_of(e, heads)).rel_l2)
+    }
+
+    fn run_until(&mut self, next_layer: bool) {
+        if self.exhausted() {
+            return self.at_end();
+        }
+        let start = (self.shown > 0).then(|| {
+            let e = &self.current().events[self.shown - 1];
+            (e.phase, e.layer)
+        });
+        while self.deliver() {
+            if let Some(b) = self.breakpoint_hit() {
+                self.log(format!("breakpoint {} hit", self.breakpoints[b]));
+                (self.send)(Update::Stopped(Stop::Breakpoint(b)));
+                return;
+            }
+            if next_layer {
+                let e = &self.current().events[self.shown - 1];
+                let moved = match start {
+                    None => e.layer.is_some(),
+                    Some((phase, layer)) => e.phase != phase || e.layer != layer,
+                };
+                if moved {
+                    (self.send)(Update::Stopped(Stop::NextLayer));
+                    return;
+                }
+            }
+        }
+        self.at_end();
+    }
+
+    /// Runs one command, as [`super::host::Host::handle`] does.
+    pub fn handle(&mut self, command: Command) {
+        (self.send)(Update::Busy(Some("replay".into())));
+        if let Err(e) = self.run(command) {
+            (self.send)(Update::Error(e.to_string()));
+        }
+        (self.send)(Update::Busy(None));
+    }
+
+    fn refuse(&self, what: &str) {
+        self.log(format!(
+            "replay: {what} needs recomputation, and a replay only shows what was recorded (`mladb replay FILE --verify` recomputes; `mladb tui` + `:load FILE` debugs it live)"
+        ));
+    }
+
+    fn run(&mut self, command: Command) -> Result<()> {
+        match command {
+            Command::Step => self.step(),
+            Command::NextLayer => self.run_until(true),
+            Command::Continue => self.run_until(false),
+            Command::Restart => {
+                self.start();
+                self.log("replay: back to the start");
+            }
+            Command::SetFlag(k, v) => self.refuse(&format!("set {k} {v}")),
+            Command::Compare => {
+                if !self.send_aux() {
+                    self.refuse("computing the comparison runs (none were recorded for this run)");
+                }
+            }
+            Command::Bisect => self.bisect(),
+            Command::ToggleBreakpoint(bp) => {
+                let on = if let Some(i) = self.breakpoints.iter().position(|b| *b == bp) {
+                    self.breakpoints.remove(i);
+                    false
+                } else {
+                    self.breakpoints.push(bp.clone());
+                    true
+                };
+                self.log(format!(
+                    "breakpoint {bp} {}",
+                    if on { "set" } else { "removed" }
+                ));
+                (self.send)(Update::Breakpoints(self.breakpoints.clone()));
+            }
+            Command::AddBreakpoint(bp) => {
+                if !self.breakpoints.contains(&bp) {
+                    self.breakpoints.push(bp.clone());
+                }
+                self.log(format!("breakpoint {bp} set"));
+                (self.send)(Update::Breakpoints(self.breakpoints.clone()));
+            }
+            Command::RemoveBreakpoint(bp) => {
+                let before = self.breakpoints.len();
+                self.breakpoints.retain(|b| *b != bp);
+                self.log(format!(
+                    "breakpoint {bp} {}",
+                    if before != self.breakpoints.len() {
+                        "removed"
+                    } else {
+                        "was not set"
+                    }
+                ));
+                (self.send)(Update::Breakpoints(self.breakpoints.clone()));
+            }
+            Command::Save {
+                path,
+                cursor,
+                notes,
+                tensors,
+                autosave,
+            } => {
+                let result = self.save(&path, cursor, notes, tensors);
+                match (result, autosave) {
+                    (Ok(()), false) => self.log(format!("saved session to {}", path.display())),
+                    (Ok(()), true) => {}
+                    (Err(e), false) => return Err(e),
+                    (Err(e), true) => self.log(format!("autosave failed: {e}")),
+                }
+            }
+            Command::Load(path) => {
+                let next = ReplayHost::open(&path, self.send.clone())?;
+                *self = next;
+            }
+            Command::Note(text) => self.annotations.push(crate::session::recorded::Annotation {
+                run: self.at,
+                op: self.shown,
+                text,
+            }),
+        }
+        Ok(())
+    }
+
+    fn bisect(&self) {
+        let Some(c) = self.current_run().compared_with else {
+            return self.log("bisect needs an earlier run to compare with: this run has none");
+        };
+        if !self.full {
+            return self.refuse("bisect over sampled values");
+        }
+        let mut partial = RunRecord::new(self.current().flags);
+        for i in 0..self.shown {
+            partial.push(
+                self.current().events[i].clone(),
+                self.current().outputs[i].clone(),
+            );
+        }
+        let other = &self.records[self.timeline[c]];
+        let diffs = compare_runs(&partial, other, self.info.layout.num_heads);
+        match first_divergence(&diffs, 1e-4) {
+            Some(d) => {
+                let figures = d.diff.as_ref().map(|x| x.summary()).unwrap_or_default();
+                self.log(format!(
+                    "bisect: first divergent op #{} {} {}: {figures}",
+                    d.index, d.phase, d.name
+                ));
+                (self.send)(Update::Select(d.index));
+            }
+            None => self.log(format!(
+                "bisect: no op differs beyond 1e-4 ({} compared)",
+                diffs.len()
+            )),
+        }
+    }
+
+    /// The session as recorded, with the cursor, notes and breakpoints of now.
+    fn save(
+        &self,
+        path: &Path,
+        cursor: Option<Cursor>,
+        notes: Vec<String>,
+        tensors: bool,
+    ) -> Result<()> {
+        let mut s = self.session.clone();
+        s.cursor = cursor;
+        s.breakpoints = self.breakpoints.clone();
+        s.tensors = None;
+        for n in notes {
+            let placed = self.annotations.iter().any(|a| a.text == n);
+            if !placed && !s.notes.contains(&n) {
+                s.notes.push(n);
+            }
+        }
+        s.annotations.extend(self.annotations.iter().cloned());
+        if tensors || self.full {
+            if !self.full {
+                return Err(Error::invalid(
+                    "this replay holds sampled values only: it cannot write full tensors",
+                ));
+            }
+            let outputs: Vec<Vec<Arc<Tensor>>> =
+                self.records.iter().map(|r| r.outputs.clone()).collect();
+            s.save_with_tensors(path, &outputs)
+        } else {
+            s.save(path)
+        }
+    }
+}
+
+/// The replay host on the caller's thread (nothing it does takes long).
+pub struct ReplayDriver {
+    host: ReplayHost,
+    queue: Arc<Mutex<Vec<Update>>>,
+}
+
+impl ReplayDriver {
+    pub fn open(path: &Path) -> Result<ReplayDriver> {
+        let queue = Arc::new(Mutex::new(Vec::new()));
+        let q = queue.clone();
+        let send: Send = Arc::new(move |u| q.lock().unwrap_or_else(|p| p.into_inner()).push(u));
+        let host = ReplayHost::open(path, send)?;
+        Ok(ReplayDriver { host, queue })
+    }
+
+    pub fn host(&self) -> &ReplayHost {
+        &self.host
+    }
+}
+
+impl Driver for ReplayDriver {
+    fn send(&mut self, command: Command) {
+        self.host.handle(command);
+    }
+
+    fn poll(&mut self) -> Vec<Update> {
+        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn cancel(&self) {}
+}
