@@ -418,3 +418,232 @@ fn autosave_writes_the_session_and_never_fails_loudly() {
         a.log.last()
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// The example sessions in sessions/: recorded by the debugger itself, driven by key presses and
+// commands as a user would. Regenerate with
+//     cargo test --test sessions record_example_sessions -- --ignored
+// and every one is checked by `mladb replay --verify` below.
+
+fn sessions_dir() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("sessions")
+}
+
+fn debugger(layout: &str, quant: Option<&str>, flags: &str, prefill: usize, total: usize) -> App {
+    let mut args = mladb::cli::args::ModelArgs::with_layout(layout);
+    args.quant = quant.map(str::to_string);
+    let model = Arc::new(args.load().unwrap());
+    let spec = HostSpec {
+        schedule: Schedule {
+            prompt: common::prompt(model.layout.vocab_size, total),
+            prefill_len: prefill,
+            decode_steps: 1,
+        },
+        layers: 0..model.layout.num_layers,
+        model,
+        source: ModelSource::Layout {
+            layout: layout.into(),
+            seed: 0,
+            quant: quant.map(str::to_string),
+        },
+        backend: Arc::new(CpuBackend),
+        flags: Flags::parse(flags).unwrap(),
+    };
+    App::new(
+        Box::new(InlineDriver::new(spec).unwrap()),
+        Keymap::default(),
+        Theme::plain(),
+    )
+}
+
+fn select(app: &mut App, phase: mladb::engine::trace::Phase, name: &str) {
+    let i = app.mirror.current().unwrap().find(phase, name).unwrap();
+    app.follow = false;
+    app.select(mladb::tui::app::Node::Op(i));
+}
+
+fn note(app: &mut App, text: &str) {
+    command(app, &format!("note {text}"));
+}
+
+fn outcome(app: &App) -> String {
+    let o = app.mirror.current().unwrap().outcome.clone().unwrap();
+    format!(
+        "generated {:?}, next token {} (logit {})",
+        o.generated, o.next_token, o.next_logit
+    )
+}
+
+#[test]
+#[ignore = "regenerates sessions/*.ron"]
+fn record_example_sessions() {
+    use mladb::engine::trace::Phase;
+    let dir = sessions_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+
+    // The garbage-output hunt.
+    let mut a = debugger(
+        "glm5-tiny",
+        None,
+        "inject=output-buffer-disconnect@decode",
+        9,
+        10,
+    );
+    note(&mut a, "glm5-tiny, 9 prompt tokens prefilled, the 10th and one generated token decoded; a bug is planted in the MLA decode backend (fault output-buffer-disconnect@decode). Step with s/n/c: the flag changes replay in order.");
+    press(&mut a, "c");
+    let garbage = outcome(&a);
+    note(&mut a, &format!("run 0 finished with garbage: {garbage}. In every decode step the tree marks layer 0's self_attn.attn_latent with x (its kernel wrote another buffer than the one handed on) and every op after it with ! (NaN): the decode logits are all NaN."));
+    press(&mut a, "m");
+    let clean = outcome(&a);
+    note(&mut a, &format!("MLA disable on (run 1, naive attention everywhere, as VLLM_MLA_DISABLE=1): {clean}, no NaN. The bug lives in the MLA backend, not in the model."));
+    press(&mut a, "m");
+    note(
+        &mut a,
+        "MLA disable off again (run 2): the garbage is back. Now narrow it: prefill vs decode.",
+    );
+    press(&mut a, "d");
+    let heads = a.mirror.layout().unwrap().num_heads;
+    let run = a.mirror.current().unwrap();
+    let whole = a
+        .mirror
+        .aux(mladb::tui::host::AuxKind::WholePrefill)
+        .unwrap();
+    let list = mladb::debug::compare::prefill_vs_decode(run, whole, heads);
+    let first = mladb::debug::compare::first_divergence(&list, 1e-4).unwrap();
+    let prefill_nan = run
+        .events
+        .iter()
+        .filter(|e| e.phase == Phase::Prefill)
+        .all(|e| e.stats.nan == 0);
+    assert!(prefill_nan);
+    note(&mut a, &format!("Compare (d) fed the same tokens to one whole prefill: every prefill op is clean (no NaN), and the first decode op that differs from its token's row in the whole prefill is {} {}. The bug is on the decode path.", first.phase, first.name));
+    select(
+        &mut a,
+        Phase::Decode(0),
+        "model.layers.0.self_attn.attn_latent",
+    );
+    a.tab = Tab::Buffers;
+    let e = &a.selected_op().unwrap().1.clone();
+    let (wrote, handed) = (e.kernel_wrote.unwrap().id.0, e.output.id.0);
+    assert_ne!(wrote, handed);
+    note(&mut a, &format!("Buffers of decode.0 layer 0 attn_latent (the absorbed decode kernel's output): the kernel wrote buffer #{wrote}, the op handed on buffer #{handed}, which nobody wrote (all {} elements still poison) and which the next op read. The attention output went to a buffer nobody reads: the vLLM garbage-output bug.", e.stats.count));
+    command(
+        &mut a,
+        &format!(
+            "save {}",
+            dir.join("output-buffer-disconnect.ron").display()
+        ),
+    );
+    assert!(
+        a.log.last().unwrap().contains("saved"),
+        "{:?}",
+        a.log.last()
+    );
+
+    // Weight absorption, one layer's two paths.
+    let mut a = debugger("glm5-tiny", None, "", 9, 10);
+    let l = a.mirror.layout().unwrap().clone();
+    let (h, r, nope, rope, v) = (
+        l.num_heads,
+        l.kv_lora_rank,
+        l.qk_nope_head_dim,
+        l.qk_rope_head_dim,
+        l.v_head_dim,
+    );
+    note(&mut a, &format!("glm5-tiny: {h} heads, latent (kv_lora_rank) {r}, qk_nope {nope}, qk_rope {rope}, v_head_dim {v}. Default paths: naive prefill, absorbed decode, as production backends run."));
+    command(&mut a, "break op model.layers.0.self_attn.attn_output");
+    press(&mut a, "c");
+    note(&mut a, &format!("Prefill, layer 0, naive path: kv_b_proj decompresses the {r}-wide latent into per-head K ({nope}+{rope}) and V ({v}) for every cached token (kv_cache), then ordinary attention. KV cache read per token: {h}x({}+{v}) = {} values.", nope + rope, h * (nope + rope + v)));
+    press(&mut a, "c");
+    note(&mut a, &format!("Decode, layer 0, absorbed path: W_UK is folded into the query (q_absorbed, {h}x{r}), attention runs over the {}-wide latent cache directly (attn_latent), and W_UV is applied after. KV cache read per token: {} values, shared by all heads; that is the Learn view's KV-bytes figure (l).", r + rope, r + rope));
+    command(&mut a, "delete op model.layers.0.self_attn.attn_output");
+    press(&mut a, "c");
+    press(&mut a, "d");
+    note(&mut a, "Compare (d) ran every phase on the other path: the Learn view (l) shows both paths' attn_output rows side by side; they agree within float rounding (tests/engine_math.rs holds every layer to 1e-5), which is the whole point of absorption.");
+    command(&mut a, "set prefill-path absorbed");
+    note(&mut a, "Flipped: prefill absorbed (run 1). Re-executed from the first prefill attention op; the Compare tab puts run 0 against run 1, op by op.");
+    command(&mut a, "set decode-path naive");
+    note(&mut a, "Flipped: decode naive too (run 2): after an absorbed prefill the naive decode first expands the latent cache (expand_cache, kv_cache_backfill). The Compare tab shows run 1 against run 2.");
+    select(
+        &mut a,
+        Phase::Decode(0),
+        "model.layers.0.self_attn.attn_output",
+    );
+    command(
+        &mut a,
+        &format!("save {}", dir.join("weight-absorption.ron").display()),
+    );
+    assert!(
+        a.log.last().unwrap().contains("saved"),
+        "{:?}",
+        a.log.last()
+    );
+
+    // A Q4_K kv_b_proj: through the identity matrix vs force-dequantized.
+    let mut a = debugger(
+        "glm5-tiny-wide",
+        Some("q4_k"),
+        "decode-path=absorbed",
+        9,
+        10,
+    );
+    note(&mut a, "glm5-tiny-wide with projection weights quantized to Q4_K (--quant q4_k). The absorbed path needs W_UK and W_UV as plain matrices: without force-dequant they are derived by running the quantized kv_b_proj on the identity matrix (op self_attn.kv_b_identity).");
+    command(&mut a, "break op *kv_b_identity");
+    press(&mut a, "c");
+    note(&mut a, "Here: kv_b_identity, the quantized matmul applied to I, giving kv_b_proj's dequantized values through the same kernel production runs.");
+    command(&mut a, "delete op *kv_b_identity");
+    press(&mut a, "c");
+    let before = outcome(&a);
+    command(&mut a, "set force-dequant on");
+    let after = outcome(&a);
+    note(&mut a, &format!("force-dequant on (run 1): kv_b_proj is dequantized once up front (op self_attn.kv_b_dequant) and re-executed from the first kv_b op. Run 0: {before}; run 1: {after}. The Compare tab shows how far the two derivations are."));
+    let cur = a.mirror.current().unwrap();
+    let at = cur
+        .events
+        .iter()
+        .rev()
+        .find(|e| e.name.ends_with("self_attn.kv_b_dequant"))
+        .unwrap();
+    let (ph, name) = (at.phase, at.name.clone());
+    select(&mut a, ph, &name);
+    a.tab = Tab::Compare;
+    command(
+        &mut a,
+        &format!("save {}", dir.join("force-dequant.ron").display()),
+    );
+    assert!(
+        a.log.last().unwrap().contains("saved"),
+        "{:?}",
+        a.log.last()
+    );
+}
+
+#[test]
+fn example_sessions_replay_and_verify() {
+    let mut found = 0;
+    for entry in std::fs::read_dir(sessions_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "ron") {
+            continue;
+        }
+        found += 1;
+        let s = Session::load(&path).unwrap();
+        assert!(
+            s.runs.len() >= 2 && !s.annotations.is_empty(),
+            "{}",
+            path.display()
+        );
+        // Opens without a model, at its cursor.
+        let mut app = replay(&path);
+        screen(&mut app, 120, 34);
+        assert!(
+            app.log.iter().any(|l| l.starts_with("note:")),
+            "{}",
+            path.display()
+        );
+        let (rc, out, err) = mladb(&["replay", path.to_str().unwrap(), "--verify"]);
+        assert_eq!(rc, 0, "{}: {out}{err}", path.display());
+        assert!(out.contains("all match"), "{out}");
+    }
+    assert!(found >= 3, "sessions/ holds the example sessions");
+}
