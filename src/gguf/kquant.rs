@@ -46,19 +46,25 @@ fn arr<const N: usize>(b: &[u8]) -> &[u8; N] {
 
 pub(crate) fn dequantize_q2_k(b: &[u8; 84], out: &mut [f32; 256]) {
     let scales = &b[0..16];
-    let qs = &b[16..80];
     let d = f16_le(b[80], b[81]);
     let dmin = f16_le(b[82], b[83]);
-    // 16 runs of 16 values; run r uses scale byte r, quant bytes of its 128-half, shift 2·k.
-    for (r, &sc) in scales.iter().enumerate() {
-        let dl = d * (sc & 0xF) as f32;
-        let ml = dmin * (sc >> 4) as f32;
-        let half = r / 8;
-        let shift = 2 * ((r % 8) / 2);
-        let qoff = 32 * half + 16 * (r % 2);
-        let o = &mut out[16 * r..16 * r + 16];
-        for (v, &q) in o.iter_mut().zip(&qs[qoff..qoff + 16]) {
-            *v = dl * ((q >> shift) & 3) as f32 - ml;
+    // Each 128-value half reads its 32 quant bytes four times (shifts 0, 2, 4, 6); each pass
+    // yields 32 values, bytes 0..16 under one scale byte and 16..32 under the next.
+    for half in 0..2 {
+        let q: &[u8; 32] = arr(&b[16 + 32 * half..48 + 32 * half]);
+        for k in 0..4 {
+            let shift = 2 * k;
+            for run in 0..2 {
+                let sc = scales[8 * half + 2 * k + run];
+                let dl = d * (sc & 0xF) as f32;
+                let ml = dmin * (sc >> 4) as f32;
+                let o = 128 * half + 32 * k + 16 * run;
+                let o: &mut [f32; 16] = (&mut out[o..o + 16]).try_into().unwrap();
+                let q: &[u8; 16] = arr(&q[16 * run..16 * run + 16]);
+                for (v, &q) in o.iter_mut().zip(q) {
+                    *v = dl * ((q >> shift) & 3) as f32 - ml;
+                }
+            }
         }
     }
 }
@@ -76,24 +82,30 @@ fn scales_q3_k(s: &[u8]) -> [i8; 16] {
 }
 
 pub(crate) fn dequantize_q3_k(b: &[u8; 110], out: &mut [f32; 256]) {
-    let hmask = &b[0..32];
-    let qs = &b[32..96];
+    let hmask: &[u8; 32] = arr(&b[0..32]);
     let scales = scales_q3_k(&b[96..108]);
     let d = f16_le(b[108], b[109]);
-    // 16 runs of 16 values: run r = 8·half + 2·k + (0|1); 2-bit field k of the half's quant
-    // bytes, high bit (4·half + k) of the mask byte; a clear high bit subtracts 4.
-    for (r, &sc) in scales.iter().enumerate() {
+    // First the signed 3-bit codes: as in Q2_K the low two bits of pass k (0..4) of each
+    // 128-value half are bits 2k..2k+2 of the half's 32 quant bytes; the third bit is bit
+    // 4·half + k of the mask byte, and a clear bit subtracts 4. Then one scale per 16 values.
+    // (Two simple passes: a single fully unrolled loop nest compiled to slow scalar code.)
+    let mut codes = [0i8; 256];
+    for (p, c) in codes.chunks_exact_mut(32).enumerate() {
+        let (half, k) = (p / 4, p % 4);
+        let q: &[u8; 32] = arr(&b[32 + 32 * half..64 + 32 * half]);
+        let m = 1u8 << (4 * half + k);
+        for ((c, &q), &h) in c.iter_mut().zip(q).zip(hmask) {
+            *c = ((q >> (2 * k)) & 3) as i8 - ((((h & m) == 0) as i8) << 2);
+        }
+    }
+    for ((o, c), &sc) in out
+        .chunks_exact_mut(16)
+        .zip(codes.chunks_exact(16))
+        .zip(&scales)
+    {
         let dl = d * sc as f32;
-        let half = r / 8;
-        let k = (r % 8) / 2;
-        let l0 = 16 * (r % 2);
-        let bit = 4 * half + k;
-        let o = &mut out[16 * r..16 * r + 16];
-        for (i, v) in o.iter_mut().enumerate() {
-            let l = l0 + i;
-            let q = ((qs[32 * half + l] >> (2 * k)) & 3) as i8;
-            let h = if hmask[l] & (1 << bit) != 0 { 0 } else { 4 };
-            *v = dl * (q - h) as f32;
+        for (v, &c) in o.iter_mut().zip(c) {
+            *v = dl * c as f32;
         }
     }
 }
@@ -140,27 +152,27 @@ pub(crate) fn dequantize_q5_k(b: &[u8; 176], out: &mut [f32; 256]) {
 }
 
 pub(crate) fn dequantize_q6_k(b: &[u8; 210], out: &mut [f32; 256]) {
-    let ql = &b[0..128];
-    let qh = &b[128..192];
     let sc = &b[192..208];
     let d = f16_le(b[208], b[209]);
-    // Each 128-half: ql bytes 0..32 hold runs 0 (low nibble) and 2 (high nibble), bytes 32..64
-    // runs 1 and 3; qh byte l holds the top two bits of runs 0..4 at shifts 0, 2, 4, 6.
+    // Each 128-value half has 64 low-nibble bytes and 32 high-bit bytes, read as four passes of
+    // 32 values: pass p takes nibble p/2 of bytes 32·(p%2).., and bits 2p..2p+2 of the high
+    // bytes; each 16 values of a pass have their own scale.
     for half in 0..2 {
-        let ql = &ql[64 * half..64 * half + 64];
-        let qh = &qh[32 * half..32 * half + 32];
-        let o = &mut out[128 * half..128 * half + 128];
-        for l in 0..32 {
-            let s = 8 * half + l / 16;
-            let q = [
-                (ql[l] & 0xF) | ((qh[l] & 3) << 4),
-                (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4),
-                (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
-                (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
-            ];
-            for (run, &q) in q.iter().enumerate() {
-                let scale = sc[s + 2 * run] as i8 as f32;
-                o[32 * run + l] = d * scale * (q as i32 - 32) as f32;
+        let ql: &[u8; 64] = arr(&b[64 * half..64 * half + 64]);
+        let qh: &[u8; 32] = arr(&b[128 + 32 * half..160 + 32 * half]);
+        for pass in 0..4 {
+            let (nshift, hshift) = (4 * (pass / 2), 2 * pass);
+            for part in 0..2 {
+                let scale = d * (sc[8 * half + 2 * pass + part] as i8) as f32;
+                let o = 128 * half + 32 * pass + 16 * part;
+                let o: &mut [f32; 16] = (&mut out[o..o + 16]).try_into().unwrap();
+                let lo = 32 * (pass % 2) + 16 * part;
+                let l: &[u8; 16] = arr(&ql[lo..lo + 16]);
+                let h: &[u8; 16] = arr(&qh[16 * part..16 * part + 16]);
+                for ((v, &l), &h) in o.iter_mut().zip(l).zip(h) {
+                    let q = ((l >> nshift) & 0xF) | (((h >> hshift) & 3) << 4);
+                    *v = scale * (q as i32 - 32) as f32;
+                }
             }
         }
     }

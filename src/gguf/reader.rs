@@ -278,10 +278,18 @@ impl GgufFile {
         }
     }
 
-    /// The stored bytes of a tensor (validated to lie inside the file at open).
+    /// The stored bytes of `t`, one of this file's [`GgufFile::tensors`] (validated to lie
+    /// inside the file at open). An entry that does not fit this file gives an empty slice,
+    /// which dequantization then rejects by size, rather than a panic.
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
-        let start = (self.data_start + t.offset) as usize;
-        &self.bytes.as_slice()[start..start + t.n_bytes as usize]
+        let range = self
+            .data_start
+            .checked_add(t.offset)
+            .and_then(|s| Some(s..s.checked_add(t.n_bytes)?))
+            .and_then(|r| Some(usize::try_from(r.start).ok()?..usize::try_from(r.end).ok()?));
+        range
+            .and_then(|r| self.bytes.as_slice().get(r))
+            .unwrap_or(&[])
     }
 
     /// The stored bytes of the tensor named `name`.
