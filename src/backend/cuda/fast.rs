@@ -306,11 +306,29 @@ fn combine_rows_max() -> usize {
 /// The prefill head dimensions the kernel is built for: (q·k width, v width).
 pub const PREFILL_DIMS: [(usize, usize); 2] = [(256, 256), (192, 128)];
 
-/// The prefill variant for the device's shared memory: (suffix, rows per block, bytes).
-fn prefill_variant(gpu: &Gpu, dqk: usize, dv: usize) -> Result<(String, usize, u32)> {
-    let size = |rows: usize, tile: usize, stages: usize| {
-        ((rows * (dqk + 8) + stages * tile * (dqk + 8 + dv + 8)) * 2) as u32
-    };
+/// The prefill variants, in the order of preference: (tag, rows per block, KV tile, stages).
+/// Each warp owns 16 query rows and all output dims.
+pub const PREFILL_VARIANTS: [(&str, usize, usize, usize); 4] = [
+    ("r128t64", 128, 64, 2),
+    ("r64t64", 64, 64, 1),
+    ("r128t32", 128, 32, 2),
+    ("r64t32", 64, 32, 1),
+];
+
+/// Shared memory of a prefill variant: Q and the K/V stages.
+pub fn prefill_shared_bytes(tag: &str, dqk: usize, dv: usize) -> Option<u32> {
+    let &(_, rows, tile, stages) = PREFILL_VARIANTS.iter().find(|v| v.0 == tag)?;
+    Some(((rows * (dqk + 8) + stages * tile * (dqk + 8 + dv + 8)) * 2) as u32)
+}
+
+/// The prefill variant for the device's shared memory: (kernel, rows per block, bytes). `forced`
+/// (a tag of [`PREFILL_VARIANTS`]) picks one; otherwise the first that fits.
+fn prefill_variant(
+    gpu: &Gpu,
+    dqk: usize,
+    dv: usize,
+    forced: Option<&str>,
+) -> Result<(String, usize, u32)> {
     let limit = gpu.max_shared_per_block() as u32;
     let dims = match (dqk, dv) {
         (256, 256) => "d256",
@@ -321,32 +339,64 @@ fn prefill_variant(gpu: &Gpu, dqk: usize, dv: usize) -> Result<(String, usize, u
             )))
         }
     };
-    // `MLADB_PREFILL_VARIANT=r64t64` (or another tag) forces one, for experiments.
-    let forced = std::env::var("MLADB_PREFILL_VARIANT").ok();
-    for (rows, tile, stages, tag) in [
-        (128, 64, 2, "r128t64"),
-        (64, 64, 1, "r64t64"),
-        (128, 32, 2, "r128t32"),
-        (64, 32, 1, "r64t32"),
-    ] {
-        let bytes = size(rows, tile, stages);
-        if forced.as_deref().is_some_and(|f| f != tag) {
+    if let Some(f) = forced {
+        if !PREFILL_VARIANTS.iter().any(|v| v.0 == f) {
+            return Err(Error::invalid(format!("no prefill variant {f}")));
+        }
+    }
+    for &(tag, rows, ..) in &PREFILL_VARIANTS {
+        if forced.is_some_and(|f| f != tag) {
             continue;
         }
+        let bytes = prefill_shared_bytes(tag, dqk, dv).unwrap_or(u32::MAX);
         if bytes <= limit {
             return Ok((format!("flash_prefill_{tag}_{dims}"), rows, bytes));
         }
     }
     Err(Error::invalid(format!(
-        "the prefill kernel needs more shared memory than this device's {limit} bytes"
+        "the prefill kernel{} needs more shared memory than this device's {limit} bytes",
+        forced.map_or(String::new(), |f| format!(" variant {f}"))
     )))
 }
 
 /// Causal prefill of one sequence: `q`, `k` [n, heads, dqk] bf16, `v` [n, heads, dv] bf16;
-/// writes `out` [n, heads, dv] bf16 and, if given, `lse` [n, heads] f32.
+/// writes `out` [n, heads, dv] bf16 and, if given, `lse` [n, heads] f32. The variant is the first
+/// of [`PREFILL_VARIANTS`] that fits the device's shared memory, or the one that
+/// `MLADB_PREFILL_VARIANT` names (for experiments).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_prefill(
     gpu: &Gpu,
+    n: usize,
+    heads: usize,
+    dims: (usize, usize),
+    q: &DevBuf,
+    k: &DevBuf,
+    v: &DevBuf,
+    scale: f32,
+    out: &DevBuf,
+    lse: Option<&DevBuf>,
+) -> Result<()> {
+    let forced = std::env::var("MLADB_PREFILL_VARIANT").ok();
+    flash_prefill_variant(
+        gpu,
+        forced.as_deref(),
+        n,
+        heads,
+        dims,
+        q,
+        k,
+        v,
+        scale,
+        out,
+        lse,
+    )
+}
+
+/// [`flash_prefill`] with the variant given (`None`: the first that fits).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_prefill_variant(
+    gpu: &Gpu,
+    variant: Option<&str>,
     n: usize,
     heads: usize,
     (dqk, dv): (usize, usize),
@@ -357,7 +407,7 @@ pub fn flash_prefill(
     out: &DevBuf,
     lse: Option<&DevBuf>,
 ) -> Result<()> {
-    let (name, rows, smem) = prefill_variant(gpu, dqk, dv)?;
+    let (name, rows, smem) = prefill_variant(gpu, dqk, dv, variant)?;
     for (buf, len, what) in [
         (q, n * heads * dqk, "q"),
         (k, n * heads * dqk, "k"),
