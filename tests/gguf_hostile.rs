@@ -379,3 +379,27 @@ fn byte_mutations_of_the_header_never_panic() {
     }
     assert!(parsed > 0, "some mutations (in string bytes) still parse");
 }
+
+/// Inputs the fuzzer once crashed on (fuzz/README.md), replayed: parse, walk, dequantize.
+#[test]
+fn fuzzer_regressions_stay_fixed() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/regress");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return;
+    };
+    for e in entries {
+        let path = e.unwrap().path();
+        let bytes = std::fs::read(&path).unwrap();
+        if let Ok(f) = GgufFile::from_bytes(bytes) {
+            for (_, v) in f.metadata() {
+                let _ = v.display(8);
+            }
+            for t in f.tensors() {
+                if t.n_elements <= 1 << 22 {
+                    let _ = f.dequantize(&t.name);
+                }
+                let _ = f.dequantize_rows(&t.name, 0..1);
+            }
+        }
+    }
+}
