@@ -254,6 +254,14 @@ fn injection_menu_command_line_and_sessions() {
         .log
         .iter()
         .any(|l| l.contains("attention output looks empty")));
+    // Saved again after loading, the notes are still there.
+    let again = dir.path().join("again.ron");
+    command(&mut other, &format!("save {}", again.display()));
+    let text = std::fs::read_to_string(&again).unwrap();
+    assert!(
+        text.contains("attention output looks empty"),
+        "notes lost on a second save"
+    );
     command(
         &mut other,
         &format!("load {}", dir.path().join("missing.ron").display()),

@@ -338,6 +338,7 @@ impl App {
                 self.select(Node::Op(index));
             }
             Update::Log(line) => self.say(line),
+            Update::Notes(notes) => self.notes = notes,
             Update::Error(e) => self.say(format!("error: {e}")),
             Update::Busy(b) => m.busy = b,
         }

@@ -91,6 +91,8 @@ pub enum Update {
     /// Move the selection to op `index` of the current run.
     Select(usize),
     Log(String),
+    /// The notes of a loaded session: they become the UI's notes, so the next save keeps them.
+    Notes(Vec<String>),
     Error(String),
     /// `Some(what)` while a command runs, `None` when the debugger is idle again.
     Busy(Option<String>),
@@ -530,9 +532,11 @@ impl Host {
             next.finish_if_done();
         }
         let placed = session.annotations.iter().map(|a| &a.text);
-        for note in session.notes.iter().chain(placed) {
+        let notes: Vec<String> = session.notes.iter().chain(placed).cloned().collect();
+        for note in &notes {
             next.log(format!("note: {note}"));
         }
+        (self.send)(Update::Notes(notes));
         next.log(format!("loaded session {}", path.display()));
         *self = next;
         Ok(())
