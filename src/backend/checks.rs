@@ -112,3 +112,18 @@ pub fn index_topk(scores: &Tensor, positions: &[usize]) -> Result<()> {
     }
     Ok(())
 }
+
+/// x [.., k] · Wᵀ with W quantized [out, k]: returns the output shape.
+pub fn linear_quant(x: &Tensor, w: &crate::model::quant::QuantTensor) -> Result<Vec<usize>> {
+    let k = x.cols();
+    if k != w.cols {
+        return Err(Error::invalid(format!(
+            "quantized linear: input of {k} features for a {} weight [{}, {}]",
+            w.ty, w.rows, w.cols
+        )));
+    }
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("linear input has a shape") = w.rows;
+    crate::tensor::checked_numel(&shape, "quantized linear output")?;
+    Ok(shape)
+}

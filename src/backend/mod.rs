@@ -260,17 +260,9 @@ pub trait Backend: Send + Sync {
 /// The reference quantized linear (see `Backend::linear_quant`).
 pub fn linear_quant_host(x: &Tensor, w: &QuantTensor, faults: QuantFaults) -> Result<Tensor> {
     const SLAB: usize = 64;
-    let k = x.cols();
-    if k != w.cols {
-        return Err(crate::error::Error::invalid(format!(
-            "quantized linear: input of {k} features for a {} weight [{}, {}]",
-            w.ty, w.rows, w.cols
-        )));
-    }
-    let n = x.rows();
-    let mut shape = x.shape().to_vec();
-    *shape.last_mut().expect("linear input has a shape") = w.rows;
-    let mut y = vec![0.0f32; crate::tensor::checked_numel(&shape, "quantized linear output")?];
+    let shape = checks::linear_quant(x, w)?;
+    let (n, k) = (x.rows(), x.cols());
+    let mut y = vec![0.0f32; n * w.rows];
     let mut slab = vec![0.0f32; SLAB * k];
     for r0 in (0..w.rows).step_by(SLAB) {
         let rows = SLAB.min(w.rows - r0);
@@ -282,6 +274,27 @@ pub fn linear_quant_host(x: &Tensor, w: &QuantTensor, faults: QuantFaults) -> Re
         }
     }
     Ok(Tensor::from_vec(&shape, y))
+}
+
+/// W [rows, cols] from a quantized linear layer the way vLLM obtains it for weight absorption:
+/// the identity matrix I_cols pushed through the layer gives Wᵀ, which is transposed back.
+pub fn weight_through_identity(
+    b: &dyn Backend,
+    w: &QuantTensor,
+    faults: QuantFaults,
+) -> Result<Tensor> {
+    let n = w.cols;
+    let mut eye = vec![0.0f32; n * n];
+    eye.iter_mut().step_by(n + 1).for_each(|v| *v = 1.0);
+    let wt = b.linear_quant(&Tensor::from_vec(&[n, n], eye), w, faults)?;
+    let (r, c) = (wt.rows(), wt.cols());
+    let mut out = vec![0.0f32; r * c];
+    for (i, row) in wt.data().chunks(c).enumerate() {
+        for (j, &v) in row.iter().enumerate() {
+            out[j * r + i] = v;
+        }
+    }
+    Ok(Tensor::from_vec(&[c, r], out))
 }
 
 /// The reference DSA top-k (see `Backend::index_topk`).

@@ -43,21 +43,12 @@ pub fn quant_faults(flags: &Flags) -> QuantFaults {
     }
 }
 
-/// W = (I·W_deqᵀ)ᵀ through the backend's quantized linear, and W decoded directly.
+/// W through the identity matrix (the backend's quantized linear), and W decoded directly.
 fn both_derivations(job: &Job, q: &QuantTensor, faults: QuantFaults) -> Result<(Tensor, Tensor)> {
-    let b = job.backend;
-    let n = q.cols;
-    let mut eye = vec![0.0f32; n * n];
-    eye.iter_mut().step_by(n + 1).for_each(|v| *v = 1.0);
-    let wt = b.linear_quant(&Tensor::from_vec(&[n, n], eye), q, faults)?;
-    let (r, c) = (wt.rows(), wt.cols());
-    let mut w = vec![0.0f32; r * c];
-    for (i, row) in wt.data().chunks(c).enumerate() {
-        for (j, &v) in row.iter().enumerate() {
-            w[j * r + i] = v;
-        }
-    }
-    Ok((Tensor::from_vec(&[c, r], w), b.dequantize(q, faults)?))
+    Ok((
+        crate::backend::weight_through_identity(job.backend, q, faults)?,
+        job.backend.dequantize(q, faults)?,
+    ))
 }
 
 /// Per-head relative L2 of rows `offset..offset + rows` of each head's block of `block` rows.

@@ -461,31 +461,12 @@ fn kv_b_as_used(
             &ctx.name("self_attn.kv_b_identity"),
             OpKind::Dequantize,
             &[],
-            |_| {
-                let n = q.cols;
-                let mut eye = vec![0.0f32; n * n];
-                eye.iter_mut().step_by(n + 1).for_each(|v| *v = 1.0);
-                let wt = b.linear_quant(&Tensor::from_vec(&[n, n], eye), &q, faults)?;
-                Ok(transpose(&wt))
-            },
+            |_| crate::backend::weight_through_identity(b, &q, faults),
         )?
     };
     let w = Arc::new(w);
     cache.kv_b_plain = Some(w.clone());
     Ok(KvB::Plain(w))
-}
-
-/// [r, c] → [c, r].
-fn transpose(t: &Tensor) -> Tensor {
-    let (r, c) = (t.rows(), t.cols());
-    let src = t.data();
-    let mut out = vec![0.0f32; r * c];
-    for i in 0..r {
-        for j in 0..c {
-            out[j * r + i] = src[i * c + j];
-        }
-    }
-    Tensor::from_vec(&[c, r], out)
 }
 
 /// Where W_UK and W_UV sit in kv_b_proj. FAULT absorb-wrong-split: read as if each head's block

@@ -287,19 +287,10 @@ impl Host {
                         "bisect needs an earlier run to compare with: change a flag first",
                     ));
                 }
-                match first_divergence(&diffs, 1e-4) {
-                    Some(d) => {
-                        let figures = d.diff.as_ref().map(|x| x.summary()).unwrap_or_default();
-                        self.log(format!(
-                            "bisect: first divergent op #{} {} {}: {figures}",
-                            d.index, d.phase, d.name
-                        ));
-                        (self.send)(Update::Select(d.index));
-                    }
-                    None => self.log(format!(
-                        "bisect: no op differs beyond 1e-4 ({} compared)",
-                        diffs.len()
-                    )),
+                let (line, select) = bisect_report(&diffs);
+                self.log(line);
+                if let Some(index) = select {
+                    (self.send)(Update::Select(index));
                 }
             }
             Command::Save {
@@ -563,6 +554,30 @@ fn describe(c: &Command) -> String {
         Command::Load(_) => "load".into(),
         Command::Note(_) => "note".into(),
         _ => "breakpoints".into(),
+    }
+}
+
+/// What bisect tells the user about per-op comparisons, and the op to select: the first that
+/// differs beyond 1e-4 (live and replayed sessions report it alike).
+pub fn bisect_report(diffs: &[crate::debug::compare::OpComparison]) -> (String, Option<usize>) {
+    match first_divergence(diffs, 1e-4) {
+        Some(d) => {
+            let figures = d.diff.as_ref().map(|x| x.summary()).unwrap_or_default();
+            (
+                format!(
+                    "bisect: first divergent op #{} {} {}: {figures}",
+                    d.index, d.phase, d.name
+                ),
+                Some(d.index),
+            )
+        }
+        None => (
+            format!(
+                "bisect: no op differs beyond 1e-4 ({} compared)",
+                diffs.len()
+            ),
+            None,
+        ),
     }
 }
 

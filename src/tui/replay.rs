@@ -6,7 +6,7 @@
 use super::driver::Driver;
 use super::host::{AuxKind, Command, Info, Send, Update};
 use crate::debug::breakpoint::Breakpoint;
-use crate::debug::compare::{compare_runs, diff, first_divergence, heads_of};
+use crate::debug::compare::{compare_runs, diff, heads_of};
 use crate::debug::controller::Stop;
 use crate::debug::RunRecord;
 use crate::error::{Error, Result};
@@ -496,19 +496,10 @@ impl ReplayHost {
         }
         let other = &self.records[self.timeline[c]];
         let diffs = compare_runs(&partial, other, self.info.layout.num_heads);
-        match first_divergence(&diffs, 1e-4) {
-            Some(d) => {
-                let figures = d.diff.as_ref().map(|x| x.summary()).unwrap_or_default();
-                self.log(format!(
-                    "bisect: first divergent op #{} {} {}: {figures}",
-                    d.index, d.phase, d.name
-                ));
-                (self.send)(Update::Select(d.index));
-            }
-            None => self.log(format!(
-                "bisect: no op differs beyond 1e-4 ({} compared)",
-                diffs.len()
-            )),
+        let (line, select) = super::host::bisect_report(&diffs);
+        self.log(line);
+        if let Some(index) = select {
+            (self.send)(Update::Select(index));
         }
     }
 

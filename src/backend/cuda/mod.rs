@@ -827,27 +827,16 @@ impl Backend for CudaBackend {
         let Some(ty) = quant_kernel_name(w.ty) else {
             return crate::backend::linear_quant_host(x, w, faults);
         };
-        let k = x.cols();
-        if k != w.cols {
-            return Err(Error::invalid(format!(
-                "quantized linear: input of {k} features for a {} weight [{}, {}]",
-                w.ty, w.rows, w.cols
-            )));
-        }
+        let shape = checks::linear_quant(x, w)?;
+        let (n, k) = (x.rows(), x.cols());
         // One decoded weight row per block in shared memory.
         let shared = k * 4;
         if shared > self.gpu.max_shared_per_block() {
             return crate::backend::linear_quant_host(x, w, faults);
         }
-        let n = x.rows();
-        let mut shape = x.shape().to_vec();
-        *shape.last_mut().expect("linear input has a shape") = w.rows;
         let xd = self.dev(x)?;
         let wd = self.gpu.upload_bytes(w.bytes())?;
-        let y = self.out(crate::tensor::checked_numel(
-            &shape,
-            "quantized linear output",
-        )?)?;
+        let y = self.out(n * w.rows)?;
         self.gpu.launch(
             &self.k(&format!("linear_{ty}")),
             (w.rows as u32, n.div_ceil(64) as u32, 1),
