@@ -282,7 +282,10 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
     println!("ceilings: device-to-device copy {:.0} GB/s (read + write), cuBLAS bf16 GEMM 8192³ {:.0} TFLOP/s", c.copy_gbs, c.gemm_tflops);
 
     if !args.no_kernels {
-        println!("\nMLA decode (absorbed, paged latent cache 512+64, 64 heads, bf16), one query token per sequence");
+        println!(
+            "\nMLA decode (absorbed, paged latent cache 512+64, 64 heads, bf16), one query token per sequence, kernel {}",
+            fast::decode_kernel(gpu)?
+        );
         println!(
             "{:>6} {:>8} {:>10} {:>9} {:>8} {:>7} {:>10}",
             "batch", "context", "time us", "GB/s", "of copy", "splits", "rel err"

@@ -2,7 +2,9 @@
 //! architecture and reports, per kernel, whether it compiled and its registers, shared memory
 //! and spills. Needs no GPU, only NVRTC: this is how Blackwell (sm_100, sm_120) is checked here.
 
-use crate::backend::cuda::compile::{compile, describe_version, resources, SOURCES};
+use crate::backend::cuda::compile::{
+    compile, describe_version, hopper_target, resources, HOPPER_SOURCES, SOURCES,
+};
 use crate::error::{Error, Result};
 use clap::Args;
 
@@ -39,11 +41,25 @@ pub fn run(args: &KernelsArgs) -> Result<bool> {
     );
     let mut all_ok = true;
     for arch in &archs {
-        for (file, src) in SOURCES {
+        let hopper = hopper_target(arch);
+        let files = SOURCES
+            .iter()
+            .map(|&(file, src)| (file, src, arch.to_string()))
+            .chain(
+                HOPPER_SOURCES
+                    .iter()
+                    .filter_map(|&(file, src)| hopper.clone().map(|target| (file, src, target))),
+            );
+        for (file, src, target) in files {
+            let arch = &target;
             match compile(file, src, arch) {
                 Ok(c) => {
                     let res = resources(&c.log);
                     println!("{arch:<8} {file:<16} ok ({} bytes)", c.code.len());
+                    // ptxas' performance notes (for example wgmma serialised on Hopper).
+                    for line in c.log.lines().filter(|l| l.contains("Performance")) {
+                        println!("           note: {}", line.trim());
+                    }
                     for r in res {
                         let warn = match (r.spill_stores + r.spill_loads > 0, r.stack_bytes > 0) {
                             (true, _) => "  SPILLS",
@@ -65,6 +81,13 @@ pub fn run(args: &KernelsArgs) -> Result<bool> {
                 }
             }
         }
+    }
+    if !archs.iter().any(|a| hopper_target(a).is_some()) {
+        let files: Vec<&str> = HOPPER_SOURCES.iter().map(|(f, _)| *f).collect();
+        println!(
+            "(Hopper-only files, built for sm_90a only: {})",
+            files.join(", ")
+        );
     }
     println!(
         "{}",

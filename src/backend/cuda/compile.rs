@@ -8,6 +8,7 @@ use std::ffi::CString;
 
 const COMMON: &str = include_str!("../../../kernels/common.cuh");
 const MMA: &str = include_str!("../../../kernels/mma.cuh");
+const WGMMA: &str = include_str!("../../../kernels/wgmma.cuh");
 
 /// (file name, source) of every kernel file.
 pub const SOURCES: &[(&str, &str)] = &[
@@ -36,10 +37,26 @@ pub const SOURCES: &[(&str, &str)] = &[
     ),
 ];
 
-/// The source with `common.cuh` and `mma.cuh` inlined (NVRTC is given no include files).
+/// Kernel files for Hopper alone (compute capability 9.0, compiled for `sm_90a`: wgmma has no
+/// portable form), loaded beside the portable kernels, never instead of them.
+pub const HOPPER_SOURCES: &[(&str, &str)] = &[(
+    "mla_decode_sm90.cu",
+    include_str!("../../../kernels/mla_decode_sm90.cu"),
+)];
+
+/// The architecture-specific target a Hopper-only file is compiled for, given the target
+/// (`sm_90`, `compute_90`) of the portable files; `None` where the file does not apply.
+pub fn hopper_target(arch: &str) -> Option<String> {
+    matches!(arch, "sm_90" | "compute_90" | "sm_90a" | "compute_90a")
+        .then(|| format!("{}a", arch.trim_end_matches('a')))
+}
+
+/// The source with `common.cuh`, `mma.cuh` and `wgmma.cuh` inlined (NVRTC is given no include
+/// files).
 pub fn full_source(src: &str) -> String {
     src.replace("#include \"common.cuh\"", COMMON)
         .replace("#include \"mma.cuh\"", MMA)
+        .replace("#include \"wgmma.cuh\"", WGMMA)
 }
 
 /// Whether NVRTC can be loaded (probe before the first NVRTC call: cudarc panics otherwise).

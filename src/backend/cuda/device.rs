@@ -2,7 +2,7 @@
 //! copies between host and device, and kernel launches. Every `unsafe` of the CUDA backend is in
 //! this file, with the invariant it relies on beside it.
 
-use super::compile::{compile, SOURCES};
+use super::compile::{compile, hopper_target, HOPPER_SOURCES, SOURCES};
 use crate::error::{Error, Result};
 use crate::tensor::{DeviceBuffer, POISON_BITS};
 use cudarc::cublas::CudaBlas;
@@ -175,8 +175,18 @@ impl Gpu {
         let arch = format!("{major}{minor}");
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
         let mut functions = HashMap::new();
-        for (file, src) in SOURCES {
-            let compiled = compile(file, src, &format!("compute_{arch}"))?;
+        let portable = format!("compute_{arch}");
+        let hopper = hopper_target(&portable);
+        let files = SOURCES
+            .iter()
+            .map(|&(file, src)| (file, src, portable.clone()))
+            .chain(
+                HOPPER_SOURCES
+                    .iter()
+                    .filter_map(|&(file, src)| hopper.clone().map(|target| (file, src, target))),
+            );
+        for (file, src, target) in files {
+            let compiled = compile(file, src, &target)?;
             let ptx = Ptx::from_src(String::from_utf8_lossy(&compiled.code).into_owned());
             let module = ctx.load_module(ptx).map_err(driver_err("module load"))?;
             for name in kernel_names(src) {
@@ -343,6 +353,11 @@ impl Gpu {
         self.stream
             .memcpy_dtod(&view, &mut out)
             .map_err(driver_err("copy"))
+    }
+
+    /// Whether this device has kernel `name` (the Hopper-only kernels exist on Hopper alone).
+    pub fn has_kernel(&self, name: &str) -> bool {
+        self.functions.contains_key(name)
     }
 
     /// Launches kernel `name` on a grid of `grid` blocks of `block` threads.
@@ -667,7 +682,9 @@ mod source_names {
     #[test]
     fn every_kernel_name_is_an_identifier() {
         let mut total = 0;
-        for (file, src) in crate::backend::cuda::compile::SOURCES {
+        let compile = &crate::backend::cuda::compile::SOURCES;
+        let hopper = &crate::backend::cuda::compile::HOPPER_SOURCES;
+        for (file, src) in compile.iter().chain(hopper.iter()) {
             for name in super::kernel_names(src) {
                 assert!(
                     !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),

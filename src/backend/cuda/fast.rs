@@ -30,11 +30,12 @@ pub struct DecodeShape {
 }
 
 /// The decode kernel variants, in order of preference: (kernel, shared bytes per block).
+/// `mla_decode_wgmma` (Hopper only, kernels/mla_decode_sm90.cu: warpgroup MMAs, 221 KB);
 /// `mla_decode_ks3` (split-k S, P·V by output dims, three stages: 222 KB, Hopper and B200);
 /// `mla_decode_ks2` (the same in two stages, 185 KB); `mla_decode_t32` (32-token tiles in two
 /// stages, 156 KB: A100); `mla_decode_t16` (16-token tiles in one stage, 99 KB: sm_86/89,
 /// sm_120). kernels/mla_decode.cu says how they differ.
-fn decode_variants() -> [(&'static str, u32); 4] {
+fn decode_variants() -> [(&'static str, u32); 5] {
     let row = 584 * 2; // shared row stride in bytes (576 bf16 padded by 8)
     let classic = |tile: usize, stages: usize| {
         (HEAD_GROUP * row + stages * tile * row + HEAD_GROUP * (tile + 8) * 2 + 5 * HEAD_GROUP * 4)
@@ -48,8 +49,12 @@ fn decode_variants() -> [(&'static str, u32); 4] {
             + HEAD_GROUP * 40 * 2
             + 8 * HEAD_GROUP * 4) as u32
     };
+    // Q, four stages of 32 rows (576 bf16 each), P (64 × 32 bf16), rescale factors and sums.
+    let wgmma =
+        (HEAD_GROUP * 576 * 2 + 4 * 32 * 576 * 2 + HEAD_GROUP * 32 * 2 + 2 * HEAD_GROUP * 4) as u32;
     [
         ("mla_decode_ks3", split_k(3)),
+        ("mla_decode_wgmma", wgmma),
         ("mla_decode_ks2", split_k(2)),
         ("mla_decode_t32", classic(32, 2)),
         ("mla_decode_t16", classic(16, 1)),
@@ -58,16 +63,21 @@ fn decode_variants() -> [(&'static str, u32); 4] {
 
 /// The decode kernel variants this device's shared memory allows, in order of preference.
 pub fn decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
-    let limit = gpu.max_shared_per_block() as u32;
     decode_variants()
         .into_iter()
-        .filter(|&(_, bytes)| bytes <= limit)
+        .filter(|&(name, bytes)| runs_on(gpu, name, bytes))
         .map(|(name, _)| name)
         .collect()
 }
 
+/// Whether a variant can run on a device: it was built for it (Hopper-only kernels exist on
+/// Hopper alone) and its shared memory fits.
+fn runs_on(gpu: &Gpu, name: &str, shared: u32) -> bool {
+    gpu.has_kernel(name) && shared as usize <= gpu.max_shared_per_block()
+}
+
 /// The decode variant for a device: `forced` (a kernel name) if given, else
-/// `MLADB_DECODE_VARIANT` (ks3, ks2, t32, t16; `MLADB_DECODE_TILE=16` is t16) for experiments,
+/// `MLADB_DECODE_VARIANT` (wgmma, ks3, ks2, t32, t16; `MLADB_DECODE_TILE=16` is t16) for experiments,
 /// else the first that fits its shared memory.
 fn decode_variant(gpu: &Gpu, forced: Option<&str>) -> Result<(&'static str, u32)> {
     let limit = gpu.max_shared_per_block() as u32;
@@ -86,6 +96,11 @@ fn decode_variant(gpu: &Gpu, forced: Option<&str>) -> Result<(&'static str, u32)
             .iter()
             .find(|(name, _)| *name == want)
             .ok_or_else(|| Error::invalid(format!("no MLA decode kernel variant {want}")))?;
+        if !gpu.has_kernel(name) {
+            return Err(Error::invalid(format!(
+                "{name} is not built for this device (Hopper-only kernels need compute capability 9.0)"
+            )));
+        }
         if bytes > limit {
             return Err(Error::invalid(format!(
                 "{name} needs {bytes} bytes of shared memory per block; this device allows {limit}"
@@ -95,13 +110,18 @@ fn decode_variant(gpu: &Gpu, forced: Option<&str>) -> Result<(&'static str, u32)
     }
     variants
         .into_iter()
-        .find(|&(_, bytes)| bytes <= limit)
+        .find(|&(name, bytes)| runs_on(gpu, name, bytes))
         .ok_or_else(|| {
             Error::invalid(format!(
                 "the MLA decode kernel needs {} bytes of shared memory per block; this device allows {limit}",
                 variants[variants.len() - 1].1
             ))
         })
+}
+
+/// The decode kernel a plain launch on this device uses (after `MLADB_DECODE_VARIANT`).
+pub fn decode_kernel(gpu: &Gpu) -> Result<&'static str> {
+    decode_variant(gpu, None).map(|(name, _)| name)
 }
 
 /// How many KV splits for a shape: the fewest waves of blocks times the tokens each block

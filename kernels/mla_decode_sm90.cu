@@ -1,0 +1,309 @@
+// MLA decode for Hopper (sm_90a only; the portable kernels of mla_decode.cu run everywhere else,
+// and here too when this one is not chosen): the same absorbed attention of one query token per
+// sequence over the paged latent cache, with the same split-KV outputs and merge, but with
+// warpgroup MMAs (wgmma) reading both operands from shared memory, so that no warp spends issue
+// slots or registers on operand fragments and the tensor cores run while the softmax does.
+//
+// Block = (split, sequence, group of 64 heads), two warpgroups, one block per multiprocessor
+// (Q 72 KB + four 36 KB stages of 32 tokens + P 4 KB = 220 KB of shared memory). Four stages
+// keep two to three tiles of loads in flight all the time: with two stages of 64 tokens (the
+// first version) the next load could only start once a stage was wholly done, the multiprocessor
+// often had nothing in flight, and the kernel was no faster than the mma.sync one (38–43% of the
+// copy bandwidth at batch 64–128 × 8k on the H200).
+//   Warpgroup 0: S = Q·Kᵀ (64 heads × 64 tokens, 36 MMAs over the 576 dims), the online softmax
+//     (exact row maxima: it holds the whole tile's S), P in bf16 to shared memory with each row's
+//     rescale factor, then O[:, 0:256] += P·V with P straight from its registers.
+//   Warpgroup 1: loads the KV tiles (cp.async), then per tile rescales O[:, 256:512] and adds
+//     P·V from shared memory.
+// So warpgroup 1's P·V of tile j runs beside warpgroup 0's S and softmax of tile j+1, and
+// warpgroup 0's own P·V of tile j is still in flight when it issues S of tile j+1.
+//
+// Shared layout: every operand is stored as 8×8 core matrices (8 rows of 8 bf16, 128 contiguous
+// bytes), without swizzling. A 576-wide row group of 8 tokens (or heads) is a "slab" of 72 core
+// matrices (9216 bytes): byte (r/8)·9216 + (c/8)·128 + (r%8)·16 + (c%8)·2 holds element (r, c).
+// The same tile is K-major B for S (tokens = N, dims = K) and N-major B for P·V (tokens = K,
+// dims = N); a 16-byte cp.async chunk i of a block lands at byte 16·i when chunk i is row
+// 8·(i/576) + i%8, dims 8·((i%576)/8).. (so 8 neighbouring lanes fill one core matrix).
+//
+// Handshakes (named barriers; the side that waits uses bar.sync, the other bar.arrive):
+//   FULL[s]  tile in stage s landed          (warpgroup 1 arrives, warpgroup 0 waits)
+//   EMPTY[s] warpgroup 0 is done with stage s (0 arrives, 1 waits before reloading it)
+// Tile j + 3 is loaded into the stage of tile j − 1 while tile j is computed.
+//   P_FULL   P and the rescale factors written (0 arrives, 1 waits)
+//   P_EMPTY  warpgroup 1's P·V has read P     (1 arrives, 0 waits before writing the next)
+#include "common.cuh"
+#include "mma.cuh"
+#include "wgmma.cuh"
+
+#define W_HEADS 64
+#define W_DQK 576
+#define W_DV 512
+#define W_PAGE 64
+#define W_TILE 32  // tokens per tile (half a page of the cache)
+#define W_STAGES 4
+#define W_SLAB 9216
+#define W_Q_BYTES (8 * W_SLAB)                 // 64 rows of 576
+#define W_TILE_BYTES (W_TILE / 8 * W_SLAB)     // W_TILE rows of 576
+#define W_P_BYTES (W_HEADS * W_TILE * 2)
+#define W_SC (W_TILE / 2)                      // S accumulators per thread
+#define W_KS (W_TILE / 16)                     // k-steps of P·V per tile
+
+#define BAR_FULL 1                    // + stage
+#define BAR_EMPTY (1 + W_STAGES)      // + stage
+#define BAR_P_FULL (1 + 2 * W_STAGES)
+#define BAR_P_EMPTY (2 + 2 * W_STAGES)
+#define BAR_WG0 (3 + 2 * W_STAGES)
+#define BAR_WG1 (4 + 2 * W_STAGES)
+
+// `rows` rows of 576 bf16 (row r at src + r·576) into the core-matrix layout at `dst`, by the
+// 128 threads of one warpgroup; rows from `valid` on are zeroed (so that P = 0 meets no NaN).
+template <int ROWS>
+__device__ __forceinline__ void load_block(unsigned dst, const bf16_t* src, int valid, int tid) {
+#pragma unroll 2
+    for (int k = 0; k < ROWS * 72 / 128; k++) {
+        const int i = k * 128 + tid;
+        const int row = (i / 576) * 8 + (i & 7), chunk = (i % 576) >> 3;
+        if (row < valid)
+            cp_async16(dst + i * 16, src + row * W_DQK + chunk * 8);
+        else
+            st_shared_zero16(dst + i * 16);
+    }
+    cp_async_commit();
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
+                                                                   const int* seq_lens, float scale_log2, float* part_o, float* part_lse,
+                                                                   int splits, int total_heads, bf16_t* out, float* lse_out) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const unsigned sQ = smem_addr(smem), sKV = sQ + W_Q_BYTES, sP = sKV + W_STAGES * W_TILE_BYTES;
+    unsigned char* p_base = smem + W_Q_BYTES + W_STAGES * W_TILE_BYTES;
+    float* sAlpha = (float*)(p_base + W_P_BYTES);  // [64] rescale factors of the tile
+    float* sL = sAlpha + W_HEADS;                  // [64] row sums at the end
+
+    const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * W_HEADS;
+    const int n_tok = seq_lens[b];
+    int chunk = (n_tok + splits - 1) / splits;
+    chunk = (chunk + W_TILE - 1) / W_TILE * W_TILE;
+    const int t_begin = split * chunk;
+    const int t_end = min(t_begin + chunk, n_tok);
+    const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
+
+    if (t_begin >= t_end) {  // an empty split (or sequence): nothing to attend to
+        if (splits == 1) {
+            const u64 row = (u64)b * total_heads + head0;
+            for (int i = threadIdx.x; i < W_HEADS * W_DV; i += 256) out[row * W_DV + i] = 0;
+            for (int i = threadIdx.x; i < W_HEADS; i += 256) lse_out[row + i] = -INFINITY;
+        } else {
+            for (int i = threadIdx.x; i < W_HEADS * W_DV; i += 256) part_o[out_row * W_DV + i] = 0.0f;
+            for (int i = threadIdx.x; i < W_HEADS; i += 256) part_lse[out_row + i] = -INFINITY;
+        }
+        return;
+    }
+
+    const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, qd = lane % 4;
+    const int r0 = 16 * warp + g, r1 = r0 + 8;  // the two rows (heads) of this thread
+    const int n_tiles = (t_end - t_begin + W_TILE - 1) / W_TILE;
+    const int* bt = block_table + (u64)b * max_pages;
+
+    // This warpgroup's 64 × 256 slice of O: element 4·n + e is row (e < 2 ? r0 : r1), column
+    // 8·n + 2·qd + e % 2 of the slice.
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; i++) o[i] = 0.0f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+
+    if (wg == 0) {
+        load_block<W_HEADS>(sQ, q + ((u64)b * total_heads + head0) * W_DQK, W_HEADS, tid);
+        cp_async_wait<0>();
+        fence_proxy_async();
+        bar_sync(BAR_WG0, 128);  // Q landed
+        const u64 dq = wg_desc(sQ, 128, W_SLAB);
+        unsigned pa[4 * W_KS];  // P as the A operand of the k-steps of P·V
+        for (int j = 0; j < n_tiles; j++) {
+            const int s = j % W_STAGES, t0 = t_begin + j * W_TILE;
+            const unsigned kv = sKV + s * W_TILE_BYTES;
+            bar_sync(BAR_FULL + s, 256);
+            float sc[W_SC];
+#pragma unroll
+            for (int i = 0; i < W_SC; i++) sc[i] = 0.0f;
+            wg_fence();
+#pragma unroll
+            for (int i = 0; i < W_SC; i++) wg_hold(sc[i]);
+            const u64 dk = wg_desc(kv, 128, W_SLAB);
+#pragma unroll
+            for (int kk = 0; kk < W_DQK / 16; kk++) {
+                if constexpr (W_TILE == 32)
+                    wgmma_m64n32_ss(sc, dq + kk * 16, dk + kk * 16, kk > 0);
+                else
+                    wgmma_m64n64_ss(sc, dq + kk * 16, dk + kk * 16, kk > 0);
+            }
+            wg_commit();
+            if (j > 0) {
+                wg_wait<1>();  // the previous tile's P·V is done: its stage may be reloaded
+#pragma unroll
+                for (int i = 0; i < 128; i++) wg_hold(o[i]);
+                if (j + W_STAGES - 1 < n_tiles) bar_arrive(BAR_EMPTY + (j - 1) % W_STAGES, 256);
+            }
+            wg_wait<0>();
+#pragma unroll
+            for (int i = 0; i < W_SC; i++) wg_hold(sc[i]);
+
+            // Online softmax in base 2 over this tile (tokens past the end are -inf).
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int n = 0; n < W_TILE / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int tok = t0 + 8 * n + 2 * qd + (e & 1);
+                    const float x = tok < t_end ? sc[4 * n + e] * scale_log2 : -INFINITY;
+                    sc[4 * n + e] = x;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                }
+            float alpha[2], m_use[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                const float m_new = fmaxf(m_run[r], mx[r]);
+                alpha[r] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[r] - m_new);
+                m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
+                m_run[r] = m_new;
+            }
+            float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int n = 0; n < W_TILE / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float p = fast_exp2(sc[4 * n + e] - m_use[e >> 1]);
+                    sc[4 * n + e] = p;
+                    sum[e >> 1] += p;
+                }
+            l_run[0] = l_run[0] * alpha[0] + sum[0];
+            l_run[1] = l_run[1] * alpha[1] + sum[1];
+#pragma unroll
+            for (int i = 0; i < 128; i++) o[i] *= alpha[(i >> 1) & 1];
+#pragma unroll
+            for (int ks = 0; ks < W_KS; ks++) {
+                pa[4 * ks + 0] = pack_bf16(sc[8 * ks + 0], sc[8 * ks + 1]);
+                pa[4 * ks + 1] = pack_bf16(sc[8 * ks + 2], sc[8 * ks + 3]);
+                pa[4 * ks + 2] = pack_bf16(sc[8 * ks + 4], sc[8 * ks + 5]);
+                pa[4 * ks + 3] = pack_bf16(sc[8 * ks + 6], sc[8 * ks + 7]);
+            }
+
+            // P (and the rescale factors) for warpgroup 1, once it has read the previous P.
+            // P is K-major A: byte (r/8)·(W_TILE·16) + (t/8)·128 + (r%8)·16 + (t%8)·2.
+            if (j > 0) bar_sync(BAR_P_EMPTY, 256);
+            unsigned char* p_rows = p_base + (2 * warp) * (W_TILE * 16) + g * 16 + 4 * qd;
+#pragma unroll
+            for (int n = 0; n < W_TILE / 8; n++) {
+                *(unsigned*)(p_rows + n * 128) = pa[4 * (n >> 1) + 2 * (n & 1)];
+                *(unsigned*)(p_rows + W_TILE * 16 + n * 128) = pa[4 * (n >> 1) + 2 * (n & 1) + 1];
+            }
+            if (qd == 0) {
+                sAlpha[r0] = alpha[0];
+                sAlpha[r1] = alpha[1];
+            }
+            fence_proxy_async();
+            bar_arrive(BAR_P_FULL, 256);
+
+            // O[:, 0:256] += P·V (left in flight; waited for after the next tile's S is issued).
+            const u64 dv = wg_desc(kv, W_SLAB, 128);
+            wg_fence();
+#pragma unroll
+            for (int i = 0; i < 128; i++) wg_hold(o[i]);
+#pragma unroll
+            for (int ks = 0; ks < W_KS; ks++) wgmma_m64n256_rs(o, pa + 4 * ks, dv + ks * (2 * W_SLAB / 16), 1);
+            wg_commit();
+        }
+        wg_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 128; i++) wg_hold(o[i]);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+            l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+        }
+        if (qd == 0) {
+            sL[r0] = l_run[0];
+            sL[r1] = l_run[1];
+            const float ln2 = 0.6931471805599453f;
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const float lse = l_run[r] > 0.0f ? (m_run[r] + log2f(l_run[r])) * ln2 : -INFINITY;
+                const int row = r ? r1 : r0;
+                if (splits == 1)
+                    lse_out[(u64)b * total_heads + head0 + row] = lse;
+                else
+                    part_lse[out_row + row] = lse;
+            }
+        }
+    } else {
+        // Tile j of this split: its rows in the cache, and how many of them are real tokens.
+        auto load_tile = [&](int j) {
+            const int t0 = t_begin + j * W_TILE;
+            const bf16_t* src = cache + ((u64)bt[t0 / W_PAGE] * W_PAGE + t0 % W_PAGE) * W_DQK;
+            load_block<W_TILE>(sKV + (j % W_STAGES) * W_TILE_BYTES, src, t_end - t0, tid);
+        };
+        for (int j = 0; j < W_STAGES - 1; j++) {
+            if (j < n_tiles)
+                load_tile(j);
+            else
+                cp_async_commit();  // empty groups keep the wait counts uniform
+        }
+        cp_async_wait<W_STAGES - 2>();
+        fence_proxy_async();
+        bar_sync(BAR_WG1, 128);  // every thread's part of tile 0 landed
+        bar_arrive(BAR_FULL, 256);
+        const u64 dp = wg_desc(sP, 128, W_TILE * 16);
+        for (int j = 0; j < n_tiles; j++) {
+            const int s = j % W_STAGES;
+            bar_sync(BAR_P_FULL, 256);
+            const float a0 = sAlpha[r0], a1 = sAlpha[r1];
+#pragma unroll
+            for (int i = 0; i < 128; i++) o[i] *= (i & 2) ? a1 : a0;
+            const u64 dv = wg_desc(sKV + s * W_TILE_BYTES + 256 * 16, W_SLAB, 128);
+            wg_fence();
+#pragma unroll
+            for (int i = 0; i < 128; i++) wg_hold(o[i]);
+#pragma unroll
+            for (int ks = 0; ks < W_KS; ks++) wgmma_m64n256_ss(o, dp + ks * 16, dv + ks * (2 * W_SLAB / 16), 1);
+            wg_commit();
+            wg_wait<0>();
+#pragma unroll
+            for (int i = 0; i < 128; i++) wg_hold(o[i]);
+            if (j + 1 < n_tiles) bar_arrive(BAR_P_EMPTY, 256);
+            // Tile j + 3 into the stage of tile j − 1 (fresh for j = 0), which warpgroup 0 gave
+            // back when it issued S of tile j (so this never waits long).
+            const int next = j + W_STAGES - 1;
+            if (next < n_tiles) {
+                if (j > 0) bar_sync(BAR_EMPTY + (j - 1) % W_STAGES, 256);
+                load_tile(next);
+            } else {
+                cp_async_commit();
+            }
+            if (j + 1 < n_tiles) {
+                cp_async_wait<W_STAGES - 2>();  // tile j + 1 landed (later ones may be in flight)
+                fence_proxy_async();
+                bar_sync(BAR_WG1, 128);
+                bar_arrive(BAR_FULL + (j + 1) % W_STAGES, 256);
+            }
+        }
+    }
+    __syncthreads();  // row sums from warpgroup 0
+
+    const float inv0 = sL[r0] > 0.0f ? 1.0f / sL[r0] : 0.0f, inv1 = sL[r1] > 0.0f ? 1.0f / sL[r1] : 0.0f;
+    const int col0 = wg * 256 + 2 * qd;
+#pragma unroll
+    for (int n = 0; n < 32; n++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int row = r ? r1 : r0;
+            const float inv = r ? inv1 : inv0;
+            const float x = o[4 * n + 2 * r] * inv, y = o[4 * n + 2 * r + 1] * inv;
+            if (splits == 1)
+                *(unsigned*)(out + ((u64)b * total_heads + head0 + row) * W_DV + col0 + 8 * n) = pack_bf16(x, y);
+            else
+                *(float2*)(part_o + (out_row + row) * W_DV + col0 + 8 * n) = make_float2(x, y);
+        }
+}
