@@ -1,36 +1,41 @@
-// MLA decode for Hopper (sm_90a only; the portable kernels of mla_decode.cu run everywhere else,
-// and here too when this one is not chosen): the same absorbed attention of one query token per
-// sequence over the paged latent cache, with the same split-KV outputs and merge, but with
-// warpgroup MMAs (wgmma) reading both operands from shared memory, so that no warp spends issue
-// slots or registers on operand fragments and the tensor cores run while the softmax does.
+// MLA decode for Hopper (sm_90a only; the portable kernels of mla_decode.cu run everywhere else):
+// the same absorbed attention of one query token per sequence over the paged latent cache, with
+// the same split-KV outputs and merge, but with the KV tiles brought in by TMA and multiplied by
+// warpgroup MMAs (wgmma) that read their operands from shared memory.
+//
+// Why TMA: three kernels with very different compute (mla_decode_ks3, and this one with two
+// stages of 64 tokens or four of 32, loaded by cp.async) all stopped at 38–45% of the copy
+// bandwidth on the H200 with one block per multiprocessor; the same kernel with its tiles
+// loaded by TMA (one thread issues nine box copies per tile, the copy engine of the
+// multiprocessor does the rest and signals a shared-memory barrier) reaches 85–94%.
 //
 // Block = (split, sequence, group of 64 heads), two warpgroups, one block per multiprocessor
-// (Q 72 KB + four 36 KB stages of 32 tokens + P 4 KB = 220 KB of shared memory). Four stages
-// keep two to three tiles of loads in flight all the time: with two stages of 64 tokens (the
-// first version) the next load could only start once a stage was wholly done, the multiprocessor
-// often had nothing in flight, and the kernel was no faster than the mma.sync one (38–43% of the
-// copy bandwidth at batch 64–128 × 8k on the H200).
-//   Warpgroup 0: S = Q·Kᵀ (64 heads × 64 tokens, 36 MMAs over the 576 dims), the online softmax
+// (Q 72 KB + four 36 KB stages of 32 tokens + P 4 KB = 220 KB of shared memory).
+//   Warpgroup 0: S = Q·Kᵀ (64 heads × 32 tokens, 36 MMAs over the 576 dims), the online softmax
 //     (exact row maxima: it holds the whole tile's S), P in bf16 to shared memory with each row's
 //     rescale factor, then O[:, 0:256] += P·V with P straight from its registers.
-//   Warpgroup 1: loads the KV tiles (cp.async), then per tile rescales O[:, 256:512] and adds
-//     P·V from shared memory.
+//   Warpgroup 1: issues the TMA copies (one thread), then per tile rescales O[:, 256:512] and
+//     adds P·V from shared memory.
 // So warpgroup 1's P·V of tile j runs beside warpgroup 0's S and softmax of tile j+1, and
-// warpgroup 0's own P·V of tile j is still in flight when it issues S of tile j+1.
+// warpgroup 0's own P·V of tile j is still in flight when it issues S of tile j+1. Tile j + 3
+// is copied into the stage of tile j − 1 while tile j is computed: two to three tiles in flight.
 //
-// Shared layout: every operand is stored as 8×8 core matrices (8 rows of 8 bf16, 128 contiguous
-// bytes), without swizzling. A 576-wide row group of 8 tokens (or heads) is a "slab" of 72 core
-// matrices (9216 bytes): byte (r/8)·9216 + (c/8)·128 + (r%8)·16 + (c%8)·2 holds element (r, c).
-// The same tile is K-major B for S (tokens = N, dims = K) and N-major B for P·V (tokens = K,
-// dims = N); a 16-byte cp.async chunk i of a block lands at byte 16·i when chunk i is row
-// 8·(i/576) + i%8, dims 8·((i%576)/8).. (so 8 neighbouring lanes fill one core matrix).
+// Shared layouts. KV tiles: as TMA's 128-byte swizzle writes them, nine boxes of 32 tokens × 64
+// dims (128-byte rows, 16-byte chunks permuted within 8-row atoms); the same tile is K-major B
+// for S (tokens = N, dims = K) and N-major B for P·V (tokens = K, dims = N). Q and P: 8×8 core
+// matrices (8 rows of 8 bf16, 128 contiguous bytes) without swizzling; Q as 8-head "slabs" of
+// 72 core matrices (9216 bytes): byte (r/8)·9216 + (c/8)·128 + (r%8)·16 + (c%8)·2 holds (r, c),
+// so a 16-byte cp.async chunk i lands at byte 16·i when it is row 8·(i/576) + i%8.
+// Rows of a split's last tile past its end are zeroed after the copy lands (P = 0 there, and
+// 0 · NaN would still be NaN).
 //
-// Handshakes (named barriers; the side that waits uses bar.sync, the other bar.arrive):
-//   FULL[s]  tile in stage s landed          (warpgroup 1 arrives, warpgroup 0 waits)
-//   EMPTY[s] warpgroup 0 is done with stage s (0 arrives, 1 waits before reloading it)
-// Tile j + 3 is loaded into the stage of tile j − 1 while tile j is computed.
-//   P_FULL   P and the rescale factors written (0 arrives, 1 waits)
-//   P_EMPTY  warpgroup 1's P·V has read P     (1 arrives, 0 waits before writing the next)
+// Handshakes:
+//   full[s]  (TMA barrier) tile in stage s landed: both warpgroups wait on its phase
+//   EMPTY[s] warpgroup 0 is done with stage s   (0 arrives, 1 waits before reloading it)
+//   P_FULL   P and the rescale factors written   (0 arrives, 1 waits)
+//   P_EMPTY  warpgroup 1's P·V has read P       (1 arrives, 0 waits before writing the next)
+//   TAIL     a short tile's tail is zeroed       (1 arrives, 0 waits)
+// (named barriers: the side that waits uses bar.sync, the other bar.arrive).
 #include "common.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
@@ -48,15 +53,16 @@
 #define W_SC (W_TILE / 2)                      // S accumulators per thread
 #define W_KS (W_TILE / 16)                     // k-steps of P·V per tile
 
-#define BAR_FULL 1                    // + stage
-#define BAR_EMPTY (1 + W_STAGES)      // + stage
-#define BAR_P_FULL (1 + 2 * W_STAGES)
-#define BAR_P_EMPTY (2 + 2 * W_STAGES)
-#define BAR_WG0 (3 + 2 * W_STAGES)
-#define BAR_WG1 (4 + 2 * W_STAGES)
+#define W_BOX_BYTES (W_TILE * 128)             // one TMA box: W_TILE rows × 64 dims
 
-// `rows` rows of 576 bf16 (row r at src + r·576) into the core-matrix layout at `dst`, by the
-// 128 threads of one warpgroup; rows from `valid` on are zeroed (so that P = 0 meets no NaN).
+#define BAR_EMPTY 1  // + stage
+#define BAR_P_FULL (1 + W_STAGES)
+#define BAR_P_EMPTY (2 + W_STAGES)
+#define BAR_WG0 (3 + W_STAGES)
+#define BAR_TAIL (4 + W_STAGES)
+
+// ROWS rows of 576 bf16 (row r at src + r·576) into the core-matrix layout at `dst`, by the
+// 128 threads of one warpgroup; rows from `valid` on are zeroed. (Q only.)
 template <int ROWS>
 __device__ __forceinline__ void load_block(unsigned dst, const bf16_t* src, int valid, int tid) {
 #pragma unroll 2
@@ -71,14 +77,18 @@ __device__ __forceinline__ void load_block(unsigned dst, const bf16_t* src, int 
     cp_async_commit();
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
-                                                                   const int* seq_lens, float scale_log2, float* part_o, float* part_lse,
-                                                                   int splits, int total_heads, bf16_t* out, float* lse_out) {
-    extern __shared__ __align__(1024) unsigned char smem[];
+extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __grid_constant__ TmaMap cache_map, const bf16_t* q, const bf16_t* cache,
+                                                                   const int* block_table, int max_pages, const int* seq_lens, float scale_log2,
+                                                                   float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
+                                                                   float* lse_out) {
+    // The swizzled stages need 1024-byte alignment; the host gives 1 KB of slack for it.
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
     const unsigned sQ = smem_addr(smem), sKV = sQ + W_Q_BYTES, sP = sKV + W_STAGES * W_TILE_BYTES;
     unsigned char* p_base = smem + W_Q_BYTES + W_STAGES * W_TILE_BYTES;
     float* sAlpha = (float*)(p_base + W_P_BYTES);  // [64] rescale factors of the tile
     float* sL = sAlpha + W_HEADS;                  // [64] row sums at the end
+    const unsigned mbar = smem_addr(sL + W_HEADS); // [W_STAGES] 8-byte TMA barriers
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * W_HEADS;
     const int n_tok = seq_lens[b];
@@ -100,11 +110,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const bf16
         return;
     }
 
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < W_STAGES; st++) mbar_init(mbar + 8 * st, 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, qd = lane % 4;
     const int r0 = 16 * warp + g, r1 = r0 + 8;  // the two rows (heads) of this thread
     const int n_tiles = (t_end - t_begin + W_TILE - 1) / W_TILE;
     const int* bt = block_table + (u64)b * max_pages;
+    // Whether tile j is the split's last and ends before its 32 rows do (the rows past the end
+    // are zeroed by warpgroup 1 after the copy lands, and warpgroup 0 waits for that).
+    auto short_tile = [&](int j) { return t_end - (t_begin + j * W_TILE) < W_TILE; };
 
     // This warpgroup's 64 × 256 slice of O: element 4·n + e is row (e < 2 ? r0 : r1), column
     // 8·n + 2·qd + e % 2 of the slice.
@@ -123,20 +142,23 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const bf16
         for (int j = 0; j < n_tiles; j++) {
             const int s = j % W_STAGES, t0 = t_begin + j * W_TILE;
             const unsigned kv = sKV + s * W_TILE_BYTES;
-            bar_sync(BAR_FULL + s, 256);
+            mbar_wait(mbar + 8 * s, (j / W_STAGES) & 1);
+            if (short_tile(j)) bar_sync(BAR_TAIL, 256);
             float sc[W_SC];
 #pragma unroll
             for (int i = 0; i < W_SC; i++) sc[i] = 0.0f;
             wg_fence();
 #pragma unroll
             for (int i = 0; i < W_SC; i++) wg_hold(sc[i]);
-            const u64 dk = wg_desc(kv, 128, W_SLAB);
+            // K: box kk/4 (64 dims), 32 bytes per k-step inside its 128-byte rows.
+            const u64 dk = wg_desc_sw128(kv, 16, 1024);
 #pragma unroll
             for (int kk = 0; kk < W_DQK / 16; kk++) {
+                const u64 dkk = dk + (kk / 4) * (W_BOX_BYTES / 16) + (kk % 4) * 2;
                 if constexpr (W_TILE == 32)
-                    wgmma_m64n32_ss(sc, dq + kk * 16, dk + kk * 16, kk > 0);
+                    wgmma_m64n32_ss(sc, dq + kk * 16, dkk, kk > 0);
                 else
-                    wgmma_m64n64_ss(sc, dq + kk * 16, dk + kk * 16, kk > 0);
+                    wgmma_m64n64_ss(sc, dq + kk * 16, dkk, kk > 0);
             }
             wg_commit();
             if (j > 0) {
@@ -208,12 +230,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const bf16
             bar_arrive(BAR_P_FULL, 256);
 
             // O[:, 0:256] += P·V (left in flight; waited for after the next tile's S is issued).
-            const u64 dv = wg_desc(kv, W_SLAB, 128);
+            // V as N-major B: 64-dim boxes W_BOX_BYTES apart, 8-token row groups 1024 apart.
+            const u64 dv = wg_desc_sw128(kv, W_BOX_BYTES, 1024);
             wg_fence();
 #pragma unroll
             for (int i = 0; i < 128; i++) wg_hold(o[i]);
 #pragma unroll
-            for (int ks = 0; ks < W_KS; ks++) wgmma_m64n256_rs(o, pa + 4 * ks, dv + ks * (2 * W_SLAB / 16), 1);
+            for (int ks = 0; ks < W_KS; ks++) wgmma_m64n256_rs(o, pa + 4 * ks, dv + ks * (2048 / 16), 1);
             wg_commit();
         }
         wg_wait<0>();
@@ -239,35 +262,45 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const bf16
             }
         }
     } else {
-        // Tile j of this split: its rows in the cache, and how many of them are real tokens.
-        auto load_tile = [&](int j) {
+        // Tile j of this split by TMA (one thread): nine boxes of 32 rows × 64 dims, swizzled.
+        auto issue_tile = [&](int j) {
             const int t0 = t_begin + j * W_TILE;
-            const bf16_t* src = cache + ((u64)bt[t0 / W_PAGE] * W_PAGE + t0 % W_PAGE) * W_DQK;
-            load_block<W_TILE>(sKV + (j % W_STAGES) * W_TILE_BYTES, src, t_end - t0, tid);
+            const int row = bt[t0 / W_PAGE] * W_PAGE + t0 % W_PAGE;
+            const unsigned dst = sKV + (j % W_STAGES) * W_TILE_BYTES, mb = mbar + 8 * (j % W_STAGES);
+            mbar_expect_bytes(mb, W_TILE_BYTES);
+#pragma unroll
+            for (int c = 0; c < W_DQK / 64; c++) tma_load_2d(dst + c * W_BOX_BYTES, &cache_map, mb, c * 64, row);
         };
-        for (int j = 0; j < W_STAGES - 1; j++) {
-            if (j < n_tiles)
-                load_tile(j);
-            else
-                cp_async_commit();  // empty groups keep the wait counts uniform
-        }
-        cp_async_wait<W_STAGES - 2>();
-        fence_proxy_async();
-        bar_sync(BAR_WG1, 128);  // every thread's part of tile 0 landed
-        bar_arrive(BAR_FULL, 256);
+        // A short tile, once landed: rows past the end zeroed (whole 128-byte rows of each box,
+        // so the swizzle does not matter), published to warpgroup 0.
+        auto zero_tail = [&](int j) {
+            const int valid = t_end - (t_begin + j * W_TILE);
+            const unsigned dst = sKV + (j % W_STAGES) * W_TILE_BYTES;
+            mbar_wait(mbar + 8 * (j % W_STAGES), (j / W_STAGES) & 1);
+            for (int i = tid; i < (W_TILE - valid) * (W_DQK / 8); i += 128) {
+                const int row = valid + i / (W_DQK / 8), box = (i / 8) % (W_DQK / 64), c16 = i % 8;
+                st_shared_zero16(dst + box * W_BOX_BYTES + row * 128 + c16 * 16);
+            }
+            fence_proxy_async();
+            bar_arrive(BAR_TAIL, 256);
+        };
+        if (tid == 0)
+            for (int j = 0; j < W_STAGES - 1 && j < n_tiles; j++) issue_tile(j);
+        if (short_tile(0)) zero_tail(0);
         const u64 dp = wg_desc(sP, 128, W_TILE * 16);
         for (int j = 0; j < n_tiles; j++) {
             const int s = j % W_STAGES;
             bar_sync(BAR_P_FULL, 256);
+            mbar_wait(mbar + 8 * s, (j / W_STAGES) & 1);  // long done: makes the copy visible here
             const float a0 = sAlpha[r0], a1 = sAlpha[r1];
 #pragma unroll
             for (int i = 0; i < 128; i++) o[i] *= (i & 2) ? a1 : a0;
-            const u64 dv = wg_desc(sKV + s * W_TILE_BYTES + 256 * 16, W_SLAB, 128);
+            const u64 dv = wg_desc_sw128(sKV + s * W_TILE_BYTES + 4 * W_BOX_BYTES, W_BOX_BYTES, 1024);
             wg_fence();
 #pragma unroll
             for (int i = 0; i < 128; i++) wg_hold(o[i]);
 #pragma unroll
-            for (int ks = 0; ks < W_KS; ks++) wgmma_m64n256_ss(o, dp + ks * 16, dv + ks * (2 * W_SLAB / 16), 1);
+            for (int ks = 0; ks < W_KS; ks++) wgmma_m64n256_ss(o, dp + ks * 16, dv + ks * (2048 / 16), 1);
             wg_commit();
             wg_wait<0>();
 #pragma unroll
@@ -278,16 +311,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const bf16
             const int next = j + W_STAGES - 1;
             if (next < n_tiles) {
                 if (j > 0) bar_sync(BAR_EMPTY + (j - 1) % W_STAGES, 256);
-                load_tile(next);
-            } else {
-                cp_async_commit();
+                if (tid == 0) issue_tile(next);
             }
-            if (j + 1 < n_tiles) {
-                cp_async_wait<W_STAGES - 2>();  // tile j + 1 landed (later ones may be in flight)
-                fence_proxy_async();
-                bar_sync(BAR_WG1, 128);
-                bar_arrive(BAR_FULL + (j + 1) % W_STAGES, 256);
-            }
+            if (j + 1 < n_tiles && short_tile(j + 1)) zero_tail(j + 1);
         }
     }
     __syncthreads();  // row sums from warpgroup 0

@@ -84,6 +84,65 @@ pub enum Arg {
     U64(u64),
     F32(f32),
     I32(i32),
+    /// A TMA tensor map, passed by value (a `__grid_constant__` parameter).
+    TensorMap(TensorMap),
+}
+
+/// A Hopper TMA descriptor (CUtensorMap: 128 opaque bytes, 64-byte aligned), made on the host
+/// by the driver and passed to a kernel by value.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug)]
+pub struct TensorMap(pub [u64; 16]);
+
+// SAFETY: plain bytes with the size and alignment of CUtensorMap, copied into the kernel's
+// parameter space as they are.
+unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
+
+impl Gpu {
+    /// A tensor map over a row-major bf16 matrix of `rows` × `cols` at `buf` (row pitch `cols`),
+    /// read in boxes of `box_rows` × 64 columns (128 bytes) with the 128-byte swizzle that
+    /// warpgroup MMAs read: for TMA copies (`cp.async.bulk.tensor.2d`) on Hopper.
+    pub fn tensor_map_bf16(
+        &self,
+        buf: &DevBuf,
+        rows: usize,
+        cols: usize,
+        box_rows: u32,
+    ) -> Result<TensorMap> {
+        use cudarc::driver::sys;
+        if buf.elem != Elem::Bf16 || buf.len < rows * cols || !cols.is_multiple_of(64) {
+            return Err(Error::invalid(
+                "tensor map: the buffer is not a bf16 matrix of whole 64-column boxes",
+            ));
+        }
+        let mut map = sys::CUtensorMap { opaque: [0; 16] };
+        let dims = [cols as u64, rows as u64];
+        let strides = [(cols * 2) as u64]; // bytes between rows
+        let boxes = [64u32, box_rows];
+        let steps = [1u32, 1];
+        // SAFETY: every pointer is to a live local of the length the driver reads (rank 2); the
+        // global address is a live device allocation of at least rows × cols bf16.
+        let r = unsafe {
+            sys::cuTensorMapEncodeTiled(
+                &mut map,
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                2,
+                buf.ptr as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                steps.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(Error::invalid(format!("cuTensorMapEncodeTiled: {r:?}")));
+        }
+        Ok(TensorMap(map.opaque))
+    }
 }
 
 impl From<u64> for Arg {
@@ -389,6 +448,7 @@ impl Gpu {
                 Arg::U64(v) => b.arg(v),
                 Arg::F32(v) => b.arg(v),
                 Arg::I32(v) => b.arg(v),
+                Arg::TensorMap(v) => b.arg(v),
             };
         }
         let cfg = LaunchConfig {

@@ -30,7 +30,7 @@ pub struct DecodeShape {
 }
 
 /// The decode kernel variants, in order of preference: (kernel, shared bytes per block).
-/// `mla_decode_wgmma` (Hopper only, kernels/mla_decode_sm90.cu: warpgroup MMAs, 221 KB);
+/// `mla_decode_wgmma` (Hopper only, kernels/mla_decode_sm90.cu: TMA and warpgroup MMAs, 222 KB);
 /// `mla_decode_ks3` (split-k S, P·V by output dims, three stages: 222 KB, Hopper and B200);
 /// `mla_decode_ks2` (the same in two stages, 185 KB); `mla_decode_t32` (32-token tiles in two
 /// stages, 156 KB: A100); `mla_decode_t16` (16-token tiles in one stage, 99 KB: sm_86/89,
@@ -49,12 +49,17 @@ fn decode_variants() -> [(&'static str, u32); 5] {
             + HEAD_GROUP * 40 * 2
             + 8 * HEAD_GROUP * 4) as u32
     };
-    // Q, four stages of 32 rows (576 bf16 each), P (64 × 32 bf16), rescale factors and sums.
-    let wgmma =
-        (HEAD_GROUP * 576 * 2 + 4 * 32 * 576 * 2 + HEAD_GROUP * 32 * 2 + 2 * HEAD_GROUP * 4) as u32;
+    // Q, four stages of 32 rows (576 bf16 each), P (64 × 32 bf16), rescale factors and sums,
+    // four TMA barriers, and 1 KB of slack to align the swizzled stages to 1024 bytes.
+    let wgmma = (HEAD_GROUP * 576 * 2
+        + 4 * 32 * 576 * 2
+        + HEAD_GROUP * 32 * 2
+        + 2 * HEAD_GROUP * 4
+        + 4 * 8
+        + 1024) as u32;
     [
-        ("mla_decode_ks3", split_k(3)),
         ("mla_decode_wgmma", wgmma),
+        ("mla_decode_ks3", split_k(3)),
         ("mla_decode_ks2", split_k(2)),
         ("mla_decode_t32", classic(32, 2)),
         ("mla_decode_t16", classic(16, 1)),
@@ -249,6 +254,30 @@ pub fn mla_decode(
         ));
     }
     let scale_log2 = scale * std::f32::consts::LOG2_E;
+    let mut args = vec![];
+    if work.kernel == "mla_decode_wgmma" {
+        // The Hopper kernel reads the cache through TMA: boxes of 32 rows × 64 columns.
+        args.push(Arg::TensorMap(gpu.tensor_map_bf16(
+            cache,
+            cache.len / width,
+            width,
+            32,
+        )?));
+    }
+    args.extend([
+        q.into(),
+        cache.into(),
+        block_table.into(),
+        Arg::I32(shape.max_pages as i32),
+        seq_lens.into(),
+        scale_log2.into(),
+        (&work.part_o).into(),
+        (&work.part_lse).into(),
+        Arg::I32(work.splits as i32),
+        Arg::I32(shape.heads as i32),
+        out.into(),
+        lse.into(),
+    ]);
     gpu.launch(
         work.kernel,
         (
@@ -258,20 +287,7 @@ pub fn mla_decode(
         ),
         256,
         work.shared,
-        &[
-            q.into(),
-            cache.into(),
-            block_table.into(),
-            Arg::I32(shape.max_pages as i32),
-            seq_lens.into(),
-            scale_log2.into(),
-            (&work.part_o).into(),
-            (&work.part_lse).into(),
-            Arg::I32(work.splits as i32),
-            Arg::I32(shape.heads as i32),
-            out.into(),
-            lse.into(),
-        ],
+        &args,
     )?;
     if work.splits == 1 {
         return Ok(()); // the kernel wrote the result itself
