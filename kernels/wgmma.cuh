@@ -62,6 +62,14 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaMap* map, uns
         : "memory");
 }
 
+// The same for a 3-D tensor (coordinates innermost first).
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap* map, unsigned mbar, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+        "l"((u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(mbar)
+        : "memory");
+}
+
 // Named barriers: `bar_sync` waits, `bar_arrive` only counts; `n` threads in all complete it.
 __device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }

@@ -39,10 +39,16 @@ pub const SOURCES: &[(&str, &str)] = &[
 
 /// Kernel files for Hopper alone (compute capability 9.0, compiled for `sm_90a`: wgmma has no
 /// portable form), loaded beside the portable kernels, never instead of them.
-pub const HOPPER_SOURCES: &[(&str, &str)] = &[(
-    "mla_decode_sm90.cu",
-    include_str!("../../../kernels/mla_decode_sm90.cu"),
-)];
+pub const HOPPER_SOURCES: &[(&str, &str)] = &[
+    (
+        "mla_decode_sm90.cu",
+        include_str!("../../../kernels/mla_decode_sm90.cu"),
+    ),
+    (
+        "flash_prefill_sm90.cu",
+        include_str!("../../../kernels/flash_prefill_sm90.cu"),
+    ),
+];
 
 /// The architecture-specific target a Hopper-only file is compiled for, given the target
 /// (`sm_90`, `compute_90`) of the portable files; `None` where the file does not apply.

@@ -99,36 +99,48 @@ pub struct TensorMap(pub [u64; 16]);
 unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
 
 impl Gpu {
-    /// A tensor map over a row-major bf16 matrix of `rows` × `cols` at `buf` (row pitch `cols`),
-    /// read in boxes of `box_rows` × 64 columns (128 bytes) with the 128-byte swizzle that
-    /// warpgroup MMAs read: for TMA copies (`cp.async.bulk.tensor.2d`) on Hopper.
+    /// A tensor map over a dense row-major bf16 tensor at `buf` with dimensions `dims`
+    /// (innermost first; 2 or 3 of them), read in boxes of 64 elements (128 bytes) of the
+    /// innermost dimension × 1 × … × `box_rows` of the outermost, with the 128-byte swizzle
+    /// that warpgroup MMAs read: for TMA copies (`cp.async.bulk.tensor`) on Hopper. Boxes past
+    /// the end of a dimension are filled with zeros.
     pub fn tensor_map_bf16(
         &self,
         buf: &DevBuf,
-        rows: usize,
-        cols: usize,
+        dims: &[usize],
         box_rows: u32,
     ) -> Result<TensorMap> {
         use cudarc::driver::sys;
-        if buf.elem != Elem::Bf16 || buf.len < rows * cols || !cols.is_multiple_of(64) {
+        let count: usize = dims.iter().product();
+        if buf.elem != Elem::Bf16
+            || !(2..=3).contains(&dims.len())
+            || buf.len < count
+            || !dims[0].is_multiple_of(64)
+        {
             return Err(Error::invalid(
-                "tensor map: the buffer is not a bf16 matrix of whole 64-column boxes",
+                "tensor map: the buffer is not a bf16 tensor of whole 64-element boxes",
             ));
         }
         let mut map = sys::CUtensorMap { opaque: [0; 16] };
-        let dims = [cols as u64, rows as u64];
-        let strides = [(cols * 2) as u64]; // bytes between rows
-        let boxes = [64u32, box_rows];
-        let steps = [1u32, 1];
-        // SAFETY: every pointer is to a live local of the length the driver reads (rank 2); the
-        // global address is a live device allocation of at least rows × cols bf16.
+        let rank = dims.len();
+        let sizes: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+        // Bytes between consecutive indices of each dimension but the innermost.
+        let strides: Vec<u64> = (1..rank)
+            .map(|i| (dims[..i].iter().product::<usize>() * 2) as u64)
+            .collect();
+        let mut boxes = vec![1u32; rank];
+        boxes[0] = 64;
+        boxes[rank - 1] = box_rows;
+        let steps = vec![1u32; rank];
+        // SAFETY: every pointer is to a live local of the length the driver reads (`rank`, or
+        // `rank` − 1 strides); the global address is a live device allocation of the tensor.
         let r = unsafe {
             sys::cuTensorMapEncodeTiled(
                 &mut map,
                 sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                2,
+                rank as u32,
                 buf.ptr as *mut std::ffi::c_void,
-                dims.as_ptr(),
+                sizes.as_ptr(),
                 strides.as_ptr(),
                 boxes.as_ptr(),
                 steps.as_ptr(),

@@ -259,8 +259,7 @@ pub fn mla_decode(
         // The Hopper kernel reads the cache through TMA: boxes of 32 rows × 64 columns.
         args.push(Arg::TensorMap(gpu.tensor_map_bf16(
             cache,
-            cache.len / width,
-            width,
+            &[width, cache.len / width],
             32,
         )?));
     }
@@ -395,6 +394,30 @@ fn prefill_variant(
     )))
 }
 
+/// The Hopper prefill kernel (kernels/flash_prefill_sm90.cu: TMA and warpgroup MMAs), built for
+/// head dims 256/256 on compute capability 9.0 only.
+const HOPPER_PREFILL: &str = "flash_prefill_wgmma_d256";
+
+/// The prefill variants a device can run for these head dims, in order of preference: `wgmma`
+/// (Hopper, 256/256) and then the tags of [`PREFILL_VARIANTS`] whose shared memory fits.
+pub fn prefill_variants_for(gpu: &Gpu, dqk: usize, dv: usize) -> Vec<&'static str> {
+    let limit = gpu.max_shared_per_block() as u32;
+    let hopper = ((dqk, dv) == (256, 256) && gpu.has_kernel(HOPPER_PREFILL)).then_some("wgmma");
+    hopper
+        .into_iter()
+        .chain(
+            PREFILL_VARIANTS
+                .iter()
+                .filter(|v| prefill_shared_bytes(v.0, dqk, dv).is_some_and(|b| b <= limit))
+                .map(|v| v.0),
+        )
+        .collect()
+}
+
+/// Shared memory of the Hopper prefill: Q (128 rows), two stages of K and V (64 rows each), all
+/// 256 wide, three TMA barriers and 1 KB of slack to align the swizzled boxes.
+const HOPPER_PREFILL_SHARED: u32 = ((128 + 4 * 64) * 256 * 2 + 3 * 8 + 1024) as u32;
+
 /// Causal prefill of one sequence: `q`, `k` [n, heads, dqk] bf16, `v` [n, heads, dv] bf16;
 /// writes `out` [n, heads, dv] bf16 and, if given, `lse` [n, heads] f32. The variant is the first
 /// of [`PREFILL_VARIANTS`] that fits the device's shared memory, or the one that
@@ -443,6 +466,13 @@ pub fn flash_prefill_variant(
     out: &DevBuf,
     lse: Option<&DevBuf>,
 ) -> Result<()> {
+    let variant = match variant {
+        Some(v) => Some(v),
+        None => prefill_variants_for(gpu, dqk, dv).first().copied(),
+    };
+    if variant == Some("wgmma") {
+        return hopper_prefill(gpu, n, heads, (dqk, dv), q, k, v, scale, out, lse);
+    }
     let (name, rows, smem) = prefill_variant(gpu, dqk, dv, variant)?;
     for (buf, len, what) in [
         (q, n * heads * dqk, "q"),
@@ -475,6 +505,70 @@ pub fn flash_prefill_variant(
             q.into(),
             k.into(),
             v.into(),
+            out.into(),
+            lse.map_or(0u64, |l| l.ptr).into(),
+            Arg::I32(n as i32),
+            Arg::I32(heads as i32),
+            (scale * std::f32::consts::LOG2_E).into(),
+        ],
+    )
+}
+
+/// [`flash_prefill`] on the Hopper kernel.
+#[allow(clippy::too_many_arguments)]
+fn hopper_prefill(
+    gpu: &Gpu,
+    n: usize,
+    heads: usize,
+    (dqk, dv): (usize, usize),
+    q: &DevBuf,
+    k: &DevBuf,
+    v: &DevBuf,
+    scale: f32,
+    out: &DevBuf,
+    lse: Option<&DevBuf>,
+) -> Result<()> {
+    if (dqk, dv) != (256, 256) || !gpu.has_kernel(HOPPER_PREFILL) {
+        return Err(Error::invalid(
+            "the Hopper prefill kernel runs head dims 256/256 on compute capability 9.0 only",
+        ));
+    }
+    for (buf, len, what) in [
+        (q, n * heads * dqk, "q"),
+        (k, n * heads * dqk, "k"),
+        (v, n * heads * dv, "v"),
+        (out, n * heads * dv, "out"),
+    ] {
+        if buf.len < len || buf.elem != Elem::Bf16 {
+            return Err(Error::invalid(format!(
+                "prefill: the {what} buffer is too small or not bf16"
+            )));
+        }
+    }
+    if let Some(l) = lse {
+        if l.len < n * heads || l.elem != Elem::F32 {
+            return Err(Error::invalid(
+                "prefill: the lse buffer is too small or not f32",
+            ));
+        }
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    // [n, heads, 256] tensors read in boxes of 64 dims × 1 head × 64 tokens.
+    let map = |buf: &DevBuf| {
+        gpu.tensor_map_bf16(buf, &[256, heads, n], 64)
+            .map(Arg::TensorMap)
+    };
+    gpu.launch(
+        HOPPER_PREFILL,
+        (n.div_ceil(128) as u32, heads as u32, 1),
+        256,
+        HOPPER_PREFILL_SHARED,
+        &[
+            map(q)?,
+            map(k)?,
+            map(v)?,
             out.into(),
             lse.map_or(0u64, |l| l.ptr).into(),
             Arg::I32(n as i32),
