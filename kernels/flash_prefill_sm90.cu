@@ -16,6 +16,7 @@
 // warpgroup 0, whose thread 0 issues the copies, waits on.
 #include "common.cuh"
 #include "mma.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 #define FP_D 256

@@ -13,6 +13,7 @@
 // splits by exp(lse_split − lse_total).
 #include "common.cuh"
 #include "mma.cuh"
+#include "tma.cuh"
 
 #define HEADS 64
 #define DQK 576
@@ -303,20 +304,30 @@ __device__ __forceinline__ float4 ld_shared_f4(unsigned addr) {
     return v;
 }
 
-template <int STAGES>
-__device__ void mla_decode_ks(const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
-                              const int* seq_lens, float scale_log2, float* part_o, float* part_lse, int splits,
-                              int total_heads, bf16_t* out, float* lse_out) {
-    extern __shared__ __align__(16) unsigned char smem[];
+// With TMA (mla_decode_kt3; sm_90 and later): the KV tiles come by TMA instead of cp.async, as
+// nine boxes of 32 tokens × 64 dims in the 128-byte swizzle (16-byte chunk c of row r of a box
+// at r·128 + ((c ^ r % 8) · 16), so the ldmatrix rows of one 8×8 matrix fall in 8 different
+// chunks: no bank conflicts without padding). One thread issues a tile's copies; everyone waits
+// on the stage's barrier; a split's short last tile gets its rows past the end zeroed.
+template <int STAGES, bool TMA>
+__device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf16_t* cache, const int* block_table,
+                              int max_pages, const int* seq_lens, float scale_log2, float* part_o, float* part_lse,
+                              int splits, int total_heads, bf16_t* out, float* lse_out) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // The swizzled TMA stages need 1024-byte alignment; the host gives 1 KB of slack for it.
+    unsigned char* smem = TMA ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
     constexpr int TILE = KS_TILE, PSTRIDE = KS_PSTRIDE;
     constexpr int CHUNKS = DQK / 8;  // 16-byte chunks per row
+    constexpr int STAGE_BYTES = TMA ? TILE * DQK * 2 : TILE * STRIDE * 2;
+    constexpr int BOX = TILE * 128;  // one TMA box: TILE rows × 64 dims
     bf16_t* sQ = (bf16_t*)smem;
     bf16_t* sKV = sQ + HEADS * STRIDE;
-    unsigned char* sX = (unsigned char*)(sKV + STAGES * TILE * STRIDE);  // [mh 2][nt 4][kq 4][mt 2] × 512 B
+    unsigned char* sX = (unsigned char*)sKV + STAGES * STAGE_BYTES;  // [mh 2][nt 4][kq 4][mt 2] × 512 B
     bf16_t* sP = (bf16_t*)(sX + 2 * 4 * 4 * 2 * 512);
     float* sMax = (float*)(sP + HEADS * PSTRIDE);  // [4][HEADS]
     float* sSum = sMax + 4 * HEADS;                // [4][HEADS]
     const unsigned sQ_a = smem_addr(sQ), sKV_a = smem_addr(sKV), sX_a = smem_addr(sX), sP_a = smem_addr(sP);
+    const unsigned mbar = smem_addr(sSum + 4 * HEADS);  // [STAGES] TMA barriers
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * HEADS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -341,6 +352,13 @@ __device__ void mla_decode_ks(const bf16_t* q, const bf16_t* cache, const int* b
         return;
     }
 
+    if (TMA) {
+        if (threadIdx.x == 0) {
+            for (int st = 0; st < STAGES; st++) mbar_init(mbar + 8 * st, 1);
+            mbar_init_fence();
+        }
+        __syncthreads();
+    }
     const bf16_t* qb = q + ((u64)b * total_heads + head0) * DQK;
     for (int c = threadIdx.x; c < HEADS * CHUNKS; c += THREADS) {
         int r = c / CHUNKS, k = (c % CHUNKS) * 8;
@@ -350,8 +368,19 @@ __device__ void mla_decode_ks(const bf16_t* q, const bf16_t* cache, const int* b
 
     const int* bt = block_table + (u64)b * max_pages;
     auto load_tile = [&](int t0, int stage) {
+        if (TMA) {  // by one thread: nine boxes; a fence orders earlier generic accesses first
+            if (threadIdx.x == 0) {
+                const int row = bt[t0 / PAGE] * PAGE + t0 % PAGE;
+                const unsigned dst = sKV_a + stage * STAGE_BYTES, mb = mbar + 8 * stage;
+                fence_proxy_async();
+                mbar_expect_bytes(mb, STAGE_BYTES);
+#pragma unroll
+                for (int c = 0; c < DQK / 64; c++) tma_load_2d(dst + c * BOX, cache_map, mb, c * 64, row);
+            }
+            return;
+        }
         const bf16_t* src = cache + ((u64)bt[t0 / PAGE] * PAGE + t0 % PAGE) * DQK;
-        const unsigned dst = sKV_a + stage * TILE * STRIDE * 2;
+        const unsigned dst = sKV_a + stage * STAGE_BYTES;
 #pragma unroll
         for (int i = 0; i < TILE * CHUNKS / THREADS; i++) {
             int c = threadIdx.x + i * THREADS;
@@ -371,6 +400,20 @@ __device__ void mla_decode_ks(const bf16_t* q, const bf16_t* cache, const int* b
     const unsigned p_lane = sP_a + (((mi % 2) * 8 + lane % 8) * PSTRIDE + (mi / 2) * 8) * 2;
     const unsigned v_lane = (((mi % 2) * 8 + lane % 8) * STRIDE + warp * 64 + (mi / 2) * 8) * 2;
     const unsigned x_lane = sX_a + lane * 16;
+    // With TMA, K and V addresses are made per load from a row part and a swizzled chunk.
+    const int sw = lane & 7;                                               // this lane's row % 8
+    const unsigned k_row = ((mi / 2) * 8 + lane % 8) * 128;                // + 16 rows for b1
+    const int k_chunk = kq * 18 + (mi % 2);                                // + 2 per k-step
+    const unsigned v_row = warp * BOX + ((mi % 2) * 8 + lane % 8) * 128;  // + 16 rows per k-step
+    auto k_addr = [&](unsigned kv, int kk, int rows) {
+        if (!TMA) return kv + k_lane + (rows * STRIDE + kk * 16) * 2;
+        const int c = k_chunk + 2 * kk;
+        return kv + (c >> 3) * BOX + k_row + rows * 128 + (((c & 7) ^ sw) << 4);
+    };
+    auto v_addr = [&](unsigned kv, int ks, int nt) {
+        if (!TMA) return kv + v_lane + (ks * 16 * STRIDE + nt * 8) * 2;
+        return kv + v_row + ks * 16 * 128 + ((((nt + mi / 2) & 7) ^ sw) << 4);
+    };
 
     float o[4][8][4];
 #pragma unroll
@@ -386,12 +429,23 @@ __device__ void mla_decode_ks(const bf16_t* q, const bf16_t* cache, const int* b
     if (STAGES == 3) {
         if (t_begin + TILE < t_end)
             load_tile(t_begin + TILE, 1);
-        else
+        else if (!TMA)
             cp_async_commit();
     }
+    if (TMA) cp_async_wait<0>();  // Q (the only cp.async group)
     int stage = 0;
     for (int t0 = t_begin; t0 < t_end; t0 += TILE) {
-        if (STAGES == 3) {
+        if (TMA) {
+            const int j = (t0 - t_begin) / TILE;
+            const unsigned kv = sKV_a + stage * STAGE_BYTES;
+            mbar_wait(mbar + 8 * stage, (j / STAGES) & 1);
+            const int valid = t_end - t0;
+            if (valid < TILE)  // whole 128-byte rows of every box, so the swizzle does not matter
+                for (int i = threadIdx.x; i < (TILE - valid) * CHUNKS; i += THREADS)
+                    st_shared_zero16(kv + ((i % CHUNKS) / 8) * BOX + (valid + i / CHUNKS) * 128 + (i % 8) * 16);
+            __syncthreads();  // tile landed (and zeroed); everyone is done with tile j − 1
+            if (t0 + (STAGES - 1) * TILE < t_end) load_tile(t0 + (STAGES - 1) * TILE, (stage + STAGES - 1) % STAGES);
+        } else if (STAGES == 3) {
             cp_async_wait<1>();
             __syncthreads();  // tile landed; everyone is done with the previous tile's stage and P
             const int ahead = stage == 0 ? 2 : stage - 1;
@@ -404,7 +458,7 @@ __device__ void mla_decode_ks(const bf16_t* q, const bf16_t* cache, const int* b
             __syncthreads();
             if (t0 + TILE < t_end) load_tile(t0 + TILE, stage ^ 1);
         }
-        const unsigned kv = sKV_a + stage * TILE * STRIDE * 2;
+        const unsigned kv = sKV_a + stage * STAGE_BYTES;
 
         // Partial S over this warp's quarter of the dims: 32 heads × 32 tokens, 8 chains of mma.
         float s[2][4][4];
@@ -417,8 +471,8 @@ __device__ void mla_decode_ks(const bf16_t* q, const bf16_t* cache, const int* b
             unsigned a0[4], a1[4], b0[4], b1[4];
             ldsm_x4(a0, q_lane + kk * 32);
             ldsm_x4(a1, q_lane + 16 * STRIDE * 2 + kk * 32);
-            ldsm_x4(b0, kv + k_lane + kk * 32);
-            ldsm_x4(b1, kv + k_lane + 16 * STRIDE * 2 + kk * 32);
+            ldsm_x4(b0, k_addr(kv, kk, 0));
+            ldsm_x4(b1, k_addr(kv, kk, 16));
             mma_bf16(s[0][0], a0, b0);
             mma_bf16(s[0][1], a0, b0 + 2);
             mma_bf16(s[0][2], a0, b1);
@@ -537,7 +591,7 @@ __device__ void mla_decode_ks(const bf16_t* q, const bf16_t* cache, const int* b
 #pragma unroll
             for (int nt = 0; nt < 8; nt += 2) {
                 unsigned bb[4];
-                ldsm_x4_trans(bb, kv + v_lane + (ks * 16 * STRIDE + nt * 8) * 2);
+                ldsm_x4_trans(bb, v_addr(kv, ks, nt));
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     mma_bf16(o[i][nt], a[i], bb);
@@ -587,12 +641,24 @@ __device__ void mla_decode_ks(const bf16_t* q, const bf16_t* cache, const int* b
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks3(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_ks<3>(q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_ks<3, false>(nullptr, q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks2(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_ks<2>(q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_ks<2, false>(nullptr, q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+}
+
+// The split-k kernel fed by TMA: for sm_90 and later (Hopper, B200, sm_120), where cp.async
+// loads held the portable kernels to under half the copy bandwidth on the H200. The host never
+// launches it below sm_90 (there it is a trap).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_kt3(const __grid_constant__ TmaMap cache_map, const bf16_t* q, const bf16_t* cache, const int* bt,
+               int max_pages, const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    mla_decode_ks<3, true>(&cache_map, q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+#else
+    __trap();
+#endif
 }
 
 // out[b, h, :] = Σ_s exp(lse_s − lse) · O_s with lse = log Σ_s exp(lse_s). Block = (b, h, a

@@ -38,6 +38,7 @@
 // (named barriers: the side that waits uses bar.sync, the other bar.arrive).
 #include "common.cuh"
 #include "mma.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 #define W_HEADS 64

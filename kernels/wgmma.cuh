@@ -1,5 +1,5 @@
 // Hopper (sm_90a) warpgroup MMA: wgmma.mma_async with f32 accumulators and bf16 operands, the
-// fences around it, shared-memory matrix descriptors, named barriers and the async-proxy fence.
+// fences around it, shared-memory matrix descriptors and named barriers (TMA is in tma.cuh).
 // The three MMA wrappers below are written out by tools/gen_wgmma_wrappers.py (each accumulator
 // register is one asm operand). Only kernels/mla_decode_sm90.cu includes this file; it is
 // compiled for compute_90a alone.
@@ -22,52 +22,11 @@ template <int N> __device__ __forceinline__ void wg_wait() {
 // asynchronous MMA's issue and wait (the registers are in flight in between).
 __device__ __forceinline__ void wg_hold(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// Generic-proxy writes to shared memory (st.shared, cp.async) made visible to wgmma reads.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // The 128-byte-swizzle form of a descriptor (layout type 1 in bits 62–63): rows of 128 bytes
 // in 8-row atoms of 1024 bytes (1024-byte aligned), whose 16-byte chunks are permuted by
 // XOR with the row within the atom, as TMA's 128-byte swizzle writes them.
 __device__ __forceinline__ u64 wg_desc_sw128(unsigned addr, unsigned lbo, unsigned sbo) {
     return wg_desc(addr, lbo, sbo) | (1ull << 62);
-}
-
-// A TMA descriptor (CUtensorMap), made by the driver on the host, passed by value.
-struct __align__(64) TmaMap {
-    u64 opaque[16];
-};
-
-// Shared-memory barriers that TMA copies complete (by bytes), waited on by phase parity.
-__device__ __forceinline__ void mbar_init(unsigned addr, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-__device__ __forceinline__ void mbar_expect_bytes(unsigned addr, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(addr), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned addr, unsigned parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n}\n" ::"r"(addr),
-        "r"(parity)
-        : "memory");
-}
-// One box of a 2-D tensor (column c0, row c1 of the tensor map's coordinates) into shared
-// memory at dst, completing `bytes` on the barrier at mbar.
-__device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaMap* map, unsigned mbar, int c0, int c1) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-        "l"((u64)map), "r"(c0), "r"(c1), "r"(mbar)
-        : "memory");
-}
-
-// The same for a 3-D tensor (coordinates innermost first).
-__device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap* map, unsigned mbar, int c0, int c1, int c2) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-        "l"((u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(mbar)
-        : "memory");
 }
 
 // Named barriers: `bar_sync` waits, `bar_arrive` only counts; `n` threads in all complete it.

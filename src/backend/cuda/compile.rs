@@ -9,6 +9,7 @@ use std::ffi::CString;
 const COMMON: &str = include_str!("../../../kernels/common.cuh");
 const MMA: &str = include_str!("../../../kernels/mma.cuh");
 const WGMMA: &str = include_str!("../../../kernels/wgmma.cuh");
+const TMA: &str = include_str!("../../../kernels/tma.cuh");
 
 /// (file name, source) of every kernel file.
 pub const SOURCES: &[(&str, &str)] = &[
@@ -57,12 +58,13 @@ pub fn hopper_target(arch: &str) -> Option<String> {
         .then(|| format!("{}a", arch.trim_end_matches('a')))
 }
 
-/// The source with `common.cuh`, `mma.cuh` and `wgmma.cuh` inlined (NVRTC is given no include
-/// files).
+/// The source with `common.cuh`, `mma.cuh`, `wgmma.cuh` and `tma.cuh` inlined (NVRTC is given no
+/// include files).
 pub fn full_source(src: &str) -> String {
     src.replace("#include \"common.cuh\"", COMMON)
         .replace("#include \"mma.cuh\"", MMA)
         .replace("#include \"wgmma.cuh\"", WGMMA)
+        .replace("#include \"tma.cuh\"", TMA)
 }
 
 /// Whether NVRTC can be loaded (probe before the first NVRTC call: cudarc panics otherwise).

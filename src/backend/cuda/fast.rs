@@ -31,11 +31,13 @@ pub struct DecodeShape {
 
 /// The decode kernel variants, in order of preference: (kernel, shared bytes per block).
 /// `mla_decode_wgmma` (Hopper only, kernels/mla_decode_sm90.cu: TMA and warpgroup MMAs, 222 KB);
+/// `mla_decode_kt3` (the split-k mma.sync kernel below with its tiles by TMA: sm_90 and later,
+/// 222 KB);
 /// `mla_decode_ks3` (split-k S, P·V by output dims, three stages: 222 KB, Hopper and B200);
 /// `mla_decode_ks2` (the same in two stages, 185 KB); `mla_decode_t32` (32-token tiles in two
 /// stages, 156 KB: A100); `mla_decode_t16` (16-token tiles in one stage, 99 KB: sm_86/89,
 /// sm_120). kernels/mla_decode.cu says how they differ.
-fn decode_variants() -> [(&'static str, u32); 5] {
+fn decode_variants() -> [(&'static str, u32); 6] {
     let row = 584 * 2; // shared row stride in bytes (576 bf16 padded by 8)
     let classic = |tile: usize, stages: usize| {
         (HEAD_GROUP * row + stages * tile * row + HEAD_GROUP * (tile + 8) * 2 + 5 * HEAD_GROUP * 4)
@@ -57,8 +59,18 @@ fn decode_variants() -> [(&'static str, u32); 5] {
         + 2 * HEAD_GROUP * 4
         + 4 * 8
         + 1024) as u32;
+    // The split-k kernel fed by TMA: Q padded as before, three unpadded 32-row stages, the
+    // exchange, P, maxima and sums, three TMA barriers, 1 KB of alignment slack.
+    let split_k_tma = (HEAD_GROUP * row
+        + 3 * 32 * 576 * 2
+        + 2 * 4 * 4 * 2 * 512
+        + HEAD_GROUP * 40 * 2
+        + 8 * HEAD_GROUP * 4
+        + 3 * 8
+        + 1024) as u32;
     [
         ("mla_decode_wgmma", wgmma),
+        ("mla_decode_kt3", split_k_tma),
         ("mla_decode_ks3", split_k(3)),
         ("mla_decode_ks2", split_k(2)),
         ("mla_decode_t32", classic(32, 2)),
@@ -76,13 +88,25 @@ pub fn decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
 }
 
 /// Whether a variant can run on a device: it was built for it (Hopper-only kernels exist on
-/// Hopper alone) and its shared memory fits.
+/// Hopper alone), the device has TMA if the kernel uses it, and its shared memory fits.
 fn runs_on(gpu: &Gpu, name: &str, shared: u32) -> bool {
-    gpu.has_kernel(name) && shared as usize <= gpu.max_shared_per_block()
+    gpu.has_kernel(name)
+        && (!reads_cache_by_tma(name) || has_tma(gpu))
+        && shared as usize <= gpu.max_shared_per_block()
+}
+
+/// The decode kernels that read the cache through a TMA tensor map (their first argument).
+fn reads_cache_by_tma(kernel: &str) -> bool {
+    matches!(kernel, "mla_decode_wgmma" | "mla_decode_kt3")
+}
+
+/// TMA exists from compute capability 9.0 on (Hopper, B200, sm_120).
+fn has_tma(gpu: &Gpu) -> bool {
+    gpu.arch.parse::<u32>().is_ok_and(|a| a >= 90)
 }
 
 /// The decode variant for a device: `forced` (a kernel name) if given, else
-/// `MLADB_DECODE_VARIANT` (wgmma, ks3, ks2, t32, t16; `MLADB_DECODE_TILE=16` is t16) for experiments,
+/// `MLADB_DECODE_VARIANT` (wgmma, kt3, ks3, ks2, t32, t16; `MLADB_DECODE_TILE=16` is t16) for experiments,
 /// else the first that fits its shared memory.
 fn decode_variant(gpu: &Gpu, forced: Option<&str>) -> Result<(&'static str, u32)> {
     let limit = gpu.max_shared_per_block() as u32;
@@ -101,9 +125,9 @@ fn decode_variant(gpu: &Gpu, forced: Option<&str>) -> Result<(&'static str, u32)
             .iter()
             .find(|(name, _)| *name == want)
             .ok_or_else(|| Error::invalid(format!("no MLA decode kernel variant {want}")))?;
-        if !gpu.has_kernel(name) {
+        if !gpu.has_kernel(name) || (reads_cache_by_tma(name) && !has_tma(gpu)) {
             return Err(Error::invalid(format!(
-                "{name} is not built for this device (Hopper-only kernels need compute capability 9.0)"
+                "{name} does not run on this device (it needs TMA, or Hopper's wgmma)"
             )));
         }
         if bytes > limit {
@@ -255,8 +279,8 @@ pub fn mla_decode(
     }
     let scale_log2 = scale * std::f32::consts::LOG2_E;
     let mut args = vec![];
-    if work.kernel == "mla_decode_wgmma" {
-        // The Hopper kernel reads the cache through TMA: boxes of 32 rows × 64 columns.
+    if reads_cache_by_tma(work.kernel) {
+        // Boxes of 32 rows × 64 columns of the cache, in the 128-byte swizzle.
         args.push(Arg::TensorMap(gpu.tensor_map_bf16(
             cache,
             &[width, cache.len / width],
