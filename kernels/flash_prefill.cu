@@ -9,18 +9,31 @@
 // from the S accumulators straight into the A operand of P·V. Query tiles run longest-first.
 #include "common.cuh"
 #include "mma.cuh"
+#include "tma.cuh"
 
-template <int ROWS, int TILE, int STAGES, int DQK, int DV>
+// With TMA (flash_prefill_k…: sm_90 and later), K and V tiles come by TMA as boxes of TILE keys ×
+// 64 dims in the 128-byte swizzle (chunk c of row r at r·128 + ((c ^ r % 8) · 16): conflict-free
+// ldmatrix without padding; keys past n are zero-filled by the copy), issued by one thread and
+// waited for on a shared-memory barrier per stage, which frees the load/store pipe that cp.async
+// shares with ldmatrix. A second barrier per stage counts the warps done with it, so no
+// block-wide barrier is left in the loop: warps with less causal work run ahead.
+template <int ROWS, int TILE, int STAGES, int DQK, int DV, bool TMA = false>
 __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* out, float* lse, int n,
-                                int heads, float scale_log2) {
+                                int heads, float scale_log2, const TmaMap* k_map = nullptr,
+                                const TmaMap* v_map = nullptr) {
     constexpr int THREADS = ROWS * 2;  // ROWS / 16 warps
     constexpr int SQ = DQK + 8, SV = DV + 8;
     constexpr int NT = TILE / 8;
     constexpr int QC = DQK / 8, VC = DV / 8;  // 16-byte chunks per row
-    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr int BOX = TILE * 128;           // one TMA box: TILE keys × 64 dims
+    constexpr int K_BYTES = TMA ? TILE * DQK * 2 : TILE * SQ * 2, V_BYTES = TMA ? TILE * DV * 2 : TILE * SV * 2;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // The swizzled TMA stages need 1024-byte alignment; the host gives 1 KB of slack for it.
+    unsigned char* smem = TMA ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
     const unsigned sQ = smem_addr(smem);
-    const unsigned sK = sQ + ROWS * SQ * 2;
-    const unsigned sV = sK + STAGES * TILE * SQ * 2;
+    const unsigned sK = sQ + ROWS * SQ * 2;  // a multiple of 1024 for the TMA shapes
+    const unsigned sV = sK + STAGES * K_BYTES;
+    const unsigned mbar = sV + STAGES * V_BYTES;  // [STAGES] copies landed, [STAGES] stage released
 
     const int q0 = (gridDim.x - 1 - blockIdx.x) * ROWS, h = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -29,6 +42,16 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
     const int kv_end = min(n, q0 + ROWS);
     const int row0 = q0 + warp * 16;
 
+    if (TMA) {
+        if (threadIdx.x == 0) {
+            for (int st = 0; st < STAGES; st++) {
+                mbar_init(mbar + 8 * st, 1);
+                mbar_init(mbar + 8 * (STAGES + st), THREADS / 32);
+            }
+            mbar_init_fence();
+        }
+        __syncthreads();
+    }
     const bf16_t* qh = q + (u64)h * DQK;
     for (int c = threadIdx.x; c < ROWS * QC; c += THREADS) {
         int r = c / QC, d = (c % QC) * 8;
@@ -42,7 +65,19 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
     const bf16_t* kh = k + (u64)h * DQK;
     const bf16_t* vh = v + (u64)h * DV;
     auto load_kv = [&](int t0, int stage) {
-        const unsigned dk = sK + stage * TILE * SQ * 2, dv = sV + stage * TILE * SV * 2;
+        if (TMA) {  // by one thread; the fence orders earlier generic reads of the stage first
+            if (threadIdx.x == 0) {
+                const unsigned mb = mbar + 8 * stage;
+                fence_proxy_async();
+                mbar_expect_bytes(mb, K_BYTES + V_BYTES);
+#pragma unroll
+                for (int c = 0; c < DQK / 64; c++) tma_load_3d(sK + stage * K_BYTES + c * BOX, k_map, mb, c * 64, h, t0);
+#pragma unroll
+                for (int c = 0; c < DV / 64; c++) tma_load_3d(sV + stage * V_BYTES + c * BOX, v_map, mb, c * 64, h, t0);
+            }
+            return;
+        }
+        const unsigned dk = sK + stage * K_BYTES, dv = sV + stage * V_BYTES;
 #pragma unroll
         for (int i = 0; i < (TILE * QC + THREADS - 1) / THREADS; i++) {
             int c = threadIdx.x + i * THREADS;
@@ -72,6 +107,19 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
     const unsigned q_lane = sQ + ((warp * 16 + (mi % 2) * 8 + lane % 8) * SQ + (mi / 2) * 8) * 2;
     const unsigned k_lane = (((mi / 2) * 8 + lane % 8) * SQ + (mi % 2) * 8) * 2;
     const unsigned v_lane = (((mi % 2) * 8 + lane % 8) * SV + (mi / 2) * 8) * 2;
+    // With TMA: K rows nt·8 + (mi/2)·8 + lane%8, chunk 2·kk + mi%2; V rows ks·16 + (mi%2)·8 +
+    // lane%8, chunk nt + mi/2; each chunk swizzled with the row's lane % 8.
+    const int sw = lane & 7;
+    auto k_addr = [&](unsigned kbase, int nt, int kk) {
+        if (!TMA) return kbase + k_lane + (nt * 8 * SQ + kk * 16) * 2;
+        const int c = 2 * kk + mi % 2;
+        return kbase + (c / 8) * BOX + (nt * 8 + (mi / 2) * 8 + lane % 8) * 128 + (((c & 7) ^ sw) << 4);
+    };
+    auto v_addr = [&](unsigned vbase, int ks, int nt) {
+        if (!TMA) return vbase + v_lane + (ks * 16 * SV + nt * 8) * 2;
+        const int c = nt + mi / 2;
+        return vbase + (c / 8) * BOX + (ks * 16 + (mi % 2) * 8 + lane % 8) * 128 + (((c & 7) ^ sw) << 4);
+    };
 
     float o[DV / 8][4];
 #pragma unroll
@@ -81,17 +129,29 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
     float l_run[2] = {0.0f, 0.0f};
 
     load_kv(0, 0);
+    if (TMA) cp_async_wait<0>();  // Q (the only cp.async group)
     int stage = 0;
     for (int t0 = 0; t0 < kv_end; t0 += TILE) {
-        if (STAGES == 2 && t0 + TILE < kv_end) {
-            load_kv(t0 + TILE, stage ^ 1);
-            cp_async_wait<1>();
+        if (TMA) {
+            const int j = t0 / TILE;
+            if (STAGES == 2 && t0 + TILE < kv_end) {
+                // Tile j + 1 into the stage of tile j − 1 once every warp has released it.
+                if (threadIdx.x == 0 && j >= 1) mbar_wait(mbar + 8 * (STAGES + (stage ^ 1)), ((j - 1) / 2) & 1);
+                load_kv(t0 + TILE, stage ^ 1);
+            }
+            mbar_wait(mbar + 8 * stage, (j / STAGES) & 1);
+            if (j == 0) __syncthreads();  // every thread's part of Q
         } else {
-            cp_async_wait<0>();
+            if (STAGES == 2 && t0 + TILE < kv_end) {
+                load_kv(t0 + TILE, stage ^ 1);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
         }
-        __syncthreads();
-        const unsigned kt = sK + stage * TILE * SQ * 2 + k_lane;
-        const unsigned vt = sV + stage * TILE * SV * 2 + v_lane;
+        const unsigned kt = sK + stage * K_BYTES;
+        const unsigned vt = sV + stage * V_BYTES;
 
         if (t0 <= row0 + 15) {  // warp-uniform: some of this warp's rows see keys of the tile
             float s[NT][4];
@@ -104,7 +164,7 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
 #pragma unroll
                 for (int nt = 0; nt < NT; nt += 2) {
                     unsigned bb[4];
-                    ldsm_x4(bb, kt + (nt * 8 * SQ + kk * 16) * 2);
+                    ldsm_x4(bb, k_addr(kt, nt, kk));
                     mma_bf16(s[nt], a, bb);
                     mma_bf16(s[nt + 1], a, bb + 2);
                 }
@@ -172,13 +232,18 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
 #pragma unroll
                 for (int nt = 0; nt < DV / 8; nt += 2) {
                     unsigned bb[4];
-                    ldsm_x4_trans(bb, vt + (ks * 16 * SV + nt * 8) * 2);
+                    ldsm_x4_trans(bb, v_addr(vt, ks, nt));
                     mma_bf16(o[nt], pa[ks], bb);
                     mma_bf16(o[nt + 1], pa[ks], bb + 2);
                 }
             }
         }
-        __syncthreads();  // the stage is free for the next load
+        if (TMA) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(mbar + 8 * (STAGES + stage));  // this warp is done with the stage
+        } else {
+            __syncthreads();  // the stage is free for the next load
+        }
         stage ^= (STAGES - 1);
         if (STAGES == 1 && t0 + TILE < kv_end) load_kv(t0 + TILE, 0);
     }
@@ -219,3 +284,22 @@ FLASH_PREFILL(flash_prefill_r128t64_d192, 128, 64, 2, 192, 128)
 FLASH_PREFILL(flash_prefill_r64t64_d192, 64, 64, 1, 192, 128)
 FLASH_PREFILL(flash_prefill_r128t32_d192, 128, 32, 2, 192, 128)
 FLASH_PREFILL(flash_prefill_r64t32_d192, 64, 32, 1, 192, 128)
+
+// The 128-row, 64-key variants fed by TMA (sm_90 and later; a trap below, never launched there).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define TMA_BODY(ROWS, TILE, DQK, DV) \
+    flash_prefill_k<ROWS, TILE, 2, DQK, DV, true>(q, k, v, out, lse, n, heads, scale_log2, &k_map, &v_map);
+#else
+#define TMA_BODY(ROWS, TILE, DQK, DV) __trap();
+#endif
+#define FLASH_PREFILL_TMA(NAME, ROWS, TILE, DQK, DV)                                                           \
+    extern "C" __global__ void __launch_bounds__(ROWS * 2, 1) NAME(const __grid_constant__ TmaMap k_map,     \
+                                                                   const __grid_constant__ TmaMap v_map,     \
+                                                                   const bf16_t* q, const bf16_t* k,         \
+                                                                   const bf16_t* v, bf16_t* out, float* lse, \
+                                                                   int n, int heads, float scale_log2) {     \
+        TMA_BODY(ROWS, TILE, DQK, DV)                                                                         \
+    }
+
+FLASH_PREFILL_TMA(flash_prefill_k128t64_d256, 128, 64, 256, 256)
+FLASH_PREFILL_TMA(flash_prefill_k128t64_d192, 128, 64, 192, 128)

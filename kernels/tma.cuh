@@ -26,6 +26,9 @@ __device__ __forceinline__ void mbar_init_fence() { TMA_ASM("fence.mbarrier_init
 __device__ __forceinline__ void mbar_expect_bytes(unsigned addr, unsigned bytes) {
     TMA_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(addr), "r"(bytes) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive(unsigned addr) {
+    TMA_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(addr) : "memory");
+}
 __device__ __forceinline__ void mbar_wait(unsigned addr, unsigned parity) {
     TMA_ASM(
         "{\n.reg .pred done;\nWAIT:\n"

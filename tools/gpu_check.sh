@@ -32,4 +32,14 @@ if [ "$what" != tests ]; then
   python3 tools/torch_mla_bench.py ${QUICK:+--quick} > "$OUT/torch_bench.txt" 2>&1
   $B/mladb bench --device cuda ${QUICK:+--quick} --layout glm5 --layers 3 --prompt ${PROMPT:-128} --decode 4 --weight-cache-mb 60000 > "$OUT/bench.txt" 2>&1
   cat "$OUT/torch_bench.txt" "$OUT/bench.txt"
+  # The other kernel variants on the same device, for comparison: the decode kernels that are
+  # not the default here, then the prefill ones.
+  for v in ${DECODE_VARIANTS:-kt3 ks3}; do
+    MLADB_DECODE_VARIANT=$v $B/mladb bench --device cuda ${QUICK:+--quick} --no-layers --prefill-lengths 1024 > "$OUT/bench_decode_$v.txt" 2>&1
+    sed -n '/MLA decode/,/^$/p' "$OUT/bench_decode_$v.txt"
+  done
+  for v in ${PREFILL_VARIANTS:-k128t64 r128t64}; do
+    MLADB_PREFILL_VARIANT=$v $B/mladb bench --device cuda ${QUICK:+--quick} --no-layers --decode-shapes 1:1024 > "$OUT/bench_prefill_$v.txt" 2>&1
+    echo "prefill variant $v"; sed -n '/MLA prefill/,$p' "$OUT/bench_prefill_$v.txt"
+  done
 fi

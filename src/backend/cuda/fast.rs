@@ -365,19 +365,26 @@ fn combine_rows_max() -> usize {
 /// The prefill head dimensions the kernel is built for: (q·k width, v width).
 pub const PREFILL_DIMS: [(usize, usize); 2] = [(256, 256), (192, 128)];
 
-/// The prefill variants, in the order of preference: (tag, rows per block, KV tile, stages).
-/// Each warp owns 16 query rows and all output dims.
-pub const PREFILL_VARIANTS: [(&str, usize, usize, usize); 4] = [
-    ("r128t64", 128, 64, 2),
-    ("r64t64", 64, 64, 1),
-    ("r128t32", 128, 32, 2),
-    ("r64t32", 64, 32, 1),
+/// The portable prefill variants, in the order of preference: (tag, rows per block, KV tile,
+/// stages, K/V by TMA). Each warp owns 16 query rows and all output dims. `k…` is `r…` with its
+/// K/V tiles copied by TMA (sm_90 and later) instead of cp.async.
+pub const PREFILL_VARIANTS: [(&str, usize, usize, usize, bool); 5] = [
+    ("k128t64", 128, 64, 2, true),
+    ("r128t64", 128, 64, 2, false),
+    ("r64t64", 64, 64, 1, false),
+    ("r128t32", 128, 32, 2, false),
+    ("r64t32", 64, 32, 1, false),
 ];
 
-/// Shared memory of a prefill variant: Q and the K/V stages.
+/// Shared memory of a prefill variant: Q and the K/V stages (unpadded with TMA, plus its
+/// barriers and 1 KB of alignment slack).
 pub fn prefill_shared_bytes(tag: &str, dqk: usize, dv: usize) -> Option<u32> {
-    let &(_, rows, tile, stages) = PREFILL_VARIANTS.iter().find(|v| v.0 == tag)?;
-    Some(((rows * (dqk + 8) + stages * tile * (dqk + 8 + dv + 8)) * 2) as u32)
+    let &(_, rows, tile, stages, tma) = PREFILL_VARIANTS.iter().find(|v| v.0 == tag)?;
+    Some(if tma {
+        ((rows * (dqk + 8) + stages * tile * (dqk + dv)) * 2 + 2 * stages * 8 + 1024) as u32
+    } else {
+        ((rows * (dqk + 8) + stages * tile * (dqk + 8 + dv + 8)) * 2) as u32
+    })
 }
 
 /// The prefill variant for the device's shared memory: (kernel, rows per block, bytes). `forced`
@@ -387,7 +394,7 @@ fn prefill_variant(
     dqk: usize,
     dv: usize,
     forced: Option<&str>,
-) -> Result<(String, usize, u32)> {
+) -> Result<(String, usize, u32, bool)> {
     let limit = gpu.max_shared_per_block() as u32;
     let dims = match (dqk, dv) {
         (256, 256) => "d256",
@@ -403,13 +410,13 @@ fn prefill_variant(
             return Err(Error::invalid(format!("no prefill variant {f}")));
         }
     }
-    for &(tag, rows, ..) in &PREFILL_VARIANTS {
-        if forced.is_some_and(|f| f != tag) {
+    for &(tag, rows, _, _, tma) in &PREFILL_VARIANTS {
+        if forced.is_some_and(|f| f != tag) || (tma && !has_tma(gpu)) {
             continue;
         }
         let bytes = prefill_shared_bytes(tag, dqk, dv).unwrap_or(u32::MAX);
         if bytes <= limit {
-            return Ok((format!("flash_prefill_{tag}_{dims}"), rows, bytes));
+            return Ok((format!("flash_prefill_{tag}_{dims}"), rows, bytes, tma));
         }
     }
     Err(Error::invalid(format!(
@@ -432,6 +439,7 @@ pub fn prefill_variants_for(gpu: &Gpu, dqk: usize, dv: usize) -> Vec<&'static st
         .chain(
             PREFILL_VARIANTS
                 .iter()
+                .filter(|v| !v.4 || has_tma(gpu))
                 .filter(|v| prefill_shared_bytes(v.0, dqk, dv).is_some_and(|b| b <= limit))
                 .map(|v| v.0),
         )
@@ -497,7 +505,7 @@ pub fn flash_prefill_variant(
     if variant == Some("wgmma") {
         return hopper_prefill(gpu, n, heads, (dqk, dv), q, k, v, scale, out, lse);
     }
-    let (name, rows, smem) = prefill_variant(gpu, dqk, dv, variant)?;
+    let (name, rows, smem, tma) = prefill_variant(gpu, dqk, dv, variant)?;
     for (buf, len, what) in [
         (q, n * heads * dqk, "q"),
         (k, n * heads * dqk, "k"),
@@ -520,21 +528,36 @@ pub fn flash_prefill_variant(
     if n == 0 {
         return Ok(());
     }
+    let mut args = vec![];
+    if tma {
+        // K and V in boxes of 64 dims × 1 head × 64 keys.
+        args.push(Arg::TensorMap(gpu.tensor_map_bf16(
+            k,
+            &[dqk, heads, n],
+            64,
+        )?));
+        args.push(Arg::TensorMap(gpu.tensor_map_bf16(
+            v,
+            &[dv, heads, n],
+            64,
+        )?));
+    }
+    args.extend([
+        q.into(),
+        k.into(),
+        v.into(),
+        out.into(),
+        lse.map_or(0u64, |l| l.ptr).into(),
+        Arg::I32(n as i32),
+        Arg::I32(heads as i32),
+        (scale * std::f32::consts::LOG2_E).into(),
+    ]);
     gpu.launch(
         &name,
         (n.div_ceil(rows) as u32, heads as u32, 1),
         (rows * 2) as u32,
         smem,
-        &[
-            q.into(),
-            k.into(),
-            v.into(),
-            out.into(),
-            lse.map_or(0u64, |l| l.ptr).into(),
-            Arg::I32(n as i32),
-            Arg::I32(heads as i32),
-            (scale * std::f32::consts::LOG2_E).into(),
-        ],
+        &args,
     )
 }
 
