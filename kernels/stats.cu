@@ -1,7 +1,7 @@
 // One pass over a tensor for every statistic of the trace. Each block reduces a grid-strided
 // share into 11 doubles: sum, sum of squares, min, max, abs-max over the finite elements, then
-// the counts of finite, NaN, +Inf, -Inf, zero and still-poisoned (unwritten) elements. The host
-// adds up the blocks.
+// the counts of finite, NaN, +Inf, -Inf, zero and still-poisoned (unwritten) elements.
+// stats_merge adds up the blocks on the device.
 #include "common.cuh"
 
 #define STATS 11
@@ -50,5 +50,30 @@ template <typename T> __device__ void stats_k(const T* x, u64 n, double* partial
     if (t == 0)
         for (int k = 0; k < STATS; k++) partials[blockIdx.x * STATS + k] = acc[k][0];
 }
+// Partials of `rows` blocks merged into row 0 by one block (reads first, then one write).
+extern "C" __global__ void stats_merge(double* partials, int rows) {
+    __shared__ double acc[STATS][STATS_THREADS];
+    const int t = threadIdx.x;
+    double mine[STATS] = {0, 0, INFINITY, -INFINITY, 0, 0, 0, 0, 0, 0, 0};
+    for (int r = t; r < rows; r += blockDim.x)
+        for (int k = 0; k < STATS; k++) {
+            const double b = partials[r * STATS + k];
+            mine[k] = k == 2 ? fmin(mine[k], b) : (k == 3 || k == 4) ? fmax(mine[k], b) : mine[k] + b;
+        }
+    for (int k = 0; k < STATS; k++) acc[k][t] = mine[k];
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (t < stride) {
+            for (int k = 0; k < STATS; k++) {
+                double a = acc[k][t], b = acc[k][t + stride];
+                acc[k][t] = k == 2 ? fmin(a, b) : (k == 3 || k == 4) ? fmax(a, b) : a + b;
+            }
+        }
+        __syncthreads();
+    }
+    if (t == 0)
+        for (int k = 0; k < STATS; k++) partials[k] = acc[k][0];
+}
+
 extern "C" __global__ void stats_f32(const float* x, u64 n, double* p) { stats_k(x, n, p); }
 extern "C" __global__ void stats_bf16(const bf16_t* x, u64 n, double* p) { stats_k(x, n, p); }

@@ -81,6 +81,64 @@ impl TensorStats {
         s
     }
 
+    /// The same statistics summed in eight interleaved lanes: several times faster than [`of`]
+    /// (independent f64 chains the compiler can vectorize), but in another order, so the sums
+    /// may differ from [`of`]'s in the last bits. For device runs, whose sessions are checked
+    /// within a tolerance anyway; CPU runs keep [`of`], which a CPU replay reproduces bit for
+    /// bit. Tensors with a NaN or an infinity take [`of`] (rare, and counted there).
+    ///
+    /// [`of`]: TensorStats::of
+    pub fn of_unordered(values: &[f32]) -> TensorStats {
+        const LANES: usize = 8;
+        let (mut sum, mut sum_sq) = ([0f64; LANES], [0f64; LANES]);
+        // Min and max of f32 values are exact in f32; comparisons (not f64::min) vectorize.
+        let (mut min, mut max) = ([f32::INFINITY; LANES], [f32::NEG_INFINITY; LANES]);
+        let (mut zeros, mut special) = ([0u32; LANES], [0u32; LANES]);
+        let mut lane = |i: usize, v: f32| {
+            let bits = v.to_bits();
+            special[i] |= ((bits & 0x7f80_0000) == 0x7f80_0000) as u32;
+            let x = v as f64;
+            sum[i] += x;
+            sum_sq[i] += x * x;
+            min[i] = if v < min[i] { v } else { min[i] };
+            max[i] = if v > max[i] { v } else { max[i] };
+            zeros[i] += (bits << 1 == 0) as u32;
+        };
+        let chunks = values.chunks_exact(LANES);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for (i, &v) in c.iter().enumerate() {
+                lane(i, v);
+            }
+        }
+        for (i, &v) in rest.iter().enumerate() {
+            lane(i, v);
+        }
+        let special = special.iter().any(|&s| s != 0);
+        if special || values.is_empty() {
+            return TensorStats::of(values);
+        }
+        let n = values.len() as f64;
+        let (sum, sum_sq): (f64, f64) = (sum.iter().sum(), sum_sq.iter().sum());
+        let min = min.iter().cloned().fold(f32::INFINITY, f32::min) as f64;
+        let max = max.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let mean = sum / n;
+        TensorStats {
+            count: values.len(),
+            min,
+            max,
+            mean,
+            std: (sum_sq / n - mean * mean).max(0.0).sqrt(),
+            abs_max: min.abs().max(max.abs()),
+            l2: sum_sq.sqrt(),
+            nan: 0,
+            pos_inf: 0,
+            neg_inf: 0,
+            zeros: zeros.iter().map(|&z| z as usize).sum(),
+            unwritten: 0,
+        }
+    }
+
     /// NaN or ±Inf present (tfdbg's `has_inf_or_nan`).
     pub fn has_inf_or_nan(&self) -> bool {
         self.nan + self.pos_inf + self.neg_inf > 0
@@ -114,6 +172,35 @@ pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unordered_stats_agree_with_the_ordered_pass() {
+        // Values of mixed magnitude and sign, a length that leaves a remainder, exact zeros.
+        let values: Vec<f32> = (0..1003)
+            .map(|i| {
+                let x = ((i * 7919) % 1000) as f32 / 37.0 - 13.0;
+                if i % 97 == 0 {
+                    0.0
+                } else {
+                    x * (1.0 + (i % 5) as f32 * 100.0)
+                }
+            })
+            .collect();
+        let (a, b) = (TensorStats::of(&values), TensorStats::of_unordered(&values));
+        assert_eq!((a.count, a.zeros, a.nan), (b.count, b.zeros, b.nan));
+        assert_eq!((a.min, a.max, a.abs_max), (b.min, b.max, b.abs_max));
+        for (x, y) in [(a.mean, b.mean), (a.std, b.std), (a.l2, b.l2)] {
+            assert!((x - y).abs() <= 1e-12 * x.abs().max(1.0), "{x} vs {y}");
+        }
+        // With a NaN or an infinity it is the ordered pass, counts and all.
+        let mut special = values.clone();
+        special[500] = f32::NAN;
+        special[3] = f32::NEG_INFINITY;
+        assert_eq!(TensorStats::of_unordered(&special), TensorStats::of(&special));
+        // (NaN fields: compared as text.)
+        let empty = |s: TensorStats| format!("{s:?}");
+        assert_eq!(empty(TensorStats::of_unordered(&[])), empty(TensorStats::of(&[])));
+    }
 
     #[test]
     fn stats_count_specials_and_skip_them() {

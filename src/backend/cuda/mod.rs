@@ -43,6 +43,8 @@ pub struct CudaBackend {
     elem: Elem,
     caches: Mutex<HashMap<BufferId, CacheMirror>>,
     poison_outputs: AtomicBool,
+    /// The statistics kernels' per-block partials, allocated once (stats run on every op).
+    stats_scratch: Mutex<Option<DevBuf>>,
 }
 
 /// Whether a CUDA device can be used, and if not, why.
@@ -76,6 +78,7 @@ impl CudaBackend {
             },
             caches: Mutex::new(HashMap::new()),
             poison_outputs: AtomicBool::new(false),
+            stats_scratch: Mutex::new(None),
         })
     }
 
@@ -929,8 +932,9 @@ impl Backend for CudaBackend {
         match t.device().and_then(|d| d.as_any().downcast_ref::<DevBuf>()) {
             Some(buf) if t.dtype() == DType::F32 && t.numel() >= DEVICE_STATS_FROM => self
                 .device_stats(buf)
-                .unwrap_or_else(|_| TensorStats::of(t.data())),
-            _ => TensorStats::of(t.data()),
+                .unwrap_or_else(|_| TensorStats::of_unordered(t.data())),
+            // Device runs are checked within a tolerance: the faster, reordered pass will do.
+            _ => TensorStats::of_unordered(t.data()),
         }
     }
 }
@@ -955,23 +959,34 @@ pub fn quant_kernel_name(ty: GgmlType) -> Option<&'static str> {
 }
 
 impl CudaBackend {
-    /// Statistics computed on the device in one pass (partials per block, added up here).
+    /// Statistics computed on the device in one pass (partials per block), the partials merged
+    /// on the device too, so that one row of 11 doubles comes back.
     pub fn device_stats(&self, buf: &DevBuf) -> Result<TensorStats> {
         const STATS: usize = 11;
+        const MAX_BLOCKS: usize = 1024;
         let n = buf.len as u64;
-        let blocks = (n.div_ceil(256)).clamp(1, 1024) as u32;
-        let partials = self.gpu.alloc(blocks as usize * STATS * 2, Elem::F32)?;
+        let blocks = (n.div_ceil(256)).clamp(1, MAX_BLOCKS as u64) as u32;
+        let mut scratch = self.stats_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if scratch.is_none() {
+            *scratch = Some(self.gpu.alloc(MAX_BLOCKS * STATS * 2, Elem::F32)?);
+        }
+        let partials = scratch.as_ref().expect("allocated above");
         let name = format!("stats_{}", buf.elem.suffix());
         self.gpu.launch(
             &name,
             (blocks, 1, 1),
             256,
             0,
-            &[buf.ptr.into(), n.into(), (&partials).into()],
+            &[buf.ptr.into(), n.into(), partials.into()],
         )?;
-        let bytes = self
-            .gpu
-            .download_bytes(&partials, blocks as usize * STATS * 8)?;
+        self.gpu.launch(
+            "stats_merge",
+            (1, 1, 1),
+            256,
+            0,
+            &[partials.into(), Arg::I32(blocks as i32)],
+        )?;
+        let bytes = self.gpu.download_bytes(partials, STATS * 8)?;
         let vals: Vec<f64> = bytes
             .chunks_exact(8)
             .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
