@@ -196,10 +196,16 @@ mod tests {
         let mut special = values.clone();
         special[500] = f32::NAN;
         special[3] = f32::NEG_INFINITY;
-        assert_eq!(TensorStats::of_unordered(&special), TensorStats::of(&special));
+        assert_eq!(
+            TensorStats::of_unordered(&special),
+            TensorStats::of(&special)
+        );
         // (NaN fields: compared as text.)
         let empty = |s: TensorStats| format!("{s:?}");
-        assert_eq!(empty(TensorStats::of_unordered(&[])), empty(TensorStats::of(&[])));
+        assert_eq!(
+            empty(TensorStats::of_unordered(&[])),
+            empty(TensorStats::of(&[]))
+        );
     }
 
     #[test]
