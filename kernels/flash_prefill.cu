@@ -285,7 +285,7 @@ FLASH_PREFILL(flash_prefill_r64t64_d192, 64, 64, 1, 192, 128)
 FLASH_PREFILL(flash_prefill_r128t32_d192, 128, 32, 2, 192, 128)
 FLASH_PREFILL(flash_prefill_r64t32_d192, 64, 32, 1, 192, 128)
 
-// The 128-row, 64-key variants fed by TMA (sm_90 and later; a trap below, never launched there).
+// The variants fed by TMA (sm_90 and later; a trap below, never launched there).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define TMA_BODY(ROWS, TILE, DQK, DV) \
     flash_prefill_k<ROWS, TILE, 2, DQK, DV, true>(q, k, v, out, lse, n, heads, scale_log2, &k_map, &v_map);
@@ -303,3 +303,6 @@ FLASH_PREFILL(flash_prefill_r64t32_d192, 64, 32, 1, 192, 128)
 
 FLASH_PREFILL_TMA(flash_prefill_k128t64_d256, 128, 64, 256, 256)
 FLASH_PREFILL_TMA(flash_prefill_k128t64_d192, 128, 64, 192, 128)
+// For 99 KB blocks (sm_120): 64 rows, 32-key tiles in two stages (about 98 KB).
+FLASH_PREFILL_TMA(flash_prefill_k64t32_d256, 64, 32, 256, 256)
+FLASH_PREFILL_TMA(flash_prefill_k64t32_d192, 64, 32, 192, 128)

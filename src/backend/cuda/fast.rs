@@ -368,9 +368,10 @@ pub const PREFILL_DIMS: [(usize, usize); 2] = [(256, 256), (192, 128)];
 /// The portable prefill variants, in the order of preference: (tag, rows per block, KV tile,
 /// stages, K/V by TMA). Each warp owns 16 query rows and all output dims. `k…` is `r…` with its
 /// K/V tiles copied by TMA (sm_90 and later) instead of cp.async.
-pub const PREFILL_VARIANTS: [(&str, usize, usize, usize, bool); 5] = [
+pub const PREFILL_VARIANTS: [(&str, usize, usize, usize, bool); 6] = [
     ("k128t64", 128, 64, 2, true),
     ("r128t64", 128, 64, 2, false),
+    ("k64t32", 64, 32, 2, true),
     ("r64t64", 64, 64, 1, false),
     ("r128t32", 128, 32, 2, false),
     ("r64t32", 64, 32, 1, false),
@@ -394,7 +395,7 @@ fn prefill_variant(
     dqk: usize,
     dv: usize,
     forced: Option<&str>,
-) -> Result<(String, usize, u32, bool)> {
+) -> Result<(String, usize, usize, u32, bool)> {
     let limit = gpu.max_shared_per_block() as u32;
     let dims = match (dqk, dv) {
         (256, 256) => "d256",
@@ -410,13 +411,19 @@ fn prefill_variant(
             return Err(Error::invalid(format!("no prefill variant {f}")));
         }
     }
-    for &(tag, rows, _, _, tma) in &PREFILL_VARIANTS {
+    for &(tag, rows, tile, _, tma) in &PREFILL_VARIANTS {
         if forced.is_some_and(|f| f != tag) || (tma && !has_tma(gpu)) {
             continue;
         }
         let bytes = prefill_shared_bytes(tag, dqk, dv).unwrap_or(u32::MAX);
         if bytes <= limit {
-            return Ok((format!("flash_prefill_{tag}_{dims}"), rows, bytes, tma));
+            return Ok((
+                format!("flash_prefill_{tag}_{dims}"),
+                rows,
+                tile,
+                bytes,
+                tma,
+            ));
         }
     }
     Err(Error::invalid(format!(
@@ -505,7 +512,7 @@ pub fn flash_prefill_variant(
     if variant == Some("wgmma") {
         return hopper_prefill(gpu, n, heads, (dqk, dv), q, k, v, scale, out, lse);
     }
-    let (name, rows, smem, tma) = prefill_variant(gpu, dqk, dv, variant)?;
+    let (name, rows, tile, smem, tma) = prefill_variant(gpu, dqk, dv, variant)?;
     for (buf, len, what) in [
         (q, n * heads * dqk, "q"),
         (k, n * heads * dqk, "k"),
@@ -530,16 +537,17 @@ pub fn flash_prefill_variant(
     }
     let mut args = vec![];
     if tma {
-        // K and V in boxes of 64 dims × 1 head × 64 keys.
+        // K and V in boxes of 64 dims × 1 head × one tile of keys.
+        let tile = tile as u32;
         args.push(Arg::TensorMap(gpu.tensor_map_bf16(
             k,
             &[dqk, heads, n],
-            64,
+            tile,
         )?));
         args.push(Arg::TensorMap(gpu.tensor_map_bf16(
             v,
             &[dv, heads, n],
-            64,
+            tile,
         )?));
     }
     args.extend([
