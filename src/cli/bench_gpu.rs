@@ -278,6 +278,9 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
         gpu.max_shared_per_block() / 1024,
         chrono_free_date()
     );
+    for why in &gpu.unavailable {
+        println!("note: not built, the portable kernels stand in: {why}");
+    }
     let c = ceilings(gpu)?;
     println!("ceilings: device-to-device copy {:.0} GB/s (read + write), cuBLAS bf16 GEMM 8192³ {:.0} TFLOP/s", c.copy_gbs, c.gemm_tflops);
 

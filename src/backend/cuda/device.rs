@@ -209,6 +209,9 @@ pub struct Gpu {
     next_serial: AtomicU64,
     /// The most recent allocations (a bounded log), for the buffers view and tests.
     pub registry: Mutex<Vec<Allocation>>,
+    /// Optional (Hopper-only) kernel files that did not build or load here, with the reason:
+    /// their work falls to the portable kernels.
+    pub unavailable: Vec<String>,
 }
 
 fn driver_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
@@ -250,27 +253,39 @@ impl Gpu {
         let hopper = hopper_target(&portable);
         let files = SOURCES
             .iter()
-            .map(|&(file, src)| (file, src, portable.clone()))
-            .chain(
-                HOPPER_SOURCES
-                    .iter()
-                    .filter_map(|&(file, src)| hopper.clone().map(|target| (file, src, target))),
-            );
-        for (file, src, target) in files {
-            let compiled = compile(file, src, &target)?;
-            let ptx = Ptx::from_src(String::from_utf8_lossy(&compiled.code).into_owned());
-            let module = ctx.load_module(ptx).map_err(driver_err("module load"))?;
-            for name in kernel_names(src) {
-                let f = module
-                    .load_function(&name)
-                    .map_err(driver_err("kernel lookup"))?;
-                functions.insert(
-                    name,
-                    Kernel {
-                        function: f,
-                        shared_allowed: AtomicU32::new(48 * 1024),
-                    },
-                );
+            .map(|&(file, src)| (file, src, portable.clone(), true))
+            .chain(HOPPER_SOURCES.iter().filter_map(|&(file, src)| {
+                hopper.clone().map(|target| (file, src, target, false))
+            }));
+        let mut unavailable = Vec::new();
+        for (file, src, target, required) in files {
+            let loaded = (|| -> Result<Vec<(String, Kernel)>> {
+                let compiled = compile(file, src, &target)?;
+                let ptx = Ptx::from_src(String::from_utf8_lossy(&compiled.code).into_owned());
+                let module = ctx.load_module(ptx).map_err(driver_err("module load"))?;
+                kernel_names(src)
+                    .into_iter()
+                    .map(|name| {
+                        let function = module
+                            .load_function(&name)
+                            .map_err(driver_err("kernel lookup"))?;
+                        let shared_allowed = AtomicU32::new(48 * 1024);
+                        Ok((
+                            name,
+                            Kernel {
+                                function,
+                                shared_allowed,
+                            },
+                        ))
+                    })
+                    .collect()
+            })();
+            match loaded {
+                Ok(kernels) => functions.extend(kernels),
+                Err(e) if required => return Err(e),
+                // A Hopper-only file that this toolkit or driver cannot build: the portable
+                // kernels do the work instead, and `unavailable` says why.
+                Err(e) => unavailable.push(format!("{file} ({target}): {e}")),
             }
         }
         Ok(Gpu {
@@ -282,6 +297,7 @@ impl Gpu {
             arch,
             next_serial: AtomicU64::new(1),
             registry: Mutex::new(Vec::new()),
+            unavailable,
         })
     }
 
