@@ -72,3 +72,27 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 
 // Kernels are templates over the storage type T (float or bf16_t) with one extern "C" entry
 // point per type, named NAME_f32 and NAME_bf16: the host side picks one by the storage dtype.
+
+// MLA decode (mla_decode.cu, mla_decode_sm90.cu): the tokens [begin, end) of KV split `split` of
+// a sequence of n_tok, in splits of equal length rounded up to whole tiles (some may be empty).
+struct DecodeSplit {
+    int begin, end;
+};
+__device__ __forceinline__ DecodeSplit decode_split(int n_tok, int splits, int split, int tile) {
+    int chunk = (n_tok + splits - 1) / splits;
+    chunk = (chunk + tile - 1) / tile * tile;
+    return {split * chunk, min(split * chunk + chunk, n_tok)};
+}
+
+// What an empty split (or sequence) leaves for its `heads` rows × dv: zeros and an LSE of -inf,
+// in the output itself (one split: `row` of out/lse_out) or in the split's partials (`part_row`).
+__device__ __forceinline__ void decode_empty_split(int heads, int dv, int splits, u64 row, u64 part_row, bf16_t* out,
+                                                   float* lse_out, float* part_o, float* part_lse) {
+    if (splits == 1) {
+        for (int i = threadIdx.x; i < heads * dv; i += blockDim.x) out[row * dv + i] = 0;
+        for (int i = threadIdx.x; i < heads; i += blockDim.x) lse_out[row + i] = -INFINITY;
+    } else {
+        for (int i = threadIdx.x; i < heads * dv; i += blockDim.x) part_o[part_row * dv + i] = 0.0f;
+        for (int i = threadIdx.x; i < heads; i += blockDim.x) part_lse[part_row + i] = -INFINITY;
+    }
+}

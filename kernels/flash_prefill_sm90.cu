@@ -115,48 +115,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_prefill_wgmma_d256(co
 #pragma unroll
         for (int i = 0; i < 32; i++) wg_hold(sc[i]);
 
-        float mx[2] = {-INFINITY, -INFINITY};
         const bool edge = t0 + FP_TILE - 1 > r_lo || t0 + FP_TILE > n;  // the diagonal or the end
 #pragma unroll
-        for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int tok = t0 + 8 * nb + 2 * qd + (e & 1), row = row0 + 8 * (e >> 1);
-                float x = sc[4 * nb + e] * scale_log2;
-                if (edge && (tok > row || tok >= n)) x = -INFINITY;
-                sc[4 * nb + e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
-            }
-        float alpha[2], m_use[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m_run[r], mx[r]);
-            alpha[r] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[r] - m_new);
-            m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
-            m_run[r] = m_new;
+        for (int i = 0; i < 32; i++) {
+            const int tok = t0 + 8 * (i / 4) + 2 * qd + (i & 1), row = row0 + 8 * ((i >> 1) & 1);
+            sc[i] *= scale_log2;
+            if (edge && (tok > row || tok >= n)) sc[i] = -INFINITY;
         }
-        float sum[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int nb = 0; nb < 8; nb++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float p = fast_exp2(sc[4 * nb + e] - m_use[e >> 1]);
-                sc[4 * nb + e] = p;
-                sum[e >> 1] += p;
-            }
-        l_run[0] = l_run[0] * alpha[0] + sum[0];
-        l_run[1] = l_run[1] * alpha[1] + sum[1];
-#pragma unroll
-        for (int i = 0; i < 128; i++) o[i] *= alpha[(i >> 1) & 1];
-#pragma unroll
-        for (int ks = 0; ks < 4; ks++) {
-            pa[4 * ks + 0] = pack_bf16(sc[8 * ks + 0], sc[8 * ks + 1]);
-            pa[4 * ks + 1] = pack_bf16(sc[8 * ks + 2], sc[8 * ks + 3]);
-            pa[4 * ks + 2] = pack_bf16(sc[8 * ks + 4], sc[8 * ks + 5]);
-            pa[4 * ks + 3] = pack_bf16(sc[8 * ks + 6], sc[8 * ks + 7]);
-        }
+        float alpha[2];
+        wg_online_softmax<8>(sc, m_run, l_run, o, pa, alpha);
         // V as N-major B: 64-dim boxes FP_BOX apart, 8-key row groups 1024 apart.
         const u64 dv = wg_desc_sw128(sV + s * FP_KV_BYTES, FP_BOX, 1024);
         wg_fence();

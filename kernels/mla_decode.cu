@@ -41,22 +41,12 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int mt = warp % 4, half = warp / 4;
     const int g = lane / 4, qd = lane % 4, mi = lane / 8;
-    const int n_tok = seq_lens[b];
-    int chunk = (n_tok + splits - 1) / splits;
-    chunk = (chunk + TILE - 1) / TILE * TILE;
-    const int t_begin = split * chunk;
-    const int t_end = min(t_begin + chunk, n_tok);
+    const DecodeSplit range = decode_split(seq_lens[b], splits, split, TILE);
+    const int t_begin = range.begin, t_end = range.end;
     const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
 
     if (t_begin >= t_end) {  // an empty split (or sequence): nothing to attend to
-        if (splits == 1) {
-            const u64 row = (u64)b * total_heads + head0;
-            for (int i = threadIdx.x; i < HEADS * DV; i += THREADS) out[row * DV + i] = 0;
-            for (int i = threadIdx.x; i < HEADS; i += THREADS) lse_out[row + i] = -INFINITY;
-        } else {
-            for (int i = threadIdx.x; i < HEADS * DV; i += THREADS) part_o[out_row * DV + i] = 0.0f;
-            for (int i = threadIdx.x; i < HEADS; i += THREADS) part_lse[out_row + i] = -INFINITY;
-        }
+        decode_empty_split(HEADS, DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
         return;
     }
 
@@ -333,22 +323,12 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int mh = warp & 1, kq = warp >> 1;
     const int g = lane / 4, qd = lane % 4, mi = lane / 8;
-    const int n_tok = seq_lens[b];
-    int chunk = (n_tok + splits - 1) / splits;
-    chunk = (chunk + TILE - 1) / TILE * TILE;
-    const int t_begin = split * chunk;
-    const int t_end = min(t_begin + chunk, n_tok);
+    const DecodeSplit range = decode_split(seq_lens[b], splits, split, TILE);
+    const int t_begin = range.begin, t_end = range.end;
     const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
 
     if (t_begin >= t_end) {  // an empty split (or sequence): nothing to attend to
-        if (splits == 1) {
-            const u64 row = (u64)b * total_heads + head0;
-            for (int i = threadIdx.x; i < HEADS * DV; i += THREADS) out[row * DV + i] = 0;
-            for (int i = threadIdx.x; i < HEADS; i += THREADS) lse_out[row + i] = -INFINITY;
-        } else {
-            for (int i = threadIdx.x; i < HEADS * DV; i += THREADS) part_o[out_row * DV + i] = 0.0f;
-            for (int i = threadIdx.x; i < HEADS; i += THREADS) part_lse[out_row + i] = -INFINITY;
-        }
+        decode_empty_split(HEADS, DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
         return;
     }
 

@@ -92,22 +92,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
     const unsigned mbar = smem_addr(sL + W_HEADS); // [W_STAGES] 8-byte TMA barriers
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * W_HEADS;
-    const int n_tok = seq_lens[b];
-    int chunk = (n_tok + splits - 1) / splits;
-    chunk = (chunk + W_TILE - 1) / W_TILE * W_TILE;
-    const int t_begin = split * chunk;
-    const int t_end = min(t_begin + chunk, n_tok);
+    const DecodeSplit range = decode_split(seq_lens[b], splits, split, W_TILE);
+    const int t_begin = range.begin, t_end = range.end;
     const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
 
     if (t_begin >= t_end) {  // an empty split (or sequence): nothing to attend to
-        if (splits == 1) {
-            const u64 row = (u64)b * total_heads + head0;
-            for (int i = threadIdx.x; i < W_HEADS * W_DV; i += 256) out[row * W_DV + i] = 0;
-            for (int i = threadIdx.x; i < W_HEADS; i += 256) lse_out[row + i] = -INFINITY;
-        } else {
-            for (int i = threadIdx.x; i < W_HEADS * W_DV; i += 256) part_o[out_row * W_DV + i] = 0.0f;
-            for (int i = threadIdx.x; i < W_HEADS; i += 256) part_lse[out_row + i] = -INFINITY;
-        }
+        decode_empty_split(W_HEADS, W_DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
         return;
     }
 
@@ -173,46 +163,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
             for (int i = 0; i < W_SC; i++) wg_hold(sc[i]);
 
             // Online softmax in base 2 over this tile (tokens past the end are -inf).
-            float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int n = 0; n < W_TILE / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int tok = t0 + 8 * n + 2 * qd + (e & 1);
-                    const float x = tok < t_end ? sc[4 * n + e] * scale_log2 : -INFINITY;
-                    sc[4 * n + e] = x;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
-                }
-            float alpha[2], m_use[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                const float m_new = fmaxf(m_run[r], mx[r]);
-                alpha[r] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[r] - m_new);
-                m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
-                m_run[r] = m_new;
+            for (int i = 0; i < W_SC; i++) {
+                const int tok = t0 + 8 * (i / 4) + 2 * qd + (i & 1);
+                sc[i] = tok < t_end ? sc[i] * scale_log2 : -INFINITY;
             }
-            float sum[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int n = 0; n < W_TILE / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const float p = fast_exp2(sc[4 * n + e] - m_use[e >> 1]);
-                    sc[4 * n + e] = p;
-                    sum[e >> 1] += p;
-                }
-            l_run[0] = l_run[0] * alpha[0] + sum[0];
-            l_run[1] = l_run[1] * alpha[1] + sum[1];
-#pragma unroll
-            for (int i = 0; i < 128; i++) o[i] *= alpha[(i >> 1) & 1];
-#pragma unroll
-            for (int ks = 0; ks < W_KS; ks++) {
-                pa[4 * ks + 0] = pack_bf16(sc[8 * ks + 0], sc[8 * ks + 1]);
-                pa[4 * ks + 1] = pack_bf16(sc[8 * ks + 2], sc[8 * ks + 3]);
-                pa[4 * ks + 2] = pack_bf16(sc[8 * ks + 4], sc[8 * ks + 5]);
-                pa[4 * ks + 3] = pack_bf16(sc[8 * ks + 6], sc[8 * ks + 7]);
-            }
+            float alpha[2];
+            wg_online_softmax<W_TILE / 8>(sc, m_run, l_run, o, pa, alpha);
 
             // P (and the rescale factors) for warpgroup 1, once it has read the previous P.
             // P is K-major A: byte (r/8)·(W_TILE·16) + (t/8)·128 + (r%8)·16 + (t%8)·2.

@@ -13,8 +13,27 @@ template <> __device__ __forceinline__ bool is_poison<float>(const float* x, u64
 }
 template <> __device__ __forceinline__ bool is_poison<bf16_t>(const bf16_t* x, u64 i) { return x[i] == POISON_BF16; }
 
-template <typename T> __device__ void stats_k(const T* x, u64 n, double* partials) {
+// How two partial values of statistic k combine: min for k = 2, max for max and abs-max, else a sum.
+__device__ __forceinline__ double combine(int k, double a, double b) {
+    return k == 2 ? fmin(a, b) : (k == 3 || k == 4) ? fmax(a, b) : a + b;
+}
+
+// The block's rows `mine` reduced over its threads into `out` (by thread 0).
+__device__ void block_reduce_to(const double* mine, double* out) {
     __shared__ double acc[STATS][STATS_THREADS];
+    const int t = threadIdx.x;
+    for (int k = 0; k < STATS; k++) acc[k][t] = mine[k];
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (t < stride)
+            for (int k = 0; k < STATS; k++) acc[k][t] = combine(k, acc[k][t], acc[k][t + stride]);
+        __syncthreads();
+    }
+    if (t == 0)
+        for (int k = 0; k < STATS; k++) out[k] = acc[k][0];
+}
+
+template <typename T> __device__ void stats_k(const T* x, u64 n, double* partials) {
     double s = 0, s2 = 0, mn = INFINITY, mx = -INFINITY, am = 0, fin = 0, nan = 0, pinf = 0, ninf = 0, zero = 0, unw = 0;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         float v = ld(x, i);
@@ -34,45 +53,15 @@ template <typename T> __device__ void stats_k(const T* x, u64 n, double* partial
             if (v == 0.0f) zero += 1;
         }
     }
-    int t = threadIdx.x;
     double mine[STATS] = {s, s2, mn, mx, am, fin, nan, pinf, ninf, zero, unw};
-    for (int k = 0; k < STATS; k++) acc[k][t] = mine[k];
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (t < stride) {
-            for (int k = 0; k < STATS; k++) {
-                double a = acc[k][t], b = acc[k][t + stride];
-                acc[k][t] = k == 2 ? fmin(a, b) : (k == 3 || k == 4) ? fmax(a, b) : a + b;
-            }
-        }
-        __syncthreads();
-    }
-    if (t == 0)
-        for (int k = 0; k < STATS; k++) partials[blockIdx.x * STATS + k] = acc[k][0];
+    block_reduce_to(mine, partials + blockIdx.x * STATS);
 }
 // Partials of `rows` blocks merged into row 0 by one block (reads first, then one write).
 extern "C" __global__ void stats_merge(double* partials, int rows) {
-    __shared__ double acc[STATS][STATS_THREADS];
-    const int t = threadIdx.x;
     double mine[STATS] = {0, 0, INFINITY, -INFINITY, 0, 0, 0, 0, 0, 0, 0};
-    for (int r = t; r < rows; r += blockDim.x)
-        for (int k = 0; k < STATS; k++) {
-            const double b = partials[r * STATS + k];
-            mine[k] = k == 2 ? fmin(mine[k], b) : (k == 3 || k == 4) ? fmax(mine[k], b) : mine[k] + b;
-        }
-    for (int k = 0; k < STATS; k++) acc[k][t] = mine[k];
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (t < stride) {
-            for (int k = 0; k < STATS; k++) {
-                double a = acc[k][t], b = acc[k][t + stride];
-                acc[k][t] = k == 2 ? fmin(a, b) : (k == 3 || k == 4) ? fmax(a, b) : a + b;
-            }
-        }
-        __syncthreads();
-    }
-    if (t == 0)
-        for (int k = 0; k < STATS; k++) partials[k] = acc[k][0];
+    for (int r = threadIdx.x; r < rows; r += blockDim.x)
+        for (int k = 0; k < STATS; k++) mine[k] = combine(k, mine[k], partials[r * STATS + k]);
+    block_reduce_to(mine, partials);  // every read is done before its first barrier
 }
 
 extern "C" __global__ void stats_f32(const float* x, u64 n, double* p) { stats_k(x, n, p); }

@@ -33,6 +33,40 @@ __device__ __forceinline__ u64 wg_desc_sw128(unsigned addr, unsigned lbo, unsign
 __device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 
+// One online-softmax step (base 2) for the two rows of a thread in a warpgroup's 64-row MMA
+// tile, over NB·8 scores of a KV tile already scaled and masked (-inf) in `sc`, in the
+// accumulator layout (element 4·n + e: row e / 2, column 8·n + 2·qd + e % 2): moves the running
+// maxima `m_run`, rescales the running sums `l_run` (per-thread partials) and the 128 O
+// accumulators `o`, and leaves P in `sc` and as the bf16 A fragments of P·V in `pa` (four per 16
+// columns). The rescale factors come back in `alpha`.
+template <int NB>
+__device__ __forceinline__ void wg_online_softmax(float* sc, float* m_run, float* l_run, float* o, unsigned* pa,
+                                                  float* alpha) {
+    float mx[2] = {-INFINITY, -INFINITY}, m_use[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 4 * NB; i++) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sc[i]);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float m_new = fmaxf(m_run[r], mx[r]);
+        alpha[r] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[r] - m_new);
+        m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
+        m_run[r] = m_new;
+    }
+#pragma unroll
+    for (int i = 0; i < 4 * NB; i++) {
+        sc[i] = fast_exp2(sc[i] - m_use[(i >> 1) & 1]);
+        sum[(i >> 1) & 1] += sc[i];
+    }
+    l_run[0] = l_run[0] * alpha[0] + sum[0];
+    l_run[1] = l_run[1] * alpha[1] + sum[1];
+#pragma unroll
+    for (int i = 0; i < 128; i++) o[i] *= alpha[(i >> 1) & 1];
+#pragma unroll
+    for (int i = 0; i < 2 * NB; i++) pa[i] = pack_bf16(sc[2 * i], sc[2 * i + 1]);
+}
+
 // ---- Written by tools/gen_wgmma_wrappers.py from here on; edit that script, not this part.
 // D (64×64 f32, 32 per thread) = A·B (+ D if accumulate), A and B K-major in shared memory.
 __device__ __forceinline__ void wgmma_m64n64_ss(float* d, u64 desc_a, u64 desc_b, int accumulate) {

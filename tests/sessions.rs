@@ -5,7 +5,6 @@
 mod common;
 
 use mladb::backend::cpu::CpuBackend;
-use mladb::backend::Backend;
 use mladb::debug::Flags;
 use mladb::engine::generate::Schedule;
 use mladb::session::{ModelSource, Session};
@@ -22,31 +21,6 @@ use ratatui::Terminal;
 use std::path::Path;
 use std::process::Command as Process;
 use std::sync::Arc;
-
-fn live(flags: &str) -> App {
-    let model = Arc::new(common::synthetic("glm5-tiny", 0));
-    let schedule = Schedule {
-        prompt: common::prompt(model.layout.vocab_size, 12),
-        prefill_len: 9,
-        decode_steps: 2,
-    };
-    let layers = 0..model.layout.num_layers;
-    let backend: Arc<dyn Backend> = Arc::new(CpuBackend);
-    let spec = HostSpec {
-        model,
-        source: ModelSource::Layout {
-            layout: "glm5-tiny".into(),
-            seed: 0,
-            quant: None,
-        },
-        backend,
-        schedule,
-        layers,
-        flags: Flags::parse(flags).unwrap(),
-    };
-    let driver = InlineDriver::new(spec).unwrap();
-    App::new(Box::new(driver), Keymap::default(), Theme::plain())
-}
 
 fn replay(path: &Path) -> App {
     let driver = ReplayDriver::open(path).unwrap();
@@ -112,7 +86,7 @@ fn replay_shows_the_live_screens_step_by_step() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("hunt.ron");
     // The live hunt, a screen after every command.
-    let mut a = live("inject=output-buffer-disconnect");
+    let mut a = common::tiny_app("inject=output-buffer-disconnect");
     let script = ["s", "n", "n", "c", "m"];
     let mut screens = vec![screen(&mut a, 120, 34)];
     for keys in script {
@@ -177,7 +151,7 @@ fn replay_shows_the_live_screens_step_by_step() {
 fn replay_without_tensors_shows_statistics_and_samples() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("s.ron");
-    let mut a = live("");
+    let mut a = common::tiny_app("");
     press(&mut a, "nn");
     command(&mut a, &format!("save {}", path.display()));
     assert!(!dir.path().join("s.tensors.safetensors").exists());
@@ -207,7 +181,7 @@ fn replay_without_tensors_shows_statistics_and_samples() {
 fn a_saved_session_records_every_run_and_loads_back() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("all.ron");
-    let mut a = live("");
+    let mut a = common::tiny_app("");
     press(&mut a, "c");
     press(&mut a, "m");
     press(&mut a, "d"); // comparison runs of run 1
@@ -227,7 +201,7 @@ fn a_saved_session_records_every_run_and_loads_back() {
     let op = &main[0].ops[40];
     assert_eq!(op.sample.len(), 32.min(op.event.shape.iter().product()));
     // A v2 file still opens live (recomputing) through :load.
-    let mut b = live("");
+    let mut b = common::tiny_app("");
     command(&mut b, &format!("load {}", path.display()));
     assert!(b.mirror.flags.mla_disable);
 }
@@ -360,7 +334,7 @@ fn verify_passes_bit_exact_and_names_the_first_mismatch() {
 fn a_failed_save_leaves_the_old_session_untouched() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("keep.ron");
-    let mut a = live("");
+    let mut a = common::tiny_app("");
     command(&mut a, &format!("save {}", path.display()));
     let before = std::fs::read(&path).unwrap();
     press(&mut a, "nn");
@@ -388,7 +362,7 @@ fn a_failed_save_leaves_the_old_session_untouched() {
 fn autosave_writes_the_session_and_never_fails_loudly() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("state").join("autosave.ron");
-    let mut a = live("");
+    let mut a = common::tiny_app("");
     press(&mut a, "n");
     a.autosave = Some(Autosave {
         path: path.clone(),

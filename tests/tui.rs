@@ -4,53 +4,18 @@
 
 mod common;
 
-use mladb::backend::cpu::CpuBackend;
-use mladb::backend::Backend;
 use mladb::debug::breakpoint::Breakpoint;
-use mladb::debug::Flags;
-use mladb::engine::generate::Schedule;
 use mladb::engine::trace::Phase;
-use mladb::session::ModelSource;
 use mladb::tui::app::{App, Node, Overlay, Tab};
-use mladb::tui::driver::InlineDriver;
-use mladb::tui::host::HostSpec;
-use mladb::tui::keys::Keymap;
-use mladb::tui::theme::Theme;
 use mladb::tui::ui;
 use ratatui::backend::TestBackend;
 use ratatui::crossterm::event::{
     KeyCode, KeyEvent, KeyModifiers, MouseButton, MouseEvent, MouseEventKind,
 };
 use ratatui::Terminal;
-use std::sync::Arc;
-
-fn app_with(flags: &str) -> App {
-    let model = Arc::new(common::synthetic("glm5-tiny", 0));
-    let schedule = Schedule {
-        prompt: common::prompt(model.layout.vocab_size, 12),
-        prefill_len: 9,
-        decode_steps: 2,
-    };
-    let layers = 0..model.layout.num_layers;
-    let backend: Arc<dyn Backend> = Arc::new(CpuBackend);
-    let spec = HostSpec {
-        model,
-        source: ModelSource::Layout {
-            layout: "glm5-tiny".into(),
-            seed: 0,
-            quant: None,
-        },
-        backend,
-        schedule,
-        layers,
-        flags: Flags::parse(flags).unwrap(),
-    };
-    let driver = InlineDriver::new(spec).unwrap();
-    App::new(Box::new(driver), Keymap::default(), Theme::plain())
-}
 
 fn app() -> App {
-    app_with("")
+    common::tiny_app("")
 }
 
 fn press(app: &mut App, keys: &str) {
@@ -245,7 +210,7 @@ fn injection_menu_command_line_and_sessions() {
     command(&mut app, &format!("save {}", path.display()));
     assert!(path.exists());
     let at = position(&app);
-    let mut other = app_with("");
+    let mut other = common::tiny_app("");
     command(&mut other, &format!("load {}", path.display()));
     assert_eq!(position(&other), at);
     assert_eq!(other.mirror.flags, app.mirror.flags);
@@ -293,7 +258,7 @@ fn snapshot_attention_heat_map() {
 
 #[test]
 fn snapshot_buffers_of_a_disconnected_attention() {
-    let mut app = app_with("inject=output-buffer-disconnect");
+    let mut app = common::tiny_app("inject=output-buffer-disconnect");
     command(&mut app, "break op *attn_output");
     press(&mut app, "c");
     key(&mut app, KeyCode::Tab);

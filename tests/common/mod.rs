@@ -125,3 +125,34 @@ impl Lcg {
         (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
     }
 }
+
+/// The debugger's app on glm5-tiny (seed 0, CPU, a 12-token prompt of which 9 are prefilled,
+/// then 2 decode steps) with `flags`, driven inline: what the TUI and session tests start from.
+pub fn tiny_app(flags: &str) -> mladb::tui::app::App {
+    use mladb::debug::Flags;
+    use mladb::session::ModelSource;
+    use mladb::tui::{app::App, driver::InlineDriver, host::HostSpec, keys::Keymap, theme::Theme};
+    use std::sync::Arc;
+    let model = Arc::new(synthetic("glm5-tiny", 0));
+    let schedule = Schedule {
+        prompt: prompt(model.layout.vocab_size, 12),
+        prefill_len: 9,
+        decode_steps: 2,
+    };
+    let layers = 0..model.layout.num_layers;
+    let backend: Arc<dyn mladb::backend::Backend> = Arc::new(CpuBackend);
+    let spec = HostSpec {
+        model,
+        source: ModelSource::Layout {
+            layout: "glm5-tiny".into(),
+            seed: 0,
+            quant: None,
+        },
+        backend,
+        schedule,
+        layers,
+        flags: Flags::parse(flags).unwrap(),
+    };
+    let driver = InlineDriver::new(spec).unwrap();
+    App::new(Box::new(driver), Keymap::default(), Theme::plain())
+}
