@@ -7,13 +7,15 @@ mod common;
 
 use mladb::backend::cpu::CpuBackend;
 use mladb::backend::Backend;
-use mladb::debug::bisect::bisect_runs;
+use mladb::debug::bisect::bisect;
 use mladb::debug::breakpoint::Breakpoint;
+use mladb::debug::compare::compare_runs;
 use mladb::debug::controller::{Controller, Stop};
 use mladb::debug::detect::{check, CheckOptions, Finding, FindingKind};
 use mladb::debug::external::ExternalDump;
 use mladb::debug::forensics::attention_chain;
 use mladb::debug::runner::Job;
+use mladb::debug::tolerance::Tolerances;
 use mladb::debug::{Flags, RunRecord};
 use mladb::engine::generate::Schedule;
 use mladb::engine::trace::Phase;
@@ -204,7 +206,13 @@ fn bisect_points_at_the_injected_op() {
             ("output-buffer-disconnect", "attn_output", Phase::Prefill),
         ] {
             let bad = job.run(flags(&format!("inject={fault}")), None).unwrap();
-            let b = bisect_runs(&bad, &clean, job.model.layout.num_heads, 1e-4);
+            let tolerances = Tolerances::Table(bad.flags.dtype);
+            let b = bisect(compare_runs(
+                &bad,
+                &clean,
+                job.model.layout.num_heads,
+                &tolerances,
+            ));
             let first = b
                 .first
                 .unwrap_or_else(|| panic!("{fault}: nothing diverged"));

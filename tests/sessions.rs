@@ -482,8 +482,9 @@ fn record_example_sessions() {
         .mirror
         .aux(mladb::tui::host::AuxKind::WholePrefill)
         .unwrap();
-    let list = mladb::debug::compare::prefill_vs_decode(run, whole, heads);
-    let first = mladb::debug::compare::first_divergence(&list, 1e-4).unwrap();
+    let tolerances = mladb::debug::tolerance::Tolerances::Table(run.flags.dtype);
+    let list = mladb::debug::compare::prefill_vs_decode(run, whole, heads, &tolerances);
+    let first = mladb::debug::compare::first_divergence(&list).unwrap();
     let prefill_nan = run
         .events
         .iter()

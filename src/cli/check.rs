@@ -81,8 +81,13 @@ pub fn run(args: &CheckArgs) -> Result<bool> {
         session.runs.push(run);
         session.check = Some(RecordedCheck {
             findings: report.findings.clone(),
-            notes: report.notes.clone(),
-            tolerance: report.tolerance,
+            notes: report
+                .notes
+                .iter()
+                .cloned()
+                .chain(report.selection_notes.iter().map(|n| n.to_string()))
+                .collect(),
+            tolerance: report.tolerances.floor_range().1,
         });
         if args.record.record_tensors {
             session.save_with_tensors(path, std::slice::from_ref(&report.run.outputs))?;
@@ -104,13 +109,27 @@ fn print_json(report: &CheckReport, seconds: f64) {
         v["type"] = json!("finding");
         println!("{v}");
     }
+    for n in &report.selection_notes {
+        let mut v = serde_json::to_value(n).expect("a note serialises");
+        v["type"] = json!("note");
+        println!("{v}");
+    }
+    let tolerances: serde_json::Map<String, serde_json::Value> = crate::debug::tolerance::ALL_KINDS
+        .iter()
+        .map(|&k| {
+            let (floor, gain) = report.tolerances.row(k);
+            (k.name(), json!({"floor": floor, "gain": gain}))
+        })
+        .collect();
     println!(
         "{}",
         json!({
             "type": "summary",
             "findings": report.findings.len(),
             "notes": report.notes,
-            "tolerance": report.tolerance,
+            "selection_notes": report.selection_notes.len(),
+            "tolerances": tolerances,
+            "headroom": report.headroom,
             "ops": report.run.len(),
             "ops_executed": report.ops_executed,
             "seconds": seconds,
@@ -118,15 +137,27 @@ fn print_json(report: &CheckReport, seconds: f64) {
     );
 }
 
+/// Selection notes printed in text before the rest are left to `--json`.
+const NOTES_SHOWN: usize = 12;
+
 fn print_text(report: &CheckReport, layout: &str, seconds: f64) {
     println!(
-        "mladb check: {layout}, {} ops, flags: {}; tolerance {:.0e}",
+        "mladb check: {layout}, {} ops, flags: {}; {}",
         report.run.len(),
         report.run.flags,
-        report.tolerance
+        report.tolerances.describe()
     );
     for n in &report.notes {
         println!("  note: {n}");
+    }
+    for n in report.selection_notes.iter().take(NOTES_SHOWN) {
+        println!("  note: {n}");
+    }
+    if report.selection_notes.len() > NOTES_SHOWN {
+        println!(
+            "  note: … {} more selection notes (--json lists them all)",
+            report.selection_notes.len() - NOTES_SHOWN
+        );
     }
     if report.findings.is_empty() {
         println!(
@@ -169,9 +200,9 @@ pub struct BisectArgs {
     /// Name map of the reference dump: `hf` or a RON file.
     #[arg(long, default_value = "hf")]
     pub name_map: String,
-    /// Relative L2 tolerance (default 1e-4).
-    #[arg(long, default_value_t = 1e-4)]
-    pub tolerance: f64,
+    /// One relative L2 tolerance for every op (default: the table of run A's dtype, as check).
+    #[arg(long)]
+    pub tolerance: Option<f64>,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -179,7 +210,7 @@ pub struct BisectArgs {
 
 /// Runs bisect; returns whether an op diverged.
 pub fn bisect(args: &BisectArgs) -> Result<bool> {
-    use crate::debug::bisect::{bisect_dump, bisect_runs};
+    use crate::debug::bisect::{bisect_dump, bisect_paired};
     use crate::debug::Flags;
     use crate::engine::generate::Schedule;
     let flags_a = Flags::parse(&args.a).map_err(|e| Error::invalid(format!("--a: {e}")))?;
@@ -188,12 +219,15 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
         (None, Some(_)) => None,
         _ => return Err(Error::invalid("bisect needs --b FLAGS or --reference DUMP")),
     };
-    if !(args.tolerance.is_finite() && args.tolerance >= 0.0) {
+    if let Some(t) = args.tolerance.filter(|t| !(t.is_finite() && *t >= 0.0)) {
         return Err(Error::invalid(format!(
-            "--tolerance {} is not a non-negative number",
-            args.tolerance
+            "--tolerance {t} is not a non-negative number"
         )));
     }
+    let tolerances = args.tolerance.map_or(
+        crate::debug::tolerance::Tolerances::Table(flags_a.dtype),
+        crate::debug::tolerance::Tolerances::Uniform,
+    );
     let reference = match &args.reference {
         Some(path) => Some(ExternalDump::load(
             path,
@@ -223,32 +257,55 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
                 prefill_len: p.schedule.prefill_len,
                 decode_steps: 0,
             };
-            let b = job.run_schedule(fb, &forced, None)?;
-            (
-                bisect_runs(&a, &b, heads, args.tolerance),
-                format!("run B ({fb})"),
-            )
+            let paired = crate::debug::paired::compare_paired(
+                &job,
+                &a,
+                fb,
+                &forced,
+                crate::debug::paired::Pairing::SameSchedule,
+                &tolerances,
+            )?;
+            (bisect_paired(paired), format!("run B ({fb})"))
         }
         (None, Some(dump)) => (
-            bisect_dump(&a, dump, heads, args.tolerance),
+            bisect_dump(&a, dump, heads, &tolerances),
             "the reference dump".to_string(),
         ),
         (None, None) => unreachable!("checked above"),
     };
+    let diverged = result.first.is_some() || result.first_choice.is_some();
     if args.json {
         println!(
             "{}",
             serde_json::to_string(&result).expect("a bisection serialises")
         );
-        return Ok(result.first.is_some());
+        return Ok(diverged);
     }
     println!(
-        "mladb bisect: run A ({flags_a}) against {against}; tolerance {:.0e}",
-        args.tolerance
+        "mladb bisect: run A ({flags_a}) against {against}; {}",
+        tolerances.describe()
     );
+    for f in &result.flips {
+        println!(
+            "note: selection-flip {} {}: {}; run B was forced to A's choice",
+            f.phase,
+            f.op,
+            f.describe()
+        );
+    }
+    if let Some(choice) = &result.first_choice {
+        println!(
+            "first divergent:   #{} {} {}: chooses differently beyond noise: {}",
+            choice.index,
+            choice.phase,
+            choice.op,
+            choice.describe()
+        );
+        return Ok(true);
+    }
     match &result.first {
         None => println!(
-            "no op differs beyond tolerance ({} ops compared)",
+            "no op differs beyond its tolerance ({} ops compared)",
             result.compared
         ),
         Some(first) => {
@@ -261,14 +318,17 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
             }
             let figures = first.diff.as_ref().map(|d| d.summary()).unwrap_or_default();
             println!(
-                "first divergent:   #{} {} {}: {figures}",
-                first.index, first.phase, first.name
+                "first divergent:   #{} {} {}: {figures} ({})",
+                first.index,
+                first.phase,
+                first.name,
+                first.tolerance_text()
             );
             println!(
-                "{} of {} compared ops differ beyond tolerance",
+                "{} of {} compared ops differ beyond what their inputs explain",
                 result.divergent, result.compared
             );
         }
     }
-    Ok(result.first.is_some())
+    Ok(diverged)
 }

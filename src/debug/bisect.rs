@@ -1,9 +1,12 @@
 //! `bisect`: the first op, in execution order, whose output differs between two runs (or a run
-//! and a dump) by more than the tolerance, with the op before it that still agreed.
+//! and a dump) by more than its tolerance, with the op before it that still agreed.
 
-use super::compare::{compare_runs, OpComparison};
+use super::compare::OpComparison;
 use super::external::ExternalDump;
+use super::paired::Paired;
 use super::record::RunRecord;
+use super::selection::SelectionDiff;
+use super::tolerance::Tolerances;
 use serde::Serialize;
 
 #[derive(Debug, Clone, Serialize)]
@@ -16,11 +19,16 @@ pub struct Bisection {
     pub last_good: Option<OpComparison>,
     /// Ops over tolerance in all.
     pub divergent: usize,
+    /// A choice (MoE experts, DSA keys) that differs at a clear margin before the first op over
+    /// tolerance: then it is the first divergence.
+    pub first_choice: Option<SelectionDiff>,
+    /// Choices that flipped within noise; run B was forced to A's choice at each.
+    pub flips: Vec<SelectionDiff>,
 }
 
-/// Bisects comparisons already in execution order.
-pub fn bisect(comparisons: Vec<OpComparison>, tolerance: f64) -> Bisection {
-    let first = comparisons.iter().position(|c| c.exceeds(tolerance));
+/// Bisects comparisons already in execution order and judged.
+pub fn bisect(comparisons: Vec<OpComparison>) -> Bisection {
+    let first = comparisons.iter().position(|c| c.exceeds_its());
     let last_good = first.and_then(|f| {
         comparisons[..f]
             .iter()
@@ -30,15 +38,24 @@ pub fn bisect(comparisons: Vec<OpComparison>, tolerance: f64) -> Bisection {
     });
     Bisection {
         compared: comparisons.len(),
-        divergent: comparisons.iter().filter(|c| c.exceeds(tolerance)).count(),
+        divergent: comparisons.iter().filter(|c| c.exceeds_its()).count(),
         last_good,
         first: first.map(|f| comparisons[f].clone()),
+        first_choice: None,
+        flips: Vec::new(),
     }
 }
 
-/// Run `a` against run `b` (the reference).
-pub fn bisect_runs(a: &RunRecord, b: &RunRecord, num_heads: usize, tolerance: f64) -> Bisection {
-    bisect(compare_runs(a, b, num_heads), tolerance)
+/// Bisects a selection-aware comparison of two runs.
+pub fn bisect_paired(paired: Paired) -> Bisection {
+    let mut b = bisect(paired.comparisons);
+    b.first_choice = paired
+        .clear
+        .into_iter()
+        .next()
+        .filter(|d| b.first.as_ref().is_none_or(|f| d.index < f.index));
+    b.flips = paired.flips;
+    b
 }
 
 /// Run `a` against an external dump.
@@ -46,7 +63,9 @@ pub fn bisect_dump(
     a: &RunRecord,
     dump: &ExternalDump,
     num_heads: usize,
-    tolerance: f64,
+    tolerances: &Tolerances,
 ) -> Bisection {
-    bisect(dump.compare(a, num_heads), tolerance)
+    let mut comparisons = dump.compare(a, num_heads);
+    tolerances.judge(a, &mut comparisons);
+    bisect(comparisons)
 }

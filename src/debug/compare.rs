@@ -5,6 +5,7 @@
 //! dump.
 
 use super::record::RunRecord;
+use super::tolerance::Tolerances;
 use crate::engine::trace::{OpEvent, OpKind, Phase};
 use serde::{Deserialize, Serialize};
 
@@ -181,6 +182,12 @@ fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
 pub struct OpComparison {
     pub phase: Phase,
     pub name: String,
+    /// The op's kind, which picks its tolerance.
+    pub kind: OpKind,
+    /// The largest error of what the op read, in the same comparison, and the tolerance that
+    /// gives it (see [`Tolerances::judge`]); NaN until judged, which no error passes.
+    pub input_error: f64,
+    pub tolerance: f64,
     /// Index of the op in the run being examined.
     pub index: usize,
     /// The figures, or why there are none.
@@ -191,12 +198,39 @@ impl OpComparison {
     pub fn exceeds(&self, tolerance: f64) -> bool {
         matches!(&self.diff, Ok(d) if d.exceeds(tolerance))
     }
+
+    /// Over its judged tolerance (an unjudged comparison passes nothing but exact agreement).
+    pub fn exceeds_its(&self) -> bool {
+        self.exceeds(if self.tolerance.is_nan() {
+            0.0
+        } else {
+            self.tolerance
+        })
+    }
+
+    /// `tolerance 2.1e-2 (floor + gain × input error 5.0e-4)`.
+    pub fn tolerance_text(&self) -> String {
+        if self.input_error > 0.0 {
+            format!(
+                "tolerance {:.1e}, for an input error of {:.1e}",
+                self.tolerance, self.input_error
+            )
+        } else {
+            format!("tolerance {:.1e}", self.tolerance)
+        }
+    }
 }
 
 /// Compares every op of `a` with the op of the same phase and name in `b` (the reference), in
-/// `a`'s execution order. Ops `b` lacks are left out.
-pub fn compare_runs(a: &RunRecord, b: &RunRecord, num_heads: usize) -> Vec<OpComparison> {
-    a.events
+/// `a`'s execution order, each judged against its tolerance. Ops `b` lacks are left out.
+pub fn compare_runs(
+    a: &RunRecord,
+    b: &RunRecord,
+    num_heads: usize,
+    tolerances: &Tolerances,
+) -> Vec<OpComparison> {
+    let mut all: Vec<OpComparison> = a
+        .events
         .iter()
         .enumerate()
         .filter_map(|(i, e)| {
@@ -210,7 +244,9 @@ pub fn compare_runs(a: &RunRecord, b: &RunRecord, num_heads: usize) -> Vec<OpCom
                 num_heads,
             ))
         })
-        .collect()
+        .collect();
+    tolerances.judge(a, &mut all);
+    all
 }
 
 /// Compares one output with a reference of the given shape (same element count suffices).
@@ -233,18 +269,22 @@ pub fn compare_outputs(
     OpComparison {
         phase: e.phase,
         name: e.name.clone(),
+        kind: e.kind,
+        input_error: 0.0,
+        tolerance: f64::NAN,
         index,
         diff,
     }
 }
 
 /// Compares every decode-step op of `stepped` with the row of the same token in `whole`, a run
-/// that prefilled the whole sequence at once. Ops whose outputs are not laid out by token
-/// (top-k listings) are left out.
+/// that prefilled the whole sequence at once, each judged against its tolerance. Ops whose
+/// outputs are not laid out by token (top-k listings) are left out.
 pub fn prefill_vs_decode(
     stepped: &RunRecord,
     whole: &RunRecord,
     num_heads: usize,
+    tolerances: &Tolerances,
 ) -> Vec<OpComparison> {
     let mut out = Vec::new();
     for (i, e) in stepped.events.iter().enumerate() {
@@ -264,11 +304,15 @@ pub fn prefill_vs_decode(
             None => OpComparison {
                 phase: e.phase,
                 name: e.name.clone(),
+                kind: e.kind,
+                input_error: 0.0,
+                tolerance: f64::NAN,
                 index: i,
                 diff: Err(format!("no row {pos} in the prefill's {:?}", we.shape)),
             },
         });
     }
+    tolerances.judge(stepped, &mut out);
     out
 }
 
@@ -306,9 +350,9 @@ fn token_row(e: &OpEvent, we: &OpEvent, w: &[f32], pos: usize) -> Option<Vec<f32
     }
 }
 
-/// The first comparison over `tolerance`, in execution order.
-pub fn first_divergence(comparisons: &[OpComparison], tolerance: f64) -> Option<&OpComparison> {
-    comparisons.iter().find(|c| c.exceeds(tolerance))
+/// The first comparison over its tolerance, in execution order.
+pub fn first_divergence(comparisons: &[OpComparison]) -> Option<&OpComparison> {
+    comparisons.iter().find(|c| c.exceeds_its())
 }
 
 #[cfg(test)]

@@ -8,9 +8,10 @@
 //! where the previous run was paused. The previous run is kept, and the two are compared op by op.
 
 use super::breakpoint::Breakpoint;
-use super::compare::{compare_runs, diff, heads_of, OpComparison};
+use super::compare::{compare_outputs, compare_runs, OpComparison};
 use super::flags::Flags;
 use super::record::{ReplayPrefix, RunRecord};
+use super::tolerance::Tolerances;
 use crate::backend::Backend;
 use crate::engine::generate::{self, Outcome, Schedule};
 use crate::engine::trace::{Observer, OpEvent, Phase};
@@ -409,28 +410,25 @@ impl Controller {
         let other = self.comparison()?;
         let e = &self.current.events[i];
         let j = other.find(e.phase, &e.name)?;
-        let (a, b) = (self.current.outputs[i].data(), other.outputs[j].data());
-        let heads = self.model.layout.num_heads;
-        let diff = if a.len() == b.len() {
-            Ok(diff(a, b, &e.shape, heads_of(e, heads)))
-        } else {
-            Err(format!(
-                "shapes differ: {:?} vs {:?}",
-                e.shape, other.events[j].shape
-            ))
-        };
-        Some(OpComparison {
-            phase: e.phase,
-            name: e.name.clone(),
-            index: i,
-            diff,
-        })
+        Some(compare_outputs(
+            e,
+            i,
+            self.current.outputs[i].data(),
+            &other.events[j].shape,
+            other.outputs[j].data(),
+            self.model.layout.num_heads,
+        ))
     }
 
     /// Every op of the current run compared with the comparison run.
     pub fn diff_runs(&self) -> Vec<OpComparison> {
         match self.comparison() {
-            Some(other) => compare_runs(&self.current, other, self.model.layout.num_heads),
+            Some(other) => compare_runs(
+                &self.current,
+                other,
+                self.model.layout.num_heads,
+                &Tolerances::Table(self.current.flags.dtype),
+            ),
             None => Vec::new(),
         }
     }

@@ -10,12 +10,15 @@
 //! Mismatch and NaN detectors report the first op of each phase (where a fault shows first) and
 //! count the rest; unwritten elements and disconnects are reported at every op that has them.
 
-use super::compare::{compare_runs, first_divergence, prefill_vs_decode, OpComparison};
+use super::compare::OpComparison;
 use super::external::ExternalDump;
 use super::flags::Flags;
 use super::forensics::{disconnects, orphan_reads};
+use super::paired::{compare_paired, Paired, Pairing};
 use super::record::RunRecord;
 use super::runner::Job;
+use super::selection::{ambiguous_selections, SelectionDiff};
+use super::tolerance::Tolerances;
 use crate::engine::generate::Schedule;
 use crate::engine::trace::{OpKind, Phase};
 use crate::engine::{MlaPath, StorageDtype};
@@ -56,23 +59,72 @@ pub struct Finding {
 
 /// What `check` compares against and how strictly.
 pub struct CheckOptions {
-    /// Relative L2 tolerance of the comparisons; `None` picks one for the dtype (1e-4 for f32,
-    /// 3e-2 for bf16).
+    /// One relative L2 tolerance for every op; `None` takes the table of the run's dtype
+    /// ([`Tolerances`]).
     pub tolerance: Option<f64>,
     pub reference: Option<ExternalDump>,
+}
+
+/// A note about a discrete choice: not a bug, but what a reader of the findings must know.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SelectionNote {
+    /// `selection-flip` (two runs chose differently within noise; the second was forced to the
+    /// first's choice) or `ambiguous-selection` (a top-k boundary within noise in one run).
+    pub kind: String,
+    pub phase: Phase,
+    pub op: String,
+    pub index: usize,
+    /// Which comparison saw it (`absorbed vs naive`, ...), empty for the checked run itself.
+    pub comparison: String,
+    pub detail: String,
+}
+
+impl fmt::Display for SelectionNote {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {} {}", self.kind, self.phase, self.op)?;
+        if !self.comparison.is_empty() {
+            write!(f, " ({})", self.comparison)?;
+        }
+        write!(f, ": {}", self.detail)
+    }
 }
 
 pub struct CheckReport {
     pub findings: Vec<Finding>,
     /// Detectors that could not run, and why.
     pub notes: Vec<String>,
-    pub tolerance: f64,
+    /// Selection flips that were forced and ambiguous selections.
+    pub selection_notes: Vec<SelectionNote>,
+    pub tolerances: Tolerances,
+    /// The largest relative L2 error each comparison saw per op kind (within tolerance or not):
+    /// how close a clean run came to its tolerances.
+    pub headroom: Vec<Headroom>,
     /// The checked run.
     pub run: RunRecord,
     /// Ops computed over all the runs the check made.
     pub ops_executed: usize,
 }
 
+/// How close one op kind came to its tolerances in one comparison, and what the table would
+/// need to pass it: the largest error at an op whose inputs agreed (against the floor), and the
+/// largest gain of error over input error above the floor.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Headroom {
+    pub comparison: String,
+    pub kind: OpKind,
+    /// The op with the largest error relative to its tolerance, and both.
+    pub op: String,
+    pub phase: Phase,
+    pub rel_l2: f64,
+    pub tolerance: f64,
+    /// The largest error at an op of this kind whose inputs agreed exactly.
+    pub floor_error: f64,
+    /// The largest (error − floor) / input error at an op whose inputs differed.
+    pub gain_needed: f64,
+}
+
+/// The tolerance replays use when a session is verified on another device: one bf16 rounding
+/// step in bf16, 1e-4 in f32.
 pub fn default_tolerance(dtype: StorageDtype) -> f64 {
     match dtype {
         StorageDtype::F32 => 1e-4,
@@ -80,11 +132,18 @@ pub fn default_tolerance(dtype: StorageDtype) -> f64 {
     }
 }
 
+/// One comparison `check` makes: what it is called and which finding it gives.
+struct Comparison<'a> {
+    name: &'a str,
+    kind: FindingKind,
+    describe: String,
+}
+
 pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckReport> {
-    let tolerance = options.tolerance.unwrap_or(default_tolerance(flags.dtype));
-    let heads = job.model.layout.num_heads;
+    let tolerances = options
+        .tolerance
+        .map_or(Tolerances::Table(flags.dtype), Tolerances::Uniform);
     let run = job.run(flags, None)?;
-    let mut ops = run.counts.executed;
     // Comparison runs are fed the checked run's tokens, generated ones included, so that they
     // differ only in what is being compared.
     let tokens = run
@@ -97,12 +156,31 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
         prefill_len: job.schedule.prefill_len,
         decode_steps: 0,
     };
-    let mut findings = per_op_findings(&run);
-    let mut notes = Vec::new();
+    let mut v = Verdicts {
+        findings: per_op_findings(&run),
+        notes: Vec::new(),
+        selection_notes: ambiguous_selections(&run, job.model, flags.dtype)
+            .into_iter()
+            .map(|a| SelectionNote {
+                kind: "ambiguous-selection".into(),
+                phase: a.phase,
+                op: a.op.clone(),
+                index: a.index,
+                comparison: String::new(),
+                detail: a.describe(),
+            })
+            .collect(),
+        headroom: Vec::new(),
+        ops: run.counts.executed,
+        tolerances,
+    };
+    let paired = |other: Flags, schedule: &Schedule, pairing: Pairing| {
+        compare_paired(job, &run, other, schedule, pairing, &tolerances)
+    };
 
     // Absorbed vs naive: every phase again on the other path.
     if flags.mla_disable {
-        notes.push(
+        v.notes.push(
             "absorbed vs naive: skipped, MLA is disabled (no absorbed path runs)".to_string(),
         );
     } else {
@@ -113,16 +191,16 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
         let mut flipped = flags;
         flipped.prefill_path = other(flags.prefill_path);
         flipped.decode_path = other(flags.decode_path);
-        let flipped_run = job.run_schedule(flipped, &forced, None)?;
-        ops += flipped_run.counts.executed;
-        let describe =
-            |phase: Phase| format!("{:?} vs {:?}", flags.path_of(phase), flipped.path_of(phase));
-        findings.extend(first_per_phase(
-            &compare_runs(&run, &flipped_run, heads),
-            tolerance,
-            FindingKind::AbsorbedNaiveMismatch,
-            describe,
-        ));
+        let describe = [Phase::Prefill, Phase::Decode(0)]
+            .map(|p| format!("{:?} vs {:?}", flags.path_of(p), flipped.path_of(p)).to_lowercase());
+        v.add(
+            paired(flipped, &forced, Pairing::SameSchedule)?,
+            Comparison {
+                name: "absorbed vs naive",
+                kind: FindingKind::AbsorbedNaiveMismatch,
+                describe: format!("prefill {}, decode {}", describe[0], describe[1]),
+            },
+        );
     }
 
     // Prefill vs decode: the whole sequence prefilled at once.
@@ -132,31 +210,28 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
             prompt: tokens,
             decode_steps: 0,
         };
-        let whole = job.run_schedule(flags, &whole_schedule, None)?;
-        ops += whole.counts.executed;
-        findings.extend(first_per_phase(
-            &prefill_vs_decode(&run, &whole, heads),
-            tolerance,
-            FindingKind::PrefillDecodeMismatch,
-            |_| {
-                "decoded against the cache vs the same token in a whole-sequence prefill"
-                    .to_string()
+        v.add(
+            paired(flags, &whole_schedule, Pairing::DecodeRows)?,
+            Comparison {
+                name: "prefill vs decode",
+                kind: FindingKind::PrefillDecodeMismatch,
+                describe: "decoded against the cache vs the same token in a whole-sequence prefill"
+                    .to_string(),
             },
-        ));
+        );
     } else {
-        notes.push("prefill vs decode: skipped, the run has no decode steps".to_string());
+        v.notes
+            .push("prefill vs decode: skipped, the run has no decode steps".to_string());
     }
 
     // A quantized kv_b_proj: its decoding against what it was quantized from, then the run
     // again with the other kv_b_proj route (force-dequantize flipped), op by op.
     let (quant_found, quant_notes) = super::quant::quant_findings(job, &run)?;
-    findings.extend(quant_found);
-    notes.extend(quant_notes);
+    v.findings.extend(quant_found);
+    v.notes.extend(quant_notes);
     if job.model.has_quantized_kv_b() {
         let mut flipped = flags;
         flipped.force_dequant = !flags.force_dequant;
-        let other = job.run_schedule(flipped, &forced, None)?;
-        ops += other.counts.executed;
         let route = |on: bool| {
             if on {
                 "force-dequantized"
@@ -164,44 +239,132 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
                 "quantized (identity)"
             }
         };
-        findings.extend(first_per_phase(
-            &compare_runs(&run, &other, heads),
-            tolerance,
-            FindingKind::QuantMismatch,
-            |_| {
-                format!(
+        v.add(
+            paired(flipped, &forced, Pairing::SameSchedule)?,
+            Comparison {
+                name: "kv_b_proj routes",
+                kind: FindingKind::QuantMismatch,
+                describe: format!(
                     "kv_b_proj {} vs {}",
                     route(flags.force_dequant),
                     route(flipped.force_dequant)
-                )
+                ),
             },
-        ));
+        );
     }
 
     if let Some(reference) = &options.reference {
-        let compared = reference.compare(&run, heads);
+        let mut compared = reference.compare(&run, job.model.layout.num_heads);
+        tolerances.judge(&run, &mut compared);
         if compared.is_empty() {
             return Err(Error::invalid(
                 "the reference dump holds no op of this run (check the phases, names and name map)",
             ));
         }
-        notes.push(format!("reference: compared {} ops", compared.len()));
-        findings.extend(first_per_phase(
+        v.notes
+            .push(format!("reference: compared {} ops", compared.len()));
+        v.headroom
+            .extend(headroom_of("reference", &compared, &tolerances));
+        v.findings.extend(first_per_phase(
             &compared,
-            tolerance,
+            &[],
             FindingKind::ReferenceMismatch,
-            |_| "vs the reference dump".to_string(),
+            "vs the reference dump",
         ));
     }
 
-    findings.sort_by_key(|f| (f.index, f.kind as u8));
+    v.findings.sort_by_key(|f| (f.index, f.kind as u8));
+    v.selection_notes.sort_by_key(|n| n.index);
     Ok(CheckReport {
-        findings: fold_repeats(findings),
-        notes,
-        tolerance,
+        findings: fold_repeats(v.findings),
+        notes: v.notes,
+        selection_notes: v.selection_notes,
+        tolerances,
+        headroom: v.headroom,
         run,
-        ops_executed: ops,
+        ops_executed: v.ops,
     })
+}
+
+/// What the comparisons of one check add up to.
+struct Verdicts {
+    findings: Vec<Finding>,
+    notes: Vec<String>,
+    selection_notes: Vec<SelectionNote>,
+    headroom: Vec<Headroom>,
+    ops: usize,
+    tolerances: Tolerances,
+}
+
+impl Verdicts {
+    /// Takes in one selection-aware comparison.
+    fn add(&mut self, paired: Paired, c: Comparison) {
+        self.ops += paired.ops_executed;
+        self.findings.extend(first_per_phase(
+            &paired.comparisons,
+            &paired.clear,
+            c.kind,
+            &c.describe,
+        ));
+        self.selection_notes
+            .extend(paired.flips.iter().map(|d| SelectionNote {
+                kind: "selection-flip".into(),
+                phase: d.phase,
+                op: d.op.clone(),
+                index: d.index,
+                comparison: c.name.to_string(),
+                detail: format!("{}; the second run was forced to A's choice", d.describe()),
+            }));
+        if paired.gave_up {
+            self.notes.push(format!(
+                "{}: stopped forcing selection flips after {} re-runs",
+                c.name, paired.reruns
+            ));
+        }
+        self.headroom
+            .extend(headroom_of(c.name, &paired.comparisons, &self.tolerances));
+    }
+}
+
+/// How close each op kind of one comparison came to its tolerances.
+fn headroom_of(name: &str, comparisons: &[OpComparison], tolerances: &Tolerances) -> Vec<Headroom> {
+    let mut out: Vec<Headroom> = Vec::new();
+    for c in comparisons {
+        let Ok(d) = &c.diff else { continue };
+        let rel = if d.rel_l2.is_nan() {
+            f64::INFINITY
+        } else {
+            d.rel_l2
+        };
+        let floor = tolerances.row(c.kind).0;
+        let (floor_error, gain_needed) = if c.input_error == 0.0 {
+            (rel, 0.0)
+        } else {
+            (0.0, ((rel - floor) / c.input_error).max(0.0))
+        };
+        let h = match out.iter_mut().find(|h| h.kind == c.kind) {
+            Some(h) => h,
+            None => {
+                out.push(Headroom {
+                    comparison: name.to_string(),
+                    kind: c.kind,
+                    op: c.name.clone(),
+                    phase: c.phase,
+                    rel_l2: rel,
+                    tolerance: c.tolerance,
+                    floor_error: 0.0,
+                    gain_needed: 0.0,
+                });
+                out.last_mut().expect("just pushed")
+            }
+        };
+        if rel / c.tolerance > h.rel_l2 / h.tolerance {
+            (h.op, h.phase, h.rel_l2, h.tolerance) = (c.name.clone(), c.phase, rel, c.tolerance);
+        }
+        h.floor_error = h.floor_error.max(floor_error);
+        h.gain_needed = h.gain_needed.max(gain_needed);
+    }
+    out
 }
 
 /// One finding per kind and op: the same op found again in later phases is listed in the
@@ -351,42 +514,68 @@ fn count_later(findings: &mut [Finding], seen: &[(Phase, usize)], kind: FindingK
     }
 }
 
-/// The first comparison over tolerance in each phase, as findings.
+/// The first difference in each phase, as findings: an op over its tolerance or a choice that
+/// differs at a clear margin, whichever comes first.
 fn first_per_phase(
     comparisons: &[OpComparison],
-    tolerance: f64,
+    clear_flips: &[SelectionDiff],
     kind: FindingKind,
-    describe: impl Fn(Phase) -> String,
+    describe: &str,
 ) -> Vec<Finding> {
-    let mut phases: Vec<Phase> = comparisons.iter().map(|c| c.phase).collect();
+    let mut phases: Vec<Phase> = comparisons
+        .iter()
+        .map(|c| c.phase)
+        .chain(clear_flips.iter().map(|d| d.phase))
+        .collect();
+    phases.sort();
     phases.dedup();
     let mut out = Vec::new();
     for phase in phases {
-        let in_phase: Vec<OpComparison> = comparisons
+        let over: Vec<&OpComparison> = comparisons
             .iter()
-            .filter(|c| c.phase == phase)
-            .cloned()
+            .filter(|c| c.phase == phase && c.exceeds_its())
             .collect();
-        let Some(first) = first_divergence(&in_phase, tolerance) else {
-            continue;
+        let flips: Vec<&SelectionDiff> = clear_flips.iter().filter(|d| d.phase == phase).collect();
+        let later = |first: usize| {
+            let n = over.iter().filter(|c| c.index > first).count();
+            if n > 0 {
+                format!("; {n} later ops of {phase} differ too")
+            } else {
+                String::new()
+            }
         };
-        let later = in_phase.iter().filter(|c| c.exceeds(tolerance)).count() - 1;
-        let figures = first.diff.as_ref().map(|d| d.summary()).unwrap_or_default();
-        out.push(Finding {
-            kind,
-            phase,
-            op: first.name.clone(),
-            index: first.index,
-            detail: format!(
-                "{}: {figures} (tolerance {tolerance:.0e}){}",
-                describe(phase),
-                if later > 0 {
-                    format!("; {later} later ops of {phase} differ too")
-                } else {
-                    String::new()
+        let numeric = over
+            .first()
+            .filter(|c| flips.first().is_none_or(|f| c.index < f.index));
+        let finding = match (numeric, flips.first()) {
+            (Some(c), _) => {
+                let figures = c.diff.as_ref().map(|d| d.summary()).unwrap_or_default();
+                Finding {
+                    kind,
+                    phase,
+                    op: c.name.clone(),
+                    index: c.index,
+                    detail: format!(
+                        "{describe}: {figures} ({}){}",
+                        c.tolerance_text(),
+                        later(c.index)
+                    ),
                 }
-            ),
-        });
+            }
+            (_, Some(f)) => Finding {
+                kind,
+                phase,
+                op: f.op.clone(),
+                index: f.index,
+                detail: format!(
+                    "{describe}: selects differently beyond noise: {}{}",
+                    f.describe(),
+                    later(f.index)
+                ),
+            },
+            (None, None) => continue,
+        };
+        out.push(finding);
     }
     out
 }

@@ -111,6 +111,7 @@ impl Flags {
             poison,
             storage: self.dtype,
             force_dequant: self.force_dequant,
+            forced: Default::default(),
         })
     }
 

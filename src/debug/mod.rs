@@ -17,9 +17,12 @@ pub mod detect;
 pub mod external;
 pub mod flags;
 pub mod forensics;
+pub mod paired;
 pub mod quant;
 pub mod record;
 pub mod runner;
+pub mod selection;
+pub mod tolerance;
 
 pub use flags::Flags;
 pub use record::RunRecord;

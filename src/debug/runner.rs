@@ -5,10 +5,11 @@ use super::flags::Flags;
 use super::record::{ReplayPrefix, RunRecord};
 use crate::backend::Backend;
 use crate::engine::generate::{self, Schedule};
-use crate::engine::Engine;
+use crate::engine::{Engine, ForcedSelections};
 use crate::error::Result;
 use crate::model::Model;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// What every run of one debugging job shares.
 #[derive(Clone, Copy)]
@@ -34,7 +35,19 @@ impl Job<'_> {
         schedule: &Schedule,
         replay: Option<ReplayPrefix>,
     ) -> Result<RunRecord> {
-        let options = flags.engine_options(self.layers.clone(), self.poison)?;
+        self.run_forced(flags, schedule, &Arc::default(), replay)
+    }
+
+    /// Runs `schedule` with `flags`, making the `forced` choices instead of computing them.
+    pub fn run_forced(
+        &self,
+        flags: Flags,
+        schedule: &Schedule,
+        forced: &Arc<ForcedSelections>,
+        replay: Option<ReplayPrefix>,
+    ) -> Result<RunRecord> {
+        let mut options = flags.engine_options(self.layers.clone(), self.poison)?;
+        options.forced = forced.clone();
         let mut engine = Engine::new(self.model, self.backend, options)?;
         if let Some(r) = &replay {
             engine = engine.with_replay(r);

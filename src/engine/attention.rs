@@ -18,6 +18,7 @@
 
 use super::cache::{ExpandedCache, LayerCache, RowCache, RowSource};
 use super::faults::{Fault, Faults, KernelFaults};
+use super::forcing::ForcedSelections;
 use super::forward::MlaPath;
 use super::rope::RopeTable;
 use super::sink::{Computed, Reads, Sink};
@@ -48,6 +49,8 @@ pub struct LayerCtx<'a> {
     pub poison: bool,
     /// Decode a quantized kv_b_proj once instead of using it quantized.
     pub force_dequant: bool,
+    /// Choices imposed instead of computed (teacher forcing).
+    pub forced: &'a ForcedSelections,
 }
 
 impl LayerCtx<'_> {
@@ -710,22 +713,23 @@ fn dsa_selection(
     // Top-k among each query's causal keys; a query with no more than topk of them keeps all.
     let context = keys.len();
     let k_keep = ix.topk.min(context);
-    let kept = b.index_topk(&scores, ctx.positions, ix.topk)?;
+    let mut kept = b.index_topk(&scores, ctx.positions, ix.topk)?;
+    let topk_name = ctx.name("self_attn.indexer.topk");
+    ctx.forced.apply(ctx.phase, &topk_name, &mut kept, |row| {
+        ctx.positions[row] + 1
+    })?;
+    for chosen in &mut kept {
+        chosen.sort_unstable();
+    }
     let sparse = ctx.positions.iter().any(|&p| p + 1 > ix.topk);
-    sink.op(
-        l,
-        &ctx.name("self_attn.indexer.topk"),
-        OpKind::IndexTopK,
-        &[&scores],
-        |_| {
-            let mut listing = Vec::with_capacity(kept.len() * k_keep);
-            for chosen in &kept {
-                listing.extend(chosen.iter().map(|&j| j as f32));
-                listing.extend(std::iter::repeat_n(-1.0, k_keep - chosen.len()));
-            }
-            Ok(Tensor::from_index_values(&[kept.len(), k_keep], listing))
-        },
-    )?;
+    sink.op(l, &topk_name, OpKind::IndexTopK, &[&scores], |_| {
+        let mut listing = Vec::with_capacity(kept.len() * k_keep);
+        for chosen in &kept {
+            listing.extend(chosen.iter().map(|&j| j as f32));
+            listing.extend(std::iter::repeat_n(-1.0, k_keep - chosen.len()));
+        }
+        Ok(Tensor::from_index_values(&[kept.len(), k_keep], listing))
+    })?;
     let selection = if sparse { Some(kept) } else { None };
     *shared_selection = Some(selection.clone());
     Ok(selection)

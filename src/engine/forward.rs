@@ -4,6 +4,7 @@
 use super::attention::{attention_block, LayerCtx, Selection};
 use super::cache::{LatentCache, LayerCache};
 use super::faults::Faults;
+use super::forcing::ForcedSelections;
 use super::mlp;
 use super::rope::RopeTable;
 use super::sink::Sink;
@@ -17,6 +18,7 @@ use crate::model::Model;
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// How attention is computed.
@@ -69,6 +71,9 @@ pub struct EngineOptions {
     pub storage: StorageDtype,
     /// Decode a quantized kv_b_proj once into a plain weight instead of using it quantized.
     pub force_dequant: bool,
+    /// Choices (MoE experts, DSA keys) imposed at given rows instead of computed: teacher
+    /// forcing for comparisons (see [`super::forcing`]).
+    pub forced: Arc<ForcedSelections>,
 }
 
 impl EngineOptions {
@@ -82,6 +87,7 @@ impl EngineOptions {
             poison: false,
             storage: StorageDtype::F32,
             force_dequant: false,
+            forced: Arc::default(),
         }
     }
 
@@ -276,6 +282,7 @@ impl<'m> Engine<'m> {
                 mla_backend: !options.mla_disabled,
                 poison: options.poison,
                 force_dequant: options.force_dequant,
+                forced: &options.forced,
             };
             let cache = self.caches[layer]
                 .as_mut()

@@ -57,6 +57,31 @@ pub fn dense(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
     Ok(down)
 }
 
+/// Imposes the forced expert choices of `op` (teacher forcing), with weights from this run's
+/// own router scores at the forced experts.
+fn force_routing(
+    ctx: &LayerCtx,
+    op: &str,
+    logits: &Tensor,
+    routed: &mut crate::backend::Routing,
+) -> Result<()> {
+    let Some(rows) = ctx.forced.rows(ctx.phase, op) else {
+        return Ok(());
+    };
+    let moe = ctx
+        .layout
+        .moe
+        .as_ref()
+        .expect("MoE layers have a moe section");
+    ctx.forced
+        .apply(ctx.phase, op, &mut routed.experts, |_| moe.n_routed_experts)?;
+    for &row in rows.keys() {
+        let scores = super::moe::expert_scores(logits.row(row));
+        routed.weights[row] = super::moe::weights_of(&scores, &routed.experts[row], moe);
+    }
+    Ok(())
+}
+
 /// MoE: router, the chosen routed experts (each fetched once for all tokens routed to it), and
 /// the shared experts.
 pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
@@ -79,7 +104,13 @@ pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
         OpKind::Router,
         &[&logits],
         |r| {
-            let routed = b.route(&logits, &*r.weight(&bias_name)?, moe)?;
+            let mut routed = b.route(&logits, &*r.weight(&bias_name)?, moe)?;
+            force_routing(
+                ctx,
+                &ctx.name("mlp.gate.topk_indices"),
+                &logits,
+                &mut routed,
+            )?;
             let ids: Vec<usize> = routed.experts.iter().flatten().copied().collect();
             routing = Some(routed);
             Ok(Tensor::from_indices(&[n, k], &ids))
@@ -93,7 +124,16 @@ pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
         |r| {
             let routed = match routing.take() {
                 Some(routed) => routed,
-                None => b.route(&logits, &*r.weight(&bias_name)?, moe)?,
+                None => {
+                    let mut routed = b.route(&logits, &*r.weight(&bias_name)?, moe)?;
+                    force_routing(
+                        ctx,
+                        &ctx.name("mlp.gate.topk_indices"),
+                        &logits,
+                        &mut routed,
+                    )?;
+                    routed
+                }
             };
             Ok(Tensor::from_vec(
                 &[n, k],

@@ -17,6 +17,7 @@
 pub mod attention;
 pub mod cache;
 pub mod faults;
+pub mod forcing;
 pub mod forward;
 pub mod generate;
 pub mod mlp;
@@ -26,6 +27,7 @@ pub mod sink;
 pub mod trace;
 
 pub use faults::{Fault, Faults};
+pub use forcing::ForcedSelections;
 pub use forward::{Engine, EngineOptions, LayerTiming, MlaPath, MlaPaths};
 pub use sink::{OpCounts, StorageDtype};
 pub use trace::{NullObserver, Observer, OpEvent, OpKind, Phase, Recorder, Replay};

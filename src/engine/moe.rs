@@ -24,7 +24,7 @@ pub fn route(logits: &Tensor, bias: &[f32], moe: &MoeLayout) -> Routing {
     let mut experts = Vec::new();
     let mut weights = Vec::new();
     for row in logits.data().chunks(e) {
-        let scores: Vec<f32> = row.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect();
+        let scores = expert_scores(row);
         let choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
         let group_scores: Vec<f32> = choice
             .chunks(per_group)
@@ -43,20 +43,31 @@ pub fn route(logits: &Tensor, bias: &[f32], moe: &MoeLayout) -> Routing {
             })
             .collect();
         let chosen = top_k_indices(&masked, moe.num_experts_per_tok);
-        let mut w: Vec<f32> = chosen.iter().map(|&j| scores[j]).collect();
-        if moe.norm_topk_prob {
-            let denom = w.iter().sum::<f32>() + 1e-20;
-            for v in &mut w {
-                *v /= denom;
-            }
-        }
-        for v in &mut w {
-            *v *= moe.routed_scaling_factor as f32;
-        }
+        weights.push(weights_of(&scores, &chosen, moe));
         experts.push(chosen);
-        weights.push(w);
     }
     Routing { experts, weights }
+}
+
+/// sigmoid of one row of router logits: the unbiased expert scores.
+pub fn expert_scores(logits: &[f32]) -> Vec<f32> {
+    logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect()
+}
+
+/// The routing weights of the `chosen` experts from their unbiased `scores`: normalised to sum 1
+/// when `norm_topk_prob`, times `routed_scaling_factor`.
+pub fn weights_of(scores: &[f32], chosen: &[usize], moe: &MoeLayout) -> Vec<f32> {
+    let mut w: Vec<f32> = chosen.iter().map(|&j| scores[j]).collect();
+    if moe.norm_topk_prob {
+        let denom = w.iter().sum::<f32>() + 1e-20;
+        for v in &mut w {
+            *v /= denom;
+        }
+    }
+    for v in &mut w {
+        *v *= moe.routed_scaling_factor as f32;
+    }
+    w
 }
 
 #[cfg(test)]

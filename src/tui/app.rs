@@ -128,8 +128,9 @@ pub struct App {
     /// First divergent op per (run, ops so far, comparison kind), so whole-run comparisons are
     /// computed once per change rather than once per frame.
     pub divergence_cache: RefCell<HashMap<(usize, usize, u8), Divergence>>,
-    /// Whether op (run, index) diverges from comparison run (…, comparison), once computed.
-    pub mark_cache: RefCell<HashMap<(usize, usize, usize), bool>>,
+    /// Per (run, comparison run): each op's verdict against the comparison so far, judged in
+    /// execution order (see [`Marks`]).
+    pub mark_cache: RefCell<HashMap<(usize, usize), Marks>>,
     /// Where and how often the session is saved unasked (and on quit); `None`: never.
     pub autosave: Option<Autosave>,
 }
@@ -165,11 +166,21 @@ impl Autosave {
     }
 }
 
+/// The verdicts of one run against its comparison run, extended op by op as the run streams
+/// in: whether each op diverges beyond its tolerance, and that tolerance.
+pub struct Marks {
+    pub judge: crate::debug::tolerance::Judge,
+    /// Per op: (diverges, tolerance); the tolerance is NaN where the op was not compared.
+    pub verdicts: Vec<(bool, f64)>,
+}
+
 /// The first op over tolerance in a comparison, and how many ops were compared.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Divergence {
     pub first: Option<(usize, Phase, String)>,
     pub compared: usize,
+    /// The judged tolerance of each compared op, by index.
+    pub tolerances: HashMap<usize, f64>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]

@@ -558,22 +558,25 @@ fn describe(c: &Command) -> String {
 }
 
 /// What bisect tells the user about per-op comparisons, and the op to select: the first that
-/// differs beyond 1e-4 (live and replayed sessions report it alike).
+/// differs beyond its tolerance (live and replayed sessions report it alike).
 pub fn bisect_report(diffs: &[crate::debug::compare::OpComparison]) -> (String, Option<usize>) {
-    match first_divergence(diffs, 1e-4) {
+    match first_divergence(diffs) {
         Some(d) => {
             let figures = d.diff.as_ref().map(|x| x.summary()).unwrap_or_default();
             (
                 format!(
-                    "bisect: first divergent op #{} {} {}: {figures}",
-                    d.index, d.phase, d.name
+                    "bisect: first divergent op #{} {} {}: {figures} ({})",
+                    d.index,
+                    d.phase,
+                    d.name,
+                    d.tolerance_text()
                 ),
                 Some(d.index),
             )
         }
         None => (
             format!(
-                "bisect: no op differs beyond 1e-4 ({} compared)",
+                "bisect: no op differs beyond its tolerance ({} compared)",
                 diffs.len()
             ),
             None,

@@ -495,7 +495,8 @@ impl ReplayHost {
             );
         }
         let other = &self.records[self.timeline[c]];
-        let diffs = compare_runs(&partial, other, self.info.layout.num_heads);
+        let tolerances = crate::debug::tolerance::Tolerances::Table(partial.flags.dtype);
+        let diffs = compare_runs(&partial, other, self.info.layout.num_heads, &tolerances);
         let (line, select) = super::host::bisect_report(&diffs);
         self.log(line);
         if let Some(index) = select {

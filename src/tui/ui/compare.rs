@@ -6,8 +6,9 @@ use super::{num, short_name};
 use crate::debug::compare::{
     compare_runs, first_divergence, prefill_vs_decode, Diff, OpComparison,
 };
+use crate::debug::tolerance::Tolerances;
 use crate::debug::RunRecord;
-use crate::engine::trace::Phase;
+use crate::engine::trace::{OpKind, Phase};
 use crate::tui::app::{App, Divergence};
 use crate::tui::host::AuxKind;
 use crate::tui::keys::Action;
@@ -16,24 +17,44 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Paragraph, Wrap};
 use ratatui::Frame;
 
-const TOLERANCE: f64 = 1e-4;
+/// The tolerances of the selected run's dtype (the table `check` uses).
+fn tolerances(app: &App) -> Tolerances {
+    Tolerances::Table(
+        app.mirror
+            .current()
+            .map_or_else(Default::default, |r| r.flags.dtype),
+    )
+}
 
-fn figures<'a>(app: &App, d: &Diff) -> Vec<Line<'a>> {
+/// The tolerance of an op of `kind` whose inputs agree: the least it is held to.
+fn floor(app: &App, kind: OpKind) -> f64 {
+    tolerances(app).row(kind).0
+}
+
+/// Figures of one op; `tolerance` is the op's judged tolerance where known, else its kind's
+/// floor.
+fn figures<'a>(app: &App, d: &Diff, tolerance: f64) -> Vec<Line<'a>> {
     let t = &app.theme;
-    let style = if d.exceeds(TOLERANCE) {
+    let style = if d.exceeds(tolerance) {
         t.diverge()
     } else {
         t.ok()
     };
-    let mut lines = vec![Line::from(vec![
-        Span::styled(format!("  rel L2 {}", num(d.rel_l2)), style),
-        Span::raw(format!(
-            "  max |Δ| {} at {:?}  cos {:.6}",
+    let mut lines = vec![
+        Line::from(vec![
+            Span::styled(format!("  rel L2 {}", num(d.rel_l2)), style),
+            Span::raw(format!(
+                "  tolerance {}  cos {:.6}",
+                num(tolerance),
+                d.cosine
+            )),
+        ]),
+        Line::from(format!(
+            "  max |Δ| {} at {:?}",
             num(d.max_abs),
-            d.max_abs_at,
-            d.cosine
+            d.max_abs_at
         )),
-    ])];
+    ];
     if !d.per_head.is_empty() {
         let heads: Vec<String> = d
             .per_head
@@ -63,7 +84,7 @@ fn op_vs(
             super::output_diff(e, &run.outputs[i], &other.outputs[j], heads)
         }
         Some(_) => {
-            let comparisons = prefill_vs_decode(&single(run, i), other, heads);
+            let comparisons = prefill_vs_decode(&single(run, i), other, heads, &tolerances(app));
             comparisons.into_iter().next()?.diff.ok()
         }
     }
@@ -76,13 +97,15 @@ fn single(run: &RunRecord, i: usize) -> RunRecord {
     r
 }
 
-/// The first divergent op of a whole-run comparison, computed once per run state.
+/// The first divergent op of a whole-run comparison, computed once per run state, and the
+/// judged tolerance of op `selected` in it.
 fn first<'a>(
     app: &App,
     kind: u8,
     label: &str,
+    selected: usize,
     compute: impl FnOnce() -> Vec<OpComparison>,
-) -> Line<'a> {
+) -> (Line<'a>, Option<f64>) {
     let t = &app.theme;
     let run = app.mirror.current();
     let key = (
@@ -94,13 +117,15 @@ fn first<'a>(
     let d = cached.unwrap_or_else(|| {
         let list = compute();
         let d = Divergence {
-            first: first_divergence(&list, TOLERANCE).map(|c| (c.index, c.phase, c.name.clone())),
+            first: first_divergence(&list).map(|c| (c.index, c.phase, c.name.clone())),
             compared: list.len(),
+            tolerances: list.iter().map(|c| (c.index, c.tolerance)).collect(),
         };
         app.divergence_cache.borrow_mut().insert(key, d.clone());
         d
     });
-    match d.first {
+    let tolerance = d.tolerances.get(&selected).copied();
+    let line = match d.first {
         Some((index, phase, name)) => Line::from(Span::styled(
             format!(
                 "  first divergent op: #{index} {phase} {}",
@@ -110,17 +135,18 @@ fn first<'a>(
         )),
         None => Line::from(Span::styled(
             format!(
-                "  {label}: all {} ops agree within {TOLERANCE:.0e}",
+                "  {label}: all {} ops agree within their tolerances",
                 d.compared
             ),
             t.ok(),
         )),
-    }
+    };
+    (line, tolerance)
 }
 
 pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
     let t = &app.theme;
-    let Some((_, e)) = app.selected_op() else {
+    let Some((i, e)) = app.selected_op() else {
         frame.render_widget(Paragraph::new("Select an op to compare it."), area);
         return;
     };
@@ -143,15 +169,16 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
                 format!("vs run {n} ({})", other.flags.changes_to(&run.flags)),
                 t.title(),
             )));
+            let (first_line, tol) = first(app, 0, "this run", i, || {
+                compare_runs(run, other, heads, &tolerances(app))
+            });
             match op_vs(app, other, e.phase, &e.name, None) {
-                Some(d) => lines.extend(figures(app, &d)),
+                Some(d) => lines.extend(figures(app, &d, tol.unwrap_or(floor(app, e.kind)))),
                 None => lines.push(Line::from(format!(
                     "  run {n} has no such op (another path, or not reached)"
                 ))),
             }
-            lines.push(first(app, 0, "this run", || {
-                compare_runs(run, other, heads)
-            }));
+            lines.push(first_line);
         }
         _ => lines.push(Line::from(vec![
             Span::styled("vs an earlier run: ", t.title()),
@@ -187,29 +214,31 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             format!("{:?} vs {:?} ({})", paths.0, paths.1, e.phase).to_lowercase(),
             t.title(),
         )));
+        let (first_line, tol) = first(app, 1, "absorbed vs naive", i, || {
+            compare_runs(run, other, heads, &tolerances(app))
+        });
         match op_vs(app, other, e.phase, &e.name, None) {
-            Some(d) => lines.extend(figures(app, &d)),
+            Some(d) => lines.extend(figures(app, &d, tol.unwrap_or(floor(app, e.kind)))),
             None => lines.push(Line::from("  the other path has no such op")),
         }
-        lines.push(first(app, 1, "absorbed vs naive", || {
-            compare_runs(run, other, heads)
-        }));
+        lines.push(first_line);
     }
     if let Some(whole) = whole {
         lines.push(Line::from(Span::styled(
             "decode vs the same token in a whole prefill",
             t.title(),
         )));
+        let (first_line, tol) = first(app, 2, "prefill vs decode", i, || {
+            prefill_vs_decode(run, whole, heads, &tolerances(app))
+        });
         match e.phase {
             Phase::Decode(_) => match op_vs(app, whole, e.phase, &e.name, Some(e.positions.0)) {
-                Some(d) => lines.extend(figures(app, &d)),
+                Some(d) => lines.extend(figures(app, &d, tol.unwrap_or(floor(app, e.kind)))),
                 None => lines.push(Line::from("  not comparable by token row")),
             },
             Phase::Prefill => lines.push(Line::from("  (select a decode op)")),
         }
-        lines.push(first(app, 2, "prefill vs decode", || {
-            prefill_vs_decode(run, whole, heads)
-        }));
+        lines.push(first_line);
     }
     frame.render_widget(Paragraph::new(lines).wrap(Wrap { trim: false }), area);
 }

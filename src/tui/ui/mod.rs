@@ -262,19 +262,51 @@ pub fn op_mark(app: &App, index: usize, e: &OpEvent) -> (&'static str, Style) {
     if s.nan + s.pos_inf + neg_inf > 0 {
         return ("!", t.bad());
     }
-    if let Some(c) = app.mirror.comparison {
-        let key = (app.mirror.current_number(), index, c);
-        let cached = app.mark_cache.borrow().get(&key).copied();
-        let diverges = cached.unwrap_or_else(|| {
-            let d = diff_with_comparison(app, index).is_some_and(|d| d.exceeds(1e-4));
-            app.mark_cache.borrow_mut().insert(key, d);
-            d
-        });
-        if diverges {
-            return ("≠", t.diverge());
-        }
+    if judged_against_comparison(app, index).is_some_and(|(diverges, _)| diverges) {
+        return ("≠", t.diverge());
     }
     ("·", t.ok())
+}
+
+/// Op `index` of the current run against the comparison run: whether it diverges beyond its
+/// tolerance, and that tolerance (floor + gain × the error of what it read). Ops are judged in
+/// order, each once, as the run streams in.
+pub fn judged_against_comparison(app: &App, index: usize) -> Option<(bool, f64)> {
+    use crate::debug::tolerance::{Judge, Tolerances};
+    let c = app.mirror.comparison?;
+    let run = app.mirror.current()?;
+    let other = app.mirror.comparison_run()?;
+    let heads = app.mirror.layout()?.num_heads;
+    if index >= run.len() {
+        return None;
+    }
+    let key = (app.mirror.current_number(), c);
+    let mut cache = app.mark_cache.borrow_mut();
+    let marks = cache.entry(key).or_insert_with(|| crate::tui::app::Marks {
+        judge: Judge::new(Tolerances::Table(run.flags.dtype)),
+        verdicts: Vec::new(),
+    });
+    while marks.verdicts.len() <= index {
+        let i = marks.verdicts.len();
+        let e = &run.events[i];
+        let mut compared = other.find(e.phase, &e.name).and_then(|j| {
+            let sampled = crate::session::recorded::is_sampled(e, &run.outputs[i]);
+            let (a, b) = (run.outputs[i].data(), other.outputs[j].data());
+            (a.len() == b.len()).then(|| {
+                let mut one = e.clone();
+                if sampled {
+                    one.shape = vec![a.len()];
+                }
+                crate::debug::compare::compare_outputs(&one, i, a, &one.shape, b, heads)
+            })
+        });
+        marks.judge.next(e, compared.as_mut());
+        marks.verdicts.push(match compared {
+            Some(c) => (c.exceeds_its(), c.tolerance),
+            None => (false, f64::NAN),
+        });
+    }
+    Some(marks.verdicts[index])
 }
 
 /// A number in a short, fixed-width-friendly form.

@@ -1,0 +1,252 @@
+//! Selection-aware comparison of the examined run (A) with a second run (B) that differs from
+//! it in one thing: the MLA path, prefill against decode, the kv_b_proj route, two flag sets.
+//!
+//! Numbers are compared op by op (selection ops excluded), choices row by row. When B chooses
+//! differently from A at a row and both runs' margins are within the dtype's noise (a near-tie
+//! that rounding moved), the flip is noted and B is re-run from that op with A's choice forced
+//! (teacher forcing), so that one flip does not cascade into every later op. Flips are resolved
+//! in execution order up to the first real difference (an op over its tolerance, or a flip at a
+//! clear margin), since what follows a real difference may be its consequence.
+
+use super::compare::{compare_outputs, compare_runs, prefill_vs_decode, OpComparison};
+use super::flags::Flags;
+use super::record::{ReplayPrefix, RunRecord};
+use super::runner::Job;
+use super::selection::{diff_row, is_selection, run_choices, SelectionDiff};
+use super::tolerance::Tolerances;
+use crate::engine::generate::Schedule;
+use crate::engine::trace::Phase;
+use crate::engine::ForcedSelections;
+use crate::error::Result;
+use std::sync::Arc;
+
+/// How B's ops line up with A's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pairing {
+    /// The same schedule: ops matched by phase and name, rows by row.
+    SameSchedule,
+    /// B prefilled the whole sequence: A's decode-step ops against the row of the same token
+    /// in B's prefill.
+    DecodeRows,
+}
+
+/// The most re-runs one comparison makes before it stops forcing (and says so).
+pub const MAX_RERUNS: usize = 64;
+
+/// A comparison of A with B after forcing B's noise-level flips.
+pub struct Paired {
+    /// Numeric comparisons of every paired op but the selections, in A's order.
+    pub comparisons: Vec<OpComparison>,
+    /// Flips within noise, each forced in B.
+    pub flips: Vec<SelectionDiff>,
+    /// Choices that differ at a clear margin (real differences), or that could not be resolved.
+    pub clear: Vec<SelectionDiff>,
+    /// B as last run.
+    pub other: RunRecord,
+    /// Ops computed by B's runs.
+    pub ops_executed: usize,
+    /// Runs of B made to force flips.
+    pub reruns: usize,
+    /// Set when forcing stopped at [`MAX_RERUNS`].
+    pub gave_up: bool,
+}
+
+impl Paired {
+    /// The index in A of the first real difference: an op over its tolerance or a clear flip.
+    pub fn first_difference(&self) -> Option<usize> {
+        let numeric = self
+            .comparisons
+            .iter()
+            .find(|c| c.exceeds_its())
+            .map(|c| c.index);
+        let clear = self.clear.first().map(|d| d.index);
+        numeric.into_iter().chain(clear).min()
+    }
+}
+
+/// Compares `a` with B, a run of `schedule_b` under `flags_b`, paired as `pairing`.
+pub fn compare_paired(
+    job: &Job,
+    a: &RunRecord,
+    flags_b: Flags,
+    schedule_b: &Schedule,
+    pairing: Pairing,
+    tolerances: &Tolerances,
+) -> Result<Paired> {
+    let mut forced = ForcedSelections::default();
+    let mut b = job.run_forced(flags_b, schedule_b, &Arc::new(forced.clone()), None)?;
+    let mut ops = b.counts.executed;
+    let mut flips = Vec::new();
+    let mut reruns = 0;
+    loop {
+        let comparisons = numeric(a, &b, pairing, job.model.layout.num_heads, tolerances);
+        let diffs = selection_diffs(job, a, &b, pairing);
+        let first_numeric = comparisons
+            .iter()
+            .find(|c| c.exceeds_its())
+            .map_or(usize::MAX, |c| c.index);
+        let first_clear = diffs
+            .iter()
+            .find(|d| !d.within_noise())
+            .map_or(usize::MAX, |d| d.index);
+        let to_force: Vec<SelectionDiff> = diffs
+            .iter()
+            .filter(|d| d.within_noise() && d.index < first_numeric && d.index <= first_clear)
+            .cloned()
+            .collect();
+        let done = |gave_up, b, flips, clear| Paired {
+            comparisons,
+            flips,
+            clear,
+            other: b,
+            ops_executed: ops,
+            reruns,
+            gave_up,
+        };
+        if to_force.is_empty() || reruns == MAX_RERUNS {
+            let gave_up = !to_force.is_empty();
+            // A flip still standing is a difference the comparison could not explain away.
+            let clear: Vec<SelectionDiff> = diffs
+                .into_iter()
+                .filter(|d| !d.within_noise() || gave_up)
+                .collect();
+            return Ok(done(gave_up, b, flips, clear));
+        }
+        let mut until = usize::MAX;
+        for d in &to_force {
+            forced.force(d.other_phase, &d.op, d.other_row, d.chosen_a.clone());
+            if let Some(j) = b.find(d.other_phase, &d.op) {
+                until = until.min(j);
+            }
+        }
+        let replay = ReplayPrefix {
+            record: &b,
+            until: until.min(b.len()),
+        };
+        let rerun = job.run_forced(flags_b, schedule_b, &Arc::new(forced.clone()), Some(replay))?;
+        ops += rerun.counts.executed;
+        reruns += 1;
+        flips.extend(to_force);
+        b = rerun;
+    }
+}
+
+/// Numeric comparisons of A's ops with B's, selections left out, routing weights matched by
+/// expert.
+fn numeric(
+    a: &RunRecord,
+    b: &RunRecord,
+    pairing: Pairing,
+    heads: usize,
+    tolerances: &Tolerances,
+) -> Vec<OpComparison> {
+    let all = match pairing {
+        Pairing::SameSchedule => compare_runs(a, b, heads, tolerances),
+        Pairing::DecodeRows => prefill_vs_decode(a, b, heads, tolerances),
+    };
+    let mut kept: Vec<OpComparison> = all
+        .into_iter()
+        .filter(|c| !is_selection(&a.events[c.index]))
+        .map(|c| {
+            let e = &a.events[c.index];
+            match aligned_router_weights(a, c.index, b, pairing) {
+                Some(aligned) => compare_outputs(
+                    e,
+                    c.index,
+                    a.outputs[c.index].data(),
+                    &e.shape,
+                    &aligned,
+                    heads,
+                ),
+                None => c,
+            }
+        })
+        .collect();
+    // Again, now that the choices are out and the routing weights matched.
+    tolerances.judge(a, &mut kept);
+    kept
+}
+
+/// For a routing-weights op (`mlp.gate.topk_weights`, listed in each run's own order of choice
+/// scores): B's weights laid out in A's expert order, 0 for an expert B did not choose; so two
+/// runs that chose the same experts in another order compare equal.
+fn aligned_router_weights(
+    a: &RunRecord,
+    i: usize,
+    b: &RunRecord,
+    pairing: Pairing,
+) -> Option<Vec<f32>> {
+    let e = &a.events[i];
+    let ids_name = e.name.strip_suffix(".topk_weights")?.to_string() + ".topk_indices";
+    let other_phase = match pairing {
+        Pairing::SameSchedule => e.phase,
+        Pairing::DecodeRows => Phase::Prefill,
+    };
+    let (a_ids, b_ids) = (
+        a.output(e.phase, &ids_name)?,
+        b.output(other_phase, &ids_name)?,
+    );
+    let b_weights = b.output(other_phase, &e.name)?;
+    let k = *e.shape.last()?;
+    let rows = a.outputs[i].numel() / k.max(1);
+    if k == 0 || a_ids.numel() != rows * k || b_ids.cols() != k || b_weights.cols() != k {
+        return None;
+    }
+    let mut aligned = Vec::with_capacity(rows * k);
+    for r in 0..rows {
+        let other_row = match pairing {
+            Pairing::SameSchedule => r,
+            Pairing::DecodeRows => e.positions.0 + r,
+        };
+        if other_row >= b_ids.rows() {
+            return None;
+        }
+        let (theirs, weights) = (b_ids.row(other_row), b_weights.row(other_row));
+        for &expert in a_ids.row(r) {
+            let slot = theirs.iter().position(|&x| x == expert);
+            aligned.push(slot.map_or(0.0, |s| weights[s]));
+        }
+    }
+    Some(aligned)
+}
+
+/// Every row where B chose differently from A, in A's order.
+pub fn selection_diffs(
+    job: &Job,
+    a: &RunRecord,
+    b: &RunRecord,
+    pairing: Pairing,
+) -> Vec<SelectionDiff> {
+    let mut out = Vec::new();
+    for (i, e) in a.events.iter().enumerate() {
+        if !is_selection(e) {
+            continue;
+        }
+        let other_phase = match (pairing, e.phase) {
+            (Pairing::SameSchedule, p) => p,
+            (Pairing::DecodeRows, Phase::Decode(_)) => Phase::Prefill,
+            (Pairing::DecodeRows, Phase::Prefill) => continue,
+        };
+        let Some(j) = b.find(other_phase, &e.name) else {
+            continue;
+        };
+        let (Some(ca), Some(cb)) = (run_choices(a, i, job.model), run_choices(b, j, job.model))
+        else {
+            continue;
+        };
+        for (r, choice) in ca.iter().enumerate() {
+            let other_row = match pairing {
+                Pairing::SameSchedule => r,
+                Pairing::DecodeRows => e.positions.0 + r,
+            };
+            let Some(theirs) = cb.get(other_row) else {
+                continue;
+            };
+            let dtype = a.flags.dtype;
+            if let Some(d) = diff_row(e, i, r, choice, other_phase, other_row, theirs, dtype) {
+                out.push(d);
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,645 @@
+//! Discrete choices of a run: the experts MoE routing picks for a token and the keys the DSA
+//! indexer keeps for a query. Two correct runs can choose differently when two candidates score
+//! within rounding noise of each other (bf16 moves near-ties; exact ties are broken differently
+//! by different engines), and everything after the choice then differs. So choices are compared
+//! as choices, with their margins:
+//!
+//! * a [`Ranking`] is what a row's choice was made from: a score per candidate (higher wins; for
+//!   routing the biased sigmoid score, for DSA the indexer score) and, for group-limited routing,
+//!   the group stage before it;
+//! * a row is **ambiguous** when the gap between its k-th and (k+1)-th candidate is within the
+//!   dtype's noise (an exact tie included): [`ambiguous_selections`];
+//! * two runs **flip** at a row when they chose different sets; the flip is noise when each run's
+//!   own scores prefer its choice over the other's by no more than the noise
+//!   ([`SelectionDiff::within_noise`]), else it is a real difference.
+
+use super::record::RunRecord;
+use super::tolerance::selection_noise;
+use crate::engine::trace::{OpEvent, OpKind, Phase};
+use crate::engine::StorageDtype;
+use crate::model::Model;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+
+/// Whether the op's output is a choice (a listing of chosen candidates per row).
+pub fn is_selection(e: &OpEvent) -> bool {
+    e.kind == OpKind::IndexTopK || (e.kind == OpKind::Router && e.name.ends_with(".topk_indices"))
+}
+
+/// The op whose output a selection op's choice was made from: the indexer's scores for the DSA
+/// top-k, the router logits for MoE routing.
+pub fn scores_op(selection: &str) -> Option<String> {
+    if let Some(prefix) = selection.strip_suffix(".indexer.topk") {
+        return Some(format!("{prefix}.indexer.scores"));
+    }
+    selection
+        .strip_suffix(".gate.topk_indices")
+        .map(|prefix| format!("{prefix}.gate"))
+}
+
+/// The group stage of group-limited routing: experts in groups of `size`, each group scored by
+/// the sum of its two best candidates, only the best `kept` groups eligible.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupStage {
+    pub size: usize,
+    pub scores: Vec<f32>,
+    pub kept: usize,
+}
+
+/// What one row's choice was made from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ranking {
+    /// A score per candidate; higher wins, lower index on a tie.
+    pub scores: Vec<f32>,
+    pub groups: Option<GroupStage>,
+    /// How many candidates are chosen.
+    pub k: usize,
+}
+
+/// Indices of the `k` largest values, largest first, ties to the lower index (as the engine).
+fn top(values: &[f32], k: usize) -> Vec<usize> {
+    crate::engine::moe::top_k_indices(values, k)
+}
+
+impl Ranking {
+    /// Routing's ranking of one row of router logits: sigmoid + bias, with the group stage when
+    /// routing is group-limited.
+    pub fn routing(logits: &[f32], bias: &[f32], moe: &crate::model::layout::MoeLayout) -> Self {
+        let scores: Vec<f32> = crate::engine::moe::expert_scores(logits)
+            .iter()
+            .zip(bias)
+            .map(|(s, b)| s + b)
+            .collect();
+        let groups = (moe.n_group > moe.topk_group && moe.n_group > 1).then(|| {
+            let size = moe.n_routed_experts / moe.n_group;
+            GroupStage {
+                size,
+                scores: scores
+                    .chunks(size)
+                    .map(|g| top(g, 2).iter().map(|&i| g[i]).sum())
+                    .collect(),
+                kept: moe.topk_group,
+            }
+        });
+        Ranking {
+            scores,
+            groups,
+            k: moe.num_experts_per_tok,
+        }
+    }
+
+    /// The DSA ranking of one query row: its causal scores, `topk` kept.
+    pub fn keys(causal_scores: &[f32], topk: usize) -> Self {
+        Ranking {
+            scores: causal_scores.to_vec(),
+            groups: None,
+            k: topk.min(causal_scores.len()),
+        }
+    }
+
+    /// Whether the row makes a choice at all (a DSA row with no more keys than top-k keeps all).
+    pub fn decides(&self) -> bool {
+        self.k < self.scores.len()
+    }
+
+    /// The groups this ranking keeps (all of them without a group stage).
+    fn kept_groups(&self) -> Option<Vec<usize>> {
+        self.groups.as_ref().map(|g| top(&g.scores, g.kept))
+    }
+
+    /// The choice this ranking makes, sorted by index.
+    pub fn choose(&self) -> Vec<usize> {
+        let masked: Vec<f32> = match (&self.groups, self.kept_groups()) {
+            (Some(g), Some(kept)) => self
+                .scores
+                .iter()
+                .enumerate()
+                .map(|(j, &s)| {
+                    if kept.contains(&(j / g.size)) {
+                        s
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+                .collect(),
+            _ => self.scores.clone(),
+        };
+        let mut chosen = top(&masked, self.k);
+        chosen.sort_unstable();
+        chosen
+    }
+
+    /// The largest absolute finite score: the scale the noise is measured against.
+    pub fn scale(&self) -> f32 {
+        let experts = self.scores.iter().copied().filter(|s| s.is_finite());
+        let groups = self
+            .groups
+            .iter()
+            .flat_map(|g| g.scores.iter().copied().filter(|s| s.is_finite()));
+        experts.chain(groups).map(f32::abs).fold(0.0, f32::max)
+    }
+
+    /// How much this ranking prefers `mine` over `theirs` where they differ: the largest score
+    /// change that would be needed to swap them (the strongest candidate only `mine` holds
+    /// against the weakest only `theirs` holds). For group-limited routing, candidates whose
+    /// groups only one side chose come and go with their group, so they are weighed at the
+    /// group stage (the weakest kept group against the weakest group `theirs` needs) and the
+    /// rest at the expert stage. Negative when the ranking prefers `theirs`, 0 when they agree.
+    pub fn preference(&self, mine: &[usize], theirs: &[usize]) -> f32 {
+        let (a, b): (BTreeSet<usize>, BTreeSet<usize>) = (
+            mine.iter().copied().collect(),
+            theirs.iter().copied().collect(),
+        );
+        if a == b {
+            return 0.0;
+        }
+        let group_of = |i: usize| self.groups.as_ref().map_or(0, |g| i / g.size);
+        let (groups_a, groups_b): (BTreeSet<usize>, BTreeSet<usize>) = (
+            a.iter().map(|&i| group_of(i)).collect(),
+            b.iter().map(|&i| group_of(i)).collect(),
+        );
+        // Expert stage: the swapped candidates whose group the other side chose too.
+        let only_mine = a
+            .difference(&b)
+            .filter(|&&i| groups_b.contains(&group_of(i)))
+            .map(|&i| self.score(i));
+        let only_theirs = b
+            .difference(&a)
+            .filter(|&&i| groups_a.contains(&group_of(i)))
+            .map(|&i| self.score(i));
+        let strongest_mine = only_mine.fold(f32::NEG_INFINITY, f32::max);
+        let weakest_theirs = only_theirs.fold(f32::INFINITY, f32::min);
+        let mut gap = if strongest_mine.is_finite() && weakest_theirs.is_finite() {
+            strongest_mine - weakest_theirs
+        } else {
+            f32::NEG_INFINITY
+        };
+        // Group stage: the groups `theirs` needs that this ranking did not keep.
+        if let (Some(g), Some(kept)) = (&self.groups, self.kept_groups()) {
+            let needed: Vec<f32> = groups_b
+                .iter()
+                .filter(|grp| !kept.contains(grp))
+                .map(|&grp| g.scores[grp])
+                .collect();
+            if !needed.is_empty() {
+                let weakest_kept = kept
+                    .iter()
+                    .map(|&k| g.scores[k])
+                    .fold(f32::INFINITY, f32::min);
+                let weakest_needed = needed.iter().copied().fold(f32::INFINITY, f32::min);
+                gap = gap.max(finite_gap(weakest_kept, weakest_needed));
+            }
+        }
+        if gap == f32::NEG_INFINITY {
+            // Different sets in the same groups with nothing to weigh cannot happen for a
+            // consistent choice; count it as a clear difference.
+            f32::INFINITY
+        } else {
+            gap
+        }
+    }
+
+    fn score(&self, i: usize) -> f32 {
+        self.scores.get(i).copied().unwrap_or(f32::NEG_INFINITY)
+    }
+
+    /// The gap at the boundary of `chosen` (its weakest member against the strongest eligible
+    /// candidate left out; for group-limited routing the smaller of that and the gap between
+    /// the weakest kept and the strongest dropped group), with the candidates on each side
+    /// that lie within `noise` of the boundary.
+    pub fn boundary(&self, chosen: &[usize], noise: f32) -> Boundary {
+        let kept_groups = self.kept_groups();
+        let eligible = |j: usize| match (&self.groups, &kept_groups) {
+            (Some(g), Some(kept)) => kept.contains(&(j / g.size)),
+            _ => true,
+        };
+        let chosen_set: BTreeSet<usize> = chosen.iter().copied().collect();
+        let weakest = chosen
+            .iter()
+            .map(|&i| self.score(i))
+            .fold(f32::INFINITY, f32::min);
+        let strongest_left = (0..self.scores.len())
+            .filter(|j| !chosen_set.contains(j) && eligible(*j))
+            .map(|j| self.score(j))
+            .fold(f32::NEG_INFINITY, f32::max);
+        let mut margin = finite_gap(weakest, strongest_left);
+        if let (Some(g), Some(kept)) = (&self.groups, &kept_groups) {
+            let weakest_kept = kept
+                .iter()
+                .map(|&k| g.scores[k])
+                .fold(f32::INFINITY, f32::min);
+            let strongest_dropped = (0..g.scores.len())
+                .filter(|grp| !kept.contains(grp))
+                .map(|grp| g.scores[grp])
+                .fold(f32::NEG_INFINITY, f32::max);
+            margin = margin.min(finite_gap(weakest_kept, strongest_dropped));
+        }
+        let near = |j: usize| {
+            let s = self.score(j);
+            let within = |edge: f32| (s - edge).abs() <= noise.max(0.0);
+            s.is_finite() && (within(weakest) || within(strongest_left))
+        };
+        Boundary {
+            margin,
+            kept_near: chosen.iter().copied().filter(|&j| near(j)).collect(),
+            dropped_near: (0..self.scores.len())
+                .filter(|j| !chosen_set.contains(j) && eligible(*j) && near(*j))
+                .collect(),
+        }
+    }
+}
+
+/// a − b, where an infinite side (no candidate, a masked one) makes the gap infinite.
+fn finite_gap(a: f32, b: f32) -> f32 {
+    if a.is_finite() && b.is_finite() {
+        a - b
+    } else if a == b {
+        0.0
+    } else {
+        f32::INFINITY
+    }
+}
+
+/// The boundary of one row's choice.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Boundary {
+    /// Score gap between the weakest chosen and the strongest eligible candidate left out.
+    pub margin: f32,
+    /// Chosen candidates within the noise of the boundary.
+    pub kept_near: Vec<usize>,
+    /// Candidates left out within the noise of the boundary.
+    pub dropped_near: Vec<usize>,
+}
+
+/// One row of a selection op: what was chosen and, when the scores are known, from what.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowChoice {
+    /// Sorted by index.
+    pub chosen: Vec<usize>,
+    /// In the order the op lists them (routing: by score, which orders its weights too).
+    pub listed: Vec<usize>,
+    pub ranking: Option<Ranking>,
+}
+
+/// Reads the choices of selection op `index` of `run`, with their rankings (the scores op of
+/// the same phase must be in the run).
+pub fn run_choices(run: &RunRecord, index: usize, model: &Model) -> Option<Vec<RowChoice>> {
+    let e = &run.events[index];
+    let listing = run.outputs[index].data();
+    let scores = scores_op(&e.name).and_then(|n| run.output(e.phase, &n));
+    choices_of(e, listing, scores.map(|t| (t.shape(), t.data())), model)
+}
+
+/// Choices of selection op `e` from its listing (one row per token, −1 for padding) and the
+/// scores it was made from (`[rows, candidates]`).
+pub fn choices_of(
+    e: &OpEvent,
+    listing: &[f32],
+    scores: Option<(&[usize], &[f32])>,
+    model: &Model,
+) -> Option<Vec<RowChoice>> {
+    let cols = *e.shape.last()?;
+    let rows = e.shape.first().copied()?;
+    if cols == 0 || rows * cols != listing.len() {
+        return None;
+    }
+    Some(
+        (0..rows)
+            .map(|r| {
+                let listed: Vec<usize> = listing[r * cols..(r + 1) * cols]
+                    .iter()
+                    .filter(|v| **v >= 0.0)
+                    .map(|&v| v as usize)
+                    .collect();
+                let mut chosen = listed.clone();
+                chosen.sort_unstable();
+                let ranking = scores.and_then(|(shape, data)| ranking_of(e, r, shape, data, model));
+                RowChoice {
+                    chosen,
+                    listed,
+                    ranking,
+                }
+            })
+            .collect(),
+    )
+}
+
+/// The ranking of row `r` of selection op `e` from its scores op's output.
+fn ranking_of(
+    e: &OpEvent,
+    r: usize,
+    shape: &[usize],
+    data: &[f32],
+    model: &Model,
+) -> Option<Ranking> {
+    let cols = *shape.last()?;
+    let row = data.get(r * cols..(r + 1) * cols)?;
+    let layout = &model.layout;
+    match e.kind {
+        OpKind::IndexTopK => {
+            let pos = e.positions.0 + r;
+            let ix = layout.indexer.as_ref()?;
+            Some(Ranking::keys(row.get(..=pos)?, ix.topk))
+        }
+        _ => {
+            let moe = layout.moe.as_ref()?;
+            let layer = e.layer?;
+            let bias = model
+                .weights
+                .get(&format!(
+                    "{}.mlp.gate.e_score_correction_bias",
+                    crate::model::catalog::layer_prefix(layer)
+                ))
+                .ok()?;
+            (row.len() == moe.n_routed_experts && bias.numel() == row.len())
+                .then(|| Ranking::routing(row, bias.data(), moe))
+        }
+    }
+}
+
+/// A row where two runs chose differently.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SelectionDiff {
+    pub phase: Phase,
+    pub op: String,
+    /// Index of the op in the examined run (A).
+    pub index: usize,
+    /// Row of A's op (its token within the phase) and the token's position.
+    pub row: usize,
+    pub position: usize,
+    /// Where the other run (B) made the choice: its phase, op name and row.
+    pub other_phase: Phase,
+    pub other_row: usize,
+    pub only_a: Vec<usize>,
+    pub only_b: Vec<usize>,
+    /// A's whole choice as A lists it (B is forced to it when the flip is noise).
+    pub chosen_a: Vec<usize>,
+    /// B's whole choice as B lists it (A is forced to it when B is a reference).
+    pub chosen_b: Vec<usize>,
+    /// How much each run's own scores prefer its choice over the other's; `None` where a side's
+    /// scores are unknown.
+    pub gap_a: Option<f32>,
+    pub gap_b: Option<f32>,
+    /// The noise each gap is held against.
+    pub noise_a: f32,
+    pub noise_b: f32,
+}
+
+impl SelectionDiff {
+    /// The flip is explained by noise: each run's preference for its own choice is within its
+    /// noise (a side without scores counts as within noise only if the other side's is).
+    pub fn within_noise(&self) -> bool {
+        let ok = |gap: Option<f32>, noise: f32| gap.map(|g| g <= noise);
+        match (ok(self.gap_a, self.noise_a), ok(self.gap_b, self.noise_b)) {
+            (Some(a), Some(b)) => a && b,
+            (Some(x), None) | (None, Some(x)) => x,
+            (None, None) => false,
+        }
+    }
+
+    /// `row 9 (position 9): A chose {3, 7}, B {4, 5}; margins A 1.2e-3, B 4.0e-4 (noise 8e-3)`.
+    pub fn describe(&self) -> String {
+        let gap = |g: Option<f32>| g.map_or("unknown".to_string(), |g| format!("{g:.3e}"));
+        format!(
+            "row {} (position {}): A chose {:?} where B chose {:?}; margins A {} (noise {:.1e}), B {} (noise {:.1e})",
+            self.row,
+            self.position,
+            self.only_a,
+            self.only_b,
+            gap(self.gap_a),
+            self.noise_a,
+            gap(self.gap_b),
+            self.noise_b
+        )
+    }
+}
+
+/// Compares one row's choices: `None` when they agree.
+#[allow(clippy::too_many_arguments)]
+pub fn diff_row(
+    e: &OpEvent,
+    index: usize,
+    row: usize,
+    a: &RowChoice,
+    other_phase: Phase,
+    other_row: usize,
+    b: &RowChoice,
+    dtype: StorageDtype,
+) -> Option<SelectionDiff> {
+    if a.chosen == b.chosen {
+        return None;
+    }
+    let set = |v: &[usize]| v.iter().copied().collect::<BTreeSet<usize>>();
+    let (sa, sb) = (set(&a.chosen), set(&b.chosen));
+    let noise = |r: &Option<Ranking>| {
+        r.as_ref()
+            .map_or(0.0, |r| selection_noise(e.kind, dtype) * r.scale())
+    };
+    Some(SelectionDiff {
+        phase: e.phase,
+        op: e.name.clone(),
+        index,
+        row,
+        position: e.positions.0 + row,
+        other_phase,
+        other_row,
+        only_a: sa.difference(&sb).copied().collect(),
+        only_b: sb.difference(&sa).copied().collect(),
+        chosen_a: a.listed.clone(),
+        chosen_b: b.listed.clone(),
+        gap_a: a
+            .ranking
+            .as_ref()
+            .map(|r| r.preference(&a.chosen, &b.chosen)),
+        gap_b: b
+            .ranking
+            .as_ref()
+            .map(|r| r.preference(&b.chosen, &a.chosen)),
+        noise_a: noise(&a.ranking),
+        noise_b: noise(&b.ranking),
+    })
+}
+
+/// A selection op whose boundary is an exact or near tie in some rows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AmbiguousSelection {
+    pub phase: Phase,
+    pub op: String,
+    pub index: usize,
+    pub rows: Vec<AmbiguousRow>,
+    pub noise: f32,
+}
+
+/// One row whose top-k boundary is within noise.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AmbiguousRow {
+    pub row: usize,
+    pub position: usize,
+    pub margin: f32,
+    /// Chosen candidates near the boundary, and candidates left out near it.
+    pub kept_near: Vec<usize>,
+    pub dropped_near: Vec<usize>,
+}
+
+impl AmbiguousSelection {
+    /// Whether `position` is one of the ambiguous rows.
+    pub fn covers(&self, position: usize) -> bool {
+        self.rows.iter().any(|r| r.position == position)
+    }
+
+    pub fn describe(&self) -> String {
+        let exact = self.rows.iter().filter(|r| r.margin == 0.0).count();
+        let shown: Vec<String> = self
+            .rows
+            .iter()
+            .take(3)
+            .map(|r| {
+                format!(
+                    "row {} (position {}): margin {:.2e}, kept {:?} vs left out {:?}",
+                    r.row, r.position, r.margin, r.kept_near, r.dropped_near
+                )
+            })
+            .collect();
+        format!(
+            "{} row(s) with the top-k boundary within noise {:.1e} ({exact} exact ties): {}{}",
+            self.rows.len(),
+            self.noise,
+            shown.join("; "),
+            if self.rows.len() > 3 { "; …" } else { "" }
+        )
+    }
+}
+
+/// Every selection op of `run` with rows whose boundary is within the dtype's noise.
+pub fn ambiguous_selections(
+    run: &RunRecord,
+    model: &Model,
+    dtype: StorageDtype,
+) -> Vec<AmbiguousSelection> {
+    let mut out = Vec::new();
+    for (i, e) in run.events.iter().enumerate() {
+        if !is_selection(e) {
+            continue;
+        }
+        let Some(rows) = run_choices(run, i, model) else {
+            continue;
+        };
+        let mut tied = Vec::new();
+        let mut worst_noise = 0f32;
+        for (r, choice) in rows.iter().enumerate() {
+            let Some(ranking) = choice.ranking.as_ref().filter(|r| r.decides()) else {
+                continue;
+            };
+            let noise = selection_noise(e.kind, dtype) * ranking.scale();
+            let b = ranking.boundary(&choice.chosen, noise);
+            if b.margin <= noise {
+                worst_noise = worst_noise.max(noise);
+                tied.push(AmbiguousRow {
+                    row: r,
+                    position: e.positions.0 + r,
+                    margin: b.margin,
+                    kept_near: b.kept_near,
+                    dropped_near: b.dropped_near,
+                });
+            }
+        }
+        if !tied.is_empty() {
+            out.push(AmbiguousSelection {
+                phase: e.phase,
+                op: e.name.clone(),
+                index: i,
+                rows: tied,
+                noise: worst_noise,
+            });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::layout::MoeLayout;
+
+    #[test]
+    fn key_margins_ties_and_preferences() {
+        // Keys 1 and 3 tie exactly for the second place of a top-2.
+        let r = Ranking::keys(&[0.9, 0.5, 0.1, 0.5, 0.0], 2);
+        assert!(r.decides());
+        assert_eq!(r.choose(), vec![0, 1]);
+        let b = r.boundary(&[0, 1], 1e-3);
+        assert_eq!(b.margin, 0.0);
+        assert_eq!((b.kept_near, b.dropped_near), (vec![1], vec![3]));
+        // The other tie-break costs nothing; preferring key 4 costs 0.5.
+        assert_eq!(r.preference(&[0, 1], &[0, 3]), 0.0);
+        assert_eq!(r.preference(&[0, 1], &[0, 4]), 0.5);
+        assert_eq!(r.preference(&[0, 4], &[0, 1]), -0.5);
+        assert!(!Ranking::keys(&[1.0, 2.0], 2).decides());
+    }
+
+    #[test]
+    fn group_stage_counts_in_margins() {
+        let moe = MoeLayout {
+            n_routed_experts: 8,
+            num_experts_per_tok: 2,
+            n_shared_experts: 0,
+            moe_intermediate_size: 4,
+            n_group: 4,
+            topk_group: 1,
+            routed_scaling_factor: 1.0,
+            norm_topk_prob: true,
+        };
+        let logit = |p: f32| (p / (1.0 - p)).ln();
+        // Group {2,3} wins on its pair sum (1.8 vs 1.0 for {0,1}) though expert 0 is strongest.
+        let logits: Vec<f32> = [0.99, 0.01, 0.9, 0.9, 0.5, 0.5, 0.4, 0.4]
+            .iter()
+            .map(|&p| logit(p))
+            .collect();
+        let r = Ranking::routing(&logits, &[0.0; 8], &moe);
+        assert_eq!(r.choose(), vec![2, 3]);
+        // Choosing {0, 2} instead needs group {0,1} to overtake {2,3}: a group gap of 0.8.
+        let gap = r.preference(&[2, 3], &[0, 2]);
+        assert!((gap - 0.8).abs() < 1e-4, "{gap}");
+        // No other expert of the kept group is left, so the margin is the group stage's: the
+        // kept group's 1.8 against 1.0 for the best dropped ones.
+        let b = r.boundary(&[2, 3], 1e-3);
+        assert!((b.margin - 0.8).abs() < 1e-4, "{b:?}");
+    }
+
+    #[test]
+    fn flips_within_noise_and_beyond() {
+        let e = OpEvent {
+            index: 0,
+            phase: Phase::Prefill,
+            layer: Some(1),
+            name: "model.layers.1.self_attn.indexer.topk".into(),
+            kind: OpKind::IndexTopK,
+            shape: vec![1, 2],
+            dtype: crate::tensor::DType::I32,
+            stats: crate::stats::TensorStats::of(&[]),
+            output: crate::engine::trace::BufferRef::cache(crate::tensor::BufferId(0), 0, 0),
+            kernel_wrote: None,
+            inputs: vec![],
+            positions: (4, 5),
+            replayed: false,
+        };
+        let choice = |chosen: Vec<usize>, scores: &[f32]| RowChoice {
+            listed: chosen.clone(),
+            chosen,
+            ranking: Some(Ranking::keys(scores, 2)),
+        };
+        let a = choice(vec![0, 1], &[1.0, 0.5001, 0.1, 0.5, 0.0]);
+        let b = choice(vec![0, 3], &[1.0, 0.5, 0.1, 0.5002, 0.0]);
+        let d = diff_row(&e, 0, 0, &a, Phase::Prefill, 4, &b, StorageDtype::Bf16).unwrap();
+        assert_eq!((d.only_a.clone(), d.only_b.clone()), (vec![1], vec![3]));
+        assert!(d.within_noise(), "{}", d.describe());
+        let far = choice(vec![0, 4], &[1.0, 0.5, 0.1, 0.5, 0.0]);
+        let d = diff_row(&e, 0, 0, &a, Phase::Prefill, 4, &far, StorageDtype::Bf16).unwrap();
+        assert!(
+            !d.within_noise(),
+            "B's own scores prefer A's keys: {}",
+            d.describe()
+        );
+        assert!(diff_row(&e, 0, 0, &a, Phase::Prefill, 4, &a, StorageDtype::F32).is_none());
+    }
+}

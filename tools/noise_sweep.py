@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Measures the clean-run noise that mladb check's tolerances are derived from.
+
+Runs `mladb check --json` on clean models (built-in layouts over several seeds and schedules,
+and any HF checkpoints given) and prints, per op kind and layer, the largest relative L2 error
+any comparison of a clean run produced (the `headroom` of check's JSON summary), beside the
+tolerance check applied. With --faults it also runs every fault of the catalogue and prints
+whether check caught it. Exits 1 when a clean run had findings or a fault was missed.
+
+Usage:
+    python3 tools/noise_sweep.py [--mladb target/release/mladb] [--dtype bf16] [--seeds 6]
+        [--device cpu|cuda] [--faults] [--model DIR ...] [--full-size]
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from collections import defaultdict
+
+FAULTS = [
+    "output-buffer-disconnect",
+    "softmax-scale-latent",
+    "absorb-wrong-split",
+    "lse-base-mismatch",
+    "skip-padded-rows",
+    "kv-cache-off-by-one",
+]
+
+
+def check(mladb, args):
+    out = subprocess.run([mladb, "check", "--json", *args], capture_output=True, text=True)
+    if out.returncode not in (0, 1):
+        raise SystemExit(f"mladb check {' '.join(args)} failed: {out.stderr.strip()}")
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    findings = [line for line in lines if line.get("type") == "finding"]
+    summary = next(line for line in lines if line.get("type") == "summary")
+    return findings, summary
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mladb", default="target/release/mladb")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seeds", type=int, default=6)
+    ap.add_argument("--faults", action="store_true")
+    ap.add_argument("--model", action="append", default=[])
+    ap.add_argument("--full-size", action="store_true", help="also glm5 and deepseek-v3, layers 0..4")
+    a = ap.parse_args()
+    common = ["--dtype", a.dtype, "--device", a.device]
+
+    runs = []
+    for layout in ["glm5-tiny", "glm5-tiny-wide", "deepseek-v3-tiny"]:
+        for seed in range(a.seeds):
+            prefill = [12, 6, 9][seed % 3]
+            runs.append(["--layout", layout, "--seed", str(seed), "--prefill", str(prefill), "--decode", "4"])
+    runs.append(["--layout", "glm5-tiny-wide", "--quant", "q4_k", "--decode", "4"])
+    runs.append(["--layout", "glm5-tiny", "--quant", "q8_0", "--decode", "4"])
+    for model in a.model:
+        runs.append(["--model", model, "--decode", "4"])
+    if a.full_size:
+        for layout in ["glm5", "deepseek-v3"]:
+            runs.append(["--layout", layout, "--layers", "0..4", "--tokens", "1,2,3", "--decode", "2"])
+
+    # Per op kind: the largest error where the inputs agreed (-> floor), the largest gain of
+    # error over input error (-> gain), and the op closest to its tolerance.
+    floor = defaultdict(float)
+    gain = defaultdict(float)
+    closest = defaultdict(lambda: (0.0, ""))
+    dirty = 0
+    flips = 0
+    for r in runs:
+        findings, summary = check(a.mladb, r + common)
+        flips += summary.get("selection_notes", 0)
+        if findings:
+            dirty += 1
+            print(f"FINDINGS on a clean run: {' '.join(r)}")
+            for f in findings:
+                print(f"   {f['kind']} {f['phase']} {f['op']}: {f['detail'][:200]}")
+        for h in summary["headroom"]:
+            k = h["kind"]
+            floor[k] = max(floor[k], h["floor_error"])
+            gain[k] = max(gain[k], h["gain_needed"])
+            ratio = h["rel_l2"] / h["tolerance"] if h["tolerance"] > 0 else 0.0
+            if ratio > closest[k][0]:
+                closest[k] = (ratio, f"{' '.join(r)} [{h['comparison']} {h['phase']} {h['op']}] {h['rel_l2']:.2e}/{h['tolerance']:.2e}")
+        table = summary["tolerances"]
+    print(f"\n{len(runs)} clean runs ({a.dtype}, {a.device}), {dirty} with findings, {flips} selection notes")
+    print(f"{'kind':<18} {'floor err':>10} {'floor':>8} {'gain need':>10} {'gain':>6} {'closest':>8}  where")
+    for k in sorted(floor):
+        t = table[k]
+        print(f"{k:<18} {floor[k]:>10.2e} {t['floor']:>8.1e} {gain[k]:>10.2f} {t['gain']:>6.1f} {closest[k][0]:>8.2f}  {closest[k][1][:120]}")
+
+    missed = 0
+    if a.faults:
+        print("\nfaults:")
+        for layout in ["glm5-tiny", "deepseek-v3-tiny"]:
+            for fault in FAULTS:
+                findings, _ = check(a.mladb, ["--layout", layout, "--prefill", "9", "--decode", "4", "--inject", fault] + common)
+                first = findings[0] if findings else None
+                status = f"{first['kind']} {first['phase']} {first['op']}" if first else "MISSED"
+                missed += first is None
+                print(f"  {layout:<18} {fault:<26} {status}")
+        findings, _ = check(a.mladb, ["--layout", "glm5-tiny-wide", "--quant", "q4_k", "--decode", "3", "--inject", "q4k-scale-unpack"] + common)
+        missed += not findings
+        print(f"  {'glm5-tiny-wide':<18} {'q4k-scale-unpack':<26} {findings[0]['kind'] if findings else 'MISSED'}")
+    sys.exit(1 if dirty or missed else 0)
+
+
+if __name__ == "__main__":
+    main()
