@@ -159,7 +159,7 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
     let mut v = Verdicts {
         findings: per_op_findings(&run),
         notes: Vec::new(),
-        selection_notes: ambiguous_selections(&run, job.model, flags.dtype)
+        selection_notes: ambiguous_selections(&run, job.model, &tolerances)
             .into_iter()
             .map(|a| SelectionNote {
                 kind: "ambiguous-selection".into(),
@@ -436,7 +436,8 @@ pub fn per_op_findings(run: &RunRecord) -> Vec<Finding> {
                 )
             });
         }
-        if s.all_zero() {
+        // Index listings (chosen experts, kept keys) may well be all zero: expert 0, key 0.
+        if s.all_zero() && e.dtype != crate::tensor::DType::I32 {
             note_first(&mut zero_seen, &mut findings, e.phase, || {
                 f(
                     FindingKind::AllZero,

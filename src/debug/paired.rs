@@ -12,7 +12,9 @@ use super::compare::{compare_outputs, compare_runs, prefill_vs_decode, OpCompari
 use super::flags::Flags;
 use super::record::{ReplayPrefix, RunRecord};
 use super::runner::Job;
-use super::selection::{diff_row, is_selection, run_choices, SelectionDiff};
+use super::selection::{
+    diff_row, is_selection, run_choices, scores_kind, scores_op, OtherRow, SelectionDiff,
+};
 use super::tolerance::Tolerances;
 use crate::engine::generate::Schedule;
 use crate::engine::trace::Phase;
@@ -80,7 +82,7 @@ pub fn compare_paired(
     let mut reruns = 0;
     loop {
         let comparisons = numeric(a, &b, pairing, job.model.layout.num_heads, tolerances);
-        let diffs = selection_diffs(job, a, &b, pairing);
+        let diffs = selection_diffs(job, a, &b, pairing, &comparisons, tolerances);
         let first_numeric = comparisons
             .iter()
             .find(|c| c.exceeds_its())
@@ -210,12 +212,16 @@ fn aligned_router_weights(
     Some(aligned)
 }
 
-/// Every row where B chose differently from A, in A's order.
+/// Every row where B chose differently from A, in A's order. Each flip is held against the
+/// noise of the scores it was made from: their comparison's judged tolerance (`comparisons`),
+/// or their kind's floor where they were not compared.
 pub fn selection_diffs(
     job: &Job,
     a: &RunRecord,
     b: &RunRecord,
     pairing: Pairing,
+    comparisons: &[OpComparison],
+    tolerances: &Tolerances,
 ) -> Vec<SelectionDiff> {
     let mut out = Vec::new();
     for (i, e) in a.events.iter().enumerate() {
@@ -234,6 +240,13 @@ pub fn selection_diffs(
         else {
             continue;
         };
+        let scores_tolerance = scores_op(&e.name)
+            .and_then(|name| {
+                comparisons
+                    .iter()
+                    .find(|c| c.phase == e.phase && c.name == name && !c.tolerance.is_nan())
+            })
+            .map_or(tolerances.row(scores_kind(e)).0, |c| c.tolerance);
         for (r, choice) in ca.iter().enumerate() {
             let other_row = match pairing {
                 Pairing::SameSchedule => r,
@@ -242,8 +255,11 @@ pub fn selection_diffs(
             let Some(theirs) = cb.get(other_row) else {
                 continue;
             };
-            let dtype = a.flags.dtype;
-            if let Some(d) = diff_row(e, i, r, choice, other_phase, other_row, theirs, dtype) {
+            let other = OtherRow {
+                phase: other_phase,
+                row: other_row,
+            };
+            if let Some(d) = diff_row(e, (i, r), choice, other, theirs, scores_tolerance) {
                 out.push(d);
             }
         }

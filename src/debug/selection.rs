@@ -14,9 +14,8 @@
 //!   ([`SelectionDiff::within_noise`]), else it is a real difference.
 
 use super::record::RunRecord;
-use super::tolerance::selection_noise;
+use super::tolerance::Tolerances;
 use crate::engine::trace::{OpEvent, OpKind, Phase};
-use crate::engine::StorageDtype;
 use crate::model::Model;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
@@ -24,6 +23,15 @@ use std::collections::BTreeSet;
 /// Whether the op's output is a choice (a listing of chosen candidates per row).
 pub fn is_selection(e: &OpEvent) -> bool {
     e.kind == OpKind::IndexTopK || (e.kind == OpKind::Router && e.name.ends_with(".topk_indices"))
+}
+
+/// The kind of the op a selection's scores come from (indexer scores, router logits).
+pub fn scores_kind(selection: &OpEvent) -> OpKind {
+    if selection.kind == OpKind::IndexTopK {
+        OpKind::IndexScores
+    } else {
+        OpKind::Linear
+    }
 }
 
 /// The op whose output a selection op's choice was made from: the indexer's scores for the DSA
@@ -74,10 +82,7 @@ impl Ranking {
             let size = moe.n_routed_experts / moe.n_group;
             GroupStage {
                 size,
-                scores: scores
-                    .chunks(size)
-                    .map(|g| top(g, 2).iter().map(|&i| g[i]).sum())
-                    .collect(),
+                scores: group_scores(&scores, size),
                 kept: moe.topk_group,
             }
         });
@@ -139,63 +144,52 @@ impl Ranking {
         experts.chain(groups).map(f32::abs).fold(0.0, f32::max)
     }
 
-    /// How much this ranking prefers `mine` over `theirs` where they differ: the largest score
-    /// change that would be needed to swap them (the strongest candidate only `mine` holds
-    /// against the weakest only `theirs` holds). For group-limited routing, candidates whose
-    /// groups only one side chose come and go with their group, so they are weighed at the
-    /// group stage (the weakest kept group against the weakest group `theirs` needs) and the
-    /// rest at the expert stage. Negative when the ranking prefers `theirs`, 0 when they agree.
-    pub fn preference(&self, mine: &[usize], theirs: &[usize]) -> f32 {
-        let (a, b): (BTreeSet<usize>, BTreeSet<usize>) = (
-            mine.iter().copied().collect(),
-            theirs.iter().copied().collect(),
-        );
-        if a == b {
+    /// The smallest change of scores that makes this ranking choose `theirs` instead of its
+    /// own choice: every candidate only `theirs` holds raised by δ and every one only its own
+    /// choice holds lowered by δ (group scores follow), δ found by bisection. Returned as the
+    /// score gap 2δ it closes: 0 for an exact tie the tie-break decided, +∞ when no change of
+    /// that kind gets there.
+    pub fn change_to_choose(&self, theirs: &[usize]) -> f32 {
+        let mine = self.choose();
+        let mut target = theirs.to_vec();
+        target.sort_unstable();
+        if mine == target {
             return 0.0;
         }
-        let group_of = |i: usize| self.groups.as_ref().map_or(0, |g| i / g.size);
-        let (groups_a, groups_b): (BTreeSet<usize>, BTreeSet<usize>) = (
-            a.iter().map(|&i| group_of(i)).collect(),
-            b.iter().map(|&i| group_of(i)).collect(),
+        let (a, b): (BTreeSet<usize>, BTreeSet<usize>) = (
+            mine.iter().copied().collect(),
+            target.iter().copied().collect(),
         );
-        // Expert stage: the swapped candidates whose group the other side chose too.
-        let only_mine = a
-            .difference(&b)
-            .filter(|&&i| groups_b.contains(&group_of(i)))
-            .map(|&i| self.score(i));
-        let only_theirs = b
-            .difference(&a)
-            .filter(|&&i| groups_a.contains(&group_of(i)))
-            .map(|&i| self.score(i));
-        let strongest_mine = only_mine.fold(f32::NEG_INFINITY, f32::max);
-        let weakest_theirs = only_theirs.fold(f32::INFINITY, f32::min);
-        let mut gap = if strongest_mine.is_finite() && weakest_theirs.is_finite() {
-            strongest_mine - weakest_theirs
-        } else {
-            f32::NEG_INFINITY
+        let flips_at = |delta: f32| {
+            let mut moved = self.clone();
+            for &i in b.difference(&a) {
+                moved.scores[i] += delta;
+            }
+            for &i in a.difference(&b) {
+                moved.scores[i] -= delta;
+            }
+            if let Some(g) = moved.groups.as_mut() {
+                g.scores = group_scores(&moved.scores, g.size);
+            }
+            moved.choose() == target
         };
-        // Group stage: the groups `theirs` needs that this ranking did not keep.
-        if let (Some(g), Some(kept)) = (&self.groups, self.kept_groups()) {
-            let needed: Vec<f32> = groups_b
-                .iter()
-                .filter(|grp| !kept.contains(grp))
-                .map(|&grp| g.scores[grp])
-                .collect();
-            if !needed.is_empty() {
-                let weakest_kept = kept
-                    .iter()
-                    .map(|&k| g.scores[k])
-                    .fold(f32::INFINITY, f32::min);
-                let weakest_needed = needed.iter().copied().fold(f32::INFINITY, f32::min);
-                gap = gap.max(finite_gap(weakest_kept, weakest_needed));
+        let mut hi = 2.0 * self.scale() + 1.0;
+        if !flips_at(hi) {
+            return f32::INFINITY;
+        }
+        let mut lo = 0.0;
+        for _ in 0..40 {
+            let mid = 0.5 * (lo + hi);
+            if flips_at(mid) {
+                hi = mid;
+            } else {
+                lo = mid;
             }
         }
-        if gap == f32::NEG_INFINITY {
-            // Different sets in the same groups with nothing to weigh cannot happen for a
-            // consistent choice; count it as a clear difference.
-            f32::INFINITY
+        if flips_at(0.0) {
+            0.0
         } else {
-            gap
+            2.0 * hi
         }
     }
 
@@ -247,6 +241,14 @@ impl Ranking {
                 .collect(),
         }
     }
+}
+
+/// Each group's score: the sum of its two best candidates (as routing scores groups).
+fn group_scores(scores: &[f32], size: usize) -> Vec<f32> {
+    scores
+        .chunks(size)
+        .map(|g| top(g, 2).iter().map(|&i| g[i]).sum())
+        .collect()
 }
 
 /// a − b, where an infinite side (no candidate, a masked one) makes the gap infinite.
@@ -376,18 +378,18 @@ pub struct SelectionDiff {
     pub chosen_a: Vec<usize>,
     /// B's whole choice as B lists it (A is forced to it when B is a reference).
     pub chosen_b: Vec<usize>,
-    /// How much each run's own scores prefer its choice over the other's; `None` where a side's
-    /// scores are unknown.
+    /// The score gap each run's own scores would need closed to choose as the other did (see
+    /// [`Ranking::change_to_choose`]); `None` where a side's scores are unknown.
     pub gap_a: Option<f32>,
     pub gap_b: Option<f32>,
-    /// The noise each gap is held against.
+    /// The gap the noise of each side's scores can close.
     pub noise_a: f32,
     pub noise_b: f32,
 }
 
 impl SelectionDiff {
-    /// The flip is explained by noise: each run's preference for its own choice is within its
-    /// noise (a side without scores counts as within noise only if the other side's is).
+    /// The flip is explained by noise: each run's scores could have chosen as the other did
+    /// with a change within their noise (a side without scores is judged by the other side).
     pub fn within_noise(&self) -> bool {
         let ok = |gap: Option<f32>, noise: f32| gap.map(|g| g <= noise);
         match (ok(self.gap_a, self.noise_a), ok(self.gap_b, self.noise_b)) {
@@ -401,7 +403,7 @@ impl SelectionDiff {
     pub fn describe(&self) -> String {
         let gap = |g: Option<f32>| g.map_or("unknown".to_string(), |g| format!("{g:.3e}"));
         format!(
-            "row {} (position {}): A chose {:?} where B chose {:?}; margins A {} (noise {:.1e}), B {} (noise {:.1e})",
+            "row {} (position {}): A chose {:?} where B chose {:?}; gap to swap A {} (noise {:.1e}), B {} (noise {:.1e})",
             self.row,
             self.position,
             self.only_a,
@@ -414,47 +416,48 @@ impl SelectionDiff {
     }
 }
 
-/// Compares one row's choices: `None` when they agree.
-#[allow(clippy::too_many_arguments)]
+/// The score gap the noise of a row's scores can close: each score may move by its op's
+/// relative tolerance times the row's largest score, two candidates in opposite directions.
+pub fn noise_of(ranking: &Ranking, scores_tolerance: f64) -> f32 {
+    2.0 * scores_tolerance as f32 * ranking.scale()
+}
+
+/// Where B's choice of a row was made, for [`diff_row`].
+pub struct OtherRow {
+    pub phase: Phase,
+    pub row: usize,
+}
+
+/// Compares one row's choices: `None` when they agree. `scores_tolerance` is the relative
+/// tolerance of the scores the choices were made from (their comparison's judged tolerance).
 pub fn diff_row(
     e: &OpEvent,
-    index: usize,
-    row: usize,
+    (index, row): (usize, usize),
     a: &RowChoice,
-    other_phase: Phase,
-    other_row: usize,
+    other: OtherRow,
     b: &RowChoice,
-    dtype: StorageDtype,
+    scores_tolerance: f64,
 ) -> Option<SelectionDiff> {
     if a.chosen == b.chosen {
         return None;
     }
     let set = |v: &[usize]| v.iter().copied().collect::<BTreeSet<usize>>();
     let (sa, sb) = (set(&a.chosen), set(&b.chosen));
-    let noise = |r: &Option<Ranking>| {
-        r.as_ref()
-            .map_or(0.0, |r| selection_noise(e.kind, dtype) * r.scale())
-    };
+    let noise = |r: &Option<Ranking>| r.as_ref().map_or(0.0, |r| noise_of(r, scores_tolerance));
     Some(SelectionDiff {
         phase: e.phase,
         op: e.name.clone(),
         index,
         row,
         position: e.positions.0 + row,
-        other_phase,
-        other_row,
+        other_phase: other.phase,
+        other_row: other.row,
         only_a: sa.difference(&sb).copied().collect(),
         only_b: sb.difference(&sa).copied().collect(),
         chosen_a: a.listed.clone(),
         chosen_b: b.listed.clone(),
-        gap_a: a
-            .ranking
-            .as_ref()
-            .map(|r| r.preference(&a.chosen, &b.chosen)),
-        gap_b: b
-            .ranking
-            .as_ref()
-            .map(|r| r.preference(&b.chosen, &a.chosen)),
+        gap_a: a.ranking.as_ref().map(|r| r.change_to_choose(&b.chosen)),
+        gap_b: b.ranking.as_ref().map(|r| r.change_to_choose(&a.chosen)),
         noise_a: noise(&a.ranking),
         noise_b: noise(&b.ranking),
     })
@@ -510,11 +513,12 @@ impl AmbiguousSelection {
     }
 }
 
-/// Every selection op of `run` with rows whose boundary is within the dtype's noise.
+/// Every selection op of `run` with rows whose boundary is within the noise of its scores (the
+/// floor of their op kind: what two correct runs may differ by at the least).
 pub fn ambiguous_selections(
     run: &RunRecord,
     model: &Model,
-    dtype: StorageDtype,
+    tolerances: &Tolerances,
 ) -> Vec<AmbiguousSelection> {
     let mut out = Vec::new();
     for (i, e) in run.events.iter().enumerate() {
@@ -530,7 +534,7 @@ pub fn ambiguous_selections(
             let Some(ranking) = choice.ranking.as_ref().filter(|r| r.decides()) else {
                 continue;
             };
-            let noise = selection_noise(e.kind, dtype) * ranking.scale();
+            let noise = noise_of(ranking, tolerances.row(scores_kind(e)).0);
             let b = ranking.boundary(&choice.chosen, noise);
             if b.margin <= noise {
                 worst_noise = worst_noise.max(noise);
@@ -570,10 +574,10 @@ mod tests {
         let b = r.boundary(&[0, 1], 1e-3);
         assert_eq!(b.margin, 0.0);
         assert_eq!((b.kept_near, b.dropped_near), (vec![1], vec![3]));
-        // The other tie-break costs nothing; preferring key 4 costs 0.5.
-        assert_eq!(r.preference(&[0, 1], &[0, 3]), 0.0);
-        assert_eq!(r.preference(&[0, 1], &[0, 4]), 0.5);
-        assert_eq!(r.preference(&[0, 4], &[0, 1]), -0.5);
+        // The other tie-break costs nothing; choosing key 4 needs a gap of 0.5 closed.
+        assert!(r.change_to_choose(&[0, 3]) < 1e-6);
+        assert!((r.change_to_choose(&[0, 4]) - 0.5).abs() < 1e-5);
+        assert_eq!(r.change_to_choose(&[0, 1]), 0.0);
         assert!(!Ranking::keys(&[1.0, 2.0], 2).decides());
     }
 
@@ -597,9 +601,11 @@ mod tests {
             .collect();
         let r = Ranking::routing(&logits, &[0.0; 8], &moe);
         assert_eq!(r.choose(), vec![2, 3]);
-        // Choosing {0, 2} instead needs group {0,1} to overtake {2,3}: a group gap of 0.8.
-        let gap = r.preference(&[2, 3], &[0, 2]);
+        // Choosing {0, 1} instead needs group {0,1} to overtake {2,3}: a group gap of 0.8.
+        let gap = r.change_to_choose(&[0, 1]);
         assert!((gap - 0.8).abs() < 1e-4, "{gap}");
+        // {0, 2} spans two groups where one is kept: no change of scores gets there.
+        assert_eq!(r.change_to_choose(&[0, 2]), f32::INFINITY);
         // No other expert of the kept group is left, so the margin is the group stage's: the
         // kept group's 1.8 against 1.0 for the best dropped ones.
         let b = r.boundary(&[2, 3], 1e-3);
@@ -630,16 +636,20 @@ mod tests {
         };
         let a = choice(vec![0, 1], &[1.0, 0.5001, 0.1, 0.5, 0.0]);
         let b = choice(vec![0, 3], &[1.0, 0.5, 0.1, 0.5002, 0.0]);
-        let d = diff_row(&e, 0, 0, &a, Phase::Prefill, 4, &b, StorageDtype::Bf16).unwrap();
+        let other = || OtherRow {
+            phase: Phase::Prefill,
+            row: 4,
+        };
+        let d = diff_row(&e, (0, 0), &a, other(), &b, 1e-2).unwrap();
         assert_eq!((d.only_a.clone(), d.only_b.clone()), (vec![1], vec![3]));
         assert!(d.within_noise(), "{}", d.describe());
         let far = choice(vec![0, 4], &[1.0, 0.5, 0.1, 0.5, 0.0]);
-        let d = diff_row(&e, 0, 0, &a, Phase::Prefill, 4, &far, StorageDtype::Bf16).unwrap();
+        let d = diff_row(&e, (0, 0), &a, other(), &far, 1e-2).unwrap();
         assert!(
             !d.within_noise(),
             "B's own scores prefer A's keys: {}",
             d.describe()
         );
-        assert!(diff_row(&e, 0, 0, &a, Phase::Prefill, 4, &a, StorageDtype::F32).is_none());
+        assert!(diff_row(&e, (0, 0), &a, other(), &a, 1e-2).is_none());
     }
 }

@@ -231,16 +231,6 @@ pub const ALL_KINDS: &[OpKind] = &[
     OpKind::Logits,
 ];
 
-/// The noise a selection's margin is held against, relative to the largest score of its row:
-/// two candidates closer than this may swap places between two correct runs.
-pub fn selection_noise(kind: OpKind, dtype: StorageDtype) -> f32 {
-    match (dtype, kind) {
-        (StorageDtype::F32, _) => 1e-5,
-        (StorageDtype::Bf16, OpKind::IndexTopK) => 5e-2,
-        (StorageDtype::Bf16, _) => 2e-2,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
