@@ -3,6 +3,7 @@
 use super::args::{FlagArgs, RecordArgs, RunSetup};
 use super::dump::DumpCollector;
 use super::table;
+use crate::debug::external::DumpMeta;
 use crate::debug::quant::{kv_b_report, LayerQuantReport};
 use crate::debug::runner::Job;
 use crate::engine::generate;
@@ -131,7 +132,9 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     let run_seconds = run_start.elapsed().as_secs_f64();
     let events = observer.events;
     if let (Some(path), Some(dump)) = (&args.dump, &observer.dump) {
-        dump.write(path)?;
+        let model_text = super::dump::model_text(&args.setup.source()?);
+        let meta = DumpMeta::of_mladb(schedule, &outcome.generated, model_text, flags.to_string());
+        dump.write(path, &meta)?;
     }
     if let (Some(path), Some(ops)) = (&args.record.record, observer.record.take()) {
         let mut session = Session::new(args.setup.source()?, schedule);

@@ -11,7 +11,7 @@
 //! count the rest; unwritten elements and disconnects are reported at every op that has them.
 
 use super::compare::{compare_runs, first_divergence, prefill_vs_decode, OpComparison};
-use super::external::ExternalDump;
+use super::external::{ExternalDump, ReferenceComparison};
 use super::flags::Flags;
 use super::forensics::{disconnects, orphan_reads};
 use super::record::RunRecord;
@@ -19,7 +19,7 @@ use super::runner::Job;
 use crate::engine::generate::Schedule;
 use crate::engine::trace::{OpKind, Phase};
 use crate::engine::{MlaPath, StorageDtype};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -71,6 +71,8 @@ pub struct CheckReport {
     pub run: RunRecord,
     /// Ops computed over all the runs the check made.
     pub ops_executed: usize,
+    /// The comparison with the reference dump, when there is one.
+    pub reference: Option<ReferenceComparison>,
 }
 
 pub fn default_tolerance(dtype: StorageDtype) -> f64 {
@@ -178,20 +180,18 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
         ));
     }
 
-    if let Some(reference) = &options.reference {
-        let compared = reference.compare(&run, heads);
-        if compared.is_empty() {
-            return Err(Error::invalid(
-                "the reference dump holds no op of this run (check the phases, names and name map)",
-            ));
-        }
-        notes.push(format!("reference: compared {} ops", compared.len()));
+    let mut reference = None;
+    if let Some(dump) = &options.reference {
+        let compared = dump.compare(&run, heads)?;
+        notes.extend(compared.notes.iter().cloned());
+        notes.push(format!("reference: {}", compared.summary()));
         findings.extend(first_per_phase(
-            &compared,
+            &compared.comparisons,
             tolerance,
             FindingKind::ReferenceMismatch,
             |_| "vs the reference dump".to_string(),
         ));
+        reference = Some(compared);
     }
 
     findings.sort_by_key(|f| (f.index, f.kind as u8));
@@ -201,6 +201,7 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
         tolerance,
         run,
         ops_executed: ops,
+        reference,
     })
 }
 

@@ -25,15 +25,22 @@ fn figures<'a>(app: &App, d: &Diff) -> Vec<Line<'a>> {
     } else {
         t.ok()
     };
-    let mut lines = vec![Line::from(vec![
-        Span::styled(format!("  rel L2 {}", num(d.rel_l2)), style),
-        Span::raw(format!(
-            "  max |Δ| {} at {:?}  cos {:.6}",
-            num(d.max_abs),
-            d.max_abs_at,
-            d.cosine
-        )),
-    ])];
+    let mut lines = Vec::new();
+    // NaN / Inf first: the figures below cover only the elements finite on both sides.
+    if let Some(counts) = d.non_finite_summary() {
+        lines.push(Line::from(Span::styled(format!("  {counts}"), style)));
+        lines.push(Line::from(format!("  {}", d.figures_summary())));
+    } else {
+        lines.push(Line::from(vec![
+            Span::styled(format!("  rel L2 {}", num(d.rel_l2)), style),
+            Span::raw(format!(
+                "  max |Δ| {} at {:?}  cos {:.6}",
+                num(d.max_abs),
+                d.max_abs_at,
+                d.cosine
+            )),
+        ]));
+    }
     if !d.per_head.is_empty() {
         let heads: Vec<String> = d
             .per_head
