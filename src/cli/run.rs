@@ -169,8 +169,9 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
             "layers": [layers.start, layers.end],
             "prompt": schedule.prompt,
             "prefill": schedule.prefill_len,
-            "generated": outcome.generated,
-            "next_token": outcome.next_token,
+            "generated": outcome.generated_or_none(),
+            "generated_non_finite": outcome.non_finite,
+            "next_token": (!outcome.next_non_finite).then_some(outcome.next_token),
             "next_logit": outcome.next_logit,
             "events": events,
             "kv_cache_bytes": engine.cache_bytes(),
@@ -182,12 +183,16 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     } else {
         writeln!(
             out,
-            "\n{events} ops; prompt {:?} (prefill {}), generated {:?}, next token {} (logit {:.4}); KV caches {} bytes; {:.3}s",
+            "\n{events} ops; prompt {:?} (prefill {}), generated {}, next token {}{}; KV caches {} bytes; {:.3}s",
             schedule.prompt,
             schedule.prefill_len,
-            outcome.generated,
-            outcome.next_token,
-            outcome.next_logit,
+            outcome.generated_text(),
+            outcome.next_text(),
+            if outcome.next_non_finite {
+                String::new()
+            } else {
+                format!(" (logit {:.4})", outcome.next_logit)
+            },
             engine.cache_bytes(),
             run_seconds
         )

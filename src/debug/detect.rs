@@ -101,6 +101,9 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
     };
     let mut findings = per_op_findings(&run);
     let mut notes = Vec::new();
+    if let Some(o) = run.outcome.as_ref().filter(|o| !o.non_finite.is_empty()) {
+        notes.push(format!("generated {}", o.generated_text()));
+    }
 
     // Absorbed vs naive: every phase again on the other path.
     if flags.mla_disable {
