@@ -98,7 +98,11 @@ fn tokens_from_nan_logits_are_flagged_not_listed_as_real() {
     // The untouched fixture's tokens are real.
     let clean = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/glm5-sparse");
     let s = json_summary(&run(&clean, &["--json"]));
-    assert!(s["generated"].as_array().unwrap().iter().all(|t| t.is_u64()));
+    assert!(s["generated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t.is_u64()));
     assert_eq!(s["generated_non_finite"], serde_json::json!([]));
 
     // check says so among its notes; a recorded session keeps the flags.
@@ -124,6 +128,38 @@ fn tokens_from_nan_logits_are_flagged_not_listed_as_real() {
         "{first}"
     );
     assert_eq!(first["outcome"]["next_non_finite"], true, "{first}");
+}
+
+/// bisect names the first op whose output is NaN by its NaN count, with no figure: there is no
+/// element finite on both sides to compute one over.
+#[test]
+fn bisect_reports_nan_counts_not_perfect_figures() {
+    let o = mladb(&[
+        "bisect",
+        "--layout",
+        "glm5-tiny",
+        "--decode",
+        "1",
+        "--a",
+        "inject=output-buffer-disconnect",
+        "--b",
+        "",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let out = stdout(&o);
+    let first = out
+        .lines()
+        .find(|l| l.starts_with("first divergent:"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        first.contains("model.layers.0.self_attn.attn_output: non-finite values: NaN 3072 vs 0")
+            && first.contains("no element is finite on both sides"),
+        "{first}"
+    );
+    assert!(
+        !first.contains("cosine") && !first.contains("max |Δ|"),
+        "{first}"
+    );
 }
 
 fn screen(app: &mut mladb::tui::app::App) -> String {

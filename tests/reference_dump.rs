@@ -273,3 +273,48 @@ fn the_hf_fixture_dump_supplies_its_own_tokens() {
         &["1,2,3", "244,20,135"],
     );
 }
+
+/// `replay --dump` writes the same metadata, from the session.
+#[test]
+fn replay_dumps_carry_the_sessions_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let session = dir.path().join("s.ron");
+    let dump = dir.path().join("replayed.safetensors");
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "3,141,59",
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--record",
+        session.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = mladb(&[
+        "replay",
+        session.to_str().unwrap(),
+        "--dump",
+        dump.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let meta = metadata(&dump);
+    for (key, want) in [
+        ("dump_format", "1"),
+        ("tokens", "[3,141,59]"),
+        ("prefill", "2"),
+        ("decode", "1"),
+        ("model", "layout glm5-tiny, seed 0"),
+    ] {
+        assert_eq!(
+            meta.get(key).map(String::as_str),
+            Some(want),
+            "{key}: {meta:?}"
+        );
+    }
+    assert!(meta["producer"].starts_with("mladb "), "{meta:?}");
+    assert!(meta["flags"].contains("inject none"), "{meta:?}");
+}

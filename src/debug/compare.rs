@@ -88,13 +88,15 @@ impl Diff {
         e.is_nan() || e > tolerance
     }
 
-    /// The head with the largest error.
+    /// The head with the largest error (NaN counts as largest; the first of equals).
     pub fn worst_head(&self) -> Option<(usize, f64)> {
-        self.per_head
-            .iter()
-            .copied()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(&b.1))
+        let mut worst: Option<(usize, f64)> = None;
+        for (h, &e) in self.per_head.iter().enumerate() {
+            if worst.is_none_or(|(_, w)| e.total_cmp(&w).is_gt()) {
+                worst = Some((h, e));
+            }
+        }
+        worst
     }
 
     /// NaN / ±Inf counts of both sides and where the first is, when there are any: what a
