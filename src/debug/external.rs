@@ -519,4 +519,30 @@ mod tests {
             Some("model.layers.3.self_attn.indexer.wk")
         );
     }
+
+    #[test]
+    fn dump_metadata_round_trips_and_bad_values_are_named() {
+        let meta = DumpMeta {
+            tokens: vec![3, 141, 59],
+            prefill: 2,
+            decode: 1,
+            generated: vec![7],
+            model: "layout glm5-tiny, seed 0".into(),
+            flags: "inject none".into(),
+            producer: "mladb 0.1.0".into(),
+        };
+        let map = meta.to_map();
+        assert_eq!(map[meta_key::TOKENS], "[3,141,59]");
+        assert_eq!(DumpMeta::from_map(&map), Ok(Some(meta)));
+        assert_eq!(DumpMeta::from_map(&HashMap::new()), Ok(None));
+        let broken = |key: &str, value: &str| {
+            let mut m = map.clone();
+            m.insert(key.to_string(), value.to_string());
+            DumpMeta::from_map(&m).unwrap_err()
+        };
+        assert!(broken(meta_key::FORMAT, "2").contains("reads format 1"));
+        assert!(broken(meta_key::TOKENS, "3,141").contains("metadata tokens"));
+        assert!(broken(meta_key::PREFILL, "-1").contains("metadata prefill"));
+        assert!(broken(meta_key::PREFILL, "4").contains("does not fit"));
+    }
 }
