@@ -207,12 +207,11 @@ fn bisect_points_at_the_injected_op() {
         ] {
             let bad = job.run(flags(&format!("inject={fault}")), None).unwrap();
             let tolerances = Tolerances::Table(bad.flags.dtype);
-            let b = bisect(compare_runs(
-                &bad,
-                &clean,
-                job.model.layout.num_heads,
-                &tolerances,
-            ));
+            let b = bisect(
+                compare_runs(&bad, &clean, job.model.layout.num_heads, &tolerances),
+                bad.len(),
+                Vec::new(),
+            );
             let first = b
                 .first
                 .unwrap_or_else(|| panic!("{fault}: nothing diverged"));

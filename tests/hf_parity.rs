@@ -272,17 +272,17 @@ fn every_hf_module_output_matches_the_op_of_the_same_name() {
         layers: &layers,
         poison: true,
     };
-    let dump = ExternalDump::load(&dump_path, &NameMap::hf()).unwrap();
+    let dump = ExternalDump::load(&dump_path, Some(&NameMap::hf())).unwrap();
     let run = job.run(Flags::default(), None).unwrap();
-    let compared = dump.compare(&run, model.layout.num_heads);
-    assert!(compared.len() > 500, "{} ops compared", compared.len());
-    for c in &compared {
+    let compared = dump.compare(&run, model.layout.num_heads).unwrap();
+    assert!(compared.comparisons.len() > 500, "{}", compared.summary());
+    for c in &compared.comparisons {
         let d = c
             .diff
             .as_ref()
             .unwrap_or_else(|e| panic!("{} {}: {e}", c.phase, c.name));
         assert!(
-            d.rel_l2 < TOLERANCE,
+            d.error() < TOLERANCE,
             "{} {}: {}",
             c.phase,
             c.name,
@@ -290,7 +290,7 @@ fn every_hf_module_output_matches_the_op_of_the_same_name() {
         );
     }
     // A fault shows against it at the first op transformers also has.
-    let dump = ExternalDump::load(&dump_path, &NameMap::hf()).unwrap();
+    let dump = ExternalDump::load(&dump_path, Some(&NameMap::hf())).unwrap();
     let options = CheckOptions {
         tolerance: None,
         reference: Some(dump),

@@ -443,8 +443,10 @@ fn note(app: &mut App, text: &str) {
 fn outcome(app: &App) -> String {
     let o = app.mirror.current().unwrap().outcome.clone().unwrap();
     format!(
-        "generated {:?}, next token {} (logit {})",
-        o.generated, o.next_token, o.next_logit
+        "generated {}, next token {} (logit {})",
+        o.generated_text(),
+        o.next_text(),
+        o.next_logit
     )
 }
 

@@ -14,6 +14,11 @@ reference.safetensors:
 
 The metadata holds prefill_len (K), the generated tokens and the transformers version.
 
+A case with `hf_dump` also gets hf-dump.safetensors: every module output of the prefill-then-
+decode schedule, written by tools/hf_dump.py with the metadata `mladb check --reference` reads
+(tokens, prefill, decode count, model, settings, producer). The committed dump was given that
+metadata afterwards with tools/dump_metadata.py, which rewrites the header only.
+
 Weights are re-drawn at healthy scales (projections ~ 1/sqrt(fan_in), norms near 1, a non-zero
 router bias), and a case is accepted only if every routing and DSA top-k decision it makes has a
 clear margin, so that float rounding in another engine cannot flip a choice.
@@ -28,6 +33,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import hf_dump
 import torch
 import transformers
 from safetensors.torch import save_file
@@ -77,6 +83,7 @@ CASES = {
         prompt_len=10,
         prefill_len=6,
         generate=3,
+        hf_dump=True,
     ),
     # DeepSeek-V3 structure: YaRN RoPE with mscale != mscale_all_dim (so cos/sin carry an
     # attention factor and the softmax scale an mscale^2), group-limited routing, and
@@ -372,6 +379,11 @@ def make(name, case, out_dir):
         "min_margin": f"{check.worst:.3e}",
     }
     save_file(tensors, str(target / "reference.safetensors"), metadata=meta)
+    if case.get("hf_dump"):
+        ids = [int(t) for t in prompt]
+        dump = str(target / "hf-dump.safetensors")
+        count, _ = hf_dump.write(str(target), ids, case["prefill_len"], case["generate"], dump)
+        print(f"{name}: {count} module outputs -> {dump}")
     size = sum(f.stat().st_size for f in target.iterdir())
     print(f"{name}: seed {seed}, margin {check.worst:.2e}, generated {generated}, {size / 1024:.0f} KiB")
 

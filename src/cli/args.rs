@@ -90,9 +90,9 @@ pub struct RunSetup {
     /// (default: the whole prompt).
     #[arg(long)]
     pub prefill: Option<usize>,
-    /// Greedy tokens to decode after the prompt.
-    #[arg(long, default_value_t = 0)]
-    pub decode: usize,
+    /// Greedy tokens to decode after the prompt (default 0; with --reference, the dump's).
+    #[arg(long)]
+    pub decode: Option<usize>,
     /// Run only these decoder layers: A..B (half-open), A..=B or A.
     #[arg(long)]
     pub layers: Option<String>,
@@ -116,7 +116,7 @@ impl RunSetup {
             model: ModelArgs::with_layout(name),
             tokens: None,
             prefill: None,
-            decode,
+            decode: Some(decode),
             layers: None,
             device: DeviceArg::Cpu,
         }
@@ -152,7 +152,7 @@ impl RunSetup {
         let schedule = Schedule {
             prefill_len: self.prefill.unwrap_or(prompt.len()),
             prompt,
-            decode_steps: self.decode,
+            decode_steps: self.decode.unwrap_or(0),
         };
         schedule.validate()?;
         Ok(Prepared {

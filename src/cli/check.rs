@@ -1,9 +1,9 @@
 //! `mladb check`: runs the detectors and prints their findings. Exit 0 when there are none, 1
 //! when there are, 2 on bad input.
 
-use super::args::{FlagArgs, RecordArgs, RunSetup};
+use super::args::{parse_tokens, FlagArgs, RecordArgs, RunSetup};
 use crate::debug::detect::{check, CheckOptions, CheckReport};
-use crate::debug::external::{ExternalDump, NameMap};
+use crate::debug::external::{ExternalDump, NameMap, ScheduleArgs};
 use crate::debug::runner::Job;
 use crate::error::{Error, Result};
 use clap::Args;
@@ -18,13 +18,14 @@ pub struct CheckArgs {
     #[command(flatten)]
     pub flags: FlagArgs,
     /// A dump of activations to compare with (safetensors, keys PHASE/NAME): another engine's
-    /// (tools/hf_dump.py writes one from transformers) or mladb's own `run --dump`.
+    /// (tools/hf_dump.py writes one from transformers) or mladb's own `run --dump`. The run
+    /// takes the dump's tokens, prefill and decode count where they are not given.
     #[arg(long)]
     pub reference: Option<PathBuf>,
-    /// How the reference's names map to mladb's: `hf` (built in; also right for mladb's own
-    /// dumps) or a RON file of rules.
-    #[arg(long, default_value = "hf")]
-    pub name_map: String,
+    /// How the reference's names map to mladb's: `hf` (built in) or a RON file of rules
+    /// (default: none for mladb's own dumps, `hf` for others).
+    #[arg(long)]
+    pub name_map: Option<String>,
     /// Relative L2 tolerance of the comparisons (default 1e-4 for f32, 3e-2 for bf16).
     #[arg(long)]
     pub tolerance: Option<f64>,
@@ -45,14 +46,9 @@ pub fn run(args: &CheckArgs) -> Result<bool> {
             )));
         }
     }
-    let reference = match &args.reference {
-        Some(path) => Some(ExternalDump::load(
-            path,
-            &NameMap::resolve(&args.name_map)?,
-        )?),
-        None => None,
-    };
-    let p = args.setup.prepare(&flags)?;
+    let reference = load_reference(args.reference.as_deref(), args.name_map.as_deref())?;
+    let setup = setup_against(&args.setup, reference.as_ref())?;
+    let p = setup.prepare(&flags)?;
     let job = Job {
         model: &p.model,
         backend: p.backend.as_ref(),
@@ -72,7 +68,7 @@ pub fn run(args: &CheckArgs) -> Result<bool> {
     let seconds = start.elapsed().as_secs_f64();
     if let Some(path) = &args.record.record {
         use crate::session::recorded::{RecordedCheck, RecordedRun, RunRole};
-        let mut session = crate::session::Session::new(args.setup.source()?, &p.schedule);
+        let mut session = crate::session::Session::new(setup.source()?, &p.schedule);
         session.layers = (p.layers.start, p.layers.end);
         session.describe_model(&p.model);
         session.flags = flags;
@@ -133,6 +129,11 @@ fn print_json(report: &CheckReport, seconds: f64) {
             "ops": report.run.len(),
             "ops_executed": report.ops_executed,
             "seconds": seconds,
+            "reference": report.reference.as_ref().map(|r| json!({
+                "compared": r.comparisons.len(),
+                "ops": r.ops,
+                "not_compared": r.not_compared,
+            })),
         })
     );
 }
@@ -197,9 +198,10 @@ pub struct BisectArgs {
     /// Bisect run A against a dump instead of run B.
     #[arg(long)]
     pub reference: Option<PathBuf>,
-    /// Name map of the reference dump: `hf` or a RON file.
-    #[arg(long, default_value = "hf")]
-    pub name_map: String,
+    /// Name map of the reference dump: `hf` or a RON file (default: none for mladb's own
+    /// dumps, `hf` for others).
+    #[arg(long)]
+    pub name_map: Option<String>,
     /// One relative L2 tolerance for every op (default: the table of run A's dtype, as check).
     #[arg(long)]
     pub tolerance: Option<f64>,
@@ -228,14 +230,9 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
         crate::debug::tolerance::Tolerances::Table(flags_a.dtype),
         crate::debug::tolerance::Tolerances::Uniform,
     );
-    let reference = match &args.reference {
-        Some(path) => Some(ExternalDump::load(
-            path,
-            &NameMap::resolve(&args.name_map)?,
-        )?),
-        None => None,
-    };
-    let p = args.setup.prepare(&flags_a)?;
+    let reference = load_reference(args.reference.as_deref(), args.name_map.as_deref())?;
+    let setup = setup_against(&args.setup, reference.as_ref())?;
+    let p = setup.prepare(&flags_a)?;
     let heads = p.model.layout.num_heads;
     let job = Job {
         model: &p.model,
@@ -265,10 +262,10 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
                 crate::debug::paired::Pairing::SameSchedule,
                 &tolerances,
             )?;
-            (bisect_paired(paired), format!("run B ({fb})"))
+            (bisect_paired(&a, paired), format!("run B ({fb})"))
         }
         (None, Some(dump)) => (
-            bisect_dump(&a, dump, heads, &tolerances),
+            bisect_dump(&a, dump, heads, &tolerances)?,
             "the reference dump".to_string(),
         ),
         (None, None) => unreachable!("checked above"),
@@ -285,6 +282,9 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
         "mladb bisect: run A ({flags_a}) against {against}; {}",
         tolerances.describe()
     );
+    for n in &result.notes {
+        println!("  note: {n}");
+    }
     for f in &result.flips {
         println!(
             "note: selection-flip {} {}: {}; run B was forced to A's choice",
@@ -304,10 +304,7 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
         return Ok(true);
     }
     match &result.first {
-        None => println!(
-            "no op differs beyond its tolerance ({} ops compared)",
-            result.compared
-        ),
+        None => println!("no op differs beyond its tolerance ({})", result.coverage()),
         Some(first) => {
             if let Some(good) = &result.last_good {
                 let figures = good.diff.as_ref().map(|d| d.summary()).unwrap_or_default();
@@ -325,10 +322,44 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
                 first.tolerance_text()
             );
             println!(
-                "{} of {} compared ops differ beyond what their inputs explain",
-                result.divergent, result.compared
+                "{} of {} compared ops differ beyond what their inputs explain ({})",
+                result.divergent,
+                result.compared,
+                result.coverage()
             );
         }
     }
     Ok(diverged)
+}
+
+/// The `--reference` dump, read with `--name-map` (or the map its metadata implies).
+fn load_reference(
+    path: Option<&std::path::Path>,
+    map: Option<&str>,
+) -> Result<Option<ExternalDump>> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let map = map.map(NameMap::resolve).transpose()?;
+    ExternalDump::load(path, map.as_ref()).map(Some)
+}
+
+/// The run's setup against a reference dump: its tokens, prefill and decode count where none
+/// are given; given ones that differ from the dump's are an error naming both.
+fn setup_against(setup: &RunSetup, dump: Option<&ExternalDump>) -> Result<RunSetup> {
+    let Some(dump) = dump else {
+        return Ok(setup.clone());
+    };
+    let schedule = dump.schedule_for(ScheduleArgs {
+        tokens: setup.tokens.as_deref().map(parse_tokens).transpose()?,
+        prefill: setup.prefill,
+        decode: setup.decode,
+    })?;
+    let mut setup = setup.clone();
+    setup.tokens = schedule
+        .tokens
+        .map(|t| t.iter().map(u32::to_string).collect::<Vec<_>>().join(","));
+    setup.prefill = schedule.prefill;
+    setup.decode = schedule.decode;
+    Ok(setup)
 }

@@ -1,8 +1,11 @@
-//! `--dump FILE.safetensors`: the captured op outputs as F32 tensors named `PHASE/OPNAME`.
+//! `--dump FILE.safetensors`: the captured op outputs as F32 tensors named `PHASE/OPNAME`, with
+//! metadata saying which run made them (`debug::external::meta_key`).
 
+use crate::debug::external::DumpMeta;
 use crate::engine::{Observer, OpEvent};
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
+use crate::session::ModelSource;
 use crate::tensor::Tensor;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -21,8 +24,8 @@ impl DumpCollector {
             .push((event.dump_name(), output.shape().to_vec(), bytes));
     }
 
-    /// Writes the collected tensors atomically.
-    pub fn write(&self, path: &Path) -> Result<()> {
+    /// Writes the collected tensors atomically, with `meta`.
+    pub fn write(&self, path: &Path, meta: &DumpMeta) -> Result<()> {
         let views: Vec<(String, TensorView<'_>)> = self
             .tensors
             .iter()
@@ -32,7 +35,7 @@ impl DumpCollector {
                     .map_err(|e| Error::invalid(format!("dump of {name}: {e}")))
             })
             .collect::<Result<_>>()?;
-        let bytes = safetensors::serialize(views, None)
+        let bytes = safetensors::serialize(views, Some(meta.to_map()))
             .map_err(|e| Error::invalid(format!("writing {}: {e}", path.display())))?;
         write_atomic(path, &bytes)
     }
@@ -43,4 +46,27 @@ impl Observer for DumpCollector {
         self.add(event, output);
         Ok(())
     }
+}
+
+/// The model as a dump's metadata names it.
+pub fn model_text(source: &ModelSource) -> String {
+    let (mut s, quant) = match source {
+        ModelSource::Layout {
+            layout,
+            seed,
+            quant,
+        } => (format!("layout {layout}, seed {seed}"), quant),
+        ModelSource::Checkpoint {
+            path,
+            fingerprint,
+            quant,
+        } => (
+            format!("checkpoint {} ({fingerprint})", path.display()),
+            quant,
+        ),
+    };
+    if let Some(q) = quant {
+        s.push_str(&format!(", quant {q}"));
+    }
+    s
 }

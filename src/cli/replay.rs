@@ -155,7 +155,20 @@ fn dump(session: &Session, file: &Path, out: &Path) -> Result<()> {
                 .map_err(|e| Error::invalid(format!("dump of {name}: {e}")))
         })
         .collect::<Result<_>>()?;
-    let bytes = safetensors::serialize(views, None)
+    // The session's schedule and flags (later runs may have changed flags: see the session).
+    let generated = session
+        .runs
+        .first()
+        .and_then(|r| r.outcome.as_ref())
+        .map(|o| o.generated.clone())
+        .unwrap_or_default();
+    let meta = crate::debug::external::DumpMeta::of_mladb(
+        &session.schedule(),
+        &generated,
+        super::dump::model_text(&session.model),
+        session.flags.to_string(),
+    );
+    let bytes = safetensors::serialize(views, Some(meta.to_map()))
         .map_err(|e| Error::invalid(format!("writing {}: {e}", out.display())))?;
     write_atomic(out, &bytes)?;
     eprintln!("dumped {} tensors to {}", entries.len(), out.display());

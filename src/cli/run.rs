@@ -3,6 +3,7 @@
 use super::args::{FlagArgs, RecordArgs, RunSetup};
 use super::dump::DumpCollector;
 use super::table;
+use crate::debug::external::DumpMeta;
 use crate::debug::quant::{kv_b_report, LayerQuantReport};
 use crate::debug::runner::Job;
 use crate::engine::generate;
@@ -131,7 +132,9 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     let run_seconds = run_start.elapsed().as_secs_f64();
     let events = observer.events;
     if let (Some(path), Some(dump)) = (&args.dump, &observer.dump) {
-        dump.write(path)?;
+        let model_text = super::dump::model_text(&args.setup.source()?);
+        let meta = DumpMeta::of_mladb(schedule, &outcome.generated, model_text, flags.to_string());
+        dump.write(path, &meta)?;
     }
     if let (Some(path), Some(ops)) = (&args.record.record, observer.record.take()) {
         let mut session = Session::new(args.setup.source()?, schedule);
@@ -166,8 +169,9 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
             "layers": [layers.start, layers.end],
             "prompt": schedule.prompt,
             "prefill": schedule.prefill_len,
-            "generated": outcome.generated,
-            "next_token": outcome.next_token,
+            "generated": outcome.generated_or_none(),
+            "generated_non_finite": outcome.non_finite,
+            "next_token": (!outcome.next_non_finite).then_some(outcome.next_token),
             "next_logit": outcome.next_logit,
             "events": events,
             "kv_cache_bytes": engine.cache_bytes(),
@@ -179,12 +183,16 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     } else {
         writeln!(
             out,
-            "\n{events} ops; prompt {:?} (prefill {}), generated {:?}, next token {} (logit {:.4}); KV caches {} bytes; {:.3}s",
+            "\n{events} ops; prompt {:?} (prefill {}), generated {}, next token {}{}; KV caches {} bytes; {:.3}s",
             schedule.prompt,
             schedule.prefill_len,
-            outcome.generated,
-            outcome.next_token,
-            outcome.next_logit,
+            outcome.generated_text(),
+            outcome.next_text(),
+            if outcome.next_non_finite {
+                String::new()
+            } else {
+                format!(" (logit {:.4})", outcome.next_logit)
+            },
             engine.cache_bytes(),
             run_seconds
         )

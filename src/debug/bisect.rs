@@ -7,12 +7,17 @@ use super::paired::Paired;
 use super::record::RunRecord;
 use super::selection::SelectionDiff;
 use super::tolerance::Tolerances;
+use crate::error::Result;
 use serde::Serialize;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Bisection {
     /// Ops compared.
     pub compared: usize,
+    /// Ops in the run examined.
+    pub ops: usize,
+    /// `PHASE/NAME` of the ops of the run the reference lacks (not compared).
+    pub not_compared: Vec<String>,
     /// The first op over tolerance.
     pub first: Option<OpComparison>,
     /// The last op before it that was within tolerance.
@@ -24,11 +29,45 @@ pub struct Bisection {
     pub first_choice: Option<SelectionDiff>,
     /// Choices that flipped within noise; run B was forced to A's choice at each.
     pub flips: Vec<SelectionDiff>,
+    /// What the reader should know about the reference (a dump whose tokens could not be
+    /// checked, other generated tokens).
+    pub notes: Vec<String>,
 }
 
-/// Bisects comparisons already in execution order and judged.
-pub fn bisect(comparisons: Vec<OpComparison>) -> Bisection {
-    let first = comparisons.iter().position(|c| c.exceeds_its());
+impl Bisection {
+    /// `130 of 130 ops compared`, with how many were not and the first few of them.
+    pub fn coverage(&self) -> String {
+        let mut s = format!("{} of {} ops compared", self.compared, self.ops);
+        if !self.not_compared.is_empty() {
+            let first: Vec<&str> = self
+                .not_compared
+                .iter()
+                .take(4)
+                .map(String::as_str)
+                .collect();
+            s.push_str(&format!(
+                "; {} not in the reference: {}{}",
+                self.not_compared.len(),
+                first.join(", "),
+                if self.not_compared.len() > first.len() {
+                    ", …"
+                } else {
+                    ""
+                }
+            ));
+        }
+        s
+    }
+}
+
+/// An op that differs: over its tolerance, or not comparable at all (outputs of other shapes).
+fn differs(c: &OpComparison) -> bool {
+    c.diff.is_err() || c.exceeds_its()
+}
+
+/// Bisects judged comparisons already in execution order, of a run of `ops` ops.
+pub fn bisect(comparisons: Vec<OpComparison>, ops: usize, not_compared: Vec<String>) -> Bisection {
+    let first = comparisons.iter().position(differs);
     let last_good = first.and_then(|f| {
         comparisons[..f]
             .iter()
@@ -38,17 +77,26 @@ pub fn bisect(comparisons: Vec<OpComparison>) -> Bisection {
     });
     Bisection {
         compared: comparisons.len(),
-        divergent: comparisons.iter().filter(|c| c.exceeds_its()).count(),
+        ops,
+        not_compared,
+        divergent: comparisons.iter().filter(|c| differs(c)).count(),
         last_good,
         first: first.map(|f| comparisons[f].clone()),
         first_choice: None,
         flips: Vec::new(),
+        notes: Vec::new(),
     }
 }
 
-/// Bisects a selection-aware comparison of two runs.
-pub fn bisect_paired(paired: Paired) -> Bisection {
-    let mut b = bisect(paired.comparisons);
+/// Bisects a selection-aware comparison of run `a` with a second run.
+pub fn bisect_paired(a: &RunRecord, paired: Paired) -> Bisection {
+    let missing = a
+        .events
+        .iter()
+        .filter(|e| paired.other.find(e.phase, &e.name).is_none())
+        .map(|e| e.dump_name())
+        .collect();
+    let mut b = bisect(paired.comparisons, a.len(), missing);
     b.first_choice = paired
         .clear
         .into_iter()
@@ -58,14 +106,16 @@ pub fn bisect_paired(paired: Paired) -> Bisection {
     b
 }
 
-/// Run `a` against an external dump.
+/// Run `a` against an external dump (an error when the dump is of other tokens or shapes).
 pub fn bisect_dump(
     a: &RunRecord,
     dump: &ExternalDump,
     num_heads: usize,
     tolerances: &Tolerances,
-) -> Bisection {
-    let mut comparisons = dump.compare(a, num_heads);
-    tolerances.judge(a, &mut comparisons);
-    bisect(comparisons)
+) -> Result<Bisection> {
+    let mut r = dump.compare(a, num_heads)?;
+    tolerances.judge(a, &mut r.comparisons);
+    let mut b = bisect(r.comparisons, r.ops, r.not_compared);
+    b.notes = r.notes;
+    Ok(b)
 }

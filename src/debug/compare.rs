@@ -9,39 +9,151 @@ use super::tolerance::Tolerances;
 use crate::engine::trace::{OpEvent, OpKind, Phase};
 use serde::{Deserialize, Serialize};
 
-/// How one op's output differs from a reference.
+/// NaN and infinities among the elements of one side of a comparison.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NonFinite {
+    pub nan: usize,
+    pub pos_inf: usize,
+    pub neg_inf: usize,
+}
+
+impl NonFinite {
+    pub fn total(&self) -> usize {
+        self.nan + self.pos_inf + self.neg_inf
+    }
+
+    fn count(&mut self, x: f32) {
+        if x.is_nan() {
+            self.nan += 1;
+        } else if x == f32::INFINITY {
+            self.pos_inf += 1;
+        } else if x == f32::NEG_INFINITY {
+            self.neg_inf += 1;
+        }
+    }
+}
+
+/// How one op's output differs from a reference. The figures are over the elements finite on
+/// both sides; NaN and ±Inf are counted per side instead, and any of them fails the comparison.
+/// −∞ on both sides is the masking convention (the DSA indexer's scores of masked keys): such
+/// elements agree and are counted as `masked`, not as non-finite.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Diff {
-    /// ‖a − ref‖ / ‖ref‖; NaN when either side holds NaN.
+    /// ‖a − ref‖ / ‖ref‖ over the elements finite on both sides (NaN when there are none).
     pub rel_l2: f64,
+    /// Largest |a − ref| over the same elements (NaN when there are none).
     pub max_abs: f64,
     /// Multi-index of the largest absolute difference.
     pub max_abs_at: Vec<usize>,
+    /// Cosine similarity over the same elements (NaN when there are none).
     pub cosine: f64,
-    /// Relative L2 error per attention head (empty for ops without heads).
+    /// Relative L2 error per attention head (empty for ops without heads); NaN for a head with
+    /// non-finite elements.
     pub per_head: Vec<f64>,
+    /// NaN / ±Inf in the output examined, outside the masked elements.
+    #[serde(default)]
+    pub here: NonFinite,
+    /// NaN / ±Inf in the reference, outside the masked elements.
+    #[serde(default)]
+    pub reference: NonFinite,
+    /// Multi-index of the first element non-finite on either side (outside the masked ones).
+    #[serde(default)]
+    pub first_non_finite_at: Option<Vec<usize>>,
+    /// Elements finite on both sides: what the figures are computed over.
+    #[serde(default)]
+    pub finite: usize,
+    /// Elements −∞ on both sides (masked scores), which agree.
+    #[serde(default)]
+    pub masked: usize,
 }
 
 impl Diff {
-    /// The difference exceeds `tolerance` (NaN always does).
+    /// Some element is NaN or infinite on either side (masked −∞ aside).
+    pub fn has_non_finite(&self) -> bool {
+        self.here.total() + self.reference.total() > 0
+    }
+
+    /// The error a tolerance is checked against: the relative L2 error, or NaN when any element
+    /// is non-finite (NaN and infinities never agree within a tolerance).
+    pub fn error(&self) -> f64 {
+        if self.has_non_finite() {
+            f64::NAN
+        } else {
+            self.rel_l2
+        }
+    }
+
+    /// The difference exceeds `tolerance` (non-finite values always do).
     pub fn exceeds(&self, tolerance: f64) -> bool {
-        self.rel_l2.is_nan() || self.rel_l2 > tolerance
+        let e = self.error();
+        e.is_nan() || e > tolerance
     }
 
-    /// The head with the largest error.
+    /// The head with the largest error (NaN counts as largest; the first of equals).
     pub fn worst_head(&self) -> Option<(usize, f64)> {
-        self.per_head
-            .iter()
-            .copied()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(&b.1))
+        let mut worst: Option<(usize, f64)> = None;
+        for (h, &e) in self.per_head.iter().enumerate() {
+            if worst.is_none_or(|(_, w)| e.total_cmp(&w).is_gt()) {
+                worst = Some((h, e));
+            }
+        }
+        worst
     }
 
-    pub fn summary(&self) -> String {
+    /// NaN / ±Inf counts of both sides and where the first is, when there are any: what a
+    /// display shows before any figure.
+    pub fn non_finite_summary(&self) -> Option<String> {
+        if !self.has_non_finite() {
+            return None;
+        }
+        let (h, r) = (&self.here, &self.reference);
+        let parts: Vec<String> = [
+            ("NaN", h.nan, r.nan),
+            ("+Inf", h.pos_inf, r.pos_inf),
+            ("-Inf", h.neg_inf, r.neg_inf),
+        ]
+        .iter()
+        .filter(|(_, a, b)| a + b > 0)
+        .map(|(what, a, b)| format!("{what} {a} vs {b}"))
+        .collect();
         let mut s = format!(
+            "non-finite values: {} (here vs reference)",
+            parts.join(", ")
+        );
+        if let Some(at) = &self.first_non_finite_at {
+            s.push_str(&format!(", first at {at:?}"));
+        }
+        if self.masked > 0 {
+            s.push_str(&format!(", {} masked (-Inf on both sides)", self.masked));
+        }
+        Some(s)
+    }
+
+    /// rel L2, max |Δ| and cosine, said to be over the finite elements when some are not; none
+    /// when no element is finite on both sides.
+    pub fn figures_summary(&self) -> String {
+        if self.finite == 0 && self.has_non_finite() {
+            return "no element is finite on both sides".to_string();
+        }
+        let figures = format!(
             "rel L2 {:.3e}, max |Δ| {:.3e} at {:?}, cosine {:.6}",
             self.rel_l2, self.max_abs, self.max_abs_at, self.cosine
         );
+        if self.has_non_finite() {
+            format!(
+                "over the {} elements finite on both sides: {figures}",
+                self.finite
+            )
+        } else {
+            figures
+        }
+    }
+
+    pub fn summary(&self) -> String {
+        let mut s = match self.non_finite_summary() {
+            Some(n) => format!("{n}; {}", self.figures_summary()),
+            None => self.figures_summary(),
+        };
         if let Some((h, e)) = self.worst_head() {
             s.push_str(&format!(", worst head {h} ({e:.3e})"));
         }
@@ -75,21 +187,30 @@ pub fn heads_of(event: &OpEvent, num_heads: usize) -> Option<Heads> {
     }
 }
 
-/// Compares `a` with the reference `b`, both laid out as `shape`. Equal elements agree even
-/// when infinite (masked scores are −∞ on both sides); any NaN makes the error NaN.
+/// −∞ on both sides: a masked element, which agrees.
+fn is_masked(x: f32, y: f32) -> bool {
+    x == f32::NEG_INFINITY && y == f32::NEG_INFINITY
+}
+
+/// Compares `a` with the reference `b`, both laid out as `shape` (see [`Diff`]).
 pub fn diff(a: &[f32], b: &[f32], shape: &[usize], heads: Option<Heads>) -> Diff {
     assert_eq!(a.len(), b.len(), "compared tensors differ in size");
     let (mut d2, mut b2, mut a2, mut ab) = (0f64, 0f64, 0f64, 0f64);
     let (mut max_abs, mut at) = (0f64, 0usize);
-    let mut nan = false;
+    let (mut here, mut reference) = (NonFinite::default(), NonFinite::default());
+    let (mut finite, mut masked, mut first_bad) = (0usize, 0usize, None);
     for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
-        if x.is_nan() || y.is_nan() {
-            nan = true;
+        if is_masked(x, y) {
+            masked += 1;
             continue;
         }
-        if x == y && !x.is_finite() {
+        if !(x.is_finite() && y.is_finite()) {
+            here.count(x);
+            reference.count(y);
+            first_bad.get_or_insert(i);
             continue;
         }
+        finite += 1;
         let (x, y) = (x as f64, y as f64);
         let d = x - y;
         d2 += d * d;
@@ -101,7 +222,8 @@ pub fn diff(a: &[f32], b: &[f32], shape: &[usize], heads: Option<Heads>) -> Diff
             at = i;
         }
     }
-    let rel_l2 = if nan { f64::NAN } else { ratio(d2, b2) };
+    // No element finite on both sides and some non-finite: there is nothing to measure.
+    let none = finite == 0 && first_bad.is_some();
     let cosine = if a2 == 0.0 || b2 == 0.0 {
         if a2 == b2 {
             1.0
@@ -115,12 +237,18 @@ pub fn diff(a: &[f32], b: &[f32], shape: &[usize], heads: Option<Heads>) -> Diff
         None => Vec::new(),
         Some(h) => per_head(a, b, shape, h),
     };
+    let nan_if_none = |v: f64| if none { f64::NAN } else { v };
     Diff {
-        rel_l2,
-        max_abs,
+        rel_l2: nan_if_none(ratio(d2, b2)),
+        max_abs: nan_if_none(max_abs),
         max_abs_at: unravel(at, shape),
-        cosine,
+        cosine: nan_if_none(cosine),
         per_head,
+        here,
+        reference,
+        first_non_finite_at: first_bad.map(|i| unravel(i, shape)),
+        finite,
+        masked,
     }
 }
 
@@ -154,9 +282,12 @@ fn per_head(a: &[f32], b: &[f32], shape: &[usize], heads: Heads) -> Vec<f64> {
     let mut acc = vec![(0f64, 0f64, false); count];
     for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
         let slot = &mut acc[head_of(i)];
-        if x.is_nan() || y.is_nan() {
+        if is_masked(x, y) {
+            continue;
+        }
+        if !(x.is_finite() && y.is_finite()) {
             slot.2 = true;
-        } else if x != y || x.is_finite() {
+        } else {
             slot.0 += (x as f64 - y as f64).powi(2);
             slot.1 += (y as f64).powi(2);
         }
@@ -383,5 +514,58 @@ mod tests {
             "equal −∞ agree"
         );
         assert!(diff(&[0.0, 1.0], &masked, &[2], None).exceeds(1.0));
+    }
+    /// NaN and ±Inf are counted per side and reported first; figures are over the elements
+    /// finite on both sides, and none are given when there are none.
+    #[test]
+    fn non_finite_values_are_counted_and_never_pass() {
+        let b = [1.0, 2.0, 3.0, 4.0];
+        let nan_here = [f32::NAN, 2.0, 3.0, 4.0];
+        let d = diff(&nan_here, &b, &[4], None);
+        assert!(d.exceeds(1.0), "NaN on one side never passes");
+        let s = d.summary();
+        assert!(s.starts_with("non-finite values: NaN 1 vs 0"), "{s}");
+        assert!(s.contains("first at [0]"), "{s}");
+        assert!(
+            s.contains("over the 3 elements finite on both sides"),
+            "{s}"
+        );
+
+        let d = diff(&nan_here, &nan_here, &[4], None);
+        assert!(d.exceeds(1.0), "NaN on both sides never passes");
+        assert!(
+            d.summary().starts_with("non-finite values: NaN 1 vs 1"),
+            "{}",
+            d.summary()
+        );
+
+        let inf_here = [1.0, f32::INFINITY, 3.0, 4.0];
+        let d = diff(&inf_here, &b, &[4], None);
+        assert!(d.exceeds(1.0), "+Inf vs finite never passes");
+        let s = d.summary();
+        assert!(s.starts_with("non-finite values: +Inf 1 vs 0"), "{s}");
+        assert!(s.contains("first at [1]"), "{s}");
+
+        let all_nan = [f32::NAN; 4];
+        let d = diff(&all_nan, &b, &[2, 2], None);
+        assert!(d.exceeds(1.0));
+        let s = d.summary();
+        assert!(s.contains("NaN 4 vs 0"), "{s}");
+        assert!(s.contains("no element is finite on both sides"), "{s}");
+        assert!(!s.contains("cosine") && !s.contains("max |Δ|"), "{s}");
+
+        // Masked scores: −∞ on both sides agree and are not counted as non-finite.
+        let masked = [f32::NEG_INFINITY, 1.0, f32::NEG_INFINITY, 2.0];
+        let d = diff(&masked, &masked, &[4], None);
+        assert!(!d.exceeds(0.0), "{}", d.summary());
+        assert!(!d.summary().contains("non-finite"), "{}", d.summary());
+        let unmasked = [0.0, 1.0, f32::NEG_INFINITY, 2.0];
+        let d = diff(&unmasked, &masked, &[4], None);
+        assert!(d.exceeds(1.0));
+        assert!(
+            d.summary().starts_with("non-finite values: -Inf 0 vs 1"),
+            "{}",
+            d.summary()
+        );
     }
 }

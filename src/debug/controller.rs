@@ -399,7 +399,7 @@ impl Controller {
         }
         let e = &self.current.events[i];
         let previous = i.checked_sub(1).map(|p| &self.current.events[p]);
-        let diff = self.op_diff(i).and_then(|c| c.diff.ok()).map(|d| d.rel_l2);
+        let diff = self.op_diff(i).and_then(|c| c.diff.ok()).map(|d| d.error());
         self.breakpoints
             .iter()
             .position(|b| b.hits(e, previous, diff))

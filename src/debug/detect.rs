@@ -11,7 +11,7 @@
 //! count the rest; unwritten elements and disconnects are reported at every op that has them.
 
 use super::compare::OpComparison;
-use super::external::ExternalDump;
+use super::external::{ExternalDump, ReferenceComparison};
 use super::flags::Flags;
 use super::forensics::{disconnects, orphan_reads};
 use super::paired::{compare_paired, Paired, Pairing};
@@ -22,7 +22,7 @@ use super::tolerance::Tolerances;
 use crate::engine::generate::Schedule;
 use crate::engine::trace::{OpKind, Phase};
 use crate::engine::{MlaPath, StorageDtype};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -103,6 +103,8 @@ pub struct CheckReport {
     pub run: RunRecord,
     /// Ops computed over all the runs the check made.
     pub ops_executed: usize,
+    /// The comparison with the reference dump, when there is one.
+    pub reference: Option<ReferenceComparison>,
 }
 
 /// How close one op kind came to its tolerances in one comparison, and what the table would
@@ -177,6 +179,9 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
     let paired = |other: Flags, schedule: &Schedule, pairing: Pairing| {
         compare_paired(job, &run, other, schedule, pairing, &tolerances)
     };
+    if let Some(o) = run.outcome.as_ref().filter(|o| !o.non_finite.is_empty()) {
+        v.notes.push(format!("generated {}", o.generated_text()));
+    }
 
     // Absorbed vs naive: every phase again on the other path.
     if flags.mla_disable {
@@ -253,24 +258,21 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
         );
     }
 
-    if let Some(reference) = &options.reference {
-        let mut compared = reference.compare(&run, job.model.layout.num_heads);
-        tolerances.judge(&run, &mut compared);
-        if compared.is_empty() {
-            return Err(Error::invalid(
-                "the reference dump holds no op of this run (check the phases, names and name map)",
-            ));
-        }
-        v.notes
-            .push(format!("reference: compared {} ops", compared.len()));
+    let mut reference = None;
+    if let Some(dump) = &options.reference {
+        let mut compared = dump.compare(&run, job.model.layout.num_heads)?;
+        tolerances.judge(&run, &mut compared.comparisons);
+        v.notes.extend(compared.notes.iter().cloned());
+        v.notes.push(format!("reference: {}", compared.summary()));
         v.headroom
-            .extend(headroom_of("reference", &compared, &tolerances));
+            .extend(headroom_of("reference", &compared.comparisons, &tolerances));
         v.findings.extend(first_per_phase(
-            &compared,
+            &compared.comparisons,
             &[],
             FindingKind::ReferenceMismatch,
             "vs the reference dump",
         ));
+        reference = Some(compared);
     }
 
     v.findings.sort_by_key(|f| (f.index, f.kind as u8));
@@ -283,6 +285,7 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
         headroom: v.headroom,
         run,
         ops_executed: v.ops,
+        reference,
     })
 }
 

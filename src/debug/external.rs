@@ -1,6 +1,8 @@
 //! External dumps: a safetensors file of named activations from another engine (HF transformers
 //! through tools/hf_dump.py, vLLM, SGLang, or mladb's own `--dump`), keyed `PHASE/NAME`, with a
-//! name map from the other engine's names to mladb's op names.
+//! name map from the other engine's names to mladb's op names, and metadata saying which run
+//! made it (tokens, prefill, decode count), so that a run is never compared with a dump of other
+//! tokens.
 
 use super::compare::{compare_outputs, OpComparison};
 use super::record::RunRecord;
@@ -9,7 +11,7 @@ use crate::error::{Error, Result};
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Rules turning another engine's names into mladb op names.
 #[derive(Debug, Clone, Deserialize)]
@@ -29,6 +31,11 @@ impl NameMap {
     /// The map for HF transformers module names.
     pub fn hf() -> NameMap {
         ron::from_str(HF_MAP).expect("the built-in HF name map parses")
+    }
+
+    /// No rules: every name is taken as an mladb op name (mladb's own dumps).
+    pub fn identity() -> NameMap {
+        NameMap { rules: Vec::new() }
     }
 
     /// `hf` (built in), or a RON file of rules.
@@ -87,18 +94,223 @@ fn glob<'a>(pattern: &str, name: &'a str) -> Option<Vec<&'a str>> {
     Some(parts)
 }
 
+/// The metadata keys of a dump (safetensors `__metadata__`, every value a string), written by
+/// `mladb run --dump`, `mladb replay --dump`, tools/hf_dump.py and tools/make_hf_fixtures.py.
+pub mod meta_key {
+    /// The version of this set of keys ([`super::DUMP_FORMAT`]); a dump without it predates
+    /// the metadata.
+    pub const FORMAT: &str = "dump_format";
+    /// The prompt token ids, a JSON array: `[3,141,59]`.
+    pub const TOKENS: &str = "tokens";
+    /// Prompt tokens prefilled at once (the rest went through decode one by one).
+    pub const PREFILL: &str = "prefill";
+    /// Greedy tokens generated after the prompt.
+    pub const DECODE: &str = "decode";
+    /// The generated token ids, a JSON array.
+    pub const GENERATED: &str = "generated";
+    /// The model: a layout and seed, or a checkpoint with its fingerprint.
+    pub const MODEL: &str = "model";
+    /// mladb's debugging flags, or the other engine's settings.
+    pub const FLAGS: &str = "flags";
+    /// What wrote the dump, with its version: `mladb 0.1.0`, `tools/hf_dump.py (transformers
+    /// 5.17.0, ...)`. Dumps by mladb name their tensors with mladb's op names.
+    pub const PRODUCER: &str = "producer";
+}
+
+/// The metadata format this build writes and reads.
+pub const DUMP_FORMAT: u32 = 1;
+
+/// What a dump says about the run that made it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DumpMeta {
+    pub tokens: Vec<u32>,
+    pub prefill: usize,
+    pub decode: usize,
+    pub generated: Vec<u32>,
+    pub model: String,
+    pub flags: String,
+    pub producer: String,
+}
+
+impl DumpMeta {
+    /// What mladb writes into a dump it makes.
+    pub fn of_mladb(
+        schedule: &crate::engine::generate::Schedule,
+        generated: &[u32],
+        model: String,
+        flags: String,
+    ) -> DumpMeta {
+        DumpMeta {
+            tokens: schedule.prompt.clone(),
+            prefill: schedule.prefill_len,
+            decode: schedule.decode_steps,
+            generated: generated.to_vec(),
+            model,
+            flags,
+            producer: format!("mladb {}", env!("CARGO_PKG_VERSION")),
+        }
+    }
+
+    /// mladb wrote the dump: its tensors carry mladb's op names, no name map applies.
+    pub fn by_mladb(&self) -> bool {
+        self.producer.starts_with("mladb ")
+    }
+
+    /// The safetensors metadata map.
+    pub fn to_map(&self) -> HashMap<String, String> {
+        let list = |v: &[u32]| serde_json::to_string(v).expect("a token list serialises");
+        [
+            (meta_key::FORMAT, DUMP_FORMAT.to_string()),
+            (meta_key::TOKENS, list(&self.tokens)),
+            (meta_key::PREFILL, self.prefill.to_string()),
+            (meta_key::DECODE, self.decode.to_string()),
+            (meta_key::GENERATED, list(&self.generated)),
+            (meta_key::MODEL, self.model.clone()),
+            (meta_key::FLAGS, self.flags.clone()),
+            (meta_key::PRODUCER, self.producer.clone()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
+    /// Reads the metadata; `None` for a dump without it (made before it existed).
+    pub fn from_map(
+        map: &HashMap<String, String>,
+    ) -> std::result::Result<Option<DumpMeta>, String> {
+        let Some(format) = map.get(meta_key::FORMAT) else {
+            return Ok(None);
+        };
+        match format.parse::<u32>() {
+            Ok(DUMP_FORMAT) => {}
+            _ => {
+                return Err(format!(
+                    "metadata {} is '{format}'; this mladb reads format {DUMP_FORMAT}",
+                    meta_key::FORMAT
+                ))
+            }
+        }
+        let get = |key: &str| {
+            map.get(key)
+                .ok_or_else(|| format!("metadata {key} is missing"))
+        };
+        let number = |key: &str| {
+            get(key)?
+                .parse::<usize>()
+                .map_err(|_| format!("metadata {key} is not a count: '{}'", map[key]))
+        };
+        let tokens = |key: &str| {
+            serde_json::from_str::<Vec<u32>>(get(key)?)
+                .map_err(|_| format!("metadata {key} is not a list of token ids: '{}'", map[key]))
+        };
+        let text = |key: &str| map.get(key).cloned().unwrap_or_default();
+        let meta = DumpMeta {
+            tokens: tokens(meta_key::TOKENS)?,
+            prefill: number(meta_key::PREFILL)?,
+            decode: number(meta_key::DECODE)?,
+            generated: match map.get(meta_key::GENERATED) {
+                Some(_) => tokens(meta_key::GENERATED)?,
+                None => Vec::new(),
+            },
+            model: text(meta_key::MODEL),
+            flags: text(meta_key::FLAGS),
+            producer: text(meta_key::PRODUCER),
+        };
+        if meta.tokens.is_empty() || meta.prefill > meta.tokens.len() {
+            return Err(format!(
+                "metadata prefill {} does not fit its {} tokens",
+                meta.prefill,
+                meta.tokens.len()
+            ));
+        }
+        Ok(Some(meta))
+    }
+}
+
+/// The schedule a run compared with a dump has: what was given, the rest from the dump.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScheduleArgs {
+    pub tokens: Option<Vec<u32>>,
+    pub prefill: Option<usize>,
+    pub decode: Option<usize>,
+}
+
+/// `3,141,59`, the first 16 of a long list.
+fn token_list(tokens: &[u32]) -> String {
+    let shown: Vec<String> = tokens.iter().take(16).map(u32::to_string).collect();
+    let more = if tokens.len() > 16 { ",…" } else { "" };
+    format!("{}{more} ({} tokens)", shown.join(","), tokens.len())
+}
+
 /// A loaded dump: tensors by (phase, mladb op name), in f32.
 pub struct ExternalDump {
     pub tensors: HashMap<(Phase, String), (Vec<usize>, Vec<f32>)>,
     /// Keys the map left out or that did not parse as PHASE/NAME.
     pub skipped: usize,
+    /// What the dump says about its run; `None` for a dump without metadata.
+    pub meta: Option<DumpMeta>,
+    /// Where it was loaded from (none for a run's own outputs).
+    pub path: Option<PathBuf>,
+}
+
+/// A run compared with a dump: the ops compared, and those the dump lacks.
+#[derive(Debug, Clone)]
+pub struct ReferenceComparison {
+    /// Every op of the run the dump holds, in execution order.
+    pub comparisons: Vec<OpComparison>,
+    /// `PHASE/NAME` of the ops of the run the dump lacks, in execution order.
+    pub not_compared: Vec<String>,
+    /// Ops in the run.
+    pub ops: usize,
+    /// What the reader should know: a dump whose tokens could not be checked, other generated
+    /// tokens.
+    pub notes: Vec<String>,
+}
+
+impl ReferenceComparison {
+    /// `compared 540 of 968 ops; 428 not compared (not in the dump): a, b, c, …`
+    pub fn summary(&self) -> String {
+        let mut s = format!("compared {} of {} ops", self.comparisons.len(), self.ops);
+        if !self.not_compared.is_empty() {
+            let first: Vec<&str> = self
+                .not_compared
+                .iter()
+                .take(4)
+                .map(String::as_str)
+                .collect();
+            s.push_str(&format!(
+                "; {} not compared (not in the dump): {}{}",
+                self.not_compared.len(),
+                first.join(", "),
+                if self.not_compared.len() > first.len() {
+                    ", …"
+                } else {
+                    ""
+                }
+            ));
+        }
+        s
+    }
 }
 
 impl ExternalDump {
-    pub fn load(path: &Path, map: &NameMap) -> Result<ExternalDump> {
+    /// Loads a dump. `map` turns its names into mladb's; `None` takes none for mladb's own dumps
+    /// (their metadata says so) and the HF map for others.
+    pub fn load(path: &Path, map: Option<&NameMap>) -> Result<ExternalDump> {
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
         let st = SafeTensors::deserialize(&bytes)
             .map_err(|e| Error::parse(path, format!("not a valid safetensors file: {e}")))?;
+        let (_, header) = SafeTensors::read_metadata(&bytes)
+            .map_err(|e| Error::parse(path, format!("not a valid safetensors file: {e}")))?;
+        let meta = match header.metadata() {
+            Some(m) => DumpMeta::from_map(m).map_err(|e| Error::parse(path, e))?,
+            None => None,
+        };
+        let default_map = match &meta {
+            Some(m) if m.by_mladb() => NameMap::identity(),
+            _ => NameMap::hf(),
+        };
+        let map = map.unwrap_or(&default_map);
         let mut tensors = HashMap::new();
         let mut skipped = 0;
         for (key, view) in st.tensors() {
@@ -141,7 +353,12 @@ impl ExternalDump {
                 "no PHASE/NAME tensors (expected keys like prefill/logits)",
             ));
         }
-        Ok(ExternalDump { tensors, skipped })
+        Ok(ExternalDump {
+            tensors,
+            skipped,
+            meta,
+            path: Some(path.to_path_buf()),
+        })
     }
 
     /// A run's own outputs as a dump (what `mladb run --dump` writes, without the file).
@@ -160,27 +377,122 @@ impl ExternalDump {
         ExternalDump {
             tensors,
             skipped: 0,
+            meta: None,
+            path: None,
         }
     }
 
-    /// Compares every op of `run` the dump holds, in execution order.
-    pub fn compare(&self, run: &RunRecord, num_heads: usize) -> Vec<OpComparison> {
-        run.events
-            .iter()
-            .enumerate()
-            .filter_map(|(i, e)| {
-                let (shape, data) = self.tensors.get(&(e.phase, e.name.clone()))?;
-                Some(compare_outputs(
-                    e,
-                    i,
-                    run.outputs[i].data(),
-                    shape,
-                    data,
-                    num_heads,
-                ))
-            })
-            .collect()
+    /// The schedule to run against this dump: the given values, and the dump's where none is
+    /// given. A given value other than the dump's is an error naming both (a run of other tokens
+    /// compares nothing that means anything). Without metadata the given values pass unchecked.
+    pub fn schedule_for(&self, given: ScheduleArgs) -> Result<ScheduleArgs> {
+        let Some(m) = &self.meta else {
+            return Ok(given);
+        };
+        if let Some(t) = &given.tokens {
+            if *t != m.tokens {
+                return Err(Error::invalid(format!(
+                    "--tokens {} differ from the tokens of the reference dump: {} (leave --tokens out to use the dump's)",
+                    token_list(t),
+                    token_list(&m.tokens)
+                )));
+            }
+        }
+        if let Some(p) = given.prefill.filter(|&p| p != m.prefill) {
+            return Err(Error::invalid(format!(
+                "--prefill {p} differs from the reference dump's prefill {} (leave --prefill out to use the dump's)",
+                m.prefill
+            )));
+        }
+        if let Some(d) = given.decode.filter(|&d| d != m.decode) {
+            return Err(Error::invalid(format!(
+                "--decode {d} differs from the reference dump's decode count {} (leave --decode out to use the dump's)",
+                m.decode
+            )));
+        }
+        Ok(ScheduleArgs {
+            tokens: Some(m.tokens.clone()),
+            prefill: Some(given.prefill.unwrap_or(m.prefill)),
+            decode: Some(given.decode.unwrap_or(m.decode)),
+        })
     }
+
+    /// Compares every op of `run` the dump holds, in execution order. Errors: the run's tokens
+    /// are not the dump's (when the dump says which), an op's shape differs from the dump's
+    /// (size-1 axes aside: engines drop batch axes differently), or no op is in the dump.
+    pub fn compare(&self, run: &RunRecord, num_heads: usize) -> Result<ReferenceComparison> {
+        let mut notes = Vec::new();
+        match (&self.meta, &run.outcome) {
+            (Some(m), Some(o)) => {
+                let fed = &o.tokens[..o.tokens.len() - o.generated.len()];
+                if fed != m.tokens || o.generated.len() != m.decode {
+                    return Err(Error::invalid(format!(
+                        "the run's tokens {} (decode {}) are not the reference dump's {} (decode {})",
+                        token_list(fed),
+                        o.generated.len(),
+                        token_list(&m.tokens),
+                        m.decode
+                    )));
+                }
+                if !m.generated.is_empty() && m.generated != o.generated {
+                    notes.push(format!(
+                        "reference: the run generated {:?}, the dump's run {:?}: decode steps after the first difference were fed other tokens",
+                        o.generated, m.generated
+                    ));
+                }
+            }
+            (None, _) if self.path.is_some() => notes.push(
+                "reference: the dump has no metadata (an older tool made it): its tokens could not be checked, only its shapes".to_string(),
+            ),
+            _ => {}
+        }
+        let mut comparisons = Vec::new();
+        let mut not_compared = Vec::new();
+        for (i, e) in run.events.iter().enumerate() {
+            let Some((shape, data)) = self.tensors.get(&(e.phase, e.name.clone())) else {
+                not_compared.push(e.dump_name());
+                continue;
+            };
+            if squeezed(shape) != squeezed(&e.shape) {
+                return Err(Error::invalid(format!(
+                    "{} {} has shape {:?} in this run and {:?} in the reference dump{}",
+                    e.phase,
+                    e.name,
+                    e.shape,
+                    shape,
+                    if self.meta.is_none() {
+                        " (the dump has no metadata: give the --tokens, --prefill and --decode it was made with)"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+            comparisons.push(compare_outputs(
+                e,
+                i,
+                run.outputs[i].data(),
+                shape,
+                data,
+                num_heads,
+            ));
+        }
+        if comparisons.is_empty() {
+            return Err(Error::invalid(
+                "the reference dump holds no op of this run (check the phases, names and name map)",
+            ));
+        }
+        Ok(ReferenceComparison {
+            comparisons,
+            not_compared,
+            ops: run.len(),
+            notes,
+        })
+    }
+}
+
+/// A shape without its size-1 axes.
+fn squeezed(shape: &[usize]) -> Vec<usize> {
+    shape.iter().copied().filter(|&n| n != 1).collect()
 }
 
 #[cfg(test)]
@@ -206,5 +518,31 @@ mod tests {
             m.map("model.layers.3.self_attn.indexer.wk").as_deref(),
             Some("model.layers.3.self_attn.indexer.wk")
         );
+    }
+
+    #[test]
+    fn dump_metadata_round_trips_and_bad_values_are_named() {
+        let meta = DumpMeta {
+            tokens: vec![3, 141, 59],
+            prefill: 2,
+            decode: 1,
+            generated: vec![7],
+            model: "layout glm5-tiny, seed 0".into(),
+            flags: "inject none".into(),
+            producer: "mladb 0.1.0".into(),
+        };
+        let map = meta.to_map();
+        assert_eq!(map[meta_key::TOKENS], "[3,141,59]");
+        assert_eq!(DumpMeta::from_map(&map), Ok(Some(meta)));
+        assert_eq!(DumpMeta::from_map(&HashMap::new()), Ok(None));
+        let broken = |key: &str, value: &str| {
+            let mut m = map.clone();
+            m.insert(key.to_string(), value.to_string());
+            DumpMeta::from_map(&m).unwrap_err()
+        };
+        assert!(broken(meta_key::FORMAT, "2").contains("reads format 1"));
+        assert!(broken(meta_key::TOKENS, "3,141").contains("metadata tokens"));
+        assert!(broken(meta_key::PREFILL, "-1").contains("metadata prefill"));
+        assert!(broken(meta_key::PREFILL, "4").contains("does not fit"));
     }
 }

@@ -146,9 +146,8 @@ impl Ranking {
 
     /// The smallest change of scores that makes this ranking choose `theirs` instead of its
     /// own choice: every candidate only `theirs` holds raised by δ and every one only its own
-    /// choice holds lowered by δ (group scores follow), δ found by bisection. Returned as the
-    /// score gap 2δ it closes: 0 for an exact tie the tie-break decided, +∞ when no change of
-    /// that kind gets there.
+    /// choice holds lowered by δ (group scores follow), δ found by bisection: 0 for an exact tie
+    /// the tie-break decided, +∞ when no change of that kind gets there.
     pub fn change_to_choose(&self, theirs: &[usize]) -> f32 {
         let mine = self.choose();
         let mut target = theirs.to_vec();
@@ -189,7 +188,7 @@ impl Ranking {
         if flips_at(0.0) {
             0.0
         } else {
-            2.0 * hi
+            hi
         }
     }
 
@@ -378,11 +377,11 @@ pub struct SelectionDiff {
     pub chosen_a: Vec<usize>,
     /// B's whole choice as B lists it (A is forced to it when B is a reference).
     pub chosen_b: Vec<usize>,
-    /// The score gap each run's own scores would need closed to choose as the other did (see
+    /// The change of each run's own scores that makes it choose as the other did (see
     /// [`Ranking::change_to_choose`]); `None` where a side's scores are unknown.
     pub gap_a: Option<f32>,
     pub gap_b: Option<f32>,
-    /// The gap the noise of each side's scores can close.
+    /// How far the noise of each side's scores may move a score.
     pub noise_a: f32,
     pub noise_b: f32,
 }
@@ -403,7 +402,7 @@ impl SelectionDiff {
     pub fn describe(&self) -> String {
         let gap = |g: Option<f32>| g.map_or("unknown".to_string(), |g| format!("{g:.3e}"));
         format!(
-            "row {} (position {}): A chose {:?} where B chose {:?}; gap to swap A {} (noise {:.1e}), B {} (noise {:.1e})",
+            "row {} (position {}): A chose {:?} where B chose {:?}; score change to swap A {} (noise {:.1e}), B {} (noise {:.1e})",
             self.row,
             self.position,
             self.only_a,
@@ -416,10 +415,10 @@ impl SelectionDiff {
     }
 }
 
-/// The score gap the noise of a row's scores can close: each score may move by its op's
-/// relative tolerance times the row's largest score, two candidates in opposite directions.
+/// How far the noise of a row's scores may move one score: its op's relative tolerance times
+/// the row's largest score.
 pub fn noise_of(ranking: &Ranking, scores_tolerance: f64) -> f32 {
-    2.0 * scores_tolerance as f32 * ranking.scale()
+    scores_tolerance as f32 * ranking.scale()
 }
 
 /// Where B's choice of a row was made, for [`diff_row`].
@@ -535,8 +534,9 @@ pub fn ambiguous_selections(
                 continue;
             };
             let noise = noise_of(ranking, tolerances.row(scores_kind(e)).0);
-            let b = ranking.boundary(&choice.chosen, noise);
-            if b.margin <= noise {
+            // Two candidates each moved by the noise close a gap of twice it.
+            let b = ranking.boundary(&choice.chosen, 2.0 * noise);
+            if b.margin <= 2.0 * noise {
                 worst_noise = worst_noise.max(noise);
                 tied.push(AmbiguousRow {
                     row: r,
@@ -574,7 +574,8 @@ mod tests {
         let b = r.boundary(&[0, 1], 1e-3);
         assert_eq!(b.margin, 0.0);
         assert_eq!((b.kept_near, b.dropped_near), (vec![1], vec![3]));
-        // The other tie-break costs nothing; choosing key 4 needs a gap of 0.5 closed.
+        // The other tie-break costs nothing; choosing key 4 needs it raised past key 3 (0.5),
+        // which no candidate of either choice holds, so by 0.5.
         assert!(r.change_to_choose(&[0, 3]) < 1e-6);
         assert!((r.change_to_choose(&[0, 4]) - 0.5).abs() < 1e-5);
         assert_eq!(r.change_to_choose(&[0, 1]), 0.0);
@@ -601,9 +602,10 @@ mod tests {
             .collect();
         let r = Ranking::routing(&logits, &[0.0; 8], &moe);
         assert_eq!(r.choose(), vec![2, 3]);
-        // Choosing {0, 1} instead needs group {0,1} to overtake {2,3}: a group gap of 0.8.
-        let gap = r.change_to_choose(&[0, 1]);
-        assert!((gap - 0.8).abs() < 1e-4, "{gap}");
+        // Choosing {0, 1} instead needs group {0,1} (1.0) to overtake {2,3} (1.8): each of the
+        // four experts moved by 0.2.
+        let change = r.change_to_choose(&[0, 1]);
+        assert!((change - 0.2).abs() < 1e-4, "{change}");
         // {0, 2} spans two groups where one is kept: no change of scores gets there.
         assert_eq!(r.change_to_choose(&[0, 2]), f32::INFINITY);
         // No other expert of the kept group is left, so the margin is the group stage's: the

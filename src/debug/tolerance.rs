@@ -189,7 +189,7 @@ impl Judge {
                 c.input_error = input_error;
                 c.tolerance = self.tolerances.of(c.kind, input_error);
                 match &c.diff {
-                    Ok(d) if d.rel_l2.is_finite() => d.rel_l2,
+                    Ok(d) if d.error().is_finite() => d.error(),
                     Ok(_) => f64::INFINITY,
                     Err(_) => input_error,
                 }

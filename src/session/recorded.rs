@@ -84,8 +84,14 @@ impl RecordedSchedule {
 pub struct RecordedOutcome {
     pub tokens: Vec<u32>,
     pub generated: Vec<u32>,
+    /// Indices into `generated` of tokens taken from non-finite logits (not real tokens).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub non_finite: Vec<usize>,
     pub next_token: u32,
     pub next_logit: f32,
+    /// `next_token` was taken from non-finite logits.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub next_non_finite: bool,
 }
 
 impl From<&Outcome> for RecordedOutcome {
@@ -93,8 +99,10 @@ impl From<&Outcome> for RecordedOutcome {
         RecordedOutcome {
             tokens: o.tokens.clone(),
             generated: o.generated.clone(),
+            non_finite: o.non_finite.clone(),
             next_token: o.next_token,
             next_logit: o.next_logit,
+            next_non_finite: o.next_non_finite,
         }
     }
 }
@@ -104,8 +112,10 @@ impl From<&RecordedOutcome> for Outcome {
         Outcome {
             tokens: o.tokens.clone(),
             generated: o.generated.clone(),
+            non_finite: o.non_finite.clone(),
             next_token: o.next_token,
             next_logit: o.next_logit,
+            next_non_finite: o.next_non_finite,
         }
     }
 }

@@ -320,8 +320,9 @@ impl App {
                 }
                 match (outcome, error) {
                     (Some(o), _) => self.say(format!(
-                        "run {run} finished: generated {:?}, next token {}",
-                        o.generated, o.next_token
+                        "run {run} finished: generated {}, next token {}",
+                        o.generated_text(),
+                        o.next_text()
                     )),
                     (_, Some(e)) => self.say(format!("run {run} failed: {e}")),
                     _ => {}

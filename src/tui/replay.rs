@@ -355,7 +355,7 @@ impl ReplayHost {
             return None;
         }
         let heads = self.info.layout.num_heads;
-        Some(diff(a.data(), b.data(), &e.shape, heads_of(e, heads)).rel_l2)
+        Some(diff(a.data(), b.data(), &e.shape, heads_of(e, heads)).error())
     }
 
     fn run_until(&mut self, next_layer: bool) {

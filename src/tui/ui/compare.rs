@@ -40,21 +40,26 @@ fn figures<'a>(app: &App, d: &Diff, tolerance: f64) -> Vec<Line<'a>> {
     } else {
         t.ok()
     };
-    let mut lines = vec![
-        Line::from(vec![
+    let mut lines = Vec::new();
+    // NaN / Inf first: the figures below cover only the elements finite on both sides.
+    if let Some(counts) = d.non_finite_summary() {
+        lines.push(Line::from(Span::styled(format!("  {counts}"), style)));
+        lines.push(Line::from(format!("  {}", d.figures_summary())));
+    } else {
+        lines.push(Line::from(vec![
             Span::styled(format!("  rel L2 {}", num(d.rel_l2)), style),
             Span::raw(format!(
                 "  tolerance {}  cos {:.6}",
                 num(tolerance),
                 d.cosine
             )),
-        ]),
-        Line::from(format!(
+        ]));
+        lines.push(Line::from(format!(
             "  max |Δ| {} at {:?}",
             num(d.max_abs),
             d.max_abs_at
-        )),
-    ];
+        )));
+    }
     if !d.per_head.is_empty() {
         let heads: Vec<String> = d
             .per_head

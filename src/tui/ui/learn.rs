@@ -217,12 +217,16 @@ fn outputs(app: &App, layer: usize) -> Vec<Line<'static>> {
         Line::from(vec![
             Span::raw(format!("  {} of {cols} values: ", phase)),
             Span::styled(
-                format!(
-                    "rel L2 {}  max |Δ| {}  cosine {:.7}",
-                    num(d.rel_l2),
-                    num(d.max_abs),
-                    d.cosine
-                ),
+                match d.non_finite_summary() {
+                    // Counted first: the figures cover only the elements finite on both sides.
+                    Some(counts) => format!("{counts}; {}", d.figures_summary()),
+                    None => format!(
+                        "rel L2 {}  max |Δ| {}  cosine {:.7}",
+                        num(d.rel_l2),
+                        num(d.max_abs),
+                        d.cosine
+                    ),
+                },
                 if d.exceeds(1e-4) { t.diverge() } else { t.ok() },
             ),
             Span::styled(

@@ -1,0 +1,320 @@
+//! `check --reference` and `bisect --reference` never pass a comparison that compared the wrong
+//! thing: a dump of other tokens or other shapes is an error, the dump's own tokens are used when
+//! none are given, and ops the dump lacks are listed as not compared.
+
+use safetensors::tensor::TensorView;
+use safetensors::SafeTensors;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn mladb(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args(args)
+        .output()
+        .expect("the mladb binary runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Exit code 2 and one `error:` line holding every needle.
+fn assert_error(o: &Output, needles: &[&str]) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "exit code; stdout: {}", stdout(o));
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "one line: {err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    for needle in needles {
+        assert!(err.contains(needle), "expected '{needle}' in: {err}");
+    }
+}
+
+/// The JSON summary line of `check --json`.
+fn summary(o: &Output) -> serde_json::Value {
+    let out = stdout(o);
+    let last = out.lines().last().expect("a summary line");
+    let v: serde_json::Value = serde_json::from_str(last).unwrap();
+    assert_eq!(v["type"], "summary", "{out}");
+    v
+}
+
+fn hf_fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/glm5-sparse")
+}
+
+/// `mladb run --dump` of glm5-tiny with these extra arguments.
+fn dump_of(path: &Path, extra: &[&str]) {
+    let mut args = vec![
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--dump",
+        path.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let o = mladb(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// Rewrites a safetensors file keeping the tensors `keep` accepts, with `metadata`.
+fn rewrite(path: &Path, keep: impl Fn(&str) -> bool, metadata: Option<HashMap<String, String>>) {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let views: Vec<(String, TensorView<'_>)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| keep(name))
+        .collect();
+    let out = safetensors::serialize(views, metadata).unwrap();
+    std::fs::write(path, out).unwrap();
+}
+
+fn metadata(path: &Path) -> HashMap<String, String> {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+    meta.metadata().clone().unwrap_or_default()
+}
+
+const TWELVE: &str = "1,2,3,4,5,6,7,8,9,10,11,12";
+
+#[test]
+fn a_run_of_other_tokens_than_the_dump_is_an_error_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("three.safetensors");
+    let d = dump.to_str().unwrap();
+    dump_of(&dump, &["--tokens", "3,141,59"]);
+    let meta = metadata(&dump);
+    assert_eq!(meta.get("tokens").map(String::as_str), Some("[3,141,59]"));
+    assert_eq!(meta.get("prefill").map(String::as_str), Some("3"));
+    assert_eq!(meta.get("decode").map(String::as_str), Some("0"));
+
+    let twelve = [
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        TWELVE,
+        "--reference",
+        d,
+    ];
+    assert_error(
+        &mladb(&[&["check"][..], &twelve[..]].concat()),
+        &["3,141,59", TWELVE],
+    );
+    assert_error(
+        &mladb(&[&["bisect"][..], &twelve[..]].concat()),
+        &["3,141,59", TWELVE],
+    );
+    let other_decode = [
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--decode",
+        "2",
+        "--reference",
+        d,
+    ];
+    assert_error(&mladb(&other_decode), &["--decode 2", "0"]);
+    let other_prefill = [
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--prefill",
+        "1",
+        "--reference",
+        d,
+    ];
+    assert_error(&mladb(&other_prefill), &["--prefill 1", "3"]);
+
+    // Without --tokens the dump's own are used, and every op is compared.
+    let o = mladb(&["check", "--layout", "glm5-tiny", "--reference", d, "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    let s = summary(&o);
+    assert_eq!(s["reference"]["compared"], s["ops"], "{s}");
+    assert_eq!(s["reference"]["not_compared"].as_array().unwrap().len(), 0);
+    let o = mladb(&["bisect", "--layout", "glm5-tiny", "--reference", d]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    assert!(
+        stdout(&o).contains("130 of 130 ops compared"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
+fn a_dump_without_metadata_still_loads_but_any_shape_difference_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("old.safetensors");
+    let d = dump.to_str().unwrap();
+    dump_of(&dump, &["--tokens", "3,141,59"]);
+    rewrite(&dump, |_| true, None);
+    assert!(metadata(&dump).is_empty());
+
+    let o = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        TWELVE,
+        "--reference",
+        d,
+    ]);
+    assert_error(&o, &["model.embed_tokens", "[12, 256]", "[3, 256]"]);
+    let o = mladb(&["bisect", "--layout", "glm5-tiny", "--reference", d]);
+    assert_error(&o, &["[12, 256]", "[3, 256]"]);
+
+    let o = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "3,141,59",
+        "--reference",
+        d,
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    assert!(
+        stdout(&o).contains("tokens could not be checked"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
+fn ops_the_dump_lacks_are_listed_as_not_compared() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("partial.safetensors");
+    let d = dump.to_str().unwrap();
+    dump_of(&dump, &["--tokens", "3,141,59"]);
+    let meta = metadata(&dump);
+    let gone = "prefill/model.layers.1.self_attn.q_a_proj";
+    rewrite(&dump, |name| name != gone, Some(meta));
+
+    let o = mladb(&["check", "--layout", "glm5-tiny", "--reference", d, "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    let s = summary(&o);
+    assert_eq!(s["reference"]["not_compared"], serde_json::json!([gone]));
+    assert_eq!(
+        s["reference"]["compared"].as_u64().unwrap() + 1,
+        s["ops"].as_u64().unwrap()
+    );
+    let o = mladb(&["check", "--layout", "glm5-tiny", "--reference", d]);
+    let out = stdout(&o);
+    assert!(out.contains("compared 129 of 130 ops"), "{out}");
+    assert!(
+        out.contains("1 not compared") && out.contains(gone),
+        "{out}"
+    );
+    let o = mladb(&[
+        "bisect",
+        "--layout",
+        "glm5-tiny",
+        "--reference",
+        d,
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["not_compared"], serde_json::json!([gone]));
+    assert_eq!(v["compared"], 129);
+}
+
+/// The shipped HF fixture dump, run without --tokens: the tokens, prefill and decode count come
+/// from the dump and every mapped module output agrees (as tests/hf_parity.rs finds with them
+/// given); a planted fault still shows.
+#[test]
+fn the_hf_fixture_dump_supplies_its_own_tokens() {
+    let model = hf_fixture();
+    let dump = model.join("hf-dump.safetensors");
+    let (m, d) = (model.to_str().unwrap(), dump.to_str().unwrap());
+    let meta = metadata(&dump);
+    assert_eq!(meta.get("dump_format").map(String::as_str), Some("1"));
+    assert_eq!(meta.get("prefill").map(String::as_str), Some("6"));
+    assert_eq!(meta.get("decode").map(String::as_str), Some("3"));
+
+    let o = mladb(&["check", "--model", m, "--reference", d, "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    let s = summary(&o);
+    assert_eq!(s["findings"], 0);
+    let compared = s["reference"]["compared"].as_u64().unwrap();
+    assert!(compared > 500, "{s}");
+    assert!(compared < s["ops"].as_u64().unwrap(), "{s}");
+
+    let o = mladb(&["bisect", "--model", m, "--reference", d]);
+    assert_eq!(o.status.code(), Some(0), "{}{}", stdout(&o), stderr(&o));
+    assert!(
+        stdout(&o).contains(&format!("{compared} of ")),
+        "{}",
+        stdout(&o)
+    );
+
+    let o = mladb(&[
+        "check",
+        "--model",
+        m,
+        "--reference",
+        d,
+        "--inject",
+        "rope-noninterleaved",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let first: serde_json::Value =
+        serde_json::from_str(stdout(&o).lines().next().unwrap()).unwrap();
+    assert_eq!(first["kind"], "reference-mismatch");
+    assert_eq!(first["op"], "model.layers.0.self_attn.o_proj");
+    assert_error(
+        &mladb(&["check", "--model", m, "--tokens", "1,2,3", "--reference", d]),
+        &["1,2,3", "244,20,135"],
+    );
+}
+
+/// `replay --dump` writes the same metadata, from the session.
+#[test]
+fn replay_dumps_carry_the_sessions_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let session = dir.path().join("s.ron");
+    let dump = dir.path().join("replayed.safetensors");
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "3,141,59",
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--record",
+        session.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = mladb(&[
+        "replay",
+        session.to_str().unwrap(),
+        "--dump",
+        dump.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let meta = metadata(&dump);
+    for (key, want) in [
+        ("dump_format", "1"),
+        ("tokens", "[3,141,59]"),
+        ("prefill", "2"),
+        ("decode", "1"),
+        ("model", "layout glm5-tiny, seed 0"),
+    ] {
+        assert_eq!(
+            meta.get(key).map(String::as_str),
+            Some(want),
+            "{key}: {meta:?}"
+        );
+    }
+    assert!(meta["producer"].starts_with("mladb "), "{meta:?}");
+    assert!(meta["flags"].contains("inject none"), "{meta:?}");
+}
