@@ -65,11 +65,16 @@ def record(model_dir, prompt, k, decode, dtype="float32"):
     def hook(name):
         def keep(module, inputs, output):
             t = first_tensor(output)
-            if t is None or not t.is_floating_point():
+            key = name
+            if t is not None and name.endswith(".indexer"):
+                # The DSA indexer returns the keys it keeps (integers): recorded as the choice
+                # mladb compares as a choice (and reruns with, where it flipped within noise).
+                key = name + ".topk"
+            elif t is None or not t.is_floating_point():
                 return
             if t.dim() > 1 and t.shape[0] == 1:
                 t = t[0]
-            dump[f"{phase[0]}/{name}"] = t.detach().float().contiguous().clone()
+            dump[f"{phase[0]}/{key}"] = t.detach().float().contiguous().clone()
 
         return keep
 

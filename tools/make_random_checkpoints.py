@@ -9,13 +9,12 @@ report no findings on any of them, in f32 and bf16, on the CPU and the GPU.
 
 Each case is a checkpoint directory (config.json + model.safetensors, weights stored in bf16 to
 keep the fixtures small) and `cases.json` lists the schedule of each (tokens, prefill, decode).
-With --dumps, cases whose decisions tie exactly also get `hf-dump.safetensors`: transformers'
-outputs (f32 arithmetic on the stored bf16 weights) of every module for that schedule, written
-as tools/hf_dump.py writes them, plus the indexer's top-k choice (which hf_dump.py leaves out),
-for `mladb check --reference`.
+The first --dumps cases whose decisions tie exactly also get `hf-dump.safetensors`, written by
+tools/hf_dump.py (transformers' f32 arithmetic on the stored bf16 weights), for
+`mladb check --reference`: there torch's top-k and mladb's may break a tie differently.
 
 Usage (needs torch and transformers >= 5.13):
-    python3 tools/make_random_checkpoints.py tests/fixtures/random --count 20 --dumps
+    python3 tools/make_random_checkpoints.py tests/fixtures/random --count 20 --dumps 2
 """
 
 import argparse
@@ -30,6 +29,7 @@ from safetensors.torch import save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
+import hf_dump  # noqa: E402
 from make_hf_fixtures import MarginCheck, redraw_weights  # noqa: E402
 
 
@@ -37,7 +37,8 @@ def random_case(rng, index):
     """A random config (as keyword arguments) and schedule; GLM-5 for even indices."""
     glm = index % 2 == 0
     heads = rng.choice([1, 2, 4, 8])
-    layers = rng.choice([2, 3, 4])
+    heads = 16 if index % 10 == 3 else heads  # now and then many heads (DeepSeek cases)
+    layers = rng.choice([2, 3, 3, 4])
     n_experts = rng.choice([4, 8])
     per_tok = rng.choice([1, 2, 3])
     if glm:
@@ -45,18 +46,19 @@ def random_case(rng, index):
     else:
         # Groups are scored by their two best experts, so each needs at least two.
         n_group = rng.choice([g for g in [1, 2, 4] if n_experts // g >= 2])
-        topk_group = rng.randint(1, n_group)
+        # The kept groups must hold enough experts to choose from.
+        topk_group = rng.randint(-(-per_tok * n_group // n_experts), n_group)
     qk_rope = rng.choice([4, 8])
     config = dict(
-        vocab_size=rng.choice([96, 128, 160]),
-        hidden_size=rng.choice([32, 48, 64]),
-        intermediate_size=rng.choice([48, 64]),
-        moe_intermediate_size=rng.choice([16, 24]),
+        vocab_size=rng.choice([64, 96, 128]),
+        hidden_size=rng.choice([32, 48]),
+        intermediate_size=rng.choice([32, 48]),
+        moe_intermediate_size=rng.choice([8, 16]),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
         q_lora_rank=rng.choice([16, 24]) if glm else rng.choice([None, 16, 24]),
-        kv_lora_rank=rng.choice([16, 32]),
+        kv_lora_rank=rng.choice([16, 24]),
         qk_nope_head_dim=rng.choice([8, 16]),
         qk_rope_head_dim=qk_rope,
         v_head_dim=rng.choice([8, 16, 24]),
@@ -88,59 +90,12 @@ def random_case(rng, index):
     return glm, config, schedule
 
 
-@torch.no_grad()
-def hf_dump(model, prompt, prefill, decode, path, meta):
-    """Every module's first float output per phase, as tools/hf_dump.py records them, plus the
-    indexer's choice (its integer output) under `...self_attn.indexer.topk`."""
-    dump, phase = {}, ["prefill"]
-
-    def hook(name):
-        def record(module, inputs, output):
-            t = output
-            while isinstance(t, (tuple, list)):
-                t = t[0] if t else None
-            if not isinstance(t, torch.Tensor):
-                return
-            if name.endswith(".indexer"):
-                name_out = name + ".topk"
-                t = t.float()
-            elif not t.is_floating_point():
-                return
-            else:
-                name_out = name
-            if t.dim() > 1 and t.shape[0] == 1:
-                t = t[0]
-            dump[f"{phase[0]}/{name_out}"] = t.detach().float().contiguous().clone()
-
-        return record
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
-    out = model(input_ids=torch.tensor([prompt[:prefill]]), use_cache=True)
-    cache, last = out.past_key_values, out.logits[0, -1]
-    feed, step, generated = list(prompt[prefill:]), 0, []
-    while feed or len(generated) < decode:
-        if feed:
-            token = feed.pop(0)
-        else:
-            token = int(last.argmax())
-            generated.append(token)
-        phase[0] = f"decode.{step}"
-        out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
-        cache, last = out.past_key_values, out.logits[0, -1]
-        step += 1
-    for h in handles:
-        h.remove()
-    meta = dict(meta, generated=json.dumps(generated))
-    save_file(dump, str(path), metadata=meta)
-    return generated
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--seed", type=int, default=12)
-    ap.add_argument("--dumps", action="store_true")
+    ap.add_argument("--dumps", type=int, default=2, help="how many exact-tie cases get an HF dump")
     a = ap.parse_args()
     out = Path(a.out)
     if out.exists():
@@ -148,6 +103,7 @@ def main():
     out.mkdir(parents=True)
     rng = random.Random(a.seed)
     cases = []
+    dumps_left = a.dumps
     for i in range(a.count):
         glm, kwargs, schedule = random_case(rng, i)
         config = (GlmMoeDsaConfig if glm else DeepseekV3Config)(**kwargs)
@@ -181,16 +137,10 @@ def main():
             seed=seed,
             min_margin=None if margin == float("inf") else margin,
         )
-        if a.dumps and margin == 0.0:
-            meta = {
-                "mladb.dump": "1",
-                "tokens": json.dumps(prompt),
-                "prefill": str(schedule["prefill"]),
-                "decode": str(schedule["decode"]),
-                "source": "transformers",
-            }
-            hf_dump(model, prompt, schedule["prefill"], schedule["decode"], target / "hf-dump.safetensors", meta)
+        if dumps_left > 0 and margin == 0.0:
+            hf_dump.write(str(target), prompt, schedule["prefill"], schedule["decode"], str(target / "hf-dump.safetensors"))
             case["dump"] = "hf-dump.safetensors"
+            dumps_left -= 1
         cases.append(case)
         size = sum(f.stat().st_size for f in target.iterdir())
         print(f"{name}: {size / 1024:.0f} KiB, margin {margin:.2e}{', dump' if 'dump' in case else ''}")

@@ -9,7 +9,7 @@ whether check caught it. Exits 1 when a clean run had findings or a fault was mi
 
 Usage:
     python3 tools/noise_sweep.py [--mladb target/release/mladb] [--dtype bf16] [--seeds 6]
-        [--device cpu|cuda] [--faults] [--model DIR ...] [--full-size]
+        [--device cpu|cuda] [--faults] [--model DIR ...] [--random tests/fixtures/random] [--full-size]
 """
 
 import argparse
@@ -46,6 +46,7 @@ def main():
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--faults", action="store_true")
     ap.add_argument("--model", action="append", default=[])
+    ap.add_argument("--random", help="a folder of tools/make_random_checkpoints.py (cases.json)")
     ap.add_argument("--full-size", action="store_true", help="also glm5 and deepseek-v3, layers 0..4")
     a = ap.parse_args()
     common = ["--dtype", a.dtype, "--device", a.device]
@@ -59,6 +60,10 @@ def main():
     runs.append(["--layout", "glm5-tiny", "--quant", "q8_0", "--decode", "4"])
     for model in a.model:
         runs.append(["--model", model, "--decode", "4"])
+    if a.random:
+        for c in json.load(open(f"{a.random}/cases.json")):
+            tokens = ",".join(map(str, c["tokens"]))
+            runs.append(["--model", f"{a.random}/{c['name']}", "--tokens", tokens, "--prefill", str(c["prefill"]), "--decode", str(c["decode"])])
     if a.full_size:
         for layout in ["glm5", "deepseek-v3"]:
             runs.append(["--layout", layout, "--layers", "0..4", "--tokens", "1,2,3", "--decode", "2"])
@@ -81,10 +86,11 @@ def main():
         for h in summary["headroom"]:
             k = h["kind"]
             floor[k] = max(floor[k], h["floor_error"])
-            gain[k] = max(gain[k], h["gain_needed"])
-            ratio = h["rel_l2"] / h["tolerance"] if h["tolerance"] > 0 else 0.0
+            gain[k] = max(gain[k], h["gain_needed"] if h["gain_needed"] is not None else float("inf"))
+            rel = h["rel_l2"] if h["rel_l2"] is not None else float("inf")
+            ratio = rel / h["tolerance"] if h["tolerance"] > 0 else 0.0
             if ratio > closest[k][0]:
-                closest[k] = (ratio, f"{' '.join(r)} [{h['comparison']} {h['phase']} {h['op']}] {h['rel_l2']:.2e}/{h['tolerance']:.2e}")
+                closest[k] = (ratio, f"{' '.join(r)} [{h['comparison']} {h['phase']} {h['op']}] {rel:.2e}/{h['tolerance']:.2e}")
         table = summary["tolerances"]
     print(f"\n{len(runs)} clean runs ({a.dtype}, {a.device}), {dirty} with findings, {flips} selection notes")
     print(f"{'kind':<18} {'floor err':>10} {'floor':>8} {'gain need':>10} {'gain':>6} {'closest':>8}  where")

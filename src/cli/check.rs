@@ -233,7 +233,6 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
     let reference = load_reference(args.reference.as_deref(), args.name_map.as_deref())?;
     let setup = setup_against(&args.setup, reference.as_ref())?;
     let p = setup.prepare(&flags_a)?;
-    let heads = p.model.layout.num_heads;
     let job = Job {
         model: &p.model,
         backend: p.backend.as_ref(),
@@ -265,7 +264,7 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
             (bisect_paired(&a, paired), format!("run B ({fb})"))
         }
         (None, Some(dump)) => (
-            bisect_dump(&a, dump, heads, &tolerances)?,
+            bisect_dump(&job, &a, dump, &tolerances)?,
             "the reference dump".to_string(),
         ),
         (None, None) => unreachable!("checked above"),

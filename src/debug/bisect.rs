@@ -3,8 +3,9 @@
 
 use super::compare::OpComparison;
 use super::external::ExternalDump;
-use super::paired::Paired;
+use super::paired::{compare_reference, Paired};
 use super::record::RunRecord;
+use super::runner::Job;
 use super::selection::SelectionDiff;
 use super::tolerance::Tolerances;
 use crate::error::Result;
@@ -108,14 +109,14 @@ pub fn bisect_paired(a: &RunRecord, paired: Paired) -> Bisection {
 
 /// Run `a` against an external dump (an error when the dump is of other tokens or shapes).
 pub fn bisect_dump(
+    job: &Job,
     a: &RunRecord,
     dump: &ExternalDump,
-    num_heads: usize,
     tolerances: &Tolerances,
 ) -> Result<Bisection> {
-    let mut r = dump.compare(a, num_heads)?;
-    tolerances.judge(a, &mut r.comparisons);
-    let mut b = bisect(r.comparisons, r.ops, r.not_compared);
+    let (paired, r) = compare_reference(job, a, dump, tolerances)?;
+    let mut b = bisect_paired(a, paired);
+    b.not_compared = r.not_compared;
     b.notes = r.notes;
     Ok(b)
 }

@@ -14,10 +14,10 @@ use super::compare::OpComparison;
 use super::external::{ExternalDump, ReferenceComparison};
 use super::flags::Flags;
 use super::forensics::{disconnects, orphan_reads};
-use super::paired::{compare_paired, Paired, Pairing};
+use super::paired::{compare_paired, compare_reference, Paired, Pairing};
 use super::record::RunRecord;
 use super::runner::Job;
-use super::selection::{ambiguous_selections, SelectionDiff};
+use super::selection::{ambiguous_selections, AmbiguousSelection, SelectionDiff};
 use super::tolerance::Tolerances;
 use crate::engine::generate::Schedule;
 use crate::engine::trace::{OpKind, Phase};
@@ -260,18 +260,30 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
 
     let mut reference = None;
     if let Some(dump) = &options.reference {
-        let mut compared = dump.compare(&run, job.model.layout.num_heads)?;
-        tolerances.judge(&run, &mut compared.comparisons);
+        let (paired, compared) = compare_reference(job, &run, dump, &tolerances)?;
         v.notes.extend(compared.notes.iter().cloned());
         v.notes.push(format!("reference: {}", compared.summary()));
-        v.headroom
-            .extend(headroom_of("reference", &compared.comparisons, &tolerances));
-        v.findings.extend(first_per_phase(
-            &compared.comparisons,
-            &[],
+        let mut found = first_per_phase(
+            &paired.comparisons,
+            &paired.clear,
             FindingKind::ReferenceMismatch,
             "vs the reference dump",
-        ));
+        );
+        let ties = ambiguous_selections(&paired.other, job.model, &tolerances);
+        for f in &mut found {
+            if let Some(why) = tie_before(f, &paired, &ties, dump) {
+                f.detail.push_str(&why);
+            }
+        }
+        v.findings.extend(found);
+        v.add_flips(
+            &paired,
+            "reference",
+            "the run was made again with the reference's choice",
+        );
+        v.ops += paired.ops_executed;
+        v.headroom
+            .extend(headroom_of("reference", &paired.comparisons, &tolerances));
         reference = Some(compared);
     }
 
@@ -300,6 +312,19 @@ struct Verdicts {
 }
 
 impl Verdicts {
+    /// The flips within noise a comparison forced, as notes.
+    fn add_flips(&mut self, paired: &Paired, comparison: &str, what: &str) {
+        self.selection_notes
+            .extend(paired.flips.iter().map(|d| SelectionNote {
+                kind: "selection-flip".into(),
+                phase: d.phase,
+                op: d.op.clone(),
+                index: d.index,
+                comparison: comparison.to_string(),
+                detail: format!("{}; {what}", d.describe()),
+            }));
+    }
+
     /// Takes in one selection-aware comparison.
     fn add(&mut self, paired: Paired, c: Comparison) {
         self.ops += paired.ops_executed;
@@ -309,15 +334,7 @@ impl Verdicts {
             c.kind,
             &c.describe,
         ));
-        self.selection_notes
-            .extend(paired.flips.iter().map(|d| SelectionNote {
-                kind: "selection-flip".into(),
-                phase: d.phase,
-                op: d.op.clone(),
-                index: d.index,
-                comparison: c.name.to_string(),
-                detail: format!("{}; the second run was forced to A's choice", d.describe()),
-            }));
+        self.add_flips(&paired, c.name, "the second run was forced to A's choice");
         if paired.gave_up {
             self.notes.push(format!(
                 "{}: stopped forcing selection flips after {} re-runs",
@@ -327,6 +344,38 @@ impl Verdicts {
         self.headroom
             .extend(headroom_of(c.name, &paired.comparisons, &self.tolerances));
     }
+}
+
+/// When a reference finding follows a choice of the checked run that sits on an exact or near
+/// tie at the same token (another engine may break it another way), what to say about it: the
+/// tie, and whether the dump held the reference's choice to rerun with.
+fn tie_before(
+    f: &Finding,
+    paired: &Paired,
+    ties: &[AmbiguousSelection],
+    dump: &ExternalDump,
+) -> Option<String> {
+    let run = &paired.other;
+    let e = run.events.get(f.index)?;
+    let c = paired.comparisons.iter().find(|c| c.index == f.index)?;
+    let at = c.diff.as_ref().ok()?.max_abs_at.clone();
+    let axis = usize::from(e.kind == OpKind::AttentionProbs);
+    let position = e.positions.0 + at.get(axis).copied().unwrap_or(0);
+    let tie = ties
+        .iter()
+        .filter(|t| t.index < f.index && t.covers(position))
+        .next_back()?;
+    let row = tie.rows.iter().find(|r| r.position == position)?;
+    let rerun = if dump.tensors.contains_key(&(tie.phase, tie.op.clone())) {
+        "the dump's own choice there agrees with this run's, so it was not rerun"
+    } else {
+        "the dump holds no choice for that op, so check could not rerun with the reference's \
+         (a dump with it, such as tools/hf_dump.py writes, lets it)"
+    };
+    Some(format!(
+        " — it follows an ambiguous selection at {} {} position {position} (margin {:.2e}: kept {:?} vs left out {:?}): likely a tie-break difference, not a bug; {rerun}",
+        tie.phase, tie.op, row.margin, row.kept_near, row.dropped_near
+    ))
 }
 
 /// How close each op kind of one comparison came to its tolerances.

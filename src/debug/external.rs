@@ -410,6 +410,17 @@ impl ExternalDump {
                 m.decode
             )));
         }
+        // The reference's own generated tokens are fed as they are (teacher forcing), so that
+        // one greedy choice made differently does not feed every later step other tokens.
+        if m.generated.len() == m.decode && m.decode > 0 {
+            let mut tokens = m.tokens.clone();
+            tokens.extend(&m.generated);
+            return Ok(ScheduleArgs {
+                tokens: Some(tokens),
+                prefill: Some(m.prefill),
+                decode: Some(0),
+            });
+        }
         Ok(ScheduleArgs {
             tokens: Some(m.tokens.clone()),
             prefill: Some(given.prefill.unwrap_or(m.prefill)),
@@ -425,7 +436,18 @@ impl ExternalDump {
         match (&self.meta, &run.outcome) {
             (Some(m), Some(o)) => {
                 let fed = &o.tokens[..o.tokens.len() - o.generated.len()];
-                if fed != m.tokens || o.generated.len() != m.decode {
+                let forced: Vec<u32> = m.tokens.iter().chain(&m.generated).copied().collect();
+                let fed_generated = o.generated.is_empty()
+                    && m.decode > 0
+                    && m.generated.len() == m.decode
+                    && fed == forced;
+                if fed_generated {
+                    notes.push(format!(
+                        "reference: the run was fed the dump's {} generated tokens {:?}",
+                        m.generated.len(),
+                        m.generated
+                    ));
+                } else if fed != m.tokens || o.generated.len() != m.decode {
                     return Err(Error::invalid(format!(
                         "the run's tokens {} (decode {}) are not the reference dump's {} (decode {})",
                         token_list(fed),
@@ -434,7 +456,7 @@ impl ExternalDump {
                         m.decode
                     )));
                 }
-                if !m.generated.is_empty() && m.generated != o.generated {
+                if !fed_generated && !m.generated.is_empty() && m.generated != o.generated {
                     notes.push(format!(
                         "reference: the run generated {:?}, the dump's run {:?}: decode steps after the first difference were fed other tokens",
                         o.generated, m.generated

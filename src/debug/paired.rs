@@ -9,11 +9,13 @@
 //! clear margin), since what follows a real difference may be its consequence.
 
 use super::compare::{compare_outputs, compare_runs, prefill_vs_decode, OpComparison};
+use super::external::{ExternalDump, ReferenceComparison};
 use super::flags::Flags;
 use super::record::{ReplayPrefix, RunRecord};
 use super::runner::Job;
 use super::selection::{
-    diff_row, is_selection, run_choices, scores_kind, scores_op, OtherRow, SelectionDiff,
+    choices_of, diff_row, is_selection, run_choices, scores_kind, scores_op, OtherRow,
+    SelectionDiff,
 };
 use super::tolerance::Tolerances;
 use crate::engine::generate::Schedule;
@@ -83,19 +85,7 @@ pub fn compare_paired(
     loop {
         let comparisons = numeric(a, &b, pairing, job.model.layout.num_heads, tolerances);
         let diffs = selection_diffs(job, a, &b, pairing, &comparisons, tolerances);
-        let first_numeric = comparisons
-            .iter()
-            .find(|c| c.exceeds_its())
-            .map_or(usize::MAX, |c| c.index);
-        let first_clear = diffs
-            .iter()
-            .find(|d| !d.within_noise())
-            .map_or(usize::MAX, |d| d.index);
-        let to_force: Vec<SelectionDiff> = diffs
-            .iter()
-            .filter(|d| d.within_noise() && d.index < first_numeric && d.index <= first_clear)
-            .cloned()
-            .collect();
+        let to_force = flips_to_force(&comparisons, &diffs);
         let done = |gave_up, b, flips, clear| Paired {
             comparisons,
             flips,
@@ -131,6 +121,203 @@ pub fn compare_paired(
         flips.extend(to_force);
         b = rerun;
     }
+}
+
+/// The flips within noise to force next: those before the first real difference (an op over
+/// its tolerance, a flip at a clear margin), since what follows one may be its consequence.
+fn flips_to_force(comparisons: &[OpComparison], diffs: &[SelectionDiff]) -> Vec<SelectionDiff> {
+    let first_numeric = comparisons
+        .iter()
+        .find(|c| c.exceeds_its())
+        .map_or(usize::MAX, |c| c.index);
+    let first_clear = diffs
+        .iter()
+        .find(|d| !d.within_noise())
+        .map_or(usize::MAX, |d| d.index);
+    diffs
+        .iter()
+        .filter(|d| d.within_noise() && d.index < first_numeric && d.index <= first_clear)
+        .cloned()
+        .collect()
+}
+
+/// The examined run against a reference dump, selection-aware: where the dump's choices (its
+/// listing, or its router logits) differ from the run's within noise, the run is made again
+/// with the reference's choice forced, until no such flip is left before the first real
+/// difference. `Paired::other` is the run as last made; its comparison with the dump is
+/// returned beside.
+pub fn compare_reference(
+    job: &Job,
+    a: &RunRecord,
+    dump: &ExternalDump,
+    tolerances: &Tolerances,
+) -> Result<(Paired, ReferenceComparison)> {
+    let heads = job.model.layout.num_heads;
+    let schedule = Schedule {
+        prompt: a
+            .outcome
+            .as_ref()
+            .map(|o| o.tokens.clone())
+            .unwrap_or_default(),
+        prefill_len: job.schedule.prefill_len,
+        decode_steps: 0,
+    };
+    let mut forced = ForcedSelections::default();
+    let mut run = a.clone();
+    let (mut ops, mut reruns) = (0, 0);
+    let mut flips = Vec::new();
+    loop {
+        let mut reference = dump.compare(&run, heads)?;
+        reference
+            .comparisons
+            .retain(|c| !is_selection(&run.events[c.index]));
+        for c in reference.comparisons.iter_mut() {
+            if let Some(aligned) = aligned_dump_router_weights(&run, c.index, dump) {
+                let e = &run.events[c.index];
+                *c = compare_outputs(
+                    e,
+                    c.index,
+                    run.outputs[c.index].data(),
+                    &e.shape,
+                    &aligned,
+                    heads,
+                );
+            }
+        }
+        tolerances.judge(&run, &mut reference.comparisons);
+        let diffs = dump_selection_diffs(job, &run, dump, &reference.comparisons, tolerances);
+        let to_force = flips_to_force(&reference.comparisons, &diffs);
+        if to_force.is_empty() || reruns == MAX_RERUNS {
+            let gave_up = !to_force.is_empty();
+            let clear = diffs
+                .into_iter()
+                .filter(|d| !d.within_noise() || gave_up)
+                .collect();
+            let paired = Paired {
+                comparisons: reference.comparisons.clone(),
+                flips,
+                clear,
+                other: run,
+                ops_executed: ops,
+                reruns,
+                gave_up,
+            };
+            return Ok((paired, reference));
+        }
+        let mut until = usize::MAX;
+        for d in &to_force {
+            forced.force(d.phase, &d.op, d.row, d.chosen_b.clone());
+            until = until.min(d.index);
+        }
+        let replay = ReplayPrefix {
+            record: &run,
+            until: until.min(run.len()),
+        };
+        let rerun = job.run_forced(
+            run.flags,
+            &schedule,
+            &Arc::new(forced.clone()),
+            Some(replay),
+        )?;
+        ops += rerun.counts.executed;
+        reruns += 1;
+        flips.extend(to_force);
+        run = rerun;
+    }
+}
+
+/// Every row where the dump's choice differs from the run's. The dump's choice is its listing
+/// of the op, or, for routing, the choice its router logits make (a dump of another engine
+/// records the logits, not the experts).
+fn dump_selection_diffs(
+    job: &Job,
+    a: &RunRecord,
+    dump: &ExternalDump,
+    comparisons: &[OpComparison],
+    tolerances: &Tolerances,
+) -> Vec<SelectionDiff> {
+    let mut out = Vec::new();
+    for (i, e) in a.events.iter().enumerate() {
+        if !is_selection(e) {
+            continue;
+        }
+        let Some(ours) = run_choices(a, i, job.model) else {
+            continue;
+        };
+        let scores_name = scores_op(&e.name);
+        let scores = scores_name
+            .as_ref()
+            .and_then(|n| dump.tensors.get(&(e.phase, n.clone())))
+            .map(|(shape, data)| (shape.as_slice(), data.as_slice()));
+        let theirs = match dump.tensors.get(&(e.phase, e.name.clone())) {
+            Some((shape, listing)) => choices_of(e, (shape, listing), scores, job.model),
+            None => {
+                // Only the scores: the choice they make.
+                let empty = vec![-1.0; ours.len()];
+                choices_of(e, (&[1], &empty), scores, job.model).map(|rows| {
+                    rows.into_iter()
+                        .map(|mut r| {
+                            if let Some(k) = &r.ranking {
+                                r.chosen = k.choose();
+                                r.listed = r.chosen.clone();
+                            }
+                            r
+                        })
+                        .filter(|r| r.ranking.is_some())
+                        .collect()
+                })
+            }
+        };
+        let Some(theirs) = theirs.filter(|t| t.len() == ours.len()) else {
+            continue;
+        };
+        let scores_tolerance = scores_name
+            .and_then(|name| {
+                comparisons
+                    .iter()
+                    .find(|c| c.phase == e.phase && c.name == name && !c.tolerance.is_nan())
+            })
+            .map_or(tolerances.row(scores_kind(e)).0, |c| c.tolerance);
+        for (r, (mine, other_choice)) in ours.iter().zip(&theirs).enumerate() {
+            let other = OtherRow {
+                phase: e.phase,
+                row: r,
+            };
+            if let Some(d) = diff_row(e, (i, r), mine, other, other_choice, scores_tolerance) {
+                out.push(d);
+            }
+        }
+    }
+    out
+}
+
+/// For a routing-weights op: the dump's weights laid out in the run's expert order (see
+/// [`aligned_router_weights`]); `None` when the dump lacks the weights or the experts.
+fn aligned_dump_router_weights(a: &RunRecord, i: usize, dump: &ExternalDump) -> Option<Vec<f32>> {
+    let e = &a.events[i];
+    let ids_name = e.name.strip_suffix(".topk_weights")?.to_string() + ".topk_indices";
+    let (_, ids) = dump.tensors.get(&(e.phase, ids_name.clone()))?;
+    let (_, weights) = dump.tensors.get(&(e.phase, e.name.clone()))?;
+    let ours = a.output(e.phase, &ids_name)?;
+    align_weights(ours.data(), ids, weights, *e.shape.last()?)
+}
+
+/// `weights` (listed in the order of `ids`, `k` per row) laid out in the order of `ours`, 0 for
+/// an expert the other side did not choose.
+fn align_weights(ours: &[f32], ids: &[f32], weights: &[f32], k: usize) -> Option<Vec<f32>> {
+    if k == 0 || ours.len() != ids.len() || ids.len() != weights.len() {
+        return None;
+    }
+    Some(
+        ours.chunks(k)
+            .zip(ids.chunks(k).zip(weights.chunks(k)))
+            .flat_map(|(mine, (theirs, w))| {
+                mine.iter()
+                    .map(|x| theirs.iter().position(|y| y == x).map_or(0.0, |s| w[s]))
+                    .collect::<Vec<f32>>()
+            })
+            .collect(),
+    )
 }
 
 /// Numeric comparisons of A's ops with B's, selections left out, routing weights matched by

@@ -145,9 +145,9 @@ impl Ranking {
     }
 
     /// The smallest change of scores that makes this ranking choose `theirs` instead of its
-    /// own choice: every candidate only `theirs` holds raised by δ and every one only its own
-    /// choice holds lowered by δ (group scores follow), δ found by bisection: 0 for an exact tie
-    /// the tie-break decided, +∞ when no change of that kind gets there.
+    /// own choice: every candidate `theirs` holds raised by δ and every other lowered by δ
+    /// (group scores follow), δ found by bisection: 0 for an exact tie the tie-break decided,
+    /// +∞ when `theirs` is no choice this ranking could make (wrong size, out of range).
     pub fn change_to_choose(&self, theirs: &[usize]) -> f32 {
         let mine = self.choose();
         let mut target = theirs.to_vec();
@@ -155,17 +155,11 @@ impl Ranking {
         if mine == target {
             return 0.0;
         }
-        let (a, b): (BTreeSet<usize>, BTreeSet<usize>) = (
-            mine.iter().copied().collect(),
-            target.iter().copied().collect(),
-        );
+        let b: BTreeSet<usize> = target.iter().copied().collect();
         let flips_at = |delta: f32| {
             let mut moved = self.clone();
-            for &i in b.difference(&a) {
-                moved.scores[i] += delta;
-            }
-            for &i in a.difference(&b) {
-                moved.scores[i] -= delta;
+            for (i, s) in moved.scores.iter_mut().enumerate() {
+                *s += if b.contains(&i) { delta } else { -delta };
             }
             if let Some(g) = moved.groups.as_mut() {
                 g.scores = group_scores(&moved.scores, g.size);
@@ -288,28 +282,36 @@ pub fn run_choices(run: &RunRecord, index: usize, model: &Model) -> Option<Vec<R
     let e = &run.events[index];
     let listing = run.outputs[index].data();
     let scores = scores_op(&e.name).and_then(|n| run.output(e.phase, &n));
-    choices_of(e, listing, scores.map(|t| (t.shape(), t.data())), model)
+    choices_of(
+        e,
+        (&e.shape, listing),
+        scores.map(|t| (t.shape(), t.data())),
+        model,
+    )
 }
 
-/// Choices of selection op `e` from its listing (one row per token, −1 for padding) and the
-/// scores it was made from (`[rows, candidates]`).
+/// Choices of selection op `e` from a listing of shape `[rows, k]` (one row per token; −1 pads;
+/// another engine's DSA listing may name masked future keys, which are left out) and the scores
+/// they were made from (`[rows, candidates]`).
 pub fn choices_of(
     e: &OpEvent,
-    listing: &[f32],
+    (shape, listing): (&[usize], &[f32]),
     scores: Option<(&[usize], &[f32])>,
     model: &Model,
 ) -> Option<Vec<RowChoice>> {
-    let cols = *e.shape.last()?;
-    let rows = e.shape.first().copied()?;
-    if cols == 0 || rows * cols != listing.len() {
+    let cols = *shape.last()?;
+    if cols == 0 || listing.len() % cols != 0 {
         return None;
     }
+    let rows = listing.len() / cols;
     Some(
         (0..rows)
             .map(|r| {
+                let causal =
+                    |v: &f32| e.kind != OpKind::IndexTopK || *v <= (e.positions.0 + r) as f32;
                 let listed: Vec<usize> = listing[r * cols..(r + 1) * cols]
                     .iter()
-                    .filter(|v| **v >= 0.0)
+                    .filter(|v| **v >= 0.0 && causal(v))
                     .map(|&v| v as usize)
                     .collect();
                 let mut chosen = listed.clone();
@@ -574,10 +576,10 @@ mod tests {
         let b = r.boundary(&[0, 1], 1e-3);
         assert_eq!(b.margin, 0.0);
         assert_eq!((b.kept_near, b.dropped_near), (vec![1], vec![3]));
-        // The other tie-break costs nothing; choosing key 4 needs it raised past key 3 (0.5),
-        // which no candidate of either choice holds, so by 0.5.
+        // The other tie-break costs nothing; choosing key 4 needs it raised and keys 1 and 3
+        // lowered until they meet: each score moved by 0.25.
         assert!(r.change_to_choose(&[0, 3]) < 1e-6);
-        assert!((r.change_to_choose(&[0, 4]) - 0.5).abs() < 1e-5);
+        assert!((r.change_to_choose(&[0, 4]) - 0.25).abs() < 1e-5);
         assert_eq!(r.change_to_choose(&[0, 1]), 0.0);
         assert!(!Ranking::keys(&[1.0, 2.0], 2).decides());
     }

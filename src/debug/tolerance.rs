@@ -56,52 +56,18 @@ const F32: (f64, f64) = (1e-4, 10.0);
 const BF16_DEFAULT: (f64, f64) = (1.5e-2, 4.0);
 
 /// Measured bf16 rows (floor, gain); see the module doc and the README.
+#[rustfmt::skip]
 const TABLE: &[Row] = &[
-    Row {
-        kind: OpKind::AttentionProbs,
-        f32: F32,
-        bf16: (1.5e-2, 12.0),
-    },
-    Row {
-        kind: OpKind::Attention,
-        f32: F32,
-        bf16: (1.5e-2, 12.0),
-    },
-    Row {
-        kind: OpKind::AttentionLatent,
-        f32: F32,
-        bf16: (1.5e-2, 12.0),
-    },
-    Row {
-        kind: OpKind::IndexScores,
-        f32: F32,
-        bf16: (2e-2, 16.0),
-    },
-    Row {
-        kind: OpKind::Linear,
-        f32: F32,
-        bf16: (1.5e-2, 8.0),
-    },
-    Row {
-        kind: OpKind::Experts,
-        f32: F32,
-        bf16: (1.5e-2, 8.0),
-    },
-    Row {
-        kind: OpKind::Router,
-        f32: F32,
-        bf16: (1.5e-2, 8.0),
-    },
-    Row {
-        kind: OpKind::Activation,
-        f32: F32,
-        bf16: (1.5e-2, 8.0),
-    },
-    Row {
-        kind: OpKind::Sum,
-        f32: F32,
-        bf16: (1.5e-2, 8.0),
-    },
+    Row { kind: OpKind::AttentionProbs,  f32: F32, bf16: (1.5e-2, 12.0) },
+    Row { kind: OpKind::Attention,       f32: F32, bf16: (1.5e-2, 12.0) },
+    Row { kind: OpKind::AttentionLatent, f32: F32, bf16: (1.5e-2, 12.0) },
+    Row { kind: OpKind::IndexScores,     f32: F32, bf16: (2e-2, 16.0) },
+    Row { kind: OpKind::Linear,          f32: F32, bf16: (1.5e-2, 24.0) },
+    Row { kind: OpKind::Rope,            f32: F32, bf16: (1.5e-2, 24.0) },
+    Row { kind: OpKind::Experts,         f32: F32, bf16: (1.5e-2, 8.0) },
+    Row { kind: OpKind::Router,          f32: F32, bf16: (1.5e-2, 8.0) },
+    Row { kind: OpKind::Activation,      f32: F32, bf16: (1.5e-2, 8.0) },
+    Row { kind: OpKind::Sum,             f32: F32, bf16: (1.5e-2, 8.0) },
 ];
 
 impl Tolerances {
