@@ -366,8 +366,14 @@ fn tie_before(
         .filter(|t| t.index < f.index && t.covers(position))
         .next_back()?;
     let row = tie.rows.iter().find(|r| r.position == position)?;
-    let rerun = if dump.tensors.contains_key(&(tie.phase, tie.op.clone())) {
-        "the dump's own choice there agrees with this run's, so it was not rerun"
+    let forced = paired
+        .flips
+        .iter()
+        .any(|d| d.index == tie.index && d.position == position);
+    let rerun = if forced {
+        "the run was already made again with the dump's choice there"
+    } else if dump.tensors.contains_key(&(tie.phase, tie.op.clone())) {
+        "the dump's choice there is this run's"
     } else {
         "the dump holds no choice for that op, so check could not rerun with the reference's \
          (a dump with it, such as tools/hf_dump.py writes, lets it)"

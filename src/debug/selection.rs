@@ -179,7 +179,8 @@ impl Ranking {
                 lo = mid;
             }
         }
-        if flips_at(0.0) {
+        // What bisection leaves of an exact tie is rounding: call it one.
+        if flips_at(0.0) || hi <= 1e-6 * self.scale().max(1.0) {
             0.0
         } else {
             hi

@@ -1,0 +1,476 @@
+//! The verdicts of `check` in both directions: clean runs of every tiny layout and of 20 random
+//! HF checkpoints (ties included) report no findings in f32 and in bf16; every fault of the
+//! catalogue is still caught in bf16; a tie built on purpose is noted; a choice that differs
+//! within noise is noted and forced, one that differs beyond it is a finding; notes leave the
+//! exit code alone.
+
+mod common;
+
+use mladb::backend::cpu::CpuBackend;
+use mladb::debug::detect::{check, CheckOptions, CheckReport};
+use mladb::debug::external::ExternalDump;
+use mladb::debug::runner::Job;
+use mladb::debug::Flags;
+use mladb::engine::generate::Schedule;
+use mladb::engine::trace::{OpKind, Phase};
+use mladb::engine::ForcedSelections;
+use mladb::model::Model;
+use safetensors::tensor::TensorView;
+use safetensors::SafeTensors;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const RANDOM: &str = "tests/fixtures/random";
+
+fn run_check(
+    model: &Model,
+    schedule: &Schedule,
+    flags: &str,
+    reference: Option<ExternalDump>,
+) -> CheckReport {
+    let layers = 0..model.layout.num_layers;
+    let job = Job {
+        model,
+        backend: &CpuBackend,
+        schedule,
+        layers: &layers,
+        poison: true,
+    };
+    let options = CheckOptions {
+        tolerance: None,
+        reference,
+    };
+    check(&job, Flags::parse(flags).unwrap(), &options).unwrap()
+}
+
+/// The findings other than the all-zero head weights a tied checkpoint has by construction.
+fn besides_zero_head_weights(report: &CheckReport) -> Vec<String> {
+    report
+        .findings
+        .iter()
+        .filter(|f| !(f.kind.to_string() == "all-zero" && f.op.ends_with("indexer.weights_proj")))
+        .map(|f| format!("  {} {} {}: {}", f.kind, f.phase, f.op, f.detail))
+        .collect()
+}
+
+fn describe(report: &CheckReport) -> String {
+    report
+        .findings
+        .iter()
+        .map(|f| format!("  {} {} {}: {}", f.kind, f.phase, f.op, f.detail))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// One case of tools/make_random_checkpoints.py.
+struct Case {
+    name: String,
+    dir: PathBuf,
+    schedule: Schedule,
+    dump: Option<PathBuf>,
+}
+
+fn random_cases() -> Vec<Case> {
+    let text = std::fs::read_to_string(Path::new(RANDOM).join("cases.json")).unwrap();
+    let cases: serde_json::Value = serde_json::from_str(&text).unwrap();
+    cases
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let name = c["name"].as_str().unwrap().to_string();
+            let dir = Path::new(RANDOM).join(&name);
+            let tokens = c["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect();
+            Case {
+                dump: c["dump"].as_str().map(|d| dir.join(d)),
+                schedule: Schedule {
+                    prompt: tokens,
+                    prefill_len: c["prefill"].as_u64().unwrap() as usize,
+                    decode_steps: c["decode"].as_u64().unwrap() as usize,
+                },
+                dir,
+                name,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn clean_tiny_layouts_report_nothing_in_f32_and_bf16() {
+    for layout in ["glm5-tiny", "glm5-tiny-wide", "deepseek-v3-tiny"] {
+        for seed in [0, 1, 5] {
+            let model = common::synthetic(layout, seed);
+            for prefill in [6, 12] {
+                let schedule = Schedule {
+                    prompt: common::prompt(model.layout.vocab_size, 12),
+                    prefill_len: prefill,
+                    decode_steps: 4,
+                };
+                for dtype in ["f32", "bf16"] {
+                    let report = run_check(&model, &schedule, &format!("dtype={dtype}"), None);
+                    assert!(
+                        report.findings.is_empty(),
+                        "{layout} seed {seed} prefill {prefill} {dtype}:\n{}",
+                        describe(&report)
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn random_hf_checkpoints_are_clean_in_f32_and_bf16() {
+    let cases = random_cases();
+    assert!(cases.len() >= 20, "the fixture holds {} cases", cases.len());
+    let mut ties = 0;
+    for case in &cases {
+        let model = Model::hf_checkpoint(&case.dir, 1 << 30).unwrap();
+        for dtype in ["f32", "bf16"] {
+            let report = run_check(&model, &case.schedule, &format!("dtype={dtype}"), None);
+            assert!(
+                report.findings.is_empty(),
+                "{} {dtype}:\n{}",
+                case.name,
+                describe(&report)
+            );
+            ties += report
+                .selection_notes
+                .iter()
+                .filter(|n| {
+                    n.kind == "ambiguous-selection"
+                        && n.detail.contains("exact ties")
+                        && !n.detail.contains("(0 exact ties)")
+                })
+                .count();
+        }
+    }
+    assert!(ties > 0, "some random case must break an exact tie");
+}
+
+/// Against transformers' own dump, a torch top-k that breaks an exact DSA tie another way than
+/// mladb is noted and followed, not reported as a mismatch.
+#[test]
+fn a_reference_that_breaks_ties_another_way_is_followed_not_reported() {
+    let mut followed = 0;
+    for case in random_cases() {
+        let Some(dump) = &case.dump else { continue };
+        let model = Model::hf_checkpoint(&case.dir, 1 << 30).unwrap();
+        let reference = ExternalDump::load(dump, None).unwrap();
+        let meta = reference
+            .meta
+            .clone()
+            .expect("the fixture dump has metadata");
+        // Fed the reference's generated tokens, as check --reference does.
+        let mut prompt = meta.tokens.clone();
+        prompt.extend(&meta.generated);
+        let schedule = Schedule {
+            prompt,
+            prefill_len: meta.prefill,
+            decode_steps: 0,
+        };
+        let report = run_check(&model, &schedule, "dtype=f32", Some(reference));
+        assert!(
+            report.findings.is_empty(),
+            "{}:\n{}",
+            case.name,
+            describe(&report)
+        );
+        followed += report
+            .selection_notes
+            .iter()
+            .filter(|n| n.kind == "selection-flip" && n.comparison == "reference")
+            .count();
+    }
+    assert!(followed > 0, "no fixture dump broke a tie another way");
+}
+
+#[test]
+fn every_fault_is_caught_in_bf16() {
+    for layout in ["glm5-tiny", "deepseek-v3-tiny"] {
+        let model = common::synthetic(layout, 0);
+        let schedule = Schedule {
+            prompt: common::prompt(model.layout.vocab_size, 12),
+            prefill_len: 9,
+            decode_steps: 4,
+        };
+        for (fault, op) in [
+            ("output-buffer-disconnect", "attn_output"),
+            ("softmax-scale-latent", "attn_probs"),
+            ("absorb-wrong-split", "attn_probs"),
+            ("lse-base-mismatch", "attn_probs"),
+            ("skip-padded-rows", "attn_probs"),
+            ("kv-cache-off-by-one", "attn_probs"),
+        ] {
+            let report = run_check(
+                &model,
+                &schedule,
+                &format!("dtype=bf16,inject={fault}"),
+                None,
+            );
+            let first = report
+                .findings
+                .first()
+                .unwrap_or_else(|| panic!("{layout} {fault}: not caught"));
+            assert_eq!(
+                first.op,
+                format!("model.layers.0.self_attn.{op}"),
+                "{layout} {fault}:\n{}",
+                describe(&report)
+            );
+        }
+    }
+    let model = Model::synthetic_quantized(
+        mladb::model::Layout::resolve("glm5-tiny-wide").unwrap(),
+        0,
+        Some(mladb::gguf::GgmlType::from_name("q4_k").unwrap()),
+        1 << 30,
+    )
+    .unwrap();
+    let schedule = Schedule {
+        prompt: common::prompt(model.layout.vocab_size, 12),
+        prefill_len: 9,
+        decode_steps: 3,
+    };
+    let report = run_check(
+        &model,
+        &schedule,
+        "dtype=bf16,inject=q4k-scale-unpack",
+        None,
+    );
+    assert!(
+        report
+            .findings
+            .iter()
+            .any(|f| f.kind.to_string() == "quant-mismatch"),
+        "{}",
+        describe(&report)
+    );
+}
+
+/// A copy of a random GLM-5 checkpoint whose indexer head weights are all zero: every DSA score
+/// is exactly 0, so every top-k with more keys than it keeps breaks an exact tie. (The head
+/// weights themselves are then an all-zero output, which check rightly reports.)
+fn tied_checkpoint(from: &Path) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(from.join("config.json"), dir.path().join("config.json")).unwrap();
+    let bytes = std::fs::read(from.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let zeros: Vec<(String, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let data = if name.ends_with("indexer.weights_proj.weight") {
+                vec![0u8; view.data().len()]
+            } else {
+                view.data().to_vec()
+            };
+            (name, data)
+        })
+        .collect();
+    let views: Vec<(String, TensorView)> = zeros
+        .iter()
+        .map(|(name, data)| {
+            let v = st.tensor(name).unwrap();
+            (
+                name.clone(),
+                TensorView::new(v.dtype(), v.shape().to_vec(), data).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+    dir
+}
+
+#[test]
+fn a_tie_built_on_purpose_is_noted_with_its_candidates() {
+    let case = random_cases()
+        .into_iter()
+        .find(|c| c.name.starts_with("glm5"))
+        .unwrap();
+    let dir = tied_checkpoint(&case.dir);
+    let model = Model::hf_checkpoint(dir.path(), 1 << 30).unwrap();
+    let report = run_check(&model, &case.schedule, "dtype=f32", None);
+    let others = besides_zero_head_weights(&report);
+    assert!(others.is_empty(), "{}", others.join("\n"));
+    let ties: Vec<_> = report
+        .selection_notes
+        .iter()
+        .filter(|n| n.kind == "ambiguous-selection" && n.op.ends_with("indexer.topk"))
+        .collect();
+    assert!(
+        !ties.is_empty(),
+        "no tie noted: {:#?}",
+        report.selection_notes
+    );
+    // All scores are 0: margins are exact ties, candidates listed on both sides.
+    let first = &ties[0].detail;
+    assert!(first.contains("margin 0.00e0"), "{first}");
+    assert!(!first.contains("(0 exact ties)"), "{first}");
+    assert!(
+        first.contains("kept [") && first.contains("left out ["),
+        "{first}"
+    );
+}
+
+/// Another engine that breaks an exact DSA tie the other way (mladb itself, forced to the other
+/// choice, standing in for it): the flip is noted and followed, and no finding remains.
+#[test]
+fn a_tie_broken_the_other_way_is_followed() {
+    let case = random_cases()
+        .into_iter()
+        .find(|c| c.name.starts_with("glm5"))
+        .unwrap();
+    let dir = tied_checkpoint(&case.dir);
+    let model = Model::hf_checkpoint(dir.path(), 1 << 30).unwrap();
+    let layers = 0..model.layout.num_layers;
+    let job = Job {
+        model: &model,
+        backend: &CpuBackend,
+        schedule: &case.schedule,
+        layers: &layers,
+        poison: true,
+    };
+    let run = job.run(Flags::default(), None).unwrap();
+    // A prefill top-k row that decides (more causal keys than it keeps).
+    let topk = model.layout.indexer.as_ref().unwrap().topk;
+    let (i, e) = run
+        .events
+        .iter()
+        .enumerate()
+        .find(|(_, e)| e.kind == OpKind::IndexTopK && e.phase == Phase::Prefill)
+        .unwrap();
+    let row = (0..e.shape[0])
+        .find(|&r| r + 1 > topk)
+        .expect("a deciding row");
+    let listing = run.outputs[i].data()[row * e.shape[1]..(row + 1) * e.shape[1]].to_vec();
+    let left_out = (0..=row).find(|k| !listing.contains(&(*k as f32))).unwrap();
+
+    // Every score is 0: a left-out key in place of a kept one is the tie broken another way.
+    let mut other_way: Vec<usize> = listing.iter().map(|&k| k as usize).collect();
+    other_way[0] = left_out;
+    let mut forced = ForcedSelections::default();
+    forced.force(e.phase, &e.name, row, other_way);
+    let other_engine = job
+        .run_forced(
+            Flags::default(),
+            &case.schedule,
+            &std::sync::Arc::new(forced),
+            None,
+        )
+        .unwrap();
+    let dump = ExternalDump::from_run(&other_engine);
+    // Without the choice in the dump (transformers' hooks record no indices), the difference
+    // stays, but the finding says what it follows.
+    let mut without_choice = ExternalDump::from_run(&other_engine);
+    without_choice.tensors.remove(&(e.phase, e.name.clone()));
+    let report = run_check(&model, &case.schedule, "", Some(without_choice));
+    let after_tie = report
+        .findings
+        .iter()
+        .find(|f| f.kind.to_string() == "reference-mismatch")
+        .unwrap_or_else(|| panic!("the other tie-break shows:\n{}", describe(&report)));
+    assert!(
+        after_tie.detail.contains("likely a tie-break difference")
+            && after_tie.detail.contains("holds no choice"),
+        "{}",
+        after_tie.detail
+    );
+    let report = run_check(&model, &case.schedule, "", Some(dump));
+    let others = besides_zero_head_weights(&report);
+    assert!(others.is_empty(), "{}", others.join("\n"));
+    assert!(
+        report
+            .selection_notes
+            .iter()
+            .any(|n| n.kind == "selection-flip" && n.op == e.name && n.comparison == "reference"),
+        "{:#?}",
+        report.selection_notes
+    );
+}
+
+/// mladb's own dump with one DSA choice changed to the causal key its scores rank lowest: a
+/// choice no noise explains, reported at the top-k.
+#[test]
+fn a_choice_beyond_noise_is_a_finding() {
+    let case = random_cases()
+        .into_iter()
+        .find(|c| c.name.starts_with("glm5"))
+        .unwrap();
+    let model = Model::hf_checkpoint(&case.dir, 1 << 30).unwrap();
+    let layers = 0..model.layout.num_layers;
+    let job = Job {
+        model: &model,
+        backend: &CpuBackend,
+        schedule: &case.schedule,
+        layers: &layers,
+        poison: true,
+    };
+    let run = job.run(Flags::default(), None).unwrap();
+    let topk = model.layout.indexer.as_ref().unwrap().topk;
+    let (i, e) = run
+        .events
+        .iter()
+        .enumerate()
+        .find(|(_, e)| e.kind == OpKind::IndexTopK && e.phase == Phase::Prefill)
+        .unwrap();
+    let scores = run
+        .output(e.phase, &e.name.replace(".topk", ".scores"))
+        .unwrap();
+    let row = e.shape[0] - 1;
+    assert!(row + 1 > topk, "the last prefill row decides");
+    let causal = &scores.row(row)[..=row];
+    let (worst, _) = causal
+        .iter()
+        .enumerate()
+        .min_by(|a, b| a.1.total_cmp(b.1))
+        .unwrap();
+    let mut dump = ExternalDump::from_run(&run);
+    let (_, data) = dump.tensors.get_mut(&(e.phase, e.name.clone())).unwrap();
+    let listing = &mut data[row * e.shape[1]..(row + 1) * e.shape[1]];
+    // Replace the kept key the scores rank highest by the one they rank lowest.
+    let best = (0..listing.len())
+        .max_by(|&a, &b| causal[listing[a] as usize].total_cmp(&causal[listing[b] as usize]))
+        .unwrap();
+    listing[best] = worst as f32;
+    let report = run_check(&model, &case.schedule, "", Some(dump));
+    let finding = report
+        .findings
+        .iter()
+        .find(|f| f.op == e.name && f.index == i)
+        .unwrap_or_else(|| panic!("no finding at the top-k:\n{}", describe(&report)));
+    assert!(
+        finding.detail.contains("beyond noise"),
+        "{}",
+        finding.detail
+    );
+}
+
+#[test]
+fn notes_leave_the_exit_code_alone() {
+    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args([
+            "check",
+            "--layout",
+            "deepseek-v3-tiny",
+            "--seed",
+            "1",
+            "--prefill",
+            "6",
+            "--decode",
+            "4",
+            "--dtype",
+            "bf16",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("note: selection-flip"), "{stdout}");
+    assert!(stdout.contains("no findings"), "{stdout}");
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+}
