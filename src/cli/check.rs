@@ -2,6 +2,7 @@
 //! when there are, 2 on bad input.
 
 use super::args::{FlagArgs, RecordArgs, RunSetup};
+use super::Out;
 use crate::debug::detect::{check, CheckOptions, CheckReport};
 use crate::debug::external::{ExternalDump, NameMap};
 use crate::debug::runner::Job;
@@ -91,20 +92,21 @@ pub fn run(args: &CheckArgs) -> Result<bool> {
         }
     }
     if args.json {
-        print_json(&report, seconds);
+        print_json(&report, seconds)?;
     } else {
-        print_text(&report, &p.model.layout.name, seconds);
+        print_text(&report, &p.model.layout.name, seconds)?;
     }
     Ok(!report.findings.is_empty())
 }
 
-fn print_json(report: &CheckReport, seconds: f64) {
+fn print_json(report: &CheckReport, seconds: f64) -> Result<()> {
     for f in &report.findings {
         let mut v = serde_json::to_value(f).expect("a finding serialises");
         v["type"] = json!("finding");
-        println!("{v}");
+        writeln!(Out, "{v}")?;
     }
-    println!(
+    writeln!(
+        Out,
         "{}",
         json!({
             "type": "summary",
@@ -115,41 +117,45 @@ fn print_json(report: &CheckReport, seconds: f64) {
             "ops_executed": report.ops_executed,
             "seconds": seconds,
         })
-    );
+    )
 }
 
-fn print_text(report: &CheckReport, layout: &str, seconds: f64) {
-    println!(
+fn print_text(report: &CheckReport, layout: &str, seconds: f64) -> Result<()> {
+    writeln!(
+        Out,
         "mladb check: {layout}, {} ops, flags: {}; tolerance {:.0e}",
         report.run.len(),
         report.run.flags,
         report.tolerance
-    );
+    )?;
     for n in &report.notes {
-        println!("  note: {n}");
+        writeln!(Out, "  note: {n}")?;
     }
     if report.findings.is_empty() {
-        println!(
+        writeln!(
+            Out,
             "no findings ({} ops computed in {seconds:.2}s)",
             report.ops_executed
-        );
-        return;
+        )?;
+        return Ok(());
     }
-    println!("{:<26} {:<9} {:<48} detail", "finding", "phase", "op");
+    writeln!(Out, "{:<26} {:<9} {:<48} detail", "finding", "phase", "op")?;
     for f in &report.findings {
-        println!(
+        writeln!(
+            Out,
             "{:<26} {:<9} {:<48} {}",
             f.kind.to_string(),
             f.phase.to_string(),
             f.op,
             f.detail
-        );
+        )?;
     }
-    println!(
+    writeln!(
+        Out,
         "{} finding(s) ({} ops computed in {seconds:.2}s)",
         report.findings.len(),
         report.ops_executed
-    );
+    )
 }
 
 #[derive(Args, Debug, Clone)]
@@ -236,38 +242,44 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
         (None, None) => unreachable!("checked above"),
     };
     if args.json {
-        println!(
+        writeln!(
+            Out,
             "{}",
             serde_json::to_string(&result).expect("a bisection serialises")
-        );
+        )?;
         return Ok(result.first.is_some());
     }
-    println!(
+    writeln!(
+        Out,
         "mladb bisect: run A ({flags_a}) against {against}; tolerance {:.0e}",
         args.tolerance
-    );
+    )?;
     match &result.first {
-        None => println!(
+        None => writeln!(
+            Out,
             "no op differs beyond tolerance ({} ops compared)",
             result.compared
-        ),
+        )?,
         Some(first) => {
             if let Some(good) = &result.last_good {
                 let figures = good.diff.as_ref().map(|d| d.summary()).unwrap_or_default();
-                println!(
+                writeln!(
+                    Out,
                     "last agreeing op:  #{} {} {}: {figures}",
                     good.index, good.phase, good.name
-                );
+                )?;
             }
             let figures = first.diff.as_ref().map(|d| d.summary()).unwrap_or_default();
-            println!(
+            writeln!(
+                Out,
                 "first divergent:   #{} {} {}: {figures}",
                 first.index, first.phase, first.name
-            );
-            println!(
+            )?;
+            writeln!(
+                Out,
                 "{} of {} compared ops differ beyond tolerance",
                 result.divergent, result.compared
-            );
+            )?;
         }
     }
     Ok(result.first.is_some())
