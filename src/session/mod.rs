@@ -225,7 +225,12 @@ impl Session {
         }
         for (n, run) in session.runs.iter().enumerate() {
             for (i, op) in run.ops.iter().enumerate() {
-                let numel: usize = op.event.shape.iter().product();
+                let Some(numel) = crate::debug::sample::numel(&op.event.shape) else {
+                    return Err(format!(
+                        "runs[{n}].ops[{i}].event.shape: {:?} has more elements than memory can address",
+                        op.event.shape
+                    ));
+                };
                 let want = recorded::sample_indices(numel).len();
                 if op.sample.len() != want {
                     return Err(format!(
@@ -263,9 +268,10 @@ impl Session {
                 if view.dtype() != safetensors::Dtype::F32 {
                     return Err(Error::parse(&path, format!("{name}: not F32")));
                 }
+                // The event's shape is the op's; the stored one need only hold as many values.
                 let shape = view.shape().to_vec();
-                let numel: usize = op.event.shape.iter().product();
-                if shape.iter().product::<usize>() != numel {
+                let numel = crate::debug::sample::numel(&op.event.shape);
+                if crate::debug::sample::numel(&shape) != numel {
                     return Err(Error::parse(
                         &path,
                         format!(
@@ -279,7 +285,7 @@ impl Session {
                     .chunks_exact(4)
                     .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     .collect();
-                outs.push(Arc::new(Tensor::from_vec(&shape, data)));
+                outs.push(Arc::new(Tensor::from_vec(&op.event.shape, data)));
             }
             runs.push(outs);
         }

@@ -165,11 +165,13 @@ impl Autosave {
     }
 }
 
-/// The first op over tolerance in a comparison, and how many ops were compared.
+/// The first op over tolerance in a comparison, how many ops were compared, and how many could
+/// not be, with the first reason (a replay of samples, say).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Divergence {
     pub first: Option<(usize, Phase, String)>,
     pub compared: usize,
+    pub not_compared: Option<(usize, String)>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]

@@ -6,12 +6,12 @@
 use super::driver::Driver;
 use super::host::{AuxKind, Command, Info, Send, Update};
 use crate::debug::breakpoint::Breakpoint;
-use crate::debug::compare::{compare_runs, diff, heads_of};
+use crate::debug::compare::{compare_outputs, compare_runs};
 use crate::debug::controller::Stop;
 use crate::debug::RunRecord;
 use crate::error::{Error, Result};
 use crate::model::Layout;
-use crate::session::recorded::{is_sampled, RunRole};
+use crate::session::recorded::RunRole;
 use crate::session::{Cursor, ModelSource, Session};
 use crate::tensor::Tensor;
 use std::path::{Path, PathBuf};
@@ -344,18 +344,17 @@ impl ReplayHost {
             .position(|b| b.hits(e, previous, diff))
     }
 
-    /// rel L2 of op `i` against the comparison run, when both outputs are whole.
+    /// rel L2 of op `i` against the comparison run: of the whole outputs, or of the recorded
+    /// samples in a replay without tensors (as the Compare pane and the tree's marks show it).
     fn op_diff(&self, i: usize) -> Option<f64> {
         let other = &self.records[self.timeline[self.current_run().compared_with?]];
         let run = self.current();
         let e = &run.events[i];
         let j = other.find(e.phase, &e.name)?;
         let (a, b) = (&run.outputs[i], &other.outputs[j]);
-        if is_sampled(e, a) || is_sampled(&other.events[j], b) || a.numel() != b.numel() {
-            return None;
-        }
         let heads = self.info.layout.num_heads;
-        Some(diff(a.data(), b.data(), &e.shape, heads_of(e, heads)).rel_l2)
+        let c = compare_outputs(e, i, a.data(), &other.events[j].shape, b.data(), heads);
+        c.diff.ok().map(|d| d.rel_l2)
     }
 
     fn run_until(&mut self, next_layer: bool) {

@@ -6,6 +6,7 @@ use super::{num, short_name};
 use crate::debug::compare::{
     compare_runs, first_divergence, prefill_vs_decode, Diff, OpComparison,
 };
+use crate::debug::sample::is_sampled;
 use crate::debug::RunRecord;
 use crate::engine::trace::Phase;
 use crate::tui::app::{App, Divergence};
@@ -46,13 +47,15 @@ fn figures<'a>(app: &App, d: &Diff) -> Vec<Line<'a>> {
     lines
 }
 
+/// The selected op against the same op of `other`, or, with `row`, a decode op against its
+/// token's row of `other`, a whole-sequence prefill. `None`: `other` has no such op.
 fn op_vs(
     app: &App,
     other: &RunRecord,
     phase: Phase,
     name: &str,
     row: Option<usize>,
-) -> Option<Diff> {
+) -> Option<Result<Diff, String>> {
     let run = app.mirror.current()?;
     let i = run.find(phase, name)?;
     let e = &run.events[i];
@@ -60,12 +63,29 @@ fn op_vs(
     match row {
         None => {
             let j = other.find(phase, name)?;
-            super::output_diff(e, &run.outputs[i], &other.outputs[j], heads)
+            Some(super::output_diff(
+                e,
+                &run.outputs[i],
+                &other.events[j],
+                &other.outputs[j],
+                heads,
+            ))
         }
         Some(_) => {
             let comparisons = prefill_vs_decode(&single(run, i), other, heads);
-            comparisons.into_iter().next()?.diff.ok()
+            Some(comparisons.into_iter().next()?.diff)
         }
+    }
+}
+
+/// The figures of a comparison, or why there are none.
+fn figures_or_why<'a>(app: &App, d: Result<Diff, String>) -> Vec<Line<'a>> {
+    match d {
+        Ok(d) => figures(app, &d),
+        Err(why) => vec![Line::from(Span::styled(
+            format!("  {why}"),
+            app.theme.dim(),
+        ))],
     }
 }
 
@@ -82,7 +102,7 @@ fn first<'a>(
     kind: u8,
     label: &str,
     compute: impl FnOnce() -> Vec<OpComparison>,
-) -> Line<'a> {
+) -> Vec<Line<'a>> {
     let t = &app.theme;
     let run = app.mirror.current();
     let key = (
@@ -93,29 +113,40 @@ fn first<'a>(
     let cached = app.divergence_cache.borrow().get(&key).cloned();
     let d = cached.unwrap_or_else(|| {
         let list = compute();
+        let failed: Vec<&String> = list.iter().filter_map(|c| c.diff.as_ref().err()).collect();
         let d = Divergence {
             first: first_divergence(&list, TOLERANCE).map(|c| (c.index, c.phase, c.name.clone())),
-            compared: list.len(),
+            compared: list.len() - failed.len(),
+            not_compared: failed.first().map(|why| (failed.len(), why.to_string())),
         };
         app.divergence_cache.borrow_mut().insert(key, d.clone());
         d
     });
-    match d.first {
-        Some((index, phase, name)) => Line::from(Span::styled(
+    let mut lines = vec![match (d.first, d.compared) {
+        (Some((index, phase, name)), _) => Line::from(Span::styled(
             format!(
                 "  first divergent op: #{index} {phase} {}",
                 short_name(&name)
             ),
             t.diverge(),
         )),
-        None => Line::from(Span::styled(
-            format!(
-                "  {label}: all {} ops agree within {TOLERANCE:.0e}",
-                d.compared
-            ),
+        // Nothing compared is no agreement.
+        (None, 0) => Line::from(Span::styled(
+            format!("  {label}: no op could be compared"),
+            t.warn(),
+        )),
+        (None, n) => Line::from(Span::styled(
+            format!("  {label}: all {n} ops agree within {TOLERANCE:.0e}"),
             t.ok(),
         )),
+    }];
+    if let Some((n, why)) = d.not_compared {
+        lines.push(Line::from(Span::styled(
+            format!("  {n} ops not compared: {why}"),
+            t.dim(),
+        )));
     }
+    lines
 }
 
 pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
@@ -128,9 +159,12 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
     let heads = app.mirror.layout().map_or(1, |l| l.num_heads);
     let mut lines = Vec::new();
     if let Some((i, _)) = app.selected_op() {
-        if crate::session::recorded::is_sampled(e, &run.outputs[i]) {
+        if is_sampled(e, &run.outputs[i]) {
             lines.push(Line::from(Span::styled(
-                "replay of sampled values: figures are over the recorded values",
+                format!(
+                    "replay of sampled values: figures compare the {} values recorded of each side, where both sides have the same elements; per-head figures and token rows need the full tensors",
+                    run.outputs[i].numel()
+                ),
                 t.dim(),
             )));
         }
@@ -144,12 +178,12 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
                 t.title(),
             )));
             match op_vs(app, other, e.phase, &e.name, None) {
-                Some(d) => lines.extend(figures(app, &d)),
+                Some(d) => lines.extend(figures_or_why(app, d)),
                 None => lines.push(Line::from(format!(
                     "  run {n} has no such op (another path, or not reached)"
                 ))),
             }
-            lines.push(first(app, 0, "this run", || {
+            lines.extend(first(app, 0, "this run", || {
                 compare_runs(run, other, heads)
             }));
         }
@@ -188,10 +222,10 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             t.title(),
         )));
         match op_vs(app, other, e.phase, &e.name, None) {
-            Some(d) => lines.extend(figures(app, &d)),
+            Some(d) => lines.extend(figures_or_why(app, d)),
             None => lines.push(Line::from("  the other path has no such op")),
         }
-        lines.push(first(app, 1, "absorbed vs naive", || {
+        lines.extend(first(app, 1, "absorbed vs naive", || {
             compare_runs(run, other, heads)
         }));
     }
@@ -202,12 +236,12 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
         )));
         match e.phase {
             Phase::Decode(_) => match op_vs(app, whole, e.phase, &e.name, Some(e.positions.0)) {
-                Some(d) => lines.extend(figures(app, &d)),
+                Some(d) => lines.extend(figures_or_why(app, d)),
                 None => lines.push(Line::from("  not comparable by token row")),
             },
             Phase::Prefill => lines.push(Line::from("  (select a decode op)")),
         }
-        lines.push(first(app, 2, "prefill vs decode", || {
+        lines.extend(first(app, 2, "prefill vs decode", || {
             prefill_vs_decode(run, whole, heads)
         }));
     }

@@ -16,7 +16,7 @@ mod tensor;
 mod tree;
 
 use super::app::{App, Overlay, Tab};
-use crate::debug::compare::{diff, heads_of, Diff};
+use crate::debug::compare::{compare_outputs, Diff};
 use crate::debug::controller::Stop;
 use crate::engine::trace::OpEvent;
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -215,32 +215,33 @@ pub fn short_name(name: &str) -> &str {
     name
 }
 
-/// How the selected op compares with the same op of the comparison run.
-pub fn diff_with_comparison(app: &App, index: usize) -> Option<Diff> {
+/// How op `index` compares with the same op of the comparison run (`None`: no comparison run,
+/// or it has no such op; `Err`: why there are no figures).
+pub fn diff_with_comparison(app: &App, index: usize) -> Option<Result<Diff, String>> {
     let run = app.mirror.current()?;
     let other = app.mirror.comparison_run()?;
     let e = run.events.get(index)?;
     let j = other.find(e.phase, &e.name)?;
-    let (a, b) = (&run.outputs[index], &other.outputs[j]);
     let heads = app.mirror.layout()?.num_heads;
-    output_diff(e, a, b, heads)
+    Some(output_diff(
+        e,
+        &run.outputs[index],
+        &other.events[j],
+        &other.outputs[j],
+        heads,
+    ))
 }
 
-/// Two outputs of one op compared; over the recorded values when a replay holds samples only.
+/// Two outputs of one op compared: whole outputs fully; in a replay of samples, the recorded
+/// values, which are the same elements when the two outputs are of one size.
 pub fn output_diff(
     e: &OpEvent,
     a: &crate::tensor::Tensor,
+    other: &OpEvent,
     b: &crate::tensor::Tensor,
     heads: usize,
-) -> Option<Diff> {
-    let (x, y) = (a.data(), b.data());
-    if x.len() != y.len() {
-        return None;
-    }
-    if crate::session::recorded::is_sampled(e, a) {
-        return Some(diff(x, y, &[x.len()], None));
-    }
-    Some(diff(x, y, &e.shape, heads_of(e, heads)))
+) -> Result<Diff, String> {
+    compare_outputs(e, e.index, a.data(), &other.shape, b.data(), heads).diff
 }
 
 /// A status mark for an op: disconnected, unwritten, NaN/Inf, diverging from the comparison
@@ -266,7 +267,8 @@ pub fn op_mark(app: &App, index: usize, e: &OpEvent) -> (&'static str, Style) {
         let key = (app.mirror.current_number(), index, c);
         let cached = app.mark_cache.borrow().get(&key).copied();
         let diverges = cached.unwrap_or_else(|| {
-            let d = diff_with_comparison(app, index).is_some_and(|d| d.exceeds(1e-4));
+            let d =
+                diff_with_comparison(app, index).is_some_and(|d| d.is_ok_and(|d| d.exceeds(1e-4)));
             app.mark_cache.borrow_mut().insert(key, d);
             d
         });
