@@ -694,9 +694,7 @@ impl App {
             "run" | "continue" | "c" => self.run_command(Command::Continue),
             "step" | "s" => {
                 let n: usize = rest.parse().unwrap_or(1).max(1);
-                for _ in 0..n {
-                    self.run_command(Command::Step);
-                }
+                self.run_command(Command::Steps(n));
             }
             "next" | "n" => self.run_command(Command::NextLayer),
             "restart" => self.run_command(Command::Restart),

@@ -404,6 +404,16 @@ impl ReplayHost {
     fn run(&mut self, command: Command) -> Result<()> {
         match command {
             Command::Step => self.step(),
+            Command::Steps(n) => {
+                // Each step may cross into the next recorded run; stop once one changes nothing.
+                for _ in 0..n.max(1) {
+                    let before = (self.at, self.shown, self.end_shown);
+                    self.step();
+                    if (self.at, self.shown, self.end_shown) == before {
+                        break;
+                    }
+                }
+            }
             Command::NextLayer => self.run_until(true),
             Command::Continue => self.run_until(false),
             Command::Restart => {
@@ -544,10 +554,15 @@ pub struct ReplayDriver {
 
 impl ReplayDriver {
     pub fn open(path: &Path) -> Result<ReplayDriver> {
+        ReplayDriver::new(Session::load(path)?, path)
+    }
+
+    /// The replay of a session already loaded from `path` (where its companion tensors are).
+    pub fn new(session: Session, path: &Path) -> Result<ReplayDriver> {
         let queue = Arc::new(Mutex::new(Vec::new()));
         let q = queue.clone();
         let send: Send = Arc::new(move |u| q.lock().unwrap_or_else(|p| p.into_inner()).push(u));
-        let host = ReplayHost::open(path, send)?;
+        let host = ReplayHost::new(session, path, send)?;
         Ok(ReplayDriver { host, queue })
     }
 
