@@ -53,6 +53,21 @@ impl Error {
             source,
         }
     }
+
+    /// Writing to standard output failed.
+    pub fn stdout(source: std::io::Error) -> Self {
+        Error::io(STDOUT, source)
+    }
+
+    /// Standard output was closed by its reader (`mladb check | head -1`): not a failure of
+    /// the command, which should end quietly with status 0, as Unix tools do.
+    pub fn is_closed_stdout(&self) -> bool {
+        matches!(self, Error::Io { path, source }
+            if path.as_os_str() == STDOUT && source.kind() == std::io::ErrorKind::BrokenPipe)
+    }
 }
+
+/// The name write errors on standard output are reported under.
+const STDOUT: &str = "stdout";
 
 pub type Result<T> = std::result::Result<T, Error>;

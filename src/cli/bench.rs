@@ -2,6 +2,7 @@
 //! compute, plus peak memory. A benchmark, not a test: it reports, it does not judge.
 
 use super::args::{default_prompt, parse_layers, ModelArgs};
+use super::Out;
 use crate::backend::cpu::CpuBackend;
 use crate::engine::generate::{self, Schedule};
 use crate::engine::{Engine, EngineOptions, LayerTiming, MlaPaths, NullObserver, Phase};
@@ -84,7 +85,8 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     let start = std::time::Instant::now();
     generate::run(&mut engine, &schedule, &mut NullObserver)?;
     let total = start.elapsed().as_secs_f64();
-    println!(
+    writeln!(
+        Out,
         "mladb bench: {} layers {}..{}, prompt {} tokens, {} decode steps, {} threads",
         model.layout.name,
         layers.start,
@@ -92,39 +94,46 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         schedule.prefill_len,
         args.decode,
         rayon::current_num_threads()
-    );
-    println!(
+    )?;
+    writeln!(
+        Out,
         "{:<10} {:>5} {:>10} {:>10} {:>10}",
         "phase", "layer", "total s", "weights s", "compute s"
-    );
+    )?;
     for t in engine.timings() {
-        println!(
+        writeln!(
+            Out,
             "{:<10} {:>5} {:>10.3} {:>10.3} {:>10.3}",
             t.phase.to_string(),
             t.layer,
             t.seconds,
             t.weight_seconds,
             t.seconds - t.weight_seconds
-        );
+        )?;
     }
     let (pf, pf_compute) = mean_per_layer(engine.timings(), |p| *p == Phase::Prefill);
     let (dc, dc_compute) = mean_per_layer(engine.timings(), |p| matches!(p, Phase::Decode(_)));
-    println!(
+    writeln!(
+        Out,
         "mean per layer: prefill {:.2} ms ({:.2} ms compute), decode {:.2} ms ({:.2} ms compute)",
         pf * 1e3,
         pf_compute * 1e3,
         dc * 1e3,
         dc_compute * 1e3
-    );
-    println!("whole run {total:.3}s (embedding, final norm and lm_head included)");
+    )?;
+    writeln!(
+        Out,
+        "whole run {total:.3}s (embedding, final norm and lm_head included)"
+    )?;
     if args.check {
         bench_check(&model, &layers, &schedule, args.mla_disable)?;
     }
     if let Some(rss) = peak_rss_bytes() {
-        println!(
+        writeln!(
+            Out,
             "peak resident memory {:.2} GiB",
             rss as f64 / (1u64 << 30) as f64
-        );
+        )?;
     }
     Ok(())
 }
@@ -178,11 +187,12 @@ fn bench_check(
         },
     )?;
     let checked = start.elapsed().as_secs_f64();
-    println!(
+    writeln!(
+        Out,
         "check: {checked:.3}s against a plain run's {plain:.3}s ({:.2}×): {} ops computed against {plain_ops} (the run, the other MLA path, a whole-sequence prefill), {} findings",
         checked / plain,
         report.ops_executed,
         report.findings.len()
-    );
+    )?;
     Ok(())
 }

@@ -7,6 +7,7 @@
 //! of event-timed samples after a warm-up; shapes whose data would sit in L2 rotate among copies.
 
 use super::bench::BenchArgs;
+use super::Out;
 use crate::backend::cuda::device::{DevBuf, Elem, Gpu};
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
 use crate::backend::cuda::CudaBackend;
@@ -270,53 +271,62 @@ fn decode_weight_bytes(model: &crate::model::Model, l: usize, routed: usize) -> 
 pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
     let backend = CudaBackend::new(StorageDtype::Bf16)?;
     let gpu = backend.gpu();
-    println!(
+    writeln!(
+        Out,
         "mladb bench on {} (sm_{}, {} multiprocessors, {} KB shared memory per block), {}",
         gpu.name,
         gpu.arch,
         gpu.multiprocessors(),
         gpu.max_shared_per_block() / 1024,
         chrono_free_date()
-    );
+    )?;
     for why in &gpu.unavailable {
-        println!("note: not built, the portable kernels stand in: {why}");
+        writeln!(Out, "note: not built, the portable kernels stand in: {why}")?;
     }
     let c = ceilings(gpu)?;
-    println!("ceilings: device-to-device copy {:.0} GB/s (read + write), cuBLAS bf16 GEMM 8192³ {:.0} TFLOP/s", c.copy_gbs, c.gemm_tflops);
+    writeln!(Out, "ceilings: device-to-device copy {:.0} GB/s (read + write), cuBLAS bf16 GEMM 8192³ {:.0} TFLOP/s", c.copy_gbs, c.gemm_tflops)?;
 
     if !args.no_kernels {
-        println!(
+        writeln!(
+        Out,
             "\nMLA decode (absorbed, paged latent cache 512+64, 64 heads, bf16), one query token per sequence, kernel {}",
             fast::decode_kernel(gpu)?
-        );
-        println!(
+        )?;
+        writeln!(
+            Out,
             "{:>6} {:>8} {:>10} {:>9} {:>8} {:>7} {:>10}",
             "batch", "context", "time us", "GB/s", "of copy", "splits", "rel err"
-        );
+        )?;
         for (b, ctx) in decode_shapes(args)? {
             {
                 let (ms, gbs, err, splits) = decode_shape(gpu, b, ctx, (b * 100_000 + ctx) as u64)?;
-                println!(
+                writeln!(
+                    Out,
                     "{b:>6} {ctx:>8} {:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e}",
                     ms * 1e3,
                     100.0 * gbs / c.copy_gbs
-                );
+                )?;
                 if err.is_nan() || err >= 1e-2 {
                     return Err(Error::invalid(format!("MLA decode at batch {b}, context {ctx} disagrees with the reference (relative error {err:.2e})")));
                 }
             }
         }
-        println!("\nMLA prefill (causal flash attention, 64 heads, head dims 256/256, bf16)");
-        println!(
+        writeln!(
+            Out,
+            "\nMLA prefill (causal flash attention, 64 heads, head dims 256/256, bf16)"
+        )?;
+        writeln!(
+            Out,
             "{:>8} {:>10} {:>9} {:>8} {:>10}",
             "tokens", "time ms", "TFLOP/s", "of GEMM", "rel err"
-        );
+        )?;
         for n in prefill_lengths(args)? {
             let (ms, tflops, err) = prefill_shape(gpu, n, n as u64)?;
-            println!(
+            writeln!(
+                Out,
                 "{n:>8} {ms:>10.3} {tflops:>9.0} {:>7.0}% {err:>10.1e}",
                 100.0 * tflops / c.gemm_tflops
-            );
+            )?;
             if err.is_nan() || err >= 1e-2 {
                 return Err(Error::invalid(format!("MLA prefill at {n} tokens disagrees with the reference (relative error {err:.2e})")));
             }
@@ -344,20 +354,22 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
         layers: layers.clone(),
         ..EngineOptions::new(&model, paths)
     };
-    println!(
+    writeln!(
+        Out,
         "\nwhole layers: {} layers {}..{}, prompt {} tokens, {} decode steps, bf16 on the device",
         model.layout.name, layers.start, layers.end, schedule.prefill_len, args.decode
-    );
+    )?;
     let warm = std::time::Instant::now();
     generate::run(
         &mut Engine::new(&model, &backend, options())?,
         &schedule,
         &mut NullObserver,
     )?;
-    println!(
+    writeln!(
+        Out,
         "warm-up run (fetches and uploads the weights) {:.1} s",
         warm.elapsed().as_secs_f64()
-    );
+    )?;
     let per_phase = |stats: bool| -> Result<(f64, f64)> {
         let mut engine = Engine::new(&model, &backend, options())?;
         if stats {
@@ -381,36 +393,40 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
     let med = |v: &[(f64, f64)], pick: fn(&(f64, f64)) -> f64| median(v.iter().map(pick).collect());
     let (pf, dc) = (med(&plain, |t| t.0), med(&plain, |t| t.1));
     let (pfs, dcs) = (med(&with_stats, |t| t.0), med(&with_stats, |t| t.1));
-    println!(
+    writeln!(
+        Out,
         "{:<28} {:>12} {:>12} {:>9}",
         "per layer (median of 3 runs)", "no stats ms", "stats ms", "overhead"
-    );
-    println!(
+    )?;
+    writeln!(
+        Out,
         "{:<28} {:>12.2} {:>12.2} {:>8.1}%",
         "prefill",
         pf * 1e3,
         pfs * 1e3,
         100.0 * (pfs / pf - 1.0)
-    );
+    )?;
     if args.decode > 0 {
-        println!(
+        writeln!(
+            Out,
             "{:<28} {:>12.2} {:>12.2} {:>8.1}%",
             "decode step",
             dc * 1e3,
             dcs * 1e3,
             100.0 * (dcs / dc - 1.0)
-        );
+        )?;
         if let Some(moe) = &model.layout.moe {
             let bytes = decode_weight_bytes(&model, layers.start, moe.num_experts_per_tok);
             let floor_ms = bytes as f64 / (c.copy_gbs * 1e9 / 2.0) * 1e3;
-            println!(
+            writeln!(
+        Out,
                 "decode weight-read floor of layer {}: {:.2} GB of bf16 weights ({} routed experts) / {:.0} GB/s read = {:.3} ms",
                 layers.start,
                 bytes as f64 / 1e9,
                 moe.num_experts_per_tok,
                 c.copy_gbs / 2.0,
                 floor_ms
-            );
+            )?;
         }
     }
     Ok(())

@@ -2,6 +2,7 @@
 //! when there are, 2 on bad input.
 
 use super::args::{parse_tokens, FlagArgs, RecordArgs, RunSetup};
+use super::Out;
 use crate::debug::detect::{check, CheckOptions, CheckReport};
 use crate::debug::external::{ExternalDump, NameMap, ScheduleArgs};
 use crate::debug::runner::Job;
@@ -92,23 +93,23 @@ pub fn run(args: &CheckArgs) -> Result<bool> {
         }
     }
     if args.json {
-        print_json(&report, seconds);
+        print_json(&report, seconds)?;
     } else {
-        print_text(&report, &p.model.layout.name, seconds);
+        print_text(&report, &p.model.layout.name, seconds)?;
     }
     Ok(!report.findings.is_empty())
 }
 
-fn print_json(report: &CheckReport, seconds: f64) {
+fn print_json(report: &CheckReport, seconds: f64) -> Result<()> {
     for f in &report.findings {
         let mut v = serde_json::to_value(f).expect("a finding serialises");
         v["type"] = json!("finding");
-        println!("{v}");
+        writeln!(Out, "{v}")?;
     }
     for n in &report.selection_notes {
         let mut v = serde_json::to_value(n).expect("a note serialises");
         v["type"] = json!("note");
-        println!("{v}");
+        writeln!(Out, "{v}")?;
     }
     let tolerances: serde_json::Map<String, serde_json::Value> = crate::debug::tolerance::ALL_KINDS
         .iter()
@@ -117,7 +118,8 @@ fn print_json(report: &CheckReport, seconds: f64) {
             (k.name(), json!({"floor": floor, "gain": gain}))
         })
         .collect();
-    println!(
+    writeln!(
+        Out,
         "{}",
         json!({
             "type": "summary",
@@ -135,53 +137,59 @@ fn print_json(report: &CheckReport, seconds: f64) {
                 "not_compared": r.not_compared,
             })),
         })
-    );
+    )?;
+    Ok(())
 }
 
 /// Selection notes printed in text before the rest are left to `--json`.
 const NOTES_SHOWN: usize = 12;
 
-fn print_text(report: &CheckReport, layout: &str, seconds: f64) {
-    println!(
+fn print_text(report: &CheckReport, layout: &str, seconds: f64) -> Result<()> {
+    writeln!(
+        Out,
         "mladb check: {layout}, {} ops, flags: {}; {}",
         report.run.len(),
         report.run.flags,
         report.tolerances.describe()
-    );
+    )?;
     for n in &report.notes {
-        println!("  note: {n}");
+        writeln!(Out, "  note: {n}")?;
     }
     for n in report.selection_notes.iter().take(NOTES_SHOWN) {
-        println!("  note: {n}");
+        writeln!(Out, "  note: {n}")?;
     }
     if report.selection_notes.len() > NOTES_SHOWN {
-        println!(
+        writeln!(
+            Out,
             "  note: … {} more selection notes (--json lists them all)",
             report.selection_notes.len() - NOTES_SHOWN
-        );
+        )?;
     }
     if report.findings.is_empty() {
-        println!(
+        writeln!(
+            Out,
             "no findings ({} ops computed in {seconds:.2}s)",
             report.ops_executed
-        );
-        return;
+        )?;
+        return Ok(());
     }
-    println!("{:<26} {:<9} {:<48} detail", "finding", "phase", "op");
+    writeln!(Out, "{:<26} {:<9} {:<48} detail", "finding", "phase", "op")?;
     for f in &report.findings {
-        println!(
+        writeln!(
+            Out,
             "{:<26} {:<9} {:<48} {}",
             f.kind.to_string(),
             f.phase.to_string(),
             f.op,
             f.detail
-        );
+        )?;
     }
-    println!(
+    writeln!(
+        Out,
         "{} finding(s) ({} ops computed in {seconds:.2}s)",
         report.findings.len(),
         report.ops_executed
-    );
+    )
 }
 
 #[derive(Args, Debug, Clone)]
@@ -271,61 +279,72 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
     };
     let diverged = result.first.is_some() || result.first_choice.is_some();
     if args.json {
-        println!(
+        writeln!(
+            Out,
             "{}",
             serde_json::to_string(&result).expect("a bisection serialises")
-        );
+        )?;
         return Ok(diverged);
     }
-    println!(
+    writeln!(
+        Out,
         "mladb bisect: run A ({flags_a}) against {against}; {}",
         tolerances.describe()
-    );
+    )?;
     for n in &result.notes {
-        println!("  note: {n}");
+        writeln!(Out, "  note: {n}")?;
     }
     for f in &result.flips {
-        println!(
+        writeln!(
+            Out,
             "note: selection-flip {} {}: {}; run B was forced to A's choice",
             f.phase,
             f.op,
             f.describe()
-        );
+        )?;
     }
     if let Some(choice) = &result.first_choice {
-        println!(
+        writeln!(
+            Out,
             "first divergent:   #{} {} {}: chooses differently beyond noise: {}",
             choice.index,
             choice.phase,
             choice.op,
             choice.describe()
-        );
+        )?;
         return Ok(true);
     }
     match &result.first {
-        None => println!("no op differs beyond its tolerance ({})", result.coverage()),
+        None => writeln!(
+            Out,
+            "no op differs beyond its tolerance ({})",
+            result.coverage()
+        )?,
         Some(first) => {
             if let Some(good) = &result.last_good {
                 let figures = good.diff.as_ref().map(|d| d.summary()).unwrap_or_default();
-                println!(
+                writeln!(
+                    Out,
                     "last agreeing op:  #{} {} {}: {figures}",
                     good.index, good.phase, good.name
-                );
+                )?;
             }
             let figures = first.diff.as_ref().map(|d| d.summary()).unwrap_or_default();
-            println!(
+            writeln!(
+                Out,
                 "first divergent:   #{} {} {}: {figures} ({})",
                 first.index,
                 first.phase,
                 first.name,
                 first.tolerance_text()
-            );
-            println!(
+            )?;
+            writeln!(
+                Out,
                 "{} of {} compared ops differ beyond what their inputs explain ({})",
                 result.divergent,
                 result.compared,
                 result.coverage()
-            );
+            )?;
         }
     }
     Ok(diverged)

@@ -1,6 +1,7 @@
 //! `mladb gguf`: inspect a GGUF file (metadata, tensor table, per-tensor statistics), dump one
 //! tensor dequantized to safetensors, or time dequantization on this CPU.
 
+use super::Out;
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
 use crate::gguf::{dequantize_into, dequantize_into_par, GgmlType, GgufFile, TensorInfo};
@@ -54,23 +55,23 @@ pub fn run(args: &GgufArgs) -> Result<()> {
     if let Some(out) = &args.dump {
         let t = selected[0];
         dump(&f, t, out)?;
-        println!(
+        writeln!(
+            Out,
             "wrote {} ({} {:?} → F32) to {}",
             clean(&t.name),
             t.ty,
             t.shape(),
             out.display()
-        );
+        )?;
         return Ok(());
     }
     if args.stats {
         return print_stats(&f, &selected);
     }
     if args.tensor.is_none() {
-        print_summary(&f, path, args.max_items);
+        print_summary(&f, path, args.max_items)?;
     }
-    print_tensors(&selected);
-    Ok(())
+    print_tensors(&selected)
 }
 
 /// Control characters from a hostile file would drive the terminal: show them escaped.
@@ -92,8 +93,9 @@ fn cut(s: String, max: usize) -> String {
     format!("{head}… ({n} chars)")
 }
 
-fn print_summary(f: &GgufFile, path: &std::path::Path, max_items: usize) {
-    println!(
+fn print_summary(f: &GgufFile, path: &std::path::Path, max_items: usize) -> Result<()> {
+    writeln!(
+        Out,
         "{}: GGUF v{}, {} tensors, {} metadata entries, alignment {}, data at byte {}, {} bytes",
         path.display(),
         f.version(),
@@ -102,8 +104,8 @@ fn print_summary(f: &GgufFile, path: &std::path::Path, max_items: usize) {
         f.alignment(),
         f.data_start(),
         f.file_len()
-    );
-    println!("\nmetadata");
+    )?;
+    writeln!(Out, "\nmetadata")?;
     let width = f
         .metadata()
         .iter()
@@ -117,35 +119,41 @@ fn print_summary(f: &GgufFile, path: &std::path::Path, max_items: usize) {
             None => v.value_type().to_string(),
         };
         let shown = cut(clean(&v.display(max_items)).into_owned(), 160);
-        println!("  {:<width$}  {ty:<16} {shown}", clean(k));
+        writeln!(Out, "  {:<width$}  {ty:<16} {shown}", clean(k))?;
     }
-    println!();
+    writeln!(Out)
 }
 
-fn print_tensors(ts: &[&TensorInfo]) {
+fn print_tensors(ts: &[&TensorInfo]) -> Result<()> {
     let width = ts
         .iter()
         .map(|t| t.name.chars().count())
         .max()
         .unwrap_or(4)
         .clamp(4, 64);
-    println!(
+    writeln!(
+        Out,
         "  {:<width$}  {:<7} {:<24} {:>14} {:>14}",
         "tensor", "type", "shape (row-major)", "bytes", "data offset"
-    );
+    )?;
     for t in ts {
-        println!(
+        writeln!(
+            Out,
             "  {:<width$}  {:<7} {:<24} {:>14} {:>14}",
             clean(&t.name),
             t.ty.name(),
             format!("{:?}", t.shape()),
             t.n_bytes,
             t.offset
-        );
+        )?;
     }
     let total: u64 = ts.iter().map(|t| t.n_bytes).sum();
     let values: u64 = ts.iter().map(|t| t.n_elements).sum();
-    println!("  {} tensors, {values} values, {total} bytes", ts.len());
+    writeln!(
+        Out,
+        "  {} tensors, {values} values, {total} bytes",
+        ts.len()
+    )
 }
 
 fn dump(f: &GgufFile, t: &TensorInfo, out: &std::path::Path) -> Result<()> {
@@ -230,18 +238,20 @@ fn print_stats(f: &GgufFile, ts: &[&TensorInfo]) -> Result<()> {
         .max()
         .unwrap_or(6)
         .clamp(6, 64);
-    println!(
+    writeln!(
+        Out,
         "  {:<width$}  {:<7} {:>11} {:>11} {:>11} {:>11} {:>8} {:>8}",
         "tensor", "type", "min", "max", "mean", "std", "nan", "inf"
-    );
+    )?;
     for t in ts {
         if !t.ty.can_dequantize() {
-            println!(
+            writeln!(
+                Out,
                 "  {:<width$}  {:<7} (dequantization of {} is not supported)",
                 clean(&t.name),
                 t.ty.name(),
                 t.ty
-            );
+            )?;
             continue;
         }
         let a = tensor_stats(f, t)?;
@@ -256,7 +266,8 @@ fn print_stats(f: &GgufFile, ts: &[&TensorInfo]) -> Result<()> {
         } else {
             (f64::NAN, f64::NAN)
         };
-        println!(
+        writeln!(
+            Out,
             "  {:<width$}  {:<7} {:>11} {:>11} {:>11} {:>11} {:>8} {:>8}",
             clean(&t.name),
             t.ty.name(),
@@ -266,7 +277,7 @@ fn print_stats(f: &GgufFile, ts: &[&TensorInfo]) -> Result<()> {
             num(std),
             a.nan,
             format!("{}/{}", a.pos_inf, a.neg_inf)
-        );
+        )?;
     }
     Ok(())
 }
@@ -353,14 +364,16 @@ fn bench_dequant(mb: usize, reps: usize) -> Result<()> {
         ));
     }
     let threads = rayon::current_num_threads();
-    println!(
+    writeln!(
+        Out,
         "dequantization throughput: {mb} MB of quantized input per type, 256 KiB chunks, \
          best and median of {reps} runs; 1 thread and {threads} threads"
-    );
-    println!(
+    )?;
+    writeln!(
+        Out,
         "  {:<6} {:>9} {:>11} {:>11} {:>13} {:>13} {:>11}",
         "type", "bits/val", "1T best", "1T median", "nT best", "nT median", "Gval/s nT"
-    );
+    )?;
     for ty in GgmlType::DEQUANTIZABLE {
         let input = random_blocks(ty, mb << 20, 0x9E37_79B9 + ty.id() as u64);
         let chunk_blocks = ((256 << 10) / ty.type_size()).max(1);
@@ -396,7 +409,8 @@ fn bench_dequant(mb: usize, reps: usize) -> Result<()> {
         let best1 = single.iter().copied().fold(f64::INFINITY, f64::min);
         let bestn = multi.iter().copied().fold(f64::INFINITY, f64::min);
         let (med1, medn) = (median(&mut single), median(&mut multi));
-        println!(
+        writeln!(
+            Out,
             "  {:<6} {:>9.3} {:>6.2} GB/s {:>6.2} GB/s {:>8.2} GB/s {:>8.2} GB/s {:>11.2}",
             ty.name(),
             8.0 * ty.type_size() as f64 / ty.block_size() as f64,
@@ -405,7 +419,7 @@ fn bench_dequant(mb: usize, reps: usize) -> Result<()> {
             gb / bestn,
             gb / medn,
             n_vals as f64 / bestn / 1e9
-        );
+        )?;
         std::hint::black_box(&buf);
     }
     Ok(())

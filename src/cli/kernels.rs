@@ -2,6 +2,7 @@
 //! architecture and reports, per kernel, whether it compiled and its registers, shared memory
 //! and spills. Needs no GPU, only NVRTC: this is how Blackwell (sm_100, sm_120) is checked here.
 
+use super::Out;
 use crate::backend::cuda::compile::{
     compile, describe_version, hopper_target, resources, HOPPER_SOURCES, SOURCES,
 };
@@ -34,11 +35,12 @@ pub fn run(args: &KernelsArgs) -> Result<bool> {
             )));
         }
     }
-    println!(
+    writeln!(
+        Out,
         "mladb kernels: {} for {}",
         describe_version(),
         archs.join(", ")
-    );
+    )?;
     let mut all_ok = true;
     for arch in &archs {
         let hopper = hopper_target(arch);
@@ -55,10 +57,10 @@ pub fn run(args: &KernelsArgs) -> Result<bool> {
             match compile(file, src, arch) {
                 Ok(c) => {
                     let res = resources(&c.log);
-                    println!("{arch:<8} {file:<16} ok ({} bytes)", c.code.len());
+                    writeln!(Out, "{arch:<8} {file:<16} ok ({} bytes)", c.code.len())?;
                     // ptxas' performance notes (for example wgmma serialised on Hopper).
                     for line in c.log.lines().filter(|l| l.contains("Performance")) {
-                        println!("           note: {}", line.trim());
+                        writeln!(Out, "           note: {}", line.trim())?;
                     }
                     for r in res {
                         let warn = match (r.spill_stores + r.spill_loads > 0, r.stack_bytes > 0) {
@@ -66,17 +68,18 @@ pub fn run(args: &KernelsArgs) -> Result<bool> {
                             (false, true) => "  LOCAL MEMORY",
                             _ => "",
                         };
-                        println!(
+                        writeln!(
+        Out,
                             "           {:<36} {:>3} registers {:>6} B smem  stack {:>4} B  spill st/ld {}/{}{warn}",
                             r.function, r.registers, r.shared_bytes, r.stack_bytes, r.spill_stores, r.spill_loads
-                        );
+                        )?;
                     }
                 }
                 Err(e) => {
                     all_ok = false;
-                    println!("{arch:<8} {file:<16} FAILED");
+                    writeln!(Out, "{arch:<8} {file:<16} FAILED")?;
                     for line in e.to_string().lines().take(20) {
-                        println!("           {line}");
+                        writeln!(Out, "           {line}")?;
                     }
                 }
             }
@@ -84,18 +87,20 @@ pub fn run(args: &KernelsArgs) -> Result<bool> {
     }
     if !archs.iter().any(|a| hopper_target(a).is_some()) {
         let files: Vec<&str> = HOPPER_SOURCES.iter().map(|(f, _)| *f).collect();
-        println!(
+        writeln!(
+            Out,
             "(Hopper-only files, built for sm_90a only: {})",
             files.join(", ")
-        );
+        )?;
     }
-    println!(
+    writeln!(
+        Out,
         "{}",
         if all_ok {
             "all kernels compiled"
         } else {
             "some kernels did not compile"
         }
-    );
+    )?;
     Ok(!all_ok)
 }

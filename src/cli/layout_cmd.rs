@@ -1,5 +1,6 @@
 //! `mladb layout`: list the built-in layouts, print one as RON, or convert an HF config.json.
 
+use super::Out;
 use crate::error::Result;
 use crate::model::hf_config::layout_from_config_file;
 use crate::model::Layout;
@@ -27,18 +28,19 @@ pub fn layout(args: &LayoutArgs) -> Result<()> {
         LayoutAction::List => {
             for name in Layout::builtin_names() {
                 let l = Layout::resolve(name)?;
-                println!(
+                writeln!(
+                    Out,
                     "{name:<18} {:<10?} {:>3} layers, hidden {:>5}, {:.3e} parameters",
                     l.family,
                     l.num_layers,
                     l.hidden_size,
                     l.parameter_count() as f64
-                );
+                )?;
             }
         }
-        LayoutAction::Show { layout } => println!("{}", Layout::resolve(layout)?.to_ron()),
+        LayoutAction::Show { layout } => writeln!(Out, "{}", Layout::resolve(layout)?.to_ron())?,
         LayoutAction::Import { config } => {
-            println!("{}", layout_from_config_file(config)?.to_ron())
+            writeln!(Out, "{}", layout_from_config_file(config)?.to_ron())?
         }
     }
     Ok(())

@@ -1,5 +1,9 @@
 //! The command line: argument definitions and one module per subcommand. Commands are thin:
 //! they build a model and an engine, and format what the engine reports.
+//!
+//! Commands print with `writeln!(Out, ...)?`, never `println!`: a closed stdout (`mladb check |
+//! head -1`) is then an error that propagates to `main`, which ends quietly with status 0, where
+//! `println!` would panic.
 
 pub mod args;
 pub mod bench;
@@ -13,8 +17,9 @@ pub mod replay;
 pub mod run;
 pub mod table;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use clap::{Parser, Subcommand};
+use std::io::Write;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -81,4 +86,17 @@ pub fn main(cli: Cli) -> Result<u8> {
         Some(Command::Replay(args)) => replay::run(&args),
     }?;
     Ok(found as u8)
+}
+
+/// Standard output for `write!` / `writeln!` whose errors are returned as an
+/// [`Error`] about "stdout" instead of panicking as `println!` does.
+pub struct Out;
+
+impl Out {
+    pub fn write_fmt(&mut self, args: std::fmt::Arguments) -> Result<()> {
+        std::io::stdout()
+            .lock()
+            .write_fmt(args)
+            .map_err(Error::stdout)
+    }
 }

@@ -3,6 +3,7 @@
 //! `--bench` measures the file's size and load time.
 
 use super::args::DeviceArg;
+use super::Out;
 use crate::backend::Backend;
 use crate::debug::detect::default_tolerance;
 use crate::debug::flags::DeviceFlag;
@@ -65,11 +66,7 @@ pub fn run(args: &ReplayArgs) -> Result<bool> {
         bench(&args.file)?;
     }
     if args.json {
-        let stdout = std::io::stdout();
-        match print_json(&session, &mut stdout.lock()) {
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(false),
-            r => r.map_err(|e| Error::io("stdout", e))?,
-        }
+        print_json(&session, &mut std::io::stdout().lock()).map_err(Error::stdout)?;
     }
     if let Some(out) = &args.dump {
         dump(&session, &args.file, out)?;
@@ -322,7 +319,7 @@ pub fn verify(
     device: DeviceArg,
     out: &mut dyn std::io::Write,
 ) -> Result<Option<String>> {
-    let io = |e| Error::io("stdout", e);
+    let io = Error::stdout;
     let model = crate::tui::host::load_model(&session.model)?;
     let layers = session.layers.0..session.layers.1;
     if layers.is_empty() || layers.end > model.layout.num_layers {
@@ -487,7 +484,8 @@ fn bench(file: &Path) -> Result<()> {
         .as_ref()
         .and_then(|t| std::fs::metadata(file.parent().unwrap_or(Path::new(".")).join(t)).ok())
         .map(|m| m.len());
-    println!(
+    writeln!(
+        Out,
         "{}: {} bytes ({:.2} MB), {} run(s), {ops} ops ({:.0} bytes/op){}",
         file.display(),
         bytes,
@@ -497,8 +495,9 @@ fn bench(file: &Path) -> Result<()> {
         companion
             .map(|c| format!(", companion tensors {:.2} MB", c as f64 / 1e6))
             .unwrap_or_default()
-    );
-    println!(
+    )?;
+    writeln!(
+        Out,
         "load (parse + validate): {:.1} ms; replay build (runs{}): {:.1} ms (median of 5)",
         median(&mut parse) * 1e3,
         if companion.is_some() {
@@ -507,6 +506,6 @@ fn bench(file: &Path) -> Result<()> {
             " from samples"
         },
         median(&mut build) * 1e3
-    );
+    )?;
     Ok(())
 }

@@ -71,7 +71,7 @@ impl Observer for RunObserver<'_> {
         } else {
             table::row(event)
         };
-        writeln!(self.out, "{line}").map_err(|e| Error::io("stdout", e))?;
+        writeln!(self.out, "{line}").map_err(Error::stdout)?;
         if let Some(d) = &mut self.dump {
             d.add(event, output);
         }
@@ -102,7 +102,7 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     let layout = &model.layout;
     let options = flags.engine_options(layers.clone(), false)?;
     let mut engine = Engine::new(model, p.backend.as_ref(), options)?;
-    let io = |e| Error::io("stdout", e);
+    let io = Error::stdout;
     if !args.json {
         writeln!(
             out,

@@ -5,6 +5,7 @@
 //! dump.
 
 use super::record::RunRecord;
+use super::sample::{holds_all, is_sampled, numel, sample_indices, NEEDS_TENSORS};
 use super::tolerance::Tolerances;
 use crate::engine::trace::{OpEvent, OpKind, Phase};
 use serde::{Deserialize, Serialize};
@@ -297,6 +298,17 @@ fn per_head(a: &[f32], b: &[f32], shape: &[usize], heads: Heads) -> Vec<f64> {
         .collect()
 }
 
+/// Two samples of outputs of `shape` (the same elements, see [`sample_indices`]) compared value
+/// for value; the largest difference is placed at its element of the output.
+fn sampled_diff(a: &[f32], b: &[f32], shape: &[usize]) -> Diff {
+    let mut d = diff(a, b, &[a.len()], None);
+    let at = numel(shape).and_then(|n| sample_indices(n).get(d.max_abs_at[0]).copied());
+    if let Some(at) = at {
+        d.max_abs_at = unravel(at, shape);
+    }
+    d
+}
+
 fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
     let mut idx = vec![0; shape.len()];
     for (d, &n) in shape.iter().enumerate().rev() {
@@ -381,6 +393,9 @@ pub fn compare_runs(
 }
 
 /// Compares one output with a reference of the given shape (same element count suffices).
+/// Either may be a sample (a replay without full tensors): two samples of outputs of one size
+/// hold the same elements and are compared value for value (no per-head figures; the position
+/// of the largest difference is the element's); a sample cannot be compared with a whole output.
 pub fn compare_outputs(
     e: &OpEvent,
     index: usize,
@@ -389,13 +404,16 @@ pub fn compare_outputs(
     b: &[f32],
     num_heads: usize,
 ) -> OpComparison {
-    let diff = if a.len() == b.len() {
-        Ok(diff(a, b, &e.shape, heads_of(e, num_heads)))
-    } else {
-        Err(format!(
+    let same_size =
+        numel(&e.shape).is_some_and(|n| Some(n) == numel(ref_shape)) && a.len() == b.len();
+    let diff = match (holds_all(&e.shape, a.len()), holds_all(ref_shape, b.len())) {
+        (true, true) if a.len() == b.len() => Ok(diff(a, b, &e.shape, heads_of(e, num_heads))),
+        (false, false) if same_size => Ok(sampled_diff(a, b, &e.shape)),
+        (true, false) | (false, true) => Err(NEEDS_TENSORS.to_string()),
+        _ => Err(format!(
             "shapes differ: {:?} vs reference {:?}",
             e.shape, ref_shape
-        ))
+        )),
     };
     OpComparison {
         phase: e.phase,
@@ -427,20 +445,25 @@ pub fn prefill_vs_decode(
         };
         let (w, we) = (&whole.outputs[j], &whole.events[j]);
         let pos = e.positions.0;
-        let row = token_row(e, we, w.data(), pos);
-        out.push(match row {
+        let failed = |why: String| OpComparison {
+            phase: e.phase,
+            name: e.name.clone(),
+            kind: e.kind,
+            input_error: 0.0,
+            tolerance: f64::NAN,
+            index: i,
+            diff: Err(why),
+        };
+        // A token's row cannot be cut from a sample of the prefill's output.
+        if is_sampled(e, &stepped.outputs[i]) || is_sampled(we, w) {
+            out.push(failed(NEEDS_TENSORS.to_string()));
+            continue;
+        }
+        out.push(match token_row(e, we, w.data(), pos) {
             Some(row) => {
-                compare_outputs(e, i, stepped.outputs[i].data(), &we.shape, &row, num_heads)
+                compare_outputs(e, i, stepped.outputs[i].data(), &e.shape, &row, num_heads)
             }
-            None => OpComparison {
-                phase: e.phase,
-                name: e.name.clone(),
-                kind: e.kind,
-                input_error: 0.0,
-                tolerance: f64::NAN,
-                index: i,
-                diff: Err(format!("no row {pos} in the prefill's {:?}", we.shape)),
-            },
+            None => failed(format!("no row {pos} in the prefill's {:?}", we.shape)),
         });
     }
     tolerances.judge(stepped, &mut out);
@@ -448,8 +471,11 @@ pub fn prefill_vs_decode(
 }
 
 /// The part of a whole-prefill output `w` that belongs to the token at `pos`, shaped like the
-/// decode step's output `e`.
+/// decode step's output `e`; `None` when `w` does not hold the whole output `we` describes.
 fn token_row(e: &OpEvent, we: &OpEvent, w: &[f32], pos: usize) -> Option<Vec<f32>> {
+    if !holds_all(&we.shape, w.len()) {
+        return None;
+    }
     match e.kind {
         // [heads, 1, context] from [heads, T, T]: row pos, the first `context` keys.
         OpKind::AttentionProbs => {

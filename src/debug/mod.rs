@@ -4,6 +4,7 @@
 //! * [`flags`]: the variables a hunt changes one at a time (MLA disable, paths, dtype, faults),
 //!   and the first op each change affects;
 //! * [`record`], [`runner`]: runs kept whole, and re-runs that reuse an earlier run's leading ops;
+//!   [`sample`]: the bounded samples a replay holds of outputs instead;
 //! * [`controller`]: stepping, breakpoints and live flag changes over a running engine;
 //! * [`compare`], [`bisect`], [`external`]: per-op comparisons of runs, phases and dumps;
 //! * [`forensics`], [`detect`]: buffer forensics and the detectors of `mladb check`;
@@ -21,6 +22,7 @@ pub mod paired;
 pub mod quant;
 pub mod record;
 pub mod runner;
+pub mod sample;
 pub mod selection;
 pub mod tolerance;
 

@@ -185,7 +185,7 @@ impl Session {
     /// Reads a session; a damaged or hand-edited file gives an error naming the line, column and
     /// field (`runs[0].ops[41].event.stats.mean`).
     pub fn load(path: &Path) -> Result<Session> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = read_bounded(path)?;
         Session::parse(&text).map_err(|msg| Error::parse(path, msg))
     }
 
@@ -225,7 +225,12 @@ impl Session {
         }
         for (n, run) in session.runs.iter().enumerate() {
             for (i, op) in run.ops.iter().enumerate() {
-                let numel: usize = op.event.shape.iter().product();
+                let Some(numel) = crate::debug::sample::numel(&op.event.shape) else {
+                    return Err(format!(
+                        "runs[{n}].ops[{i}].event.shape: {:?} has more elements than memory can address",
+                        op.event.shape
+                    ));
+                };
                 let want = recorded::sample_indices(numel).len();
                 if op.sample.len() != want {
                     return Err(format!(
@@ -263,9 +268,10 @@ impl Session {
                 if view.dtype() != safetensors::Dtype::F32 {
                     return Err(Error::parse(&path, format!("{name}: not F32")));
                 }
+                // The event's shape is the op's; the stored one need only hold as many values.
                 let shape = view.shape().to_vec();
-                let numel: usize = op.event.shape.iter().product();
-                if shape.iter().product::<usize>() != numel {
+                let numel = crate::debug::sample::numel(&op.event.shape);
+                if crate::debug::sample::numel(&shape) != numel {
                     return Err(Error::parse(
                         &path,
                         format!(
@@ -279,12 +285,38 @@ impl Session {
                     .chunks_exact(4)
                     .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     .collect();
-                outs.push(Arc::new(Tensor::from_vec(&shape, data)));
+                outs.push(Arc::new(Tensor::from_vec(&op.event.shape, data)));
             }
             runs.push(outs);
         }
         Ok(Some(runs))
     }
+}
+
+/// The largest session file read (about two million recorded ops).
+const MAX_SESSION_BYTES: u64 = 2 << 30;
+
+/// A session file's text: a regular file (not `/dev/zero` or a FIFO, which would never end) of
+/// at most [`MAX_SESSION_BYTES`].
+fn read_bounded(path: &Path) -> Result<String> {
+    use std::io::Read;
+    let io = |e| Error::io(path, e);
+    // Before opening: opening a FIFO waits for a writer.
+    if !std::fs::metadata(path).map_err(io)?.is_file() {
+        return Err(Error::parse(path, "not a regular file"));
+    }
+    let file = std::fs::File::open(path).map_err(io)?;
+    let mut text = String::new();
+    file.take(MAX_SESSION_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(io)?;
+    if text.len() as u64 > MAX_SESSION_BYTES {
+        return Err(Error::parse(
+            path,
+            format!("larger than {} GiB: not a session", MAX_SESSION_BYTES >> 30),
+        ));
+    }
+    Ok(text)
 }
 
 /// The companion file's name: `NAME.tensors.safetensors` for `NAME.ron`.

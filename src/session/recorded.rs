@@ -11,35 +11,7 @@ use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
-/// Values kept from the start and from the end of every output.
-pub const SAMPLE_EDGE: usize = 8;
-/// Evenly spaced values kept from the middle.
-pub const SAMPLE_SPREAD: usize = 16;
-
-/// Which elements of an output of `numel` values a sample holds, in increasing order: all of
-/// them for a small tensor, else the first and last [`SAMPLE_EDGE`] and [`SAMPLE_SPREAD`]
-/// evenly spaced ones between.
-pub fn sample_indices(numel: usize) -> Vec<usize> {
-    let full = 2 * SAMPLE_EDGE + SAMPLE_SPREAD;
-    if numel <= full {
-        return (0..numel).collect();
-    }
-    let mut idx: Vec<usize> = (0..SAMPLE_EDGE).collect();
-    let (lo, hi) = (SAMPLE_EDGE, numel - SAMPLE_EDGE);
-    for k in 0..SAMPLE_SPREAD {
-        idx.push(lo + (hi - lo) * (2 * k + 1) / (2 * SAMPLE_SPREAD));
-    }
-    idx.extend(hi..numel);
-    idx
-}
-
-/// The sampled values of an output.
-pub fn sample_of(values: &[f32]) -> Vec<f32> {
-    sample_indices(values.len())
-        .into_iter()
-        .map(|i| values[i])
-        .collect()
-}
+pub use crate::debug::sample::{is_sampled, sample_indices, sample_of, SAMPLE_EDGE, SAMPLE_SPREAD};
 
 /// Why a run is in the session.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -214,12 +186,6 @@ pub fn sampled_tensor(op: &RecordedOp) -> Tensor {
     }
 }
 
-/// Whether an output the UI holds is only a sample of the op's values (a replay without full
-/// tensors).
-pub fn is_sampled(event: &OpEvent, output: &Tensor) -> bool {
-    output.numel() != event.shape.iter().product::<usize>()
-}
-
 /// A note typed at a point of the timeline: main run `run`, after its first `op` ops.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Annotation {
@@ -234,22 +200,4 @@ pub struct RecordedCheck {
     pub findings: Vec<Finding>,
     pub notes: Vec<String>,
     pub tolerance: f64,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn samples_are_bounded_sorted_and_whole_when_small() {
-        assert_eq!(sample_indices(5), vec![0, 1, 2, 3, 4]);
-        assert_eq!(sample_indices(32).len(), 32);
-        for n in [33, 100, 1 << 20] {
-            let idx = sample_indices(n);
-            assert_eq!(idx.len(), 32);
-            assert!(idx.windows(2).all(|w| w[0] < w[1]), "{idx:?}");
-            assert_eq!(idx[0], 0);
-            assert_eq!(*idx.last().unwrap(), n - 1);
-        }
-    }
 }

@@ -174,13 +174,15 @@ pub struct Marks {
     pub verdicts: Vec<(bool, f64)>,
 }
 
-/// The first op over tolerance in a comparison, and how many ops were compared.
+/// The first op over tolerance in a comparison, how many ops were compared, and how many could
+/// not be, with the first reason (a replay of samples, say).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Divergence {
     pub first: Option<(usize, Phase, String)>,
     pub compared: usize,
     /// The judged tolerance of each compared op, by index.
     pub tolerances: HashMap<usize, f64>,
+    pub not_compared: Option<(usize, String)>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -704,9 +706,7 @@ impl App {
             "run" | "continue" | "c" => self.run_command(Command::Continue),
             "step" | "s" => {
                 let n: usize = rest.parse().unwrap_or(1).max(1);
-                for _ in 0..n {
-                    self.run_command(Command::Step);
-                }
+                self.run_command(Command::Steps(n));
             }
             "next" | "n" => self.run_command(Command::NextLayer),
             "restart" => self.run_command(Command::Restart),

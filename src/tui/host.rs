@@ -17,13 +17,15 @@ use crate::session::{Cursor, ModelSource, Session};
 use crate::tensor::Tensor;
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// What the UI asks of the debugger.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
     Step,
+    /// Up to N ops, stopping at the end of the run (`:step N`; Esc cancels).
+    Steps(usize),
     NextLayer,
     Continue,
     Restart,
@@ -226,6 +228,23 @@ impl Host {
         let c = &mut self.controller;
         match command {
             Command::Step => self.stopped(|c| c.step()),
+            Command::Steps(n) => {
+                let cancel = self.cancel.clone();
+                cancel.store(false, Ordering::Relaxed);
+                self.stopped(|c| {
+                    let mut stop = c.step();
+                    for _ in 1..n {
+                        if stop != Stop::Stepped {
+                            break;
+                        }
+                        if cancel.swap(false, Ordering::Relaxed) {
+                            return Stop::Cancelled;
+                        }
+                        stop = c.step();
+                    }
+                    stop
+                })
+            }
             Command::NextLayer => self.stopped(|c| c.next_layer()),
             Command::Continue => self.stopped(|c| c.continue_run()),
             Command::Restart => {
@@ -543,7 +562,7 @@ fn flip(p: crate::engine::MlaPath) -> crate::engine::MlaPath {
 
 fn describe(c: &Command) -> String {
     match c {
-        Command::Step => "step".into(),
+        Command::Step | Command::Steps(_) => "step".into(),
         Command::NextLayer => "next layer".into(),
         Command::Continue => "continue".into(),
         Command::Restart => "restart".into(),

@@ -6,12 +6,12 @@
 use super::driver::Driver;
 use super::host::{AuxKind, Command, Info, Send, Update};
 use crate::debug::breakpoint::Breakpoint;
-use crate::debug::compare::{compare_runs, diff, heads_of};
+use crate::debug::compare::{compare_outputs, compare_runs};
 use crate::debug::controller::Stop;
 use crate::debug::RunRecord;
 use crate::error::{Error, Result};
 use crate::model::Layout;
-use crate::session::recorded::{is_sampled, RunRole};
+use crate::session::recorded::RunRole;
 use crate::session::{Cursor, ModelSource, Session};
 use crate::tensor::Tensor;
 use std::path::{Path, PathBuf};
@@ -344,18 +344,17 @@ impl ReplayHost {
             .position(|b| b.hits(e, previous, diff))
     }
 
-    /// rel L2 of op `i` against the comparison run, when both outputs are whole.
+    /// rel L2 of op `i` against the comparison run: of the whole outputs, or of the recorded
+    /// samples in a replay without tensors (as the Compare pane and the tree's marks show it).
     fn op_diff(&self, i: usize) -> Option<f64> {
         let other = &self.records[self.timeline[self.current_run().compared_with?]];
         let run = self.current();
         let e = &run.events[i];
         let j = other.find(e.phase, &e.name)?;
         let (a, b) = (&run.outputs[i], &other.outputs[j]);
-        if is_sampled(e, a) || is_sampled(&other.events[j], b) || a.numel() != b.numel() {
-            return None;
-        }
         let heads = self.info.layout.num_heads;
-        Some(diff(a.data(), b.data(), &e.shape, heads_of(e, heads)).error())
+        let c = compare_outputs(e, i, a.data(), &other.events[j].shape, b.data(), heads);
+        c.diff.ok().map(|d| d.error())
     }
 
     fn run_until(&mut self, next_layer: bool) {
@@ -405,6 +404,16 @@ impl ReplayHost {
     fn run(&mut self, command: Command) -> Result<()> {
         match command {
             Command::Step => self.step(),
+            Command::Steps(n) => {
+                // Each step may cross into the next recorded run; stop once one changes nothing.
+                for _ in 0..n.max(1) {
+                    let before = (self.at, self.shown, self.end_shown);
+                    self.step();
+                    if (self.at, self.shown, self.end_shown) == before {
+                        break;
+                    }
+                }
+            }
             Command::NextLayer => self.run_until(true),
             Command::Continue => self.run_until(false),
             Command::Restart => {
@@ -546,10 +555,15 @@ pub struct ReplayDriver {
 
 impl ReplayDriver {
     pub fn open(path: &Path) -> Result<ReplayDriver> {
+        ReplayDriver::new(Session::load(path)?, path)
+    }
+
+    /// The replay of a session already loaded from `path` (where its companion tensors are).
+    pub fn new(session: Session, path: &Path) -> Result<ReplayDriver> {
         let queue = Arc::new(Mutex::new(Vec::new()));
         let q = queue.clone();
         let send: Send = Arc::new(move |u| q.lock().unwrap_or_else(|p| p.into_inner()).push(u));
-        let host = ReplayHost::open(path, send)?;
+        let host = ReplayHost::new(session, path, send)?;
         Ok(ReplayDriver { host, queue })
     }
 

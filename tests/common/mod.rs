@@ -129,22 +129,34 @@ impl Lcg {
 /// The debugger's app on glm5-tiny (seed 0, CPU, a 12-token prompt of which 9 are prefilled,
 /// then 2 decode steps) with `flags`, driven inline: what the TUI and session tests start from.
 pub fn tiny_app(flags: &str) -> mladb::tui::app::App {
+    live_app("glm5-tiny", flags, 12, 9, 2)
+}
+
+/// The debugger's app on a built-in layout (seed 0, CPU) over a `total`-token prompt of which
+/// `prefill` are prefilled, then `decode` decode steps, with `flags`, driven inline.
+pub fn live_app(
+    layout: &str,
+    flags: &str,
+    total: usize,
+    prefill: usize,
+    decode: usize,
+) -> mladb::tui::app::App {
     use mladb::debug::Flags;
     use mladb::session::ModelSource;
     use mladb::tui::{app::App, driver::InlineDriver, host::HostSpec, keys::Keymap, theme::Theme};
     use std::sync::Arc;
-    let model = Arc::new(synthetic("glm5-tiny", 0));
+    let model = Arc::new(synthetic(layout, 0));
     let schedule = Schedule {
-        prompt: prompt(model.layout.vocab_size, 12),
-        prefill_len: 9,
-        decode_steps: 2,
+        prompt: prompt(model.layout.vocab_size, total),
+        prefill_len: prefill,
+        decode_steps: decode,
     };
     let layers = 0..model.layout.num_layers;
     let backend: Arc<dyn mladb::backend::Backend> = Arc::new(CpuBackend);
     let spec = HostSpec {
         model,
         source: ModelSource::Layout {
-            layout: "glm5-tiny".into(),
+            layout: layout.into(),
             seed: 0,
             quant: None,
         },

@@ -6,6 +6,7 @@ use super::{num, short_name};
 use crate::debug::compare::{
     compare_runs, first_divergence, prefill_vs_decode, Diff, OpComparison,
 };
+use crate::debug::sample::is_sampled;
 use crate::debug::tolerance::Tolerances;
 use crate::debug::RunRecord;
 use crate::engine::trace::{OpKind, Phase};
@@ -72,13 +73,26 @@ fn figures<'a>(app: &App, d: &Diff, tolerance: f64) -> Vec<Line<'a>> {
     lines
 }
 
+/// The figures of a comparison, or why there are none.
+fn figures_or_why<'a>(app: &App, d: Result<Diff, String>, tolerance: f64) -> Vec<Line<'a>> {
+    match d {
+        Ok(d) => figures(app, &d, tolerance),
+        Err(why) => vec![Line::from(Span::styled(
+            format!("  {why}"),
+            app.theme.dim(),
+        ))],
+    }
+}
+
+/// The selected op against the same op of `other`, or, with `row`, a decode op against its
+/// token's row of `other`, a whole-sequence prefill. `None`: `other` has no such op.
 fn op_vs(
     app: &App,
     other: &RunRecord,
     phase: Phase,
     name: &str,
     row: Option<usize>,
-) -> Option<Diff> {
+) -> Option<Result<Diff, String>> {
     let run = app.mirror.current()?;
     let i = run.find(phase, name)?;
     let e = &run.events[i];
@@ -86,11 +100,17 @@ fn op_vs(
     match row {
         None => {
             let j = other.find(phase, name)?;
-            super::output_diff(e, &run.outputs[i], &other.outputs[j], heads)
+            Some(super::output_diff(
+                e,
+                &run.outputs[i],
+                &other.events[j],
+                &other.outputs[j],
+                heads,
+            ))
         }
         Some(_) => {
             let comparisons = prefill_vs_decode(&single(run, i), other, heads, &tolerances(app));
-            comparisons.into_iter().next()?.diff.ok()
+            Some(comparisons.into_iter().next()?.diff)
         }
     }
 }
@@ -110,7 +130,7 @@ fn first<'a>(
     label: &str,
     selected: usize,
     compute: impl FnOnce() -> Vec<OpComparison>,
-) -> (Line<'a>, Option<f64>) {
+) -> (Vec<Line<'a>>, Option<f64>) {
     let t = &app.theme;
     let run = app.mirror.current();
     let key = (
@@ -121,32 +141,42 @@ fn first<'a>(
     let cached = app.divergence_cache.borrow().get(&key).cloned();
     let d = cached.unwrap_or_else(|| {
         let list = compute();
+        let failed: Vec<&String> = list.iter().filter_map(|c| c.diff.as_ref().err()).collect();
         let d = Divergence {
             first: first_divergence(&list).map(|c| (c.index, c.phase, c.name.clone())),
-            compared: list.len(),
+            compared: list.len() - failed.len(),
             tolerances: list.iter().map(|c| (c.index, c.tolerance)).collect(),
+            not_compared: failed.first().map(|why| (failed.len(), why.to_string())),
         };
         app.divergence_cache.borrow_mut().insert(key, d.clone());
         d
     });
     let tolerance = d.tolerances.get(&selected).copied();
-    let line = match d.first {
-        Some((index, phase, name)) => Line::from(Span::styled(
+    let mut lines = vec![match (d.first, d.compared) {
+        (Some((index, phase, name)), _) => Line::from(Span::styled(
             format!(
                 "  first divergent op: #{index} {phase} {}",
                 short_name(&name)
             ),
             t.diverge(),
         )),
-        None => Line::from(Span::styled(
-            format!(
-                "  {label}: all {} ops agree within their tolerances",
-                d.compared
-            ),
+        // Nothing compared is no agreement.
+        (None, 0) => Line::from(Span::styled(
+            format!("  {label}: no op could be compared"),
+            t.warn(),
+        )),
+        (None, n) => Line::from(Span::styled(
+            format!("  {label}: all {n} ops agree within their tolerances"),
             t.ok(),
         )),
-    };
-    (line, tolerance)
+    }];
+    if let Some((n, why)) = d.not_compared {
+        lines.push(Line::from(Span::styled(
+            format!("  {n} ops not compared: {why}"),
+            t.dim(),
+        )));
+    }
+    (lines, tolerance)
 }
 
 pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
@@ -159,9 +189,12 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
     let heads = app.mirror.layout().map_or(1, |l| l.num_heads);
     let mut lines = Vec::new();
     if let Some((i, _)) = app.selected_op() {
-        if crate::session::recorded::is_sampled(e, &run.outputs[i]) {
+        if is_sampled(e, &run.outputs[i]) {
             lines.push(Line::from(Span::styled(
-                "replay of sampled values: figures are over the recorded values",
+                format!(
+                    "replay of sampled values: figures compare the {} values recorded of each side, where both sides have the same elements; per-head figures and token rows need the full tensors",
+                    run.outputs[i].numel()
+                ),
                 t.dim(),
             )));
         }
@@ -178,12 +211,12 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
                 compare_runs(run, other, heads, &tolerances(app))
             });
             match op_vs(app, other, e.phase, &e.name, None) {
-                Some(d) => lines.extend(figures(app, &d, tol.unwrap_or(floor(app, e.kind)))),
+                Some(d) => lines.extend(figures_or_why(app, d, tol.unwrap_or(floor(app, e.kind)))),
                 None => lines.push(Line::from(format!(
                     "  run {n} has no such op (another path, or not reached)"
                 ))),
             }
-            lines.push(first_line);
+            lines.extend(first_line);
         }
         _ => lines.push(Line::from(vec![
             Span::styled("vs an earlier run: ", t.title()),
@@ -223,10 +256,10 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             compare_runs(run, other, heads, &tolerances(app))
         });
         match op_vs(app, other, e.phase, &e.name, None) {
-            Some(d) => lines.extend(figures(app, &d, tol.unwrap_or(floor(app, e.kind)))),
+            Some(d) => lines.extend(figures_or_why(app, d, tol.unwrap_or(floor(app, e.kind)))),
             None => lines.push(Line::from("  the other path has no such op")),
         }
-        lines.push(first_line);
+        lines.extend(first_line);
     }
     if let Some(whole) = whole {
         lines.push(Line::from(Span::styled(
@@ -238,12 +271,12 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
         });
         match e.phase {
             Phase::Decode(_) => match op_vs(app, whole, e.phase, &e.name, Some(e.positions.0)) {
-                Some(d) => lines.extend(figures(app, &d, tol.unwrap_or(floor(app, e.kind)))),
+                Some(d) => lines.extend(figures_or_why(app, d, tol.unwrap_or(floor(app, e.kind)))),
                 None => lines.push(Line::from("  not comparable by token row")),
             },
             Phase::Prefill => lines.push(Line::from("  (select a decode op)")),
         }
-        lines.push(first_line);
+        lines.extend(first_line);
     }
     frame.render_widget(Paragraph::new(lines).wrap(Wrap { trim: false }), area);
 }

@@ -4,6 +4,7 @@
 
 use super::num;
 use crate::debug::compare::diff;
+use crate::debug::sample::{is_sampled, NEEDS_TENSORS};
 use crate::engine::MlaPath;
 use crate::tui::app::App;
 use crate::tui::host::AuxKind;
@@ -183,16 +184,20 @@ fn outputs(app: &App, layer: usize) -> Vec<Line<'static>> {
         return vec![title, Line::from("  the other path has no such op")];
     };
     let (a, b) = (&run.outputs[i], &other.outputs[j]);
-    if crate::session::recorded::is_sampled(&run.events[i], a)
-        || crate::session::recorded::is_sampled(&other.events[j], b)
-    {
-        return vec![
-            title,
-            Line::from("  (replay of sampled values: record with tensors to see the rows)"),
-        ];
+    if is_sampled(&run.events[i], a) || is_sampled(&other.events[j], b) {
+        return vec![title, Line::from(format!("  {NEEDS_TENSORS}"))];
     }
     let cols = a.cols();
-    let last = a.rows() - 1;
+    let (Some(last), true) = (a.rows().checked_sub(1), a.shape() == b.shape()) else {
+        return vec![
+            title,
+            Line::from(format!(
+                "  the outputs' shapes are {:?} and {:?}: no last token to compare",
+                a.shape(),
+                b.shape()
+            )),
+        ];
+    };
     let (ra, rb) = (a.row(last), b.row(last));
     let show = |x: &[f32]| {
         x.iter()

@@ -16,7 +16,7 @@ mod tensor;
 mod tree;
 
 use super::app::{App, Overlay, Tab};
-use crate::debug::compare::{diff, heads_of, Diff};
+use crate::debug::compare::{compare_outputs, Diff};
 use crate::debug::controller::Stop;
 use crate::engine::trace::OpEvent;
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -215,32 +215,33 @@ pub fn short_name(name: &str) -> &str {
     name
 }
 
-/// How the selected op compares with the same op of the comparison run.
-pub fn diff_with_comparison(app: &App, index: usize) -> Option<Diff> {
+/// How op `index` compares with the same op of the comparison run (`None`: no comparison run,
+/// or it has no such op; `Err`: why there are no figures).
+pub fn diff_with_comparison(app: &App, index: usize) -> Option<Result<Diff, String>> {
     let run = app.mirror.current()?;
     let other = app.mirror.comparison_run()?;
     let e = run.events.get(index)?;
     let j = other.find(e.phase, &e.name)?;
-    let (a, b) = (&run.outputs[index], &other.outputs[j]);
     let heads = app.mirror.layout()?.num_heads;
-    output_diff(e, a, b, heads)
+    Some(output_diff(
+        e,
+        &run.outputs[index],
+        &other.events[j],
+        &other.outputs[j],
+        heads,
+    ))
 }
 
-/// Two outputs of one op compared; over the recorded values when a replay holds samples only.
+/// Two outputs of one op compared: whole outputs fully; in a replay of samples, the recorded
+/// values, which are the same elements when the two outputs are of one size.
 pub fn output_diff(
     e: &OpEvent,
     a: &crate::tensor::Tensor,
+    other: &OpEvent,
     b: &crate::tensor::Tensor,
     heads: usize,
-) -> Option<Diff> {
-    let (x, y) = (a.data(), b.data());
-    if x.len() != y.len() {
-        return None;
-    }
-    if crate::session::recorded::is_sampled(e, a) {
-        return Some(diff(x, y, &[x.len()], None));
-    }
-    Some(diff(x, y, &e.shape, heads_of(e, heads)))
+) -> Result<Diff, String> {
+    compare_outputs(e, e.index, a.data(), &other.shape, b.data(), heads).diff
 }
 
 /// A status mark for an op: disconnected, unwritten, NaN/Inf, diverging from the comparison
@@ -289,17 +290,15 @@ pub fn judged_against_comparison(app: &App, index: usize) -> Option<(bool, f64)>
     while marks.verdicts.len() <= index {
         let i = marks.verdicts.len();
         let e = &run.events[i];
-        let mut compared = other.find(e.phase, &e.name).and_then(|j| {
-            let sampled = crate::session::recorded::is_sampled(e, &run.outputs[i]);
-            let (a, b) = (run.outputs[i].data(), other.outputs[j].data());
-            (a.len() == b.len()).then(|| {
-                let mut one = e.clone();
-                if sampled {
-                    one.shape = vec![a.len()];
-                }
-                crate::debug::compare::compare_outputs(&one, i, a, &one.shape, b, heads)
+        // Samples of a replay compare where both sides hold the same elements; a comparison
+        // that could not be made judges nothing.
+        let mut compared = other
+            .find(e.phase, &e.name)
+            .map(|j| {
+                let (a, b) = (run.outputs[i].data(), other.outputs[j].data());
+                crate::debug::compare::compare_outputs(e, i, a, &other.events[j].shape, b, heads)
             })
-        });
+            .filter(|c| c.diff.is_ok());
         marks.judge.next(e, compared.as_mut());
         marks.verdicts.push(match compared {
             Some(c) => (c.exceeds_its(), c.tolerance),

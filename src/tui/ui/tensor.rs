@@ -4,8 +4,8 @@
 
 use super::{diff_with_comparison, num};
 use crate::debug::compare::{heads_of, Heads};
+use crate::debug::sample::is_sampled;
 use crate::engine::trace::OpKind;
-use crate::session::recorded::is_sampled;
 use crate::tensor::Tensor;
 use crate::tui::app::App;
 use ratatui::layout::Rect;
@@ -133,7 +133,9 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
     if let Some(layout) = heads_of(e, heads) {
         lines.push(Line::from(Span::styled("per head: abs-max / L2", t.dim())));
         let per = per_head(out, layout, heads);
-        let compared = diff_with_comparison(app, index).map(|d| d.per_head);
+        let compared = diff_with_comparison(app, index)
+            .and_then(|d| d.ok())
+            .map(|d| d.per_head);
         let mut row = Vec::new();
         for (h, (absmax, l2)) in per.iter().enumerate().take(16) {
             let mut text = format!("h{h} {}/{}", num(*absmax as f64), num(*l2));
@@ -156,7 +158,12 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             lines.push(Line::from(row));
         }
     }
-    if e.kind == OpKind::AttentionProbs && e.shape.len() == 3 {
+    // [heads, queries, keys], as the op reported it and as held.
+    if e.kind == OpKind::AttentionProbs
+        && e.shape.len() == 3
+        && e.shape[0] > 0
+        && out.shape() == e.shape.as_slice()
+    {
         let used = lines.len() as u16 + 1;
         let rows = area.height.saturating_sub(used) as usize;
         lines.push(Line::from(Span::styled(
