@@ -99,6 +99,7 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
     };
     let mut findings = per_op_findings(&run);
     let mut notes = Vec::new();
+    notes.extend(super::idle::check_notes(job, &run)?);
 
     // Absorbed vs naive: every phase again on the other path.
     if flags.mla_disable {

@@ -4,11 +4,12 @@
 //! computing (a flag change, comparison runs not recorded) are refused with a log line.
 
 use super::driver::Driver;
-use super::host::{AuxKind, Command, Info, Send, Update};
-use crate::debug::breakpoint::Breakpoint;
+use super::host::{AuxKind, Command, Goto, Info, Send, Update};
+use crate::debug::breakpoint::{first_hit, Breakpoint};
 use crate::debug::compare::{compare_runs, diff, heads_of};
 use crate::debug::controller::Stop;
 use crate::debug::RunRecord;
+use crate::engine::generate::Schedule;
 use crate::error::{Error, Result};
 use crate::model::Layout;
 use crate::session::recorded::{is_sampled, RunRole};
@@ -271,6 +272,7 @@ impl ReplayHost {
     /// Moves to the next run of the timeline: the flag change (or restart) that made it.
     fn next_run(&mut self) {
         let previous = self.current_run().flags;
+        let previous_schedule = self.run_schedule(self.current_run());
         self.at += 1;
         self.shown = 0;
         self.end_shown = false;
@@ -279,8 +281,19 @@ impl ReplayHost {
         while self.shown < until && self.deliver() {}
         (self.send)(Update::Flags(run.flags));
         (self.send)(Update::Comparison(run.compared_with));
+        let schedule = self.run_schedule(&run);
         let what = if run.flags != previous {
             format!("flags changed to {}", run.flags)
+        } else if schedule != previous_schedule {
+            let s = &schedule;
+            let what = format!(
+                "schedule changed to a {}-token prompt, prefill {}, decode {}",
+                s.prompt.len(),
+                s.prefill_len,
+                s.decode_steps
+            );
+            (self.send)(Update::Schedule(schedule));
+            what
         } else {
             "restarted".to_string()
         };
@@ -298,6 +311,14 @@ impl ReplayHost {
         if self.exhausted() && run.outcome.is_some() {
             self.finished();
         }
+    }
+
+    /// The schedule a recorded run ran.
+    fn run_schedule(&self, run: &crate::session::recorded::RecordedRun) -> Schedule {
+        run.schedule
+            .as_ref()
+            .map(|s| s.schedule())
+            .unwrap_or_else(|| self.session.schedule())
     }
 
     /// At the end of the current run's recording: report the end, or go on to the next run.
@@ -331,17 +352,9 @@ impl ReplayHost {
 
     /// The first breakpoint the op just delivered hits.
     fn breakpoint_hit(&self) -> Option<usize> {
-        if self.breakpoints.is_empty() || self.shown == 0 {
-            return None;
-        }
-        let run = self.current();
-        let i = self.shown - 1;
-        let e = &run.events[i];
-        let previous = i.checked_sub(1).map(|p| &run.events[p]);
-        let diff = self.op_diff(i);
-        self.breakpoints
-            .iter()
-            .position(|b| b.hits(e, previous, diff))
+        let i = self.shown.checked_sub(1)?;
+        let diff = |j: usize| self.op_diff(j);
+        first_hit(&self.breakpoints, &self.current().events[..self.shown], i, &diff)
     }
 
     /// rel L2 of op `i` against the comparison run, when both outputs are whole.
@@ -452,6 +465,13 @@ impl ReplayHost {
                 ));
                 (self.send)(Update::Breakpoints(self.breakpoints.clone()));
             }
+            Command::ClearBreakpoints => {
+                self.log(format!("{} breakpoint(s) deleted", self.breakpoints.len()));
+                self.breakpoints.clear();
+                (self.send)(Update::Breakpoints(Vec::new()));
+            }
+            Command::Goto(Goto::FirstDivergent) => self.bisect(),
+            Command::Goto(Goto::Op(index)) => self.goto(index)?,
             Command::Save {
                 path,
                 cursor,
@@ -477,6 +497,25 @@ impl ReplayHost {
                 text,
             }),
         }
+        Ok(())
+    }
+
+    /// `:goto N`: op N of the run shown, delivering the recorded ops up to it.
+    fn goto(&mut self, index: usize) -> Result<()> {
+        let len = self.current().len();
+        if index >= len {
+            return Err(Error::invalid(format!(
+                "goto {index}: this run recorded ops #0..#{}",
+                len.saturating_sub(1)
+            )));
+        }
+        if index >= self.shown {
+            while self.shown <= index && self.deliver() {}
+            (self.send)(Update::Stopped(Stop::Stepped));
+        }
+        let e = &self.current().events[index];
+        self.log(format!("goto #{index}: {} {}", e.phase, e.name));
+        (self.send)(Update::Select(index));
         Ok(())
     }
 
