@@ -261,9 +261,12 @@ impl FlagArgs {
     pub fn flags_with_env(&self, device: DeviceArg, env_mla_disable: bool) -> Result<Flags> {
         let mut flags = Flags::default();
         if self.mla_disable || env_mla_disable {
-            let absorbed = [(self.prefill_path, "--prefill-path"), (self.decode_path, "--decode-path")]
-                .into_iter()
-                .find(|(p, _)| *p == Some(PathArg::Absorbed));
+            let absorbed = [
+                (self.prefill_path, "--prefill-path"),
+                (self.decode_path, "--decode-path"),
+            ]
+            .into_iter()
+            .find(|(p, _)| *p == Some(PathArg::Absorbed));
             if let Some((_, option)) = absorbed {
                 let why = if self.mla_disable {
                     "--mla-disable"
@@ -405,8 +408,7 @@ pub fn schedule_with_defaults(
     decode: Option<usize>,
 ) -> Schedule {
     let given = tokens.is_some();
-    let prompt =
-        tokens.unwrap_or_else(|| default_prompt(layout.vocab_size, DEFAULT_PROMPT_TOKENS));
+    let prompt = tokens.unwrap_or_else(|| default_prompt(layout.vocab_size, DEFAULT_PROMPT_TOKENS));
     let default_prefill = if given {
         prompt.len()
     } else {
@@ -463,7 +465,10 @@ mod tests {
         }
         let mut small = Layout::resolve("glm5-tiny").unwrap();
         small.indexer.as_mut().unwrap().topk = 4;
-        assert_eq!(schedule_with_defaults(&small, None, None, None).prefill_len, 3);
+        assert_eq!(
+            schedule_with_defaults(&small, None, None, None).prefill_len,
+            3
+        );
         let plain = Layout::resolve("deepseek-v3-tiny").unwrap();
         let s = schedule_with_defaults(&plain, None, None, None);
         assert_eq!((s.prompt.len(), s.prefill_len, s.decode_steps), (12, 6, 4));
@@ -485,12 +490,32 @@ mod tests {
             assert!(e.contains("VLLM_MLA_DISABLE"), "{e}");
         }
         let mut args = FlagArgs::default();
-        assert!(args.flags_with_env(DeviceArg::Cpu, true).unwrap().mla_disable);
-        assert!(!args.flags_with_env(DeviceArg::Cpu, false).unwrap().mla_disable);
+        assert!(
+            args.flags_with_env(DeviceArg::Cpu, true)
+                .unwrap()
+                .mla_disable
+        );
+        assert!(
+            !args
+                .flags_with_env(DeviceArg::Cpu, false)
+                .unwrap()
+                .mla_disable
+        );
         args.decode_path = Some(PathArg::Absorbed);
-        let e = args.flags_with_env(DeviceArg::Cpu, true).unwrap_err().to_string();
-        assert!(e.contains("VLLM_MLA_DISABLE=1") && e.contains("--decode-path absorbed"), "{e}");
-        assert!(!args.flags_with_env(DeviceArg::Cpu, false).unwrap().mla_disable);
+        let e = args
+            .flags_with_env(DeviceArg::Cpu, true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("VLLM_MLA_DISABLE=1") && e.contains("--decode-path absorbed"),
+            "{e}"
+        );
+        assert!(
+            !args
+                .flags_with_env(DeviceArg::Cpu, false)
+                .unwrap()
+                .mla_disable
+        );
     }
 
     #[test]

@@ -232,6 +232,22 @@ impl Run<'_> {
         ))
     }
 
+    /// The longest context an absorbed attention attended over in the phases `fault` acts in
+    /// (its probabilities are [heads, tokens, context], followed by the latent output).
+    fn longest_absorbed_context(&self, fault: Fault) -> usize {
+        self.events
+            .iter()
+            .zip(self.events.iter().skip(1))
+            .filter(|(p, next)| {
+                self.flags.faults.active(fault, p.phase)
+                    && p.kind == OpKind::AttentionProbs
+                    && next.kind == OpKind::AttentionLatent
+            })
+            .filter_map(|(p, _)| p.shape.last().copied())
+            .max()
+            .unwrap_or(0)
+    }
+
     fn mla_disable(&self, finished: bool) -> Option<String> {
         let mut without = *self.flags;
         without.mla_disable = false;
@@ -251,10 +267,9 @@ impl Run<'_> {
         if !finished {
             return None;
         }
-        let absorbed_phase_ran = self
-            .events
-            .iter()
-            .any(|e| e.kind == OpKind::AttentionProbs && without.path_of(e.phase) == MlaPath::Absorbed);
+        let absorbed_phase_ran = self.events.iter().any(|e| {
+            e.kind == OpKind::AttentionProbs && without.path_of(e.phase) == MlaPath::Absorbed
+        });
         (!absorbed_phase_ran).then(|| {
             let why = if base.prefill == MlaPath::Naive {
                 "prefill runs the naive path without it too, and the run has no decode steps"
@@ -319,16 +334,24 @@ impl Run<'_> {
         }
         let absorbed = |_: usize, e: &OpEvent| e.kind == OpKind::AttentionLatent;
         match fault {
-            Fault::OutputBufferDisconnect => (!self.any_in_scope(fault, |_, e| {
-                e.kernel_wrote.is_some()
-            }))
+            Fault::OutputBufferDisconnect => (!self
+                .any_in_scope(fault, |_, e| e.kernel_wrote.is_some()))
             .then(|| "no attention kernel ran in its phases".into()),
             Fault::SkipPaddedRows => (!self
                 .any_in_scope(fault, |_, e| e.kind == OpKind::AttentionProbs))
             .then(|| "no attention kernel ran in its phases".into()),
-            Fault::SoftmaxScaleLatent => (!self.any_in_scope(fault, absorbed))
-                .then(|| self.naive_everywhere(scope, true))
-                .flatten(),
+            Fault::SoftmaxScaleLatent => {
+                if !self.any_in_scope(fault, absorbed) {
+                    return self.naive_everywhere(scope, true);
+                }
+                // A softmax over one key is 1 at any scale.
+                let longest = self.longest_absorbed_context(fault);
+                (longest < 2).then(|| {
+                    "every query on the absorbed path attended to a single key, whose \
+                     probability is 1 at any scale"
+                        .into()
+                })
+            }
             Fault::AbsorbWrongSplit => (!self
                 .any_in_scope(fault, |_, e| e.kind == OpKind::AbsorbQuery))
             .then(|| self.naive_everywhere(scope, true))
@@ -337,19 +360,7 @@ impl Run<'_> {
                 if !self.any_in_scope(fault, absorbed) {
                     return self.naive_everywhere(scope, true);
                 }
-                // The probabilities of an absorbed attention are [heads, tokens, context].
-                let longest = self
-                    .events
-                    .iter()
-                    .zip(self.events.iter().skip(1))
-                    .filter(|(p, next)| {
-                        self.flags.faults.active(fault, p.phase)
-                            && p.kind == OpKind::AttentionProbs
-                            && next.kind == OpKind::AttentionLatent
-                    })
-                    .filter_map(|(p, _)| p.shape.last().copied())
-                    .max()
-                    .unwrap_or(0);
+                let longest = self.longest_absorbed_context(fault);
                 (longest <= SPLIT_KV_BLOCK).then(|| {
                     format!(
                         "no context on the absorbed path spanned two split-KV blocks of \
@@ -357,13 +368,44 @@ impl Run<'_> {
                     )
                 })
             }
-            Fault::RopeNoninterleaved => (!self
-                .any_in_scope(fault, |_, e| e.name.ends_with("self_attn.q_rope")))
-            .then(|| "no query RoPE ran in its phases".into()),
-            Fault::KvCacheOffByOne => {
-                let latent_write = |e: &OpEvent| e.name.ends_with("self_attn.latent_cache");
-                if self.any_in_scope(fault, |_, e| latent_write(e) && e.positions.1 >= 2) {
+            Fault::RopeNoninterleaved => {
+                let q_rope = |e: &OpEvent| e.name.ends_with("self_attn.q_rope");
+                if self.any_in_scope(fault, |_, e| q_rope(e) && e.positions.1 >= 2) {
                     None
+                } else if self.any_in_scope(fault, |_, e| q_rope(e)) {
+                    // RoPE at position 0 rotates by nothing, in either layout.
+                    Some("its phases rotated the query at position 0 only, where RoPE is the identity".into())
+                } else {
+                    Some("no query RoPE ran in its phases".into())
+                }
+            }
+            Fault::KvCacheOffByOne => {
+                // It acts where a token lands one slot early (from any position but 0) in a
+                // latent cache that a later op reads: the absorbed attention, or the backfill of
+                // the naive path's cache. Naive attention reads its own decompressed cache.
+                let latent_write = |e: &OpEvent| e.name.ends_with("self_attn.latent_cache");
+                let moved: Vec<usize> = (0..self.events.len())
+                    .filter(|&i| {
+                        let e = &self.events[i];
+                        self.flags.faults.active(fault, e.phase)
+                            && latent_write(e)
+                            && e.positions.1 >= 2
+                    })
+                    .collect();
+                let read_later = moved.iter().any(|&w| {
+                    let id = self.events[w].output.id;
+                    self.events[w + 1..]
+                        .iter()
+                        .any(|e| e.inputs.iter().any(|r| r.id == id))
+                });
+                if read_later {
+                    None
+                } else if !moved.is_empty() {
+                    Some(
+                        "no op read the latent cache after a token was written one slot early \
+                         (naive attention reads its own decompressed cache)"
+                            .into(),
+                    )
                 } else if self.any_in_scope(fault, |_, e| latent_write(e)) {
                     Some(
                         "its phases wrote the latent cache at position 0 only, where one slot \

@@ -303,7 +303,10 @@ mod tests {
         let g = f.with_scope(Fault::KvCacheOffByOne, Scope::Prefill);
         assert_eq!(g.scope(Fault::KvCacheOffByOne), Some(Scope::Prefill));
         assert_eq!(
-            Faults::none().parse_add("softmax-scale-latent@both").unwrap().specs(),
+            Faults::none()
+                .parse_add("softmax-scale-latent@both")
+                .unwrap()
+                .specs(),
             vec!["softmax-scale-latent".to_string()]
         );
     }

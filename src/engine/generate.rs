@@ -147,8 +147,14 @@ mod tests {
         let base = schedule(&[1, 2, 3, 4], 2, 2);
         assert_eq!(base.phases(), 5);
         // More or fewer decode steps change no phase both run.
-        assert_eq!(base.first_changed_phase(&schedule(&[1, 2, 3, 4], 2, 6)), None);
-        assert_eq!(base.first_changed_phase(&schedule(&[1, 2, 3, 4], 2, 0)), None);
+        assert_eq!(
+            base.first_changed_phase(&schedule(&[1, 2, 3, 4], 2, 6)),
+            None
+        );
+        assert_eq!(
+            base.first_changed_phase(&schedule(&[1, 2, 3, 4], 2, 0)),
+            None
+        );
         // Another prefill changes everything.
         assert_eq!(
             base.first_changed_phase(&schedule(&[1, 2, 3, 4], 3, 2)),

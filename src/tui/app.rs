@@ -8,8 +8,8 @@ use super::keys::{Action, Keymap};
 use super::theme::Theme;
 use crate::debug::breakpoint::Breakpoint;
 use crate::debug::controller::Stop;
-use crate::debug::{Flags, RunRecord};
 use crate::debug::idle::Idle;
+use crate::debug::{Flags, RunRecord};
 use crate::engine::faults::Scope;
 use crate::engine::trace::{OpEvent, Phase};
 use ratatui::crossterm::event::KeyEvent;
@@ -47,10 +47,17 @@ impl Tab {
 pub enum Overlay {
     None,
     Help,
-    Learn { scroll: u16 },
+    Learn {
+        scroll: u16,
+    },
     /// The fault menu: the row selected and the scope Enter would inject it in.
-    Inject { selected: usize, scope: Scope },
-    Command { input: String },
+    Inject {
+        selected: usize,
+        scope: Scope,
+    },
+    Command {
+        input: String,
+    },
 }
 
 /// A row of the execution tree.

@@ -354,7 +354,12 @@ impl ReplayHost {
     fn breakpoint_hit(&self) -> Option<usize> {
         let i = self.shown.checked_sub(1)?;
         let diff = |j: usize| self.op_diff(j);
-        first_hit(&self.breakpoints, &self.current().events[..self.shown], i, &diff)
+        first_hit(
+            &self.breakpoints,
+            &self.current().events[..self.shown],
+            i,
+            &diff,
+        )
     }
 
     /// rel L2 of op `i` against the comparison run, when both outputs are whole.

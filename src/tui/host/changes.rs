@@ -60,9 +60,10 @@ impl Host {
         let c = &self.controller;
         let mut schedule = c.schedule().clone();
         let number = || {
-            value.trim().parse::<usize>().map_err(|_| {
-                Error::invalid(format!("set {key}: '{value}' is not a whole number"))
-            })
+            value
+                .trim()
+                .parse::<usize>()
+                .map_err(|_| Error::invalid(format!("set {key}: '{value}' is not a whole number")))
         };
         match key {
             "tokens" => {
@@ -176,12 +177,18 @@ mod tests {
     #[test]
     fn set_inject_replaces_adds_rescopes_and_removes() {
         let one = inject(Faults::none(), "softmax-scale-latent").unwrap();
-        assert_eq!((one.0.to_string().as_str(), one.1), ("softmax-scale-latent", None));
+        assert_eq!(
+            (one.0.to_string().as_str(), one.1),
+            ("softmax-scale-latent", None)
+        );
         let (two, replaced) = inject(one.0, "skip-padded-rows").unwrap();
         assert_eq!(two.to_string(), "skip-padded-rows");
         assert_eq!(replaced.unwrap().to_string(), "softmax-scale-latent");
         let (both, _) = inject(two, "+softmax-scale-latent@decode").unwrap();
-        assert_eq!(both.to_string(), "softmax-scale-latent@decode,skip-padded-rows");
+        assert_eq!(
+            both.to_string(),
+            "softmax-scale-latent@decode,skip-padded-rows"
+        );
         let (rescoped, _) = inject(both, "+skip-padded-rows@both").unwrap();
         assert_eq!(rescoped.scope(Fault::SkipPaddedRows), Some(Scope::All));
         let (fewer, _) = inject(rescoped, "-softmax-scale-latent").unwrap();

@@ -89,7 +89,11 @@ fn flags_bar(frame: &mut Frame, app: &App, area: Rect) {
     ];
     let mla_idle = idle(Subject::MlaDisable);
     if f.mla_disable && app.mla_disable_env {
-        spans.extend(item("", marked("VLLM_MLA_DISABLE=1".into(), mla_idle), true));
+        spans.extend(item(
+            "",
+            marked("VLLM_MLA_DISABLE=1".into(), mla_idle),
+            true,
+        ));
     } else {
         spans.extend(item(
             "MLA-disable",
