@@ -31,22 +31,18 @@ pub fn help(frame: &mut Frame, app: &App, area: Rect) {
             ])
         })
         .collect();
-    lines.push(Line::from(""));
     for text in [
         "commands: break SPEC · delete [SPEC|all] · breakpoints · goto N|first-divergent · run",
         "  step [N] · next · restart · bisect · compare · save FILE · load FILE · note TEXT · quit",
         "  set FLAG VALUE · set inject NAME[@prefill|@decode|@both] (replaces; +NAME adds)",
-        "  set tokens 3,141,59 · set prefill K · set decode N (re-executes with that schedule)",
-        "breakpoints: layer N · op [PHASE/]PATTERN · nan · zero · absmax>X · diff>X (where it starts)",
+        "  set tokens 3,141,59 · set prefill K · set decode N (the run is recomputed)",
+        "breakpoints: layer N · op [PHASE/]PATTERN · nan · zero · absmax>X · diff>X",
+        "marks: ▶ position ● breakpoint · ok ≠ diverges ! NaN/Inf ? unwritten x disconnected",
     ] {
         lines.push(Line::from(Span::styled(text, t.dim())));
     }
-    lines.push(Line::from(Span::styled(
-        "marks: ▶ position ● breakpoint · ok ≠ diverges ! NaN/Inf ? unwritten x disconnected",
-        t.dim(),
-    )));
     let h = lines.len() as u16 + 2;
-    let r = centred(area, 90, h);
+    let r = centred(area, 92, h);
     frame.render_widget(Clear, r);
     frame.render_widget(
         Paragraph::new(lines).wrap(Wrap { trim: false }).block(
@@ -66,10 +62,14 @@ pub fn inject(frame: &mut Frame, app: &App, area: Rect, selected: usize, scope: 
         .enumerate()
         .map(|(i, f)| {
             let active = faults.scope(*f);
-            // The selected row shows the scope Enter injects it in; the others, where they act.
+            // The selected row shows the scope Enter injects it in; the others, where they act
+            // (or, dimmed, a default narrower than both phases).
             let (scope_text, style) = match (i == selected, active) {
                 (true, _) => (format!("‹{}›", scope.name()), t.accent()),
                 (false, Some(s)) => (format!(" {} ", s.name()), t.on()),
+                (false, None) if f.default_scope() != Scope::All => {
+                    (format!(" {} ", f.default_scope().name()), t.dim())
+                }
                 (false, None) => (String::new(), t.base()),
             };
             let line = Line::from(vec![
