@@ -13,9 +13,9 @@ use crate::engine::faults::{Fault, Scope};
 use crate::engine::trace::{OpEvent, OpKind, Phase};
 use crate::engine::MlaPath;
 use crate::error::Result;
-use crate::gguf::GgmlType;
 use crate::model::catalog::layer_prefix;
 use crate::model::Model;
+use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::ops::Range;
 
@@ -56,10 +56,14 @@ impl fmt::Display for Idle {
     }
 }
 
-/// How kv_b_proj is stored in each layer of a run: its quantized type, or `None` when plain.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// How kv_b_proj is stored in each layer of a run: its quantized type's name (`Q4_K`), or
+/// `None` when plain. Sessions record it, so that replays judge flags as the live run did; an
+/// older session that lacks it leaves the flags that depend on it unjudged.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct KvBStorage {
-    layers: Vec<(usize, Option<GgmlType>)>,
+    layers: Vec<(usize, Option<String>)>,
+    #[serde(skip)]
+    unknown: bool,
 }
 
 impl KvBStorage {
@@ -68,24 +72,42 @@ impl KvBStorage {
             .clone()
             .map(|l| {
                 let name = format!("{}.self_attn.kv_b_proj.weight", layer_prefix(l));
-                Ok((l, model.weights.quantized(&name)?.map(|q| q.ty)))
+                let ty = model
+                    .weights
+                    .quantized(&name)?
+                    .map(|q| q.ty.name().to_string());
+                Ok((l, ty))
             })
             .collect::<Result<_>>()?;
-        Ok(KvBStorage { layers })
+        Ok(KvBStorage {
+            layers,
+            unknown: false,
+        })
+    }
+
+    /// Storage not known (a session recorded before it was): force-dequantize and the
+    /// quantization fault are then never reported idle.
+    pub fn unknown() -> KvBStorage {
+        KvBStorage {
+            layers: Vec::new(),
+            unknown: true,
+        }
     }
 
     fn any_quantized(&self) -> bool {
-        self.layers.iter().any(|(_, t)| t.is_some())
+        self.unknown || self.layers.iter().any(|(_, t)| t.is_some())
     }
 
     fn is_q4k(&self, layer: Option<usize>) -> bool {
-        self.layers
-            .iter()
-            .any(|&(l, t)| Some(l) == layer && t == Some(GgmlType::Q4_K))
+        self.unknown
+            || self
+                .layers
+                .iter()
+                .any(|(l, t)| Some(*l) == layer && t.as_deref() == Some(Q4_K))
     }
 
     fn any_q4k(&self) -> bool {
-        self.layers.iter().any(|(_, t)| *t == Some(GgmlType::Q4_K))
+        self.unknown || self.layers.iter().any(|(_, t)| t.as_deref() == Some(Q4_K))
     }
 
     /// `plain`, or the types it is stored in (`Q8_0`, `Q4_0 and plain`).
@@ -93,13 +115,15 @@ impl KvBStorage {
         let mut names: Vec<&str> = self
             .layers
             .iter()
-            .map(|(_, t)| t.map_or("plain", |t| t.name()))
+            .map(|(_, t)| t.as_deref().unwrap_or("plain"))
             .collect();
         names.sort_unstable();
         names.dedup();
         names.join(" and ")
     }
 }
+
+const Q4_K: &str = "Q4_K";
 
 /// The flags and faults of `flags` that had nothing to act on in the run whose op events are
 /// `events`. Until the run has `finished`, only what no later op could change is reported
@@ -306,7 +330,8 @@ impl Run<'_> {
             .events
             .iter()
             .any(|e| e.kind == OpKind::Dequantize && e.name.ends_with("kv_b_dequant"));
-        (finished && !dequantized).then(|| "no op used the quantized kv_b_proj".into())
+        (finished && !dequantized && !self.kv_b.unknown)
+            .then(|| "no op used the quantized kv_b_proj".into())
     }
 
     fn fault(&self, fault: Fault, finished: bool) -> Option<String> {
@@ -425,7 +450,7 @@ impl Run<'_> {
                         && (e.kind == OpKind::Dequantize
                             || (e.kind == OpKind::Decompress && !self.flags.force_dequant))
                 };
-                (!self.any_in_scope(fault, decodes_blocks))
+                (!self.any_in_scope(fault, decodes_blocks) && !self.kv_b.unknown)
                     .then(|| "no op decoded the Q4_K kv_b_proj in its phases".into())
             }
         }

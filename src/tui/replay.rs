@@ -6,16 +6,18 @@
 use super::driver::Driver;
 use super::host::{AuxKind, Command, Goto, Info, Send, Update};
 use crate::debug::breakpoint::{first_hit, Breakpoint};
-use crate::debug::compare::{compare_runs, diff, heads_of};
+use crate::debug::compare::{diff, heads_of};
 use crate::debug::controller::Stop;
+use crate::debug::idle::{Idle, KvBStorage};
 use crate::debug::RunRecord;
 use crate::engine::generate::Schedule;
 use crate::error::{Error, Result};
 use crate::model::Layout;
 use crate::session::recorded::{is_sampled, RunRole};
 use crate::session::{Cursor, ModelSource, Session};
-use crate::tensor::Tensor;
 use std::path::{Path, PathBuf};
+
+mod commands;
 use std::sync::{Arc, Mutex};
 
 /// A recorded session, as the debugger host the UI talks to.
@@ -39,6 +41,9 @@ pub struct ReplayHost {
     breakpoints: Vec<Breakpoint>,
     /// Notes typed during the replay (saved with the session).
     annotations: Vec<crate::session::recorded::Annotation>,
+    /// How kv_b_proj was stored, and the flags last reported as having nothing to act on.
+    kv_b: KvBStorage,
+    idle: Vec<Idle>,
 }
 
 impl ReplayHost {
@@ -86,6 +91,7 @@ impl ReplayHost {
             schedule: session.schedule(),
             layers: session.layers.0..session.layers.1,
         };
+        let session_kv_b = session.kv_b.clone().unwrap_or_else(KvBStorage::unknown);
         let mut host = ReplayHost {
             breakpoints: session.breakpoints.clone(),
             session,
@@ -99,9 +105,12 @@ impl ReplayHost {
             shown: 0,
             end_shown: false,
             annotations: Vec::new(),
+            kv_b: session_kv_b,
+            idle: Vec::new(),
         };
         host.start();
         host.go_to_cursor();
+        host.report_idle();
         Ok(host)
     }
 
@@ -411,6 +420,7 @@ impl ReplayHost {
         if let Err(e) = self.run(command) {
             (self.send)(Update::Error(e.to_string()));
         }
+        self.report_idle();
         (self.send)(Update::Busy(None));
     }
 
@@ -503,81 +513,6 @@ impl ReplayHost {
             }),
         }
         Ok(())
-    }
-
-    /// `:goto N`: op N of the run shown, delivering the recorded ops up to it.
-    fn goto(&mut self, index: usize) -> Result<()> {
-        let len = self.current().len();
-        if index >= len {
-            return Err(Error::invalid(format!(
-                "goto {index}: this run recorded ops #0..#{}",
-                len.saturating_sub(1)
-            )));
-        }
-        if index >= self.shown {
-            while self.shown <= index && self.deliver() {}
-            (self.send)(Update::Stopped(Stop::Stepped));
-        }
-        let e = &self.current().events[index];
-        self.log(format!("goto #{index}: {} {}", e.phase, e.name));
-        (self.send)(Update::Select(index));
-        Ok(())
-    }
-
-    fn bisect(&self) {
-        let Some(c) = self.current_run().compared_with else {
-            return self.log("bisect needs an earlier run to compare with: this run has none");
-        };
-        if !self.full {
-            return self.refuse("bisect over sampled values");
-        }
-        let mut partial = RunRecord::new(self.current().flags);
-        for i in 0..self.shown {
-            partial.push(
-                self.current().events[i].clone(),
-                self.current().outputs[i].clone(),
-            );
-        }
-        let other = &self.records[self.timeline[c]];
-        let diffs = compare_runs(&partial, other, self.info.layout.num_heads);
-        let (line, select) = super::host::bisect_report(&diffs);
-        self.log(line);
-        if let Some(index) = select {
-            (self.send)(Update::Select(index));
-        }
-    }
-
-    /// The session as recorded, with the cursor, notes and breakpoints of now.
-    fn save(
-        &self,
-        path: &Path,
-        cursor: Option<Cursor>,
-        notes: Vec<String>,
-        tensors: bool,
-    ) -> Result<()> {
-        let mut s = self.session.clone();
-        s.cursor = cursor;
-        s.breakpoints = self.breakpoints.clone();
-        s.tensors = None;
-        for n in notes {
-            let placed = self.annotations.iter().any(|a| a.text == n);
-            if !placed && !s.notes.contains(&n) {
-                s.notes.push(n);
-            }
-        }
-        s.annotations.extend(self.annotations.iter().cloned());
-        if tensors || self.full {
-            if !self.full {
-                return Err(Error::invalid(
-                    "this replay holds sampled values only: it cannot write full tensors",
-                ));
-            }
-            let outputs: Vec<Vec<Arc<Tensor>>> =
-                self.records.iter().map(|r| r.outputs.clone()).collect();
-            s.save_with_tensors(path, &outputs)
-        } else {
-            s.save(path)
-        }
     }
 }
 
