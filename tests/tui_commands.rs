@@ -255,6 +255,11 @@ fn breakpoints_list_delete_and_phase_patterns() {
             "model.layers.1.self_attn.attn_probs".to_string()
         )
     );
+    let tree = screen(&mut app, 120, 34);
+    assert!(
+        tree.contains("▶●· self_attn.attn_probs"),
+        "marked in the tree: {tree}"
+    );
     press(&mut app, "c");
     assert!(
         app.mirror.current().unwrap().finished(),

@@ -64,6 +64,20 @@ impl Breakpoint {
         }
     }
 
+    /// Whether this is an op breakpoint whose pattern matches `event` (its phase too, for a
+    /// `PHASE/NAME` pattern).
+    pub fn matches_op(&self, event: &OpEvent) -> bool {
+        let Breakpoint::Op(pattern) = self else {
+            return false;
+        };
+        match pattern.split_once('/') {
+            Some((phase, name)) => {
+                glob_match(phase, &event.phase.to_string()) && glob_match(name, &event.name)
+            }
+            None => glob_match(pattern, &event.name),
+        }
+    }
+
     /// Whether a condition (`nan`, `zero`, `absmax>X`, `diff>X`) rather than a place.
     pub fn is_condition(&self) -> bool {
         !matches!(self, Breakpoint::Layer(_) | Breakpoint::Op(_))
@@ -78,12 +92,7 @@ impl Breakpoint {
                 event.layer == Some(*l)
                     && previous.is_none_or(|p| p.layer != Some(*l) || p.phase != event.phase)
             }
-            Breakpoint::Op(pattern) => match pattern.split_once('/') {
-                Some((phase, name)) => {
-                    glob_match(phase, &event.phase.to_string()) && glob_match(name, &event.name)
-                }
-                None => glob_match(pattern, &event.name),
-            },
+            Breakpoint::Op(_) => self.matches_op(event),
             Breakpoint::NanInf => {
                 let s = &event.stats;
                 s.nan
