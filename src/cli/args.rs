@@ -197,7 +197,8 @@ pub struct RecordArgs {
 #[derive(Args, Debug, Clone, Default)]
 pub struct FlagArgs {
     /// Disable MLA weight absorption: naive attention in prefill and decode, served around the
-    /// MLA backend (what VLLM_MLA_DISABLE=1 does).
+    /// MLA backend (what VLLM_MLA_DISABLE=1 does; that variable in the environment turns it on
+    /// too: 0 or unset is off, another integer on, anything else an error).
     #[arg(long)]
     pub mla_disable: bool,
     /// Attention path of the prefill (default naive, as production backends run it).
@@ -206,9 +207,11 @@ pub struct FlagArgs {
     /// Attention path of decode steps (default absorbed).
     #[arg(long, value_enum)]
     pub decode_path: Option<PathArg>,
-    /// Plant a fault: NAME or NAME@prefill / NAME@decode (repeatable). Names:
-    /// output-buffer-disconnect, softmax-scale-latent, absorb-wrong-split, rope-noninterleaved,
-    /// lse-base-mismatch, skip-padded-rows, kv-cache-off-by-one.
+    /// Plant a fault: NAME, NAME@prefill, NAME@decode or NAME@both (repeatable: each adds one).
+    /// Names: output-buffer-disconnect, softmax-scale-latent, absorb-wrong-split,
+    /// rope-noninterleaved, lse-base-mismatch, skip-padded-rows and kv-cache-off-by-one (these two
+    /// default to decode), q4k-scale-unpack. A fault with nothing to act on in the run is
+    /// reported as such.
     #[arg(long = "inject")]
     pub inject: Vec<String>,
     /// Storage of values: f32, or bf16 (f32 arithmetic, every op's output stored as bf16).
@@ -477,6 +480,21 @@ mod tests {
         assert_eq!((s.prefill_len, s.decode_steps), (3, 0));
         let s = schedule_with_defaults(&plain, None, Some(12), None);
         assert_eq!((s.prefill_len, s.decode_steps), (12, 4));
+    }
+
+    #[test]
+    fn the_help_states_the_defaults_the_code_runs() {
+        use clap::CommandFactory;
+        let mut cli = crate::cli::Cli::command();
+        let run = cli.find_subcommand_mut("run").unwrap();
+        let help = run.render_long_help().to_string();
+        for needle in [
+            format!("a {DEFAULT_PROMPT_TOKENS}-token prompt"),
+            format!("{DEFAULT_PREFILL} tokens (one less than the DSA top-k"),
+            format!("(default {DEFAULT_DECODE_STEPS}; 0 for none)"),
+        ] {
+            assert!(help.contains(&needle), "'{needle}' in {help}");
+        }
     }
 
     #[test]
