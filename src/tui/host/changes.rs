@@ -42,12 +42,13 @@ impl Host {
             let mut flags = self.controller.flags();
             let (faults, replaced) = inject(flags.faults, value)?;
             flags.faults = faults;
+            let change = self.controller.set_flags(flags)?;
             if let Some(old) = replaced {
                 self.log(format!(
                     "inject {value} replaces {old} (`:set inject +{value}` adds it instead)"
                 ));
             }
-            self.controller.set_flags(flags)?
+            change
         } else {
             self.controller.set_flag(key, value)?
         };
