@@ -8,8 +8,10 @@ use mladb::backend::cpu::CpuBackend;
 use mladb::debug::compare::{compare_runs, prefill_vs_decode};
 use mladb::debug::runner::Job;
 use mladb::debug::sample::{sample_indices, NEEDS_TENSORS};
+use mladb::debug::tolerance::Tolerances;
 use mladb::debug::{Flags, RunRecord};
 use mladb::engine::generate::Schedule;
+use mladb::engine::StorageDtype;
 use mladb::session::recorded::{RecordedRun, RunRole};
 use std::sync::Arc;
 
@@ -74,10 +76,15 @@ fn runs() -> Runs {
 #[test]
 fn prefill_vs_decode_over_samples_says_it_needs_the_tensors() {
     let r = runs();
-    let full = prefill_vs_decode(&r.stepped, &r.whole, r.heads);
+    let full = prefill_vs_decode(
+        &r.stepped,
+        &r.whole,
+        r.heads,
+        &Tolerances::Table(StorageDtype::F32),
+    );
     assert!(full.iter().all(|c| c.diff.is_ok()), "whole outputs compare");
     let (a, b) = (sampled(&r.stepped), sampled(&r.whole));
-    let list = prefill_vs_decode(&a, &b, r.heads);
+    let list = prefill_vs_decode(&a, &b, r.heads, &Tolerances::Table(StorageDtype::F32));
     assert_eq!(list.len(), full.len(), "every op is listed");
     for c in &list {
         let e = &a.events[c.index];
@@ -91,7 +98,12 @@ fn prefill_vs_decode_over_samples_says_it_needs_the_tensors() {
         }
     }
     // A sampled side against a whole one is no comparison either.
-    let mixed = prefill_vs_decode(&r.stepped, &b, r.heads);
+    let mixed = prefill_vs_decode(
+        &r.stepped,
+        &b,
+        r.heads,
+        &Tolerances::Table(StorageDtype::F32),
+    );
     assert!(mixed
         .iter()
         .all(|c| c.diff == Err(NEEDS_TENSORS.to_string())));
@@ -103,7 +115,7 @@ fn prefill_vs_decode_over_samples_says_it_needs_the_tensors() {
 fn run_comparisons_over_samples_compare_the_same_elements() {
     let r = runs();
     let (a, b) = (sampled(&r.stepped), sampled(&r.naive));
-    let list = compare_runs(&a, &b, r.heads);
+    let list = compare_runs(&a, &b, r.heads, &Tolerances::Table(StorageDtype::F32));
     assert!(!list.is_empty());
     let mut differing = 0;
     for c in &list {
@@ -145,7 +157,7 @@ fn run_comparisons_over_samples_compare_the_same_elements() {
     assert!(differing > 0, "MLA disable changes some decode outputs");
 
     // A sampled run against a whole one: no figures, the reason instead.
-    for c in compare_runs(&a, &r.naive, r.heads) {
+    for c in compare_runs(&a, &r.naive, r.heads, &Tolerances::Table(StorageDtype::F32)) {
         let numel: usize = a.events[c.index].shape.iter().product();
         if numel > 32 {
             assert_eq!(c.diff, Err(NEEDS_TENSORS.to_string()), "{}", c.name);
@@ -165,7 +177,7 @@ fn samples_of_different_sizes_are_not_compared() {
         e.shape[0] *= 2;
         b.push(e, Arc::clone(o));
     }
-    for c in compare_runs(&a, &b, r.heads) {
+    for c in compare_runs(&a, &b, r.heads, &Tolerances::Table(StorageDtype::F32)) {
         let numel: usize = a.events[c.index].shape.iter().product();
         if numel > 32 {
             let why = c.diff.expect_err("samples of other elements compared");

@@ -86,11 +86,15 @@ pub struct RunSetup {
     /// Prompt token ids, comma-separated (default: a 12-token prompt that fits the vocabulary).
     #[arg(long)]
     pub tokens: Option<String>,
-    /// Prefill the first K prompt tokens, then feed the rest one by one through decode
-    /// (default: the whole prompt).
+    /// Prefill the first K prompt tokens, then feed the rest one by one through decode.
+    /// Default: the whole prompt given with --tokens; of the default prompt, 6 tokens (one less
+    /// than the DSA top-k where that is smaller), so that the context grows past the top-k during
+    /// decode and decode runs both dense and sparse. A full-size layout's top-k (2048) is beyond
+    /// any short prompt: give a longer --tokens to cross it there.
     #[arg(long)]
     pub prefill: Option<usize>,
-    /// Greedy tokens to decode after the prompt (default 0; with --reference, the dump's).
+    /// Greedy tokens to decode after the prompt (default 4; 0 for none). With --reference, the dump's. Decode is where the
+    /// absorbed MLA path runs.
     #[arg(long)]
     pub decode: Option<usize>,
     /// Run only these decoder layers: A..B (half-open), A..=B or A.
@@ -111,12 +115,13 @@ pub struct Prepared {
 }
 
 impl RunSetup {
-    pub fn with_layout(name: &str, decode: usize) -> RunSetup {
+    /// A run of a built-in layout with the default schedule.
+    pub fn with_layout(name: &str) -> RunSetup {
         RunSetup {
             model: ModelArgs::with_layout(name),
             tokens: None,
             prefill: None,
-            decode: Some(decode),
+            decode: None,
             layers: None,
             device: DeviceArg::Cpu,
         }
@@ -131,29 +136,16 @@ impl RunSetup {
         let start = std::time::Instant::now();
         let model = self.model.load()?;
         let load_seconds = start.elapsed().as_secs_f64();
-        if flags.force_dequant && !model.has_quantized_kv_b() {
-            eprintln!("note: {}", crate::debug::flags::FORCE_DEQUANT_IDLE);
-        }
         let layout = &model.layout;
         let layers = match &self.layers {
             Some(text) => parse_layers(text, layout.num_layers)?,
             None => 0..layout.num_layers,
         };
-        let prompt = match &self.tokens {
-            Some(t) => parse_tokens(t)?,
-            None => default_prompt(layout.vocab_size, 12),
+        let tokens = match &self.tokens {
+            Some(t) => Some(parse_tokens_for(t, layout)?),
+            None => None,
         };
-        if let Some(t) = prompt.iter().find(|&&t| t as usize >= layout.vocab_size) {
-            return Err(Error::invalid(format!(
-                "--tokens: token id {t} is out of the vocabulary of {} (vocab_size {})",
-                layout.name, layout.vocab_size
-            )));
-        }
-        let schedule = Schedule {
-            prefill_len: self.prefill.unwrap_or(prompt.len()),
-            prompt,
-            decode_steps: self.decode.unwrap_or(0),
-        };
+        let schedule = schedule_with_defaults(layout, tokens, self.prefill, self.decode);
         schedule.validate()?;
         Ok(Prepared {
             model,
@@ -205,7 +197,8 @@ pub struct RecordArgs {
 #[derive(Args, Debug, Clone, Default)]
 pub struct FlagArgs {
     /// Disable MLA weight absorption: naive attention in prefill and decode, served around the
-    /// MLA backend (what VLLM_MLA_DISABLE=1 does).
+    /// MLA backend (what VLLM_MLA_DISABLE=1 does; that variable in the environment turns it on
+    /// too: 0 or unset is off, another integer on, anything else an error).
     #[arg(long)]
     pub mla_disable: bool,
     /// Attention path of the prefill (default naive, as production backends run it).
@@ -214,9 +207,11 @@ pub struct FlagArgs {
     /// Attention path of decode steps (default absorbed).
     #[arg(long, value_enum)]
     pub decode_path: Option<PathArg>,
-    /// Plant a fault: NAME or NAME@prefill / NAME@decode (repeatable). Names:
-    /// output-buffer-disconnect, softmax-scale-latent, absorb-wrong-split, rope-noninterleaved,
-    /// lse-base-mismatch, skip-padded-rows, kv-cache-off-by-one.
+    /// Plant a fault: NAME, NAME@prefill, NAME@decode or NAME@both (repeatable: each adds one).
+    /// Names: output-buffer-disconnect, softmax-scale-latent, absorb-wrong-split,
+    /// rope-noninterleaved, lse-base-mismatch, skip-padded-rows and kv-cache-off-by-one (these two
+    /// default to decode), q4k-scale-unpack. A fault with nothing to act on in the run is
+    /// reported as such.
     #[arg(long = "inject")]
     pub inject: Vec<String>,
     /// Storage of values: f32, or bf16 (f32 arithmetic, every op's output stored as bf16).
@@ -229,17 +224,61 @@ pub struct FlagArgs {
     pub force_dequant: bool,
 }
 
+/// What the headless commands print and the debugger logs when `VLLM_MLA_DISABLE` turned MLA
+/// disable on.
+pub const VLLM_MLA_DISABLE_NOTE: &str = "VLLM_MLA_DISABLE is set: MLA disable is on (naive \
+     attention in prefill and decode, around the MLA backend), as vLLM runs it";
+
+/// `VLLM_MLA_DISABLE` read the way vLLM reads it, as an integer: unset or 0 is off, any other
+/// integer on; anything else is an error.
+pub fn parse_vllm_mla_disable(value: Option<&str>) -> Result<bool> {
+    let Some(text) = value else { return Ok(false) };
+    text.trim().parse::<i64>().map(|v| v != 0).map_err(|_| {
+        Error::invalid(format!(
+            "VLLM_MLA_DISABLE='{text}' is not an integer (vLLM reads it as one: 0 is off, 1 on)"
+        ))
+    })
+}
+
+/// `VLLM_MLA_DISABLE` of this process's environment.
+pub fn vllm_mla_disable() -> Result<bool> {
+    match std::env::var_os("VLLM_MLA_DISABLE") {
+        None => Ok(false),
+        Some(v) => match v.to_str() {
+            Some(text) => parse_vllm_mla_disable(Some(text)),
+            None => Err(Error::invalid(
+                "VLLM_MLA_DISABLE is not valid text (vLLM reads it as an integer: 0 or 1)",
+            )),
+        },
+    }
+}
+
 impl FlagArgs {
-    /// The flags for a run on `device`.
+    /// The flags for a run on `device`, `VLLM_MLA_DISABLE` included.
     pub fn flags(&self, device: DeviceArg) -> Result<Flags> {
+        self.flags_with_env(device, vllm_mla_disable()?)
+    }
+
+    /// The flags for a run on `device`, with MLA disable also on when `env_mla_disable`
+    /// (`VLLM_MLA_DISABLE`) says so.
+    pub fn flags_with_env(&self, device: DeviceArg, env_mla_disable: bool) -> Result<Flags> {
         let mut flags = Flags::default();
-        if self.mla_disable {
-            if self.prefill_path == Some(PathArg::Absorbed)
-                || self.decode_path == Some(PathArg::Absorbed)
-            {
-                return Err(Error::invalid(
-                    "--mla-disable makes every path naive: it contradicts an absorbed path",
-                ));
+        if self.mla_disable || env_mla_disable {
+            let absorbed = [
+                (self.prefill_path, "--prefill-path"),
+                (self.decode_path, "--decode-path"),
+            ]
+            .into_iter()
+            .find(|(p, _)| *p == Some(PathArg::Absorbed));
+            if let Some((_, option)) = absorbed {
+                let why = if self.mla_disable {
+                    "--mla-disable"
+                } else {
+                    "VLLM_MLA_DISABLE=1"
+                };
+                return Err(Error::invalid(format!(
+                    "{why} makes every path naive: it contradicts {option} absorbed"
+                )));
             }
             flags.mla_disable = true;
         }
@@ -352,6 +391,55 @@ pub fn default_prompt(vocab: usize, len: usize) -> Vec<u32> {
     (0..len).map(|i| ((i * 7919 + 1) % vocab) as u32).collect()
 }
 
+/// Prompt tokens of the default schedule.
+pub const DEFAULT_PROMPT_TOKENS: usize = 12;
+/// Greedy decode steps of the default schedule.
+pub const DEFAULT_DECODE_STEPS: usize = 4;
+/// Prompt tokens the default schedule prefills, at most (the rest go through decode).
+pub const DEFAULT_PREFILL: usize = 6;
+
+/// The schedule of a run: what was given, and for the rest the one default every command
+/// shares (`run`, `check`, `bisect`, `tui` and the bare `mladb`): a 12-token prompt whose first
+/// 6 tokens are prefilled and the rest fed through decode, then 4 greedy decode steps. Where the
+/// layout's DSA top-k is small enough to cross (glm5-tiny: 8), the prefill stays below it, so
+/// that decode runs dense first and sparse once the context outgrows the top-k; a full-size
+/// top-k (2048) is beyond a short prompt. An explicit prompt is prefilled whole by default.
+pub fn schedule_with_defaults(
+    layout: &Layout,
+    tokens: Option<Vec<u32>>,
+    prefill: Option<usize>,
+    decode: Option<usize>,
+) -> Schedule {
+    let given = tokens.is_some();
+    let prompt = tokens.unwrap_or_else(|| default_prompt(layout.vocab_size, DEFAULT_PROMPT_TOKENS));
+    let default_prefill = if given {
+        prompt.len()
+    } else {
+        let below_topk = layout
+            .indexer
+            .as_ref()
+            .map_or(usize::MAX, |ix| ix.topk.saturating_sub(1).max(1));
+        DEFAULT_PREFILL.min(below_topk)
+    };
+    Schedule {
+        prefill_len: prefill.unwrap_or(default_prefill),
+        prompt,
+        decode_steps: decode.unwrap_or(DEFAULT_DECODE_STEPS),
+    }
+}
+
+/// `--tokens` text as token ids of `layout`'s vocabulary.
+pub fn parse_tokens_for(text: &str, layout: &Layout) -> Result<Vec<u32>> {
+    let prompt = parse_tokens(text)?;
+    if let Some(t) = prompt.iter().find(|&&t| t as usize >= layout.vocab_size) {
+        return Err(Error::invalid(format!(
+            "--tokens: token id {t} is out of the vocabulary of {} (vocab_size {})",
+            layout.name, layout.vocab_size
+        )));
+    }
+    Ok(prompt)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -364,6 +452,88 @@ mod tests {
         assert!(parse_layers("2..2", 78).is_err());
         assert!(parse_layers("0..79", 78).is_err());
         assert!(parse_layers("x", 78).is_err());
+    }
+
+    #[test]
+    fn the_default_schedule_crosses_a_small_dsa_topk_during_decode() {
+        for name in ["glm5-tiny", "glm5-tiny-wide"] {
+            let layout = Layout::resolve(name).unwrap();
+            let topk = layout.indexer.as_ref().unwrap().topk;
+            let s = schedule_with_defaults(&layout, None, None, None);
+            s.validate().unwrap();
+            assert!(s.decode_steps > 0, "{name}: decode runs by default");
+            // The first decode step attends densely, the last sparsely.
+            assert!(s.prefill_len < topk, "{name}: {s:?}");
+            assert!(s.prompt.len() + s.decode_steps > topk, "{name}: {s:?}");
+        }
+        let mut small = Layout::resolve("glm5-tiny").unwrap();
+        small.indexer.as_mut().unwrap().topk = 4;
+        assert_eq!(
+            schedule_with_defaults(&small, None, None, None).prefill_len,
+            3
+        );
+        let plain = Layout::resolve("deepseek-v3-tiny").unwrap();
+        let s = schedule_with_defaults(&plain, None, None, None);
+        assert_eq!((s.prompt.len(), s.prefill_len, s.decode_steps), (12, 6, 4));
+        // What is given is kept; an explicit prompt is prefilled whole.
+        let s = schedule_with_defaults(&plain, Some(vec![1, 2, 3]), None, Some(0));
+        assert_eq!((s.prefill_len, s.decode_steps), (3, 0));
+        let s = schedule_with_defaults(&plain, None, Some(12), None);
+        assert_eq!((s.prefill_len, s.decode_steps), (12, 4));
+    }
+
+    #[test]
+    fn the_help_states_the_defaults_the_code_runs() {
+        use clap::CommandFactory;
+        let mut cli = crate::cli::Cli::command();
+        let run = cli.find_subcommand_mut("run").unwrap();
+        let help = run.render_long_help().to_string();
+        for needle in [
+            format!("a {DEFAULT_PROMPT_TOKENS}-token prompt"),
+            format!("{DEFAULT_PREFILL} tokens (one less than the DSA top-k"),
+            format!("(default {DEFAULT_DECODE_STEPS}; 0 for none)"),
+        ] {
+            assert!(help.contains(&needle), "'{needle}' in {help}");
+        }
+    }
+
+    #[test]
+    fn vllm_mla_disable_is_read_as_an_integer() {
+        assert!(!parse_vllm_mla_disable(None).unwrap());
+        assert!(!parse_vllm_mla_disable(Some("0")).unwrap());
+        assert!(parse_vllm_mla_disable(Some("1")).unwrap());
+        assert!(parse_vllm_mla_disable(Some(" 2 ")).unwrap());
+        for bad in ["", "true", "yes", "1.0", "on"] {
+            let e = parse_vllm_mla_disable(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("VLLM_MLA_DISABLE"), "{e}");
+        }
+        let mut args = FlagArgs::default();
+        assert!(
+            args.flags_with_env(DeviceArg::Cpu, true)
+                .unwrap()
+                .mla_disable
+        );
+        assert!(
+            !args
+                .flags_with_env(DeviceArg::Cpu, false)
+                .unwrap()
+                .mla_disable
+        );
+        args.decode_path = Some(PathArg::Absorbed);
+        let e = args
+            .flags_with_env(DeviceArg::Cpu, true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("VLLM_MLA_DISABLE=1") && e.contains("--decode-path absorbed"),
+            "{e}"
+        );
+        assert!(
+            !args
+                .flags_with_env(DeviceArg::Cpu, false)
+                .unwrap()
+                .mla_disable
+        );
     }
 
     #[test]

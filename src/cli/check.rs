@@ -40,6 +40,9 @@ pub struct CheckArgs {
 /// Runs the check; returns whether anything was found.
 pub fn run(args: &CheckArgs) -> Result<bool> {
     let flags = args.flags.flags(args.setup.device)?;
+    if flags.mla_disable && super::args::vllm_mla_disable()? {
+        eprintln!("note: {}", super::args::VLLM_MLA_DISABLE_NOTE);
+    }
     if let Some(t) = args.tolerance {
         if !(t.is_finite() && t >= 0.0) {
             return Err(Error::invalid(format!(
@@ -241,6 +244,9 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
     let reference = load_reference(args.reference.as_deref(), args.name_map.as_deref())?;
     let setup = setup_against(&args.setup, reference.as_ref())?;
     let p = setup.prepare(&flags_a)?;
+    if super::args::vllm_mla_disable()? {
+        eprintln!("note: VLLM_MLA_DISABLE is ignored by bisect: --a and --b give each run's flags");
+    }
     let job = Job {
         model: &p.model,
         backend: p.backend.as_ref(),
@@ -249,6 +255,10 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
         poison: true,
     };
     let a = job.run(flags_a, None)?;
+    let kv_b = crate::debug::idle::KvBStorage::of(&p.model, &p.layers)?;
+    for line in crate::debug::idle::idle_lines(&flags_a, &kv_b, &a.events) {
+        eprintln!("note: run A: {line}");
+    }
     let (result, against) = match (flags_b, &reference) {
         (Some(fb), _) => {
             // B gets A's tokens, so the two differ only in their flags.

@@ -4,6 +4,7 @@ use super::args::{FlagArgs, RecordArgs, RunSetup};
 use super::dump::DumpCollector;
 use super::table;
 use crate::debug::external::DumpMeta;
+use crate::debug::idle::{idle_flags, KvBStorage};
 use crate::debug::quant::{kv_b_report, LayerQuantReport};
 use crate::debug::runner::Job;
 use crate::engine::generate;
@@ -36,11 +37,10 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
-    /// What a bare `mladb` runs: glm5-tiny, a prompt long enough for sparse attention, 4 decode
-    /// steps.
+    /// What a bare `mladb` runs: glm5-tiny with the default schedule.
     pub fn default_demo() -> RunArgs {
         RunArgs {
-            setup: RunSetup::with_layout("glm5-tiny", 4),
+            setup: RunSetup::with_layout("glm5-tiny"),
             flags: FlagArgs::default(),
             json: false,
             dump: None,
@@ -55,6 +55,8 @@ struct RunObserver<'a> {
     out: &'a mut dyn Write,
     dump: Option<DumpCollector>,
     events: usize,
+    /// Every event, for the report of flags that had nothing to act on.
+    trace: Vec<OpEvent>,
     /// `--record`: every op with a sample of its values (and the outputs, with
     /// `--record-tensors`).
     record: Option<Vec<RecordedOp>>,
@@ -64,6 +66,7 @@ struct RunObserver<'a> {
 impl Observer for RunObserver<'_> {
     fn on_op(&mut self, event: &OpEvent, output: &Tensor) -> Result<()> {
         self.events += 1;
+        self.trace.push(event.clone());
         let line = if self.json {
             let mut v = serde_json::to_value(event).map_err(|e| Error::invalid(e.to_string()))?;
             v["type"] = json!("op");
@@ -97,6 +100,9 @@ pub fn run(args: &RunArgs) -> Result<()> {
 /// `mladb run` writing to `out`.
 pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     let flags = args.flags.flags(args.setup.device)?;
+    if flags.mla_disable && super::args::vllm_mla_disable()? {
+        eprintln!("note: {}", super::args::VLLM_MLA_DISABLE_NOTE);
+    }
     let p = args.setup.prepare(&flags)?;
     let (model, schedule, layers) = (&p.model, &p.schedule, &p.layers);
     let layout = &model.layout;
@@ -124,6 +130,7 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
         out,
         dump: args.dump.as_ref().map(|_| DumpCollector::default()),
         events: 0,
+        trace: Vec::new(),
         record: args.record.record.as_ref().map(|_| Vec::new()),
         record_outputs: args.record.record_tensors.then(Vec::new),
     };
@@ -131,6 +138,8 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     let outcome = generate::run(&mut engine, schedule, &mut observer)?;
     let run_seconds = run_start.elapsed().as_secs_f64();
     let events = observer.events;
+    let kv_b = KvBStorage::of(model, layers)?;
+    let idle = idle_flags(&flags, &kv_b, &observer.trace, true);
     if let (Some(path), Some(dump)) = (&args.dump, &observer.dump) {
         let model_text = super::dump::model_text(&args.setup.source()?);
         let meta = DumpMeta::of_mladb(schedule, &outcome.generated, model_text, flags.to_string());
@@ -178,6 +187,10 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
             "load_seconds": p.load_seconds,
             "run_seconds": run_seconds,
             "dump": args.dump,
+            "idle": idle
+                .iter()
+                .map(|i| json!({ "flag": i.subject.to_string(), "why": i.why }))
+                .collect::<Vec<_>>(),
         });
         writeln!(out, "{summary}").map_err(io)?;
     } else {
@@ -199,6 +212,9 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
         .map_err(io)?;
         if let Some(p) = &args.dump {
             writeln!(out, "dumped {events} tensors to {}", p.display()).map_err(io)?;
+        }
+        for i in &idle {
+            eprintln!("note: {i}");
         }
     }
     if model.has_quantized_kv_b() {

@@ -116,6 +116,8 @@ pub fn bisect_dump(
 ) -> Result<Bisection> {
     let (paired, r) = compare_reference(job, a, dump, tolerances)?;
     let mut b = bisect_paired(a, paired);
+    // Choices count as compared too (as choices).
+    b.compared = r.comparisons.len();
     b.not_compared = r.not_compared;
     b.notes = r.notes;
     Ok(b)

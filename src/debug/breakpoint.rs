@@ -1,7 +1,9 @@
-//! Breakpoints: on a layer, on op names, or on a condition of an op's output (tfdbg's
-//! `has_inf_or_nan` and friends, and a difference from the comparison run).
+//! Breakpoints: on a layer, on op names (optionally of one phase), or on a condition of an op's
+//! output (tfdbg's `has_inf_or_nan` and friends, and a difference from the comparison run). A
+//! condition stops where it becomes true: at an op none of whose sources (the ops that wrote what
+//! it read) already met it, so NaNs inherited from an earlier op do not stop every later op.
 
-use crate::engine::trace::OpEvent;
+use crate::engine::trace::{BufferRole, OpEvent};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -10,7 +12,8 @@ use std::fmt;
 pub enum Breakpoint {
     /// Entering decoder layer L (its first op in each phase).
     Layer(usize),
-    /// Any op whose name matches the pattern (`*` any run of characters, `?` one character).
+    /// Any op whose name matches the pattern (`*` any run of characters, `?` one character);
+    /// `PHASE/NAME` (`decode.0/*attn_probs`, `decode.*/…`) also matches the phase.
     Op(String),
     /// The output holds NaN or ±Inf.
     NanInf,
@@ -61,15 +64,35 @@ impl Breakpoint {
         }
     }
 
-    /// Whether the op `event` (preceded by `previous`) triggers this breakpoint; `diff` is its
-    /// relative difference from the comparison run, when there is one.
+    /// Whether this is an op breakpoint whose pattern matches `event` (its phase too, for a
+    /// `PHASE/NAME` pattern).
+    pub fn matches_op(&self, event: &OpEvent) -> bool {
+        let Breakpoint::Op(pattern) = self else {
+            return false;
+        };
+        match pattern.split_once('/') {
+            Some((phase, name)) => {
+                glob_match(phase, &event.phase.to_string()) && glob_match(name, &event.name)
+            }
+            None => glob_match(pattern, &event.name),
+        }
+    }
+
+    /// Whether a condition (`nan`, `zero`, `absmax>X`, `diff>X`) rather than a place.
+    pub fn is_condition(&self) -> bool {
+        !matches!(self, Breakpoint::Layer(_) | Breakpoint::Op(_))
+    }
+
+    /// Whether the op `event` (preceded by `previous`) meets this breakpoint, looked at alone;
+    /// `diff` is its relative difference from the comparison run, when there is one. See
+    /// [`first_hit`] for where a condition stops.
     pub fn hits(&self, event: &OpEvent, previous: Option<&OpEvent>, diff: Option<f64>) -> bool {
         match self {
             Breakpoint::Layer(l) => {
                 event.layer == Some(*l)
                     && previous.is_none_or(|p| p.layer != Some(*l) || p.phase != event.phase)
             }
-            Breakpoint::Op(pattern) => glob_match(pattern, &event.name),
+            Breakpoint::Op(_) => self.matches_op(event),
             Breakpoint::NanInf => {
                 let s = &event.stats;
                 s.nan
@@ -99,6 +122,50 @@ impl fmt::Display for Breakpoint {
             Breakpoint::DiffAbove(v) => write!(f, "diff>{v}"),
         }
     }
+}
+
+/// The first of `breakpoints` that op `i` of `events` triggers; `diff(j)` is op j's relative
+/// difference from the comparison run. A condition triggers where it becomes true: it holds at
+/// op i and at none of i's sources, the ops that last wrote the activations and caches i read
+/// (and the op before i when both are results of one kernel call, which read the same buffers).
+pub fn first_hit(
+    breakpoints: &[Breakpoint],
+    events: &[OpEvent],
+    i: usize,
+    diff: &dyn Fn(usize) -> Option<f64>,
+) -> Option<usize> {
+    let e = events.get(i)?;
+    let previous = i.checked_sub(1).map(|p| &events[p]);
+    let holds = |b: &Breakpoint, j: usize| {
+        let before = j.checked_sub(1).map(|p| &events[p]);
+        b.hits(&events[j], before, diff(j))
+    };
+    breakpoints.iter().position(|b| {
+        if !b.is_condition() {
+            return b.hits(e, previous, None);
+        }
+        holds(b, i) && !sources(events, i).into_iter().any(|j| holds(b, j))
+    })
+}
+
+/// The ops whose outputs op `i` read: the last writer before it of each activation or cache it
+/// read, and the op just before it when that one read the very same buffers (two results of
+/// one kernel call, such as attention probabilities and output).
+fn sources(events: &[OpEvent], i: usize) -> Vec<usize> {
+    let e = &events[i];
+    let mut out: Vec<usize> = e
+        .inputs
+        .iter()
+        .filter(|r| r.role != BufferRole::Weight)
+        .filter_map(|r| (0..i).rev().find(|&j| events[j].output.id == r.id))
+        .collect();
+    if let Some(p) = i.checked_sub(1) {
+        let ids = |x: &OpEvent| x.inputs.iter().map(|r| r.id).collect::<Vec<_>>();
+        if !e.inputs.is_empty() && ids(&events[p]) == ids(e) {
+            out.push(p);
+        }
+    }
+    out
 }
 
 /// Glob matching with `*` (any run, also empty) and `?` (one character).

@@ -7,24 +7,22 @@
 //! affects from the previous run (see [`Flags::first_affected`]) and computes the rest, up to
 //! where the previous run was paused. The previous run is kept, and the two are compared op by op.
 
-use super::breakpoint::Breakpoint;
+use super::breakpoint::{first_hit, Breakpoint};
 use super::compare::{compare_outputs, compare_runs, OpComparison};
 use super::flags::Flags;
-use super::record::{ReplayPrefix, RunRecord};
+use super::record::RunRecord;
 use super::tolerance::Tolerances;
+use super::worker::{spawn, Gate, Message, Worker};
 use crate::backend::Backend;
-use crate::engine::generate::{self, Outcome, Schedule};
-use crate::engine::trace::{Observer, OpEvent, Phase};
-use crate::engine::Engine;
+use crate::engine::generate::Schedule;
+use crate::engine::trace::{OpEvent, Phase};
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::tensor::Tensor;
 use serde::Serialize;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 /// Where execution stands: the last op executed.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -63,74 +61,6 @@ pub struct FlagChange {
     pub note: Option<String>,
 }
 
-enum Message {
-    Op(Box<OpEvent>, Arc<Tensor>),
-    Done(std::result::Result<Outcome, String>),
-}
-
-enum Gate {
-    Go,
-    Stop,
-}
-
-/// The engine's observer on the worker thread: hands each op over, then waits to be let go on.
-struct GateObserver {
-    events: Sender<Message>,
-    gate: Receiver<Gate>,
-}
-
-const STOPPED: &str = "stopped by the debugger";
-
-impl Observer for GateObserver {
-    fn on_op(&mut self, event: &OpEvent, output: &Tensor) -> Result<()> {
-        let stopped = || Error::invalid(STOPPED);
-        self.events
-            .send(Message::Op(
-                Box::new(event.clone()),
-                Arc::new(output.clone()),
-            ))
-            .map_err(|_| stopped())?;
-        match self.gate.recv() {
-            Ok(Gate::Go) => Ok(()),
-            _ => Err(stopped()),
-        }
-    }
-}
-
-struct Worker {
-    events: Receiver<Message>,
-    gate: Sender<Gate>,
-    handle: Option<JoinHandle<()>>,
-    /// The worker is paused after an op the controller has received.
-    paused: bool,
-    done: bool,
-}
-
-impl Worker {
-    /// Stops the engine (if still running) and waits for the thread.
-    fn stop(&mut self) {
-        if !self.done {
-            let _ = self.gate.send(Gate::Stop);
-            while let Ok(msg) = self.events.recv() {
-                if matches!(msg, Message::Done(_)) {
-                    break;
-                }
-                let _ = self.gate.send(Gate::Stop);
-            }
-            self.done = true;
-        }
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
 pub struct Controller {
     model: Arc<Model>,
     backend: Arc<dyn Backend>,
@@ -138,8 +68,9 @@ pub struct Controller {
     layers: Range<usize>,
     flags: Flags,
     current: RunRecord,
-    /// Earlier runs, oldest first.
+    /// Earlier runs, oldest first, and the schedule each ran.
     history: Vec<Arc<RunRecord>>,
+    history_schedules: Vec<Schedule>,
     /// Index into `history` of the run the current one is compared with.
     comparison: Option<usize>,
     breakpoints: Vec<Breakpoint>,
@@ -174,6 +105,7 @@ impl Controller {
             flags,
             current: RunRecord::new(flags),
             history: Vec::new(),
+            history_schedules: Vec::new(),
             comparison: None,
             breakpoints: Vec::new(),
             worker,
@@ -241,6 +173,11 @@ impl Controller {
         &self.history
     }
 
+    /// The schedule run `n` ran (the current schedule for the current run).
+    pub fn schedule_of(&self, n: usize) -> &Schedule {
+        self.history_schedules.get(n).unwrap_or(&self.schedule)
+    }
+
     /// The run the current one is compared with, if any.
     pub fn comparison(&self) -> Option<&RunRecord> {
         self.comparison.map(|i| &*self.history[i])
@@ -270,6 +207,11 @@ impl Controller {
         let before = self.breakpoints.len();
         self.breakpoints.retain(|b| b != bp);
         before != self.breakpoints.len()
+    }
+
+    /// Removes every breakpoint; returns how many there were.
+    pub fn clear_breakpoints(&mut self) -> usize {
+        std::mem::take(&mut self.breakpoints).len()
     }
 
     /// Sets the breakpoint if absent, removes it if present; returns whether it is now set.
@@ -392,17 +334,25 @@ impl Controller {
         }
     }
 
+    /// Runs until op `index` has executed (or the run ends, or is cancelled); breakpoints on
+    /// the way do not stop it.
+    pub fn run_to(&mut self, index: usize) -> Stop {
+        self.cancel.store(false, Ordering::Relaxed);
+        while self.current.len() <= index {
+            if self.cancelled() {
+                return Stop::Cancelled;
+            }
+            if self.advance().is_none() {
+                return self.ended();
+            }
+        }
+        Stop::Stepped
+    }
+
     /// The first breakpoint op `i` of the current run triggers.
     fn breakpoint_hit(&self, i: usize) -> Option<usize> {
-        if self.breakpoints.is_empty() {
-            return None;
-        }
-        let e = &self.current.events[i];
-        let previous = i.checked_sub(1).map(|p| &self.current.events[p]);
-        let diff = self.op_diff(i).and_then(|c| c.diff.ok()).map(|d| d.error());
-        self.breakpoints
-            .iter()
-            .position(|b| b.hits(e, previous, diff))
+        let diff = |j: usize| self.op_diff(j).and_then(|c| c.diff.ok()).map(|d| d.error());
+        first_hit(&self.breakpoints, &self.current.events, i, &diff)
     }
 
     /// Op `i` of the current run compared with the same op of the comparison run.
@@ -438,6 +388,7 @@ impl Controller {
         self.worker.stop();
         let previous = std::mem::replace(&mut self.current, RunRecord::new(self.flags));
         self.history.push(Arc::new(previous));
+        self.history_schedules.push(self.schedule.clone());
         self.worker = spawn(
             &self.model,
             &self.backend,
@@ -493,23 +444,44 @@ impl Controller {
         } else {
             None
         };
-        self.worker.stop();
         if let Some(b) = backend {
+            self.worker.stop();
             self.backend = b;
         }
+        let first = self.flags.first_affected(&new, &self.current.events);
+        Ok(self.reexecute(new, self.schedule.clone(), first))
+    }
+
+    /// Changes the schedule (prompt, prefill, decode steps): re-executes from the first op of
+    /// the first phase the change affects (the ops before it are the same computation), up to
+    /// where the current run stands, keeping the current run for comparison.
+    pub fn set_schedule(&mut self, new: Schedule) -> Result<FlagChange> {
+        new.validate()?;
+        let first = self
+            .schedule
+            .first_changed_phase(&new)
+            .and_then(|phase| self.current.events.iter().position(|e| e.phase >= phase));
+        Ok(self.reexecute(self.flags, new, first))
+    }
+
+    /// Starts a new run under `flags` and `schedule` that takes the ops before `first` (all of
+    /// them when `None`) from the current run, and runs it to where the current run stood.
+    fn reexecute(&mut self, flags: Flags, schedule: Schedule, first: Option<usize>) -> FlagChange {
+        self.worker.stop();
         self.cancel.store(false, Ordering::Relaxed);
-        let old = Arc::new(std::mem::replace(&mut self.current, RunRecord::new(new)));
-        let first = self.flags.first_affected(&new, &old.events);
+        let old = Arc::new(std::mem::replace(&mut self.current, RunRecord::new(flags)));
         let until = first.unwrap_or(old.len());
         self.history.push(old.clone());
+        self.history_schedules
+            .push(std::mem::replace(&mut self.schedule, schedule));
         self.comparison = Some(self.history.len() - 1);
-        self.flags = new;
+        self.flags = flags;
         self.worker = spawn(
             &self.model,
             &self.backend,
             &self.schedule,
             &self.layers,
-            new,
+            flags,
             Some((old.clone(), until)),
         );
         // Run to where the previous run stood: its end, or its last op (or the point where the
@@ -530,12 +502,12 @@ impl Controller {
                 }
             }
         }
-        Ok(FlagChange {
+        FlagChange {
             first_affected: first.map(|i| (i, old.events[i].phase, old.events[i].name.clone())),
             replayed: self.current.counts.replayed,
             executed: self.current.counts.executed,
             note: None,
-        })
+        }
     }
 }
 
@@ -548,53 +520,4 @@ fn order_key(e: &OpEvent) -> (Phase, i64) {
         (None, _) => i64::MAX,
     };
     (e.phase, layer)
-}
-
-/// Starts the engine on a worker thread, paused before its first op is handed over.
-fn spawn(
-    model: &Arc<Model>,
-    backend: &Arc<dyn Backend>,
-    schedule: &Schedule,
-    layers: &Range<usize>,
-    flags: Flags,
-    replay: Option<(Arc<RunRecord>, usize)>,
-) -> Worker {
-    let (event_tx, event_rx) = channel();
-    let (gate_tx, gate_rx) = channel();
-    let (model, backend, schedule, layers) = (
-        model.clone(),
-        backend.clone(),
-        schedule.clone(),
-        layers.clone(),
-    );
-    let handle = std::thread::Builder::new()
-        .name("mladb-engine".into())
-        .spawn(move || {
-            let events = event_tx.clone();
-            let result = (|| {
-                let options = flags.engine_options(layers, true)?;
-                let mut engine = Engine::new(&model, backend.as_ref(), options)?;
-                let prefix = replay.as_ref().map(|(record, until)| ReplayPrefix {
-                    record,
-                    until: *until,
-                });
-                if let Some(p) = &prefix {
-                    engine = engine.with_replay(p);
-                }
-                let mut observer = GateObserver {
-                    events,
-                    gate: gate_rx,
-                };
-                generate::run(&mut engine, &schedule, &mut observer)
-            })();
-            let _ = event_tx.send(Message::Done(result.map_err(|e| e.to_string())));
-        })
-        .expect("the engine thread starts");
-    Worker {
-        events: event_rx,
-        gate: gate_tx,
-        handle: Some(handle),
-        paused: false,
-        done: false,
-    }
 }

@@ -182,6 +182,7 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
     if let Some(o) = run.outcome.as_ref().filter(|o| !o.non_finite.is_empty()) {
         v.notes.push(format!("generated {}", o.generated_text()));
     }
+    v.notes.extend(super::idle::check_notes(job, &run)?);
 
     // Absorbed vs naive: every phase again on the other path.
     if flags.mla_disable {

@@ -8,6 +8,7 @@
 //! * [`controller`]: stepping, breakpoints and live flag changes over a running engine;
 //! * [`compare`], [`bisect`], [`external`]: per-op comparisons of runs, phases and dumps;
 //! * [`forensics`], [`detect`]: buffer forensics and the detectors of `mladb check`;
+//! * [`idle`]: flags and faults that had nothing to act on in a run;
 //! * [`quant`]: a quantized kv_b_proj's two derivations compared, and its decoding checked.
 
 pub mod bisect;
@@ -18,6 +19,7 @@ pub mod detect;
 pub mod external;
 pub mod flags;
 pub mod forensics;
+pub mod idle;
 pub mod paired;
 pub mod quant;
 pub mod record;
@@ -25,6 +27,7 @@ pub mod runner;
 pub mod sample;
 pub mod selection;
 pub mod tolerance;
+mod worker;
 
 pub use flags::Flags;
 pub use record::RunRecord;

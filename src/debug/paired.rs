@@ -167,11 +167,15 @@ pub fn compare_reference(
     let (mut ops, mut reruns) = (0, 0);
     let mut flips = Vec::new();
     loop {
-        let mut reference = dump.compare(&run, heads)?;
-        reference
+        // Choices are compared as choices below; the numbers are the rest.
+        let reference = dump.compare(&run, heads)?;
+        let mut numeric: Vec<OpComparison> = reference
             .comparisons
-            .retain(|c| !is_selection(&run.events[c.index]));
-        for c in reference.comparisons.iter_mut() {
+            .iter()
+            .filter(|c| !is_selection(&run.events[c.index]))
+            .cloned()
+            .collect();
+        for c in numeric.iter_mut() {
             if let Some(aligned) = aligned_dump_router_weights(&run, c.index, dump) {
                 let e = &run.events[c.index];
                 *c = compare_outputs(
@@ -184,9 +188,9 @@ pub fn compare_reference(
                 );
             }
         }
-        tolerances.judge(&run, &mut reference.comparisons);
-        let diffs = dump_selection_diffs(job, &run, dump, &reference.comparisons, tolerances);
-        let to_force = flips_to_force(&reference.comparisons, &diffs);
+        tolerances.judge(&run, &mut numeric);
+        let diffs = dump_selection_diffs(job, &run, dump, &numeric, tolerances);
+        let to_force = flips_to_force(&numeric, &diffs);
         if to_force.is_empty() || reruns == MAX_RERUNS {
             let gave_up = !to_force.is_empty();
             let clear = diffs
@@ -194,7 +198,7 @@ pub fn compare_reference(
                 .filter(|d| !d.within_noise() || gave_up)
                 .collect();
             let paired = Paired {
-                comparisons: reference.comparisons.clone(),
+                comparisons: numeric,
                 flips,
                 clear,
                 other: run,

@@ -12,7 +12,8 @@
 //! | `kv-cache-off-by-one` | decode writes a token's latent row one slot early, so its own slot stays unwritten | engine/attention.rs, the slot mapping |
 //! | `q4k-scale-unpack` | the dequantization kernel unpacks the 6-bit scales and mins of Q4_K sub-blocks 4..7 as if they were 0..3 (acts on a quantized kv_b_proj) | model/quant.rs, `dequantize_with` |
 //!
-//! A fault may be limited to one phase: `NAME@prefill` or `NAME@decode`.
+//! A fault may be limited to one phase, `NAME@prefill` or `NAME@decode`, or act in both,
+//! `NAME@both` (the default of all but the two decode-kernel faults, which default to decode).
 
 use super::trace::Phase;
 use crate::error::{Error, Result};
@@ -74,7 +75,7 @@ impl Fault {
     }
 
     /// Phases the fault acts in when no `@phase` is given.
-    fn default_scope(self) -> Scope {
+    pub fn default_scope(self) -> Scope {
         match self {
             Fault::SkipPaddedRows | Fault::KvCacheOffByOne => Scope::Decode,
             _ => Scope::All,
@@ -112,6 +113,18 @@ pub enum Scope {
 }
 
 impl Scope {
+    /// Every scope, in the order a menu offers them.
+    pub const ALL: [Scope; 3] = [Scope::All, Scope::Prefill, Scope::Decode];
+
+    /// The scope's name, as `NAME@SCOPE` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scope::All => "both",
+            Scope::Prefill => "prefill",
+            Scope::Decode => "decode",
+        }
+    }
+
     fn mask(self) -> u32 {
         match self {
             Scope::All => 0b11,
@@ -142,6 +155,21 @@ impl Faults {
         Faults(self.0 & !(0b11 << (2 * fault.bit())))
     }
 
+    /// `fault` acting in exactly `scope` (whatever scope it had before).
+    pub fn with_scope(self, fault: Fault, scope: Scope) -> Faults {
+        self.without(fault).with(fault, scope)
+    }
+
+    /// The phases `fault` acts in, or `None` when it is off.
+    pub fn scope(self, fault: Fault) -> Option<Scope> {
+        match self.0 >> (2 * fault.bit()) & 0b11 {
+            0b01 => Some(Scope::Prefill),
+            0b10 => Some(Scope::Decode),
+            0b11 => Some(Scope::All),
+            _ => None,
+        }
+    }
+
     /// Whether `fault` acts in `phase`.
     #[inline]
     pub fn active(self, fault: Fault, phase: Phase) -> bool {
@@ -157,34 +185,45 @@ impl Faults {
         self.0 >> (2 * fault.bit()) & 0b11 != 0
     }
 
-    /// Parses `NAME`, `NAME@prefill` or `NAME@decode` and adds it.
+    /// Parses `NAME`, `NAME@prefill`, `NAME@decode` or `NAME@both` and adds it.
     pub fn parse_add(self, spec: &str) -> Result<Faults> {
-        let (name, scope) = match spec.split_once('@') {
-            None => (spec, None),
-            Some((n, "prefill")) => (n, Some(Scope::Prefill)),
-            Some((n, "decode")) => (n, Some(Scope::Decode)),
-            Some((_, other)) => {
-                return Err(Error::invalid(format!(
-                    "injection scope '@{other}' is not @prefill or @decode"
-                )))
-            }
-        };
-        let fault: Fault = name.parse()?;
-        Ok(self.with(fault, scope.unwrap_or(fault.default_scope())))
+        let (fault, scope) = parse_spec(spec)?;
+        Ok(self.with(fault, scope))
     }
 
     /// Each active fault with its scope, as the specs `parse_add` reads.
     pub fn specs(self) -> Vec<String> {
         Fault::ALL
             .into_iter()
-            .filter_map(|f| match self.0 >> (2 * f.bit()) & 0b11 {
-                0 => None,
-                bits if bits == f.default_scope().mask() => Some(f.name().to_string()),
-                0b01 => Some(format!("{}@prefill", f.name())),
-                0b10 => Some(format!("{}@decode", f.name())),
-                _ => Some(f.name().to_string()),
-            })
+            .filter_map(|f| Some(spec_of(f, self.scope(f)?)))
             .collect()
+    }
+}
+
+/// A fault spec (`NAME`, `NAME@prefill`, `NAME@decode`, `NAME@both`): the fault and its scope
+/// (its default scope when none is given).
+pub fn parse_spec(spec: &str) -> Result<(Fault, Scope)> {
+    let (name, scope) = match spec.split_once('@') {
+        None => (spec, None),
+        Some((n, "prefill")) => (n, Some(Scope::Prefill)),
+        Some((n, "decode")) => (n, Some(Scope::Decode)),
+        Some((n, "both" | "all")) => (n, Some(Scope::All)),
+        Some((_, other)) => {
+            return Err(Error::invalid(format!(
+                "injection scope '@{other}' is not @prefill, @decode or @both"
+            )))
+        }
+    };
+    let fault: Fault = name.parse()?;
+    Ok((fault, scope.unwrap_or(fault.default_scope())))
+}
+
+/// The spec of `fault` acting in `scope`: the bare name for its default scope.
+pub fn spec_of(fault: Fault, scope: Scope) -> String {
+    if scope == fault.default_scope() {
+        fault.name().to_string()
+    } else {
+        format!("{}@{}", fault.name(), scope.name())
     }
 }
 
@@ -247,6 +286,28 @@ mod tests {
         assert_eq!(f, again);
         assert!(f.without(Fault::SoftmaxScaleLatent).specs().len() == 2);
         assert!(Faults::none().parse_add("nope").is_err());
+        assert_eq!(f.scope(Fault::KvCacheOffByOne), Some(Scope::Decode));
+        assert_eq!(f.scope(Fault::AbsorbWrongSplit), None);
         assert!(Faults::none().parse_add("skip-padded-rows@later").is_err());
+    }
+
+    #[test]
+    fn a_decode_fault_widened_to_both_phases_round_trips() {
+        // Its bare name means decode only, so acting in both phases needs `@both`.
+        let f = Faults::none().with(Fault::KvCacheOffByOne, Scope::All);
+        assert_eq!(f.specs(), vec!["kv-cache-off-by-one@both".to_string()]);
+        let again = Faults::none().parse_add(&f.specs()[0]).unwrap();
+        assert_eq!(again, f);
+        assert!(again.active(Fault::KvCacheOffByOne, Phase::Prefill));
+        // Rescoping replaces the phases instead of adding to them.
+        let g = f.with_scope(Fault::KvCacheOffByOne, Scope::Prefill);
+        assert_eq!(g.scope(Fault::KvCacheOffByOne), Some(Scope::Prefill));
+        assert_eq!(
+            Faults::none()
+                .parse_add("softmax-scale-latent@both")
+                .unwrap()
+                .specs(),
+            vec!["softmax-scale-latent".to_string()]
+        );
     }
 }

@@ -2,13 +2,13 @@
 //! of the prompt one token at a time through decode, then decode N greedy tokens.
 
 use super::forward::Engine;
-use super::trace::Observer;
+use super::trace::{Observer, Phase};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use serde::Serialize;
 
 /// What to run.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Schedule {
     pub prompt: Vec<u32>,
     /// Prompt tokens prefilled at once (the rest go through decode).
@@ -79,6 +79,35 @@ impl Outcome {
 }
 
 impl Schedule {
+    /// Forward passes the schedule runs: the prefill (if any), then one decode step per token.
+    pub fn phases(&self) -> usize {
+        usize::from(self.prefill_len > 0) + self.prompt.len() - self.prefill_len + self.decode_steps
+    }
+
+    /// The token decode step `k` feeds: a prompt token, or `None` for a generated one.
+    fn decode_input(&self, k: usize) -> Option<u32> {
+        self.prompt.get(self.prefill_len + k).copied()
+    }
+
+    /// The first phase whose ops may differ between a run of `self` and a run of `new`, among
+    /// the phases both run; `None` when all of those are the same computation (one schedule
+    /// only runs more or fewer decode steps than the other). Phases before it can be taken
+    /// from a run of `self`: each phase depends only on the tokens fed so far.
+    pub fn first_changed_phase(&self, new: &Schedule) -> Option<Phase> {
+        if self.prefill_len != new.prefill_len
+            || self.prompt[..self.prefill_len] != new.prompt[..new.prefill_len]
+        {
+            // From the first phase, whichever it is (`Prefill` orders before every decode step).
+            return Some(Phase::Prefill);
+        }
+        let decodes = |s: &Schedule| s.prompt.len() - s.prefill_len + s.decode_steps;
+        // A generated token follows from the phases before it, so two generated inputs agree
+        // when everything before them does; a prompt token against a generated one may not.
+        (0..decodes(self).min(decodes(new)))
+            .find(|&k| self.decode_input(k) != new.decode_input(k))
+            .map(Phase::Decode)
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.prompt.is_empty() {
             return Err(Error::invalid("the prompt is empty"));
@@ -194,5 +223,55 @@ mod tests {
         );
         assert_eq!(o.generated_or_none(), vec![Some(7), None]);
         assert_eq!(o.next_text(), "none (non-finite logits)");
+    }
+
+    fn schedule(prompt: &[u32], prefill: usize, decode: usize) -> Schedule {
+        Schedule {
+            prompt: prompt.to_vec(),
+            prefill_len: prefill,
+            decode_steps: decode,
+        }
+    }
+
+    #[test]
+    fn the_first_phase_a_schedule_change_affects() {
+        let base = schedule(&[1, 2, 3, 4], 2, 2);
+        assert_eq!(base.phases(), 5);
+        // More or fewer decode steps change no phase both run.
+        assert_eq!(
+            base.first_changed_phase(&schedule(&[1, 2, 3, 4], 2, 6)),
+            None
+        );
+        assert_eq!(
+            base.first_changed_phase(&schedule(&[1, 2, 3, 4], 2, 0)),
+            None
+        );
+        // Another prefill changes everything.
+        assert_eq!(
+            base.first_changed_phase(&schedule(&[1, 2, 3, 4], 3, 2)),
+            Some(Phase::Prefill)
+        );
+        assert_eq!(
+            base.first_changed_phase(&schedule(&[1, 9, 3, 4], 2, 2)),
+            Some(Phase::Prefill)
+        );
+        assert_eq!(
+            base.first_changed_phase(&schedule(&[1, 2, 3, 4], 0, 2)),
+            Some(Phase::Prefill)
+        );
+        // A prompt token fed through decode: from its step on.
+        assert_eq!(
+            base.first_changed_phase(&schedule(&[1, 2, 3, 9], 2, 2)),
+            Some(Phase::Decode(1))
+        );
+        // A longer prompt: its extra token meets a generated one.
+        assert_eq!(
+            base.first_changed_phase(&schedule(&[1, 2, 3, 4, 5], 2, 2)),
+            Some(Phase::Decode(2))
+        );
+        assert_eq!(
+            schedule(&[1, 2], 0, 1).first_changed_phase(&schedule(&[1, 2], 0, 3)),
+            None
+        );
     }
 }

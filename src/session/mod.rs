@@ -82,6 +82,10 @@ pub struct Session {
     pub layout: Option<crate::model::Layout>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights: Option<String>,
+    /// v2: how kv_b_proj is stored in each layer run, so a replay tells which flags had
+    /// nothing to act on as the live debugger did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_b: Option<crate::debug::idle::KvBStorage>,
     /// v2: the recorded runs, in order (main runs in timeline order, comparison runs after the
     /// run they belong to). Empty for a v1 file.
     #[serde(default)]
@@ -113,14 +117,18 @@ impl Session {
             tensors: None,
             layout: None,
             weights: None,
+            kv_b: None,
             runs: Vec::new(),
         }
     }
 
-    /// Records the model's layout and weights' description (what replay shows without it).
+    /// Records the model's layout, weights' description and kv_b_proj storage of the session's
+    /// layers (what replay shows without the model); call it once `layers` is set.
     pub fn describe_model(&mut self, model: &crate::model::Model) {
         self.layout = Some(model.layout.clone());
         self.weights = Some(model.weights.describe());
+        let layers = self.layers.0..self.layers.1;
+        self.kv_b = crate::debug::idle::KvBStorage::of(model, &layers).ok();
     }
 
     /// The session's schedule.

@@ -8,15 +8,19 @@ use super::keys::{Action, Keymap};
 use super::theme::Theme;
 use crate::debug::breakpoint::Breakpoint;
 use crate::debug::controller::Stop;
+use crate::debug::idle::Idle;
 use crate::debug::{Flags, RunRecord};
-use crate::engine::faults::Fault;
+use crate::engine::faults::Scope;
 use crate::engine::trace::{OpEvent, Phase};
-use ratatui::crossterm::event::{KeyCode, KeyEvent, MouseButton, MouseEvent, MouseEventKind};
+use ratatui::crossterm::event::KeyEvent;
 use ratatui::layout::Rect;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
+
+mod commands;
+mod navigation;
 
 /// The right-hand pane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,9 +47,17 @@ impl Tab {
 pub enum Overlay {
     None,
     Help,
-    Learn { scroll: u16 },
-    Inject { selected: usize },
-    Command { input: String },
+    Learn {
+        scroll: u16,
+    },
+    /// The fault menu: the row selected and the scope Enter would inject it in.
+    Inject {
+        selected: usize,
+        scope: Scope,
+    },
+    Command {
+        input: String,
+    },
 }
 
 /// A row of the execution tree.
@@ -74,6 +86,8 @@ pub struct Mirror {
     pub flags: Flags,
     pub busy: Option<String>,
     pub last_stop: Option<Stop>,
+    /// Flags and faults that had nothing to act on (shown as such in the header).
+    pub idle: Vec<Idle>,
 }
 
 impl Mirror {
@@ -133,6 +147,8 @@ pub struct App {
     pub mark_cache: RefCell<HashMap<(usize, usize), Marks>>,
     /// Where and how often the session is saved unasked (and on quit); `None`: never.
     pub autosave: Option<Autosave>,
+    /// MLA disable came on from `VLLM_MLA_DISABLE` (the header says so).
+    pub mla_disable_env: bool,
 }
 
 /// The autosave: a path, an interval, and when it last ran.
@@ -213,6 +229,7 @@ impl App {
             divergence_cache: RefCell::new(HashMap::new()),
             mark_cache: RefCell::new(HashMap::new()),
             autosave: None,
+            mla_disable_env: false,
         };
         app.tick();
         app
@@ -344,6 +361,12 @@ impl App {
             }
             Update::Breakpoints(b) => m.breakpoints = b,
             Update::Flags(f) => m.flags = f,
+            Update::Schedule(s) => {
+                if let Some(info) = &mut m.info {
+                    info.schedule = s;
+                }
+            }
+            Update::Idle(idle) => m.idle = idle,
             Update::Aux { run, kind, record } => {
                 m.aux.insert((run, kind), record);
             }
@@ -358,138 +381,10 @@ impl App {
         }
     }
 
-    /// Selects a node, expanding what holds it.
-    pub fn select(&mut self, node: Node) {
-        if let Node::Op(i) = node {
-            if let Some(e) = self.mirror.current().and_then(|r| r.events.get(i)) {
-                self.expanded.insert(Node::Phase(e.phase));
-                if let Some(l) = e.layer {
-                    self.expanded.insert(Node::Layer(e.phase, l));
-                }
-            }
-        }
-        self.selected = Some(node);
-    }
-
-    fn select_position(&mut self) {
-        if let Some(i) = self.mirror.position().map(|e| e.index) {
-            self.select(Node::Op(i));
-        }
-    }
-
-    /// The selected op, if an op row is selected.
-    pub fn selected_op(&self) -> Option<(usize, &OpEvent)> {
-        match self.selected? {
-            Node::Op(i) => self.mirror.current()?.events.get(i).map(|e| (i, e)),
-            _ => None,
-        }
-    }
-
-    /// The layer the selection is in (for the Learn view and layer breakpoints).
-    pub fn selected_layer(&self) -> Option<usize> {
-        match self.selected? {
-            Node::Layer(_, l) => Some(l),
-            Node::Op(_) => self.selected_op().and_then(|(_, e)| e.layer),
-            Node::Phase(_) => None,
-        }
-    }
-
-    /// The visible rows of the execution tree.
-    pub fn rows(&self) -> Vec<Row> {
-        let mut rows = Vec::new();
-        let Some(run) = self.mirror.current() else {
-            return rows;
-        };
-        let mut i = 0;
-        let events = &run.events;
-        while i < events.len() {
-            let phase = events[i].phase;
-            let phase_node = Node::Phase(phase);
-            rows.push(Row {
-                node: phase_node,
-                depth: 0,
-            });
-            let open = self.expanded.contains(&phase_node);
-            while i < events.len() && events[i].phase == phase {
-                match events[i].layer {
-                    None => {
-                        if open {
-                            rows.push(Row {
-                                node: Node::Op(i),
-                                depth: 1,
-                            });
-                        }
-                        i += 1;
-                    }
-                    Some(l) => {
-                        let layer_node = Node::Layer(phase, l);
-                        if open {
-                            rows.push(Row {
-                                node: layer_node,
-                                depth: 1,
-                            });
-                        }
-                        let layer_open = open && self.expanded.contains(&layer_node);
-                        while i < events.len()
-                            && events[i].phase == phase
-                            && events[i].layer == Some(l)
-                        {
-                            if layer_open {
-                                rows.push(Row {
-                                    node: Node::Op(i),
-                                    depth: 2,
-                                });
-                            }
-                            i += 1;
-                        }
-                    }
-                }
-            }
-        }
-        rows
-    }
-
-    fn selected_row(&self, rows: &[Row]) -> Option<usize> {
-        let sel = self.selected?;
-        rows.iter().position(|r| r.node == sel).or_else(|| {
-            // A collapsed op: its layer or phase row.
-            let e = match sel {
-                Node::Op(i) => self.mirror.current()?.events.get(i)?,
-                _ => return None,
-            };
-            rows.iter()
-                .position(|r| e.layer.is_some_and(|l| r.node == Node::Layer(e.phase, l)))
-                .or_else(|| rows.iter().position(|r| r.node == Node::Phase(e.phase)))
-        })
-    }
-
-    fn move_selection(&mut self, delta: isize) {
-        let rows = self.rows();
-        if rows.is_empty() {
-            return;
-        }
-        let at = self.selected_row(&rows).unwrap_or(0) as isize;
-        let to = (at + delta).clamp(0, rows.len() as isize - 1) as usize;
-        self.follow = false;
-        self.selected = Some(rows[to].node);
-    }
-
-    fn toggle_expand(&mut self) {
-        let Some(node) = self.selected else { return };
-        match node {
-            Node::Phase(_) | Node::Layer(..) => {
-                if !self.expanded.remove(&node) {
-                    self.expanded.insert(node);
-                }
-            }
-            Node::Op(_) => self.tab = Tab::Tensor,
-        }
-    }
-
     pub fn on_key(&mut self, key: KeyEvent) {
         match self.overlay.clone() {
             Overlay::Command { input } => return self.command_key(key, input),
-            Overlay::Inject { selected } => return self.inject_key(key, selected),
+            Overlay::Inject { selected, scope } => return self.inject_key(key, selected, scope),
             Overlay::Help => {
                 self.overlay = Overlay::None;
                 if self.keymap.action(&key) == Some(Action::Quit) {
@@ -576,7 +471,12 @@ impl App {
                     if on { "on" } else { "off" }.into(),
                 ));
             }
-            Action::InjectMenu => self.overlay = Overlay::Inject { selected: 0 },
+            Action::InjectMenu => {
+                self.overlay = Overlay::Inject {
+                    selected: 0,
+                    scope: self.menu_scope(0),
+                }
+            }
             Action::Compare => {
                 self.tab = Tab::Compare;
                 let finished = self.mirror.current().is_some_and(|r| r.finished());
@@ -633,153 +533,6 @@ impl App {
         }
         self.follow = true;
         self.send(command);
-    }
-
-    fn inject_key(&mut self, key: KeyEvent, selected: usize) {
-        let n = Fault::ALL.len();
-        match self.keymap.action(&key) {
-            Some(Action::Down) => {
-                self.overlay = Overlay::Inject {
-                    selected: (selected + 1) % n,
-                }
-            }
-            Some(Action::Up) => {
-                self.overlay = Overlay::Inject {
-                    selected: (selected + n - 1) % n,
-                }
-            }
-            Some(Action::Expand) => {
-                let fault = Fault::ALL[selected];
-                let on = self.mirror.flags.faults.contains(fault);
-                let value = if on {
-                    format!("-{}", fault.name())
-                } else {
-                    fault.name().to_string()
-                };
-                self.follow = true;
-                self.send(Command::SetFlag("inject".into(), value));
-            }
-            Some(Action::Cancel) | Some(Action::InjectMenu) | Some(Action::Quit) => {
-                self.overlay = Overlay::None
-            }
-            _ => {}
-        }
-    }
-
-    fn command_key(&mut self, key: KeyEvent, mut input: String) {
-        match key.code {
-            KeyCode::Esc => self.overlay = Overlay::None,
-            KeyCode::Enter => {
-                self.overlay = Overlay::None;
-                self.execute(input.trim());
-            }
-            KeyCode::Backspace => {
-                input.pop();
-                self.overlay = Overlay::Command { input };
-            }
-            KeyCode::Char(c) => {
-                input.push(c);
-                self.overlay = Overlay::Command { input };
-            }
-            _ => self.overlay = Overlay::Command { input },
-        }
-    }
-
-    /// Runs a command-line command.
-    pub fn execute(&mut self, line: &str) {
-        if line.is_empty() {
-            return;
-        }
-        self.say(format!(":{line}"));
-        let (word, rest) = line
-            .split_once(' ')
-            .map_or((line, ""), |(w, r)| (w, r.trim()));
-        match word {
-            "break" | "b" => match Breakpoint::parse(rest) {
-                Ok(bp) => self.send(Command::AddBreakpoint(bp)),
-                Err(e) => self.say(format!("error: {e}")),
-            },
-            "delete" | "unbreak" => match Breakpoint::parse(rest) {
-                Ok(bp) => self.send(Command::RemoveBreakpoint(bp)),
-                Err(e) => self.say(format!("error: {e}")),
-            },
-            "run" | "continue" | "c" => self.run_command(Command::Continue),
-            "step" | "s" => {
-                let n: usize = rest.parse().unwrap_or(1).max(1);
-                self.run_command(Command::Steps(n));
-            }
-            "next" | "n" => self.run_command(Command::NextLayer),
-            "restart" => self.run_command(Command::Restart),
-            "bisect" => self.send(Command::Bisect),
-            "compare" => self.send(Command::Compare),
-            "set" => match rest.split_once(' ') {
-                Some((flag, value)) => {
-                    self.follow = true;
-                    self.send(Command::SetFlag(flag.trim().into(), value.trim().into()))
-                }
-                None => self.say("usage: set FLAG VALUE (flags: mla-disable, prefill-path, decode-path, force-dequant, device, dtype, inject)"),
-            },
-            "save" if !rest.is_empty() => {
-                let (tensors, file) = match rest.strip_prefix("--tensors ") {
-                    Some(f) => (true, f.trim()),
-                    None => (false, rest),
-                };
-                let cursor = self.selected_op().map(|(_, e)| cursor_of(e));
-                let notes = self.notes.clone();
-                self.send(Command::Save {
-                    path: PathBuf::from(file),
-                    cursor,
-                    notes,
-                    tensors,
-                    autosave: false,
-                });
-            }
-            "load" if !rest.is_empty() => self.send(Command::Load(PathBuf::from(rest))),
-            "note" if !rest.is_empty() => {
-                self.notes.push(rest.to_string());
-                self.driver.send(Command::Note(rest.to_string()));
-                self.say(format!("noted: {rest}"));
-            }
-            "quit" | "q" => self.quit = true,
-            "help" => self.overlay = Overlay::Help,
-            _ => self.say(format!(
-                "error: unknown command '{line}' (break SPEC, delete SPEC, run, step [N], next, restart, bisect, compare, set FLAG VALUE, save FILE, load FILE, note TEXT, quit)"
-            )),
-        }
-    }
-
-    pub fn on_mouse(&mut self, m: MouseEvent) {
-        match m.kind {
-            MouseEventKind::ScrollDown => self.move_selection(3),
-            MouseEventKind::ScrollUp => self.move_selection(-3),
-            MouseEventKind::Down(MouseButton::Left) => {
-                let (x, y) = (m.column, m.row);
-                let tree = self.areas.tree;
-                if tree.contains((x, y).into()) && y > tree.y && y < tree.y + tree.height - 1 {
-                    let rows = self.rows();
-                    let index = self.scroll + (y - tree.y - 1) as usize;
-                    if let Some(row) = rows.get(index) {
-                        if self.selected == Some(row.node) {
-                            self.toggle_expand();
-                        }
-                        self.follow = false;
-                        self.selected = Some(row.node);
-                    }
-                }
-                let tabs = self.areas.tabs;
-                if tabs.contains((x, y).into()) {
-                    let mut at = tabs.x + 1;
-                    for tab in Tab::ALL {
-                        let w = tab.title().len() as u16 + 3;
-                        if x >= at && x < at + w {
-                            self.tab = tab;
-                        }
-                        at += w;
-                    }
-                }
-            }
-            _ => {}
-        }
     }
 
     /// Fraction of the run done, while a command runs (for the gauge).

@@ -2,18 +2,25 @@
 //! [`Controller`] and runs wherever its driver puts it (a worker thread for the real UI, the
 //! caller's thread in tests), so the UI itself never computes.
 
+mod changes;
+mod sessions;
+
+pub use changes::{inject, SCHEDULE_KEYS};
+pub use sessions::load_model;
+
 use crate::backend::Backend;
 use crate::debug::breakpoint::Breakpoint;
 use crate::debug::compare::first_divergence;
 use crate::debug::controller::{Controller, Stop};
+use crate::debug::idle::{Idle, KvBStorage};
 use crate::debug::runner::Job;
 use crate::debug::{Flags, RunRecord};
 use crate::engine::generate::{Outcome, Schedule};
 use crate::engine::trace::{OpEvent, Phase};
 use crate::error::{Error, Result};
 use crate::model::{Layout, Model};
-use crate::session::recorded::{Annotation, RecordedRun, RecordedSchedule, RunRole};
-use crate::session::{Cursor, ModelSource, Session};
+use crate::session::recorded::Annotation;
+use crate::session::{Cursor, ModelSource};
 use crate::tensor::Tensor;
 use std::ops::Range;
 use std::path::PathBuf;
@@ -29,10 +36,14 @@ pub enum Command {
     NextLayer,
     Continue,
     Restart,
+    /// `:set KEY VALUE`: a flag (`inject` replaces the faults; `+NAME` adds one), or the
+    /// schedule (`tokens`, `prefill`, `decode`).
     SetFlag(String, String),
     ToggleBreakpoint(Breakpoint),
     AddBreakpoint(Breakpoint),
     RemoveBreakpoint(Breakpoint),
+    ClearBreakpoints,
+    Goto(Goto),
     /// Compute the comparison runs of the current run: every phase on the other MLA path, and a
     /// whole-sequence prefill.
     Compare,
@@ -51,6 +62,15 @@ pub enum Command {
     /// A note typed now: the host places it in the timeline (the current run, after its ops so
     /// far) for the saved session.
     Note(String),
+}
+
+/// Where `:goto` goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Goto {
+    /// Op N of the current run (run forward to it when it has not executed yet).
+    Op(usize),
+    /// The first op that differs from the comparison run.
+    FirstDivergent,
 }
 
 /// The two comparison runs `Compare` computes.
@@ -85,6 +105,10 @@ pub enum Update {
     Stopped(Stop),
     Breakpoints(Vec<Breakpoint>),
     Flags(Flags),
+    /// The schedule changed (`:set tokens|prefill|decode`).
+    Schedule(Schedule),
+    /// The flags that had nothing to act on (see [`crate::debug::idle`]).
+    Idle(Vec<Idle>),
     Aux {
         run: usize,
         kind: AuxKind,
@@ -134,6 +158,9 @@ pub struct Host {
     annotations: Vec<Annotation>,
     /// Comparison runs computed, for the saved session.
     aux: Vec<(usize, AuxKind, Schedule, Arc<RunRecord>)>,
+    /// How kv_b_proj is stored, and the flags last reported as having nothing to act on.
+    kv_b: KvBStorage,
+    idle: Vec<Idle>,
 }
 
 impl AuxKind {
@@ -162,6 +189,7 @@ impl Host {
             schedule: spec.schedule.clone(),
             layers: spec.layers.clone(),
         };
+        let kv_b = KvBStorage::of(&spec.model, &spec.layers)?;
         let mut controller = Controller::new(
             spec.model,
             spec.backend,
@@ -189,6 +217,8 @@ impl Host {
             starts: Vec::new(),
             annotations: Vec::new(),
             aux: Vec::new(),
+            kv_b,
+            idle: Vec::new(),
         };
         // Paused at the first op.
         host.handle(Command::Step);
@@ -221,6 +251,7 @@ impl Host {
         if let Err(e) = self.run(command) {
             (self.send)(Update::Error(e.to_string()));
         }
+        self.report_idle();
         (self.send)(Update::Busy(None));
     }
 
@@ -254,29 +285,7 @@ impl Host {
                 self.stopped(|c| c.step());
                 self.note_run_start(None);
             }
-            Command::SetFlag(key, value) => {
-                let change = c.set_flag(&key, &value)?;
-                self.note_run_start(change.first_affected.as_ref().map(|f| f.0));
-                let c = &self.controller;
-                let flags = c.flags();
-                (self.send)(Update::Flags(flags));
-                (self.send)(Update::Comparison(c.history().len().checked_sub(1)));
-                if let Some(note) = &change.note {
-                    self.log(note.clone());
-                }
-                match &change.first_affected {
-                    Some((i, phase, op)) => self.log(format!(
-                        "{key} {value}: re-executed from op #{i} ({phase} {op}): {} ops computed, {} reused",
-                        change.executed, change.replayed
-                    )),
-                    None if change.executed + change.replayed > 0 => self.log(format!(
-                        "{key} {value}: no op so far is affected; {} ops reused",
-                        change.replayed
-                    )),
-                    None => {}
-                }
-                self.finish_if_done();
-            }
+            Command::SetFlag(key, value) => self.set(&key, &value)?,
             Command::ToggleBreakpoint(bp) => {
                 let on = c.toggle_breakpoint(bp.clone());
                 self.log(format!(
@@ -298,6 +307,12 @@ impl Host {
                 ));
                 (self.send)(Update::Breakpoints(self.controller.breakpoints().to_vec()));
             }
+            Command::ClearBreakpoints => {
+                let n = c.clear_breakpoints();
+                self.log(format!("{n} breakpoint(s) deleted"));
+                (self.send)(Update::Breakpoints(Vec::new()));
+            }
+            Command::Goto(to) => self.goto(to)?,
             Command::Compare => self.compare()?,
             Command::Bisect => {
                 let diffs = c.diff_runs();
@@ -423,134 +438,6 @@ impl Host {
         self.log("comparisons ready: absorbed vs naive, prefill vs decode");
         Ok(())
     }
-
-    /// The session as it stands: what it is (v1's fields) and everything recorded: every run of
-    /// the controller's history and the current one, the comparison runs computed, the notes'
-    /// places.
-    pub fn session(&self, cursor: Option<Cursor>, notes: Vec<String>) -> Session {
-        let c = &self.controller;
-        let mut s = Session::new(self.source.clone(), c.schedule());
-        s.layers = (c.layers().start, c.layers().end);
-        s.describe_model(c.model());
-        s.flags = c.flags();
-        s.breakpoints = c.breakpoints().to_vec();
-        s.cursor = cursor;
-        s.notes = notes
-            .into_iter()
-            .filter(|n| !self.annotations.iter().any(|a| &a.text == n))
-            .collect();
-        s.annotations = self.annotations.clone();
-        let mut records: Vec<&RunRecord> = c.history().iter().map(|r| &**r).collect();
-        records.push(c.current());
-        for (n, record) in records.into_iter().enumerate() {
-            let mut run = RecordedRun::of(record, RunRole::Main, true);
-            let (started_at, first, compared) =
-                self.starts.get(n).copied().unwrap_or((1, None, None));
-            run.started_at = started_at;
-            run.first_affected = first;
-            run.compared_with = compared;
-            s.runs.push(run);
-            for (of, kind, schedule, record) in self.aux.iter().filter(|a| a.0 == n) {
-                let mut run = RecordedRun::of(
-                    record,
-                    RunRole::Aux {
-                        of: *of,
-                        kind: kind.name().to_string(),
-                    },
-                    true,
-                );
-                run.schedule = Some(RecordedSchedule::of(schedule));
-                s.runs.push(run);
-            }
-        }
-        s
-    }
-
-    /// The outputs of every recorded run, in the session's order.
-    fn outputs(&self) -> Vec<Vec<Arc<Tensor>>> {
-        let c = &self.controller;
-        let mut out = Vec::new();
-        let mut records: Vec<&RunRecord> = c.history().iter().map(|r| &**r).collect();
-        records.push(c.current());
-        for (n, record) in records.into_iter().enumerate() {
-            out.push(record.outputs.clone());
-            for (_, _, _, r) in self.aux.iter().filter(|a| a.0 == n) {
-                out.push(r.outputs.clone());
-            }
-        }
-        out
-    }
-
-    fn save(
-        &self,
-        path: &std::path::Path,
-        cursor: Option<Cursor>,
-        notes: Vec<String>,
-        tensors: bool,
-    ) -> Result<()> {
-        let session = self.session(cursor, notes);
-        if tensors {
-            session.save_with_tensors(path, &self.outputs())
-        } else {
-            session.save(path)
-        }
-    }
-
-    /// Replaces the debugger with a saved session and runs it to its cursor.
-    fn load(&mut self, path: PathBuf) -> Result<()> {
-        let session = Session::load(&path)?;
-        let backend = self.controller.backend().clone();
-        let model = if session.model == self.source {
-            self.controller.model_arc()
-        } else {
-            Arc::new(load_model(&session.model)?)
-        };
-        if session.layers.1 > model.layout.num_layers || session.layers.0 >= session.layers.1 {
-            return Err(Error::parse(
-                &path,
-                format!("layers {:?} do not fit the model", session.layers),
-            ));
-        }
-        let spec = HostSpec {
-            model,
-            source: session.model.clone(),
-            backend,
-            schedule: Schedule {
-                prompt: session.prompt.clone(),
-                prefill_len: session.prefill,
-                decode_steps: session.decode,
-            },
-            layers: session.layers.0..session.layers.1,
-            flags: session.flags,
-        };
-        let mut next = Host::new(spec, self.send.clone(), self.cancel.clone())?;
-        for bp in &session.breakpoints {
-            next.controller.add_breakpoint(bp.clone());
-        }
-        (self.send)(Update::Breakpoints(session.breakpoints.clone()));
-        if let Some(cursor) = &session.cursor {
-            while next
-                .controller
-                .position()
-                .is_some_and(|p| (p.phase, &p.op) != (cursor.phase, &cursor.op))
-            {
-                if next.controller.step() != Stop::Stepped {
-                    break;
-                }
-            }
-            (self.send)(Update::Stopped(Stop::Stepped));
-            next.finish_if_done();
-        }
-        let placed = session.annotations.iter().map(|a| &a.text);
-        let notes: Vec<String> = session.notes.iter().chain(placed).cloned().collect();
-        for note in &notes {
-            next.log(format!("note: {note}"));
-        }
-        (self.send)(Update::Notes(notes));
-        next.log(format!("loaded session {}", path.display()));
-        *self = next;
-        Ok(())
-    }
 }
 
 fn flip(p: crate::engine::MlaPath) -> crate::engine::MlaPath {
@@ -567,6 +454,7 @@ fn describe(c: &Command) -> String {
         Command::Continue => "continue".into(),
         Command::Restart => "restart".into(),
         Command::SetFlag(k, v) => format!("set {k} {v}"),
+        Command::Goto(_) => "goto".into(),
         Command::Compare => "comparison runs".into(),
         Command::Bisect => "bisect".into(),
         Command::Save { .. } => "save".into(),
@@ -600,47 +488,6 @@ pub fn bisect_report(diffs: &[crate::debug::compare::OpComparison]) -> (String, 
             ),
             None,
         ),
-    }
-}
-
-/// Loads the model a session names.
-pub fn load_model(source: &ModelSource) -> Result<Model> {
-    const BUDGET: usize = 8 << 30;
-    let args = |layout: Option<&String>,
-                model: Option<&std::path::PathBuf>,
-                seed,
-                quant: &Option<String>| {
-        crate::cli::args::ModelArgs {
-            layout: layout.cloned(),
-            model: model.cloned(),
-            seed,
-            weight_cache_mb: BUDGET >> 20,
-            quant: quant.clone(),
-        }
-    };
-    match source {
-        ModelSource::Layout {
-            layout,
-            seed,
-            quant,
-        } => {
-            Layout::resolve(layout)?;
-            args(Some(layout), None, *seed, quant).load()
-        }
-        ModelSource::Checkpoint {
-            path,
-            fingerprint,
-            quant,
-        } => {
-            let now = crate::session::checkpoint_fingerprint(path)?;
-            if &now != fingerprint {
-                return Err(Error::invalid(format!(
-                    "{}: the checkpoint changed since the session was saved",
-                    path.display()
-                )));
-            }
-            args(None, Some(path), 0, quant).load()
-        }
     }
 }
 

@@ -33,10 +33,10 @@ pub struct TuiArgs {
 }
 
 impl TuiArgs {
-    /// What a bare `mladb` opens: glm5-tiny, 12 prompt tokens and 4 decode steps.
+    /// What a bare `mladb` opens: glm5-tiny with the default schedule.
     pub fn default_demo() -> TuiArgs {
         TuiArgs {
-            setup: RunSetup::with_layout("glm5-tiny", 4),
+            setup: RunSetup::with_layout("glm5-tiny"),
             flags: FlagArgs::default(),
             keys: None,
         }
@@ -69,11 +69,16 @@ impl TuiArgs {
 /// `mladb tui`.
 pub fn run(args: &TuiArgs) -> Result<()> {
     let spec = args.spec()?;
+    let from_env = spec.flags.mla_disable && crate::cli::args::vllm_mla_disable()?;
     let keymap = args.keymap()?;
     let log = logfile::init();
     let driver = driver::ThreadDriver::start(spec)?;
     let mut app = app::App::new(Box::new(driver), keymap, theme::Theme::from_env());
     app.say(format!("log file: {} · ? for keys", log.display()));
+    if from_env {
+        app.mla_disable_env = true;
+        app.say(format!("note: {}", crate::cli::args::VLLM_MLA_DISABLE_NOTE));
+    }
     app.autosave = app::Autosave::from_env();
     term::run_terminal(app)
 }

@@ -4,17 +4,20 @@
 //! computing (a flag change, comparison runs not recorded) are refused with a log line.
 
 use super::driver::Driver;
-use super::host::{AuxKind, Command, Info, Send, Update};
-use crate::debug::breakpoint::Breakpoint;
-use crate::debug::compare::{compare_outputs, compare_runs};
+use super::host::{AuxKind, Command, Goto, Info, Send, Update};
+use crate::debug::breakpoint::{first_hit, Breakpoint};
+use crate::debug::compare::compare_outputs;
 use crate::debug::controller::Stop;
+use crate::debug::idle::{Idle, KvBStorage};
 use crate::debug::RunRecord;
+use crate::engine::generate::Schedule;
 use crate::error::{Error, Result};
 use crate::model::Layout;
 use crate::session::recorded::RunRole;
 use crate::session::{Cursor, ModelSource, Session};
-use crate::tensor::Tensor;
 use std::path::{Path, PathBuf};
+
+mod commands;
 use std::sync::{Arc, Mutex};
 
 /// A recorded session, as the debugger host the UI talks to.
@@ -38,6 +41,9 @@ pub struct ReplayHost {
     breakpoints: Vec<Breakpoint>,
     /// Notes typed during the replay (saved with the session).
     annotations: Vec<crate::session::recorded::Annotation>,
+    /// How kv_b_proj was stored, and the flags last reported as having nothing to act on.
+    kv_b: KvBStorage,
+    idle: Vec<Idle>,
 }
 
 impl ReplayHost {
@@ -85,6 +91,7 @@ impl ReplayHost {
             schedule: session.schedule(),
             layers: session.layers.0..session.layers.1,
         };
+        let session_kv_b = session.kv_b.clone().unwrap_or_else(KvBStorage::unknown);
         let mut host = ReplayHost {
             breakpoints: session.breakpoints.clone(),
             session,
@@ -98,9 +105,12 @@ impl ReplayHost {
             shown: 0,
             end_shown: false,
             annotations: Vec::new(),
+            kv_b: session_kv_b,
+            idle: Vec::new(),
         };
         host.start();
         host.go_to_cursor();
+        host.report_idle();
         Ok(host)
     }
 
@@ -271,6 +281,7 @@ impl ReplayHost {
     /// Moves to the next run of the timeline: the flag change (or restart) that made it.
     fn next_run(&mut self) {
         let previous = self.current_run().flags;
+        let previous_schedule = self.run_schedule(self.current_run());
         self.at += 1;
         self.shown = 0;
         self.end_shown = false;
@@ -279,8 +290,19 @@ impl ReplayHost {
         while self.shown < until && self.deliver() {}
         (self.send)(Update::Flags(run.flags));
         (self.send)(Update::Comparison(run.compared_with));
+        let schedule = self.run_schedule(&run);
         let what = if run.flags != previous {
             format!("flags changed to {}", run.flags)
+        } else if schedule != previous_schedule {
+            let s = &schedule;
+            let what = format!(
+                "schedule changed to a {}-token prompt, prefill {}, decode {}",
+                s.prompt.len(),
+                s.prefill_len,
+                s.decode_steps
+            );
+            (self.send)(Update::Schedule(schedule));
+            what
         } else {
             "restarted".to_string()
         };
@@ -298,6 +320,14 @@ impl ReplayHost {
         if self.exhausted() && run.outcome.is_some() {
             self.finished();
         }
+    }
+
+    /// The schedule a recorded run ran.
+    fn run_schedule(&self, run: &crate::session::recorded::RecordedRun) -> Schedule {
+        run.schedule
+            .as_ref()
+            .map(|s| s.schedule())
+            .unwrap_or_else(|| self.session.schedule())
     }
 
     /// At the end of the current run's recording: report the end, or go on to the next run.
@@ -331,17 +361,14 @@ impl ReplayHost {
 
     /// The first breakpoint the op just delivered hits.
     fn breakpoint_hit(&self) -> Option<usize> {
-        if self.breakpoints.is_empty() || self.shown == 0 {
-            return None;
-        }
-        let run = self.current();
-        let i = self.shown - 1;
-        let e = &run.events[i];
-        let previous = i.checked_sub(1).map(|p| &run.events[p]);
-        let diff = self.op_diff(i);
-        self.breakpoints
-            .iter()
-            .position(|b| b.hits(e, previous, diff))
+        let i = self.shown.checked_sub(1)?;
+        let diff = |j: usize| self.op_diff(j);
+        first_hit(
+            &self.breakpoints,
+            &self.current().events[..self.shown],
+            i,
+            &diff,
+        )
     }
 
     /// rel L2 of op `i` against the comparison run: of the whole outputs, or of the recorded
@@ -392,6 +419,7 @@ impl ReplayHost {
         if let Err(e) = self.run(command) {
             (self.send)(Update::Error(e.to_string()));
         }
+        self.report_idle();
         (self.send)(Update::Busy(None));
     }
 
@@ -461,6 +489,13 @@ impl ReplayHost {
                 ));
                 (self.send)(Update::Breakpoints(self.breakpoints.clone()));
             }
+            Command::ClearBreakpoints => {
+                self.log(format!("{} breakpoint(s) deleted", self.breakpoints.len()));
+                self.breakpoints.clear();
+                (self.send)(Update::Breakpoints(Vec::new()));
+            }
+            Command::Goto(Goto::FirstDivergent) => self.bisect(),
+            Command::Goto(Goto::Op(index)) => self.goto(index)?,
             Command::Save {
                 path,
                 cursor,
@@ -487,63 +522,6 @@ impl ReplayHost {
             }),
         }
         Ok(())
-    }
-
-    fn bisect(&self) {
-        let Some(c) = self.current_run().compared_with else {
-            return self.log("bisect needs an earlier run to compare with: this run has none");
-        };
-        if !self.full {
-            return self.refuse("bisect over sampled values");
-        }
-        let mut partial = RunRecord::new(self.current().flags);
-        for i in 0..self.shown {
-            partial.push(
-                self.current().events[i].clone(),
-                self.current().outputs[i].clone(),
-            );
-        }
-        let other = &self.records[self.timeline[c]];
-        let tolerances = crate::debug::tolerance::Tolerances::Table(partial.flags.dtype);
-        let diffs = compare_runs(&partial, other, self.info.layout.num_heads, &tolerances);
-        let (line, select) = super::host::bisect_report(&diffs);
-        self.log(line);
-        if let Some(index) = select {
-            (self.send)(Update::Select(index));
-        }
-    }
-
-    /// The session as recorded, with the cursor, notes and breakpoints of now.
-    fn save(
-        &self,
-        path: &Path,
-        cursor: Option<Cursor>,
-        notes: Vec<String>,
-        tensors: bool,
-    ) -> Result<()> {
-        let mut s = self.session.clone();
-        s.cursor = cursor;
-        s.breakpoints = self.breakpoints.clone();
-        s.tensors = None;
-        for n in notes {
-            let placed = self.annotations.iter().any(|a| a.text == n);
-            if !placed && !s.notes.contains(&n) {
-                s.notes.push(n);
-            }
-        }
-        s.annotations.extend(self.annotations.iter().cloned());
-        if tensors || self.full {
-            if !self.full {
-                return Err(Error::invalid(
-                    "this replay holds sampled values only: it cannot write full tensors",
-                ));
-            }
-            let outputs: Vec<Vec<Arc<Tensor>>> =
-                self.records.iter().map(|r| r.outputs.clone()).collect();
-            s.save_with_tensors(path, &outputs)
-        } else {
-            s.save(path)
-        }
     }
 }
 

@@ -18,6 +18,8 @@ mod tree;
 use super::app::{App, Overlay, Tab};
 use crate::debug::compare::{compare_outputs, Diff};
 use crate::debug::controller::Stop;
+use crate::debug::idle::Subject;
+use crate::engine::faults::{spec_of, Fault};
 use crate::engine::trace::OpEvent;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::Style;
@@ -48,7 +50,9 @@ pub fn draw(frame: &mut Frame, app: &mut App) {
     match &app.overlay {
         Overlay::Help => overlays::help(frame, app, area),
         Overlay::Learn { scroll } => learn::draw(frame, app, area, *scroll),
-        Overlay::Inject { selected } => overlays::inject(frame, app, area, *selected),
+        Overlay::Inject { selected, scope } => {
+            overlays::inject(frame, app, area, *selected, *scope)
+        }
         Overlay::Command { .. } | Overlay::None => {}
     }
 }
@@ -70,23 +74,44 @@ fn flags_bar(frame: &mut Frame, app: &App, area: Rect) {
         ]
     };
     let paths = f.paths();
+    // A flag that had nothing to act on says so.
+    let idle = |s: Subject| app.mirror.idle.iter().any(|i| i.subject == s);
+    let marked = |text: String, is_idle: bool| {
+        if is_idle {
+            format!("{text} (idle)")
+        } else {
+            text
+        }
+    };
     let mut spans = vec![
         Span::styled(" mladb ", t.title()),
         Span::styled("│ ", t.dim()),
     ];
-    spans.extend(item(
-        "MLA-disable",
-        onoff(f.mla_disable).into(),
-        f.mla_disable,
-    ));
+    let mla_idle = idle(Subject::MlaDisable);
+    if f.mla_disable && app.mla_disable_env {
+        spans.extend(item(
+            "",
+            marked("VLLM_MLA_DISABLE=1".into(), mla_idle),
+            true,
+        ));
+    } else {
+        spans.extend(item(
+            "MLA-disable",
+            marked(onoff(f.mla_disable).into(), mla_idle),
+            f.mla_disable,
+        ));
+    }
     spans.extend(item(
         "",
-        format!("{:?}/{:?}", paths.prefill, paths.decode).to_lowercase(),
+        marked(
+            format!("{:?}/{:?}", paths.prefill, paths.decode).to_lowercase(),
+            idle(Subject::PrefillPath) || idle(Subject::DecodePath),
+        ),
         false,
     ));
     spans.extend(item(
         "dequant",
-        onoff(f.force_dequant).into(),
+        marked(onoff(f.force_dequant).into(), idle(Subject::ForceDequant)),
         f.force_dequant,
     ));
     spans.extend(item(
@@ -94,7 +119,19 @@ fn flags_bar(frame: &mut Frame, app: &App, area: Rect) {
         format!("{:?} {:?}", f.device, f.dtype).to_lowercase(),
         f.dtype != Default::default(),
     ));
-    spans.extend(item("inject", f.faults.to_string(), !f.faults.is_empty()));
+    let faults: Vec<String> = Fault::ALL
+        .into_iter()
+        .filter_map(|fault| {
+            let spec = spec_of(fault, f.faults.scope(fault)?);
+            Some(marked(spec, idle(Subject::Fault(fault))))
+        })
+        .collect();
+    let faults = if faults.is_empty() {
+        "none".to_string()
+    } else {
+        faults.join(",")
+    };
+    spans.extend(item("inject", faults, !f.faults.is_empty()));
     spans.pop();
     frame.render_widget(Paragraph::new(Line::from(spans)), area);
 }

@@ -70,7 +70,7 @@ pub fn draw(frame: &mut Frame, app: &mut App, area: Rect) {
             Node::Op(index) => match run.and_then(|r| r.events.get(index)) {
                 Some(e) => {
                     let here = if position == Some(index) { "▶" } else { " " };
-                    let bp = app.mirror.breakpoints.iter().any(|b| matches!(b, Breakpoint::Op(p) if crate::debug::breakpoint::glob_match(p, &e.name)));
+                    let bp = app.mirror.breakpoints.iter().any(|b| b.matches_op(e));
                     let (mark, style) = op_mark(app, index, e);
                     Line::from(vec![
                         Span::raw(indent.to_string()),

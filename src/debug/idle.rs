@@ -1,0 +1,458 @@
+//! Flags and faults that had nothing to act on in a run: a decode-scoped fault in a run without
+//! decode steps, a fault of the absorbed path when no op ran on it, `lse-base-mismatch` when no
+//! context spans two split-KV blocks, force-dequantize with a plain kv_b_proj, and so on.
+//!
+//! Decided in one place from what the run executed (its op events) and from the model (how each
+//! kv_b_proj is stored), so that `check` (a note), `run` (stderr or its JSON summary) and the
+//! debugger (its log and header) say the same thing: a flag that is on but did nothing is
+//! never shown as if it had acted.
+
+use super::flags::Flags;
+use crate::backend::cpu::attention::SPLIT_KV_BLOCK;
+use crate::engine::faults::{Fault, Scope};
+use crate::engine::trace::{OpEvent, OpKind, Phase};
+use crate::engine::MlaPath;
+use crate::error::Result;
+use crate::model::catalog::layer_prefix;
+use crate::model::Model;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::ops::Range;
+
+/// What was on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Subject {
+    MlaDisable,
+    /// `prefill-path absorbed` (the non-default prefill path).
+    PrefillPath,
+    /// `decode-path naive` (the non-default decode path).
+    DecodePath,
+    ForceDequant,
+    Fault(Fault),
+}
+
+impl fmt::Display for Subject {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Subject::MlaDisable => write!(f, "mla-disable"),
+            Subject::PrefillPath => write!(f, "prefill-path absorbed"),
+            Subject::DecodePath => write!(f, "decode-path naive"),
+            Subject::ForceDequant => write!(f, "force-dequant"),
+            Subject::Fault(fault) => write!(f, "inject {}", fault.name()),
+        }
+    }
+}
+
+/// A flag or fault that was on and had nothing to act on, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Idle {
+    pub subject: Subject,
+    pub why: String,
+}
+
+impl fmt::Display for Idle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} had nothing to act on: {}", self.subject, self.why)
+    }
+}
+
+/// How kv_b_proj is stored in each layer of a run: its quantized type's name (`Q4_K`), or
+/// `None` when plain. Sessions record it, so that replays judge flags as the live run did; an
+/// older session that lacks it leaves the flags that depend on it unjudged.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvBStorage {
+    layers: Vec<(usize, Option<String>)>,
+    #[serde(skip)]
+    unknown: bool,
+}
+
+impl KvBStorage {
+    pub fn of(model: &Model, layers: &Range<usize>) -> Result<KvBStorage> {
+        let layers = layers
+            .clone()
+            .map(|l| {
+                let name = format!("{}.self_attn.kv_b_proj.weight", layer_prefix(l));
+                let ty = model
+                    .weights
+                    .quantized(&name)?
+                    .map(|q| q.ty.name().to_string());
+                Ok((l, ty))
+            })
+            .collect::<Result<_>>()?;
+        Ok(KvBStorage {
+            layers,
+            unknown: false,
+        })
+    }
+
+    /// Storage not known (a session recorded before it was): force-dequantize and the
+    /// quantization fault are then never reported idle.
+    pub fn unknown() -> KvBStorage {
+        KvBStorage {
+            layers: Vec::new(),
+            unknown: true,
+        }
+    }
+
+    fn any_quantized(&self) -> bool {
+        self.unknown || self.layers.iter().any(|(_, t)| t.is_some())
+    }
+
+    fn is_q4k(&self, layer: Option<usize>) -> bool {
+        self.unknown
+            || self
+                .layers
+                .iter()
+                .any(|(l, t)| Some(*l) == layer && t.as_deref() == Some(Q4_K))
+    }
+
+    fn any_q4k(&self) -> bool {
+        self.unknown || self.layers.iter().any(|(_, t)| t.as_deref() == Some(Q4_K))
+    }
+
+    /// `plain`, or the types it is stored in (`Q8_0`, `Q4_0 and plain`).
+    fn describe(&self) -> String {
+        let mut names: Vec<&str> = self
+            .layers
+            .iter()
+            .map(|(_, t)| t.as_deref().unwrap_or("plain"))
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        names.join(" and ")
+    }
+}
+
+const Q4_K: &str = "Q4_K";
+
+/// The flags and faults of `flags` that had nothing to act on in the run whose op events are
+/// `events`. Until the run has `finished`, only what no later op could change is reported
+/// (a plain kv_b_proj, paths that MLA disable overrides, faults MLA disable routes around).
+pub fn idle_flags(
+    flags: &Flags,
+    kv_b: &KvBStorage,
+    events: &[OpEvent],
+    finished: bool,
+) -> Vec<Idle> {
+    let run = Run {
+        flags,
+        kv_b,
+        events,
+    };
+    let mut out = Vec::new();
+    let mut idle = |subject, why: Option<String>| {
+        if let Some(why) = why {
+            out.push(Idle { subject, why });
+        }
+    };
+    if flags.mla_disable {
+        idle(Subject::MlaDisable, run.mla_disable(finished));
+    }
+    if flags.prefill_path != Flags::default().prefill_path {
+        idle(Subject::PrefillPath, run.path_flag(finished, false));
+    }
+    if flags.decode_path != Flags::default().decode_path {
+        idle(Subject::DecodePath, run.path_flag(finished, true));
+    }
+    if flags.force_dequant {
+        idle(Subject::ForceDequant, run.force_dequant(finished));
+    }
+    for fault in Fault::ALL {
+        if flags.faults.contains(fault) {
+            idle(Subject::Fault(fault), run.fault(fault, finished));
+        }
+    }
+    out
+}
+
+/// The same as lines for `check`'s notes and `run`'s stderr.
+pub fn idle_lines(flags: &Flags, kv_b: &KvBStorage, events: &[OpEvent]) -> Vec<String> {
+    idle_flags(flags, kv_b, events, true)
+        .iter()
+        .map(Idle::to_string)
+        .collect()
+}
+
+/// `check`'s notes on a job's checked run.
+pub fn check_notes(job: &super::runner::Job, run: &super::RunRecord) -> Result<Vec<String>> {
+    let kv_b = KvBStorage::of(job.model, job.layers)?;
+    Ok(idle_lines(&run.flags, &kv_b, &run.events))
+}
+
+struct Run<'a> {
+    flags: &'a Flags,
+    kv_b: &'a KvBStorage,
+    events: &'a [OpEvent],
+}
+
+const ROUTED_AROUND: &str =
+    "MLA disable routes attention around the MLA backend, where this fault lives";
+
+fn is_decode(phase: Phase) -> bool {
+    matches!(phase, Phase::Decode(_))
+}
+
+impl Run<'_> {
+    fn has_prefill(&self) -> bool {
+        self.events.iter().any(|e| e.phase == Phase::Prefill)
+    }
+
+    fn has_decode(&self) -> bool {
+        self.events.iter().any(|e| is_decode(e.phase))
+    }
+
+    /// Whether an op of a phase `fault` acts in satisfies `pred` (given the op's index).
+    fn any_in_scope(&self, fault: Fault, pred: impl Fn(usize, &OpEvent) -> bool) -> bool {
+        self.events
+            .iter()
+            .enumerate()
+            .any(|(i, e)| self.flags.faults.active(fault, e.phase) && pred(i, e))
+    }
+
+    /// Why no phase of the fault's scope ran, if none did.
+    fn out_of_scope(&self, fault: Fault) -> Option<String> {
+        if self.any_in_scope(fault, |_, _| true) {
+            return None;
+        }
+        Some(match self.flags.faults.scope(fault) {
+            Some(Scope::Decode) => "it acts in decode, and the run has no decode steps".into(),
+            Some(Scope::Prefill) => "it acts in prefill, and the run prefilled nothing".into(),
+            _ => "the run executed no op".into(),
+        })
+    }
+
+    /// Why no op ran on the absorbed path in the phases `scope` covers.
+    fn naive_everywhere(&self, scope: Scope, finished: bool) -> Option<String> {
+        if self.flags.mla_disable {
+            return Some("MLA disable makes every path naive".into());
+        }
+        let paths = self.flags.paths();
+        let mut reasons = Vec::new();
+        for (decode, path, ran, name) in [
+            (false, paths.prefill, self.has_prefill(), "prefill"),
+            (true, paths.decode, self.has_decode(), "decode"),
+        ] {
+            let covered = match scope {
+                Scope::All => true,
+                Scope::Prefill => !decode,
+                Scope::Decode => decode,
+            };
+            if !covered {
+                continue;
+            }
+            match (path, ran) {
+                (MlaPath::Naive, _) => reasons.push(format!("{name} runs the naive path")),
+                (MlaPath::Absorbed, false) if finished => reasons.push(if decode {
+                    "the run has no decode steps".to_string()
+                } else {
+                    "the run prefilled nothing".to_string()
+                }),
+                (MlaPath::Absorbed, _) => return None,
+            }
+        }
+        Some(format!(
+            "no op ran on the absorbed path ({})",
+            reasons.join("; ")
+        ))
+    }
+
+    /// The longest context an absorbed attention attended over in the phases `fault` acts in
+    /// (its probabilities are [heads, tokens, context], followed by the latent output).
+    fn longest_absorbed_context(&self, fault: Fault) -> usize {
+        self.events
+            .iter()
+            .zip(self.events.iter().skip(1))
+            .filter(|(p, next)| {
+                self.flags.faults.active(fault, p.phase)
+                    && p.kind == OpKind::AttentionProbs
+                    && next.kind == OpKind::AttentionLatent
+            })
+            .filter_map(|(p, _)| p.shape.last().copied())
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn mla_disable(&self, finished: bool) -> Option<String> {
+        let mut without = *self.flags;
+        without.mla_disable = false;
+        // It keeps the MLA backend's faults out of the phases they act in.
+        let routes_around = [Fault::OutputBufferDisconnect, Fault::SkipPaddedRows]
+            .into_iter()
+            .any(|f| {
+                self.flags.faults.contains(f) && (!finished || self.any_in_scope(f, |_, _| true))
+            });
+        if routes_around {
+            return None;
+        }
+        let base = without.paths();
+        if base.prefill == MlaPath::Naive && base.decode == MlaPath::Naive {
+            return Some("prefill and decode run the naive path without it too".into());
+        }
+        if !finished {
+            return None;
+        }
+        let absorbed_phase_ran = self.events.iter().any(|e| {
+            e.kind == OpKind::AttentionProbs && without.path_of(e.phase) == MlaPath::Absorbed
+        });
+        (!absorbed_phase_ran).then(|| {
+            let why = if base.prefill == MlaPath::Naive {
+                "prefill runs the naive path without it too, and the run has no decode steps"
+            } else {
+                "no attention ran in the phases it turns naive"
+            };
+            why.to_string()
+        })
+    }
+
+    fn path_flag(&self, finished: bool, decode: bool) -> Option<String> {
+        if self.flags.mla_disable {
+            return Some("MLA disable makes every path naive".into());
+        }
+        if !finished {
+            return None;
+        }
+        match (decode, self.has_decode(), self.has_prefill()) {
+            (true, false, _) => Some("the run has no decode steps".into()),
+            (false, _, false) => Some("the run prefilled nothing".into()),
+            _ => None,
+        }
+    }
+
+    fn force_dequant(&self, finished: bool) -> Option<String> {
+        if !self.kv_b.any_quantized() {
+            return Some(
+                "kv_b_proj is not quantized in this model (quantized weights come from GGUF \
+                 files or --quant)"
+                    .into(),
+            );
+        }
+        let dequantized = self
+            .events
+            .iter()
+            .any(|e| e.kind == OpKind::Dequantize && e.name.ends_with("kv_b_dequant"));
+        (finished && !dequantized && !self.kv_b.unknown)
+            .then(|| "no op used the quantized kv_b_proj".into())
+    }
+
+    fn fault(&self, fault: Fault, finished: bool) -> Option<String> {
+        let scope = self.flags.faults.scope(fault)?;
+        // What the model and the flags decide, whatever the run executes.
+        let fixed = match fault {
+            Fault::OutputBufferDisconnect | Fault::SkipPaddedRows if self.flags.mla_disable => {
+                Some(ROUTED_AROUND.to_string())
+            }
+            Fault::SoftmaxScaleLatent | Fault::AbsorbWrongSplit | Fault::LseBaseMismatch => {
+                self.naive_everywhere(scope, false)
+            }
+            Fault::Q4kScaleUnpack if !self.kv_b.any_q4k() => Some(format!(
+                "kv_b_proj is not Q4_K in this model ({}); it acts on a Q4_K kv_b_proj, e.g. \
+                 --layout glm5-tiny-wide --quant q4_k",
+                self.kv_b.describe()
+            )),
+            _ => None,
+        };
+        if fixed.is_some() || !finished {
+            return fixed;
+        }
+        if let Some(why) = self.out_of_scope(fault) {
+            return Some(why);
+        }
+        let absorbed = |_: usize, e: &OpEvent| e.kind == OpKind::AttentionLatent;
+        match fault {
+            Fault::OutputBufferDisconnect => (!self
+                .any_in_scope(fault, |_, e| e.kernel_wrote.is_some()))
+            .then(|| "no attention kernel ran in its phases".into()),
+            Fault::SkipPaddedRows => (!self
+                .any_in_scope(fault, |_, e| e.kind == OpKind::AttentionProbs))
+            .then(|| "no attention kernel ran in its phases".into()),
+            Fault::SoftmaxScaleLatent => {
+                if !self.any_in_scope(fault, absorbed) {
+                    return self.naive_everywhere(scope, true);
+                }
+                // A softmax over one key is 1 at any scale.
+                let longest = self.longest_absorbed_context(fault);
+                (longest < 2).then(|| {
+                    "every query on the absorbed path attended to a single key, whose \
+                     probability is 1 at any scale"
+                        .into()
+                })
+            }
+            Fault::AbsorbWrongSplit => (!self
+                .any_in_scope(fault, |_, e| e.kind == OpKind::AbsorbQuery))
+            .then(|| self.naive_everywhere(scope, true))
+            .flatten(),
+            Fault::LseBaseMismatch => {
+                if !self.any_in_scope(fault, absorbed) {
+                    return self.naive_everywhere(scope, true);
+                }
+                let longest = self.longest_absorbed_context(fault);
+                (longest <= SPLIT_KV_BLOCK).then(|| {
+                    format!(
+                        "no context on the absorbed path spanned two split-KV blocks of \
+                         {SPLIT_KV_BLOCK} positions (the longest was {longest})"
+                    )
+                })
+            }
+            Fault::RopeNoninterleaved => {
+                let q_rope = |e: &OpEvent| e.name.ends_with("self_attn.q_rope");
+                if self.any_in_scope(fault, |_, e| q_rope(e) && e.positions.1 >= 2) {
+                    None
+                } else if self.any_in_scope(fault, |_, e| q_rope(e)) {
+                    // RoPE at position 0 rotates by nothing, in either layout.
+                    Some("its phases rotated the query at position 0 only, where RoPE is the identity".into())
+                } else {
+                    Some("no query RoPE ran in its phases".into())
+                }
+            }
+            Fault::KvCacheOffByOne => {
+                // It acts where a token lands one slot early (from any position but 0) in a
+                // latent cache that a later op reads: the absorbed attention, or the backfill of
+                // the naive path's cache. Naive attention reads its own decompressed cache.
+                let latent_write = |e: &OpEvent| e.name.ends_with("self_attn.latent_cache");
+                let moved: Vec<usize> = (0..self.events.len())
+                    .filter(|&i| {
+                        let e = &self.events[i];
+                        self.flags.faults.active(fault, e.phase)
+                            && latent_write(e)
+                            && e.positions.1 >= 2
+                    })
+                    .collect();
+                let read_later = moved.iter().any(|&w| {
+                    let id = self.events[w].output.id;
+                    self.events[w + 1..]
+                        .iter()
+                        .any(|e| e.inputs.iter().any(|r| r.id == id))
+                });
+                if read_later {
+                    None
+                } else if !moved.is_empty() {
+                    Some(
+                        "no op read the latent cache after a token was written one slot early \
+                         (naive attention reads its own decompressed cache)"
+                            .into(),
+                    )
+                } else if self.any_in_scope(fault, |_, e| latent_write(e)) {
+                    Some(
+                        "its phases wrote the latent cache at position 0 only, where one slot \
+                         early is the same slot"
+                            .into(),
+                    )
+                } else {
+                    Some("no latent-cache write ran in its phases".into())
+                }
+            }
+            Fault::Q4kScaleUnpack => {
+                // The blocks are decoded by the dequantize op (force-dequantize, or the identity
+                // matrix of the absorbed path) and, without force-dequantize, by every naive
+                // decompression.
+                let decodes_blocks = |_: usize, e: &OpEvent| {
+                    self.kv_b.is_q4k(e.layer)
+                        && (e.kind == OpKind::Dequantize
+                            || (e.kind == OpKind::Decompress && !self.flags.force_dequant))
+                };
+                (!self.any_in_scope(fault, decodes_blocks) && !self.kv_b.unknown)
+                    .then(|| "no op decoded the Q4_K kv_b_proj in its phases".into())
+            }
+        }
+    }
+}
