@@ -474,3 +474,55 @@ fn notes_leave_the_exit_code_alone() {
     assert!(stdout.contains("no findings"), "{stdout}");
     assert_eq!(out.status.code(), Some(0), "{stdout}");
 }
+
+/// The TUI's comparisons (`d`) are selection-aware too: on a clean bf16 run whose other-path run
+/// flips a routing choice within noise, the flip is logged and forced, no op is marked as
+/// diverging, and a saved session replays and verifies with the forced choice.
+#[test]
+fn the_debugger_compares_as_check_does() {
+    use mladb::debug::compare::{compare_runs, first_divergence};
+    use mladb::debug::tolerance::Tolerances;
+    use mladb::engine::StorageDtype;
+    use mladb::tui::host::AuxKind;
+    use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+    let mut app = common::live_app("glm5-tiny", "dtype=bf16", 12, 12, 4);
+    for c in "cd".chars() {
+        app.on_key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
+    }
+    assert!(
+        app.log
+            .iter()
+            .any(|l| l.contains("selection flip within noise")),
+        "{:#?}",
+        app.log
+    );
+    let run = app.mirror.current().unwrap();
+    let other = app.mirror.aux(AuxKind::OtherPath).unwrap();
+    assert!(!other.forced.is_empty(), "the other-path run was forced");
+    let heads = app.mirror.layout().unwrap().num_heads;
+    let list = compare_runs(run, other, heads, &Tolerances::Table(StorageDtype::Bf16));
+    assert!(first_divergence(&list).is_none());
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.ron");
+    for c in format!(":save {}", path.display()).chars() {
+        app.on_key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
+    }
+    app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE));
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(
+        text.contains("forced:"),
+        "the session records the forced choice"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args(["replay", path.to_str().unwrap(), "--verify"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

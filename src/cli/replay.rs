@@ -372,7 +372,9 @@ pub fn verify(
             layers: &layers,
             poison: run.poison,
         };
-        let record = job.run(flags, None)?;
+        let forced =
+            std::sync::Arc::new(crate::engine::ForcedSelections::from_entries(&run.forced));
+        let record = job.run_forced(flags, &schedule, &forced, None)?;
         if let Some(m) = compare_run(n, run, &record, how) {
             writeln!(out, "mismatch: {m}").map_err(io)?;
             return Ok(Some(m));

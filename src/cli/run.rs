@@ -160,6 +160,7 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
             compared_with: None,
             outcome: Some(RecordedOutcome::from(&outcome)),
             error: None,
+            forced: Vec::new(),
             ops,
         });
         match observer.record_outputs.take() {

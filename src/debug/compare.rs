@@ -6,6 +6,7 @@
 
 use super::record::RunRecord;
 use super::sample::{holds_all, is_sampled, numel, sample_indices, NEEDS_TENSORS};
+use super::selection::{align_weights, is_selection, weights_ids_op};
 use super::tolerance::Tolerances;
 use crate::engine::trace::{OpEvent, OpKind, Phase};
 use serde::{Deserialize, Serialize};
@@ -365,7 +366,8 @@ impl OpComparison {
 }
 
 /// Compares every op of `a` with the op of the same phase and name in `b` (the reference), in
-/// `a`'s execution order, each judged against its tolerance. Ops `b` lacks are left out.
+/// `a`'s execution order, each judged against its tolerance. Ops `b` lacks are left out, and so
+/// are choices (top-k listings), which are compared as choices (`super::paired`).
 pub fn compare_runs(
     a: &RunRecord,
     b: &RunRecord,
@@ -376,14 +378,29 @@ pub fn compare_runs(
         .events
         .iter()
         .enumerate()
+        .filter(|(_, e)| !is_selection(e))
         .filter_map(|(i, e)| {
             let j = b.find(e.phase, &e.name)?;
+            let theirs = b.outputs[j].data();
+            // Routing weights: B's in A's order of experts (whole outputs only: samples of
+            // the experts and the weights are not the same rows).
+            let aligned = weights_ids_op(&e.name).and_then(|ids| {
+                let (ours, other) = (a.output(e.phase, &ids)?, b.output(e.phase, &ids)?);
+                let whole =
+                    |t: &crate::tensor::Tensor, shape: &[usize]| holds_all(shape, t.numel());
+                let ids_shape = &a.events[a.find(e.phase, &ids)?].shape;
+                (whole(ours, ids_shape)
+                    && whole(other, ids_shape)
+                    && whole(&b.outputs[j], &e.shape))
+                .then_some(())?;
+                align_weights(ours.data(), other.data(), theirs, *e.shape.last()?)
+            });
             Some(compare_outputs(
                 e,
                 i,
                 a.outputs[i].data(),
                 &b.events[j].shape,
-                b.outputs[j].data(),
+                aligned.as_deref().unwrap_or(theirs),
                 num_heads,
             ))
         })
@@ -427,8 +444,8 @@ pub fn compare_outputs(
 }
 
 /// Compares every decode-step op of `stepped` with the row of the same token in `whole`, a run
-/// that prefilled the whole sequence at once, each judged against its tolerance. Ops whose
-/// outputs are not laid out by token (top-k listings) are left out.
+/// that prefilled the whole sequence at once, each judged against its tolerance. Choices (top-k
+/// listings) are left out: they are compared as choices (`super::paired`).
 pub fn prefill_vs_decode(
     stepped: &RunRecord,
     whole: &RunRecord,
@@ -437,7 +454,7 @@ pub fn prefill_vs_decode(
 ) -> Vec<OpComparison> {
     let mut out = Vec::new();
     for (i, e) in stepped.events.iter().enumerate() {
-        if !matches!(e.phase, Phase::Decode(_)) || e.kind == OpKind::IndexTopK {
+        if !matches!(e.phase, Phase::Decode(_)) || is_selection(e) {
             continue;
         }
         let Some(j) = whole.find(Phase::Prefill, &e.name) else {
@@ -459,8 +476,25 @@ pub fn prefill_vs_decode(
             out.push(failed(NEEDS_TENSORS.to_string()));
             continue;
         }
+        // Routing weights: the prefill row's in this step's order of experts.
+        let in_order = |row: Vec<f32>| {
+            let ids = weights_ids_op(&e.name)?;
+            let (ours, k) = (stepped.output(e.phase, &ids)?, *e.shape.last()?);
+            let (wi, theirs) = (
+                whole.find(Phase::Prefill, &ids)?,
+                whole.output(Phase::Prefill, &ids)?,
+            );
+            let their_row = token_row(
+                &stepped.events[stepped.find(e.phase, &ids)?],
+                &whole.events[wi],
+                theirs.data(),
+                pos,
+            )?;
+            align_weights(ours.data(), &their_row, &row, k)
+        };
         out.push(match token_row(e, we, w.data(), pos) {
             Some(row) => {
+                let row = in_order(row.clone()).unwrap_or(row);
                 compare_outputs(e, i, stepped.outputs[i].data(), &e.shape, &row, num_heads)
             }
             None => failed(format!("no row {pos} in the prefill's {:?}", we.shape)),

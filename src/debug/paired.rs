@@ -14,8 +14,8 @@ use super::flags::Flags;
 use super::record::{ReplayPrefix, RunRecord};
 use super::runner::Job;
 use super::selection::{
-    choices_of, diff_row, is_selection, run_choices, scores_kind, scores_op, OtherRow,
-    SelectionDiff,
+    align_weights, choices_of, diff_row, is_selection, run_choices, scores_kind, scores_op,
+    OtherRow, SelectionDiff,
 };
 use super::tolerance::Tolerances;
 use crate::engine::generate::Schedule;
@@ -306,26 +306,8 @@ fn aligned_dump_router_weights(a: &RunRecord, i: usize, dump: &ExternalDump) -> 
     align_weights(ours.data(), ids, weights, *e.shape.last()?)
 }
 
-/// `weights` (listed in the order of `ids`, `k` per row) laid out in the order of `ours`, 0 for
-/// an expert the other side did not choose.
-fn align_weights(ours: &[f32], ids: &[f32], weights: &[f32], k: usize) -> Option<Vec<f32>> {
-    if k == 0 || ours.len() != ids.len() || ids.len() != weights.len() {
-        return None;
-    }
-    Some(
-        ours.chunks(k)
-            .zip(ids.chunks(k).zip(weights.chunks(k)))
-            .flat_map(|(mine, (theirs, w))| {
-                mine.iter()
-                    .map(|x| theirs.iter().position(|y| y == x).map_or(0.0, |s| w[s]))
-                    .collect::<Vec<f32>>()
-            })
-            .collect(),
-    )
-}
-
-/// Numeric comparisons of A's ops with B's, selections left out, routing weights matched by
-/// expert.
+/// Numeric comparisons of A's ops with B's (choices are compared as choices, see
+/// [`selection_diffs`]).
 fn numeric(
     a: &RunRecord,
     b: &RunRecord,
@@ -333,74 +315,10 @@ fn numeric(
     heads: usize,
     tolerances: &Tolerances,
 ) -> Vec<OpComparison> {
-    let all = match pairing {
+    match pairing {
         Pairing::SameSchedule => compare_runs(a, b, heads, tolerances),
         Pairing::DecodeRows => prefill_vs_decode(a, b, heads, tolerances),
-    };
-    let mut kept: Vec<OpComparison> = all
-        .into_iter()
-        .filter(|c| !is_selection(&a.events[c.index]))
-        .map(|c| {
-            let e = &a.events[c.index];
-            match aligned_router_weights(a, c.index, b, pairing) {
-                Some(aligned) => compare_outputs(
-                    e,
-                    c.index,
-                    a.outputs[c.index].data(),
-                    &e.shape,
-                    &aligned,
-                    heads,
-                ),
-                None => c,
-            }
-        })
-        .collect();
-    // Again, now that the choices are out and the routing weights matched.
-    tolerances.judge(a, &mut kept);
-    kept
-}
-
-/// For a routing-weights op (`mlp.gate.topk_weights`, listed in each run's own order of choice
-/// scores): B's weights laid out in A's expert order, 0 for an expert B did not choose; so two
-/// runs that chose the same experts in another order compare equal.
-fn aligned_router_weights(
-    a: &RunRecord,
-    i: usize,
-    b: &RunRecord,
-    pairing: Pairing,
-) -> Option<Vec<f32>> {
-    let e = &a.events[i];
-    let ids_name = e.name.strip_suffix(".topk_weights")?.to_string() + ".topk_indices";
-    let other_phase = match pairing {
-        Pairing::SameSchedule => e.phase,
-        Pairing::DecodeRows => Phase::Prefill,
-    };
-    let (a_ids, b_ids) = (
-        a.output(e.phase, &ids_name)?,
-        b.output(other_phase, &ids_name)?,
-    );
-    let b_weights = b.output(other_phase, &e.name)?;
-    let k = *e.shape.last()?;
-    let rows = a.outputs[i].numel() / k.max(1);
-    if k == 0 || a_ids.numel() != rows * k || b_ids.cols() != k || b_weights.cols() != k {
-        return None;
     }
-    let mut aligned = Vec::with_capacity(rows * k);
-    for r in 0..rows {
-        let other_row = match pairing {
-            Pairing::SameSchedule => r,
-            Pairing::DecodeRows => e.positions.0 + r,
-        };
-        if other_row >= b_ids.rows() {
-            return None;
-        }
-        let (theirs, weights) = (b_ids.row(other_row), b_weights.row(other_row));
-        for &expert in a_ids.row(r) {
-            let slot = theirs.iter().position(|&x| x == expert);
-            aligned.push(slot.map_or(0.0, |s| weights[s]));
-        }
-    }
-    Some(aligned)
 }
 
 /// Every row where B chose differently from A, in A's order. Each flip is held against the

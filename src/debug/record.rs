@@ -5,7 +5,7 @@
 use super::flags::Flags;
 use crate::engine::generate::Outcome;
 use crate::engine::trace::{Observer, OpEvent, Phase, Replay};
-use crate::engine::OpCounts;
+use crate::engine::{ForcedSelections, OpCounts};
 use crate::error::Result;
 use crate::tensor::Tensor;
 use std::collections::HashMap;
@@ -21,6 +21,9 @@ pub struct RunRecord {
     pub outcome: Option<Outcome>,
     /// Set when the run failed or was stopped.
     pub error: Option<String>,
+    /// Choices the run was made to take instead of computing them (teacher forcing; empty for
+    /// a plain run).
+    pub forced: Arc<ForcedSelections>,
     by_name: HashMap<(Phase, String), usize>,
 }
 

@@ -53,6 +53,7 @@ impl Job<'_> {
             engine = engine.with_replay(r);
         }
         let mut record = RunRecord::new(flags);
+        record.forced = forced.clone();
         let outcome = generate::run(&mut engine, schedule, &mut record)?;
         record.outcome = Some(outcome);
         Ok(record)

@@ -361,6 +361,32 @@ fn ranking_of(
     }
 }
 
+/// Routing weights listed in another run's order of experts (`ids`, `k` per row) laid out in
+/// the order of `ours`, 0 for an expert the other run did not choose: each run lists its
+/// experts by its own choice scores, so two runs that chose the same experts in another order
+/// compare equal. `None` when the lengths do not line up.
+pub fn align_weights(ours: &[f32], ids: &[f32], weights: &[f32], k: usize) -> Option<Vec<f32>> {
+    if k == 0 || ours.len() != ids.len() || ids.len() != weights.len() || ours.len() % k != 0 {
+        return None;
+    }
+    Some(
+        ours.chunks(k)
+            .zip(ids.chunks(k).zip(weights.chunks(k)))
+            .flat_map(|(mine, (theirs, w))| {
+                mine.iter()
+                    .map(|x| theirs.iter().position(|y| y == x).map_or(0.0, |s| w[s]))
+                    .collect::<Vec<f32>>()
+            })
+            .collect(),
+    )
+}
+
+/// The experts op a routing-weights op goes with.
+pub fn weights_ids_op(name: &str) -> Option<String> {
+    name.strip_suffix(".topk_weights")
+        .map(|p| format!("{p}.topk_indices"))
+}
+
 /// A row where two runs chose differently.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SelectionDiff {

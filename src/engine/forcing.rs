@@ -10,7 +10,17 @@
 
 use super::trace::Phase;
 use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
+
+/// One forced row, as sessions record it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForcedChoice {
+    pub phase: Phase,
+    pub op: String,
+    pub row: usize,
+    pub chosen: Vec<usize>,
+}
 
 /// Choices to impose, by (phase, op name) and row of that op's output.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -39,6 +49,33 @@ impl ForcedSelections {
 
     pub fn is_empty(&self) -> bool {
         self.ops.is_empty()
+    }
+
+    /// Every forced row, in a stable order (phase, op, row).
+    pub fn entries(&self) -> Vec<ForcedChoice> {
+        let mut out: Vec<ForcedChoice> = self
+            .ops
+            .iter()
+            .flat_map(|((phase, op), rows)| {
+                rows.iter().map(|(&row, chosen)| ForcedChoice {
+                    phase: *phase,
+                    op: op.clone(),
+                    row,
+                    chosen: chosen.clone(),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| (a.phase, &a.op, a.row).cmp(&(b.phase, &b.op, b.row)));
+        out
+    }
+
+    /// The choices `entries` lists.
+    pub fn from_entries(entries: &[ForcedChoice]) -> ForcedSelections {
+        let mut f = ForcedSelections::default();
+        for e in entries {
+            f.force(e.phase, &e.op, e.row, e.chosen.clone());
+        }
+        f
     }
 
     /// Replaces the rows of `choices` (one per row of op `name`) that are forced; each forced
@@ -92,6 +129,7 @@ mod tests {
         f.apply(Phase::Decode(0), "x.topk", &mut choices, |_| 8)
             .unwrap();
         assert_eq!(f.len(), 1);
+        assert_eq!(ForcedSelections::from_entries(&f.entries()), f);
         let mut bad = ForcedSelections::default();
         bad.force(Phase::Prefill, "x.topk", 0, vec![9, 1]);
         assert!(bad

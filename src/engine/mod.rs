@@ -27,7 +27,7 @@ pub mod sink;
 pub mod trace;
 
 pub use faults::{Fault, Faults};
-pub use forcing::ForcedSelections;
+pub use forcing::{ForcedChoice, ForcedSelections};
 pub use forward::{Engine, EngineOptions, LayerTiming, MlaPath, MlaPaths};
 pub use sink::{OpCounts, StorageDtype};
 pub use trace::{NullObserver, Observer, OpEvent, OpKind, Phase, Recorder, Replay};

@@ -126,6 +126,10 @@ pub struct RecordedRun {
     pub outcome: Option<RecordedOutcome>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Choices the run was made to take (a comparison run forced to the examined run's choice
+    /// where the two flipped within noise); a recomputation makes them again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub forced: Vec<crate::engine::ForcedChoice>,
     pub ops: Vec<RecordedOp>,
 }
 
@@ -142,6 +146,7 @@ impl RecordedRun {
             compared_with: None,
             outcome: record.outcome.as_ref().map(RecordedOutcome::from),
             error: record.error.clone(),
+            forced: record.forced.entries(),
             ops: record
                 .events
                 .iter()

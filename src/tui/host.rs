@@ -13,7 +13,9 @@ use crate::debug::breakpoint::Breakpoint;
 use crate::debug::compare::first_divergence;
 use crate::debug::controller::{Controller, Stop};
 use crate::debug::idle::{Idle, KvBStorage};
+use crate::debug::paired::{compare_paired, Pairing};
 use crate::debug::runner::Job;
+use crate::debug::tolerance::Tolerances;
 use crate::debug::{Flags, RunRecord};
 use crate::engine::generate::{Outcome, Schedule};
 use crate::engine::trace::{OpEvent, Phase};
@@ -414,27 +416,37 @@ impl Host {
         other.mla_disable = false;
         other.prefill_path = flip(flags.paths().prefill);
         other.decode_path = flip(flags.paths().decode);
-        let record = Arc::new(job.run_schedule(other, &forced, None)?);
-        self.aux
-            .push((number, AuxKind::OtherPath, forced.clone(), record.clone()));
-        (self.send)(Update::Aux {
-            run: number,
-            kind: AuxKind::OtherPath,
-            record,
-        });
         let whole = Schedule {
             prefill_len: tokens.len(),
             prompt: tokens,
             decode_steps: 0,
         };
-        let record = Arc::new(job.run_schedule(flags, &whole, None)?);
-        self.aux
-            .push((number, AuxKind::WholePrefill, whole.clone(), record.clone()));
-        (self.send)(Update::Aux {
-            run: number,
-            kind: AuxKind::WholePrefill,
-            record,
-        });
+        // Selection-aware, as check: a comparison run that flips a choice within noise is made
+        // again with this run's choice there, so one near-tie does not mark every later op.
+        let tolerances = Tolerances::Table(flags.dtype);
+        for (kind, flags_b, schedule, pairing) in [
+            (AuxKind::OtherPath, other, &forced, Pairing::SameSchedule),
+            (AuxKind::WholePrefill, flags, &whole, Pairing::DecodeRows),
+        ] {
+            let paired = compare_paired(&job, run, flags_b, schedule, pairing, &tolerances)?;
+            for d in &paired.flips {
+                self.log(format!(
+                    "{}: selection flip within noise at {} {}, {}; forced to this run's choice",
+                    kind.name(),
+                    d.phase,
+                    d.op,
+                    d.describe()
+                ));
+            }
+            let record = Arc::new(paired.other);
+            self.aux
+                .push((number, kind, schedule.clone(), record.clone()));
+            (self.send)(Update::Aux {
+                run: number,
+                kind,
+                record,
+            });
+        }
         self.log("comparisons ready: absorbed vs naive, prefill vs decode");
         Ok(())
     }
