@@ -2,11 +2,13 @@
 //! HF checkpoints (ties included) report no findings in f32 and in bf16; every fault of the
 //! catalogue is still caught in bf16; a tie built on purpose is noted; a choice that differs
 //! within noise is noted and forced, one that differs beyond it is a finding; notes leave the
-//! exit code alone.
+//! exit code alone. On every backend present: the CPU in f32 and bf16, and the GPU where there is
+//! one (its absence printed).
 
 mod common;
 
 use mladb::backend::cpu::CpuBackend;
+use mladb::backend::Backend;
 use mladb::debug::detect::{check, CheckOptions, CheckReport};
 use mladb::debug::external::ExternalDump;
 use mladb::debug::runner::Job;
@@ -19,6 +21,7 @@ use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 
 const RANDOM: &str = "tests/fixtures/random";
 
@@ -28,10 +31,22 @@ fn run_check(
     flags: &str,
     reference: Option<ExternalDump>,
 ) -> CheckReport {
+    check_on(&CpuBackend, model, schedule, flags, reference)
+}
+
+/// `check` on a backend; the storage dtype is the backend's on a GPU (`dtype=` in `flags` is
+/// for the CPU, which rounds to it).
+fn check_on(
+    backend: &dyn Backend,
+    model: &Model,
+    schedule: &Schedule,
+    flags: &str,
+    reference: Option<ExternalDump>,
+) -> CheckReport {
     let layers = 0..model.layout.num_layers;
     let job = Job {
         model,
-        backend: &CpuBackend,
+        backend,
         schedule,
         layers: &layers,
         poison: true,
@@ -40,7 +55,35 @@ fn run_check(
         tolerance: None,
         reference,
     };
-    check(&job, Flags::parse(flags).unwrap(), &options).unwrap()
+    let mut flags = Flags::parse(flags).unwrap();
+    if !backend.name().starts_with("cpu") {
+        flags.device = mladb::debug::flags::DeviceFlag::Cuda;
+    }
+    check(&job, flags, &options).unwrap()
+}
+
+/// The CPU in f32 and bf16, and the GPU's f32 and bf16 backends where a GPU is present (their
+/// absence is printed): (name, backend, the dtype flag that goes with it). Made once per
+/// process (a GPU backend compiles its kernels).
+fn backends() -> Vec<(String, Arc<dyn Backend>, &'static str)> {
+    static ALL: std::sync::OnceLock<Vec<(String, Arc<dyn Backend>, &'static str)>> =
+        std::sync::OnceLock::new();
+    ALL.get_or_init(|| {
+        let mut out: Vec<(String, Arc<dyn Backend>, &'static str)> = vec![
+            ("cpu f32".into(), Arc::new(CpuBackend), "dtype=f32"),
+            ("cpu bf16".into(), Arc::new(CpuBackend), "dtype=bf16"),
+        ];
+        for (name, b, _) in common::gpu_backends() {
+            let dtype = if name.ends_with("bf16") {
+                "dtype=bf16"
+            } else {
+                "dtype=f32"
+            };
+            out.push((name.to_string(), b, dtype));
+        }
+        out
+    })
+    .clone()
 }
 
 /// The findings other than the all-zero head weights a tied checkpoint has by construction.
@@ -111,11 +154,11 @@ fn clean_tiny_layouts_report_nothing_in_f32_and_bf16() {
                     prefill_len: prefill,
                     decode_steps: 4,
                 };
-                for dtype in ["f32", "bf16"] {
-                    let report = run_check(&model, &schedule, &format!("dtype={dtype}"), None);
+                for (name, backend, dtype) in backends() {
+                    let report = check_on(&*backend, &model, &schedule, dtype, None);
                     assert!(
                         report.findings.is_empty(),
-                        "{layout} seed {seed} prefill {prefill} {dtype}:\n{}",
+                        "{layout} seed {seed} prefill {prefill} {name}:\n{}",
                         describe(&report)
                     );
                 }
@@ -131,11 +174,11 @@ fn random_hf_checkpoints_are_clean_in_f32_and_bf16() {
     let mut ties = 0;
     for case in &cases {
         let model = Model::hf_checkpoint(&case.dir, 1 << 30).unwrap();
-        for dtype in ["f32", "bf16"] {
-            let report = run_check(&model, &case.schedule, &format!("dtype={dtype}"), None);
+        for (name, backend, dtype) in backends() {
+            let report = check_on(&*backend, &model, &case.schedule, dtype, None);
             assert!(
                 report.findings.is_empty(),
-                "{} {dtype}:\n{}",
+                "{} {name}:\n{}",
                 case.name,
                 describe(&report)
             );

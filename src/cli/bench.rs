@@ -126,7 +126,17 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         "whole run {total:.3}s (embedding, final norm and lm_head included)"
     )?;
     if args.check {
-        bench_check(&model, &layers, &schedule, args.mla_disable)?;
+        for dtype in [
+            crate::engine::StorageDtype::F32,
+            crate::engine::StorageDtype::Bf16,
+        ] {
+            let flags = crate::debug::Flags {
+                mla_disable: args.mla_disable,
+                dtype,
+                ..Default::default()
+            };
+            bench_check(&model, &layers, &schedule, flags, &CpuBackend)?;
+        }
     }
     if let Some(rss) = peak_rss_bytes() {
         writeln!(
@@ -149,30 +159,27 @@ pub fn mean_per_layer(timings: &[LayerTiming], want: fn(&Phase) -> bool) -> (f64
     )
 }
 
-/// Times a plain run and `check` on the same schedule, with the weights already fetched.
-fn bench_check(
+/// Times a plain run and `check` on the same schedule with `flags` on `backend`, the weights
+/// already fetched: the cost of the detectors, the comparison runs and the re-runs that force
+/// selection flips.
+pub fn bench_check(
     model: &crate::model::Model,
     layers: &std::ops::Range<usize>,
     schedule: &Schedule,
-    mla_disable: bool,
+    flags: crate::debug::Flags,
+    backend: &dyn crate::backend::Backend,
 ) -> Result<()> {
     use crate::debug::detect::{check, CheckOptions};
     use crate::debug::runner::Job;
-    use crate::debug::Flags;
-    let flags = Flags {
-        mla_disable,
-        ..Flags::default()
-    };
-    let backend = CpuBackend;
     let start = std::time::Instant::now();
     let options = flags.engine_options(layers.clone(), false)?;
-    let mut engine = Engine::new(model, &backend, options)?;
+    let mut engine = Engine::new(model, backend, options)?;
     generate::run(&mut engine, schedule, &mut NullObserver)?;
     let plain = start.elapsed().as_secs_f64();
     let plain_ops = engine.counts().executed;
     let job = Job {
         model,
-        backend: &backend,
+        backend,
         schedule,
         layers,
         poison: true,
@@ -187,11 +194,19 @@ fn bench_check(
         },
     )?;
     let checked = start.elapsed().as_secs_f64();
+    let flips = report
+        .selection_notes
+        .iter()
+        .filter(|n| n.kind == "selection-flip")
+        .count();
     writeln!(
         Out,
-        "check: {checked:.3}s against a plain run's {plain:.3}s ({:.2}×): {} ops computed against {plain_ops} (the run, the other MLA path, a whole-sequence prefill), {} findings",
+        "check ({} {:?}): {checked:.3}s against a plain run's {plain:.3}s ({:.2}×): {} ops computed against {plain_ops}; {flips} selection flips forced in {} re-runs; {} findings",
+        backend.name(),
+        flags.dtype,
         checked / plain,
         report.ops_executed,
+        report.reruns,
         report.findings.len()
     )?;
     Ok(())

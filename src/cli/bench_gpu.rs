@@ -429,6 +429,15 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
             )?;
         }
     }
+    if args.check {
+        let flags = crate::debug::Flags {
+            mla_disable: args.mla_disable,
+            device: crate::debug::flags::DeviceFlag::Cuda,
+            dtype: StorageDtype::Bf16,
+            ..Default::default()
+        };
+        super::bench::bench_check(&model, &layers, &schedule, flags, &backend)?;
+    }
     Ok(())
 }
 

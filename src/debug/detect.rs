@@ -103,6 +103,8 @@ pub struct CheckReport {
     pub run: RunRecord,
     /// Ops computed over all the runs the check made.
     pub ops_executed: usize,
+    /// Re-runs made to force selection flips (their ops are in `ops_executed`).
+    pub reruns: usize,
     /// The comparison with the reference dump, when there is one.
     pub reference: Option<ReferenceComparison>,
 }
@@ -174,6 +176,7 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
             .collect(),
         headroom: Vec::new(),
         ops: run.counts.executed,
+        reruns: 0,
         tolerances,
     };
     let paired = |other: Flags, schedule: &Schedule, pairing: Pairing| {
@@ -283,6 +286,7 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
             "the run was made again with the reference's choice",
         );
         v.ops += paired.ops_executed;
+        v.reruns += paired.reruns;
         v.headroom
             .extend(headroom_of("reference", &paired.comparisons, &tolerances));
         reference = Some(compared);
@@ -298,6 +302,7 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
         headroom: v.headroom,
         run,
         ops_executed: v.ops,
+        reruns: v.reruns,
         reference,
     })
 }
@@ -309,6 +314,7 @@ struct Verdicts {
     selection_notes: Vec<SelectionNote>,
     headroom: Vec<Headroom>,
     ops: usize,
+    reruns: usize,
     tolerances: Tolerances,
 }
 
@@ -329,6 +335,7 @@ impl Verdicts {
     /// Takes in one selection-aware comparison.
     fn add(&mut self, paired: Paired, c: Comparison) {
         self.ops += paired.ops_executed;
+        self.reruns += paired.reruns;
         self.findings.extend(first_per_phase(
             &paired.comparisons,
             &paired.clear,
