@@ -65,11 +65,12 @@ fn check_on(
 /// The CPU in f32 and bf16, and the GPU's f32 and bf16 backends where a GPU is present (their
 /// absence is printed): (name, backend, the dtype flag that goes with it). Made once per
 /// process (a GPU backend compiles its kernels).
-fn backends() -> Vec<(String, Arc<dyn Backend>, &'static str)> {
-    static ALL: std::sync::OnceLock<Vec<(String, Arc<dyn Backend>, &'static str)>> =
-        std::sync::OnceLock::new();
+type Backends = Vec<(String, Arc<dyn Backend>, &'static str)>;
+
+fn backends() -> Backends {
+    static ALL: std::sync::OnceLock<Backends> = std::sync::OnceLock::new();
     ALL.get_or_init(|| {
-        let mut out: Vec<(String, Arc<dyn Backend>, &'static str)> = vec![
+        let mut out: Backends = vec![
             ("cpu f32".into(), Arc::new(CpuBackend), "dtype=f32"),
             ("cpu bf16".into(), Arc::new(CpuBackend), "dtype=bf16"),
         ];

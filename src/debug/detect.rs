@@ -13,8 +13,8 @@
 use super::compare::OpComparison;
 use super::external::{ExternalDump, ReferenceComparison};
 use super::flags::Flags;
-use super::forensics::{disconnects, orphan_reads};
 use super::paired::{compare_paired, compare_reference, Paired, Pairing};
+pub use super::per_op::per_op_findings;
 use super::record::RunRecord;
 use super::runner::Job;
 use super::selection::{ambiguous_selections, AmbiguousSelection, SelectionDiff};
@@ -371,8 +371,7 @@ fn tie_before(
     let position = e.positions.0 + at.get(axis).copied().unwrap_or(0);
     let tie = ties
         .iter()
-        .filter(|t| t.index < f.index && t.covers(position))
-        .next_back()?;
+        .rfind(|t| t.index < f.index && t.covers(position))?;
     let row = tie.rows.iter().find(|r| r.position == position)?;
     let forced = paired
         .flips
@@ -455,130 +454,6 @@ fn fold_repeats(findings: Vec<Finding>) -> Vec<Finding> {
         }
     }
     out
-}
-
-/// Findings that one run shows by itself.
-pub fn per_op_findings(run: &RunRecord) -> Vec<Finding> {
-    let mut findings = Vec::new();
-    let mut nan_seen: Vec<(Phase, usize)> = Vec::new();
-    let mut zero_seen: Vec<(Phase, usize)> = Vec::new();
-    for (i, e) in run.events.iter().enumerate() {
-        let s = &e.stats;
-        let f = |kind, detail: String| Finding {
-            kind,
-            phase: e.phase,
-            op: e.name.clone(),
-            index: i,
-            detail,
-        };
-        if s.unwritten > 0 {
-            findings.push(f(
-                FindingKind::Unwritten,
-                format!(
-                    "{} of {} elements were never written (poison still in place)",
-                    s.unwritten, s.count
-                ),
-            ));
-        }
-        // Masked indexer scores are −∞ by design; poison is reported as unwritten above.
-        let bad = s.nan - s.unwritten
-            + s.pos_inf
-            + if e.kind == OpKind::IndexScores {
-                0
-            } else {
-                s.neg_inf
-            };
-        if bad > 0 {
-            note_first(&mut nan_seen, &mut findings, e.phase, || {
-                f(
-                    FindingKind::NanInf,
-                    format!(
-                        "{} NaN, {} +Inf, {} -Inf of {} elements",
-                        s.nan - s.unwritten,
-                        s.pos_inf,
-                        s.neg_inf,
-                        s.count
-                    ),
-                )
-            });
-        }
-        // Index listings (chosen experts, kept keys) may well be all zero: expert 0, key 0.
-        if s.all_zero() && e.dtype != crate::tensor::DType::I32 {
-            note_first(&mut zero_seen, &mut findings, e.phase, || {
-                f(
-                    FindingKind::AllZero,
-                    format!("all {} elements are zero", s.count),
-                )
-            });
-        }
-    }
-    count_later(&mut findings, &nan_seen, FindingKind::NanInf, "op");
-    count_later(&mut findings, &zero_seen, FindingKind::AllZero, "op");
-    for d in disconnects(run) {
-        findings.push(Finding {
-            kind: FindingKind::BufferDisconnect,
-            phase: d.phase,
-            op: d.op.clone(),
-            index: d.index,
-            detail: format!(
-                "the kernel wrote buffer #{} @{:#x}, the op handed on buffer #{} @{:#x}{}",
-                d.kernel_wrote.id.0,
-                d.kernel_wrote.address,
-                d.returned.id.0,
-                d.returned.address,
-                if d.consumers.is_empty() {
-                    String::new()
-                } else {
-                    format!(", which {} read", d.consumers.join(", "))
-                }
-            ),
-        });
-    }
-    for (i, r) in orphan_reads(run) {
-        let e = &run.events[i];
-        findings.push(Finding {
-            kind: FindingKind::BufferDisconnect,
-            phase: e.phase,
-            op: e.name.clone(),
-            index: i,
-            detail: format!(
-                "reads buffer #{} @{:#x}, which no earlier op wrote",
-                r.id.0, r.address
-            ),
-        });
-    }
-    findings
-}
-
-/// Records a finding only for the first occurrence in a phase; counts the rest.
-fn note_first(
-    seen: &mut Vec<(Phase, usize)>,
-    findings: &mut Vec<Finding>,
-    phase: Phase,
-    make: impl FnOnce() -> Finding,
-) {
-    match seen.iter_mut().find(|(p, _)| *p == phase) {
-        Some((_, n)) => *n += 1,
-        None => {
-            seen.push((phase, 0));
-            findings.push(make());
-        }
-    }
-}
-
-fn count_later(findings: &mut [Finding], seen: &[(Phase, usize)], kind: FindingKind, what: &str) {
-    for (phase, later) in seen {
-        if *later == 0 {
-            continue;
-        }
-        if let Some(f) = findings
-            .iter_mut()
-            .find(|f| f.kind == kind && f.phase == *phase)
-        {
-            f.detail
-                .push_str(&format!("; {later} later {what}s of {phase} too"));
-        }
-    }
 }
 
 /// The first difference in each phase, as findings: an op over its tolerance or a choice that
