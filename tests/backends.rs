@@ -1,8 +1,9 @@
-//! Every op of the Backend trait, written once and run on every backend present: the CPU always
-//! (in CI), CUDA in f32 and in bf16 when a GPU is there (skipped with the reason printed
-//! otherwise). Each is compared with the CPU reference on fresh random inputs at the tolerance of
-//! its precision (mla.md: f32 1e-5 per op; bf16 storage 1e-3..1e-2), with every output buffer
-//! poisoned first so that an element a kernel leaves unwritten fails the test.
+//! Every op of the Backend trait, written once and run on every backend: the CPU always (in
+//! CI), CUDA in f32 and in bf16 as `NAME::gpu` tests, ignored where there is no GPU (cargo
+//! counts them; `tools/gpu_check.sh` runs them with `--include-ignored`). Each is compared with
+//! the CPU reference on fresh random inputs at the tolerance of its precision (mla.md: f32 1e-5
+//! per op; bf16 storage 1e-3..1e-2), with every output buffer poisoned first so that an element
+//! a kernel leaves unwritten fails the test.
 
 mod common;
 
@@ -23,27 +24,30 @@ struct Under {
     tolerance: f64,
 }
 
-fn backends() -> Vec<Under> {
-    let mut v = vec![Under {
-        name: "cpu",
-        backend: Box::new(CpuBackend),
-        tolerance: 0.0,
-    }];
-    for (name, storage, tolerance) in [
+/// The CPU reference alone, or the CUDA backends in f32 and bf16 (a GPU required).
+fn backends(gpu: bool) -> Vec<Under> {
+    if !gpu {
+        return vec![Under {
+            name: "cpu",
+            backend: Box::new(CpuBackend),
+            tolerance: 0.0,
+        }];
+    }
+    [
         ("cuda-f32", StorageDtype::F32, 2e-5),
         ("cuda-bf16", StorageDtype::Bf16, 2e-2),
-    ] {
-        let Some(b) = common::cuda_backend(storage) else {
-            break;
-        };
+    ]
+    .into_iter()
+    .map(|(name, storage, tolerance)| {
+        let b = common::cuda_backend(storage);
         b.set_poison_outputs(true);
-        v.push(Under {
+        Under {
             name,
             backend: Box::new(b),
             tolerance,
-        });
-    }
-    v
+        }
+    })
+    .collect()
 }
 
 fn random(shape: &[usize], name: &str, scale: f32) -> Tensor {
@@ -73,8 +77,7 @@ fn check(u: &Under, op: &str, got: &Tensor, want: &Tensor) {
     );
 }
 
-#[test]
-fn linear_norms_rope_and_elementwise_ops() {
+fn linear_norms_rope_and_elementwise_ops(gpu: bool) {
     let cpu = CpuBackend;
     let x = random(&[7, 96], "x", 1.0);
     let w = random(&[130, 96], "w", 0.1);
@@ -92,7 +95,7 @@ fn linear_norms_rope_and_elementwise_ops() {
     );
     let q = random(&[7, 4, 24], "q", 1.0);
     let positions: Vec<usize> = (3..10).collect();
-    for u in backends() {
+    for u in backends(gpu) {
         let b = &*u.backend;
         check(
             &u,
@@ -176,8 +179,7 @@ fn linear_norms_rope_and_elementwise_ops() {
     }
 }
 
-#[test]
-fn statistics_count_everything_on_every_backend() {
+fn statistics_count_everything_on_every_backend(gpu: bool) {
     let mut t = random(&[1000], "s", 3.0);
     t.data_mut()[10] = f32::NAN;
     t.data_mut()[20] = f32::INFINITY;
@@ -185,7 +187,7 @@ fn statistics_count_everything_on_every_backend() {
     t.data_mut()[40] = 0.0;
     t.data_mut()[50] = f32::from_bits(mladb::tensor::POISON_BITS);
     let want = mladb::stats::TensorStats::of(t.data());
-    for u in backends() {
+    for u in backends(gpu) {
         // Through an op so that the tensor lives on the device: x · 1.
         let on = u.backend.scale(&t, 1.0).unwrap();
         let s = u.backend.stats(&on);
@@ -215,8 +217,7 @@ fn statistics_count_everything_on_every_backend() {
     }
 }
 
-#[test]
-fn routing_picks_the_same_experts() {
+fn routing_picks_the_same_experts(gpu: bool) {
     let moe = MoeLayout {
         n_routed_experts: 32,
         num_experts_per_tok: 4,
@@ -230,7 +231,7 @@ fn routing_picks_the_same_experts() {
     let logits = random(&[9, 32], "logits", 2.0);
     let bias = random(&[32], "bias", 0.1);
     let want = CpuBackend.route(&logits, &bias, &moe).unwrap();
-    for u in backends() {
+    for u in backends(gpu) {
         let got = u.backend.route(&logits, &bias, &moe).unwrap();
         assert_eq!(got.experts, want.experts, "{}", u.name);
         for (a, b) in got
@@ -254,8 +255,7 @@ fn dims() -> MlaDims {
     }
 }
 
-#[test]
-fn mla_projections() {
+fn mla_projections(gpu: bool) {
     let d = dims();
     let cpu = CpuBackend;
     let q_nope = random(&[5, d.heads, d.nope], "qn", 1.0);
@@ -270,7 +270,7 @@ fn mla_projections() {
             w_uv_row: 0,
         },
     ] {
-        for u in backends() {
+        for u in backends(gpu) {
             let b = &*u.backend;
             check(
                 &u,
@@ -329,8 +329,7 @@ fn masks(t: usize, n: usize) -> Vec<AttnMask> {
     ]
 }
 
-#[test]
-fn attention_both_paths_with_causal_and_sparse_masks() {
+fn attention_both_paths_with_causal_and_sparse_masks(gpu: bool) {
     let d = dims();
     let cpu = CpuBackend;
     // 70 tokens: the latent cache spans two pages and nine split-KV blocks.
@@ -364,7 +363,7 @@ fn attention_both_paths_with_causal_and_sparse_masks() {
                     faults,
                 )
                 .unwrap();
-            for u in backends() {
+            for u in backends(gpu) {
                 let b = &*u.backend;
                 let mut out = b.alloc(&[n, d.heads * d.v], true).unwrap();
                 let p = b
@@ -383,8 +382,7 @@ fn attention_both_paths_with_causal_and_sparse_masks() {
     }
 }
 
-#[test]
-fn a_kernel_that_skips_rows_leaves_them_unwritten_everywhere() {
+fn a_kernel_that_skips_rows_leaves_them_unwritten_everywhere(gpu: bool) {
     let d = dims();
     let (latent, _, _) = caches(20);
     let q_lat = random(&[1, d.heads, d.latent], "ql", 1.0);
@@ -393,7 +391,7 @@ fn a_kernel_that_skips_rows_leaves_them_unwritten_everywhere() {
         lse_base_mismatch: false,
         skip_padded_rows: true,
     };
-    for u in backends() {
+    for u in backends(gpu) {
         let b = &*u.backend;
         let mut out = b.alloc(&[1, d.heads, d.latent], true).unwrap();
         b.attention_latent(
@@ -416,8 +414,7 @@ fn a_kernel_that_skips_rows_leaves_them_unwritten_everywhere() {
     }
 }
 
-#[test]
-fn indexer_scores() {
+fn indexer_scores(gpu: bool) {
     let n = 6;
     let mut keys = RowCache::new(16);
     let kr = random(&[30, 16], "ik", 1.0);
@@ -430,7 +427,7 @@ fn indexer_scores() {
     let want = CpuBackend
         .index_scores(&q, &w, &keys, &positions, 0.25)
         .unwrap();
-    for u in backends() {
+    for u in backends(gpu) {
         let got = u
             .backend
             .index_scores(&q, &w, &keys, &positions, 0.25)
@@ -439,8 +436,7 @@ fn indexer_scores() {
     }
 }
 
-#[test]
-fn indexer_topk_on_ties_masks_and_short_rows() {
+fn indexer_topk_on_ties_masks_and_short_rows(gpu: bool) {
     // Scores on a coarse grid (many ties), −∞ past each row's position, one row shorter than k.
     let (n, context, k) = (7, 40, 8);
     let base = random(&[n, context], "tk", 4.0);
@@ -461,7 +457,7 @@ fn indexer_topk_on_ties_masks_and_short_rows() {
         "a row with fewer causal keys than k keeps them all"
     );
     assert!(want[1..].iter().all(|r| r.len() == k));
-    for u in backends() {
+    for u in backends(gpu) {
         let got = u.backend.index_topk(&scores, &positions, k).unwrap();
         assert_eq!(got, want, "{}: index top-k", u.name);
     }
@@ -502,8 +498,7 @@ fn random_blocks(
     mladb::model::quant::QuantTensor::new(ty, rows, cols, bytes.into()).unwrap()
 }
 
-#[test]
-fn dequantization_and_the_quantized_linear_match_the_cpu_codec() {
+fn dequantization_and_the_quantized_linear_match_the_cpu_codec(gpu: bool) {
     use mladb::gguf::GgmlType as G;
     use mladb::model::quant::QuantFaults;
     let types = [
@@ -525,7 +520,7 @@ fn dequantization_and_the_quantized_linear_match_the_cpu_codec() {
     };
     let x = random(&[9, 512], "xq", 1.0);
     let cpu = CpuBackend;
-    for u in backends() {
+    for u in backends(gpu) {
         let b = &*u.backend;
         for ty in types {
             let w = random_blocks(ty, 40, 512);
@@ -550,3 +545,15 @@ fn dequantization_and_the_quantized_linear_match_the_cpu_codec() {
         }
     }
 }
+
+cpu_and_gpu!(
+    linear_norms_rope_and_elementwise_ops,
+    statistics_count_everything_on_every_backend,
+    routing_picks_the_same_experts,
+    mla_projections,
+    attention_both_paths_with_causal_and_sparse_masks,
+    a_kernel_that_skips_rows_leaves_them_unwritten_everywhere,
+    indexer_scores,
+    indexer_topk_on_ties_masks_and_short_rows,
+    dequantization_and_the_quantized_linear_match_the_cpu_codec,
+);

@@ -2,8 +2,8 @@
 //! HF checkpoints (ties included) report no findings in f32 and in bf16; every fault of the
 //! catalogue is still caught in bf16; a tie built on purpose is noted; a choice that differs
 //! within noise is noted and forced, one that differs beyond it is a finding; notes leave the
-//! exit code alone. On every backend present: the CPU in f32 and bf16, and the GPU where there is
-//! one (its absence printed).
+//! exit code alone. The clean runs on the CPU in f32 and bf16 (`NAME::cpu`) and on the GPU's f32
+//! and bf16 backends (`NAME::gpu`, ignored where there is no GPU; `--include-ignored` runs them).
 
 mod common;
 
@@ -62,27 +62,31 @@ fn check_on(
     check(&job, flags, &options).unwrap()
 }
 
-/// The CPU in f32 and bf16, and the GPU's f32 and bf16 backends where a GPU is present (their
-/// absence is printed): (name, backend, the dtype flag that goes with it). Made once per
-/// process (a GPU backend compiles its kernels).
+/// The CPU in f32 and bf16, or the GPU's f32 and bf16 backends (a GPU required): (name,
+/// backend, the dtype flag that goes with it). Made once per process (a GPU backend compiles
+/// its kernels).
 type Backends = Vec<(String, Arc<dyn Backend>, &'static str)>;
 
-fn backends() -> Backends {
-    static ALL: std::sync::OnceLock<Backends> = std::sync::OnceLock::new();
-    ALL.get_or_init(|| {
-        let mut out: Backends = vec![
+fn backends(gpu: bool) -> Backends {
+    if !gpu {
+        return vec![
             ("cpu f32".into(), Arc::new(CpuBackend), "dtype=f32"),
             ("cpu bf16".into(), Arc::new(CpuBackend), "dtype=bf16"),
         ];
-        for (name, b, _) in common::gpu_backends() {
-            let dtype = if name.ends_with("bf16") {
-                "dtype=bf16"
-            } else {
-                "dtype=f32"
-            };
-            out.push((name.to_string(), b, dtype));
-        }
-        out
+    }
+    static GPU: std::sync::OnceLock<Backends> = std::sync::OnceLock::new();
+    GPU.get_or_init(|| {
+        common::gpu_backends()
+            .into_iter()
+            .map(|(name, b, _)| {
+                let dtype = if name.ends_with("bf16") {
+                    "dtype=bf16"
+                } else {
+                    "dtype=f32"
+                };
+                (name.to_string(), b, dtype)
+            })
+            .collect()
     })
     .clone()
 }
@@ -144,8 +148,7 @@ fn random_cases() -> Vec<Case> {
         .collect()
 }
 
-#[test]
-fn clean_tiny_layouts_report_nothing_in_f32_and_bf16() {
+fn clean_tiny_layouts_report_nothing_in_f32_and_bf16(gpu: bool) {
     for layout in ["glm5-tiny", "glm5-tiny-wide", "deepseek-v3-tiny"] {
         for seed in [0, 1, 5] {
             let model = common::synthetic(layout, seed);
@@ -155,7 +158,7 @@ fn clean_tiny_layouts_report_nothing_in_f32_and_bf16() {
                     prefill_len: prefill,
                     decode_steps: 4,
                 };
-                for (name, backend, dtype) in backends() {
+                for (name, backend, dtype) in backends(gpu) {
                     let report = check_on(&*backend, &model, &schedule, dtype, None);
                     assert!(
                         report.findings.is_empty(),
@@ -168,14 +171,13 @@ fn clean_tiny_layouts_report_nothing_in_f32_and_bf16() {
     }
 }
 
-#[test]
-fn random_hf_checkpoints_are_clean_in_f32_and_bf16() {
+fn random_hf_checkpoints_are_clean_in_f32_and_bf16(gpu: bool) {
     let cases = random_cases();
     assert!(cases.len() >= 20, "the fixture holds {} cases", cases.len());
     let mut ties = 0;
     for case in &cases {
         let model = Model::hf_checkpoint(&case.dir, 1 << 30).unwrap();
-        for (name, backend, dtype) in backends() {
+        for (name, backend, dtype) in backends(gpu) {
             let report = check_on(&*backend, &model, &case.schedule, dtype, None);
             assert!(
                 report.findings.is_empty(),
@@ -570,3 +572,8 @@ fn the_debugger_compares_as_check_does() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+cpu_and_gpu!(
+    clean_tiny_layouts_report_nothing_in_f32_and_bf16,
+    random_hf_checkpoints_are_clean_in_f32_and_bf16,
+);

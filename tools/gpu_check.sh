@@ -20,7 +20,7 @@ OUT=${OUT:-/tmp}
 if [ "$what" != bench ]; then
   $B/mladb kernels --arch sm_90,sm_120 > "$OUT/kernels.txt" 2>&1; tail -1 "$OUT/kernels.txt"
   for t in fast_kernels backends gpu_forward; do
-    timeout 150 $B/$t --test-threads=1 > "$OUT/$t.txt" 2>&1 || echo "$t: exit $? (124 = timed out)"
+    timeout 150 $B/$t --include-ignored --test-threads=1 > "$OUT/$t.txt" 2>&1 || echo "$t: exit $? (124 = timed out)"
     grep -E "^test |panicked|test result|skipped|worst" "$OUT/$t.txt" | head -30
   done
   $B/mladb run --device cuda --layout glm5-tiny --tokens 1,2,3 --decode 2 > "$OUT/run.txt" 2>&1; tail -2 "$OUT/run.txt"

@@ -16,7 +16,7 @@ mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
 B=.device-bin
 OUT=${OUT:-/tmp}
 for t in verdicts gpu_forward; do
-  timeout 400 $B/$t --test-threads=1 --nocapture > "$OUT/$t.txt" 2>&1; echo "$t: exit $?"
+  timeout 400 $B/$t --include-ignored --test-threads=1 --nocapture > "$OUT/$t.txt" 2>&1; echo "$t: exit $?"
   grep -E "^test |test result|panicked|skipped" "$OUT/$t.txt" | head -20
 done
 for layout in glm5-tiny deepseek-v3-tiny glm5-tiny-wide; do

@@ -47,25 +47,19 @@ pub fn last_row(t: &Tensor) -> &[f32] {
     t.row(t.rows() - 1)
 }
 
-/// A CUDA backend storing `storage` when a GPU is present; none (and the reason printed)
-/// otherwise, so that GPU tests skip visibly where there is no GPU.
-pub fn cuda_backend(
-    storage: mladb::engine::StorageDtype,
-) -> Option<mladb::backend::cuda::CudaBackend> {
-    match mladb::backend::cuda::probe() {
-        Ok(()) => {
-            Some(mladb::backend::cuda::CudaBackend::new(storage).expect("a probed GPU opens"))
-        }
-        Err(why) => {
-            eprintln!("GPU tests skipped: {why}");
-            None
-        }
+/// A CUDA backend storing `storage`. GPU tests are `#[ignore]`d by default, so that cargo
+/// counts them as ignored, with the reason, where there is no GPU (CI); `tools/gpu_check.sh`
+/// runs them with `--include-ignored` on a GPU machine, where a missing GPU fails them rather
+/// than letting them pass.
+pub fn cuda_backend(storage: mladb::engine::StorageDtype) -> mladb::backend::cuda::CudaBackend {
+    if let Err(why) = mladb::backend::cuda::probe() {
+        panic!("a GPU test was asked to run, and there is no usable GPU: {why}");
     }
+    mladb::backend::cuda::CudaBackend::new(storage).expect("a probed GPU opens")
 }
 
-/// The GPU backends to test when a GPU is present (f32 and bf16 storage), each with the
-/// relative error allowed for a whole forward pass against the CPU; none (and the reason
-/// printed) otherwise.
+/// The GPU backends to test (f32 and bf16 storage), each with the relative error allowed for a
+/// whole forward pass against the CPU. Fails where there is no GPU (see `cuda_backend`).
 pub fn gpu_backends() -> Vec<(
     &'static str,
     std::sync::Arc<dyn mladb::backend::Backend>,
@@ -81,12 +75,32 @@ pub fn gpu_backends() -> Vec<(
         ("cuda-bf16", StorageDtype::Bf16, 5e-2),
     ]
     .into_iter()
-    .map_while(|(name, storage, tol)| {
+    .map(|(name, storage, tol)| {
         let b: std::sync::Arc<dyn mladb::backend::Backend> =
-            std::sync::Arc::new(cuda_backend(storage)?);
-        Some((name, b, tol))
+            std::sync::Arc::new(cuda_backend(storage));
+        (name, b, tol)
     })
     .collect()
+}
+
+/// Tests written once as `fn name(gpu: bool)` and declared twice, as `name::cpu` on the CPU
+/// backends (always run) and `name::gpu` on the GPU backends (ignored by default, with the
+/// reason; see `cuda_backend`).
+#[macro_export]
+macro_rules! cpu_and_gpu {
+    ($($body:ident),+ $(,)?) => {$(
+        mod $body {
+            #[test]
+            fn cpu() {
+                super::$body(false)
+            }
+            #[test]
+            #[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+            fn gpu() {
+                super::$body(true)
+            }
+        }
+    )+};
 }
 
 /// Fresh random inputs: a new seed per process (printed, to reproduce a failure).
