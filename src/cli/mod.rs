@@ -39,7 +39,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Open the interactive debugger (what a bare `mladb` does on a terminal).
-    Tui(crate::tui::TuiArgs),
+    Tui(args::TuiArgs),
     /// Run a forward pass headless and print the op trace.
     Run(run::RunArgs),
     /// Run the detectors (NaN/Inf, all-zero, unwritten, buffer disconnects, absorbed vs naive,
@@ -75,7 +75,7 @@ pub fn main(cli: Cli) -> Result<u8> {
                 run::run(&run::RunArgs::default_demo()).map(|_| false)
             }
         }
-        Some(Command::Tui(args)) => crate::tui::run(&args).map(|_| false),
+        Some(Command::Tui(args)) => crate::tui::run(&args.options()).map(|_| false),
         Some(Command::Run(args)) => run::run(&args).map(|_| false),
         Some(Command::Check(args)) => check::run(&args),
         Some(Command::Bisect(args)) => check::bisect(&args),

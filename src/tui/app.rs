@@ -3,7 +3,6 @@
 //! debugger), so the state machine can be driven synchronously in tests.
 
 use super::driver::Driver;
-use super::host::{cursor_of, AuxKind, Command, Info, Update};
 use super::keys::{Action, Keymap};
 use super::theme::Theme;
 use crate::debug::breakpoint::Breakpoint;
@@ -12,6 +11,7 @@ use crate::debug::idle::Idle;
 use crate::debug::{Flags, RunRecord};
 use crate::engine::faults::Scope;
 use crate::engine::trace::{OpEvent, Phase};
+use crate::service::{cursor_of, AuxKind, Command, Info, Update};
 use ratatui::crossterm::event::KeyEvent;
 use ratatui::layout::Rect;
 use std::cell::RefCell;
@@ -375,6 +375,9 @@ impl App {
                 self.select(Node::Op(index));
             }
             Update::Log(line) => self.say(line),
+            Update::Autosaved(path) => {
+                super::logfile::write(&format!("autosaved to {}", path.display()))
+            }
             Update::Notes(notes) => self.notes = notes,
             Update::Error(e) => self.say(format!("error: {e}")),
             Update::Busy(b) => m.busy = b,
