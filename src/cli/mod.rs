@@ -1,5 +1,7 @@
-//! The command line: argument definitions and one module per subcommand. Commands are thin:
-//! they build a model and an engine, and format what the engine reports.
+//! The command line: clap's option definitions ([`args`], turned into the plain types of
+//! [`crate::setup`]) and one module per subcommand. The headless commands are not thin: each
+//! holds its own work and report (check's detectors and exit codes, bisect, replay's verify,
+//! JSON and dumps, the benchmarks, GGUF inspection); the debugger is [`crate::tui`]'s.
 //!
 //! Commands print with `writeln!(Out, ...)?`, never `println!`: a closed stdout (`mladb check |
 //! head -1`) is then an error that propagates to `main`, which ends quietly with status 0, where

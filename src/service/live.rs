@@ -147,11 +147,7 @@ impl Host {
     /// Runs a controller command and reports where it stopped.
     fn stopped(&mut self, f: impl FnOnce(&mut Controller) -> Stop) {
         let stop = f(&mut self.controller);
-        if let Stop::Breakpoint(b) = &stop {
-            let bp = self.controller.breakpoints()[*b].clone();
-            self.log(format!("breakpoint {bp} hit"));
-        }
-        (self.send)(Update::Stopped(stop));
+        self.report_stop(stop);
         self.finish_if_done();
     }
 

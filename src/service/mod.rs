@@ -295,6 +295,16 @@ pub trait DebugService {
         Ok(())
     }
 
+    /// Tells the UI where a command stopped, naming the breakpoint hit.
+    fn report_stop(&mut self, stop: Stop) {
+        if let Stop::Breakpoint(b) = &stop {
+            if let Some(bp) = self.breakpoints_mut().get(*b).cloned() {
+                self.log(format!("breakpoint {bp} hit"));
+            }
+        }
+        (self.sender())(Update::Stopped(stop));
+    }
+
     fn send_breakpoints(&mut self) {
         let list = self.breakpoints_mut().clone();
         (self.sender())(Update::Breakpoints(list));

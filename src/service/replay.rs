@@ -15,7 +15,6 @@ use crate::model::Layout;
 use crate::session::recorded::RunRole;
 use crate::session::{Cursor, ModelSource, Session};
 use std::path::{Path, PathBuf};
-
 use std::sync::Arc;
 
 mod commands;
@@ -390,9 +389,7 @@ impl ReplayHost {
         });
         while self.deliver() {
             if let Some(b) = self.breakpoint_hit() {
-                self.log(format!("breakpoint {} hit", self.breakpoints[b]));
-                (self.send)(Update::Stopped(Stop::Breakpoint(b)));
-                return;
+                return self.report_stop(Stop::Breakpoint(b));
             }
             if next_layer {
                 let e = &self.current().events[self.shown - 1];
