@@ -396,3 +396,6 @@ pub fn cursor_of(event: &OpEvent) -> Cursor {
 pub fn is_decode(p: Phase) -> bool {
     matches!(p, Phase::Decode(_))
 }
+
+#[cfg(test)]
+mod tests;
