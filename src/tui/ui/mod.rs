@@ -27,8 +27,9 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Gauge, Paragraph, Tabs, Wrap};
 use ratatui::Frame;
 
-/// Draws the whole screen. The comparisons it shows are brought up to date first (the update
-/// step, for a view changed since the last one); the panes then only read the state.
+/// Draws the whole screen. The event loop brings the comparisons up to date after each update
+/// and input; a caller that changed the view directly (a test setting the tab) gets them here,
+/// before the panes, which only read the state.
 pub fn draw(frame: &mut Frame, app: &mut App) {
     app.refresh_comparisons();
     let area = frame.area();
