@@ -3,8 +3,10 @@
 //! each module for the math it implements.
 //!
 //! Data flows one way: layouts + weights → [`model::Model`]; model + [`backend::Backend`] →
-//! [`engine::Engine`], which reports every op to an [`engine::Observer`]; the commands in
-//! [`cli`] consume those events.
+//! [`engine::Engine`], which reports every op to an [`engine::Observer`]; the debugger core
+//! ([`debug`]) and sessions consume those events; [`setup`] loads models and prepares runs for
+//! every front end; [`service`] serves the debugger to the UI ([`tui`]); the commands in [`cli`]
+//! sit on top.
 
 pub mod backend;
 pub mod cli;
@@ -14,7 +16,9 @@ pub mod error;
 pub mod fsutil;
 pub mod gguf;
 pub mod model;
+pub mod service;
 pub mod session;
+pub mod setup;
 pub mod stats;
 pub mod tensor;
 pub mod tui;

@@ -1,5 +1,7 @@
-//! The command line: argument definitions and one module per subcommand. Commands are thin:
-//! they build a model and an engine, and format what the engine reports.
+//! The command line: clap's option definitions ([`args`], turned into the plain types of
+//! [`crate::setup`]) and one module per subcommand. The headless commands are not thin: each
+//! holds its own work and report (check's detectors and exit codes, bisect, replay's verify,
+//! JSON and dumps, the benchmarks, GGUF inspection); the debugger is [`crate::tui`]'s.
 //!
 //! Commands print with `writeln!(Out, ...)?`, never `println!`: a closed stdout (`mladb check |
 //! head -1`) is then an error that propagates to `main`, which ends quietly with status 0, where
@@ -39,7 +41,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Open the interactive debugger (what a bare `mladb` does on a terminal).
-    Tui(crate::tui::TuiArgs),
+    Tui(args::TuiArgs),
     /// Run a forward pass headless and print the op trace.
     Run(run::RunArgs),
     /// Run the detectors (NaN/Inf, all-zero, unwritten, buffer disconnects, absorbed vs naive,
@@ -75,7 +77,7 @@ pub fn main(cli: Cli) -> Result<u8> {
                 run::run(&run::RunArgs::default_demo()).map(|_| false)
             }
         }
-        Some(Command::Tui(args)) => crate::tui::run(&args).map(|_| false),
+        Some(Command::Tui(args)) => crate::tui::run(&args.options()).map(|_| false),
         Some(Command::Run(args)) => run::run(&args).map(|_| false),
         Some(Command::Check(args)) => check::run(&args),
         Some(Command::Bisect(args)) => check::bisect(&args),

@@ -320,7 +320,7 @@ pub fn verify(
     out: &mut dyn std::io::Write,
 ) -> Result<Option<String>> {
     let io = Error::stdout;
-    let model = crate::tui::host::load_model(&session.model)?;
+    let model = crate::setup::load_model(&session.model)?;
     let layers = session.layers.0..session.layers.1;
     if layers.is_empty() || layers.end > model.layout.num_layers {
         return Err(Error::invalid(format!(

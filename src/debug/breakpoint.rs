@@ -124,6 +124,30 @@ impl fmt::Display for Breakpoint {
     }
 }
 
+/// Adds a breakpoint unless it is set already.
+pub fn add(breakpoints: &mut Vec<Breakpoint>, bp: Breakpoint) {
+    if !breakpoints.contains(&bp) {
+        breakpoints.push(bp);
+    }
+}
+
+/// Removes a breakpoint; returns whether it was set.
+pub fn remove(breakpoints: &mut Vec<Breakpoint>, bp: &Breakpoint) -> bool {
+    let before = breakpoints.len();
+    breakpoints.retain(|b| b != bp);
+    before != breakpoints.len()
+}
+
+/// Sets the breakpoint if absent, removes it if present; returns whether it is now set.
+pub fn toggle(breakpoints: &mut Vec<Breakpoint>, bp: Breakpoint) -> bool {
+    if remove(breakpoints, &bp) {
+        false
+    } else {
+        add(breakpoints, bp);
+        true
+    }
+}
+
 /// The first of `breakpoints` that op `i` of `events` triggers; `diff(j)` is op j's relative
 /// difference from the comparison run. A condition triggers where it becomes true: it holds at
 /// op i and at none of i's sources, the ops that last wrote the activations and caches i read

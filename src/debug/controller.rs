@@ -7,7 +7,7 @@
 //! affects from the previous run (see [`Flags::first_affected`]) and computes the rest, up to
 //! where the previous run was paused. The previous run is kept, and the two are compared op by op.
 
-use super::breakpoint::{first_hit, Breakpoint};
+use super::breakpoint::{self, first_hit, Breakpoint};
 use super::compare::{compare_outputs, compare_runs, OpComparison};
 use super::flags::Flags;
 use super::record::RunRecord;
@@ -196,17 +196,18 @@ impl Controller {
         &self.breakpoints
     }
 
+    /// The breakpoints, for the commands that change them (see [`crate::debug::breakpoint`]).
+    pub fn breakpoints_mut(&mut self) -> &mut Vec<Breakpoint> {
+        &mut self.breakpoints
+    }
+
     pub fn add_breakpoint(&mut self, bp: Breakpoint) {
-        if !self.breakpoints.contains(&bp) {
-            self.breakpoints.push(bp);
-        }
+        breakpoint::add(&mut self.breakpoints, bp)
     }
 
     /// Removes a breakpoint; returns whether it was set.
     pub fn remove_breakpoint(&mut self, bp: &Breakpoint) -> bool {
-        let before = self.breakpoints.len();
-        self.breakpoints.retain(|b| b != bp);
-        before != self.breakpoints.len()
+        breakpoint::remove(&mut self.breakpoints, bp)
     }
 
     /// Removes every breakpoint; returns how many there were.
@@ -216,12 +217,7 @@ impl Controller {
 
     /// Sets the breakpoint if absent, removes it if present; returns whether it is now set.
     pub fn toggle_breakpoint(&mut self, bp: Breakpoint) -> bool {
-        if self.remove_breakpoint(&bp) {
-            false
-        } else {
-            self.add_breakpoint(bp);
-            true
-        }
+        breakpoint::toggle(&mut self.breakpoints, bp)
     }
 
     /// The last op executed, or `None` before the first.

@@ -16,21 +16,25 @@
 //! the kernel wrote and the one the wrapper returned. Several faults of [`super::faults`] are
 //! planted in this file, each where its real counterpart lives.
 
+mod indexer;
+mod kv_b;
+
+use indexer::dsa_selection;
+use kv_b::{kv_b_as_used, kv_b_split, KvB};
+
 use super::cache::{ExpandedCache, LayerCache, RowCache, RowSource};
 use super::faults::{Fault, Faults, KernelFaults};
 use super::forcing::ForcedSelections;
 use super::forward::MlaPath;
 use super::rope::RopeTable;
-use super::sink::{Computed, Reads, Sink};
+use super::sink::{Computed, Sink};
 use super::trace::{BufferRef, OpKind, Phase};
-use crate::backend::{AttnMask, Backend, KvbSplit, MlaDims};
-use crate::error::{Error, Result};
+use crate::backend::{AttnMask, Backend, MlaDims};
+use crate::error::Result;
 use crate::model::catalog::layer_prefix;
-use crate::model::layout::{IndexerMode, Layout};
-use crate::model::quant::{QuantFaults, QuantTensor};
+use crate::model::layout::Layout;
 use crate::model::WeightStore;
 use crate::tensor::Tensor;
-use std::sync::Arc;
 
 /// What one layer's ops need to see.
 pub struct LayerCtx<'a> {
@@ -72,11 +76,57 @@ impl LayerCtx<'_> {
     pub fn fault(&self, fault: Fault) -> bool {
         self.faults.active(fault, self.phase)
     }
+
+    /// The linear op `op` of this layer: `x` times the weight `op.weight`, plus `op.bias` where
+    /// `biased` and the layout has attention biases. The weight is named after the op, so the
+    /// two names cannot drift apart.
+    pub fn linear(&self, sink: &mut Sink, op: &str, x: &Tensor, biased: bool) -> Result<Tensor> {
+        let name = self.name(op);
+        sink.op(Some(self.layer), &name, OpKind::Linear, &[x], |r| {
+            let w = r.weight(&format!("{name}.weight"))?;
+            let bias = if biased && self.layout.attention_bias {
+                Some(r.weight(&format!("{name}.bias"))?)
+            } else {
+                None
+            };
+            self.backend.linear(x, &w, bias.as_deref())
+        })
+    }
+
+    /// The RMSNorm op `op` of this layer over `input`, or over its first `width` columns, with
+    /// the weight `op.weight`.
+    pub fn rms_norm(
+        &self,
+        sink: &mut Sink,
+        op: &str,
+        input: &Tensor,
+        width: Option<usize>,
+    ) -> Result<Tensor> {
+        let (b, name) = (self.backend, self.name(op));
+        sink.op(Some(self.layer), &name, OpKind::RmsNorm, &[input], |r| {
+            let w = r.weight(&format!("{name}.weight"))?;
+            let eps = self.layout.lora_norm_eps;
+            match width {
+                Some(width) => b.rms_norm(&b.slice_groups(input, 1, 0, width)?, &w, eps),
+                None => b.rms_norm(input, &w, eps),
+            }
+        })
+    }
 }
 
 /// The DSA selection of one chunk: per query, the kept key positions (sorted); `None` when every
 /// query keeps all its causal keys.
 pub type Selection = Option<Vec<Vec<usize>>>;
+
+/// What attention reads of one chunk, as the query, compressed-KV and position steps made it.
+struct Chunk {
+    /// The query of every head, [n, heads·(P+R)], and its rope part after RoPE.
+    q: Tensor,
+    q_pe: Tensor,
+    /// The normalised latent c_kv [n, L] and the shared rope key after RoPE [n, R].
+    c_kv: Tensor,
+    k_pe: Tensor,
+}
 
 /// Runs the attention block on normalised input `x` [n, hidden]. `shared_selection` carries the
 /// previous layer's DSA selection to layers that reuse it, and is updated by full indexer layers.
@@ -88,127 +138,79 @@ pub fn attention_block(
     shared_selection: &mut Option<Selection>,
     sink: &mut Sink,
 ) -> Result<Tensor> {
-    let (b, layout, l) = (ctx.backend, ctx.layout, Some(ctx.layer));
-    let dims = ctx.dims();
-    let n = ctx.positions.len();
-    let bias =
-        |r: &mut super::sink::Reads, suffix: &str| -> Result<Option<std::sync::Arc<Tensor>>> {
-            if layout.attention_bias {
-                r.weight(&ctx.name(suffix)).map(Some)
-            } else {
-                Ok(None)
-            }
-        };
-
-    // Query: low-rank (q_a → norm → q_b) or a plain q_proj.
-    let (q, q_resid) = match layout.q_lora_rank {
-        Some(_) => {
-            let q_a = sink.op(
-                l,
-                &ctx.name("self_attn.q_a_proj"),
-                OpKind::Linear,
-                &[x],
-                |r| {
-                    let w = r.weight(&ctx.name("self_attn.q_a_proj.weight"))?;
-                    b.linear(x, &w, bias(r, "self_attn.q_a_proj.bias")?.as_deref())
-                },
-            )?;
-            let q_resid = sink.op(
-                l,
-                &ctx.name("self_attn.q_a_layernorm"),
-                OpKind::RmsNorm,
-                &[&q_a],
-                |r| {
-                    let w = r.weight(&ctx.name("self_attn.q_a_layernorm.weight"))?;
-                    b.rms_norm(&q_a, &w, layout.lora_norm_eps)
-                },
-            )?;
-            let q = sink.op(
-                l,
-                &ctx.name("self_attn.q_b_proj"),
-                OpKind::Linear,
-                &[&q_resid],
-                |r| {
-                    let w = r.weight(&ctx.name("self_attn.q_b_proj.weight"))?;
-                    b.linear(&q_resid, &w, None)
-                },
-            )?;
-            (q, Some(q_resid))
-        }
-        None => {
-            let q = sink.op(
-                l,
-                &ctx.name("self_attn.q_proj"),
-                OpKind::Linear,
-                &[x],
-                |r| {
-                    let w = r.weight(&ctx.name("self_attn.q_proj.weight"))?;
-                    b.linear(x, &w, None)
-                },
-            )?;
-            (q, None)
-        }
+    let (q, q_resid) = query(ctx, x, sink)?;
+    let (kv_a, c_kv) = compressed_kv(ctx, x, sink)?;
+    let (q_pe, k_pe) = positions(ctx, &q, &kv_a, sink)?;
+    let chunk = Chunk {
+        q,
+        q_pe,
+        c_kv,
+        k_pe,
     };
+    write_latent(ctx, &chunk, cache, sink)?;
+    let selection = dsa_selection(ctx, x, q_resid.as_ref(), cache, shared_selection, sink)?;
+    let attn = attend(ctx, &chunk, selection, cache, path, sink)?;
+    ctx.linear(sink, "self_attn.o_proj", &attn, true)
+}
 
-    // Compressed KV: c_kv (normalised) and the shared rope key.
-    let kv_a = sink.op(
-        l,
-        &ctx.name("self_attn.kv_a_proj_with_mqa"),
-        OpKind::Linear,
-        &[x],
-        |r| {
-            let w = r.weight(&ctx.name("self_attn.kv_a_proj_with_mqa.weight"))?;
-            b.linear(
-                x,
-                &w,
-                bias(r, "self_attn.kv_a_proj_with_mqa.bias")?.as_deref(),
-            )
-        },
-    )?;
-    let c_kv = sink.op(
-        l,
-        &ctx.name("self_attn.kv_a_layernorm"),
-        OpKind::RmsNorm,
-        &[&kv_a],
-        |r| {
-            let w = r.weight(&ctx.name("self_attn.kv_a_layernorm.weight"))?;
-            b.rms_norm(
-                &b.slice_groups(&kv_a, 1, 0, dims.latent)?,
-                &w,
-                layout.lora_norm_eps,
-            )
-        },
-    )?;
+/// The query: low-rank (q_a → norm → q_b) or a plain q_proj; with the normalised low-rank
+/// residual, which the DSA indexer reads.
+fn query(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<(Tensor, Option<Tensor>)> {
+    if ctx.layout.q_lora_rank.is_none() {
+        return Ok((ctx.linear(sink, "self_attn.q_proj", x, false)?, None));
+    }
+    let q_a = ctx.linear(sink, "self_attn.q_a_proj", x, true)?;
+    let q_resid = ctx.rms_norm(sink, "self_attn.q_a_layernorm", &q_a, None)?;
+    let q = ctx.linear(sink, "self_attn.q_b_proj", &q_resid, false)?;
+    Ok((q, Some(q_resid)))
+}
 
-    // RoPE on q_pe and k_pe. FAULT rope-noninterleaved: the query side uses the other layout.
-    let interleaved = layout.rope.interleaved;
+/// Compressed KV: kv_a = [c_kv | k_pe] before normalisation, and c_kv normalised.
+fn compressed_kv(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<(Tensor, Tensor)> {
+    let kv_a = ctx.linear(sink, "self_attn.kv_a_proj_with_mqa", x, true)?;
+    let latent = ctx.dims().latent;
+    let c_kv = ctx.rms_norm(sink, "self_attn.kv_a_layernorm", &kv_a, Some(latent))?;
+    Ok((kv_a, c_kv))
+}
+
+/// RoPE on q_pe and k_pe. FAULT rope-noninterleaved: the query side uses the other layout.
+fn positions(
+    ctx: &LayerCtx,
+    q: &Tensor,
+    kv_a: &Tensor,
+    sink: &mut Sink,
+) -> Result<(Tensor, Tensor)> {
+    let (b, l, dims) = (ctx.backend, Some(ctx.layer), ctx.dims());
+    let interleaved = ctx.layout.rope.interleaved;
     let q_interleaved = interleaved ^ ctx.fault(Fault::RopeNoninterleaved);
-    let q_pe = sink.op(
-        l,
-        &ctx.name("self_attn.q_rope"),
-        OpKind::Rope,
-        &[&q],
-        |_| {
-            let q_pe = b.slice_groups(&q, dims.heads, dims.nope, dims.rope)?;
-            b.rope(&q_pe, dims.heads, ctx.rope, ctx.positions, q_interleaved)
-        },
-    )?;
+    let q_pe = sink.op(l, &ctx.name("self_attn.q_rope"), OpKind::Rope, &[q], |_| {
+        let q_pe = b.slice_groups(q, dims.heads, dims.nope, dims.rope)?;
+        b.rope(&q_pe, dims.heads, ctx.rope, ctx.positions, q_interleaved)
+    })?;
     let k_pe = sink.op(
         l,
         &ctx.name("self_attn.k_rope"),
         OpKind::Rope,
-        &[&kv_a],
+        &[kv_a],
         |_| {
-            let k_pe = b.slice_groups(&kv_a, 1, dims.latent, dims.rope)?;
+            let k_pe = b.slice_groups(kv_a, 1, dims.latent, dims.rope)?;
             b.rope(&k_pe, 1, ctx.rope, ctx.positions, interleaved)
         },
     )?;
-    let q_nope = b.slice_groups(&q, dims.heads, 0, dims.nope)?;
+    Ok((q_pe, k_pe))
+}
 
-    // The latent cache gets c_kv | k_pe of every new token. FAULT kv-cache-off-by-one: decode
-    // maps each token to the slot before its own.
-    let written = b.concat_groups(&c_kv, &k_pe, 1)?;
-    let written = written.reshaped(&[n, dims.latent + dims.rope]);
+/// The latent cache gets c_kv | k_pe of every new token. FAULT kv-cache-off-by-one: decode maps
+/// each token to the slot before its own.
+fn write_latent(
+    ctx: &LayerCtx,
+    chunk: &Chunk,
+    cache: &mut LayerCache,
+    sink: &mut Sink,
+) -> Result<()> {
+    let dims = ctx.dims();
+    let written = ctx.backend.concat_groups(&chunk.c_kv, &chunk.k_pe, 1)?;
+    let written = written.reshaped(&[ctx.positions.len(), dims.latent + dims.rope]);
     for (t, &pos) in ctx.positions.iter().enumerate() {
         let slot = if ctx.fault(Fault::KvCacheOffByOne) {
             pos.saturating_sub(1)
@@ -217,273 +219,216 @@ pub fn attention_block(
         };
         cache.latent.push_at(written.row(t), slot)?;
     }
-    let reads = vec![BufferRef::of(&c_kv), BufferRef::of(&k_pe)];
+    let reads = vec![BufferRef::of(&chunk.c_kv), BufferRef::of(&chunk.k_pe)];
     sink.report(
-        l,
+        Some(ctx.layer),
         &ctx.name("self_attn.latent_cache"),
         OpKind::CacheWrite,
         &written,
         latent_ref(cache),
         reads,
-    )?;
-
-    let selection = dsa_selection(ctx, x, q_resid.as_ref(), cache, shared_selection, sink)?;
-    let mask = AttnMask {
-        positions: ctx.positions.to_vec(),
-        selected: selection,
-    };
-    let kv_b_name = ctx.name("self_attn.kv_b_proj.weight");
-    let kv_b = kv_b_as_used(ctx, cache, sink, path)?;
-    let kernel_faults = KernelFaults {
-        lse_base_mismatch: ctx.fault(Fault::LseBaseMismatch),
-        skip_padded_rows: ctx.mla_backend && ctx.fault(Fault::SkipPaddedRows),
-    };
-    // FAULT output-buffer-disconnect: the wrapper hands the kernel a phantom buffer.
-    let disconnect = ctx.mla_backend && ctx.fault(Fault::OutputBufferDisconnect);
-
-    let attn = match path {
-        MlaPath::Naive => {
-            let scale = layout.softmax_scale() as f32;
-            let start = ctx.positions[0];
-            let latent = latent_ref(cache);
-            let expanded = cache.expanded.get_or_insert_with(|| {
-                ExpandedCache::new(dims.heads * (dims.nope + dims.rope), dims.heads * dims.v)
-            });
-            // Tokens cached by an absorbed step are decompressed now (a path switch mid-run).
-            if expanded.len() < start {
-                let missing: Vec<usize> = (expanded.len()..start).collect();
-                let rows: Vec<f32> = missing
-                    .iter()
-                    .flat_map(|&t| cache.latent.row(t).to_vec())
-                    .collect();
-                let old = Tensor::from_vec(&[missing.len(), dims.latent + dims.rope], rows);
-                let old_pe = b.slice_groups(&old, 1, dims.latent, dims.rope)?;
-                let kv = sink.op_with(
-                    l,
-                    &ctx.name("self_attn.expand_cache"),
-                    OpKind::Decompress,
-                    &[],
-                    |r| {
-                        let c_old = b.slice_groups(&old, 1, 0, dims.latent)?;
-                        let tensor = kv_b.linear(r, &kv_b_name, b, &c_old)?;
-                        Ok(Computed {
-                            tensor,
-                            kernel_wrote: None,
-                            extra_reads: vec![latent],
-                        })
-                    },
-                )?;
-                let reads = vec![BufferRef::of(&kv), latent];
-                append_expanded(
-                    ctx,
-                    expanded,
-                    &kv,
-                    &old_pe,
-                    "self_attn.kv_cache_backfill",
-                    reads,
-                    sink,
-                )?;
-            }
-            let kv = sink.op(
-                l,
-                &ctx.name("self_attn.kv_b_proj"),
-                OpKind::Decompress,
-                &[&c_kv],
-                |r| kv_b.linear(r, &kv_b_name, b, &c_kv),
-            )?;
-            let reads = vec![BufferRef::of(&kv), BufferRef::of(&k_pe)];
-            append_expanded(ctx, expanded, &kv, &k_pe, "self_attn.kv_cache", reads, sink)?;
-            let cache_read = BufferRef::cache(expanded.id(), expanded.address(), expanded.bytes());
-            let expanded = &*expanded;
-            let kernel = |out: &mut Tensor| {
-                let q_full = b.concat_groups(&q_nope, &q_pe, dims.heads)?;
-                b.attention_naive(
-                    &q_full,
-                    &expanded.k,
-                    &expanded.v,
-                    dims,
-                    &mask,
-                    scale,
-                    out,
-                    kernel_faults,
-                )
-            };
-            let out_shape = [n, dims.heads * dims.v];
-            run_attention(
-                ctx,
-                sink,
-                &[&q, &q_pe],
-                cache_read,
-                "attn_output",
-                OpKind::Attention,
-                &out_shape,
-                disconnect,
-                kernel,
-            )?
-        }
-        MlaPath::Absorbed => {
-            // FAULT softmax-scale-latent: the scale taken from the latent cache's width.
-            let scale = if ctx.fault(Fault::SoftmaxScaleLatent) {
-                layout.softmax_scale() * (layout.qk_head_dim() as f64).sqrt()
-                    / (layout.latent_width() as f64).sqrt()
-            } else {
-                layout.softmax_scale()
-            } as f32;
-            let split = kv_b_split(ctx);
-            let q_lat = sink.op(
-                l,
-                &ctx.name("self_attn.q_absorbed"),
-                OpKind::AbsorbQuery,
-                &[&q],
-                |r| {
-                    let w = kv_b.weight(r, &kv_b_name)?;
-                    b.absorb_query(&q_nope, &w, dims, split)
-                },
-            )?;
-            let cache_read = latent_ref(cache);
-            let latent = &cache.latent;
-            let kernel = |out: &mut Tensor| {
-                b.attention_latent(
-                    &q_lat,
-                    &q_pe,
-                    latent,
-                    dims,
-                    &mask,
-                    scale,
-                    out,
-                    kernel_faults,
-                )
-            };
-            let out_shape = [n, dims.heads, dims.latent];
-            let o_lat = run_attention(
-                ctx,
-                sink,
-                &[&q_lat, &q_pe],
-                cache_read,
-                "attn_latent",
-                OpKind::AttentionLatent,
-                &out_shape,
-                disconnect,
-                kernel,
-            )?;
-            sink.op(
-                l,
-                &ctx.name("self_attn.attn_output"),
-                OpKind::Attention,
-                &[&o_lat],
-                |r| {
-                    let w = kv_b.weight(r, &kv_b_name)?;
-                    b.apply_w_uv(&o_lat, &w, dims, split)
-                },
-            )?
-        }
-    };
-
-    sink.op(
-        l,
-        &ctx.name("self_attn.o_proj"),
-        OpKind::Linear,
-        &[&attn],
-        |r| {
-            let w = r.weight(&ctx.name("self_attn.o_proj.weight"))?;
-            b.linear(&attn, &w, bias(r, "self_attn.o_proj.bias")?.as_deref())
-        },
     )
 }
 
-/// kv_b_proj as the run uses it.
-enum KvB {
-    /// Plain weights: read from the weight store.
-    Store,
-    /// Quantized blocks, multiplied with directly (dequantized block by block).
-    Quant(Arc<QuantTensor>, QuantFaults),
-    /// A quantized kv_b_proj made plain once per run.
-    Plain(Arc<Tensor>),
+/// How this chunk's attention kernel is called: the mask, kv_b_proj as used, and the faults
+/// planted in the kernel and its wrapper.
+struct KernelCall {
+    mask: AttnMask,
+    kv_b: KvB,
+    kv_b_name: String,
+    faults: KernelFaults,
+    /// FAULT output-buffer-disconnect: the wrapper hands the kernel a phantom buffer.
+    disconnect: bool,
 }
 
-impl KvB {
-    /// x·kv_bᵀ: decompresses latent rows into per-head keys and values.
-    fn linear(&self, r: &mut Reads, name: &str, b: &dyn Backend, x: &Tensor) -> Result<Tensor> {
-        match self {
-            KvB::Store => b.linear(x, &*r.weight(name)?, None),
-            KvB::Quant(q, faults) => b.linear_quant(x, q, *faults),
-            KvB::Plain(w) => b.linear(x, w, None),
-        }
-    }
-
-    /// The plain weight, for the absorbed path's W_UK and W_UV.
-    fn weight(&self, r: &mut Reads, name: &str) -> Result<Arc<Tensor>> {
-        match self {
-            KvB::Store => r.weight(name),
-            KvB::Plain(w) => Ok(w.clone()),
-            KvB::Quant(..) => Err(Error::invalid(format!(
-                "{name}: the absorbed path needs W_UK / W_UV as a plain weight"
-            ))),
-        }
-    }
-}
-
-/// How this layer's kv_b_proj enters attention. Plain weights come from the store. A quantized
-/// kv_b_proj is, with force-dequantize, decoded once per run (`kv_b_dequant`); without it the
-/// naive path multiplies with the blocks, and the absorbed path obtains W_UK / W_UV the way
-/// vLLM does for a quantized layer: an identity matrix pushed through the quantized linear,
-/// transposed (`kv_b_identity`). FAULT q4k-scale-unpack acts in the block decoding of all three.
-fn kv_b_as_used(
+/// Attention on the chosen path, up to the heads' output [n, heads·V] (before o_proj).
+fn attend(
     ctx: &LayerCtx,
+    chunk: &Chunk,
+    selection: Selection,
+    cache: &mut LayerCache,
+    path: MlaPath,
+    sink: &mut Sink,
+) -> Result<Tensor> {
+    let call = KernelCall {
+        mask: AttnMask {
+            positions: ctx.positions.to_vec(),
+            selected: selection,
+        },
+        kv_b_name: ctx.name("self_attn.kv_b_proj.weight"),
+        kv_b: kv_b_as_used(ctx, cache, sink, path)?,
+        faults: KernelFaults {
+            lse_base_mismatch: ctx.fault(Fault::LseBaseMismatch),
+            skip_padded_rows: ctx.mla_backend && ctx.fault(Fault::SkipPaddedRows),
+        },
+        disconnect: ctx.mla_backend && ctx.fault(Fault::OutputBufferDisconnect),
+    };
+    match path {
+        MlaPath::Naive => attend_naive(ctx, chunk, &call, cache, sink),
+        MlaPath::Absorbed => attend_absorbed(ctx, chunk, &call, cache, sink),
+    }
+}
+
+/// Naive: decompress the new tokens (and any cached by absorbed steps) into per-head K/V and run
+/// multi-head attention over the expanded cache.
+fn attend_naive(
+    ctx: &LayerCtx,
+    chunk: &Chunk,
+    call: &KernelCall,
     cache: &mut LayerCache,
     sink: &mut Sink,
-    path: MlaPath,
-) -> Result<KvB> {
-    let Some(q) = ctx
-        .weights
-        .quantized(&ctx.name("self_attn.kv_b_proj.weight"))?
-    else {
-        return Ok(KvB::Store);
-    };
-    let faults = QuantFaults {
-        q4k_scale_unpack: ctx.fault(Fault::Q4kScaleUnpack),
-    };
-    if !ctx.force_dequant && path == MlaPath::Naive {
-        return Ok(KvB::Quant(q, faults));
-    }
-    if let Some(w) = &cache.kv_b_plain {
-        return Ok(KvB::Plain(w.clone()));
-    }
-    let (b, l) = (ctx.backend, Some(ctx.layer));
-    let w = if ctx.force_dequant {
-        sink.op(
+) -> Result<Tensor> {
+    let (b, l, dims) = (ctx.backend, Some(ctx.layer), ctx.dims());
+    let (kv_b, kv_b_name) = (&call.kv_b, &call.kv_b_name);
+    let scale = ctx.layout.softmax_scale() as f32;
+    let start = ctx.positions[0];
+    let latent = latent_ref(cache);
+    let expanded = cache.expanded.get_or_insert_with(|| {
+        ExpandedCache::new(dims.heads * (dims.nope + dims.rope), dims.heads * dims.v)
+    });
+    // Tokens cached by an absorbed step are decompressed now (a path switch mid-run).
+    if expanded.len() < start {
+        let missing: Vec<usize> = (expanded.len()..start).collect();
+        let rows: Vec<f32> = missing
+            .iter()
+            .flat_map(|&t| cache.latent.row(t).to_vec())
+            .collect();
+        let old = Tensor::from_vec(&[missing.len(), dims.latent + dims.rope], rows);
+        let old_pe = b.slice_groups(&old, 1, dims.latent, dims.rope)?;
+        let kv = sink.op_with(
             l,
-            &ctx.name("self_attn.kv_b_dequant"),
-            OpKind::Dequantize,
+            &ctx.name("self_attn.expand_cache"),
+            OpKind::Decompress,
             &[],
-            |_| b.dequantize(&q, faults),
-        )?
-    } else {
-        sink.op(
-            l,
-            &ctx.name("self_attn.kv_b_identity"),
-            OpKind::Dequantize,
-            &[],
-            |_| crate::backend::weight_through_identity(b, &q, faults),
-        )?
+            |r| {
+                let c_old = b.slice_groups(&old, 1, 0, dims.latent)?;
+                let tensor = kv_b.linear(r, kv_b_name, b, &c_old)?;
+                Ok(Computed {
+                    tensor,
+                    kernel_wrote: None,
+                    extra_reads: vec![latent],
+                })
+            },
+        )?;
+        let reads = vec![BufferRef::of(&kv), latent];
+        let backfill = "self_attn.kv_cache_backfill";
+        append_expanded(ctx, expanded, &kv, &old_pe, backfill, reads, sink)?;
+    }
+    let c_kv = &chunk.c_kv;
+    let kv = sink.op(
+        l,
+        &ctx.name("self_attn.kv_b_proj"),
+        OpKind::Decompress,
+        &[c_kv],
+        |r| kv_b.linear(r, kv_b_name, b, c_kv),
+    )?;
+    let reads = vec![BufferRef::of(&kv), BufferRef::of(&chunk.k_pe)];
+    append_expanded(
+        ctx,
+        expanded,
+        &kv,
+        &chunk.k_pe,
+        "self_attn.kv_cache",
+        reads,
+        sink,
+    )?;
+    let cache_read = BufferRef::cache(expanded.id(), expanded.address(), expanded.bytes());
+    let expanded = &*expanded;
+    let q_nope = b.slice_groups(&chunk.q, dims.heads, 0, dims.nope)?;
+    let kernel = |out: &mut Tensor| {
+        let q_full = b.concat_groups(&q_nope, &chunk.q_pe, dims.heads)?;
+        b.attention_naive(
+            &q_full,
+            &expanded.k,
+            &expanded.v,
+            dims,
+            &call.mask,
+            scale,
+            out,
+            call.faults,
+        )
     };
-    let w = Arc::new(w);
-    cache.kv_b_plain = Some(w.clone());
-    Ok(KvB::Plain(w))
+    let out_shape = [ctx.positions.len(), dims.heads * dims.v];
+    let output = ("attn_output", OpKind::Attention);
+    let inputs = [&chunk.q, &chunk.q_pe];
+    run_attention(
+        ctx,
+        sink,
+        &inputs,
+        cache_read,
+        output,
+        &out_shape,
+        call.disconnect,
+        kernel,
+    )
 }
 
-/// Where W_UK and W_UV sit in kv_b_proj. FAULT absorb-wrong-split: read as if each head's block
-/// were [W_UV; W_UK].
-fn kv_b_split(ctx: &LayerCtx) -> KvbSplit {
-    let dims = ctx.dims();
-    if ctx.fault(Fault::AbsorbWrongSplit) {
-        KvbSplit {
-            w_uk_row: dims.v,
-            w_uv_row: 0,
-        }
+/// Absorbed: fold W_UK into the query, attend over the latent cache, then apply W_UV.
+fn attend_absorbed(
+    ctx: &LayerCtx,
+    chunk: &Chunk,
+    call: &KernelCall,
+    cache: &LayerCache,
+    sink: &mut Sink,
+) -> Result<Tensor> {
+    let (b, l, dims, layout) = (ctx.backend, Some(ctx.layer), ctx.dims(), ctx.layout);
+    let (kv_b, kv_b_name) = (&call.kv_b, &call.kv_b_name);
+    // FAULT softmax-scale-latent: the scale taken from the latent cache's width.
+    let scale = if ctx.fault(Fault::SoftmaxScaleLatent) {
+        layout.softmax_scale() * (layout.qk_head_dim() as f64).sqrt()
+            / (layout.latent_width() as f64).sqrt()
     } else {
-        KvbSplit::correct(dims)
-    }
+        layout.softmax_scale()
+    } as f32;
+    let split = kv_b_split(ctx);
+    let q_nope = b.slice_groups(&chunk.q, dims.heads, 0, dims.nope)?;
+    let q_lat = sink.op(
+        l,
+        &ctx.name("self_attn.q_absorbed"),
+        OpKind::AbsorbQuery,
+        &[&chunk.q],
+        |r| {
+            let w = kv_b.weight(r, kv_b_name)?;
+            b.absorb_query(&q_nope, &w, dims, split)
+        },
+    )?;
+    let latent = &cache.latent;
+    let kernel = |out: &mut Tensor| {
+        b.attention_latent(
+            &q_lat,
+            &chunk.q_pe,
+            latent,
+            dims,
+            &call.mask,
+            scale,
+            out,
+            call.faults,
+        )
+    };
+    let out_shape = [ctx.positions.len(), dims.heads, dims.latent];
+    let output = ("attn_latent", OpKind::AttentionLatent);
+    let inputs = [&q_lat, &chunk.q_pe];
+    let cache_read = latent_ref(cache);
+    let o_lat = run_attention(
+        ctx,
+        sink,
+        &inputs,
+        cache_read,
+        output,
+        &out_shape,
+        call.disconnect,
+        kernel,
+    )?;
+    sink.op(
+        l,
+        &ctx.name("self_attn.attn_output"),
+        OpKind::Attention,
+        &[&o_lat],
+        |r| {
+            let w = kv_b.weight(r, kv_b_name)?;
+            b.apply_w_uv(&o_lat, &w, dims, split)
+        },
+    )
 }
 
 /// The attention wrapper: allocates the output buffer, hands it to the kernel and returns it,
@@ -495,8 +440,7 @@ fn run_attention(
     sink: &mut Sink,
     inputs: &[&Tensor],
     cache_read: BufferRef,
-    output_op: &str,
-    output_kind: OpKind,
+    (output_op, output_kind): (&str, OpKind),
     out_shape: &[usize],
     disconnect: bool,
     kernel: impl Fn(&mut Tensor) -> Result<Tensor>,
@@ -583,154 +527,10 @@ fn append_expanded(
     )
 }
 
+/// Appends each row of `rows` to a row cache.
 fn push_rows(cache: &mut RowCache, rows: &Tensor) -> Result<()> {
     for t in 0..rows.rows() {
         cache.push(rows.row(t))?;
     }
     Ok(())
-}
-
-/// The DSA indexer (GLM-5): q = wq_b(q_resid) [n, H, D]; k = LayerNorm(wk(x)) [n, D]; RoPE on the
-/// first qk_rope dims of both; w = weights_proj(x)·H^-0.5; score[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·k[j]
-/// ·D^-0.5) over causal j; keep the top index_topk keys per query.
-fn dsa_selection(
-    ctx: &LayerCtx,
-    x: &Tensor,
-    q_resid: Option<&Tensor>,
-    cache: &mut LayerCache,
-    shared_selection: &mut Option<Selection>,
-    sink: &mut Sink,
-) -> Result<Selection> {
-    let (Some(ix), Some(mode)) = (&ctx.layout.indexer, ctx.layout.indexer_mode(ctx.layer)) else {
-        return Ok(None);
-    };
-    if mode == IndexerMode::Shared {
-        // Reuse the previous layer's selection. A layer range that starts on a shared layer has
-        // none; it then attends densely.
-        return Ok(shared_selection.clone().unwrap_or(None));
-    }
-    let q_resid = q_resid.ok_or_else(|| Error::invalid("the DSA indexer needs q_lora_rank"))?;
-    let (b, l) = (ctx.backend, Some(ctx.layer));
-    let q_proj = sink.op(
-        l,
-        &ctx.name("self_attn.indexer.wq_b"),
-        OpKind::Linear,
-        &[q_resid],
-        |r| {
-            let w = r.weight(&ctx.name("self_attn.indexer.wq_b.weight"))?;
-            b.linear(q_resid, &w, None)
-        },
-    )?;
-    let k_proj = sink.op(
-        l,
-        &ctx.name("self_attn.indexer.wk"),
-        OpKind::Linear,
-        &[x],
-        |r| {
-            let w = r.weight(&ctx.name("self_attn.indexer.wk.weight"))?;
-            b.linear(x, &w, None)
-        },
-    )?;
-    let k_normed = sink.op(
-        l,
-        &ctx.name("self_attn.indexer.k_norm"),
-        OpKind::LayerNorm,
-        &[&k_proj],
-        |r| {
-            let w = r.weight(&ctx.name("self_attn.indexer.k_norm.weight"))?;
-            let bias = r.weight(&ctx.name("self_attn.indexer.k_norm.bias"))?;
-            b.layer_norm(&k_proj, &w, &bias, 1e-6)
-        },
-    )?;
-    let q = sink.op(
-        l,
-        &ctx.name("self_attn.indexer.q_rope"),
-        OpKind::Rope,
-        &[&q_proj],
-        |_| {
-            b.rope(
-                &q_proj,
-                ix.n_heads,
-                ctx.rope,
-                ctx.positions,
-                ix.rope_interleaved,
-            )
-        },
-    )?;
-    let k = sink.op(
-        l,
-        &ctx.name("self_attn.indexer.k_rope"),
-        OpKind::Rope,
-        &[&k_normed],
-        |_| b.rope(&k_normed, 1, ctx.rope, ctx.positions, ix.rope_interleaved),
-    )?;
-    let keys = cache
-        .index_keys
-        .get_or_insert_with(|| RowCache::new(ix.head_dim));
-    push_rows(keys, &k)?;
-    let keys_ref = BufferRef::cache(keys.id(), keys.address(), keys.bytes());
-    sink.report(
-        l,
-        &ctx.name("self_attn.indexer.key_cache"),
-        OpKind::CacheWrite,
-        &k,
-        keys_ref,
-        vec![BufferRef::of(&k)],
-    )?;
-    let head_weights = sink.op(
-        l,
-        &ctx.name("self_attn.indexer.weights_proj"),
-        OpKind::Linear,
-        &[x],
-        |r| {
-            let w = r.weight(&ctx.name("self_attn.indexer.weights_proj.weight"))?;
-            b.linear(x, &w, None)
-        },
-    )?;
-    let keys = &*keys;
-    let scores = sink.op_with(
-        l,
-        &ctx.name("self_attn.indexer.scores"),
-        OpKind::IndexScores,
-        &[&q, &head_weights],
-        |_| {
-            let scaled = b.scale(&head_weights, (ix.n_heads as f32).powf(-0.5))?;
-            let tensor = b.index_scores(
-                &q,
-                &scaled,
-                keys,
-                ctx.positions,
-                (ix.head_dim as f32).powf(-0.5),
-            )?;
-            Ok(Computed {
-                tensor,
-                kernel_wrote: None,
-                extra_reads: vec![keys_ref],
-            })
-        },
-    )?;
-
-    // Top-k among each query's causal keys; a query with no more than topk of them keeps all.
-    let context = keys.len();
-    let k_keep = ix.topk.min(context);
-    let mut kept = b.index_topk(&scores, ctx.positions, ix.topk)?;
-    let topk_name = ctx.name("self_attn.indexer.topk");
-    ctx.forced.apply(ctx.phase, &topk_name, &mut kept, |row| {
-        ctx.positions[row] + 1
-    })?;
-    for chosen in &mut kept {
-        chosen.sort_unstable();
-    }
-    let sparse = ctx.positions.iter().any(|&p| p + 1 > ix.topk);
-    sink.op(l, &topk_name, OpKind::IndexTopK, &[&scores], |_| {
-        let mut listing = Vec::with_capacity(kept.len() * k_keep);
-        for chosen in &kept {
-            listing.extend(chosen.iter().map(|&j| j as f32));
-            listing.extend(std::iter::repeat_n(-1.0, k_keep - chosen.len()));
-        }
-        Ok(Tensor::from_index_values(&[kept.len(), k_keep], listing))
-    })?;
-    let selection = if sparse { Some(kept) } else { None };
-    *shared_selection = Some(selection.clone());
-    Ok(selection)
 }

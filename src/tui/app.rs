@@ -3,7 +3,6 @@
 //! debugger), so the state machine can be driven synchronously in tests.
 
 use super::driver::Driver;
-use super::host::{cursor_of, AuxKind, Command, Info, Update};
 use super::keys::{Action, Keymap};
 use super::theme::Theme;
 use crate::debug::breakpoint::Breakpoint;
@@ -12,15 +11,18 @@ use crate::debug::idle::Idle;
 use crate::debug::{Flags, RunRecord};
 use crate::engine::faults::Scope;
 use crate::engine::trace::{OpEvent, Phase};
+use crate::service::{cursor_of, AuxKind, Command, Info, Update};
 use ratatui::crossterm::event::KeyEvent;
 use ratatui::layout::Rect;
-use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 mod commands;
+mod derived;
 mod navigation;
+
+pub use derived::{Against, Divergence, Marks};
 
 /// The right-hand pane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,12 +141,12 @@ pub struct App {
     pub quit: bool,
     /// Screen areas of the last draw, for the mouse.
     pub areas: Areas,
-    /// First divergent op per (run, ops so far, comparison kind), so whole-run comparisons are
-    /// computed once per change rather than once per frame.
-    pub divergence_cache: RefCell<HashMap<(usize, usize, u8), Divergence>>,
+    /// First divergent op per (run, ops so far, comparison), so whole-run comparisons are
+    /// computed once per change rather than once per frame (see [`App::refresh_comparisons`]).
+    pub divergence_cache: HashMap<(usize, usize, Against), Divergence>,
     /// Per (run, comparison run): each op's verdict against the comparison so far, judged in
     /// execution order (see [`Marks`]).
-    pub mark_cache: RefCell<HashMap<(usize, usize), Marks>>,
+    pub mark_cache: HashMap<(usize, usize), Marks>,
     /// Where and how often the session is saved unasked (and on quit); `None`: never.
     pub autosave: Option<Autosave>,
     /// MLA disable came on from `VLLM_MLA_DISABLE` (the header says so).
@@ -182,25 +184,6 @@ impl Autosave {
     }
 }
 
-/// The verdicts of one run against its comparison run, extended op by op as the run streams
-/// in: whether each op diverges beyond its tolerance, and that tolerance.
-pub struct Marks {
-    pub judge: crate::debug::tolerance::Judge,
-    /// Per op: (diverges, tolerance); the tolerance is NaN where the op was not compared.
-    pub verdicts: Vec<(bool, f64)>,
-}
-
-/// The first op over tolerance in a comparison, how many ops were compared, and how many could
-/// not be, with the first reason (a replay of samples, say).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Divergence {
-    pub first: Option<(usize, Phase, String)>,
-    pub compared: usize,
-    /// The judged tolerance of each compared op, by index.
-    pub tolerances: HashMap<usize, f64>,
-    pub not_compared: Option<(usize, String)>,
-}
-
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Areas {
     pub tree: Rect,
@@ -226,8 +209,8 @@ impl App {
             notes: Vec::new(),
             quit: false,
             areas: Areas::default(),
-            divergence_cache: RefCell::new(HashMap::new()),
-            mark_cache: RefCell::new(HashMap::new()),
+            divergence_cache: HashMap::new(),
+            mark_cache: HashMap::new(),
             autosave: None,
             mla_disable_env: false,
         };
@@ -289,6 +272,9 @@ impl App {
         for u in updates {
             self.apply(u);
         }
+        if changed {
+            self.refresh_comparisons();
+        }
         changed
     }
 
@@ -303,8 +289,8 @@ impl App {
                     info.layout.family.hf_model_type(),
                     info.source
                 ));
-                self.divergence_cache.borrow_mut().clear();
-                self.mark_cache.borrow_mut().clear();
+                self.divergence_cache.clear();
+                self.mark_cache.clear();
                 let m = &mut self.mirror;
                 m.info = Some(*info);
                 m.runs.clear();
@@ -375,6 +361,9 @@ impl App {
                 self.select(Node::Op(index));
             }
             Update::Log(line) => self.say(line),
+            Update::Autosaved(path) => {
+                super::logfile::write(&format!("autosaved to {}", path.display()))
+            }
             Update::Notes(notes) => self.notes = notes,
             Update::Error(e) => self.say(format!("error: {e}")),
             Update::Busy(b) => m.busy = b,

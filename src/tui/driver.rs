@@ -1,9 +1,12 @@
-//! How the UI reaches the debugger: it sends commands and polls updates, never waiting. The real
-//! UI runs the host on a worker thread; tests run it inline, so a key press is fully handled
-//! when `send` returns and no test sleeps.
+//! How the UI reaches the debugger service: it sends commands and polls updates, never waiting.
+//! The real UI runs the live host on a worker thread; tests, and replays (nothing a replay does
+//! takes long), run the service inline, so a key press is fully handled when `send` returns and
+//! no test sleeps.
 
-use super::host::{Command, Host, HostSpec, Update};
 use crate::error::Result;
+use crate::service::{Command, DebugService, Host, HostSpec, ReplayHost, Send, Update};
+use crate::session::Session;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -36,7 +39,7 @@ impl ThreadDriver {
             .name("mladb-debugger".into())
             .spawn(move || {
                 let tx = Mutex::new(update_tx);
-                let send: super::host::Send = Arc::new(move |u| {
+                let send: Send = Arc::new(move |u| {
                     let _ = tx.lock().unwrap_or_else(|p| p.into_inner()).send(u);
                 });
                 let mut host = match Host::new(spec, send.clone(), thread_cancel) {
@@ -87,19 +90,29 @@ impl Drop for ThreadDriver {
     }
 }
 
-/// The host on the caller's thread: commands complete inside `send`.
-pub struct InlineDriver {
-    host: Host,
+/// A service on the caller's thread: commands complete inside `send`.
+pub struct Inline<S> {
+    host: S,
     queue: Arc<Mutex<Vec<Update>>>,
     cancel: Arc<AtomicBool>,
 }
 
+/// The live host on the caller's thread.
+pub type InlineDriver = Inline<Host>;
+/// A recorded session on the caller's thread.
+pub type ReplayDriver = Inline<ReplayHost>;
+
+/// The queue updates go to, and what sends to it.
+fn queue() -> (Arc<Mutex<Vec<Update>>>, Send) {
+    let queue = Arc::new(Mutex::new(Vec::new()));
+    let q = queue.clone();
+    let send: Send = Arc::new(move |u| q.lock().unwrap_or_else(|p| p.into_inner()).push(u));
+    (queue, send)
+}
+
 impl InlineDriver {
     pub fn new(spec: HostSpec) -> Result<InlineDriver> {
-        let queue = Arc::new(Mutex::new(Vec::new()));
-        let q = queue.clone();
-        let send: super::host::Send =
-            Arc::new(move |u| q.lock().unwrap_or_else(|p| p.into_inner()).push(u));
+        let (queue, send) = queue();
         let cancel = Arc::new(AtomicBool::new(false));
         let host = Host::new(spec, send, cancel.clone())?;
         Ok(InlineDriver {
@@ -110,7 +123,30 @@ impl InlineDriver {
     }
 }
 
-impl Driver for InlineDriver {
+impl ReplayDriver {
+    pub fn open(path: &Path) -> Result<ReplayDriver> {
+        ReplayDriver::new(Session::load(path)?, path)
+    }
+
+    /// The replay of a session already loaded from `path` (where its companion tensors are).
+    pub fn new(session: Session, path: &Path) -> Result<ReplayDriver> {
+        let (queue, send) = queue();
+        let host = ReplayHost::new(session, path, send)?;
+        Ok(Inline {
+            host,
+            queue,
+            cancel: Arc::new(AtomicBool::new(false)),
+        })
+    }
+}
+
+impl<S> Inline<S> {
+    pub fn host(&self) -> &S {
+        &self.host
+    }
+}
+
+impl<S: DebugService> Driver for Inline<S> {
     fn send(&mut self, command: Command) {
         self.host.handle(command);
     }

@@ -1,34 +1,42 @@
-//! The interactive terminal debugger: ratatui + crossterm over the debugger core.
+//! The interactive terminal debugger: ratatui + crossterm over the debugger service
+//! ([`crate::service`]).
 //!
-//! * [`host`]: the debugger core as the UI drives it (commands in, updates out);
-//! * [`driver`]: where the host runs (a worker thread, or inline for tests);
+//! * [`driver`]: where the service runs (a worker thread, or inline for tests and replays);
 //! * [`app`]: the UI state machine; [`keys`]: bindings; [`ui`]: drawing; [`term`]: the event loop
 //!   and terminal hygiene; [`theme`]: colours and `NO_COLOR`; [`logfile`]: the log file.
+//!
+//! The TUI knows nothing of the command line: `cli` turns its options into [`TuiArgs`].
 
 pub mod app;
 pub mod driver;
-pub mod host;
 pub mod keys;
 pub mod logfile;
-pub mod replay;
 pub mod term;
 pub mod theme;
 pub mod ui;
 
-use crate::cli::args::{FlagArgs, RunSetup};
-use crate::error::Result;
-use clap::Args;
-use std::path::PathBuf;
-use std::sync::Arc;
+/// The debugger service under the name the UI gave it before it moved below the UI.
+pub mod host {
+    pub use crate::service::*;
+}
 
-#[derive(Args, Debug, Clone)]
+/// Replays under the names the UI gave them before the replay host moved below the UI.
+pub mod replay {
+    pub use super::driver::ReplayDriver;
+    pub use crate::service::ReplayHost;
+}
+
+use crate::error::Result;
+use crate::service::HostSpec;
+use crate::setup::{FlagOptions, RunSpec};
+use std::path::PathBuf;
+
+/// What the debugger is opened on: the run, its flags, and the key bindings to override.
+#[derive(Debug, Clone)]
 pub struct TuiArgs {
-    #[command(flatten)]
-    pub setup: RunSetup,
-    #[command(flatten)]
-    pub flags: FlagArgs,
+    pub setup: RunSpec,
+    pub flags: FlagOptions,
     /// Key bindings to override, as RON (default: $MLADB_KEYS or ~/.config/mladb/keys.ron).
-    #[arg(long)]
     pub keys: Option<PathBuf>,
 }
 
@@ -36,26 +44,15 @@ impl TuiArgs {
     /// What a bare `mladb` opens: glm5-tiny with the default schedule.
     pub fn default_demo() -> TuiArgs {
         TuiArgs {
-            setup: RunSetup::with_layout("glm5-tiny"),
-            flags: FlagArgs::default(),
+            setup: RunSpec::with_layout(crate::setup::DEFAULT_LAYOUT),
+            flags: FlagOptions::default(),
             keys: None,
         }
     }
 
     /// Loads everything the TUI needs; errors here end the program before the screen changes.
-    pub fn spec(&self) -> Result<host::HostSpec> {
-        let flags = self.flags.flags(self.setup.device)?;
-        let p = self.setup.prepare(&flags)?;
-        let source = self.setup.source()?;
-        flags.engine_options(p.layers.clone(), true)?;
-        Ok(host::HostSpec {
-            model: Arc::new(p.model),
-            source,
-            backend: Arc::from(p.backend),
-            schedule: p.schedule,
-            layers: p.layers,
-            flags,
-        })
+    pub fn spec(&self) -> Result<HostSpec> {
+        HostSpec::prepare(&self.setup, &self.flags)
     }
 
     pub fn keymap(&self) -> Result<keys::Keymap> {
@@ -69,7 +66,7 @@ impl TuiArgs {
 /// `mladb tui`.
 pub fn run(args: &TuiArgs) -> Result<()> {
     let spec = args.spec()?;
-    let from_env = spec.flags.mla_disable && crate::cli::args::vllm_mla_disable()?;
+    let from_env = spec.flags.mla_disable && crate::setup::vllm_mla_disable()?;
     let keymap = args.keymap()?;
     let log = logfile::init();
     let driver = driver::ThreadDriver::start(spec)?;
@@ -77,7 +74,7 @@ pub fn run(args: &TuiArgs) -> Result<()> {
     app.say(format!("log file: {} · ? for keys", log.display()));
     if from_env {
         app.mla_disable_env = true;
-        app.say(format!("note: {}", crate::cli::args::VLLM_MLA_DISABLE_NOTE));
+        app.say(format!("note: {}", crate::setup::VLLM_MLA_DISABLE_NOTE));
     }
     app.autosave = app::Autosave::from_env();
     term::run_terminal(app)
@@ -85,7 +82,7 @@ pub fn run(args: &TuiArgs) -> Result<()> {
 
 /// `mladb replay FILE`: the recorded session in the debugger, with no model and no computation.
 pub fn run_replay(path: &std::path::Path, keys: Option<PathBuf>) -> Result<()> {
-    let driver = replay::ReplayDriver::open(path)?;
+    let driver = driver::ReplayDriver::open(path)?;
     let keymap = match keys.or_else(keys::Keymap::default_path) {
         Some(path) => keys::Keymap::with_overrides(&path)?,
         None => keys::Keymap::default(),

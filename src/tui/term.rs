@@ -58,6 +58,8 @@ pub fn run_loop<B: Backend, E: EventSource>(
             Some(_) => continue,
             None => continue,
         }
+        // The update step for what the input changed (the selection, the tab).
+        app.refresh_comparisons();
         dirty = true;
     }
     // On quit, the session is saved unasked too (when an autosave is set).

@@ -3,7 +3,7 @@
 use super::{App, Overlay};
 use crate::debug::breakpoint::Breakpoint;
 use crate::engine::faults::{spec_of, Fault, Scope};
-use crate::tui::host::{cursor_of, Command, Goto};
+use crate::service::{cursor_of, Command, Goto};
 use crate::tui::keys::Action;
 use ratatui::crossterm::event::{KeyCode, KeyEvent};
 use std::path::PathBuf;

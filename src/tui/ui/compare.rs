@@ -3,15 +3,13 @@
 //! against its token's row in a whole-sequence prefill. Each section names the first divergent op.
 
 use super::{num, short_name};
-use crate::debug::compare::{
-    compare_runs, first_divergence, prefill_vs_decode, Diff, OpComparison,
-};
+use crate::debug::compare::{prefill_vs_decode, Diff};
 use crate::debug::sample::is_sampled;
 use crate::debug::tolerance::Tolerances;
 use crate::debug::RunRecord;
 use crate::engine::trace::{OpKind, Phase};
-use crate::tui::app::{App, Divergence};
-use crate::tui::host::AuxKind;
+use crate::service::AuxKind;
+use crate::tui::app::{Against, App};
 use crate::tui::keys::Action;
 use ratatui::layout::Rect;
 use ratatui::text::{Line, Span};
@@ -122,35 +120,19 @@ fn single(run: &RunRecord, i: usize) -> RunRecord {
     r
 }
 
-/// The first divergent op of a whole-run comparison, computed once per run state, and the
-/// judged tolerance of op `selected` in it.
+/// The first divergent op of a whole-run comparison (computed in the update step, see
+/// [`App::refresh_comparisons`]), and the judged tolerance of op `selected` in it.
 fn first<'a>(
     app: &App,
-    kind: u8,
+    against: Against,
     label: &str,
     selected: usize,
-    compute: impl FnOnce() -> Vec<OpComparison>,
 ) -> (Vec<Line<'a>>, Option<f64>) {
     let t = &app.theme;
-    let run = app.mirror.current();
-    let key = (
-        app.mirror.current_number(),
-        run.map_or(0, |r| r.len()),
-        kind,
-    );
-    let cached = app.divergence_cache.borrow().get(&key).cloned();
-    let d = cached.unwrap_or_else(|| {
-        let list = compute();
-        let failed: Vec<&String> = list.iter().filter_map(|c| c.diff.as_ref().err()).collect();
-        let d = Divergence {
-            first: first_divergence(&list).map(|c| (c.index, c.phase, c.name.clone())),
-            compared: list.len() - failed.len(),
-            tolerances: list.iter().map(|c| (c.index, c.tolerance)).collect(),
-            not_compared: failed.first().map(|why| (failed.len(), why.to_string())),
-        };
-        app.divergence_cache.borrow_mut().insert(key, d.clone());
-        d
-    });
+    let Some(d) = app.divergence_cache.get(&app.divergence_key(against)) else {
+        return (Vec::new(), None);
+    };
+    let d = d.clone();
     let tolerance = d.tolerances.get(&selected).copied();
     let mut lines = vec![match (d.first, d.compared) {
         (Some((index, phase, name)), _) => Line::from(Span::styled(
@@ -186,7 +168,6 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
         return;
     };
     let run = app.mirror.current().expect("an op is selected");
-    let heads = app.mirror.layout().map_or(1, |l| l.num_heads);
     let mut lines = Vec::new();
     if let Some((i, _)) = app.selected_op() {
         if is_sampled(e, &run.outputs[i]) {
@@ -207,9 +188,7 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
                 format!("vs run {n} ({})", other.flags.changes_to(&run.flags)),
                 t.title(),
             )));
-            let (first_line, tol) = first(app, 0, "this run", i, || {
-                compare_runs(run, other, heads, &tolerances(app))
-            });
+            let (first_line, tol) = first(app, Against::Comparison, "this run", i);
             match op_vs(app, other, e.phase, &e.name, None) {
                 Some(d) => lines.extend(figures_or_why(app, d, tol.unwrap_or(floor(app, e.kind)))),
                 None => lines.push(Line::from(format!(
@@ -252,9 +231,8 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             format!("{:?} vs {:?} ({})", paths.0, paths.1, e.phase).to_lowercase(),
             t.title(),
         )));
-        let (first_line, tol) = first(app, 1, "absorbed vs naive", i, || {
-            compare_runs(run, other, heads, &tolerances(app))
-        });
+        let against = Against::Aux(AuxKind::OtherPath);
+        let (first_line, tol) = first(app, against, "absorbed vs naive", i);
         match op_vs(app, other, e.phase, &e.name, None) {
             Some(d) => lines.extend(figures_or_why(app, d, tol.unwrap_or(floor(app, e.kind)))),
             None => lines.push(Line::from("  the other path has no such op")),
@@ -266,9 +244,8 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             "decode vs the same token in a whole prefill",
             t.title(),
         )));
-        let (first_line, tol) = first(app, 2, "prefill vs decode", i, || {
-            prefill_vs_decode(run, whole, heads, &tolerances(app))
-        });
+        let against = Against::Aux(AuxKind::WholePrefill);
+        let (first_line, tol) = first(app, against, "prefill vs decode", i);
         match e.phase {
             Phase::Decode(_) => match op_vs(app, whole, e.phase, &e.name, Some(e.positions.0)) {
                 Some(d) => lines.extend(figures_or_why(app, d, tol.unwrap_or(floor(app, e.kind)))),

@@ -27,8 +27,11 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Gauge, Paragraph, Tabs, Wrap};
 use ratatui::Frame;
 
-/// Draws the whole screen.
+/// Draws the whole screen. The event loop brings the comparisons up to date after each update
+/// and input; a caller that changed the view directly (a test setting the tab) gets them here,
+/// before the panes, which only read the state.
 pub fn draw(frame: &mut Frame, app: &mut App) {
+    app.refresh_comparisons();
     let area = frame.area();
     let [flags, main, log, status] = Layout::vertical([
         Constraint::Length(1),
@@ -300,49 +303,13 @@ pub fn op_mark(app: &App, index: usize, e: &OpEvent) -> (&'static str, Style) {
     if s.nan + s.pos_inf + neg_inf > 0 {
         return ("!", t.bad());
     }
-    if judged_against_comparison(app, index).is_some_and(|(diverges, _)| diverges) {
+    if app
+        .judged_against_comparison(index)
+        .is_some_and(|(diverges, _)| diverges)
+    {
         return ("≠", t.diverge());
     }
     ("·", t.ok())
-}
-
-/// Op `index` of the current run against the comparison run: whether it diverges beyond its
-/// tolerance, and that tolerance (floor + gain × the error of what it read). Ops are judged in
-/// order, each once, as the run streams in.
-pub fn judged_against_comparison(app: &App, index: usize) -> Option<(bool, f64)> {
-    use crate::debug::tolerance::{Judge, Tolerances};
-    let c = app.mirror.comparison?;
-    let run = app.mirror.current()?;
-    let other = app.mirror.comparison_run()?;
-    let heads = app.mirror.layout()?.num_heads;
-    if index >= run.len() {
-        return None;
-    }
-    let key = (app.mirror.current_number(), c);
-    let mut cache = app.mark_cache.borrow_mut();
-    let marks = cache.entry(key).or_insert_with(|| crate::tui::app::Marks {
-        judge: Judge::new(Tolerances::Table(run.flags.dtype)),
-        verdicts: Vec::new(),
-    });
-    while marks.verdicts.len() <= index {
-        let i = marks.verdicts.len();
-        let e = &run.events[i];
-        // Samples of a replay compare where both sides hold the same elements; a comparison
-        // that could not be made judges nothing.
-        let mut compared = other
-            .find(e.phase, &e.name)
-            .map(|j| {
-                let (a, b) = (run.outputs[i].data(), other.outputs[j].data());
-                crate::debug::compare::compare_outputs(e, i, a, &other.events[j].shape, b, heads)
-            })
-            .filter(|c| c.diff.is_ok());
-        marks.judge.next(e, compared.as_mut());
-        marks.verdicts.push(match compared {
-            Some(c) => (c.exceeds_its(), c.tolerance),
-            None => (false, f64::NAN),
-        });
-    }
-    Some(marks.verdicts[index])
 }
 
 /// A number in a short, fixed-width-friendly form.

@@ -1,12 +1,12 @@
 //! What `:set` changes (a flag, the injected faults, the schedule), `:goto`, and the report of
 //! flags that had nothing to act on.
 
-use super::{bisect_report, Goto, Host, Update};
-use crate::cli::args::parse_tokens_for;
+use super::Host;
 use crate::debug::controller::FlagChange;
-use crate::debug::idle::idle_flags;
 use crate::engine::faults::{parse_spec, Fault, Faults};
 use crate::error::{Error, Result};
+use crate::service::{DebugService, Update};
+use crate::setup::parse_tokens_for;
 
 /// The schedule's keys `:set` takes besides the flags.
 pub const SCHEDULE_KEYS: &[&str] = &["tokens", "prefill", "decode"];
@@ -117,56 +117,23 @@ impl Host {
         self.finish_if_done();
     }
 
-    /// `:goto N` (op index) and `:goto first-divergent`.
-    pub(super) fn goto(&mut self, to: Goto) -> Result<()> {
-        match to {
-            Goto::FirstDivergent => {
-                let diffs = self.controller.diff_runs();
-                if diffs.is_empty() {
-                    return Err(Error::invalid(
-                        "goto first-divergent needs an earlier run to compare with: change a flag or the schedule first",
-                    ));
-                }
-                let (line, select) = bisect_report(&diffs);
-                self.log(line.replacen("bisect", "goto", 1));
-                if let Some(index) = select {
-                    (self.send)(Update::Select(index));
-                }
+    /// `:goto N` (op index).
+    pub(super) fn goto(&mut self, index: usize) -> Result<()> {
+        let c = &self.controller;
+        if index >= c.current().len() {
+            if c.finished() {
+                return Err(Error::invalid(format!(
+                    "goto {index}: the run has ops #0..#{}",
+                    c.current().len().saturating_sub(1)
+                )));
             }
-            Goto::Op(index) => {
-                let c = &self.controller;
-                if index >= c.current().len() {
-                    if c.finished() {
-                        return Err(Error::invalid(format!(
-                            "goto {index}: the run has ops #0..#{}",
-                            c.current().len().saturating_sub(1)
-                        )));
-                    }
-                    self.stopped(|c| c.run_to(index));
-                }
-                if let Some(e) = self.controller.current().events.get(index) {
-                    self.log(format!("goto #{index}: {} {}", e.phase, e.name));
-                    (self.send)(Update::Select(index));
-                }
-            }
+            self.stopped(|c| c.run_to(index));
+        }
+        if let Some(e) = self.controller.current().events.get(index) {
+            self.log(format!("goto #{index}: {} {}", e.phase, e.name));
+            (self.send)(Update::Select(index));
         }
         Ok(())
-    }
-
-    /// Tells the UI which flags had nothing to act on (once the run has finished; before, what
-    /// no later op could change), logging each newly found.
-    pub(super) fn report_idle(&mut self) {
-        let c = &self.controller;
-        let run = c.current();
-        let idle = idle_flags(&c.flags(), &self.kv_b, &run.events, run.finished());
-        if idle == self.idle {
-            return;
-        }
-        for i in idle.iter().filter(|i| !self.idle.contains(i)) {
-            self.log(format!("note: {i}"));
-        }
-        (self.send)(Update::Idle(idle.clone()));
-        self.idle = idle;
     }
 }
 

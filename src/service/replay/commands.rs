@@ -1,15 +1,18 @@
-//! What a replay does besides stepping: jumps, bisect over recorded outputs, saving, and the
-//! report of flags that had nothing to act on (judged from the recorded ops as live).
+//! What a replay does besides stepping: jumps, and its side of the shared commands (bisect over
+//! recorded outputs, saving, the flags that had nothing to act on, judged from the recorded ops
+//! as live).
 
 use super::ReplayHost;
-use crate::debug::compare::compare_runs;
+use crate::debug::breakpoint::Breakpoint;
+use crate::debug::compare::{compare_runs, OpComparison};
 use crate::debug::controller::Stop;
-use crate::debug::idle::idle_flags;
+use crate::debug::idle::{idle_flags, Idle};
 use crate::debug::RunRecord;
 use crate::error::{Error, Result};
+use crate::service::{no_comparison, Command, DebugService, Send, Update};
+use crate::session::recorded::Annotation;
 use crate::session::Cursor;
 use crate::tensor::Tensor;
-use crate::tui::host::Update;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -32,13 +35,38 @@ impl ReplayHost {
         (self.send)(Update::Select(index));
         Ok(())
     }
+}
 
-    pub(super) fn bisect(&self) {
+impl DebugService for ReplayHost {
+    fn sender(&self) -> &Send {
+        &self.send
+    }
+
+    fn execute(&mut self, command: Command) -> Result<()> {
+        self.run(command)
+    }
+
+    fn breakpoints_mut(&mut self) -> &mut Vec<Breakpoint> {
+        &mut self.breakpoints
+    }
+
+    fn place(&self) -> (usize, usize) {
+        (self.at, self.shown)
+    }
+
+    fn annotations_mut(&mut self) -> &mut Vec<Annotation> {
+        &mut self.annotations
+    }
+
+    /// The ops shown so far against the recorded comparison run; needs the full tensors.
+    fn op_comparisons(&self, what: &str) -> Result<Vec<OpComparison>> {
         let Some(c) = self.current_run().compared_with else {
-            return self.log("bisect needs an earlier run to compare with: this run has none");
+            return Err(no_comparison(what, "this run has none"));
         };
         if !self.full {
-            return self.refuse("bisect over sampled values");
+            return Err(Error::invalid(
+                self.refusal(&format!("{what} over sampled values")),
+            ));
         }
         let mut partial = RunRecord::new(self.current().flags);
         for i in 0..self.shown {
@@ -49,16 +77,16 @@ impl ReplayHost {
         }
         let other = &self.records[self.timeline[c]];
         let tolerances = crate::debug::tolerance::Tolerances::Table(partial.flags.dtype);
-        let diffs = compare_runs(&partial, other, self.info.layout.num_heads, &tolerances);
-        let (line, select) = crate::tui::host::bisect_report(&diffs);
-        self.log(line);
-        if let Some(index) = select {
-            (self.send)(Update::Select(index));
-        }
+        Ok(compare_runs(
+            &partial,
+            other,
+            self.info.layout.num_heads,
+            &tolerances,
+        ))
     }
 
     /// The session as recorded, with the cursor, notes and breakpoints of now.
-    pub(super) fn save(
+    fn save(
         &self,
         path: &Path,
         cursor: Option<Cursor>,
@@ -90,20 +118,15 @@ impl ReplayHost {
         }
     }
 
-    /// Tells the UI which flags of the run shown had nothing to act on, as the live debugger
-    /// does: judged once the run's recorded ops have all been shown.
-    pub(super) fn report_idle(&mut self) {
+    /// Judged as the live debugger does, once the run's recorded ops have all been shown.
+    fn idle_now(&self) -> Vec<Idle> {
         let run = self.current_run();
         let finished = self.exhausted() && run.outcome.is_some();
         let events = &self.current().events[..self.shown];
-        let idle = idle_flags(&run.flags, &self.kv_b, events, finished);
-        if idle == self.idle {
-            return;
-        }
-        for i in idle.iter().filter(|i| !self.idle.contains(i)) {
-            self.log(format!("note: {i}"));
-        }
-        (self.send)(Update::Idle(idle.clone()));
-        self.idle = idle;
+        idle_flags(&run.flags, &self.kv_b, events, finished)
+    }
+
+    fn reported_idle(&mut self) -> &mut Vec<Idle> {
+        &mut self.idle
     }
 }

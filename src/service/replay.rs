@@ -3,8 +3,7 @@
 //! in order and through the flag changes between runs, as they happened; commands that need
 //! computing (a flag change, comparison runs not recorded) are refused with a log line.
 
-use super::driver::Driver;
-use super::host::{AuxKind, Command, Goto, Info, Send, Update};
+use super::{AuxKind, Command, DebugService, Goto, Info, Send, Update};
 use crate::debug::breakpoint::{first_hit, Breakpoint};
 use crate::debug::compare::compare_outputs;
 use crate::debug::controller::Stop;
@@ -16,9 +15,9 @@ use crate::model::Layout;
 use crate::session::recorded::RunRole;
 use crate::session::{Cursor, ModelSource, Session};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 mod commands;
-use std::sync::{Arc, Mutex};
 
 /// A recorded session, as the debugger host the UI talks to.
 pub struct ReplayHost {
@@ -117,10 +116,6 @@ impl ReplayHost {
     /// Whether every output is whole (full tensors were recorded).
     pub fn full(&self) -> bool {
         self.full
-    }
-
-    fn log(&self, msg: impl Into<String>) {
-        (self.send)(Update::Log(msg.into()));
     }
 
     /// The UI's state at the start of the timeline.
@@ -394,9 +389,7 @@ impl ReplayHost {
         });
         while self.deliver() {
             if let Some(b) = self.breakpoint_hit() {
-                self.log(format!("breakpoint {} hit", self.breakpoints[b]));
-                (self.send)(Update::Stopped(Stop::Breakpoint(b)));
-                return;
+                return self.report_stop(Stop::Breakpoint(b));
             }
             if next_layer {
                 let e = &self.current().events[self.shown - 1];
@@ -413,22 +406,18 @@ impl ReplayHost {
         self.at_end();
     }
 
-    /// Runs one command, as [`super::host::Host::handle`] does.
-    pub fn handle(&mut self, command: Command) {
-        (self.send)(Update::Busy(Some("replay".into())));
-        if let Err(e) = self.run(command) {
-            (self.send)(Update::Error(e.to_string()));
-        }
-        self.report_idle();
-        (self.send)(Update::Busy(None));
-    }
-
     fn refuse(&self, what: &str) {
-        self.log(format!(
-            "replay: {what} needs recomputation, and a replay only shows what was recorded (`mladb replay FILE --verify` recomputes; `mladb tui` + `:load FILE` debugs it live)"
-        ));
+        self.log(self.refusal(what));
     }
 
+    /// Why a replay cannot do `what`, and where it can be done.
+    fn refusal(&self, what: &str) -> String {
+        format!(
+            "replay: {what} needs recomputation, and a replay only shows what was recorded (`mladb replay FILE --verify` recomputes; `mladb tui` + `:load FILE` debugs it live)"
+        )
+    }
+
+    /// What only a replay does: step through what was recorded, and refuse what would compute.
     fn run(&mut self, command: Command) -> Result<()> {
         match command {
             Command::Step => self.step(),
@@ -454,110 +443,14 @@ impl ReplayHost {
                     self.refuse("computing the comparison runs (none were recorded for this run)");
                 }
             }
-            Command::Bisect => self.bisect(),
-            Command::ToggleBreakpoint(bp) => {
-                let on = if let Some(i) = self.breakpoints.iter().position(|b| *b == bp) {
-                    self.breakpoints.remove(i);
-                    false
-                } else {
-                    self.breakpoints.push(bp.clone());
-                    true
-                };
-                self.log(format!(
-                    "breakpoint {bp} {}",
-                    if on { "set" } else { "removed" }
-                ));
-                (self.send)(Update::Breakpoints(self.breakpoints.clone()));
-            }
-            Command::AddBreakpoint(bp) => {
-                if !self.breakpoints.contains(&bp) {
-                    self.breakpoints.push(bp.clone());
-                }
-                self.log(format!("breakpoint {bp} set"));
-                (self.send)(Update::Breakpoints(self.breakpoints.clone()));
-            }
-            Command::RemoveBreakpoint(bp) => {
-                let before = self.breakpoints.len();
-                self.breakpoints.retain(|b| *b != bp);
-                self.log(format!(
-                    "breakpoint {bp} {}",
-                    if before != self.breakpoints.len() {
-                        "removed"
-                    } else {
-                        "was not set"
-                    }
-                ));
-                (self.send)(Update::Breakpoints(self.breakpoints.clone()));
-            }
-            Command::ClearBreakpoints => {
-                self.log(format!("{} breakpoint(s) deleted", self.breakpoints.len()));
-                self.breakpoints.clear();
-                (self.send)(Update::Breakpoints(Vec::new()));
-            }
-            Command::Goto(Goto::FirstDivergent) => self.bisect(),
             Command::Goto(Goto::Op(index)) => self.goto(index)?,
-            Command::Save {
-                path,
-                cursor,
-                notes,
-                tensors,
-                autosave,
-            } => {
-                let result = self.save(&path, cursor, notes, tensors);
-                match (result, autosave) {
-                    (Ok(()), false) => self.log(format!("saved session to {}", path.display())),
-                    (Ok(()), true) => {}
-                    (Err(e), false) => return Err(e),
-                    (Err(e), true) => self.log(format!("autosave failed: {e}")),
-                }
-            }
             Command::Load(path) => {
                 let next = ReplayHost::open(&path, self.send.clone())?;
                 *self = next;
             }
-            Command::Note(text) => self.annotations.push(crate::session::recorded::Annotation {
-                run: self.at,
-                op: self.shown,
-                text,
-            }),
+            // The shared commands never reach here (see `DebugService::dispatch`).
+            other => unreachable!("{other:?} is handled by DebugService::dispatch"),
         }
         Ok(())
     }
-}
-
-/// The replay host on the caller's thread (nothing it does takes long).
-pub struct ReplayDriver {
-    host: ReplayHost,
-    queue: Arc<Mutex<Vec<Update>>>,
-}
-
-impl ReplayDriver {
-    pub fn open(path: &Path) -> Result<ReplayDriver> {
-        ReplayDriver::new(Session::load(path)?, path)
-    }
-
-    /// The replay of a session already loaded from `path` (where its companion tensors are).
-    pub fn new(session: Session, path: &Path) -> Result<ReplayDriver> {
-        let queue = Arc::new(Mutex::new(Vec::new()));
-        let q = queue.clone();
-        let send: Send = Arc::new(move |u| q.lock().unwrap_or_else(|p| p.into_inner()).push(u));
-        let host = ReplayHost::new(session, path, send)?;
-        Ok(ReplayDriver { host, queue })
-    }
-
-    pub fn host(&self) -> &ReplayHost {
-        &self.host
-    }
-}
-
-impl Driver for ReplayDriver {
-    fn send(&mut self, command: Command) {
-        self.host.handle(command);
-    }
-
-    fn poll(&mut self) -> Vec<Update> {
-        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()))
-    }
-
-    fn cancel(&self) {}
 }

@@ -1,14 +1,14 @@
 //! The host's sessions: the session as it stands (everything recorded), saving it, and loading
 //! one in place of the current debugger.
 
-use super::{Host, HostSpec, Update};
+use super::Host;
 use crate::debug::controller::Stop;
 use crate::debug::RunRecord;
 use crate::engine::generate::Schedule;
 use crate::error::{Error, Result};
-use crate::model::{Layout, Model};
+use crate::service::{DebugService, HostSpec, Update};
 use crate::session::recorded::{RecordedRun, RecordedSchedule, RunRole};
-use crate::session::{Cursor, ModelSource, Session};
+use crate::session::{Cursor, Session};
 use crate::tensor::Tensor;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -75,21 +75,6 @@ impl Host {
         out
     }
 
-    pub(super) fn save(
-        &self,
-        path: &std::path::Path,
-        cursor: Option<Cursor>,
-        notes: Vec<String>,
-        tensors: bool,
-    ) -> Result<()> {
-        let session = self.session(cursor, notes);
-        if tensors {
-            session.save_with_tensors(path, &self.outputs())
-        } else {
-            session.save(path)
-        }
-    }
-
     /// Replaces the debugger with a saved session and runs it to its cursor.
     pub(super) fn load(&mut self, path: PathBuf) -> Result<()> {
         let session = Session::load(&path)?;
@@ -97,7 +82,7 @@ impl Host {
         let model = if session.model == self.source {
             self.controller.model_arc()
         } else {
-            Arc::new(load_model(&session.model)?)
+            Arc::new(crate::setup::load_model(&session.model)?)
         };
         if session.layers.1 > model.layout.num_layers || session.layers.0 >= session.layers.1 {
             return Err(Error::parse(
@@ -144,46 +129,5 @@ impl Host {
         next.log(format!("loaded session {}", path.display()));
         *self = next;
         Ok(())
-    }
-}
-
-/// Loads the model a session names.
-pub fn load_model(source: &ModelSource) -> Result<Model> {
-    const BUDGET: usize = 8 << 30;
-    let args = |layout: Option<&String>,
-                model: Option<&std::path::PathBuf>,
-                seed,
-                quant: &Option<String>| {
-        crate::cli::args::ModelArgs {
-            layout: layout.cloned(),
-            model: model.cloned(),
-            seed,
-            weight_cache_mb: BUDGET >> 20,
-            quant: quant.clone(),
-        }
-    };
-    match source {
-        ModelSource::Layout {
-            layout,
-            seed,
-            quant,
-        } => {
-            Layout::resolve(layout)?;
-            args(Some(layout), None, *seed, quant).load()
-        }
-        ModelSource::Checkpoint {
-            path,
-            fingerprint,
-            quant,
-        } => {
-            let now = crate::session::checkpoint_fingerprint(path)?;
-            if &now != fingerprint {
-                return Err(Error::invalid(format!(
-                    "{}: the checkpoint changed since the session was saved",
-                    path.display()
-                )));
-            }
-            args(None, Some(path), 0, quant).load()
-        }
     }
 }

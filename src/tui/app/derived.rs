@@ -1,0 +1,149 @@
+//! What the panes show that takes computing: each op's verdict against the comparison run (the
+//! tree's marks) and the first divergent op of each whole-run comparison (the Compare pane).
+//! They are brought up to date in the update step, after the run or the view changes, so that
+//! drawing only reads them.
+
+use super::{App, Tab};
+use crate::debug::compare::OpComparison;
+use crate::debug::compare::{compare_outputs, compare_runs, first_divergence, prefill_vs_decode};
+use crate::debug::tolerance::{Judge, Tolerances};
+use crate::engine::trace::Phase;
+use crate::service::AuxKind;
+use std::collections::HashMap;
+
+/// The verdicts of one run against its comparison run, extended op by op as the run streams
+/// in: whether each op diverges beyond its tolerance, and that tolerance.
+pub struct Marks {
+    pub judge: Judge,
+    /// Per op: (diverges, tolerance); the tolerance is NaN where the op was not compared.
+    pub verdicts: Vec<(bool, f64)>,
+}
+
+/// The first op over tolerance in a comparison, how many ops were compared, and how many could
+/// not be, with the first reason (a replay of samples, say).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Divergence {
+    pub first: Option<(usize, Phase, String)>,
+    pub compared: usize,
+    /// The judged tolerance of each compared op, by index.
+    pub tolerances: HashMap<usize, f64>,
+    pub not_compared: Option<(usize, String)>,
+}
+
+impl Divergence {
+    fn of(list: &[OpComparison]) -> Divergence {
+        let failed: Vec<&String> = list.iter().filter_map(|c| c.diff.as_ref().err()).collect();
+        Divergence {
+            first: first_divergence(list).map(|c| (c.index, c.phase, c.name.clone())),
+            compared: list.len() - failed.len(),
+            tolerances: list.iter().map(|c| (c.index, c.tolerance)).collect(),
+            not_compared: failed.first().map(|why| (failed.len(), why.to_string())),
+        }
+    }
+}
+
+/// The whole-run comparisons the Compare pane names the first divergent op of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Against {
+    /// The run before the last flag change.
+    Comparison,
+    /// The comparison run of this kind.
+    Aux(AuxKind),
+}
+
+impl App {
+    /// Brings the derived comparisons up to date: the marks of the current run, and, while the
+    /// Compare pane shows an op, the first divergent op of each comparison it shows. Each is
+    /// computed once per state of the runs.
+    pub fn refresh_comparisons(&mut self) {
+        self.refresh_marks();
+        if self.tab == Tab::Compare && self.selected_op().is_some() {
+            for against in [
+                Against::Comparison,
+                Against::Aux(AuxKind::OtherPath),
+                Against::Aux(AuxKind::WholePrefill),
+            ] {
+                self.refresh_divergence(against);
+            }
+        }
+    }
+
+    /// The key of the current run's state against `against`.
+    pub fn divergence_key(&self, against: Against) -> (usize, usize, Against) {
+        let len = self.mirror.current().map_or(0, |r| r.len());
+        (self.mirror.current_number(), len, against)
+    }
+
+    fn refresh_divergence(&mut self, against: Against) {
+        let key = self.divergence_key(against);
+        if self.divergence_cache.contains_key(&key) {
+            return;
+        }
+        let m = &self.mirror;
+        let (Some(run), Some(layout)) = (m.current(), m.layout()) else {
+            return;
+        };
+        let heads = layout.num_heads;
+        let tolerances = Tolerances::Table(run.flags.dtype);
+        let list = match against {
+            Against::Comparison => match (m.comparison, m.comparison_run()) {
+                (Some(_), Some(other)) => compare_runs(run, other, heads, &tolerances),
+                _ => return,
+            },
+            Against::Aux(AuxKind::OtherPath) => match m.aux(AuxKind::OtherPath) {
+                Some(other) => compare_runs(run, other, heads, &tolerances),
+                None => return,
+            },
+            Against::Aux(AuxKind::WholePrefill) => match m.aux(AuxKind::WholePrefill) {
+                Some(whole) => prefill_vs_decode(run, whole, heads, &tolerances),
+                None => return,
+            },
+        };
+        self.divergence_cache.insert(key, Divergence::of(&list));
+    }
+
+    /// Judges the ops of the current run not judged yet against the comparison run, in
+    /// execution order, each once.
+    fn refresh_marks(&mut self) {
+        let m = &self.mirror;
+        let (Some(c), Some(run), Some(other), Some(layout)) =
+            (m.comparison, m.current(), m.comparison_run(), m.layout())
+        else {
+            return;
+        };
+        let heads = layout.num_heads;
+        let marks = self
+            .mark_cache
+            .entry((m.current_number(), c))
+            .or_insert_with(|| Marks {
+                judge: Judge::new(Tolerances::Table(run.flags.dtype)),
+                verdicts: Vec::new(),
+            });
+        while marks.verdicts.len() < run.len() {
+            let i = marks.verdicts.len();
+            let e = &run.events[i];
+            // Samples of a replay compare where both sides hold the same elements; a comparison
+            // that could not be made judges nothing.
+            let mut compared = other
+                .find(e.phase, &e.name)
+                .map(|j| {
+                    let (a, b) = (run.outputs[i].data(), other.outputs[j].data());
+                    compare_outputs(e, i, a, &other.events[j].shape, b, heads)
+                })
+                .filter(|c| c.diff.is_ok());
+            marks.judge.next(e, compared.as_mut());
+            marks.verdicts.push(match compared {
+                Some(c) => (c.exceeds_its(), c.tolerance),
+                None => (false, f64::NAN),
+            });
+        }
+    }
+
+    /// Op `index` of the current run against the comparison run: whether it diverges beyond its
+    /// tolerance, and that tolerance (floor + gain × the error of what it read).
+    pub fn judged_against_comparison(&self, index: usize) -> Option<(bool, f64)> {
+        let m = &self.mirror;
+        let key = (m.current_number(), m.comparison?);
+        self.mark_cache.get(&key)?.verdicts.get(index).copied()
+    }
+}
