@@ -258,7 +258,7 @@ impl App {
 
     pub fn say(&mut self, line: impl Into<String>) {
         let line = line.into();
-        crate::tui::logfile::write(&line);
+        tracing::info!("{line}");
         self.log.push(line);
         if self.log.len() > 500 {
             self.log.drain(..100);
@@ -362,7 +362,7 @@ impl App {
             }
             Update::Log(line) => self.say(line),
             Update::Autosaved(path) => {
-                super::logfile::write(&format!("autosaved to {}", path.display()))
+                tracing::info!("autosaved to {}", path.display())
             }
             Update::Notes(notes) => self.notes = notes,
             Update::Error(e) => self.say(format!("error: {e}")),

@@ -71,7 +71,7 @@ pub fn run(args: &TuiArgs) -> Result<()> {
     let log = logfile::init();
     let driver = driver::ThreadDriver::start(spec)?;
     let mut app = app::App::new(Box::new(driver), keymap, theme::Theme::from_env());
-    app.say(format!("log file: {} · ? for keys", log.display()));
+    app.say(log_line(log));
     if from_env {
         app.mla_disable_env = true;
         app.say(format!("note: {}", crate::setup::VLLM_MLA_DISABLE_NOTE));
@@ -89,6 +89,14 @@ pub fn run_replay(path: &std::path::Path, keys: Option<PathBuf>) -> Result<()> {
     };
     let log = logfile::init();
     let mut app = app::App::new(Box::new(driver), keymap, theme::Theme::from_env());
-    app.say(format!("log file: {} · ? for keys", log.display()));
+    app.say(log_line(log));
     term::run_terminal(app)
+}
+
+/// The first line of the debugger's log: where the log file is, or why there is none.
+fn log_line(log: std::result::Result<PathBuf, String>) -> String {
+    match log {
+        Ok(path) => format!("log file: {} · ? for keys", path.display()),
+        Err(why) => format!("no log file ({why}) · ? for keys"),
+    }
 }
