@@ -14,6 +14,7 @@ pub mod error;
 pub mod fsutil;
 pub mod gguf;
 pub mod model;
+pub mod ops;
 pub mod session;
 pub mod stats;
 pub mod tensor;

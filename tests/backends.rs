@@ -550,3 +550,32 @@ fn dequantization_and_the_quantized_linear_match_the_cpu_codec() {
         }
     }
 }
+
+/// A norm weight (or bias) whose length is not the row's is refused by every backend, before any
+/// kernel runs: the CPU used to normalise a prefix silently, the GPU to read past the weight.
+#[test]
+fn norms_refuse_a_weight_of_the_wrong_length() {
+    let x = random(&[3, 16], "x", 1.0);
+    let short = random(&[12], "w", 1.0);
+    let long = random(&[20], "w", 1.0);
+    let fits = random(&[16], "w", 1.0);
+    for u in backends() {
+        for w in [&short, &long] {
+            let err = u.backend.rms_norm(&x, w, 1e-6).unwrap_err().to_string();
+            assert!(err.contains("rms_norm: weight of"), "{}: {err}", u.name);
+            let err = u
+                .backend
+                .layer_norm(&x, w, &fits, 1e-6)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("layer_norm: weight of"), "{}: {err}", u.name);
+            let err = u
+                .backend
+                .layer_norm(&x, &fits, w, 1e-6)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("layer_norm: bias of"), "{}: {err}", u.name);
+        }
+        assert!(u.backend.rms_norm(&x, &fits, 1e-6).is_ok(), "{}", u.name);
+    }
+}
