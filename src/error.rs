@@ -119,3 +119,21 @@ impl Error {
 const STDOUT: &str = "stdout";
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cuda_error_keeps_the_library_error_as_its_source() {
+        use cudarc::cublas::{result::CublasError, sys::cublasStatus_t};
+        let status = cublasStatus_t::CUBLAS_STATUS_EXECUTION_FAILED;
+        let e: Error = CudaError::blas("GEMM")(CublasError(status));
+        assert!(e.to_string().starts_with("cuBLAS GEMM: "), "{e}");
+        let source = std::error::Error::source(&e).expect("the cuBLAS error as the source");
+        assert_eq!(
+            source.downcast_ref::<CublasError>().map(|c| c.0),
+            Some(status)
+        );
+    }
+}

@@ -29,7 +29,7 @@ use crate::model::quant::{QuantFaults, QuantTensor};
 use crate::ops::{KernelFaults, RopeTable, RowSource, StorageDtype};
 use crate::stats::TensorStats;
 use crate::tensor::{DeviceBuffer, Tensor};
-use device::kernels::quant_kernel_name;
+use device::model_kernels::quant_kernel_name;
 use device::{DevBuf, DevI32, Elem, Gpu};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

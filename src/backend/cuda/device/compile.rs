@@ -146,15 +146,13 @@ fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
 /// `prog` must be a successfully compiled NVRTC program (for a real architecture).
 unsafe fn get_cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>> {
     let mut size = 0usize;
-    let r = sys::nvrtcGetCUBINSize(prog, &mut size);
-    if r != sys::nvrtcResult::NVRTC_SUCCESS {
-        return Err(Error::invalid(format!("nvrtcGetCUBINSize: {r:?}")));
-    }
+    sys::nvrtcGetCUBINSize(prog, &mut size)
+        .result()
+        .map_err(CudaError::nvrtc("nvrtcGetCUBINSize"))?;
     let mut buf = vec![0u8; size];
-    let r = sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char);
-    if r != sys::nvrtcResult::NVRTC_SUCCESS {
-        return Err(Error::invalid(format!("nvrtcGetCUBIN: {r:?}")));
-    }
+    sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char)
+        .result()
+        .map_err(CudaError::nvrtc("nvrtcGetCUBIN"))?;
     Ok(buf)
 }
 
