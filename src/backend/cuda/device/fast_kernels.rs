@@ -311,17 +311,7 @@ impl Gpu {
                 tile as u32,
             )?));
         }
-        args.extend(prefill_buffers(
-            n,
-            heads,
-            dqk,
-            dv,
-            Some(q),
-            Some(k),
-            Some(v),
-            out,
-            lse,
-        )?);
+        args.extend(prefill_buffers((n, heads, dqk, dv), q, k, v, out, lse)?);
         args.extend([
             int(n, "tokens")?,
             int(heads, "heads")?,
@@ -356,7 +346,7 @@ impl Gpu {
     ) -> Result<()> {
         let d = 256;
         // Check the pointers first (the maps below read the same extents).
-        let checked = prefill_buffers(n, heads, d, d, Some(q), Some(k), Some(v), out, lse)?;
+        let checked = prefill_buffers((n, heads, d, d), q, k, v, out, lse)?;
         // [n, heads, 256] tensors read in boxes of 64 dims × 1 head × 64 tokens.
         let map = |buf: &DevBuf| self.tensor_map_bf16(buf, &[d, heads, n], 64).map(Arg::Map);
         let args = [
@@ -391,28 +381,20 @@ impl Gpu {
 }
 
 /// q, k, v, out and lse of a prefill, checked: [q, k, v, out, lse (null when absent)].
-#[allow(clippy::too_many_arguments)]
 fn prefill_buffers(
-    n: usize,
-    heads: usize,
-    dqk: usize,
-    dv: usize,
-    q: Option<&DevBuf>,
-    k: Option<&DevBuf>,
-    v: Option<&DevBuf>,
+    (n, heads, dqk, dv): (usize, usize, usize, usize),
+    q: &DevBuf,
+    k: &DevBuf,
+    v: &DevBuf,
     out: &DevBuf,
     lse: Option<&DevBuf>,
 ) -> Result<[Arg; 5]> {
     let qk = prod(&[n, heads, dqk])?;
     let vv = prod(&[n, heads, dv])?;
-    let opt = |b: Option<&DevBuf>, len, what| match b {
-        Some(b) => need(what, b, len, Elem::Bf16),
-        None => Ok(Arg::Ptr(Bf16Ptr, 0)),
-    };
     Ok([
-        opt(q, qk, "prefill q")?,
-        opt(k, qk, "prefill k")?,
-        opt(v, vv, "prefill v")?,
+        need("prefill q", q, qk, Elem::Bf16)?,
+        need("prefill k", k, qk, Elem::Bf16)?,
+        need("prefill v", v, vv, Elem::Bf16)?,
         need("prefill out", out, vv, Elem::Bf16)?,
         match lse {
             Some(l) => need("prefill lse", l, prod(&[n, heads])?, Elem::F32)?,
