@@ -33,6 +33,54 @@ pub enum Error {
     /// Any other invalid input or request, described in words.
     #[error("{0}")]
     Invalid(String),
+    /// A call into the CUDA driver, NVRTC or cuBLAS failed; the library's error is the source.
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+}
+
+/// A failed CUDA library call: what mladb was doing, and the library's own error as the source.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("CUDA {what}: {source}")]
+    Driver {
+        what: String,
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+    #[error("NVRTC {what}: {source}")]
+    Nvrtc {
+        what: String,
+        #[source]
+        source: cudarc::nvrtc::result::NvrtcError,
+    },
+    #[error("cuBLAS {what}: {source}")]
+    Blas {
+        what: String,
+        #[source]
+        source: cudarc::cublas::result::CublasError,
+    },
+}
+
+impl CudaError {
+    /// A closure that wraps a driver error with what was being done.
+    pub fn driver(what: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> Error {
+        let what = what.into();
+        move |source| Error::Cuda(CudaError::Driver { what, source })
+    }
+
+    pub fn nvrtc(
+        what: impl Into<String>,
+    ) -> impl FnOnce(cudarc::nvrtc::result::NvrtcError) -> Error {
+        let what = what.into();
+        move |source| Error::Cuda(CudaError::Nvrtc { what, source })
+    }
+
+    pub fn blas(
+        what: impl Into<String>,
+    ) -> impl FnOnce(cudarc::cublas::result::CublasError) -> Error {
+        let what = what.into();
+        move |source| Error::Cuda(CudaError::Blas { what, source })
+    }
 }
 
 impl Error {
@@ -71,3 +119,21 @@ impl Error {
 const STDOUT: &str = "stdout";
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cuda_error_keeps_the_library_error_as_its_source() {
+        use cudarc::cublas::{result::CublasError, sys::cublasStatus_t};
+        let status = cublasStatus_t::CUBLAS_STATUS_EXECUTION_FAILED;
+        let e: Error = CudaError::blas("GEMM")(CublasError(status));
+        assert!(e.to_string().starts_with("cuBLAS GEMM: "), "{e}");
+        let source = std::error::Error::source(&e).expect("the cuBLAS error as the source");
+        assert_eq!(
+            source.downcast_ref::<CublasError>().map(|c| c.0),
+            Some(status)
+        );
+    }
+}

@@ -16,6 +16,7 @@ pub mod error;
 pub mod fsutil;
 pub mod gguf;
 pub mod model;
+pub mod ops;
 pub mod service;
 pub mod session;
 pub mod setup;

@@ -546,6 +546,34 @@ fn dequantization_and_the_quantized_linear_match_the_cpu_codec(gpu: bool) {
     }
 }
 
+/// A norm weight (or bias) whose length is not the row's is refused by every backend, before any
+/// kernel runs: the CPU used to normalise a prefix silently, the GPU to read past the weight.
+fn norms_refuse_a_weight_of_the_wrong_length(gpu: bool) {
+    let x = random(&[3, 16], "x", 1.0);
+    let short = random(&[12], "w", 1.0);
+    let long = random(&[20], "w", 1.0);
+    let fits = random(&[16], "w", 1.0);
+    for u in backends(gpu) {
+        for w in [&short, &long] {
+            let err = u.backend.rms_norm(&x, w, 1e-6).unwrap_err().to_string();
+            assert!(err.contains("rms_norm: weight of"), "{}: {err}", u.name);
+            let err = u
+                .backend
+                .layer_norm(&x, w, &fits, 1e-6)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("layer_norm: weight of"), "{}: {err}", u.name);
+            let err = u
+                .backend
+                .layer_norm(&x, &fits, w, 1e-6)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("layer_norm: bias of"), "{}: {err}", u.name);
+        }
+        assert!(u.backend.rms_norm(&x, &fits, 1e-6).is_ok(), "{}", u.name);
+    }
+}
+
 cpu_and_gpu!(
     linear_norms_rope_and_elementwise_ops,
     statistics_count_everything_on_every_backend,
@@ -556,4 +584,5 @@ cpu_and_gpu!(
     indexer_scores,
     indexer_topk_on_ties_masks_and_short_rows,
     dequantization_and_the_quantized_linear_match_the_cpu_codec,
+    norms_refuse_a_weight_of_the_wrong_length,
 );

@@ -19,7 +19,7 @@ B=.device-bin
 OUT=${OUT:-/tmp}
 if [ "$what" != bench ]; then
   $B/mladb kernels --arch sm_90,sm_120 > "$OUT/kernels.txt" 2>&1; tail -1 "$OUT/kernels.txt"
-  for t in fast_kernels backends gpu_forward; do
+  for t in fast_kernels backends gpu_forward leaks; do
     timeout 150 $B/$t --include-ignored --test-threads=1 > "$OUT/$t.txt" 2>&1 || echo "$t: exit $? (124 = timed out)"
     grep -E "^test |panicked|test result|skipped|worst" "$OUT/$t.txt" | head -30
   done

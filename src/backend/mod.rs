@@ -6,23 +6,14 @@ pub mod checks;
 pub mod cpu;
 pub mod cuda;
 
-use crate::engine::cache::RowSource;
-use crate::engine::faults::KernelFaults;
-use crate::engine::rope::RopeTable;
 use crate::error::Result;
 use crate::model::layout::MoeLayout;
 use crate::model::quant::{QuantFaults, QuantTensor};
+use crate::ops::{KernelFaults, RopeTable, RowSource, StorageDtype};
 use crate::stats::TensorStats;
 use crate::tensor::Tensor;
 
-/// The experts chosen for each token and their weights (already normalised and scaled).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Routing {
-    /// [tokens][top_k] expert ids, in order of choice score.
-    pub experts: Vec<Vec<usize>>,
-    /// [tokens][top_k] weights.
-    pub weights: Vec<Vec<f32>>,
-}
+pub use crate::ops::Routing;
 
 /// Which keys each query row may attend to.
 #[derive(Debug, Clone)]
@@ -306,7 +297,7 @@ pub fn index_topk_host(scores: &Tensor, positions: &[usize], k: usize) -> Result
         .map(|(i, &p)| {
             let row = &scores.row(i)[..=p];
             let mut chosen = if row.len() > k {
-                crate::engine::moe::top_k_indices(row, k)
+                crate::ops::top_k_indices(row, k)
             } else {
                 (0..row.len()).collect()
             };
@@ -328,7 +319,7 @@ pub enum DeviceChoice {
 /// backend and, when `auto` fell back to the CPU, why.
 pub fn select(
     choice: DeviceChoice,
-    storage: crate::engine::StorageDtype,
+    storage: StorageDtype,
 ) -> Result<(Box<dyn Backend>, Option<String>)> {
     match choice {
         DeviceChoice::Cpu => Ok((Box::new(cpu::CpuBackend), None)),

@@ -59,10 +59,7 @@ fn ceilings(gpu: &Gpu) -> Result<Ceilings> {
     let a = random(gpu, n * n, Elem::Bf16, 2, 1.0)?;
     let b = random(gpu, n * n, Elem::Bf16, 3, 1.0)?;
     let c = gpu.alloc(n * n, Elem::Bf16)?;
-    // SAFETY: three live n×n bf16 buffers.
-    let ms = median(gpu.time_ms(3, 20, 1, || unsafe {
-        gpu.gemm_xwt(a.ptr, b.ptr, c.ptr, n, n, n, Elem::Bf16)
-    })?);
+    let ms = median(gpu.time_ms(3, 20, 1, || gpu.gemm_xwt(&a, &b, &c, n, n, n))?);
     let gemm_tflops = 2.0 * (n * n * n) as f64 / (ms * 1e-3) / 1e12;
     Ok(Ceilings {
         copy_gbs,

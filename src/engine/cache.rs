@@ -9,36 +9,10 @@
 //! * [`IndexKeyCache`]: the DSA indexer's keys.
 
 use crate::error::{Error, Result};
+use crate::ops::rows::MirrorSlot;
 use crate::tensor::{checked_numel, BufferId};
 
-/// Tokens per page (FlashMLA and vLLM's MLA backends use 64).
-pub const PAGE_SIZE: usize = 64;
-
-/// Something attention can read cached rows from.
-pub trait RowSource: Sync {
-    /// Number of cached tokens.
-    fn len(&self) -> usize;
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Row of token `t`.
-    fn row(&self, t: usize) -> &[f32];
-    /// The cache's identity (a device mirror is kept per cache).
-    fn id(&self) -> BufferId;
-    /// Values per row.
-    fn width(&self) -> usize;
-    /// The slot of every write so far, in order: a device mirror replays the ones it has not
-    /// seen yet.
-    fn writes(&self) -> &[usize];
-    /// For a paged cache, logical page → physical page.
-    fn block_table(&self) -> Option<&[usize]> {
-        None
-    }
-    /// Unwritten slots hold the poison pattern.
-    fn poisoned(&self) -> bool {
-        false
-    }
-}
+pub use crate::ops::rows::{RowSource, PAGE_SIZE};
 
 /// One layer's paged latent cache.
 #[derive(Debug)]
@@ -53,6 +27,7 @@ pub struct LatentCache {
     len: usize,
     id: BufferId,
     writes: Vec<usize>,
+    mirror: MirrorSlot,
 }
 
 impl LatentCache {
@@ -65,6 +40,7 @@ impl LatentCache {
             len: 0,
             id: BufferId::fresh_cache(),
             writes: Vec::new(),
+            mirror: MirrorSlot::default(),
         }
     }
 
@@ -149,6 +125,10 @@ impl RowSource for LatentCache {
         self.poison
     }
 
+    fn mirror(&self) -> &MirrorSlot {
+        &self.mirror
+    }
+
     fn row(&self, t: usize) -> &[f32] {
         assert!(t < self.len, "latent cache read past its end");
         let page = self.block_table[t / PAGE_SIZE];
@@ -164,6 +144,7 @@ pub struct RowCache {
     data: Vec<f32>,
     id: BufferId,
     writes: Vec<usize>,
+    mirror: MirrorSlot,
 }
 
 impl RowCache {
@@ -173,6 +154,7 @@ impl RowCache {
             data: Vec::new(),
             id: BufferId::fresh_cache(),
             writes: Vec::new(),
+            mirror: MirrorSlot::default(),
         }
     }
 
@@ -223,6 +205,10 @@ impl RowSource for RowCache {
 
     fn row(&self, t: usize) -> &[f32] {
         &self.data[t * self.width..(t + 1) * self.width]
+    }
+
+    fn mirror(&self) -> &MirrorSlot {
+        &self.mirror
     }
 }
 

@@ -252,12 +252,7 @@ impl<'de> Deserialize<'de> for Faults {
     }
 }
 
-/// The faults an attention kernel itself carries out (the rest act in the engine).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct KernelFaults {
-    pub lse_base_mismatch: bool,
-    pub skip_padded_rows: bool,
-}
+pub use crate::ops::KernelFaults;
 
 #[cfg(test)]
 mod tests {

@@ -21,11 +21,11 @@ pub mod forcing;
 pub mod forward;
 pub mod generate;
 pub mod mlp;
-pub mod moe;
-pub mod rope;
 pub mod sink;
 pub mod trace;
 
+/// Routing and RoPE live below the engine (the backends use them too); kept reachable here.
+pub use crate::ops::{moe, rope};
 pub use faults::{Fault, Faults};
 pub use forcing::{ForcedChoice, ForcedSelections};
 pub use forward::{Engine, EngineOptions, LayerTiming, MlaPath, MlaPaths};

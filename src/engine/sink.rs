@@ -12,30 +12,7 @@ use crate::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
-/// How activations are stored between ops.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StorageDtype {
-    /// f32 throughout.
-    #[default]
-    F32,
-    /// Every op's output rounded to bf16 (round to nearest even), arithmetic in f32: what bf16
-    /// activation storage with f32 accumulation does to the numbers.
-    Bf16,
-}
-
-impl std::str::FromStr for StorageDtype {
-    type Err = crate::Error;
-    fn from_str(s: &str) -> Result<StorageDtype> {
-        match s {
-            "f32" => Ok(StorageDtype::F32),
-            "bf16" => Ok(StorageDtype::Bf16),
-            other => Err(crate::Error::invalid(format!(
-                "dtype '{other}' is not f32 or bf16"
-            ))),
-        }
-    }
-}
+pub use crate::ops::StorageDtype;
 
 /// How many ops a run computed and how many it took from an earlier run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

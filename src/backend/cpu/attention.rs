@@ -13,9 +13,8 @@
 
 use super::matmul::{axpy, dot};
 use crate::backend::{AttnMask, KvbSplit, MlaDims};
-use crate::engine::cache::RowSource;
-use crate::engine::faults::KernelFaults;
 use crate::error::Result;
+use crate::ops::{KernelFaults, RowSource};
 use crate::tensor::Tensor;
 use rayon::prelude::*;
 
@@ -95,7 +94,7 @@ pub fn naive(
     out: &mut Tensor,
     faults: KernelFaults,
 ) -> Result<Tensor> {
-    let n = mask.positions.len();
+    let n = super::super::checks::attention_naive(q, k, v, dims, mask)?;
     let d = dims.nope + dims.rope;
     let context = k.len();
     per_query_head(n, dims, out, dims.v, context, |i, h, out, probs| {
@@ -138,7 +137,7 @@ pub fn latent(
     out: &mut Tensor,
     faults: KernelFaults,
 ) -> Result<Tensor> {
-    let n = mask.positions.len();
+    let n = super::super::checks::attention_latent(q_lat, q_pe, cache, dims, mask)?;
     let (l, r) = (dims.latent, dims.rope);
     let context = cache.len();
     per_query_head(n, dims, out, l, context, |i, h, out, probs| {
@@ -205,7 +204,7 @@ pub fn absorb_query(
     dims: MlaDims,
     split: KvbSplit,
 ) -> Result<Tensor> {
-    let n = q_nope.numel() / (dims.heads * dims.nope);
+    let n = super::super::checks::absorb_query(q_nope, kv_b, dims, split)?;
     let (p, v, l) = (dims.nope, dims.v, dims.latent);
     let mut out = Tensor::zeros(&[n, dims.heads, l])?;
     let w = kv_b.data();
@@ -225,7 +224,7 @@ pub fn absorb_query(
 }
 
 pub fn apply_w_uv(o_lat: &Tensor, kv_b: &Tensor, dims: MlaDims, split: KvbSplit) -> Result<Tensor> {
-    let n = o_lat.numel() / (dims.heads * dims.latent);
+    let n = super::super::checks::apply_w_uv(o_lat, kv_b, dims, split)?;
     let (p, v, l) = (dims.nope, dims.v, dims.latent);
     let mut out = Tensor::zeros(&[n, dims.heads * v])?;
     let w = kv_b.data();
@@ -250,9 +249,7 @@ pub fn index_scores(
     positions: &[usize],
     scale: f32,
 ) -> Result<Tensor> {
-    let n = positions.len();
-    let heads = weights.cols();
-    let d = q.numel() / (n * heads).max(1);
+    let (n, heads, d) = super::super::checks::index_scores(q, weights, keys, positions)?;
     let context = keys.len();
     let mut out = Tensor::zeros(&[n, context])?;
     out.data_mut()

@@ -5,11 +5,9 @@ pub mod matmul;
 
 use super::checks::{self, same_shape};
 use super::{AttnMask, Backend, KvbSplit, MlaDims, Routing};
-use crate::engine::cache::RowSource;
-use crate::engine::faults::KernelFaults;
-use crate::engine::rope::RopeTable;
 use crate::error::Result;
 use crate::model::layout::MoeLayout;
+use crate::ops::{KernelFaults, RopeTable, RowSource};
 use crate::stats::TensorStats;
 use crate::tensor::Tensor;
 
@@ -43,7 +41,7 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-        let c = x.cols();
+        let (_, c) = checks::norm("rms_norm", x, weight, None)?;
         let mut out = Tensor::zeros(x.shape())?;
         for (o, row) in out.data_mut().chunks_mut(c).zip(x.data().chunks(c)) {
             let mean_sq = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / c as f64;
@@ -56,7 +54,7 @@ impl Backend for CpuBackend {
     }
 
     fn layer_norm(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-        let c = x.cols();
+        let (_, c) = checks::norm("layer_norm", x, weight, Some(bias))?;
         let mut out = Tensor::zeros(x.shape())?;
         for (o, row) in out.data_mut().chunks_mut(c).zip(x.data().chunks(c)) {
             let mean64 = row.iter().map(|&v| v as f64).sum::<f64>() / c as f64;
@@ -179,7 +177,8 @@ impl Backend for CpuBackend {
     }
 
     fn route(&self, logits: &Tensor, bias: &Tensor, moe: &MoeLayout) -> Result<Routing> {
-        Ok(crate::engine::moe::route(logits, bias.data(), moe))
+        checks::route(logits, bias, moe)?;
+        Ok(crate::ops::moe::route(logits, bias.data(), moe))
     }
 
     fn absorb_query(
@@ -203,7 +202,7 @@ impl Backend for CpuBackend {
     }
 
     fn assemble_kv(&self, kv: &Tensor, k_pe: &Tensor, dims: MlaDims) -> Result<(Tensor, Tensor)> {
-        let n = kv.rows();
+        let n = checks::assemble_kv(kv, k_pe, dims)?;
         let (p, r, v) = (dims.nope, dims.rope, dims.v);
         let mut k = Vec::with_capacity(n * dims.heads * (p + r));
         let mut vals = Vec::with_capacity(n * dims.heads * v);

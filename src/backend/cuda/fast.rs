@@ -5,18 +5,10 @@
 //! The debugger's own attention kernels (attention.cu) also write the attention probabilities
 //! and take fault injections; these do neither, and are built for speed.
 
-use super::device::{Arg, DevBuf, Elem, Gpu};
+use super::device::fast_kernels::{Decode, COMBINE_ROWS_MAX, HEAD_GROUP, MAX_SPLITS};
+pub use super::device::fast_kernels::{LATENT, PAGE, ROPE};
+use super::device::{DevBuf, DevI32, Elem, Gpu};
 use crate::error::{Error, Result};
-
-/// Latent width (kv_lora_rank) and RoPE width of every MLA model mladb knows (GLM-5, DeepSeek-V3).
-pub const LATENT: usize = 512;
-pub const ROPE: usize = 64;
-/// Tokens per page of the paged latent cache.
-pub const PAGE: usize = 64;
-/// The most KV splits (mla_decode.cu's MAX_SPLITS).
-const MAX_SPLITS: usize = 256;
-/// Heads one decode block handles.
-const HEAD_GROUP: usize = 64;
 
 /// One decode launch: `batch` sequences of one query token each.
 #[derive(Clone, Copy, Debug)]
@@ -233,123 +225,39 @@ pub fn mla_decode(
     shape: DecodeShape,
     q: &DevBuf,
     cache: &DevBuf,
-    block_table: &DevBuf,
-    seq_lens: &DevBuf,
+    block_table: &DevI32,
+    seq_lens: &DevI32,
     scale: f32,
     out: &DevBuf,
     lse: &DevBuf,
     work: &DecodeWork,
 ) -> Result<()> {
-    if !shape.heads.is_multiple_of(HEAD_GROUP) {
-        return Err(Error::invalid(format!(
-            "the MLA decode kernel takes heads in groups of {HEAD_GROUP}; got {}",
-            shape.heads
-        )));
-    }
-    let width = LATENT + ROPE;
-    let need = [
-        (q, shape.batch * shape.heads * width, Elem::Bf16, "q"),
-        (out, shape.batch * shape.heads * LATENT, Elem::Bf16, "out"),
-        (lse, shape.batch * shape.heads, Elem::F32, "lse"),
-        (
-            block_table,
-            shape.batch * shape.max_pages,
-            Elem::F32,
-            "block table",
-        ),
-        (seq_lens, shape.batch, Elem::F32, "sequence lengths"),
-        (
-            &work.part_o,
-            shape.batch * work.splits * shape.heads * LATENT,
-            Elem::F32,
-            "workspace",
-        ),
-    ];
-    for (buf, len, elem, what) in need {
-        if buf.len < len || buf.elem != elem {
-            return Err(Error::invalid(format!(
-                "MLA decode: the {what} buffer is too small or of the wrong type"
-            )));
-        }
-    }
-    if cache.elem != Elem::Bf16 || !cache.len.is_multiple_of(PAGE * width) {
-        return Err(Error::invalid(
-            "MLA decode: the cache must be bf16 pages of 64 rows of 576",
-        ));
-    }
-    let scale_log2 = scale * std::f32::consts::LOG2_E;
-    let mut args = vec![];
-    if reads_cache_by_tma(work.kernel) {
-        // Boxes of 32 rows × 64 columns of the cache, in the 128-byte swizzle.
-        args.push(Arg::TensorMap(gpu.tensor_map_bf16(
-            cache,
-            &[width, cache.len / width],
-            32,
-        )?));
-    }
-    args.extend([
-        q.into(),
-        cache.into(),
-        block_table.into(),
-        Arg::I32(shape.max_pages as i32),
-        seq_lens.into(),
-        scale_log2.into(),
-        (&work.part_o).into(),
-        (&work.part_lse).into(),
-        Arg::I32(work.splits as i32),
-        Arg::I32(shape.heads as i32),
-        out.into(),
-        lse.into(),
-    ]);
-    gpu.launch(
-        work.kernel,
-        (
-            work.splits as u32,
-            shape.batch as u32,
-            (shape.heads / HEAD_GROUP) as u32,
-        ),
-        256,
-        work.shared,
-        &args,
-    )?;
+    let launch = Decode {
+        kernel: work.kernel,
+        shared: work.shared,
+        batch: shape.batch,
+        heads: shape.heads,
+        max_pages: shape.max_pages,
+        splits: work.splits,
+        q,
+        cache,
+        block_table,
+        seq_lens,
+        scale_log2: scale * std::f32::consts::LOG2_E,
+        part_o: &work.part_o,
+        part_lse: &work.part_lse,
+        out,
+        lse,
+    };
+    gpu.mla_decode_splits(&launch)?;
     if work.splits == 1 {
         return Ok(()); // the kernel wrote the result itself
     }
-    let merge_args: [Arg; 6] = [
-        (&work.part_o).into(),
-        (&work.part_lse).into(),
-        out.into(),
-        lse.into(),
-        Arg::I32(work.splits as i32),
-        Arg::I32(shape.heads as i32),
-    ];
-    let rows = shape.batch * shape.heads;
-    if work.splits <= combine_rows_max() && rows >= 512 {
-        // Few splits over many rows: a warp per (sequence, head), no block barriers (the
-        // whole decode at batch 64 × 1k, 2 splits, on the H200: 58 µs instead of 86). Under 64
-        // blocks of rows the block-wide merge spreads wider (batch 1 × 1k, 16 splits: 16.3 µs
-        // against 19–20).
-        let mut args = merge_args.to_vec();
-        args.push(Arg::I32(rows as i32));
-        return gpu.launch(
-            "mla_decode_combine_rows",
-            (rows.div_ceil(8) as u32, 1, 1),
-            256,
-            0,
-            &args,
-        );
-    }
-    gpu.launch(
-        "mla_decode_combine",
-        (
-            shape.batch as u32,
-            shape.heads as u32,
-            (LATENT / 128) as u32,
-        ),
-        256,
-        0,
-        &merge_args,
-    )
+    // Few splits over many rows: a warp per (sequence, head), no block barriers (the whole
+    // decode at batch 64 × 1k, 2 splits, on the H200: 58 µs instead of 86). Under 64 blocks of
+    // rows the block-wide merge spreads wider (batch 1 × 1k, 16 splits: 16.3 µs against 19–20).
+    let per_row = work.splits <= combine_rows_max() && shape.batch * shape.heads >= 512;
+    gpu.mla_decode_combine(&launch, per_row)
 }
 
 /// Up to how many splits the per-row merge runs (at most 32, a split per lane);
@@ -359,7 +267,7 @@ fn combine_rows_max() -> usize {
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(16)
-        .min(32)
+        .min(COMBINE_ROWS_MAX)
 }
 
 /// The prefill head dimensions the kernel is built for: (q·k width, v width).
@@ -509,63 +417,23 @@ pub fn flash_prefill_variant(
         Some(v) => Some(v),
         None => prefill_variants_for(gpu, dqk, dv).first().copied(),
     };
-    for (buf, len, what) in [
-        (q, n * heads * dqk, "q"),
-        (k, n * heads * dqk, "k"),
-        (v, n * heads * dv, "v"),
-        (out, n * heads * dv, "out"),
-    ] {
-        if buf.len < len || buf.elem != Elem::Bf16 {
-            return Err(Error::invalid(format!(
-                "prefill: the {what} buffer is too small or not bf16"
-            )));
-        }
-    }
-    if let Some(l) = lse {
-        if l.len < n * heads || l.elem != Elem::F32 {
-            return Err(Error::invalid(
-                "prefill: the lse buffer is too small or not f32",
-            ));
-        }
-    }
     if variant == Some("wgmma") {
         return hopper_prefill(gpu, n, heads, (dqk, dv), q, k, v, scale, out, lse);
     }
-    let (name, rows, tile, smem, tma) = prefill_variant(gpu, dqk, dv, variant)?;
+    let (name, rows, tile, smem, _) = prefill_variant(gpu, dqk, dv, variant)?;
     if n == 0 {
         return Ok(());
     }
-    let mut args = vec![];
-    if tma {
-        // K and V in boxes of 64 dims × 1 head × one tile of keys.
-        let tile = tile as u32;
-        args.push(Arg::TensorMap(gpu.tensor_map_bf16(
-            k,
-            &[dqk, heads, n],
-            tile,
-        )?));
-        args.push(Arg::TensorMap(gpu.tensor_map_bf16(
-            v,
-            &[dv, heads, n],
-            tile,
-        )?));
-    }
-    args.extend([
-        q.into(),
-        k.into(),
-        v.into(),
-        out.into(),
-        lse.map_or(0u64, |l| l.ptr).into(),
-        Arg::I32(n as i32),
-        Arg::I32(heads as i32),
-        (scale * std::f32::consts::LOG2_E).into(),
-    ]);
-    gpu.launch(
+    gpu.flash_prefill(
         &name,
-        (n.div_ceil(rows) as u32, heads as u32, 1),
-        (rows * 2) as u32,
-        smem,
-        &args,
+        (rows, tile, smem),
+        (n, heads, dqk, dv),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        scale * std::f32::consts::LOG2_E,
     )
 }
 
@@ -591,26 +459,15 @@ fn hopper_prefill(
     if n == 0 {
         return Ok(());
     }
-    // [n, heads, 256] tensors read in boxes of 64 dims × 1 head × 64 tokens.
-    let map = |buf: &DevBuf| {
-        gpu.tensor_map_bf16(buf, &[256, heads, n], 64)
-            .map(Arg::TensorMap)
-    };
-    gpu.launch(
-        HOPPER_PREFILL,
-        (n.div_ceil(128) as u32, heads as u32, 1),
-        256,
+    gpu.flash_prefill_wgmma(
         HOPPER_PREFILL_SHARED,
-        &[
-            map(q)?,
-            map(k)?,
-            map(v)?,
-            out.into(),
-            lse.map_or(0u64, |l| l.ptr).into(),
-            Arg::I32(n as i32),
-            Arg::I32(heads as i32),
-            (scale * std::f32::consts::LOG2_E).into(),
-        ],
+        (n, heads),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        scale * std::f32::consts::LOG2_E,
     )
 }
 

@@ -6,9 +6,17 @@
 //! are the *unbiased* s, divided by their sum (+1e-20) when `norm_topk_prob`, times
 //! `routed_scaling_factor`.
 
-use crate::backend::Routing;
 use crate::model::layout::MoeLayout;
 use crate::tensor::Tensor;
+
+/// The experts chosen for each token and their weights (already normalised and scaled).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    /// [tokens][top_k] expert ids, in order of choice score.
+    pub experts: Vec<Vec<usize>>,
+    /// [tokens][top_k] weights.
+    pub weights: Vec<Vec<f32>>,
+}
 
 /// Indices of the `k` largest values, largest first; ties go to the lower index.
 pub fn top_k_indices(values: &[f32], k: usize) -> Vec<usize> {

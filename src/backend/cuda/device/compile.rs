@@ -2,39 +2,43 @@
 //! for the device at hand (the driver JIT-compiles it), or to a cubin for a named architecture
 //! to report registers, shared memory and spills (`mladb kernels --arch sm_120`).
 
-use crate::error::{Error, Result};
+use crate::error::{CudaError, Error, Result};
 use cudarc::nvrtc::{result as nvrtc, sys};
 use std::ffi::CString;
 
-const COMMON: &str = include_str!("../../../kernels/common.cuh");
-const MMA: &str = include_str!("../../../kernels/mma.cuh");
-const WGMMA: &str = include_str!("../../../kernels/wgmma.cuh");
-const TMA: &str = include_str!("../../../kernels/tma.cuh");
+const COMMON: &str = include_str!("../../../../kernels/common.cuh");
+const MMA: &str = include_str!("../../../../kernels/mma.cuh");
+const WGMMA: &str = include_str!("../../../../kernels/wgmma.cuh");
+const TMA: &str = include_str!("../../../../kernels/tma.cuh");
 
 /// (file name, source) of every kernel file.
 pub const SOURCES: &[(&str, &str)] = &[
     (
         "elementwise.cu",
-        include_str!("../../../kernels/elementwise.cu"),
+        include_str!("../../../../kernels/elementwise.cu"),
     ),
-    ("norm.cu", include_str!("../../../kernels/norm.cu")),
-    ("rope.cu", include_str!("../../../kernels/rope.cu")),
-    ("stats.cu", include_str!("../../../kernels/stats.cu")),
-    ("router.cu", include_str!("../../../kernels/router.cu")),
-    ("mla.cu", include_str!("../../../kernels/mla.cu")),
-    ("indexer.cu", include_str!("../../../kernels/indexer.cu")),
-    ("dequant.cu", include_str!("../../../kernels/dequant.cu")),
+    ("norm.cu", include_str!("../../../../kernels/norm.cu")),
+    ("rope.cu", include_str!("../../../../kernels/rope.cu")),
+    ("stats.cu", include_str!("../../../../kernels/stats.cu")),
+    ("router.cu", include_str!("../../../../kernels/router.cu")),
+    ("mla.cu", include_str!("../../../../kernels/mla.cu")),
+    ("indexer.cu", include_str!("../../../../kernels/indexer.cu")),
+    ("dequant.cu", include_str!("../../../../kernels/dequant.cu")),
     (
         "attention.cu",
-        include_str!("../../../kernels/attention.cu"),
+        include_str!("../../../../kernels/attention.cu"),
     ),
     (
         "mla_decode.cu",
-        include_str!("../../../kernels/mla_decode.cu"),
+        include_str!("../../../../kernels/mla_decode.cu"),
+    ),
+    (
+        "mla_decode_splitk.cu",
+        include_str!("../../../../kernels/mla_decode_splitk.cu"),
     ),
     (
         "flash_prefill.cu",
-        include_str!("../../../kernels/flash_prefill.cu"),
+        include_str!("../../../../kernels/flash_prefill.cu"),
     ),
 ];
 
@@ -43,11 +47,11 @@ pub const SOURCES: &[(&str, &str)] = &[
 pub const HOPPER_SOURCES: &[(&str, &str)] = &[
     (
         "mla_decode_sm90.cu",
-        include_str!("../../../kernels/mla_decode_sm90.cu"),
+        include_str!("../../../../kernels/mla_decode_sm90.cu"),
     ),
     (
         "flash_prefill_sm90.cu",
-        include_str!("../../../kernels/flash_prefill_sm90.cu"),
+        include_str!("../../../../kernels/flash_prefill_sm90.cu"),
     ),
 ];
 
@@ -101,9 +105,8 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     if cubin {
         options.push("--ptxas-options=-v".to_string());
     }
-    let fail =
-        |e: &dyn std::fmt::Debug| Error::invalid(format!("NVRTC on {name} for {arch}: {e:?}"));
-    let prog = nvrtc::create_program(&source, Some(&cname)).map_err(|e| fail(&e))?;
+    let fail = || CudaError::nvrtc(format!("on {name} for {arch}"));
+    let prog = nvrtc::create_program(&source, Some(&cname)).map_err(fail())?;
     // SAFETY: `prog` is a live program until destroy_program below; options are valid C strings.
     let compiled = unsafe { nvrtc::compile_program(prog, &options) };
     let log = unsafe { nvrtc::get_program_log(prog) }
@@ -122,7 +125,7 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     } else {
         unsafe { nvrtc::get_ptx(prog) }
             .map(|p| c_chars_to_string(&p).into_bytes())
-            .map_err(|e| fail(&e))
+            .map_err(fail())
     };
     unsafe {
         let _ = nvrtc::destroy_program(prog);
@@ -143,15 +146,13 @@ fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
 /// `prog` must be a successfully compiled NVRTC program (for a real architecture).
 unsafe fn get_cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>> {
     let mut size = 0usize;
-    let r = sys::nvrtcGetCUBINSize(prog, &mut size);
-    if r != sys::nvrtcResult::NVRTC_SUCCESS {
-        return Err(Error::invalid(format!("nvrtcGetCUBINSize: {r:?}")));
-    }
+    sys::nvrtcGetCUBINSize(prog, &mut size)
+        .result()
+        .map_err(CudaError::nvrtc("nvrtcGetCUBINSize"))?;
     let mut buf = vec![0u8; size];
-    let r = sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char);
-    if r != sys::nvrtcResult::NVRTC_SUCCESS {
-        return Err(Error::invalid(format!("nvrtcGetCUBIN: {r:?}")));
-    }
+    sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char)
+        .result()
+        .map_err(CudaError::nvrtc("nvrtcGetCUBIN"))?;
     Ok(buf)
 }
 

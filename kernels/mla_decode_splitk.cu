@@ -1,0 +1,393 @@
+// MLA decode on tensor cores, the split-k variants (mla_decode_ks3/ks2 with cp.async,
+// mla_decode_kt3 with TMA): the same block, work and output as mla_decode_t32/t16 in
+// mla_decode.cu (see the top of that file), with the work inside a block divided so that far less
+// shared memory is read per tile. The splits are merged by mla_decode_combine(_rows) there.
+#include "common.cuh"
+#include "mma.cuh"
+#include "tma.cuh"
+
+#define HEADS 64
+#define DQK 576
+#define DV 512
+#define STRIDE 584   // shared row stride in bf16: 1168 bytes shifts rows by 4 banks
+#define PAGE 64
+#define THREADS 256
+#define NT_OF(TILE) ((TILE) / 2 / 8)
+
+// ---------------------------------------------------------------------------------------------
+// The split-k variant (mla_decode_ks2/ks3): the same function with a work split that reads far
+// less shared memory per tile, which (not DRAM) is what limits the variants above. Per 32-token
+// tile, ldmatrix traffic ~211 KB instead of ~430 KB (plus 48 KB for the partial-S exchange):
+//   S = Q·Kᵀ: warp (mh = w % 2, kq = w / 2) computes a partial S of 32 heads × 32 tokens over a
+//     quarter of the 576 dims (32×32 warp tiles instead of 16×16 halve the operand re-reads);
+//     the four k-quarters are summed through shared memory (float4 per lane, conflict-free),
+//     after which warp (mh, kq) owns the 32 heads × 8 tokens of n-tile kq.
+//   O += P·V: warp w owns all 64 heads × output dims 64w..64w+63, so each V element is read by
+//     one warp only (P, 4 KB, by all eight).
+// Softmax: a lazy running maximum per row (m_run), known to every thread for its rows (S rows
+// of a warp are a subset of its O rows). P is written speculatively against m_run; a thread
+// whose row grows by more than 2^8 raises a flag that __syncthreads_or (the barrier that
+// publishes P anyway) makes block-uniform, and only then do the row maxima go through shared
+// memory, O and the partial sums get rescaled and P is rewritten. So the common tile costs three
+// barriers: tile landed, partial S exchanged, P written. Row sums stay per thread (partial over
+// its tokens) and are added up through shared memory at the end. STAGES = 3 keeps two tiles in
+// flight behind the one being computed (227 KB of shared memory: Hopper, B200).
+#define KS_TILE 32
+#define KS_PSTRIDE (KS_TILE + 8)  // 80-byte rows of P: conflict-free ldmatrix
+
+__device__ __forceinline__ void st_shared_f4(unsigned addr, float a, float b, float c, float d) {
+    asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d));
+}
+
+__device__ __forceinline__ float4 ld_shared_f4(unsigned addr) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+    return v;
+}
+
+// With TMA (mla_decode_kt3; sm_90 and later): the KV tiles come by TMA instead of cp.async, as
+// nine boxes of 32 tokens × 64 dims in the 128-byte swizzle (16-byte chunk c of row r of a box
+// at r·128 + ((c ^ r % 8) · 16), so the ldmatrix rows of one 8×8 matrix fall in 8 different
+// chunks: no bank conflicts without padding). One thread issues a tile's copies; everyone waits
+// on the stage's barrier; a split's short last tile gets its rows past the end zeroed.
+template <int STAGES, bool TMA>
+__device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf16_t* cache, const int* block_table,
+                              int max_pages, const int* seq_lens, float scale_log2, float* part_o, float* part_lse,
+                              int splits, int total_heads, bf16_t* out, float* lse_out) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // The swizzled TMA stages need 1024-byte alignment; the host gives 1 KB of slack for it.
+    unsigned char* smem = TMA ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
+    constexpr int TILE = KS_TILE, PSTRIDE = KS_PSTRIDE;
+    constexpr int CHUNKS = DQK / 8;  // 16-byte chunks per row
+    constexpr int STAGE_BYTES = TMA ? TILE * DQK * 2 : TILE * STRIDE * 2;
+    constexpr int BOX = TILE * 128;  // one TMA box: TILE rows × 64 dims
+    bf16_t* sQ = (bf16_t*)smem;
+    bf16_t* sKV = sQ + HEADS * STRIDE;
+    unsigned char* sX = (unsigned char*)sKV + STAGES * STAGE_BYTES;  // [mh 2][nt 4][kq 4][mt 2] × 512 B
+    bf16_t* sP = (bf16_t*)(sX + 2 * 4 * 4 * 2 * 512);
+    float* sMax = (float*)(sP + HEADS * PSTRIDE);  // [4][HEADS]
+    float* sSum = sMax + 4 * HEADS;                // [4][HEADS]
+    const unsigned sQ_a = smem_addr(sQ), sKV_a = smem_addr(sKV), sX_a = smem_addr(sX), sP_a = smem_addr(sP);
+    const unsigned mbar = smem_addr(sSum + 4 * HEADS);  // [STAGES] TMA barriers
+
+    const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * HEADS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int mh = warp & 1, kq = warp >> 1;
+    const int g = lane / 4, qd = lane % 4, mi = lane / 8;
+    const DecodeSplit range = decode_split(seq_lens[b], splits, split, TILE);
+    const int t_begin = range.begin, t_end = range.end;
+    const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
+
+    if (t_begin >= t_end) {  // an empty split (or sequence): nothing to attend to
+        decode_empty_split(HEADS, DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
+        return;
+    }
+
+    if (TMA) {
+        if (threadIdx.x == 0) {
+            for (int st = 0; st < STAGES; st++) mbar_init(mbar + 8 * st, 1);
+            mbar_init_fence();
+        }
+        __syncthreads();
+    }
+    const bf16_t* qb = q + ((u64)b * total_heads + head0) * DQK;
+    for (int c = threadIdx.x; c < HEADS * CHUNKS; c += THREADS) {
+        int r = c / CHUNKS, k = (c % CHUNKS) * 8;
+        cp_async16(sQ_a + (r * STRIDE + k) * 2, qb + (u64)r * DQK + k);
+    }
+    cp_async_commit();
+
+    const int* bt = block_table + (u64)b * max_pages;
+    auto load_tile = [&](int t0, int stage) {
+        if (TMA) {  // by one thread: nine boxes; a fence orders earlier generic accesses first
+            if (threadIdx.x == 0) {
+                const int row = bt[t0 / PAGE] * PAGE + t0 % PAGE;
+                const unsigned dst = sKV_a + stage * STAGE_BYTES, mb = mbar + 8 * stage;
+                fence_proxy_async();
+                mbar_expect_bytes(mb, STAGE_BYTES);
+#pragma unroll
+                for (int c = 0; c < DQK / 64; c++) tma_load_2d(dst + c * BOX, cache_map, mb, c * 64, row);
+            }
+            return;
+        }
+        const bf16_t* src = cache + ((u64)bt[t0 / PAGE] * PAGE + t0 % PAGE) * DQK;
+        const unsigned dst = sKV_a + stage * STAGE_BYTES;
+#pragma unroll
+        for (int i = 0; i < TILE * CHUNKS / THREADS; i++) {
+            int c = threadIdx.x + i * THREADS;
+            int r = c / CHUNKS, k = (c % CHUNKS) * 8;
+            if (t0 + r < t_end)
+                cp_async16(dst + (r * STRIDE + k) * 2, src + r * DQK + k);
+            else
+                st_shared_zero16(dst + (r * STRIDE + k) * 2);
+        }
+        cp_async_commit();
+    };
+
+    // Per-lane byte addresses. S: A = Q rows of heads 32·mh.., B = K rows of tokens (two n-tiles
+    // per ldmatrix.x4), both at dims 144·kq... P·V: A = P rows, B = V (transposed) at dims 64·w.
+    const unsigned q_lane = sQ_a + ((mh * 32 + (mi % 2) * 8 + lane % 8) * STRIDE + kq * 144 + (mi / 2) * 8) * 2;
+    const unsigned k_lane = (((mi / 2) * 8 + lane % 8) * STRIDE + kq * 144 + (mi % 2) * 8) * 2;
+    const unsigned p_lane = sP_a + (((mi % 2) * 8 + lane % 8) * PSTRIDE + (mi / 2) * 8) * 2;
+    const unsigned v_lane = (((mi % 2) * 8 + lane % 8) * STRIDE + warp * 64 + (mi / 2) * 8) * 2;
+    const unsigned x_lane = sX_a + lane * 16;
+    // With TMA, K and V addresses are made per load from a row part and a swizzled chunk.
+    const int sw = lane & 7;                                               // this lane's row % 8
+    const unsigned k_row = ((mi / 2) * 8 + lane % 8) * 128;                // + 16 rows for b1
+    const int k_chunk = kq * 18 + (mi % 2);                                // + 2 per k-step
+    const unsigned v_row = warp * BOX + ((mi % 2) * 8 + lane % 8) * 128;  // + 16 rows per k-step
+    auto k_addr = [&](unsigned kv, int kk, int rows) {
+        if (!TMA) return kv + k_lane + (rows * STRIDE + kk * 16) * 2;
+        const int c = k_chunk + 2 * kk;
+        return kv + (c >> 3) * BOX + k_row + rows * 128 + (((c & 7) ^ sw) << 4);
+    };
+    auto v_addr = [&](unsigned kv, int ks, int nt) {
+        if (!TMA) return kv + v_lane + (ks * 16 * STRIDE + nt * 8) * 2;
+        return kv + v_row + ks * 16 * 128 + ((((nt + mi / 2) & 7) ^ sw) << 4);
+    };
+
+    float o[4][8][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) o[i][j][0] = o[i][j][1] = o[i][j][2] = o[i][j][3] = 0.0f;
+    float m_run[4][2];  // rows 16·i + g + 8·r of the block (the O rows of this thread)
+#pragma unroll
+    for (int i = 0; i < 4; i++) m_run[i][0] = m_run[i][1] = -INFINITY;
+    float l_part[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // S rows 32·mh + 16·mt + g + 8·r, own tokens
+
+    load_tile(t_begin, 0);
+    if (STAGES == 3) {
+        if (t_begin + TILE < t_end)
+            load_tile(t_begin + TILE, 1);
+        else if (!TMA)
+            cp_async_commit();
+    }
+    if (TMA) cp_async_wait<0>();  // Q (the only cp.async group)
+    int stage = 0;
+    for (int t0 = t_begin; t0 < t_end; t0 += TILE) {
+        if (TMA) {
+            const int j = (t0 - t_begin) / TILE;
+            const unsigned kv = sKV_a + stage * STAGE_BYTES;
+            mbar_wait(mbar + 8 * stage, (j / STAGES) & 1);
+            const int valid = t_end - t0;
+            if (valid < TILE)  // whole 128-byte rows of every box, so the swizzle does not matter
+                for (int i = threadIdx.x; i < (TILE - valid) * CHUNKS; i += THREADS)
+                    st_shared_zero16(kv + ((i % CHUNKS) / 8) * BOX + (valid + i / CHUNKS) * 128 + (i % 8) * 16);
+            __syncthreads();  // tile landed (and zeroed); everyone is done with tile j − 1
+            if (t0 + (STAGES - 1) * TILE < t_end) load_tile(t0 + (STAGES - 1) * TILE, (stage + STAGES - 1) % STAGES);
+        } else if (STAGES == 3) {
+            cp_async_wait<1>();
+            __syncthreads();  // tile landed; everyone is done with the previous tile's stage and P
+            const int ahead = stage == 0 ? 2 : stage - 1;
+            if (t0 + 2 * TILE < t_end)
+                load_tile(t0 + 2 * TILE, ahead);
+            else
+                cp_async_commit();  // an empty group keeps the wait count uniform
+        } else {
+            cp_async_wait<0>();
+            __syncthreads();
+            if (t0 + TILE < t_end) load_tile(t0 + TILE, stage ^ 1);
+        }
+        const unsigned kv = sKV_a + stage * STAGE_BYTES;
+
+        // Partial S over this warp's quarter of the dims: 32 heads × 32 tokens, 8 chains of mma.
+        float s[2][4][4];
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) s[i][j][0] = s[i][j][1] = s[i][j][2] = s[i][j][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < DQK / 16 / 4; kk++) {
+            unsigned a0[4], a1[4], b0[4], b1[4];
+            ldsm_x4(a0, q_lane + kk * 32);
+            ldsm_x4(a1, q_lane + 16 * STRIDE * 2 + kk * 32);
+            ldsm_x4(b0, k_addr(kv, kk, 0));
+            ldsm_x4(b1, k_addr(kv, kk, 16));
+            mma_bf16(s[0][0], a0, b0);
+            mma_bf16(s[0][1], a0, b0 + 2);
+            mma_bf16(s[0][2], a0, b1);
+            mma_bf16(s[0][3], a0, b1 + 2);
+            mma_bf16(s[1][0], a1, b0);
+            mma_bf16(s[1][1], a1, b0 + 2);
+            mma_bf16(s[1][2], a1, b1);
+            mma_bf16(s[1][3], a1, b1 + 2);
+        }
+
+        // Exchange: keep n-tile kq, hand the other three to their owners, add theirs.
+        float v[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                if (nt == kq) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) v[mt][e] = s[mt][nt][e];
+                } else {
+                    st_shared_f4(x_lane + (((mh * 4 + nt) * 4 + kq) * 2 + mt) * 512, s[mt][nt][0], s[mt][nt][1],
+                                 s[mt][nt][2], s[mt][nt][3]);
+                }
+            }
+        __syncthreads();
+#pragma unroll
+        for (int src = 0; src < 4; src++)
+            if (src != kq) {
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    float4 x = ld_shared_f4(x_lane + (((mh * 4 + kq) * 4 + src) * 2 + mt) * 512);
+                    v[mt][0] += x.x;
+                    v[mt][1] += x.y;
+                    v[mt][2] += x.z;
+                    v[mt][3] += x.w;
+                }
+            }
+
+        // Scores in base 2, P against the running maxima, speculatively.
+        const int tok = t0 + kq * 8 + qd * 2;
+        float mr[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) mr[mt][r] = mh ? m_run[2 + mt][r] : m_run[mt][r];
+        bool grow = false;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float x = tok + (e % 2) < t_end ? v[mt][e] * scale_log2 : -INFINITY;
+                v[mt][e] = x;
+                grow |= x - mr[mt][e / 2] > 8.0f;
+            }
+        float p[2][4];
+        auto write_p = [&]() {
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const float m_use = mr[mt][r] == -INFINITY ? 0.0f : mr[mt][r];
+                    p[mt][2 * r] = fast_exp2(v[mt][2 * r] - m_use);
+                    p[mt][2 * r + 1] = fast_exp2(v[mt][2 * r + 1] - m_use);
+                    *(unsigned*)(sP + (mh * 32 + mt * 16 + g + 8 * r) * PSTRIDE + kq * 8 + qd * 2) =
+                        pack_bf16(p[mt][2 * r], p[mt][2 * r + 1]);
+                }
+        };
+        write_p();
+        if (__syncthreads_or(grow)) {
+            // Some row grew: its maximum over the tile goes through shared memory, every thread
+            // moves the maxima of its rows alike, rescales, and P is written again.
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    float mx = fmaxf(v[mt][2 * r], v[mt][2 * r + 1]);
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    if (qd == 0) sMax[kq * HEADS + mh * 32 + mt * 16 + g + 8 * r] = mx;
+                }
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const int row = i * 16 + g + 8 * r;
+                    float m_tile = fmaxf(fmaxf(sMax[row], sMax[HEADS + row]), fmaxf(sMax[2 * HEADS + row], sMax[3 * HEADS + row]));
+                    float m_new = fmaxf(m_run[i][r], m_tile);
+                    float alpha = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[i][r] - m_new);
+                    m_run[i][r] = m_new;
+#pragma unroll
+                    for (int nt = 0; nt < 8; nt++) {
+                        o[i][nt][2 * r] *= alpha;
+                        o[i][nt][2 * r + 1] *= alpha;
+                    }
+                    if ((i >> 1) == mh) l_part[i & 1][r] *= alpha;
+                }
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) mr[mt][r] = mh ? m_run[2 + mt][r] : m_run[mt][r];
+            write_p();
+            __syncthreads();
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) l_part[mt][r] += p[mt][2 * r] + p[mt][2 * r + 1];
+
+        // O += P·V: 64 heads × this warp's 64 dims.
+#pragma unroll
+        for (int ks = 0; ks < TILE / 16; ks++) {
+            unsigned a[4][4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) ldsm_x4(a[i], p_lane + (i * 16 * PSTRIDE + ks * 16) * 2);
+#pragma unroll
+            for (int nt = 0; nt < 8; nt += 2) {
+                unsigned bb[4];
+                ldsm_x4_trans(bb, v_addr(kv, ks, nt));
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    mma_bf16(o[i][nt], a[i], bb);
+                    mma_bf16(o[i][nt + 1], a[i], bb + 2);
+                }
+            }
+        }
+        stage = stage + 1 == STAGES ? 0 : stage + 1;
+    }
+
+    // Row sums: this thread's tokens, its quad, then the four token quarters.
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float l = l_part[mt][r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            if (qd == 0) sSum[kq * HEADS + mh * 32 + mt * 16 + g + 8 * r] = l;
+        }
+    __syncthreads();
+    const float ln2 = 0.6931471805599453f;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int row = i * 16 + g + 8 * r;
+            const float l = (sSum[row] + sSum[HEADS + row]) + (sSum[2 * HEADS + row] + sSum[3 * HEADS + row]);
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const float lse = l > 0.0f ? (m_run[i][r] + log2f(l)) * ln2 : -INFINITY;
+            if (splits == 1) {
+                const u64 orow = (u64)b * total_heads + head0 + row;
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++)
+                    *(unsigned*)(out + orow * DV + warp * 64 + nt * 8 + qd * 2) =
+                        pack_bf16(o[i][nt][2 * r] * inv, o[i][nt][2 * r + 1] * inv);
+                if (warp == 0 && qd == 0) lse_out[orow] = lse;
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++)
+                    *(float2*)(part_o + (out_row + row) * DV + warp * 64 + nt * 8 + qd * 2) =
+                        make_float2(o[i][nt][2 * r] * inv, o[i][nt][2 * r + 1] * inv);
+                if (warp == 0 && qd == 0) part_lse[out_row + row] = lse;
+            }
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks3(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
+               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_ks<3, false>(nullptr, q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks2(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
+               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_ks<2, false>(nullptr, q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+}
+
+// The split-k kernel fed by TMA: for sm_90 and later (Hopper, B200, sm_120), where cp.async
+// loads held the portable kernels to under half the copy bandwidth on the H200. The host never
+// launches it below sm_90 (there it is a trap).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_kt3(const __grid_constant__ TmaMap cache_map, const bf16_t* q, const bf16_t* cache, const int* bt,
+               int max_pages, const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    mla_decode_ks<3, true>(&cache_map, q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+#else
+    __trap();
+#endif
+}

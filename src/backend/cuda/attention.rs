@@ -1,0 +1,304 @@
+//! The attention ops on the device (naive over expanded K/V, absorbed over the paged latent
+//! cache, the DSA indexer's scores and top-k) and the device mirrors of the KV caches they read.
+//!
+//! A cache's mirror lives in the cache's own [`MirrorSlot`](crate::ops::MirrorSlot): it is freed
+//! with the cache, so engines made and dropped by restarts and flag changes leave no device
+//! memory behind.
+
+use super::device::mla_kernels::{LatentAttention, NaiveAttention};
+use super::device::{DevBuf, DevBytes, Elem};
+use super::{buf, CudaBackend};
+use crate::backend::{checks, AttnMask, MlaDims};
+use crate::error::Result;
+use crate::ops::{KernelFaults, RowSource, PAGE_SIZE};
+use crate::tensor::{DeviceBuffer, Tensor};
+use std::any::Any;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, MutexGuard};
+
+/// Cache mirrors alive in this process, and their device bytes.
+static LIVE_MIRRORS: AtomicUsize = AtomicUsize::new(0);
+static LIVE_MIRROR_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+/// How many KV-cache mirrors are alive on the device, and their bytes (for the leak tests).
+pub fn live_cache_mirrors() -> (usize, usize) {
+    (
+        LIVE_MIRRORS.load(Ordering::Relaxed),
+        LIVE_MIRROR_BYTES.load(Ordering::Relaxed),
+    )
+}
+
+/// A device copy of a KV cache, kept in step with the host cache's writes.
+struct CacheMirror {
+    /// The backend that made it (its buffer belongs to that backend's context and dtype).
+    backend: u64,
+    buf: DevBuf,
+    /// Rows the buffer holds.
+    rows: usize,
+    /// Writes of the host cache already applied.
+    applied: usize,
+}
+
+impl CacheMirror {
+    fn new(backend: u64, buf: DevBuf, rows: usize, applied: usize) -> CacheMirror {
+        LIVE_MIRRORS.fetch_add(1, Ordering::Relaxed);
+        LIVE_MIRROR_BYTES.fetch_add(buf.bytes(), Ordering::Relaxed);
+        CacheMirror {
+            backend,
+            buf,
+            rows,
+            applied,
+        }
+    }
+}
+
+impl Drop for CacheMirror {
+    fn drop(&mut self) {
+        LIVE_MIRRORS.fetch_sub(1, Ordering::Relaxed);
+        LIVE_MIRROR_BYTES.fetch_sub(self.buf.bytes(), Ordering::Relaxed);
+    }
+}
+
+/// A cache's mirror slot, locked, holding this backend's up-to-date mirror.
+type Mirror<'a> = MutexGuard<'a, Option<Box<dyn Any + Send + Sync>>>;
+
+fn mirror_buf<'a>(slot: &'a Mirror) -> &'a DevBuf {
+    &slot
+        .as_ref()
+        .and_then(|m| m.downcast_ref::<CacheMirror>())
+        .expect("sync_cache leaves a mirror")
+        .buf
+}
+
+impl CudaBackend {
+    /// Brings a cache's device mirror up to date and returns its slot, locked (the mirror stays
+    /// put while a kernel is queued on it).
+    fn sync_cache<'a>(&self, src: &'a dyn RowSource) -> Result<Mirror<'a>> {
+        let mut slot = src.mirror().lock();
+        let width = src.width();
+        let physical = |s: usize| match src.block_table() {
+            Some(bt) => bt[s / PAGE_SIZE] * PAGE_SIZE + s % PAGE_SIZE,
+            None => s,
+        };
+        let needed = match src.block_table() {
+            Some(bt) => (bt.iter().max().map_or(0, |m| m + 1)) * PAGE_SIZE,
+            None => src.len(),
+        }
+        .max(1);
+        let old = slot
+            .take()
+            .and_then(|m| m.downcast::<CacheMirror>().ok())
+            .filter(|m| m.backend == self.id && m.buf.elem() == self.elem);
+        let mut mirror = match old {
+            Some(m) if m.rows >= needed => *m,
+            old => {
+                let rows = needed.max(old.as_ref().map_or(0, |m| m.rows * 2));
+                let mut buf = self.gpu.alloc(rows * width, self.elem)?;
+                self.gpu.fill(&buf, src.poisoned())?;
+                let applied = match &old {
+                    Some(m) => {
+                        self.gpu.copy(&m.buf, 0, &mut buf, 0, m.rows * width)?;
+                        m.applied
+                    }
+                    None => 0,
+                };
+                CacheMirror::new(self.id, buf, rows, applied)
+            }
+        };
+        // Replay the new writes, uploading runs of consecutive slots at once.
+        let writes = &src.writes()[mirror.applied..];
+        let mut i = 0;
+        while i < writes.len() {
+            let mut j = i + 1;
+            while j < writes.len()
+                && writes[j] == writes[j - 1] + 1
+                && physical(writes[j]) == physical(writes[j - 1]) + 1
+            {
+                j += 1;
+            }
+            let rows: Vec<f32> = writes[i..j]
+                .iter()
+                .flat_map(|&s| src.row(s).to_vec())
+                .collect();
+            self.gpu
+                .write(&mut mirror.buf, physical(writes[i]) * width, &rows)?;
+            i = j;
+        }
+        mirror.applied = src.writes().len();
+        *slot = Some(Box::new(mirror));
+        Ok(slot)
+    }
+
+    /// The mask as bytes [n, context] (1 = the query may see the key), or none for plain causal
+    /// masking.
+    fn mask_bytes(&self, mask: &AttnMask, context: usize) -> Result<Option<DevBytes>> {
+        let Some(sel) = &mask.selected else {
+            return Ok(None);
+        };
+        let mut bytes = vec![0u8; sel.len() * context];
+        for (i, keys) in sel.iter().enumerate() {
+            for &j in keys {
+                if j < context {
+                    bytes[i * context + j] = 1;
+                }
+            }
+        }
+        self.gpu.upload_bytes(&bytes).map(Some)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn naive_attention(
+        &self,
+        q: &Tensor,
+        k: &dyn RowSource,
+        v: &dyn RowSource,
+        dims: MlaDims,
+        mask: &AttnMask,
+        scale: f32,
+        out: &mut Tensor,
+        faults: KernelFaults,
+    ) -> Result<Tensor> {
+        let n = checks::attention_naive(q, k, v, dims, mask)?;
+        let context = k.len();
+        let heads = dims.heads;
+        checks::attention_out(out, n, dims, dims.v)?;
+        let qd = self.dev(q)?;
+        let (kd, vd) = (self.sync_cache(k)?, self.sync_cache(v)?);
+        let od = self.dev(out)?;
+        let pos = self.indices(&mask.positions)?;
+        let m = self.mask_bytes(mask, context)?;
+        let probs = self.gpu.alloc(heads * n * context, Elem::F32)?;
+        self.gpu.fill(&probs, false)?;
+        self.gpu.attn_naive(&NaiveAttention {
+            q: buf(&qd),
+            k: mirror_buf(&kd),
+            v: mirror_buf(&vd),
+            positions: &pos,
+            mask: m.as_ref(),
+            out: buf(&od),
+            probs: &probs,
+            n,
+            heads,
+            d: dims.nope + dims.rope,
+            dv: dims.v,
+            context,
+            scale,
+            skip_padded_rows: faults.skip_padded_rows,
+        })?;
+        drop((kd, vd));
+        self.refresh_host(out, &od)?;
+        self.finish(probs, &[heads, n, context])
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn latent_attention(
+        &self,
+        q_lat: &Tensor,
+        q_pe: &Tensor,
+        cache: &dyn RowSource,
+        dims: MlaDims,
+        mask: &AttnMask,
+        scale: f32,
+        out: &mut Tensor,
+        faults: KernelFaults,
+    ) -> Result<Tensor> {
+        let n = checks::attention_latent(q_lat, q_pe, cache, dims, mask)?;
+        let context = cache.len();
+        let heads = dims.heads;
+        checks::attention_out(out, n, dims, dims.latent)?;
+        let (qld, qpd) = (self.dev(q_lat)?, self.dev(q_pe)?);
+        let cd = self.sync_cache(cache)?;
+        // A cache without pages is its own single run of rows: the identity table.
+        let table: Vec<usize> = match cache.block_table() {
+            Some(bt) => bt.to_vec(),
+            None => (0..context.div_ceil(PAGE_SIZE)).collect(),
+        };
+        let bt = self.indices(if table.is_empty() { &[0] } else { &table })?;
+        let od = self.dev(out)?;
+        let pos = self.indices(&mask.positions)?;
+        let m = self.mask_bytes(mask, context)?;
+        let probs = self.gpu.alloc(heads * n * context, Elem::F32)?;
+        self.gpu.fill(&probs, false)?;
+        self.gpu.attn_latent(&LatentAttention {
+            q_lat: buf(&qld),
+            q_pe: buf(&qpd),
+            cache: mirror_buf(&cd),
+            block_table: &bt,
+            positions: &pos,
+            mask: m.as_ref(),
+            out: buf(&od),
+            probs: &probs,
+            n,
+            heads,
+            latent: dims.latent,
+            rope: dims.rope,
+            context,
+            scale,
+            lse_base_mismatch: faults.lse_base_mismatch,
+            skip_padded_rows: faults.skip_padded_rows,
+        })?;
+        drop(cd);
+        self.refresh_host(out, &od)?;
+        self.finish(probs, &[heads, n, context])
+    }
+
+    pub(super) fn indexer_scores(
+        &self,
+        q: &Tensor,
+        weights: &Tensor,
+        keys: &dyn RowSource,
+        positions: &[usize],
+        scale: f32,
+    ) -> Result<Tensor> {
+        let (n, heads, d) = checks::index_scores(q, weights, keys, positions)?;
+        let context = keys.len();
+        let (qd, wd) = (self.dev(q)?, self.dev(weights)?);
+        let kd = self.sync_cache(keys)?;
+        let pos = self.indices(positions)?;
+        let out = self.gpu.alloc(n * context, Elem::F32)?;
+        self.gpu.index_scores(
+            buf(&qd),
+            buf(&wd),
+            mirror_buf(&kd),
+            &pos,
+            &out,
+            (n, heads, d, context),
+            scale,
+        )?;
+        drop(kd);
+        self.finish(out, &[n, context])
+    }
+
+    pub(super) fn indexer_topk(
+        &self,
+        scores: &Tensor,
+        positions: &[usize],
+        k: usize,
+    ) -> Result<Vec<Vec<usize>>> {
+        checks::index_topk(scores, positions)?;
+        let (n, context) = (scores.rows(), scores.cols());
+        if n == 0 || context == 0 {
+            return Ok(vec![Vec::new(); n]);
+        }
+        // The scores as f32 on the device: index_scores leaves them there.
+        let on_device = scores.device().filter(|d| {
+            d.as_any()
+                .downcast_ref::<DevBuf>()
+                .is_some_and(|b| b.elem() == Elem::F32)
+        });
+        let scores_dev: Arc<dyn DeviceBuffer> = match on_device {
+            Some(d) => d.clone(),
+            None => Arc::new(self.gpu.upload(scores.data(), Elem::F32)?),
+        };
+        let pos = self.indices(positions)?;
+        let cells = crate::tensor::checked_numel(&[n, context], "top-k selection")?;
+        let selected = self.gpu.alloc_vec::<u8>(cells)?;
+        self.gpu
+            .topk_select(buf(&scores_dev), &pos, &selected, (n, context), k)?;
+        let flags = self.gpu.download_vec(&selected, cells)?;
+        Ok(flags
+            .chunks(context)
+            .map(|row| (0..context).filter(|&j| row[j] != 0).collect())
+            .collect())
+    }
+}

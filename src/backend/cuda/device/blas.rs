@@ -1,0 +1,147 @@
+//! The two other foreign calls on device buffers: the cuBLAS GEMM behind every linear layer, and
+//! the driver's encoding of TMA tensor maps for the Hopper kernels. Both check their buffers.
+
+use super::{DevBuf, Elem, Gpu};
+use crate::error::{CudaError, Error, Result};
+
+/// A Hopper TMA descriptor (CUtensorMap: 128 opaque bytes, 64-byte aligned), made on the host
+/// by the driver and passed to a kernel by value.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug)]
+pub struct TensorMap([u64; 16]);
+
+// SAFETY: plain bytes with the size and alignment of CUtensorMap, copied into the kernel's
+// parameter space as they are.
+unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
+
+fn dim(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::invalid(format!("GEMM: {what} {v} past cuBLAS's int")))
+}
+
+impl Gpu {
+    /// y [n, out] = x [n, k] · wᵀ (w [out, k]), all row-major in one storage type, f32
+    /// accumulation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_xwt(
+        &self,
+        x: &DevBuf,
+        w: &DevBuf,
+        y: &DevBuf,
+        n: usize,
+        k: usize,
+        out: usize,
+    ) -> Result<()> {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+        };
+        let elem = y.elem();
+        let fits =
+            |b: &DevBuf, len: Option<usize>| b.elem() == elem && len.is_some_and(|l| b.len() >= l);
+        if !fits(x, n.checked_mul(k))
+            || !fits(w, out.checked_mul(k))
+            || !fits(y, n.checked_mul(out))
+        {
+            return Err(Error::invalid(format!(
+                "GEMM: buffers of {}, {} and {} elements for [{n}, {k}] · [{out}, {k}]ᵀ",
+                x.len(),
+                w.len(),
+                y.len()
+            )));
+        }
+        let (ni, ki, oi) = (dim(n, "rows")?, dim(k, "inner size")?, dim(out, "columns")?);
+        if n == 0 || out == 0 {
+            return Ok(());
+        }
+        let ty = match elem {
+            Elem::F32 => cudaDataType_t::CUDA_R_32F,
+            Elem::Bf16 => cudaDataType_t::CUDA_R_16BF,
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Row-major y [n, out] is, column-major, y' (out × n) = w' (read transposed, lda = k)
+        // times x' (ldb = k); alpha and beta are host f32 as CUBLAS_COMPUTE_32F expects.
+        // SAFETY: the three buffers are live and hold n·k, out·k and n·out elements of the type
+        // passed (checked above); alpha and beta outlive the call.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                oi,
+                ni,
+                ki,
+                (&alpha) as *const f32 as *const _,
+                w.ptr() as *const _,
+                ty,
+                ki,
+                x.ptr() as *const _,
+                ty,
+                ki,
+                (&beta) as *const f32 as *const _,
+                y.ptr() as *mut _,
+                ty,
+                oi,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(CudaError::blas("GEMM"))
+    }
+
+    /// A tensor map over a dense row-major bf16 tensor at `buf` with dimensions `dims`
+    /// (innermost first; 2 or 3 of them), read in boxes of 64 elements (128 bytes) of the
+    /// innermost dimension × 1 × … × `box_rows` of the outermost, with the 128-byte swizzle
+    /// that warpgroup MMAs read: for TMA copies (`cp.async.bulk.tensor`) on Hopper. Boxes past
+    /// the end of a dimension are filled with zeros.
+    pub(super) fn tensor_map_bf16(
+        &self,
+        buf: &DevBuf,
+        dims: &[usize],
+        box_rows: u32,
+    ) -> Result<TensorMap> {
+        use cudarc::driver::sys;
+        let count = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if buf.elem() != Elem::Bf16
+            || !(2..=3).contains(&dims.len())
+            || count.is_none_or(|c| buf.len() < c)
+            || !dims[0].is_multiple_of(64)
+            || !(1..=256).contains(&box_rows)
+        {
+            return Err(Error::invalid(
+                "tensor map: the buffer is not a bf16 tensor of whole 64-element boxes",
+            ));
+        }
+        let mut map = sys::CUtensorMap { opaque: [0; 16] };
+        let rank = dims.len();
+        let sizes: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+        // Bytes between consecutive indices of each dimension but the innermost.
+        let strides: Vec<u64> = (1..rank)
+            .map(|i| (dims[..i].iter().product::<usize>() * 2) as u64)
+            .collect();
+        let mut boxes = vec![1u32; rank];
+        boxes[0] = 64;
+        boxes[rank - 1] = box_rows;
+        let steps = vec![1u32; rank];
+        // SAFETY: every pointer is to a live local of the length the driver reads (`rank`, or
+        // `rank` − 1 strides); the global address is a live device allocation of the tensor,
+        // whose extent the dimensions do not exceed (checked above).
+        let r = unsafe {
+            sys::cuTensorMapEncodeTiled(
+                &mut map,
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                rank as u32,
+                buf.ptr() as *mut std::ffi::c_void,
+                sizes.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                steps.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        r.result()
+            .map_err(CudaError::driver("cuTensorMapEncodeTiled"))?;
+        Ok(TensorMap(map.opaque))
+    }
+}

@@ -1,0 +1,385 @@
+//! Typed device buffers and the copies between host and device.
+//!
+//! [`DevBuf`] holds values of the backend's storage type (f32 or bf16, chosen at run time, as the
+//! kernel-name suffix is); [`DevVec`] holds plain i32, byte or f64 values. An i32 buffer uploaded
+//! from the host remembers the range of its values, so that a launcher can check indices the
+//! kernel will read from it (block tables, row lists) before the launch. Fields are private: a
+//! buffer's pointer reaches a kernel only through a typed launcher.
+
+use super::{Allocation, Gpu};
+use crate::error::{CudaError, Error, Result};
+use crate::tensor::{DeviceBuffer, POISON_BITS};
+use cudarc::driver::{CudaSlice, DevicePtr};
+use std::any::Any;
+use std::marker::PhantomData;
+use std::sync::atomic::Ordering;
+
+/// How values are stored on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elem {
+    F32,
+    Bf16,
+}
+
+impl Elem {
+    pub fn size(self) -> usize {
+        match self {
+            Elem::F32 => 4,
+            Elem::Bf16 => 2,
+        }
+    }
+
+    /// The kernel-name suffix of this storage type.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Elem::F32 => "f32",
+            Elem::Bf16 => "bf16",
+        }
+    }
+
+    /// The storage type a kernel name's suffix (`_f32`, `_bf16`) stands for.
+    pub fn of_kernel(name: &str) -> Option<Elem> {
+        if name.ends_with("_bf16") {
+            Some(Elem::Bf16)
+        } else if name.ends_with("_f32") {
+            Some(Elem::F32)
+        } else {
+            None
+        }
+    }
+}
+
+/// bf16 bits of the poison pattern (its high half), and the f32 pattern it stands for on the host.
+pub(super) const POISON_BF16: u16 = (POISON_BITS >> 16) as u16;
+
+fn to_bf16(v: f32) -> u16 {
+    if v.to_bits() == POISON_BITS {
+        return POISON_BF16;
+    }
+    half::bf16::from_f32(v).to_bits()
+}
+
+fn from_bf16(b: u16) -> f32 {
+    if b == POISON_BF16 {
+        return f32::from_bits(POISON_BITS);
+    }
+    half::bf16::from_bits(b).to_f32()
+}
+
+/// One device allocation of storage values (f32 or bf16). The registry numbers every allocation.
+pub struct DevBuf {
+    slice: CudaSlice<u8>,
+    ptr: u64,
+    elem: Elem,
+    /// Elements (of `elem`), not bytes.
+    len: usize,
+    serial: u64,
+}
+
+impl DevBuf {
+    pub fn elem(&self) -> Elem {
+        self.elem
+    }
+
+    /// Elements, not bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn serial(&self) -> u64 {
+        self.serial
+    }
+
+    pub(super) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl DeviceBuffer for DevBuf {
+    fn address(&self) -> u64 {
+        self.ptr
+    }
+    fn bytes(&self) -> usize {
+        self.len * self.elem.size()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A plain value type a [`DevVec`] holds.
+pub trait Plain: Copy {
+    const SIZE: usize;
+    fn from_le(bytes: &[u8]) -> Self;
+    fn to_le(self, out: &mut Vec<u8>);
+    /// The value as an index, for the range of an uploaded buffer (none for non-integers).
+    fn as_index(self) -> Option<i64>;
+}
+
+impl Plain for i32 {
+    const SIZE: usize = 4;
+    fn from_le(b: &[u8]) -> i32 {
+        i32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+    fn to_le(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes())
+    }
+    fn as_index(self) -> Option<i64> {
+        Some(self as i64)
+    }
+}
+
+impl Plain for u8 {
+    const SIZE: usize = 1;
+    fn from_le(b: &[u8]) -> u8 {
+        b[0]
+    }
+    fn to_le(self, out: &mut Vec<u8>) {
+        out.push(self)
+    }
+    fn as_index(self) -> Option<i64> {
+        Some(self as i64)
+    }
+}
+
+impl Plain for f64 {
+    const SIZE: usize = 8;
+    fn from_le(b: &[u8]) -> f64 {
+        f64::from_le_bytes(b[..8].try_into().expect("8 bytes"))
+    }
+    fn to_le(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes())
+    }
+    fn as_index(self) -> Option<i64> {
+        None
+    }
+}
+
+/// A device buffer of plain values of type `T`.
+pub struct DevVec<T: Plain> {
+    slice: CudaSlice<u8>,
+    ptr: u64,
+    len: usize,
+    serial: u64,
+    /// The smallest and largest value, when the host wrote every value (uploads); `None` for a
+    /// buffer a kernel writes.
+    range: Option<(i64, i64)>,
+    _values: PhantomData<T>,
+}
+
+/// Positions, indices, block tables.
+pub type DevI32 = DevVec<i32>;
+/// Masks, quantized blocks, flags.
+pub type DevBytes = DevVec<u8>;
+/// The statistics kernels' partial sums.
+pub type DevF64 = DevVec<f64>;
+
+impl<T: Plain> DevVec<T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn serial(&self) -> u64 {
+        self.serial
+    }
+
+    pub(super) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Whether the first `count` values are known to lie in lo..hi (true for `count` = 0).
+    pub(super) fn values_within(&self, count: usize, lo: i64, hi: i64) -> bool {
+        count == 0
+            || (count <= self.len && self.range.is_some_and(|(min, max)| min >= lo && max < hi))
+    }
+}
+
+fn byte_count(len: usize, size: usize) -> Result<usize> {
+    len.checked_mul(size).ok_or_else(|| Error::Allocation {
+        what: "device buffer".into(),
+        detail: format!("{len} elements of {size} bytes overflow"),
+    })
+}
+
+impl Gpu {
+    /// `bytes` of uninitialised device memory, numbered in the registry.
+    fn alloc_bytes(&self, bytes: usize) -> Result<(CudaSlice<u8>, u64, u64)> {
+        let bytes = bytes.max(4);
+        // SAFETY: device memory is only ever copied as plain bytes (every bit pattern is a valid
+        // f32, bf16, i32, byte or f64), so memory no kernel has written yet reads as garbage,
+        // never as undefined behaviour; every caller fills what it reads.
+        let slice = unsafe { self.stream.alloc::<u8>(bytes) }
+            .map_err(CudaError::driver(format!("alloc of {bytes} bytes")))?;
+        let ptr = {
+            let (p, _sync) = slice.device_ptr(&self.stream);
+            p
+        };
+        let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
+        let mut reg = self.registry.lock().unwrap_or_else(|p| p.into_inner());
+        reg.push(Allocation { serial, ptr, bytes });
+        if reg.len() > 4096 {
+            reg.drain(..1024);
+        }
+        Ok((slice, ptr, serial))
+    }
+
+    /// Allocates `len` elements of `elem` (contents undefined until written).
+    pub fn alloc(&self, len: usize, elem: Elem) -> Result<DevBuf> {
+        let bytes = byte_count(len, elem.size())?;
+        let (slice, ptr, serial) = self.alloc_bytes(bytes)?;
+        Ok(DevBuf {
+            slice,
+            ptr,
+            elem,
+            len,
+            serial,
+        })
+    }
+
+    /// Allocates `len` plain values for a kernel to write.
+    pub fn alloc_vec<T: Plain>(&self, len: usize) -> Result<DevVec<T>> {
+        let bytes = byte_count(len, T::SIZE)?;
+        let (slice, ptr, serial) = self.alloc_bytes(bytes)?;
+        Ok(DevVec {
+            slice,
+            ptr,
+            len,
+            serial,
+            range: None,
+            _values: PhantomData,
+        })
+    }
+
+    /// A buffer holding `data` in `elem`.
+    pub fn upload(&self, data: &[f32], elem: Elem) -> Result<DevBuf> {
+        let mut buf = self.alloc(data.len(), elem)?;
+        self.write(&mut buf, 0, data)?;
+        Ok(buf)
+    }
+
+    /// Writes `data` at element offset `at` of `buf`.
+    pub fn write(&self, buf: &mut DevBuf, at: usize, data: &[f32]) -> Result<()> {
+        if at + data.len() > buf.len {
+            return Err(Error::invalid("device write past the end of a buffer"));
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        let bytes: Vec<u8> = match buf.elem {
+            Elem::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Elem::Bf16 => data
+                .iter()
+                .flat_map(|v| to_bf16(*v).to_le_bytes())
+                .collect(),
+        };
+        let offset = at * buf.elem.size();
+        let mut view = buf.slice.slice_mut(offset..offset + bytes.len());
+        self.stream
+            .memcpy_htod(&bytes, &mut view)
+            .map_err(CudaError::driver("upload"))?;
+        Ok(())
+    }
+
+    /// A buffer of plain values, remembering their range.
+    pub fn upload_vec<T: Plain>(&self, data: &[T]) -> Result<DevVec<T>> {
+        let mut buf = self.alloc_vec::<T>(data.len())?;
+        let mut bytes = Vec::with_capacity(data.len() * T::SIZE);
+        for &v in data {
+            v.to_le(&mut bytes);
+        }
+        if !bytes.is_empty() {
+            let mut view = buf.slice.slice_mut(0..bytes.len());
+            self.stream
+                .memcpy_htod(&bytes, &mut view)
+                .map_err(CudaError::driver("upload"))?;
+        }
+        let indices: Option<Vec<i64>> = data.iter().map(|v| v.as_index()).collect();
+        buf.range = indices.and_then(|ix| Some((*ix.iter().min()?, *ix.iter().max()?)));
+        Ok(buf)
+    }
+
+    /// A buffer of i32 values (positions, indices).
+    pub fn upload_i32(&self, data: &[i32]) -> Result<DevI32> {
+        self.upload_vec(data)
+    }
+
+    /// A buffer of bytes (masks, quantized blocks).
+    pub fn upload_bytes(&self, data: &[u8]) -> Result<DevBytes> {
+        self.upload_vec(data)
+    }
+
+    /// Copies a buffer back as f32 (waits for the stream, so kernel errors surface here).
+    pub fn download(&self, buf: &DevBuf) -> Result<Vec<f32>> {
+        self.download_range(buf, 0, buf.len)
+    }
+
+    /// Copies `len` elements from element `from` of a buffer back as f32.
+    pub fn download_range(&self, buf: &DevBuf, from: usize, len: usize) -> Result<Vec<f32>> {
+        if from + len > buf.len {
+            return Err(Error::invalid("device read past the end of a buffer"));
+        }
+        let s = buf.elem.size();
+        let bytes = self.read_bytes(&buf.slice, from * s, len * s)?;
+        Ok(match buf.elem {
+            Elem::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Elem::Bf16 => bytes
+                .chunks_exact(2)
+                .map(|b| from_bf16(u16::from_le_bytes([b[0], b[1]])))
+                .collect(),
+        })
+    }
+
+    /// The first `count` values of a plain buffer.
+    pub fn download_vec<T: Plain>(&self, buf: &DevVec<T>, count: usize) -> Result<Vec<T>> {
+        if count > buf.len {
+            return Err(Error::invalid("device read past the end of a buffer"));
+        }
+        let bytes = self.read_bytes(&buf.slice, 0, count * T::SIZE)?;
+        Ok(bytes.chunks_exact(T::SIZE).map(T::from_le).collect())
+    }
+
+    fn read_bytes(&self, slice: &CudaSlice<u8>, from: usize, len: usize) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; len];
+        if len > 0 {
+            let view = slice.slice(from..from + len);
+            self.stream
+                .memcpy_dtoh(&view, &mut out)
+                .map_err(CudaError::driver("download"))?;
+        }
+        self.synchronize()?;
+        Ok(out)
+    }
+
+    /// Copies `len` elements from `src` at `from` to `dst` at `to` (same storage type).
+    pub fn copy(
+        &self,
+        src: &DevBuf,
+        from: usize,
+        dst: &mut DevBuf,
+        to: usize,
+        len: usize,
+    ) -> Result<()> {
+        if src.elem != dst.elem || from + len > src.len || to + len > dst.len {
+            return Err(Error::invalid(
+                "device copy between buffers of other types or past an end",
+            ));
+        }
+        let s = src.elem.size();
+        let view = src.slice.slice(from * s..(from + len) * s);
+        let mut out = dst.slice.slice_mut(to * s..(to + len) * s);
+        self.stream
+            .memcpy_dtod(&view, &mut out)
+            .map_err(CudaError::driver("copy"))
+    }
+}

@@ -1,0 +1,404 @@
+//! Typed launchers of the tensor-core MLA kernels (mla_decode*.cu, flash_prefill*.cu): the paged
+//! decode with its split merge, and the causal prefill, each with its TMA tensor maps made here.
+//! The choice of variant and split count is `cuda::fast`'s; what a launch may touch is checked
+//! here.
+
+use super::kernels::{blocks, blocks_yz, need, prod};
+use super::signature::{Param::*, Sig};
+use super::{Arg, DevBuf, DevI32, Elem, Gpu, Launch};
+use crate::error::{Error, Result};
+
+const DECODE: [super::signature::Param; 12] = [
+    Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
+];
+const DECODE_TMA: [super::signature::Param; 13] = [
+    Map, Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
+];
+pub const MLA_DECODE_TILED: Sig = Sig::new("mla_decode_t*", &DECODE);
+pub const MLA_DECODE_SPLIT_K: Sig = Sig::new("mla_decode_ks*", &DECODE);
+pub const MLA_DECODE_KT3: Sig = Sig::new("mla_decode_kt3", &DECODE_TMA);
+pub const MLA_DECODE_WGMMA: Sig = Sig::new("mla_decode_wgmma", &DECODE_TMA);
+pub const MLA_DECODE_COMBINE: Sig = Sig::new(
+    "mla_decode_combine",
+    &[F32Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int],
+);
+pub const MLA_DECODE_COMBINE_ROWS: Sig = Sig::new(
+    "mla_decode_combine_rows",
+    &[F32Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int],
+);
+pub const FLASH_PREFILL: Sig = Sig::new(
+    "flash_prefill_r*",
+    &[Bf16Ptr, Bf16Ptr, Bf16Ptr, Bf16Ptr, F32Ptr, Int, Int, Float],
+);
+pub const FLASH_PREFILL_TMA: Sig = Sig::new(
+    "flash_prefill_k*",
+    &[
+        Map, Map, Bf16Ptr, Bf16Ptr, Bf16Ptr, Bf16Ptr, F32Ptr, Int, Int, Float,
+    ],
+);
+pub const FLASH_PREFILL_WGMMA: Sig = Sig::new(
+    "flash_prefill_wgmma_d256",
+    &[Map, Map, Map, Bf16Ptr, F32Ptr, Int, Int, Float],
+);
+
+/// Every launcher's declaration (compared with the `.cu` signatures by a test).
+pub const SIGNATURES: &[&Sig] = &[
+    &MLA_DECODE_TILED,
+    &MLA_DECODE_SPLIT_K,
+    &MLA_DECODE_KT3,
+    &MLA_DECODE_WGMMA,
+    &MLA_DECODE_COMBINE,
+    &MLA_DECODE_COMBINE_ROWS,
+    &FLASH_PREFILL,
+    &FLASH_PREFILL_TMA,
+    &FLASH_PREFILL_WGMMA,
+];
+
+/// Latent width (kv_lora_rank) and RoPE width the decode kernels are built for.
+pub const LATENT: usize = 512;
+pub const ROPE: usize = 64;
+/// Tokens per page of the paged latent cache.
+pub const PAGE: usize = 64;
+/// Heads one decode block handles.
+pub const HEAD_GROUP: usize = 64;
+/// The most KV splits (the merge's shared array, mla_decode.cu's MAX_SPLITS).
+pub const MAX_SPLITS: usize = 256;
+/// The most splits the per-row merge takes (a split per lane).
+pub const COMBINE_ROWS_MAX: usize = 32;
+
+/// One decode launch: `batch` sequences of one query token each over a paged cache.
+pub struct Decode<'a> {
+    /// A kernel of [`MLA_DECODE_TILED`], [`MLA_DECODE_SPLIT_K`], [`MLA_DECODE_KT3`] or
+    /// [`MLA_DECODE_WGMMA`].
+    pub kernel: &'a str,
+    pub shared: u32,
+    pub batch: usize,
+    pub heads: usize,
+    /// Columns of the block table.
+    pub max_pages: usize,
+    pub splits: usize,
+    /// q [batch, heads, 576] bf16.
+    pub q: &'a DevBuf,
+    /// [pages·64, 576] bf16.
+    pub cache: &'a DevBuf,
+    /// [batch, max_pages] page numbers.
+    pub block_table: &'a DevI32,
+    /// [batch] lengths in tokens.
+    pub seq_lens: &'a DevI32,
+    pub scale_log2: f32,
+    /// [batch, splits, heads, 512] f32 and [batch, splits, heads] f32.
+    pub part_o: &'a DevBuf,
+    pub part_lse: &'a DevBuf,
+    /// [batch, heads, 512] bf16 and [batch, heads] f32.
+    pub out: &'a DevBuf,
+    pub lse: &'a DevBuf,
+}
+
+/// The pointer arguments every decode kernel and merge share, checked.
+struct DecodeArgs {
+    q: Arg,
+    cache: Arg,
+    table: Arg,
+    lens: Arg,
+    part_o: Arg,
+    part_lse: Arg,
+    out: Arg,
+    lse: Arg,
+}
+
+impl Decode<'_> {
+    fn check(&self) -> Result<DecodeArgs> {
+        let width = LATENT + ROPE;
+        let (b, h, s) = (self.batch, self.heads, self.splits);
+        if !h.is_multiple_of(HEAD_GROUP) || !(1..=MAX_SPLITS).contains(&s) {
+            return Err(Error::invalid(format!(
+                "MLA decode: {h} heads (groups of {HEAD_GROUP}) and {s} splits (1 to {MAX_SPLITS})"
+            )));
+        }
+        if !self.cache.len().is_multiple_of(PAGE * width) {
+            return Err(Error::invalid(
+                "MLA decode: the cache must be pages of 64 rows of 576",
+            ));
+        }
+        let pages = (self.cache.len() / (PAGE * width)) as i64;
+        let table = prod(&[b, self.max_pages])?;
+        if !self.block_table.values_within(table, 0, pages)
+            || self.block_table.len() < table
+            || !self
+                .seq_lens
+                .values_within(b, 0, (self.max_pages * PAGE) as i64 + 1)
+            || self.seq_lens.len() < b
+        {
+            return Err(Error::invalid(
+                "MLA decode: the block table or the lengths are short, or not known to lie \
+                 within the cache and the table",
+            ));
+        }
+        Ok(DecodeArgs {
+            q: need("MLA decode q", self.q, prod(&[b, h, width])?, Elem::Bf16)?,
+            cache: need("MLA decode cache", self.cache, 0, Elem::Bf16)?,
+            table: Arg::Ptr(I32Ptr, self.block_table.ptr()),
+            lens: Arg::Ptr(I32Ptr, self.seq_lens.ptr()),
+            part_o: need(
+                "MLA decode workspace",
+                self.part_o,
+                prod(&[b, s, h, LATENT])?,
+                Elem::F32,
+            )?,
+            part_lse: need(
+                "MLA decode workspace",
+                self.part_lse,
+                prod(&[b, s, h])?,
+                Elem::F32,
+            )?,
+            out: need(
+                "MLA decode out",
+                self.out,
+                prod(&[b, h, LATENT])?,
+                Elem::Bf16,
+            )?,
+            lse: need("MLA decode lse", self.lse, prod(&[b, h])?, Elem::F32)?,
+        })
+    }
+}
+
+fn int(v: usize, what: &str) -> Result<Arg> {
+    i32::try_from(v)
+        .map(Arg::I32)
+        .map_err(|_| Error::invalid(format!("{what} {v} does not fit a kernel's int")))
+}
+
+impl Gpu {
+    /// The decode kernel over every split (with one split it writes `out` and `lse` itself).
+    pub fn mla_decode_splits(&self, d: &Decode) -> Result<()> {
+        let a = d.check()?;
+        let (sig, tma) = [
+            (&MLA_DECODE_WGMMA, true),
+            (&MLA_DECODE_KT3, true),
+            (&MLA_DECODE_SPLIT_K, false),
+            (&MLA_DECODE_TILED, false),
+        ]
+        .into_iter()
+        .find(|(s, _)| s.matches(d.kernel))
+        .ok_or_else(|| Error::invalid(format!("{} is no MLA decode kernel", d.kernel)))?;
+        let mut args = Vec::with_capacity(13);
+        if tma {
+            // Boxes of 32 rows × 64 columns of the cache, in the 128-byte swizzle.
+            let width = LATENT + ROPE;
+            args.push(Arg::Map(self.tensor_map_bf16(
+                d.cache,
+                &[width, d.cache.len() / width],
+                32,
+            )?));
+        }
+        args.extend([
+            a.q,
+            a.cache,
+            a.table,
+            int(d.max_pages, "pages")?,
+            a.lens,
+            Arg::F32(d.scale_log2),
+            a.part_o,
+            a.part_lse,
+            int(d.splits, "splits")?,
+            int(d.heads, "heads")?,
+            a.out,
+            a.lse,
+        ]);
+        let cfg = Launch {
+            grid: (
+                blocks("MLA decode", d.splits)?,
+                blocks_yz("MLA decode", d.batch)?,
+                blocks_yz("MLA decode", d.heads / HEAD_GROUP)?,
+            ),
+            block: 256,
+            shared: d.shared,
+        };
+        // SAFETY: block (split, b, group) reads q of sequence b, pages bt[b][0..⌈len_b/64⌉] of
+        // the cache (table entries in 0..pages, lengths ≤ max_pages·64: the uploaded ranges), and
+        // writes its split's partials (or out and lse); every extent checked in `check`.
+        unsafe { self.launch(sig, d.kernel, cfg, &args) }
+    }
+
+    /// Merges the splits of [`Gpu::mla_decode_splits`] into `out` and `lse`: a warp per
+    /// (sequence, head) when `per_row` (at most 32 splits), else a block per (sequence, head,
+    /// quarter of the dims).
+    pub fn mla_decode_combine(&self, d: &Decode, per_row: bool) -> Result<()> {
+        let a = d.check()?;
+        let mut args = vec![
+            a.part_o,
+            a.part_lse,
+            a.out,
+            a.lse,
+            int(d.splits, "splits")?,
+            int(d.heads, "heads")?,
+        ];
+        let rows = prod(&[d.batch, d.heads])?;
+        if per_row {
+            if d.splits > COMBINE_ROWS_MAX {
+                return Err(Error::invalid(
+                    "MLA decode: the per-row merge takes 32 splits",
+                ));
+            }
+            args.push(int(rows, "rows")?);
+            let cfg = Launch {
+                grid: (blocks("MLA decode merge", rows.div_ceil(8))?, 1, 1),
+                block: 256,
+                shared: 0,
+            };
+            // SAFETY: warp w of block x merges row 8x + w < rows (the kernel returns past it),
+            // reading its ≤ 32 splits; extents checked in `check`.
+            return unsafe {
+                self.launch(
+                    &MLA_DECODE_COMBINE_ROWS,
+                    MLA_DECODE_COMBINE_ROWS.pattern,
+                    cfg,
+                    &args,
+                )
+            };
+        }
+        let cfg = Launch {
+            grid: (
+                blocks("MLA decode merge", d.batch)?,
+                blocks_yz("MLA decode merge", d.heads)?,
+                (LATENT / 128) as u32,
+            ),
+            block: 256,
+            shared: 0,
+        };
+        // SAFETY: block (b, h, quarter) reads the ≤ 256 splits of (b, h) (the kernel's shared
+        // array holds 256) and writes a quarter of out row (b, h); extents checked in `check`.
+        unsafe { self.launch(&MLA_DECODE_COMBINE, MLA_DECODE_COMBINE.pattern, cfg, &args) }
+    }
+
+    /// Causal prefill of one sequence with a portable kernel (`flash_prefill_r…`, or `…k…` with
+    /// K/V by TMA): q, k [n, heads, dqk], v and out [n, heads, dv] bf16, lse [n, heads] f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_prefill(
+        &self,
+        kernel: &str,
+        (rows, tile, shared): (usize, usize, u32),
+        (n, heads, dqk, dv): (usize, usize, usize, usize),
+        q: &DevBuf,
+        k: &DevBuf,
+        v: &DevBuf,
+        out: &DevBuf,
+        lse: Option<&DevBuf>,
+        scale_log2: f32,
+    ) -> Result<()> {
+        let tma = FLASH_PREFILL_TMA.matches(kernel);
+        let sig = if tma {
+            &FLASH_PREFILL_TMA
+        } else {
+            &FLASH_PREFILL
+        };
+        if !sig.matches(kernel) || !kernel.ends_with(&format!("_d{dqk}")) {
+            return Err(Error::invalid(format!(
+                "{kernel} is no prefill kernel for head dim {dqk}"
+            )));
+        }
+        let mut args = Vec::with_capacity(10);
+        if tma {
+            // K and V in boxes of 64 dims × 1 head × one tile of keys.
+            args.push(Arg::Map(self.tensor_map_bf16(
+                k,
+                &[dqk, heads, n],
+                tile as u32,
+            )?));
+            args.push(Arg::Map(self.tensor_map_bf16(
+                v,
+                &[dv, heads, n],
+                tile as u32,
+            )?));
+        }
+        args.extend(prefill_buffers((n, heads, dqk, dv), q, k, v, out, lse)?);
+        args.extend([
+            int(n, "tokens")?,
+            int(heads, "heads")?,
+            Arg::F32(scale_log2),
+        ]);
+        let cfg = Launch {
+            grid: (
+                blocks("prefill", n.div_ceil(rows))?,
+                blocks_yz("prefill", heads)?,
+                1,
+            ),
+            block: (rows * 2) as u32,
+            shared,
+        };
+        // SAFETY: block (i, h) reads rows ≤ its last query row (< n) of head h and writes its
+        // query rows of out and lse; extents checked above.
+        unsafe { self.launch(sig, kernel, cfg, &args) }
+    }
+
+    /// Causal prefill on the Hopper kernel (head dims 256/256, all of q, k, v by TMA).
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_prefill_wgmma(
+        &self,
+        shared: u32,
+        (n, heads): (usize, usize),
+        q: &DevBuf,
+        k: &DevBuf,
+        v: &DevBuf,
+        out: &DevBuf,
+        lse: Option<&DevBuf>,
+        scale_log2: f32,
+    ) -> Result<()> {
+        let d = 256;
+        // Check the pointers first (the maps below read the same extents).
+        let checked = prefill_buffers((n, heads, d, d), q, k, v, out, lse)?;
+        // [n, heads, 256] tensors read in boxes of 64 dims × 1 head × 64 tokens.
+        let map = |buf: &DevBuf| self.tensor_map_bf16(buf, &[d, heads, n], 64).map(Arg::Map);
+        let args = [
+            map(q)?,
+            map(k)?,
+            map(v)?,
+            checked[3],
+            checked[4],
+            int(n, "tokens")?,
+            int(heads, "heads")?,
+            Arg::F32(scale_log2),
+        ];
+        let cfg = Launch {
+            grid: (
+                blocks("prefill", n.div_ceil(128))?,
+                blocks_yz("prefill", heads)?,
+                1,
+            ),
+            block: 256,
+            shared,
+        };
+        // SAFETY: as the portable prefill; the tensor maps cover exactly q, k and v.
+        unsafe {
+            self.launch(
+                &FLASH_PREFILL_WGMMA,
+                FLASH_PREFILL_WGMMA.pattern,
+                cfg,
+                &args,
+            )
+        }
+    }
+}
+
+/// q, k, v, out and lse of a prefill, checked: [q, k, v, out, lse (null when absent)].
+fn prefill_buffers(
+    (n, heads, dqk, dv): (usize, usize, usize, usize),
+    q: &DevBuf,
+    k: &DevBuf,
+    v: &DevBuf,
+    out: &DevBuf,
+    lse: Option<&DevBuf>,
+) -> Result<[Arg; 5]> {
+    let qk = prod(&[n, heads, dqk])?;
+    let vv = prod(&[n, heads, dv])?;
+    Ok([
+        need("prefill q", q, qk, Elem::Bf16)?,
+        need("prefill k", k, qk, Elem::Bf16)?,
+        need("prefill v", v, vv, Elem::Bf16)?,
+        need("prefill out", out, vv, Elem::Bf16)?,
+        match lse {
+            Some(l) => need("prefill lse", l, prod(&[n, heads])?, Elem::F32)?,
+            None => Arg::Ptr(F32Ptr, 0),
+        },
+    ])
+}

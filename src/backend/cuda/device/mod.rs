@@ -1,0 +1,332 @@
+//! The GPU: context, stream, cuBLAS handle, the loaded kernels, typed device buffers, copies,
+//! and kernel launches.
+//!
+//! Every `unsafe` of the CUDA backend is in this module and its files (the rest of `cuda` is
+//! compiled with `deny(unsafe_code)`), each with the invariant it relies on beside it. The raw
+//! launch is `unsafe` and private to this module; what the backend calls are the typed launchers
+//! of [`kernels`], [`mla_kernels`], [`model_kernels`] and [`fast_kernels`], one per kernel, which take typed buffers, check every
+//! buffer against the sizes the kernel will index with, and pass exactly the parameters of the
+//! kernel's `extern "C"` signature (declared in [`signature`] and compared with `kernels/*.cu` by
+//! a test). A safe caller cannot make a kernel read or write out of bounds.
+
+pub mod blas;
+pub mod buffer;
+pub mod compile;
+pub mod fast_kernels;
+pub mod kernels;
+pub mod mla_kernels;
+pub mod model_kernels;
+pub mod signature;
+
+pub use blas::TensorMap;
+pub use buffer::{DevBuf, DevBytes, DevF64, DevI32, DevVec, Elem};
+
+use crate::error::{CudaError, Error, Result};
+use compile::{compile, hopper_target, HOPPER_SOURCES, SOURCES};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use signature::{Param, Sig};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// A kernel argument as the raw launch passes it. Pointers carry the C type of the parameter they
+/// are for, so that the launch can compare the list with the kernel's declared signature.
+#[derive(Debug, Clone, Copy)]
+enum Arg {
+    /// A device pointer (0 for a null one) for a parameter of this pointer type.
+    Ptr(Param, u64),
+    U64(u64),
+    U32(u32),
+    I32(i32),
+    F32(f32),
+    /// A TMA tensor map, passed by value (a `__grid_constant__` parameter).
+    Map(TensorMap),
+}
+
+impl Arg {
+    /// The parameter type this argument fills.
+    fn param(&self) -> Param {
+        match self {
+            Arg::Ptr(p, _) => *p,
+            Arg::U64(_) => Param::U64,
+            Arg::U32(_) => Param::U32,
+            Arg::I32(_) => Param::Int,
+            Arg::F32(_) => Param::Float,
+            Arg::Map(_) => Param::Map,
+        }
+    }
+}
+
+/// Grid, block and dynamic shared memory of one launch.
+#[derive(Debug, Clone, Copy)]
+struct Launch {
+    grid: (u32, u32, u32),
+    block: u32,
+    shared: u32,
+}
+
+/// A 1-D launch covering `n` elements with 256-thread blocks (grid-stride loops do the rest).
+fn grid_1d(n: usize) -> Launch {
+    Launch {
+        grid: ((n as u64).div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
+        block: 256,
+        shared: 0,
+    }
+}
+
+/// A record of the device buffer registry.
+#[derive(Debug, Clone)]
+pub struct Allocation {
+    pub serial: u64,
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+/// A loaded kernel, and the dynamic shared memory it has been allowed so far (past 48 KB a
+/// function must be granted more, once; launches then only compare).
+struct Kernel {
+    function: CudaFunction,
+    shared_allowed: AtomicU32,
+}
+
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    functions: HashMap<String, Kernel>,
+    pub name: String,
+    /// compute capability, e.g. "90".
+    pub arch: String,
+    next_serial: AtomicU64,
+    /// The most recent allocations (a bounded log), for the buffers view and tests.
+    pub registry: Mutex<Vec<Allocation>>,
+    /// Optional (Hopper-only) kernel files that did not build or load here, with the reason:
+    /// their work falls to the portable kernels.
+    pub unavailable: Vec<String>,
+}
+
+/// Whether the CUDA driver library can be loaded (cudarc panics on its first call without it).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open libcuda.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+impl Gpu {
+    /// Opens device `ordinal` and compiles every kernel for it. Fails cleanly (never panics)
+    /// when the driver, NVRTC or a device is missing.
+    pub fn open(ordinal: usize) -> Result<Gpu> {
+        if !driver_present() {
+            return Err(Error::invalid(
+                "no CUDA driver (libcuda.so) on this machine",
+            ));
+        }
+        if !compile::nvrtc_present() {
+            return Err(Error::invalid(
+                "NVRTC (libnvrtc.so) is not on the library path",
+            ));
+        }
+        let count = CudaContext::device_count().map_err(CudaError::driver("device count"))?;
+        if count <= ordinal as i32 {
+            return Err(Error::invalid(format!(
+                "no CUDA device {ordinal} ({count} present)"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(CudaError::driver("context"))?;
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(CudaError::blas("handle"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(CudaError::driver("compute capability"))?;
+        let arch = format!("{major}{minor}");
+        let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        let mut functions = HashMap::new();
+        let portable = format!("compute_{arch}");
+        let hopper = hopper_target(&portable);
+        let files = SOURCES
+            .iter()
+            .map(|&(file, src)| (file, src, portable.clone(), true))
+            .chain(HOPPER_SOURCES.iter().filter_map(|&(file, src)| {
+                hopper.clone().map(|target| (file, src, target, false))
+            }));
+        let mut unavailable = Vec::new();
+        for (file, src, target, required) in files {
+            let loaded = (|| -> Result<Vec<(String, Kernel)>> {
+                let compiled = compile(file, src, &target)?;
+                let ptx = Ptx::from_src(String::from_utf8_lossy(&compiled.code).into_owned());
+                let module = ctx
+                    .load_module(ptx)
+                    .map_err(CudaError::driver(format!("module load of {file}")))?;
+                signature::kernel_names(src)
+                    .into_iter()
+                    .map(|name| {
+                        let function = module
+                            .load_function(&name)
+                            .map_err(CudaError::driver(format!("kernel lookup of {name}")))?;
+                        let shared_allowed = AtomicU32::new(48 * 1024);
+                        Ok((
+                            name,
+                            Kernel {
+                                function,
+                                shared_allowed,
+                            },
+                        ))
+                    })
+                    .collect()
+            })();
+            match loaded {
+                Ok(kernels) => functions.extend(kernels),
+                Err(e) if required => return Err(e),
+                // A Hopper-only file that this toolkit or driver cannot build: the portable
+                // kernels do the work instead, and `unavailable` says why.
+                Err(e) => unavailable.push(format!("{file} ({target}): {e}")),
+            }
+        }
+        Ok(Gpu {
+            ctx,
+            stream,
+            blas,
+            functions,
+            name,
+            arch,
+            next_serial: AtomicU64::new(1),
+            registry: Mutex::new(Vec::new()),
+            unavailable,
+        })
+    }
+
+    /// Whether this device has kernel `name` (the Hopper-only kernels exist on Hopper alone).
+    pub fn has_kernel(&self, name: &str) -> bool {
+        self.functions.contains_key(name)
+    }
+
+    /// Launches kernel `name`, declared by `sig`, with `args`.
+    ///
+    /// # Safety
+    /// Every pointer in `args` must be a live device allocation (or null where the kernel accepts
+    /// null) large enough for every index the kernel computes from the other arguments and the
+    /// launch shape, and any index the kernel reads from device memory must be in bounds too.
+    /// The argument kinds are checked here against `sig`, and `sig` against the `.cu` source by
+    /// a test, so a mismatch in count or type is an error, not a launch.
+    unsafe fn launch(&self, sig: &Sig, name: &str, cfg: Launch, args: &[Arg]) -> Result<()> {
+        if !sig.matches(name) {
+            return Err(Error::invalid(format!(
+                "kernel {name} is not one of {}",
+                sig.pattern
+            )));
+        }
+        let elem = Elem::of_kernel(name);
+        let kinds: Vec<Param> = args.iter().map(Arg::param).collect();
+        let want: Vec<Param> = sig.params.iter().map(|p| p.resolve(elem)).collect();
+        if kinds != want {
+            return Err(Error::invalid(format!(
+                "kernel {name}: arguments {kinds:?} for parameters {want:?}"
+            )));
+        }
+        let kernel = self
+            .functions
+            .get(name)
+            .ok_or_else(|| Error::invalid(format!("no CUDA kernel named {name}")))?;
+        if cfg.shared > kernel.shared_allowed.load(Ordering::Relaxed) {
+            kernel
+                .function
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    cfg.shared as i32,
+                )
+                .map_err(CudaError::driver("shared memory attribute"))?;
+            kernel
+                .shared_allowed
+                .fetch_max(cfg.shared, Ordering::Relaxed);
+        }
+        let mut b = self.stream.launch_builder(&kernel.function);
+        for a in args {
+            match a {
+                Arg::Ptr(_, v) | Arg::U64(v) => b.arg(v),
+                Arg::U32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::Map(v) => b.arg(v),
+            };
+        }
+        let config = LaunchConfig {
+            grid_dim: cfg.grid,
+            block_dim: (cfg.block, 1, 1),
+            shared_mem_bytes: cfg.shared,
+        };
+        // SAFETY: the argument list matches the kernel's parameters in count and type (checked
+        // above); the caller vouches for the pointers. `args` outlives the launch call, which
+        // copies the values.
+        unsafe { b.launch(config) }.map_err(CudaError::driver(format!("launch of {name}")))?;
+        Ok(())
+    }
+
+    /// Times `work` with device events: `reps` samples, each of `inner` back-to-back calls,
+    /// after `warmup` untimed calls; returns milliseconds per call, one value per sample.
+    pub fn time_ms(
+        &self,
+        warmup: usize,
+        reps: usize,
+        inner: usize,
+        mut work: impl FnMut() -> Result<()>,
+    ) -> Result<Vec<f64>> {
+        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        for _ in 0..warmup {
+            work()?;
+        }
+        self.synchronize()?;
+        let mut out = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let start = self
+                .stream
+                .record_event(Some(CU_EVENT_DEFAULT))
+                .map_err(CudaError::driver("event"))?;
+            for _ in 0..inner.max(1) {
+                work()?;
+            }
+            let end = self
+                .stream
+                .record_event(Some(CU_EVENT_DEFAULT))
+                .map_err(CudaError::driver("event"))?;
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(CudaError::driver("event timing"))?;
+            out.push(ms as f64 / inner.max(1) as f64);
+        }
+        Ok(out)
+    }
+
+    /// Waits for the stream (kernel errors surface here).
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(CudaError::driver("kernel"))
+    }
+
+    /// The most shared memory one block may ask for (the opt-in limit).
+    pub fn max_shared_per_block(&self) -> usize {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
+        self.ctx.attribute(OPTIN).map_or(48 * 1024, |v| v as usize)
+    }
+
+    /// Shared memory of one multiprocessor (what its resident blocks share).
+    pub fn max_shared_per_multiprocessor(&self) -> usize {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR as PER_SM;
+        self.ctx.attribute(PER_SM).map_or(48 * 1024, |v| v as usize)
+    }
+
+    /// Streaming multiprocessors of the device.
+    pub fn multiprocessors(&self) -> usize {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
+        self.ctx.attribute(SMS).map_or(1, |v| v.max(1) as usize)
+    }
+
+    /// Memory in use and in all, in bytes.
+    pub fn memory(&self) -> (usize, usize) {
+        self.ctx
+            .mem_get_info()
+            .map(|(free, total)| (total - free, total))
+            .unwrap_or((0, 0))
+    }
+}

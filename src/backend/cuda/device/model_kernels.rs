@@ -1,0 +1,196 @@
+//! Typed launchers of the router (router.cu), the statistics pass (stats.cu) and the quantized
+//! weights (dequant.cu). As in [`super::kernels`], every buffer is checked against what the
+//! kernel will touch first.
+
+use super::kernels::{
+    blocks, blocks_yz, int, name, need, need_bytes, need_i32, prod, size, DEQUANT, LINEAR_QUANT,
+    ROUTE, STATS, STATS_MERGE, STATS_WIDTH,
+};
+use super::signature::Param::*;
+use super::{grid_1d, Arg, DevBuf, DevBytes, DevF64, DevI32, Elem, Gpu, Launch};
+use crate::error::{Error, Result};
+use crate::gguf::GgmlType;
+
+impl Gpu {
+    /// MoE routing of `tokens` rows of router logits (f32): expert ids and weights [tokens, top_k].
+    #[allow(clippy::too_many_arguments)]
+    pub fn route(
+        &self,
+        logits: &DevBuf,
+        bias: &DevBuf,
+        moe: &crate::model::layout::MoeLayout,
+        tokens: usize,
+        ids: &DevI32,
+        weights: &DevBuf,
+        scratch: &DevBuf,
+    ) -> Result<()> {
+        let (e, k, g) = (moe.n_routed_experts, moe.num_experts_per_tok, moe.n_group);
+        if g == 0 || !e.is_multiple_of(g) || moe.topk_group > g || k > e {
+            return Err(Error::invalid("route: experts not in equal groups"));
+        }
+        let args = [
+            need("router logits", logits, prod(&[tokens, e])?, Elem::F32)?,
+            need("router bias", bias, e, Elem::F32)?,
+            size(tokens),
+            int("experts", e)?,
+            int("groups", g)?,
+            int("groups kept", moe.topk_group)?,
+            int("top-k", k)?,
+            Arg::I32(moe.norm_topk_prob as i32),
+            Arg::F32(moe.routed_scaling_factor as f32),
+            need_i32("routed ids", ids, prod(&[tokens, k])?, None)?,
+            need("routed weights", weights, prod(&[tokens, k])?, Elem::F32)?,
+            need(
+                "router scratch",
+                scratch,
+                prod(&[tokens, 2 * e + g])?,
+                Elem::F32,
+            )?,
+        ];
+        // SAFETY: thread t reads logits row t and bias, writes ids/weights row t and its scratch
+        // row of 2·experts + groups; group g's experts g·(e/g).. lie below e.
+        unsafe { self.launch(&ROUTE, ROUTE.pattern, grid_1d(tokens), &args) }
+    }
+
+    /// Statistics partials of `buf` (one row of [`STATS_WIDTH`] per block), merged into the
+    /// first row of `partials`. Returns the number of blocks.
+    pub fn stats(&self, buf: &DevBuf, partials: &DevF64) -> Result<()> {
+        let n = buf.len();
+        let rows = partials.len() / STATS_WIDTH;
+        let count = n.div_ceil(256).clamp(1, rows.max(1));
+        if rows == 0 {
+            return Err(Error::invalid("statistics: no room for partials"));
+        }
+        let e = buf.elem();
+        let p = Arg::Ptr(F64Ptr, partials.ptr());
+        let args = [need("statistics", buf, n, e)?, size(n), p];
+        let cfg = Launch {
+            grid: (blocks("statistics", count)?, 1, 1),
+            block: 256,
+            shared: 0,
+        };
+        // SAFETY: block b writes partial row b < rows; the tensor is read over n.
+        unsafe { self.launch(&STATS, &name("stats", e), cfg, &args)? };
+        let cfg = Launch {
+            grid: (1, 1, 1),
+            block: 256,
+            shared: 0,
+        };
+        // SAFETY: reads the `count` rows written above and writes row 0.
+        unsafe {
+            self.launch(
+                &STATS_MERGE,
+                STATS_MERGE.pattern,
+                cfg,
+                &[p, int("rows", count)?],
+            )
+        }
+    }
+
+    /// Decodes the blocks of a quantized weight of type `ty` into `n` values of `out`.
+    pub fn dequant(
+        &self,
+        ty: GgmlType,
+        blocks_buf: &DevBytes,
+        out: &DevBuf,
+        n: usize,
+        fault: bool,
+    ) -> Result<()> {
+        let q = quant_kernel_name(ty)
+            .ok_or_else(|| Error::invalid(format!("no dequantization kernel for {ty}")))?;
+        let e = out.elem();
+        let args = [
+            need_bytes(
+                "quantized blocks",
+                blocks_buf,
+                n.div_ceil(ty.block_size()) * ty.type_size(),
+            )?,
+            need("dequantized", out, n, e)?,
+            size(n),
+            Arg::I32(fault as i32),
+        ];
+        // SAFETY: value i reads block i / block_size, within the bytes checked above.
+        unsafe {
+            self.launch(
+                &DEQUANT,
+                &format!("dequant_{q}_{}", e.suffix()),
+                grid_1d(n),
+                &args,
+            )
+        }
+    }
+
+    /// y [n, rows] = x [n, k] · Wᵀ with W [rows, k] stored as blocks of `ty`, `row_bytes` a row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_quant(
+        &self,
+        ty: GgmlType,
+        x: &DevBuf,
+        w: &DevBytes,
+        y: &DevBuf,
+        (n, k, rows): (usize, usize, usize),
+        row_bytes: usize,
+        fault: bool,
+    ) -> Result<()> {
+        let q = quant_kernel_name(ty)
+            .ok_or_else(|| Error::invalid(format!("no quantized matmul kernel for {ty}")))?;
+        if row_bytes < k.div_ceil(ty.block_size()) * ty.type_size() {
+            return Err(Error::invalid(
+                "quantized linear: rows shorter than their blocks",
+            ));
+        }
+        let shared = u32::try_from(prod(&[k, 4])?)
+            .ok()
+            .filter(|&s| s as usize <= self.max_shared_per_block())
+            .ok_or_else(|| Error::invalid("quantized linear: a row does not fit shared memory"))?;
+        let e = y.elem();
+        let args = [
+            need("quantized linear x", x, prod(&[n, k])?, e)?,
+            need_bytes("quantized weight", w, prod(&[rows, row_bytes])?)?,
+            need("quantized linear y", y, prod(&[n, rows])?, e)?,
+            size(n),
+            size(k),
+            size(rows),
+            size(row_bytes),
+            Arg::I32(fault as i32),
+        ];
+        let cfg = Launch {
+            grid: (
+                blocks("quantized linear", rows)?,
+                blocks_yz("quantized linear", n.div_ceil(64))?,
+                1,
+            ),
+            block: 256,
+            shared,
+        };
+        // SAFETY: block (r, c) decodes weight row r (row_bytes, holding k values) into k floats of
+        // shared memory and reads x rows of chunk c < ⌈n/64⌉; extents checked above.
+        unsafe {
+            self.launch(
+                &LINEAR_QUANT,
+                &format!("linear_{q}_{}", e.suffix()),
+                cfg,
+                &args,
+            )
+        }
+    }
+}
+
+/// The name part of the dequantization kernels of a ggml type (kernels/dequant.cu).
+pub fn quant_kernel_name(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q2_K => "q2_k",
+        GgmlType::Q3_K => "q3_k",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::Q5_K => "q5_k",
+        GgmlType::Q6_K => "q6_k",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        _ => return None,
+    })
+}

@@ -1,0 +1,46 @@
+//! Op-level types that the engine hands to the backends and both share: RoPE tables, cached rows
+//! (with the slot where a device backend keeps its copy), the storage type, the faults a kernel
+//! carries out, top-k and MoE routing. This module sits below both: the engine and the backends
+//! import it, it imports neither (so a backend never depends on the engine).
+
+pub mod moe;
+pub mod rope;
+pub mod rows;
+
+use serde::{Deserialize, Serialize};
+
+pub use moe::{top_k_indices, Routing};
+pub use rope::RopeTable;
+pub use rows::{MirrorSlot, RowSource, PAGE_SIZE};
+
+/// How activations are stored between ops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StorageDtype {
+    /// f32 throughout.
+    #[default]
+    F32,
+    /// Every op's output rounded to bf16 (round to nearest even), arithmetic in f32: what bf16
+    /// activation storage with f32 accumulation does to the numbers.
+    Bf16,
+}
+
+impl std::str::FromStr for StorageDtype {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> crate::error::Result<StorageDtype> {
+        match s {
+            "f32" => Ok(StorageDtype::F32),
+            "bf16" => Ok(StorageDtype::Bf16),
+            other => Err(crate::Error::invalid(format!(
+                "dtype '{other}' is not f32 or bf16"
+            ))),
+        }
+    }
+}
+
+/// The faults an attention kernel itself carries out (the rest act in the engine).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KernelFaults {
+    pub lse_base_mismatch: bool,
+    pub skip_padded_rows: bool,
+}
