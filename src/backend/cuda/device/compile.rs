@@ -109,10 +109,12 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     let prog = nvrtc::create_program(&source, Some(&cname)).map_err(fail())?;
     // SAFETY: `prog` is a live program until destroy_program below; options are valid C strings.
     let compiled = unsafe { nvrtc::compile_program(prog, &options) };
+    // SAFETY: `prog` is live (destroyed only below).
     let log = unsafe { nvrtc::get_program_log(prog) }
         .map(|l| c_chars_to_string(&l))
         .unwrap_or_default();
     if compiled.is_err() {
+        // SAFETY: `prog` is live and not used after this.
         unsafe {
             let _ = nvrtc::destroy_program(prog);
         }
@@ -121,12 +123,15 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
         )));
     }
     let code = if cubin {
+        // SAFETY: `prog` compiled (checked above) for a real architecture when `cubin`.
         unsafe { get_cubin(prog) }
     } else {
+        // SAFETY: `prog` compiled (checked above).
         unsafe { nvrtc::get_ptx(prog) }
             .map(|p| c_chars_to_string(&p).into_bytes())
             .map_err(fail())
     };
+    // SAFETY: `prog` is live and not used after this.
     unsafe {
         let _ = nvrtc::destroy_program(prog);
     }
@@ -146,11 +151,13 @@ fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
 /// `prog` must be a successfully compiled NVRTC program (for a real architecture).
 unsafe fn get_cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>> {
     let mut size = 0usize;
-    sys::nvrtcGetCUBINSize(prog, &mut size)
+    // SAFETY: the caller hands a compiled program; `size` is a valid place to write.
+    unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }
         .result()
         .map_err(CudaError::nvrtc("nvrtcGetCUBINSize"))?;
     let mut buf = vec![0u8; size];
-    sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char)
+    // SAFETY: `buf` holds the `size` bytes NVRTC just said the CUBIN takes.
+    unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char) }
         .result()
         .map_err(CudaError::nvrtc("nvrtcGetCUBIN"))?;
     Ok(buf)
