@@ -15,12 +15,14 @@ echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
 # The tests find their fixtures under the path they were built at.
 mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
+# Tests that run the binary look for it where cargo built it (CARGO_BIN_EXE_mladb).
+mkdir -p target/release && cp .device-bin/mladb target/release/mladb
 B=.device-bin
 OUT=${OUT:-/tmp}
 if [ "$what" != bench ]; then
   $B/mladb kernels --arch sm_90,sm_120 > "$OUT/kernels.txt" 2>&1; tail -1 "$OUT/kernels.txt"
-  for t in fast_kernels backends gpu_forward leaks; do
-    timeout 150 $B/$t --include-ignored --test-threads=1 > "$OUT/$t.txt" 2>&1 || echo "$t: exit $? (124 = timed out)"
+  for t in fast_kernels backends gpu_forward leaks verdicts; do
+    timeout 300 $B/$t --include-ignored --test-threads=1 > "$OUT/$t.txt" 2>&1 || echo "$t: exit $? (124 = timed out)"
     grep -E "^test |panicked|test result|skipped|worst" "$OUT/$t.txt" | head -30
   done
   $B/mladb run --device cuda --layout glm5-tiny --tokens 1,2,3 --decode 2 > "$OUT/run.txt" 2>&1; tail -2 "$OUT/run.txt"

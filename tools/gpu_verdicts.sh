@@ -13,6 +13,8 @@ done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 # The tests find their fixtures under the path they were built at.
 mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
+# Tests that run the binary look for it where cargo built it (CARGO_BIN_EXE_mladb).
+mkdir -p target/release && cp .device-bin/mladb target/release/mladb
 B=.device-bin
 OUT=${OUT:-/tmp}
 for t in verdicts gpu_forward; do
