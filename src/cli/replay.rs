@@ -55,12 +55,19 @@ pub fn run(args: &ReplayArgs) -> Result<bool> {
         crate::tui::run_replay(&args.file, args.keys.clone())?;
         return Ok(false);
     }
+    if let Some(out) = &args.dump {
+        crate::fsutil::check_output(out)?;
+    }
     let session = Session::load(&args.file)?;
     if session.runs.is_empty() {
         return Err(Error::parse(
             &args.file,
             "nothing recorded (a version 1 session): `mladb tui` then `:load FILE` recomputes it",
         ));
+    }
+    if args.verify {
+        // A companion from another save is refused here too, not only where it is read.
+        session.companion_bytes(&args.file)?;
     }
     if args.bench {
         bench(&args.file)?;

@@ -1,0 +1,428 @@
+//! Hostile inputs (issue 13): special files, oversized and mismatched files, output targets that
+//! are not regular files, prompts too long for memory. Each case must end with one `error:` line
+//! and exit code 2 within seconds, or run; never a panic, a hang or an unbounded allocation, and
+//! never damage a file mladb did not create.
+
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The binary with `args`, killed after `secs` (a hang is a failure, not a stuck test), its
+/// address space capped at `mem_gib` so a runaway allocation fails instead of eating the machine.
+fn mladb_bounded(args: &[&str], secs: u64, mem_gib: u64) -> Output {
+    let limit = mem_gib << 30;
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg(format!("ulimit -v {} && exec \"$0\" \"$@\"", limit >> 10))
+        .arg(env!("CARGO_BIN_EXE_mladb"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("the mladb binary runs");
+    let start = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if start.elapsed() > Duration::from_secs(secs) {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "mladb {args:?} still running after {secs} s; stderr: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn mladb(args: &[&str]) -> Output {
+    mladb_bounded(args, 20, 4)
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Exit code 2 and exactly one `error:` line containing `needle`.
+fn assert_clean_error(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "exit code; stderr: {err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "one line: {err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    assert!(err.contains(needle), "expected '{needle}' in: {err}");
+}
+
+fn fixture(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(case)
+}
+
+/// Makes a FIFO at `path`; false (and says so) where mkfifo is absent.
+fn mkfifo(path: &Path) -> bool {
+    match Command::new("mkfifo").arg(path).status() {
+        Ok(s) if s.success() => true,
+        _ => {
+            eprintln!("FIFO case skipped: mkfifo is not available");
+            false
+        }
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// A copy of the glm5-sparse checkpoint's config.json (and weights, linked) in a fresh folder.
+fn checkpoint_copy(dir: &Path) -> PathBuf {
+    let model = dir.join("model");
+    std::fs::create_dir(&model).unwrap();
+    let src = fixture("glm5-sparse");
+    std::fs::copy(src.join("config.json"), model.join("config.json")).unwrap();
+    std::os::unix::fs::symlink(
+        src.join("model.safetensors"),
+        model.join("model.safetensors"),
+    )
+    .unwrap();
+    model
+}
+
+#[test]
+fn short_mlp_layer_types_is_an_error_not_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = checkpoint_copy(dir.path());
+    let config = model.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    c["mlp_layer_types"] = serde_json::json!(["dense"]);
+    std::fs::write(&config, c.to_string()).unwrap();
+    assert_clean_error(&mladb(&["layout", "import", s(&config)]), "mlp_layer_types");
+    assert_clean_error(
+        &mladb(&["run", "--model", s(&model), "--decode", "0"]),
+        "mlp_layer_types",
+    );
+}
+
+#[test]
+fn special_files_are_refused_before_they_are_read() {
+    // Devices: /dev/zero would never end.
+    assert_clean_error(
+        &mladb(&["layout", "import", "/dev/zero"]),
+        "not a regular file",
+    );
+    assert_clean_error(
+        &mladb(&["run", "--layout", "/dev/zero", "--decode", "0"]),
+        "not a regular file",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    // A shard that is a device.
+    let model = checkpoint_copy(dir.path());
+    std::fs::remove_file(model.join("model.safetensors")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", model.join("model.safetensors")).unwrap();
+    assert_clean_error(
+        &mladb(&["run", "--model", s(&model), "--decode", "0"]),
+        "not a regular file",
+    );
+    // FIFOs would block forever on open.
+    let fifo = dir.path().join("layout.ron");
+    if !mkfifo(&fifo) {
+        return;
+    }
+    assert_clean_error(
+        &mladb(&["layout", "import", s(&fifo)]),
+        "not a regular file",
+    );
+    assert_clean_error(
+        &mladb(&["run", "--layout", s(&fifo), "--decode", "0"]),
+        "not a regular file",
+    );
+    let model2 = dir.path().join("fifo-model");
+    std::fs::create_dir(&model2).unwrap();
+    assert!(mkfifo(&model2.join("config.json")));
+    assert_clean_error(
+        &mladb(&["run", "--model", s(&model2), "--decode", "0"]),
+        "not a regular file",
+    );
+    // An index that is a FIFO.
+    let model3 = checkpoint_copy(&dir.path().join("m3").tap_mkdir());
+    std::fs::remove_file(model3.join("model.safetensors")).unwrap();
+    assert!(mkfifo(&model3.join("model.safetensors.index.json")));
+    assert_clean_error(
+        &mladb(&["run", "--model", s(&model3), "--decode", "0"]),
+        "not a regular file",
+    );
+}
+
+trait TapMkdir {
+    fn tap_mkdir(self) -> Self;
+}
+
+impl TapMkdir for PathBuf {
+    fn tap_mkdir(self) -> Self {
+        std::fs::create_dir_all(&self).unwrap();
+        self
+    }
+}
+
+#[test]
+fn an_oversized_config_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    let f = std::fs::File::create(&config).unwrap();
+    f.set_len(1 << 30).unwrap(); // sparse: no disk used
+    assert_clean_error(&mladb(&["layout", "import", s(&config)]), "larger than");
+}
+
+/// Records a small session (with tensors) at `path`.
+fn record(path: &Path, seed: &str) {
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--seed",
+        seed,
+        "--tokens",
+        "1,2,3",
+        "--decode",
+        "1",
+        "--record",
+        s(path),
+        "--record-tensors",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn a_session_s_tensors_must_lie_beside_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let session = dir.path().join("s.ron");
+    record(&session, "0");
+    let text = std::fs::read_to_string(&session).unwrap();
+    assert!(text.contains("tensors: Some(\"s.tensors.safetensors\")"));
+    for bad in [
+        "../../../../dev/zero",
+        "/dev/zero",
+        "sub/s.tensors.safetensors",
+    ] {
+        std::fs::write(
+            &session,
+            text.replace("\"s.tensors.safetensors\"", &format!("{bad:?}")),
+        )
+        .unwrap();
+        let out = dir.path().join("out.safetensors");
+        assert_clean_error(
+            &mladb(&["replay", s(&session), "--dump", s(&out)]),
+            "beside the session",
+        );
+    }
+}
+
+#[test]
+fn a_huge_session_of_nuls_is_refused_without_a_huge_allocation() {
+    let dir = tempfile::tempdir().unwrap();
+    let session = dir.path().join("nul.ron");
+    let f = std::fs::File::create(&session).unwrap();
+    f.set_len(512 << 20).unwrap(); // sparse
+                                   // 2 GiB of address space: the text itself fits, a list of its characters (4 bytes each)
+                                   // does not.
+    let o = mladb_bounded(&["replay", s(&session), "--json"], 20, 2);
+    assert_clean_error(&o, "nul.ron");
+}
+
+#[test]
+fn the_memory_a_long_prompt_needs_is_checked_before_the_run() {
+    let tokens: Vec<String> = (0..20000).map(|i| (i % 100).to_string()).collect();
+    let tokens = tokens.join(",");
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        &tokens,
+        "--decode",
+        "0",
+        "--max-memory-gb",
+        "2",
+    ]);
+    assert_clean_error(&o, "--max-memory-gb");
+    assert!(stderr(&o).contains("GB"), "{}", stderr(&o));
+    // A short prompt runs under the same limit.
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2,3",
+        "--decode",
+        "1",
+        "--max-memory-gb",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn outputs_onto_special_files_are_refused_before_the_run() {
+    let base = [
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2,3",
+        "--decode",
+        "0",
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    // A device: never a real one (as root, a build that replaced it would destroy /dev/null),
+    // but a null device node of our own where mknod is allowed (root); else a FIFO stands in.
+    let device = dir.path().join("null");
+    let made = Command::new("mknod")
+        .args([s(&device), "c", "1", "3"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|st| st.success());
+    if !made {
+        eprintln!("device case skipped: mknod is not allowed here");
+    }
+    for flag in ["--dump", "--record"] {
+        if !made {
+            break;
+        }
+        let mut args = base.to_vec();
+        args.extend([flag, s(&device)]);
+        let o = mladb(&args);
+        assert_clean_error(&o, "not a regular file");
+        assert!(o.stdout.is_empty(), "checked before the run");
+        assert!(std::fs::metadata(&device)
+            .unwrap()
+            .file_type()
+            .is_char_device());
+    }
+    // A read-only file is not replaced, and keeps its mode.
+    let ro = dir.path().join("ro.safetensors");
+    std::fs::write(&ro, b"keep").unwrap();
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o444)).unwrap();
+    let mut args = base.to_vec();
+    args.extend(["--dump", s(&ro)]);
+    assert_clean_error(&mladb(&args), "read-only");
+    assert_eq!(std::fs::read(&ro).unwrap(), b"keep");
+    assert_eq!(
+        std::fs::metadata(&ro).unwrap().permissions().mode() & 0o777,
+        0o444
+    );
+    // A symlink is not replaced.
+    let target = dir.path().join("target.safetensors");
+    std::fs::write(&target, b"keep").unwrap();
+    let link = dir.path().join("link.safetensors");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let mut args = base.to_vec();
+    args.extend(["--dump", s(&link)]);
+    assert_clean_error(&mladb(&args), "symbolic link");
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    // A FIFO stays a FIFO.
+    let fifo = dir.path().join("fifo.safetensors");
+    if mkfifo(&fifo) {
+        let mut args = base.to_vec();
+        args.extend(["--dump", s(&fifo)]);
+        assert_clean_error(&mladb(&args), "not a regular file");
+        assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+    }
+}
+
+#[test]
+fn stale_temporaries_of_dead_processes_are_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.safetensors");
+    // PIDs never exceed 2^22 on Linux: this process is dead.
+    let stale = dir.path().join(".out.safetensors.mladb-tmp-99999999");
+    std::fs::write(&stale, b"half").unwrap();
+    let other = dir.path().join(".other.safetensors.mladb-tmp-99999999");
+    std::fs::write(&other, b"not ours").unwrap();
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2",
+        "--decode",
+        "0",
+        "--dump",
+        s(&out),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.exists());
+    assert!(!stale.exists(), "the stale temporary is removed");
+    assert!(other.exists(), "another target's temporary is left alone");
+}
+
+#[test]
+fn a_session_with_another_runs_tensors_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.ron");
+    let b = dir.path().join("b.ron");
+    record(&a, "0");
+    record(&b, "1");
+    // What a kill between the two renames of a save leaves: the old session, new tensors.
+    std::fs::copy(
+        dir.path().join("b.tensors.safetensors"),
+        dir.path().join("a.tensors.safetensors"),
+    )
+    .unwrap();
+    let out = dir.path().join("out.safetensors");
+    assert_clean_error(
+        &mladb(&["replay", s(&a), "--dump", s(&out)]),
+        "does not match",
+    );
+    assert!(!out.exists());
+    assert_clean_error(&mladb(&["replay", s(&a), "--bench"]), "does not match");
+    // The untouched pair still replays.
+    let o = mladb(&["replay", s(&b), "--dump", s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn control_characters_in_errors_are_escaped() {
+    let o = mladb(&["run", "--layout", "no\x1b[31msuch\x07.ron", "--decode", "0"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(!err.contains('\x1b') && !err.contains('\x07'), "{err:?}");
+    assert!(err.contains("\\u{1b}"), "{err:?}");
+}
+
+#[test]
+fn a_negative_routed_scaling_factor_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = checkpoint_copy(dir.path());
+    let config = model.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    c["routed_scaling_factor"] = serde_json::json!(-2.5);
+    std::fs::write(&config, c.to_string()).unwrap();
+    assert_clean_error(
+        &mladb(&["layout", "import", s(&config)]),
+        "routed_scaling_factor",
+    );
+}
+
+#[test]
+fn a_keys_file_cannot_make_the_debugger_impossible_to_quit() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.ron");
+    for (text, needle) in [
+        (r#"{ "quit": [] }"#, "quit: no keys"),
+        (r#"{ "quit": ["j"] }"#, "j is bound to both down and quit"),
+        (r#"{ "step": ["ctrl-c"] }"#, "Ctrl-C is bound to step"),
+        (r#"{ "step": ["x"], "step": ["y"] }"#, "named twice"),
+    ] {
+        std::fs::write(&keys, text).unwrap();
+        let o = mladb(&["tui", "--layout", "glm5-tiny", "--keys", s(&keys)]);
+        assert_clean_error(&o, needle);
+    }
+}
