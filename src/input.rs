@@ -28,10 +28,7 @@ pub fn open_regular(path: &Path) -> Result<File> {
         .map_err(|e| Error::io(path, e))?;
     let meta = file.metadata().map_err(|e| Error::io(path, e))?;
     if !meta.is_file() {
-        return Err(Error::parse(
-            path,
-            format!("not a regular file ({})", kind_of(&meta.file_type())),
-        ));
+        return Err(Error::parse(path, "not a regular file"));
     }
     // Back to blocking reads (a regular file never blocks anyway).
     use std::os::fd::AsRawFd;

@@ -21,17 +21,31 @@ fn mladb_bounded(args: &[&str], secs: u64, mem_gib: u64) -> Output {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let mut child = cmd.spawn().expect("the mladb binary runs");
+    // Drained as it runs, so a long output cannot fill the pipe and stall the child.
+    let drain = |mut r: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let _ = r.read_to_end(&mut v);
+            v
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
     let start = Instant::now();
     loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
+        if let Some(status) = child.try_wait().unwrap() {
+            return Output {
+                status,
+                stdout: out.join().unwrap(),
+                stderr: err.join().unwrap(),
+            };
         }
         if start.elapsed() > Duration::from_secs(secs) {
             let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
+            let _ = child.wait();
             panic!(
                 "mladb {args:?} still running after {secs} s; stderr: {}",
-                String::from_utf8_lossy(&out.stderr)
+                String::from_utf8_lossy(&err.join().unwrap())
             );
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -425,4 +439,284 @@ fn a_keys_file_cannot_make_the_debugger_impossible_to_quit() {
         let o = mladb(&["tui", "--layout", "glm5-tiny", "--keys", s(&keys)]);
         assert_clean_error(&o, needle);
     }
+}
+
+/// tmux's view of a pane: alternate screen, cursor shown, mouse tracking.
+fn pane_modes(session: &str) -> String {
+    let o = Command::new("tmux")
+        .args([
+            "display-message",
+            "-p",
+            "-t",
+            session,
+            "#{alternate_on} #{cursor_flag} #{mouse_any_flag}#{mouse_standard_flag}#{mouse_button_flag}",
+        ])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&o.stdout).trim().to_string()
+}
+
+fn pane_text(session: &str) -> String {
+    let o = Command::new("tmux")
+        .args(["capture-pane", "-p", "-t", session])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn a_signal_restores_the_terminal_as_q_does() {
+    if !Command::new("tmux")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        eprintln!("signal test skipped: tmux is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (n, (sig, number)) in [("TERM", 15), ("HUP", 1), ("INT", 2)]
+        .into_iter()
+        .enumerate()
+    {
+        let session = format!("mladb-sig-{}-{n}", std::process::id());
+        let pidfile = dir.path().join(format!("pid{n}"));
+        // The shell stays after mladb ends (tmux hides the cursor of a dead pane), and says
+        // how it ended.
+        let command = format!(
+            "sh -c 'echo $$ > {}; exec env NO_COLOR=1 MLADB_AUTOSAVE=off {} tui --layout glm5-tiny'; echo EXITED $?; sleep 60",
+            s(&pidfile),
+            env!("CARGO_BIN_EXE_mladb")
+        );
+        // tmux's server may be starting for another test at the same moment: try again.
+        let mut started = None;
+        for _ in 0..5 {
+            let o = Command::new("tmux")
+                .args(["new-session", "-d", "-s", &session, "-x", "100", "-y", "30"])
+                .arg(&command)
+                .output()
+                .unwrap();
+            if o.status.success() {
+                started = Some(());
+                break;
+            }
+            eprintln!("tmux new-session: {}", String::from_utf8_lossy(&o.stderr));
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        assert!(started.is_some(), "tmux would not start a session");
+        let _kill = KillSession(session.clone());
+        // Up and drawing: alternate screen on, cursor hidden, mouse tracked.
+        let start = Instant::now();
+        while !pane_modes(&session).starts_with("1 0 ") || !pidfile.exists() {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "the debugger did not start: {}",
+                pane_modes(&session)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let pid = std::fs::read_to_string(&pidfile)
+            .unwrap()
+            .trim()
+            .to_string();
+        assert!(Command::new("kill")
+            .args([&format!("-{sig}"), &pid])
+            .status()
+            .unwrap()
+            .success());
+        let start = Instant::now();
+        loop {
+            let text = pane_text(&session);
+            if let Some(rest) = text.split("EXITED ").nth(1) {
+                let status = rest.split_whitespace().next().unwrap_or("").to_string();
+                assert_eq!(status, (128 + number).to_string(), "SIG{sig}: {text}");
+                assert_eq!(
+                    pane_modes(&session),
+                    "0 1 000",
+                    "SIG{sig}: alternate screen, cursor, mouse after the exit"
+                );
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "SIG{sig}: still running: {text}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+struct KillSession(String);
+
+impl Drop for KillSession {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux")
+            .args(["kill-session", "-t", &self.0])
+            .status();
+    }
+}
+
+/// The glm5-sparse GGUF fixture with one metadata value replaced.
+fn gguf_with(key: &str, value: mladb::gguf::Value) -> (tempfile::TempDir, PathBuf) {
+    use mladb::gguf::{GgufFile, GgufWriter};
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/glm5-sparse-q.gguf");
+    let file = GgufFile::open(&src).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in file.metadata() {
+        if k != "general.alignment" {
+            let v = if k == key { value.clone() } else { v.clone() };
+            w.metadata(k.clone(), v).unwrap();
+        }
+    }
+    assert!(file.get(key).is_some(), "the fixture has {key}");
+    for t in file.tensors() {
+        w.tensor(
+            t.name.clone(),
+            t.ty,
+            &t.shape(),
+            file.tensor_data(t).to_vec(),
+        )
+        .unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    w.write(&path).unwrap();
+    (dir, path)
+}
+
+#[test]
+fn non_finite_and_wrong_typed_gguf_metadata_are_refused() {
+    use mladb::gguf::Value;
+    for (key, value, needle) in [
+        (
+            "glm-dsa.rope.freq_base",
+            Value::F32(f32::INFINITY),
+            "not a finite number",
+        ),
+        (
+            "glm-dsa.attention.layer_norm_rms_epsilon",
+            Value::F32(f32::NAN),
+            "not a finite number",
+        ),
+        (
+            "glm-dsa.expert_weights_norm",
+            Value::U32(1),
+            "expected a bool",
+        ),
+    ] {
+        let (_d, path) = gguf_with(key, value);
+        let o = mladb(&["run", "--model", s(&path), "--decode", "0"]);
+        assert_clean_error(&o, needle);
+        assert!(stderr(&o).contains(key), "{}", stderr(&o));
+    }
+}
+
+#[test]
+fn verify_notices_tampered_indices_layers_positions_and_byte_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let session = dir.path().join("s.ron");
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2,3",
+        "--decode",
+        "1",
+        "--record",
+        s(&session),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = mladb(&["replay", s(&session), "--verify"]);
+    assert_eq!(o.status.code(), Some(0), "untouched: {}", stderr(&o));
+    let text = std::fs::read_to_string(&session).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.contains("event: (index: 7, phase: \"prefill\", layer: Some(0)"))
+        .expect("op 7 of layer 0")
+        .to_string();
+    let bytes = line
+        .split("bytes: ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .unwrap()
+        .to_string();
+    for (from, to) in [
+        ("index: 7,", "index: 70,".to_string()),
+        ("layer: Some(0)", "layer: Some(1)".to_string()),
+        ("positions: (0, 3)", "positions: (1, 3)".to_string()),
+        (
+            &format!("bytes: {bytes},")[..],
+            format!("bytes: {},", bytes.parse::<u64>().unwrap() + 4),
+        ),
+    ] {
+        assert!(line.contains(from), "{from} in {line}");
+        let tampered = text.replace(&line, &line.replacen(from, &to, 1));
+        std::fs::write(&session, tampered).unwrap();
+        let o = mladb(&["replay", s(&session), "--verify"]);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(o.status.code(), Some(1), "{from}: {out} {}", stderr(&o));
+        assert!(out.contains("mismatch: run 0, op #7"), "{from}: {out}");
+    }
+}
+
+#[test]
+fn an_unreadable_tensor_type_is_found_at_load_not_mid_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = checkpoint_copy(dir.path());
+    let src = std::fs::read(fixture("glm5-sparse").join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&src).unwrap();
+    // lm_head, the last weight a run reads, stored as I32.
+    let owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, v)| {
+            let dtype = if name == "lm_head.weight" {
+                safetensors::Dtype::I32
+            } else {
+                v.dtype()
+            };
+            (name, dtype, v.shape().to_vec(), v.data().to_vec())
+        })
+        .collect();
+    let views = owned.iter().map(|(n, d, s, b)| {
+        (
+            n.clone(),
+            safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+        )
+    });
+    std::fs::remove_file(model.join("model.safetensors")).unwrap();
+    std::fs::write(
+        model.join("model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
+    let o = mladb(&["run", "--model", s(&model), "--decode", "0"]);
+    assert_clean_error(&o, "lm_head.weight is stored as I32");
+    assert!(
+        o.stdout.is_empty(),
+        "refused before the run: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+}
+
+#[test]
+fn a_shared_indexer_with_no_earlier_layer_says_it_runs_dense() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = checkpoint_copy(dir.path());
+    let config = model.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    // Layer 0 shared (its indexer weights, still in the file, go unused).
+    assert_eq!(c["indexer_types"][0], "full");
+    c["indexer_types"][0] = serde_json::json!("shared");
+    std::fs::write(&config, c.to_string()).unwrap();
+    let o = mladb(&["run", "--model", s(&model), "--decode", "0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o)
+            .contains("note: layer 0 shares the DSA top-k of an earlier layer, and there is none"),
+        "{}",
+        stderr(&o)
+    );
 }

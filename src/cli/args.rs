@@ -150,6 +150,18 @@ impl RunSetup {
             Some(t) => Some(parse_tokens_for(t, layout)?),
             None => None,
         };
+        if layout.indexer_mode(layers.start) == Some(crate::model::layout::IndexerMode::Shared) {
+            // A shared indexer reuses the previous layer's top-k; the first layer run has none.
+            eprintln!(
+                "note: layer {} shares the DSA top-k of {}, so it attends densely here",
+                layers.start,
+                if layers.start == 0 {
+                    "an earlier layer, and there is none".to_string()
+                } else {
+                    format!("layer {}, which this run leaves out", layers.start - 1)
+                }
+            );
+        }
         let schedule = schedule_with_defaults(layout, tokens, self.prefill, self.decode);
         schedule.validate()?;
         crate::memory::check(

@@ -252,6 +252,20 @@ pub fn op_differs(
             event.phase, event.name
         ));
     }
+    // Where the op stands: its index, layer and token positions are the same on every device.
+    if (recorded.index, recorded.layer, recorded.positions)
+        != (event.index, event.layer, event.positions)
+    {
+        return Some(format!(
+            "index/layer/positions recorded {} {:?} {:?}, recomputed {} {:?} {:?}",
+            recorded.index,
+            recorded.layer,
+            recorded.positions,
+            event.index,
+            event.layer,
+            event.positions
+        ));
+    }
     if recorded.kind != event.kind {
         return Some(format!(
             "kind recorded {}, recomputed {}",
@@ -290,6 +304,21 @@ pub fn op_differs(
             recorded.inputs.len(),
             event.inputs.len()
         ));
+    }
+    // Buffer sizes and roles (addresses differ between processes); bit for bit on one device.
+    if matches!(how, Agreement::Exact) {
+        let sizes = |e: &OpEvent| {
+            let mut v = vec![(e.output.bytes, e.output.role)];
+            v.extend(e.kernel_wrote.iter().map(|b| (b.bytes, b.role)));
+            v.extend(e.inputs.iter().map(|b| (b.bytes, b.role)));
+            v
+        };
+        let (a, b) = (sizes(recorded), sizes(event));
+        if a != b {
+            return Some(format!(
+                "buffer bytes/roles recorded {a:?}, recomputed {b:?}"
+            ));
+        }
     }
     if let Some(d) = stats_differ(&recorded.stats, &event.stats, how) {
         return Some(d);

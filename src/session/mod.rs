@@ -506,8 +506,8 @@ pub fn checkpoint_fingerprint(dir: &Path) -> Result<String> {
             .map_err(|e| Error::io(dir, e))?;
         return Ok(format!("size:{size},head:{:016x}", fnv1a64(&head)));
     }
-    let config = std::fs::read(dir.join("config.json"))
-        .map_err(|e| Error::io(dir.join("config.json"), e))?;
+    let config =
+        crate::input::read_capped(&dir.join("config.json"), crate::input::MAX_CONFIG_BYTES)?;
     let mut parts = vec![format!("{:016x}", fnv1a64(&config))];
     let mut files: Vec<(String, u64)> = std::fs::read_dir(dir)
         .map_err(|e| Error::io(dir, e))?

@@ -330,6 +330,19 @@ impl WeightSource for CheckpointWeights {
         Some(vec![r.rows, r.cols])
     }
 
+    fn readable(&self, name: &str) -> Result<()> {
+        match self.resolve(name) {
+            Some(r) if element_size(r.stored.dtype).is_none() => Err(Error::parse(
+                &self.files[r.stored.file].0,
+                format!(
+                    "tensor {name} is stored as {:?}; mladb reads F32, F16, BF16 and block-scaled F8_E4M3 checkpoints",
+                    r.stored.dtype
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     fn read_rows(&self, name: &str, start_row: usize, out: &mut [f32]) -> Result<()> {
         let r = self.resolve(name).ok_or_else(|| Error::MissingTensor {
             name: name.to_string(),
