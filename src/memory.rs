@@ -18,56 +18,81 @@ pub fn estimate(
     layers: &Range<usize>,
     weight_cache_bytes: u64,
 ) -> u128 {
-    let f = 4u128;
-    let t = context as u128;
-    let n_layers = layers.len() as u128;
-    let heads = layout.num_heads as u128;
-    let weights_total = layout.parameter_count() * f;
-    let largest_weight = [
-        layout.vocab_size as u128 * layout.hidden_size as u128,
-        layout.kv_lora_rank as u128 * heads * (layout.qk_nope_head_dim + layout.v_head_dim) as u128,
-        layout.intermediate_size as u128 * layout.hidden_size as u128,
-        heads
-            * layout.qk_head_dim() as u128
-            * layout.q_lora_rank.unwrap_or(layout.hidden_size) as u128,
-    ]
-    .into_iter()
-    .max()
-    .unwrap_or(0)
-        * f;
-    // The weights the run touches: embedding, head, and its share of the layers'.
-    let base = layout.vocab_size as u128
-        * layout.hidden_size as u128
-        * if layout.tie_word_embeddings { 1 } else { 2 }
-        * f;
-    let per_layer = weights_total.saturating_sub(base) / (layout.num_layers.max(1) as u128);
-    let touched = base + per_layer * n_layers;
-    let weights = touched.min(weight_cache_bytes as u128 + largest_weight);
-    // Caches: the latent rows and the naive path's decompressed K and V, per layer run.
-    let caches = n_layers
-        * t
-        * (layout.latent_width() as u128
-            + heads * (layout.qk_head_dim() + layout.v_head_dim) as u128)
-        * f;
-    // Attention over the whole context: scores and probabilities.
-    let attention = 2 * heads * t * t * f;
-    let indexer = layout
-        .indexer
-        .as_ref()
-        .map(|ix| (ix.n_heads as u128 + 1) * t * t * f)
-        .unwrap_or(0);
-    let widest = [
-        layout.vocab_size,
-        layout.hidden_size,
-        layout.num_heads * layout.qk_head_dim(),
-        layout.num_heads * (layout.qk_nope_head_dim + layout.v_head_dim),
-        layout.intermediate_size,
-    ]
-    .into_iter()
-    .max()
-    .unwrap_or(0) as u128;
-    let activations = 8 * t * widest * f;
-    weights + caches + attention + indexer + activations
+    let e = Estimate::of(layout, context, layers, weight_cache_bytes);
+    e.weights + e.attention + e.rest
+}
+
+/// An estimate in parts, for the error message.
+struct Estimate {
+    weights: u128,
+    attention: u128,
+    rest: u128,
+}
+
+impl Estimate {
+    fn of(
+        layout: &Layout,
+        context: usize,
+        layers: &Range<usize>,
+        weight_cache_bytes: u64,
+    ) -> Estimate {
+        let f = 4u128;
+        let t = context as u128;
+        let n_layers = layers.len() as u128;
+        let heads = layout.num_heads as u128;
+        let weights_total = layout.parameter_count() * f;
+        let largest_weight = [
+            layout.vocab_size as u128 * layout.hidden_size as u128,
+            layout.kv_lora_rank as u128
+                * heads
+                * (layout.qk_nope_head_dim + layout.v_head_dim) as u128,
+            layout.intermediate_size as u128 * layout.hidden_size as u128,
+            heads
+                * layout.qk_head_dim() as u128
+                * layout.q_lora_rank.unwrap_or(layout.hidden_size) as u128,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+            * f;
+        // The weights the run touches: embedding, head, and its share of the layers'.
+        let base = layout.vocab_size as u128
+            * layout.hidden_size as u128
+            * if layout.tie_word_embeddings { 1 } else { 2 }
+            * f;
+        let per_layer = weights_total.saturating_sub(base) / (layout.num_layers.max(1) as u128);
+        let touched = base + per_layer * n_layers;
+        let weights = touched.min(weight_cache_bytes as u128 + largest_weight);
+        // Caches: the latent rows and the naive path's decompressed K and V, per layer run.
+        let caches = n_layers
+            * t
+            * (layout.latent_width() as u128
+                + heads * (layout.qk_head_dim() + layout.v_head_dim) as u128)
+            * f;
+        // Attention over the whole context: scores and probabilities.
+        let attention = 2 * heads * t * t * f;
+        let indexer = layout
+            .indexer
+            .as_ref()
+            .map(|ix| (ix.n_heads as u128 + 1) * t * t * f)
+            .unwrap_or(0);
+        let widest = [
+            layout.vocab_size,
+            layout.hidden_size,
+            layout.num_heads * layout.qk_head_dim(),
+            layout.num_heads * (layout.qk_nope_head_dim + layout.v_head_dim),
+            layout.intermediate_size,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0) as u128;
+        let activations = 8 * t * widest * f;
+        Estimate {
+            weights,
+            attention: attention + indexer,
+            rest: caches + activations,
+        }
+    }
 }
 
 /// The memory the machine has available (`MemAvailable` of /proc/meminfo), if it says.
@@ -102,17 +127,23 @@ pub fn check(
             None => return Ok(()),
         },
     };
-    let need = estimate(layout, context, layers, weight_cache_bytes);
+    let e = Estimate::of(layout, context, layers, weight_cache_bytes);
+    let need = e.weights + e.attention + e.rest;
+    let gb = |b: u128| b as f64 / 1e9;
     if need > limit {
         return Err(Error::Allocation {
-            what: format!("about {:.2} GB", need as f64 / 1e9),
+            what: format!("about {:.2} GB", gb(need)),
             detail: format!(
-                "{} layer(s) of {} over {context} tokens need about {:.2} GB (attention alone \
-                 grows with the square of the context), above the limit of {:.2} GB ({source})",
+                "{} layer(s) of {} over {context} tokens need about {:.2} GB (weights {:.2}, \
+                 attention over the context, which grows with its square, {:.2}, caches and \
+                 activations {:.2}), above the limit of {:.2} GB ({source})",
                 layers.len(),
                 layout.name,
-                need as f64 / 1e9,
-                limit as f64 / 1e9
+                gb(need),
+                gb(e.weights),
+                gb(e.attention),
+                gb(e.rest),
+                gb(limit)
             ),
         });
     }

@@ -3,6 +3,8 @@
 //! and exit code 2 within seconds, or run; never a panic, a hang or an unbounded allocation, and
 //! never damage a file mladb did not create.
 
+mod common;
+
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -718,5 +720,113 @@ fn a_shared_indexer_with_no_earlier_layer_says_it_runs_dense() {
             .contains("note: layer 0 shares the DSA top-k of an earlier layer, and there is none"),
         "{}",
         stderr(&o)
+    );
+}
+
+#[test]
+fn verify_checks_the_memory_a_recomputation_needs() {
+    let dir = tempfile::tempdir().unwrap();
+    let session = dir.path().join("s.ron");
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2,3",
+        "--decode",
+        "1",
+        "--record",
+        s(&session),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = mladb(&[
+        "replay",
+        s(&session),
+        "--verify",
+        "--max-memory-gb",
+        "0.001",
+    ]);
+    assert_clean_error(&o, "above the limit of 0.00 GB (--max-memory-gb)");
+    let o = mladb(&["replay", s(&session), "--verify", "--max-memory-gb", "2"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+#[test]
+fn a_layout_too_large_for_memory_is_refused_with_the_figure() {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = dir.path().join("wide.ron");
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("layouts/glm5-tiny.ron"),
+    )
+    .unwrap();
+    // The largest hidden size a layout may have.
+    std::fs::write(
+        &layout,
+        text.replace("hidden_size: 256,", "hidden_size: 1048576,"),
+    )
+    .unwrap();
+    let o = mladb(&[
+        "run",
+        "--layout",
+        s(&layout),
+        "--decode",
+        "0",
+        "--max-memory-gb",
+        "4",
+    ]);
+    assert_clean_error(&o, "(weights 17.");
+    assert!(o.stdout.is_empty());
+}
+
+#[test]
+fn a_session_s_recorded_layout_is_validated() {
+    let dir = tempfile::tempdir().unwrap();
+    let session = dir.path().join("s.ron");
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2,3",
+        "--decode",
+        "0",
+        "--record",
+        s(&session),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&session).unwrap();
+    assert!(text.contains("hidden_size: 256,"));
+    std::fs::write(
+        &session,
+        text.replacen("hidden_size: 256,", "hidden_size: 18446744073709551615,", 1),
+    )
+    .unwrap();
+    assert_clean_error(
+        &mladb(&["replay", s(&session), "--json"]),
+        "layout: hidden_size",
+    );
+}
+
+#[test]
+fn the_debugger_refuses_a_prompt_too_long_for_memory() {
+    use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut app = common::tiny_app("");
+        // 300,000 tokens: attention over them needs terabytes.
+        let line = format!("set tokens {}", vec!["1"; 300_000].join(","));
+        for c in std::iter::once(':').chain(line.chars()) {
+            app.on_key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
+        }
+        app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE));
+        let _ = tx.send(app.log.join("\n"));
+    });
+    let log = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("answered in time");
+    assert!(
+        log.contains("refusing to allocate"),
+        "{}",
+        &log[log.len().saturating_sub(2000)..]
     );
 }

@@ -47,6 +47,10 @@ pub struct ReplayArgs {
     /// Key bindings to override (as `mladb tui --keys`).
     #[arg(long)]
     pub keys: Option<PathBuf>,
+    /// With --verify: refuse a recomputation whose largest buffers would need more than this
+    /// many GB (default: the memory the machine has available), as `mladb run` does.
+    #[arg(long)]
+    pub max_memory_gb: Option<f64>,
 }
 
 /// Runs `mladb replay`; returns whether `--verify` found a mismatch.
@@ -80,7 +84,9 @@ pub fn run(args: &ReplayArgs) -> Result<bool> {
     }
     if args.verify {
         let mut stdout = std::io::stdout();
-        return Ok(verify(&session, args.device, &mut stdout)?.is_some());
+        return Ok(
+            verify_within(&session, args.device, args.max_memory_gb, &mut stdout)?.is_some(),
+        );
     }
     Ok(false)
 }
@@ -355,6 +361,17 @@ pub fn verify(
     device: DeviceArg,
     out: &mut dyn std::io::Write,
 ) -> Result<Option<String>> {
+    verify_within(session, device, None, out)
+}
+
+/// [`verify`], refusing before anything is computed a recomputation that would need more than
+/// `max_memory_gb` (default: the memory available).
+pub fn verify_within(
+    session: &Session,
+    device: DeviceArg,
+    max_memory_gb: Option<f64>,
+    out: &mut dyn std::io::Write,
+) -> Result<Option<String>> {
     let io = Error::stdout;
     let model = crate::tui::host::load_model(&session.model)?;
     let layers = session.layers.0..session.layers.1;
@@ -364,6 +381,15 @@ pub fn verify(
             session.layers
         )));
     }
+    let context = session
+        .runs
+        .iter()
+        .filter_map(|r| r.schedule.as_ref())
+        .map(|s| s.prompt.len().saturating_add(s.decode))
+        .chain([session.prompt.len().saturating_add(session.decode)])
+        .max()
+        .unwrap_or(0);
+    crate::memory::check(&model.layout, context, &layers, 8 << 30, max_memory_gb)?;
     let mut backends: Vec<((DeviceFlag, crate::engine::StorageDtype), Box<dyn Backend>)> =
         Vec::new();
     let mut checked = 0usize;

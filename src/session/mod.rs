@@ -232,6 +232,11 @@ impl Session {
                 session.version
             ));
         }
+        // The recorded layout is what a replay computes sizes from (the Learn view, the memory
+        // estimate): it must be one a run could have had.
+        if let Some(layout) = &session.layout {
+            layout.validate().map_err(|e| format!("layout: {e}"))?;
+        }
         if let Some(t) = &session.tensors {
             let mut parts = t.components();
             let plain = matches!(
