@@ -830,3 +830,94 @@ fn the_debugger_refuses_a_prompt_too_long_for_memory() {
         &log[log.len().saturating_sub(2000)..]
     );
 }
+
+#[test]
+fn esc_cancels_a_long_load_in_the_debugger() {
+    use mladb::debug::Flags;
+    use mladb::session::ModelSource;
+    use mladb::tui::{app::App, driver::ThreadDriver, host::HostSpec, keys::Keymap, theme::Theme};
+    use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+    let dir = tempfile::tempdir().unwrap();
+    let small = dir.path().join("small.ron");
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2,3",
+        "--decode",
+        "1",
+        "--record",
+        s(&small),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // A large session: its one run repeated until the file takes seconds to parse.
+    let text = std::fs::read_to_string(&small).unwrap();
+    let start = text.find("    runs: [\n").unwrap() + "    runs: [\n".len();
+    let end = text.rfind("    ],\n").unwrap();
+    let run = &text[start..end];
+    let big = dir.path().join("big.ron");
+    std::fs::write(
+        &big,
+        format!("{}{}{}", &text[..start], run.repeat(200), &text[end..]),
+    )
+    .unwrap();
+    assert!(std::fs::metadata(&big).unwrap().len() > 40 << 20);
+
+    let model = std::sync::Arc::new(common::synthetic("glm5-tiny", 0));
+    let spec = HostSpec {
+        schedule: mladb::engine::generate::Schedule {
+            prompt: vec![1, 2, 3],
+            prefill_len: 3,
+            decode_steps: 1,
+        },
+        layers: 0..model.layout.num_layers,
+        model,
+        source: ModelSource::Layout {
+            layout: "glm5-tiny".into(),
+            seed: 0,
+            quant: None,
+        },
+        backend: std::sync::Arc::new(mladb::backend::cpu::CpuBackend),
+        flags: Flags::default(),
+    };
+    let mut app = App::new(
+        Box::new(ThreadDriver::start(spec).unwrap()),
+        Keymap::default(),
+        Theme::plain(),
+    );
+    let key = |app: &mut App, code| app.on_key(KeyEvent::new(code, KeyModifiers::NONE));
+    let line = format!("load {}", s(&big));
+    for c in std::iter::once(':').chain(line.chars()) {
+        key(&mut app, KeyCode::Char(c));
+    }
+    key(&mut app, KeyCode::Enter);
+    let t = Instant::now();
+    while app.mirror.busy.is_none() {
+        app.tick();
+        assert!(t.elapsed() < Duration::from_secs(10), "the load started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    key(&mut app, KeyCode::Esc);
+    let t = Instant::now();
+    loop {
+        app.tick();
+        if app.log.iter().any(|l| l.contains("cancelled")) {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "Esc did not cancel the load: {:?}",
+            &app.log[app.log.len().saturating_sub(5)..]
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        app.mirror.busy.is_none() || {
+            std::thread::sleep(Duration::from_millis(100));
+            app.tick();
+            app.mirror.busy.is_none()
+        }
+    );
+}
