@@ -921,3 +921,23 @@ fn esc_cancels_a_long_load_in_the_debugger() {
         }
     );
 }
+
+#[test]
+fn a_huge_session_of_blanks_is_refused_without_a_list_of_its_characters() {
+    let dir = tempfile::tempdir().unwrap();
+    let session = dir.path().join("blank.ron");
+    // 256 MiB of blanks: valid text, so the error (at its end) is where the field path is
+    // looked up; a list of its characters would take 1 GiB more.
+    {
+        use std::io::Write;
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&session).unwrap());
+        let line = [b' '; 1 << 20];
+        for _ in 0..256 {
+            f.write_all(&line).unwrap();
+        }
+    }
+    let o = mladb_bounded(&["replay", s(&session), "--json"], 30, 1);
+    let err = stderr(&o);
+    assert_clean_error(&o, "blank.ron");
+    assert!(err.contains("line 1"), "{err}");
+}
