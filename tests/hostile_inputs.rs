@@ -941,3 +941,49 @@ fn a_huge_session_of_blanks_is_refused_without_a_list_of_its_characters() {
     assert_clean_error(&o, "blank.ron");
     assert!(err.contains("line 1"), "{err}");
 }
+
+#[test]
+fn the_debugger_refuses_to_load_a_session_too_long_for_memory() {
+    use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+    let dir = tempfile::tempdir().unwrap();
+    let session = dir.path().join("s.ron");
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2,3",
+        "--decode",
+        "0",
+        "--record",
+        s(&session),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // A version 1 session (nothing recorded) whose prompt has 300,000 tokens.
+    let text = std::fs::read_to_string(&session).unwrap();
+    let start = text.find("    prompt: [").unwrap();
+    let end = start + text[start..].find("],").unwrap() + 2;
+    let head = text[..start].replace("version: 2,", "version: 1,");
+    let rest = &text[end..];
+    let rest = &rest[..rest.find("    layout: Some(").unwrap()];
+    let long = format!(
+        "{head}    prompt: [{}],\n    prefill: 300000,{})\n",
+        vec!["1"; 300_000].join(","),
+        rest.replacen("    prefill: 3,", "", 1)
+    );
+    std::fs::write(&session, long).unwrap();
+    let path = s(&session).to_string();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut app = common::tiny_app("");
+        for c in std::iter::once(':').chain(format!("load {path}").chars()) {
+            app.on_key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
+        }
+        app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE));
+        let _ = tx.send(app.log.join("\n"));
+    });
+    let log = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("answered in time");
+    assert!(log.contains("refusing to allocate"), "{log}");
+}

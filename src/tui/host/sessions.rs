@@ -138,6 +138,14 @@ impl Host {
                 format!("layers {:?} do not fit the model", session.layers),
             ));
         }
+        // A prompt too long for memory is refused before anything is recomputed.
+        crate::memory::check(
+            &model.layout,
+            session.prompt.len().saturating_add(session.decode),
+            &(session.layers.0..session.layers.1),
+            8 << 30,
+            None,
+        )?;
         let spec = HostSpec {
             model,
             source: session.model.clone(),
