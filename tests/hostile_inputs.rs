@@ -987,3 +987,38 @@ fn the_debugger_refuses_to_load_a_session_too_long_for_memory() {
         .expect("answered in time");
     assert!(log.contains("refusing to allocate"), "{log}");
 }
+
+#[test]
+fn save_in_the_debugger_refuses_what_it_must_not_replace() {
+    use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo.ron");
+    let ro = dir.path().join("ro.ron");
+    std::fs::write(&ro, b"keep").unwrap();
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o444)).unwrap();
+    let mut targets = vec![(ro.clone(), "read-only")];
+    if mkfifo(&fifo) {
+        targets.push((fifo.clone(), "not a regular file"));
+    }
+    let mut app = common::tiny_app("");
+    for (target, needle) in targets {
+        let line = format!("save {}", s(&target));
+        for c in std::iter::once(':').chain(line.chars()) {
+            app.on_key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
+        }
+        app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE));
+        let log = app.log.join("\n");
+        assert!(log.contains(needle), "{needle}: {log}");
+    }
+    assert_eq!(std::fs::read(&ro).unwrap(), b"keep");
+    assert_eq!(
+        std::fs::metadata(&ro).unwrap().permissions().mode() & 0o777,
+        0o444
+    );
+    if fifo.exists() {
+        assert!(std::fs::symlink_metadata(&fifo)
+            .unwrap()
+            .file_type()
+            .is_fifo());
+    }
+}
