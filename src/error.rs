@@ -118,6 +118,20 @@ impl Error {
 /// The name write errors on standard output are reported under.
 const STDOUT: &str = "stdout";
 
+/// `text` with control characters escaped (`\u{1b}`), so that an error quoting a file name or
+/// a value cannot move the cursor, recolour or clear the terminal, or span several lines.
+pub fn printable(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for ch in text.chars() {
+        if ch.is_control() {
+            out.extend(ch.escape_unicode());
+        } else {
+            out.push(ch);
+        }
+    }
+    out
+}
+
 pub type Result<T> = std::result::Result<T, Error>;
 
 #[cfg(test)]

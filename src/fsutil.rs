@@ -4,23 +4,96 @@ use crate::error::{Error, Result};
 use std::io::Write;
 use std::path::Path;
 
-/// Writes `bytes` to `path` atomically: a temporary file beside it, flushed to disk, then renamed
-/// over the target. A crash or a full disk leaves the old file (or none) intact.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = match path.parent() {
+/// Refuses an output target that must not be replaced: anything but a regular file or a new
+/// path (a device such as `/dev/full`, a FIFO, a socket, a directory), a symbolic link, or a
+/// read-only file. Called before a run starts, so a bad `--dump` or `--record` costs nothing.
+pub fn check_output(path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let refuse = |why: String| Err(Error::invalid(format!("{}: {why}", path.display())));
+    if path.file_name().is_none() {
+        return refuse("not a file path".into());
+    }
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let dir = parent_dir(path);
+            match std::fs::metadata(dir) {
+                Ok(m) if m.is_dir() => Ok(()),
+                Ok(_) => refuse(format!("{} is not a directory", dir.display())),
+                Err(e) => Err(Error::io(dir, e)),
+            }
+        }
+        Err(e) => Err(Error::io(path, e)),
+        Ok(m) if m.file_type().is_symlink() => {
+            refuse("is a symbolic link: refusing to replace it (name its target instead)".into())
+        }
+        Ok(m) if !m.is_file() => refuse(format!(
+            "not a regular file ({}): refusing to write over it",
+            crate::input::kind_of(&m.file_type())
+        )),
+        Ok(m) if m.permissions().mode() & 0o222 == 0 => {
+            refuse("read-only: refusing to replace it".into())
+        }
+        Ok(_) => Ok(()),
+    }
+}
+
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
+    }
+}
+
+/// The temporary files of `path` are `.NAME.mladb-tmp-PID`, beside it.
+const TMP_MARK: &str = ".mladb-tmp-";
+
+/// Removes temporaries of `path` left by processes that no longer exist (killed mid-write).
+fn remove_stale_temporaries(dir: &Path, file_name: &str) {
+    let prefix = format!(".{file_name}{TMP_MARK}");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
     };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if pid > 0 && pid as u32 != std::process::id() && !process_exists(pid) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// Whether a process of that id exists (it may belong to another user).
+fn process_exists(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Writes `bytes` to `path` atomically: a temporary file beside it, flushed to disk, then renamed
+/// over the target. A crash or a full disk leaves the old file (or none) intact. A target that
+/// [`check_output`] refuses is left alone.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    check_output(path)?;
+    let dir = parent_dir(path);
     let file_name = path
         .file_name()
-        .ok_or_else(|| Error::invalid(format!("{}: not a file path", path.display())))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        file_name.to_string_lossy(),
-        std::process::id()
-    ));
+        .ok_or_else(|| Error::invalid(format!("{}: not a file path", path.display())))?
+        .to_string_lossy()
+        .into_owned();
+    remove_stale_temporaries(dir, &file_name);
+    let tmp = dir.join(format!(".{file_name}{TMP_MARK}{}", std::process::id()));
     let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)

@@ -15,6 +15,8 @@ pub mod engine;
 pub mod error;
 pub mod fsutil;
 pub mod gguf;
+pub mod input;
+pub mod memory;
 pub mod model;
 pub mod ops;
 pub mod service;

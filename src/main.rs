@@ -8,7 +8,7 @@ fn main() -> ExitCode {
         // The reader of stdout has gone (`| head`): nothing is left to say, and nobody to say it to.
         Err(e) if e.is_closed_stdout() => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", mladb::error::printable(&e.to_string()));
             ExitCode::from(2)
         }
     }

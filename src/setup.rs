@@ -146,6 +146,8 @@ pub struct RunSpec {
     /// `A..B`, `A..=B` or `A`.
     pub layers: Option<String>,
     pub device: DeviceChoice,
+    /// The most memory the run may need, in GB (default: what the machine has available).
+    pub max_memory_gb: Option<f64>,
 }
 
 /// A loaded model with the schedule and layers to run.
@@ -167,6 +169,7 @@ impl RunSpec {
             decode: None,
             layers: None,
             device: DeviceChoice::Cpu,
+            max_memory_gb: None,
         }
     }
 
@@ -188,8 +191,27 @@ impl RunSpec {
             Some(t) => Some(parse_tokens_for(t, layout)?),
             None => None,
         };
+        if layout.indexer_mode(layers.start) == Some(crate::model::layout::IndexerMode::Shared) {
+            // A shared indexer reuses the previous layer's top-k; the first layer run has none.
+            eprintln!(
+                "note: layer {} shares the DSA top-k of {}, so it attends densely here",
+                layers.start,
+                if layers.start == 0 {
+                    "an earlier layer, and there is none".to_string()
+                } else {
+                    format!("layer {}, which this run leaves out", layers.start - 1)
+                }
+            );
+        }
         let schedule = schedule_with_defaults(layout, tokens, self.prefill, self.decode);
         schedule.validate()?;
+        crate::memory::check(
+            layout,
+            schedule.prompt.len().saturating_add(schedule.decode_steps),
+            &layers,
+            self.model.weight_cache_mb.saturating_mul(1 << 20) as u64,
+            self.max_memory_gb,
+        )?;
         Ok(Prepared {
             model,
             backend,

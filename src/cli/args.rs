@@ -99,6 +99,10 @@ pub struct RunSetup {
     /// cpu, cuda or auto (auto falls back to the CPU and says why).
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
+    /// Refuse a run whose largest buffers (weights kept, caches, attention over the context)
+    /// would need more than this many GB (default: the memory the machine has available).
+    #[arg(long)]
+    pub max_memory_gb: Option<f64>,
 }
 
 impl RunSetup {
@@ -111,6 +115,7 @@ impl RunSetup {
             decode: None,
             layers: None,
             device: DeviceArg::Cpu,
+            max_memory_gb: None,
         }
     }
 
@@ -123,6 +128,7 @@ impl RunSetup {
             decode: self.decode,
             layers: self.layers.clone(),
             device: self.device.into(),
+            max_memory_gb: self.max_memory_gb,
         }
     }
 
@@ -148,6 +154,21 @@ pub struct RecordArgs {
     /// it (NAME.tensors.safetensors).
     #[arg(long, requires = "record")]
     pub record_tensors: bool,
+}
+
+impl RecordArgs {
+    /// Refuses, before the run, a `--record` target (or its companion) that cannot be written
+    /// or must not be replaced.
+    pub fn check_outputs(&self) -> Result<()> {
+        if let Some(path) = &self.record {
+            crate::fsutil::check_output(path)?;
+            if self.record_tensors {
+                let name = crate::session::companion_name(path)?;
+                crate::fsutil::check_output(&path.with_file_name(name))?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The debugging flags as options.

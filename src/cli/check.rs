@@ -39,6 +39,7 @@ pub struct CheckArgs {
 
 /// Runs the check; returns whether anything was found.
 pub fn run(args: &CheckArgs) -> Result<bool> {
+    args.record.check_outputs()?;
     let flags = args.flags.flags(args.setup.device)?;
     if flags.mla_disable && super::args::vllm_mla_disable()? {
         eprintln!("note: {}", super::args::VLLM_MLA_DISABLE_NOTE);

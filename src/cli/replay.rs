@@ -47,6 +47,10 @@ pub struct ReplayArgs {
     /// Key bindings to override (as `mladb tui --keys`).
     #[arg(long)]
     pub keys: Option<PathBuf>,
+    /// With --verify: refuse a recomputation whose largest buffers would need more than this
+    /// many GB (default: the memory the machine has available), as `mladb run` does.
+    #[arg(long)]
+    pub max_memory_gb: Option<f64>,
 }
 
 /// Runs `mladb replay`; returns whether `--verify` found a mismatch.
@@ -55,12 +59,19 @@ pub fn run(args: &ReplayArgs) -> Result<bool> {
         crate::tui::run_replay(&args.file, args.keys.clone())?;
         return Ok(false);
     }
+    if let Some(out) = &args.dump {
+        crate::fsutil::check_output(out)?;
+    }
     let session = Session::load(&args.file)?;
     if session.runs.is_empty() {
         return Err(Error::parse(
             &args.file,
             "nothing recorded (a version 1 session): `mladb tui` then `:load FILE` recomputes it",
         ));
+    }
+    if args.verify {
+        // A companion from another save is refused here too, not only where it is read.
+        session.companion_bytes(&args.file)?;
     }
     if args.bench {
         bench(&args.file)?;
@@ -73,7 +84,9 @@ pub fn run(args: &ReplayArgs) -> Result<bool> {
     }
     if args.verify {
         let mut stdout = std::io::stdout();
-        return Ok(verify(&session, args.device, &mut stdout)?.is_some());
+        return Ok(
+            verify_within(&session, args.device, args.max_memory_gb, &mut stdout)?.is_some(),
+        );
     }
     Ok(false)
 }
@@ -245,6 +258,20 @@ pub fn op_differs(
             event.phase, event.name
         ));
     }
+    // Where the op stands: its index, layer and token positions are the same on every device.
+    if (recorded.index, recorded.layer, recorded.positions)
+        != (event.index, event.layer, event.positions)
+    {
+        return Some(format!(
+            "index/layer/positions recorded {} {:?} {:?}, recomputed {} {:?} {:?}",
+            recorded.index,
+            recorded.layer,
+            recorded.positions,
+            event.index,
+            event.layer,
+            event.positions
+        ));
+    }
     if recorded.kind != event.kind {
         return Some(format!(
             "kind recorded {}, recomputed {}",
@@ -284,6 +311,21 @@ pub fn op_differs(
             event.inputs.len()
         ));
     }
+    // Buffer sizes and roles (addresses differ between processes); bit for bit on one device.
+    if matches!(how, Agreement::Exact) {
+        let sizes = |e: &OpEvent| {
+            let mut v = vec![(e.output.bytes, e.output.role)];
+            v.extend(e.kernel_wrote.iter().map(|b| (b.bytes, b.role)));
+            v.extend(e.inputs.iter().map(|b| (b.bytes, b.role)));
+            v
+        };
+        let (a, b) = (sizes(recorded), sizes(event));
+        if a != b {
+            return Some(format!(
+                "buffer bytes/roles recorded {a:?}, recomputed {b:?}"
+            ));
+        }
+    }
     if let Some(d) = stats_differ(&recorded.stats, &event.stats, how) {
         return Some(d);
     }
@@ -319,6 +361,17 @@ pub fn verify(
     device: DeviceArg,
     out: &mut dyn std::io::Write,
 ) -> Result<Option<String>> {
+    verify_within(session, device, None, out)
+}
+
+/// [`verify`], refusing before anything is computed a recomputation that would need more than
+/// `max_memory_gb` (default: the memory available).
+pub fn verify_within(
+    session: &Session,
+    device: DeviceArg,
+    max_memory_gb: Option<f64>,
+    out: &mut dyn std::io::Write,
+) -> Result<Option<String>> {
     let io = Error::stdout;
     let model = crate::setup::load_model(&session.model)?;
     let layers = session.layers.0..session.layers.1;
@@ -328,6 +381,15 @@ pub fn verify(
             session.layers
         )));
     }
+    let context = session
+        .runs
+        .iter()
+        .filter_map(|r| r.schedule.as_ref())
+        .map(|s| s.prompt.len().saturating_add(s.decode))
+        .chain([session.prompt.len().saturating_add(session.decode)])
+        .max()
+        .unwrap_or(0);
+    crate::memory::check(&model.layout, context, &layers, 8 << 30, max_memory_gb)?;
     let mut backends: Vec<((DeviceFlag, crate::engine::StorageDtype), Box<dyn Backend>)> =
         Vec::new();
     let mut checked = 0usize;

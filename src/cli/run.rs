@@ -99,6 +99,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
 
 /// `mladb run` writing to `out`.
 pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
+    if let Some(path) = &args.dump {
+        crate::fsutil::check_output(path)?;
+    }
+    args.record.check_outputs()?;
     let flags = args.flags.flags(args.setup.device)?;
     if flags.mla_disable && super::args::vllm_mla_disable()? {
         eprintln!("note: {}", super::args::VLLM_MLA_DISABLE_NOTE);

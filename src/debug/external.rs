@@ -44,7 +44,7 @@ impl NameMap {
             return Ok(NameMap::hf());
         }
         let path = Path::new(name_or_path);
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::input::read_text_capped(path, crate::input::MAX_LAYOUT_BYTES)?;
         ron::from_str(&text).map_err(|e| {
             Error::parse(
                 path,
@@ -297,7 +297,13 @@ impl ExternalDump {
     /// Loads a dump. `map` turns its names into mladb's; `None` takes none for mladb's own dumps
     /// (their metadata says so) and the HF map for others.
     pub fn load(path: &Path, map: Option<&NameMap>) -> Result<ExternalDump> {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let bytes = {
+            use std::io::Read;
+            let mut f = crate::input::open_regular(path)?;
+            let mut bytes = Vec::new();
+            f.read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
+            bytes
+        };
         let st = SafeTensors::deserialize(&bytes)
             .map_err(|e| Error::parse(path, format!("not a valid safetensors file: {e}")))?;
         let (_, header) = SafeTensors::read_metadata(&bytes)

@@ -109,7 +109,7 @@ impl GgufFile {
     /// does); truncating it underneath would fault on access.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
-        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = crate::input::open_regular(path)?;
         let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         let bytes = if len == 0 {
             // mapping an empty file fails on some systems; parse it for the proper error

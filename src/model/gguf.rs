@@ -287,12 +287,29 @@ fn config_from_metadata(file: &GgufFile) -> Result<serde_json::Value> {
     let opt_u = |k: &str| file.get(&key(k)).map(|_| u(k)).transpose();
     // An f32 value is read as the shortest decimal that round-trips (1e-5, not
     // 9.99999974e-6), which is what the converter wrote from config.json.
+    // A non-finite value (rope.freq_base inf, an epsilon NaN) is an error: JSON cannot hold it,
+    // and a default in its place would run another model than the file describes.
     let opt_f = |k: &str| -> Result<Option<f64>> {
-        Ok(match file.get(&key(k)) {
-            None => None,
-            Some(Value::F32(x)) => Some(format!("{x}").parse().unwrap_or(*x as f64)),
-            Some(_) => Some(file.get_f64(&key(k))?),
-        })
+        let v = match file.get(&key(k)) {
+            None => return Ok(None),
+            Some(Value::F32(x)) => format!("{x}").parse().unwrap_or(*x as f64),
+            Some(_) => file.get_f64(&key(k))?,
+        };
+        if !v.is_finite() {
+            return Err(Error::parse(
+                file.path(),
+                format!("{}: {v} is not a finite number", key(k)),
+            ));
+        }
+        Ok(Some(v))
+    };
+    // A key present with another type than the one it must have is an error, not a default.
+    let typed = |k: &str, want: &str, ok: bool| -> Result<()> {
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::parse(file.path(), format!("{k}: expected {want}")))
+        }
     };
     let mut c = Map::new();
     c.insert("model_type".into(), json!(model_type));
@@ -360,8 +377,12 @@ fn config_from_metadata(file: &GgufFile) -> Result<serde_json::Value> {
     if let Some(scale) = opt_f("expert_weights_scale")? {
         c.insert("routed_scaling_factor".into(), json!(scale));
     }
-    if let Some(Value::Bool(b)) = file.get(&key("expert_weights_norm")) {
-        c.insert("norm_topk_prob".into(), json!(*b));
+    match file.get(&key("expert_weights_norm")) {
+        Some(Value::Bool(b)) => {
+            c.insert("norm_topk_prob".into(), json!(*b));
+        }
+        Some(_) => typed(&key("expert_weights_norm"), "a bool", false)?,
+        None => {}
     }
     if let Some(g) = opt_u("expert_gating_func")? {
         // llama.cpp: 1 = softmax, 2 = sigmoid.
@@ -373,6 +394,9 @@ fn config_from_metadata(file: &GgufFile) -> Result<serde_json::Value> {
     let theta = opt_f("rope.freq_base")?.unwrap_or(10000.0);
     let mut rope = Map::new();
     rope.insert("rope_theta".into(), json!(theta));
+    if let Some(v) = file.get(&key("rope.scaling.type")) {
+        typed(&key("rope.scaling.type"), "a string", v.as_str().is_some())?;
+    }
     match file.get(&key("rope.scaling.type")).and_then(Value::as_str) {
         Some("yarn") => {
             rope.insert("rope_type".into(), json!("yarn"));
@@ -402,11 +426,19 @@ fn config_from_metadata(file: &GgufFile) -> Result<serde_json::Value> {
     c.insert("rope_parameters".into(), serde_json::Value::Object(rope));
     let interleave = match file.get("mladb.rope_interleave") {
         Some(Value::Bool(b)) => *b,
-        _ => true,
+        Some(_) => {
+            typed("mladb.rope_interleave", "a bool", false)?;
+            true
+        }
+        None => true,
     };
     c.insert("rope_interleave".into(), json!(interleave));
-    if let Some(Value::Array(crate::gguf::Array::String(types))) = file.get("mladb.indexer_types") {
-        c.insert("indexer_types".into(), json!(types));
+    match file.get("mladb.indexer_types") {
+        Some(Value::Array(crate::gguf::Array::String(types))) => {
+            c.insert("indexer_types".into(), json!(types));
+        }
+        Some(_) => typed("mladb.indexer_types", "an array of strings", false)?,
+        None => {}
     }
     c.insert(
         "tie_word_embeddings".into(),

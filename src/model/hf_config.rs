@@ -14,8 +14,8 @@ use std::path::Path;
 
 /// Reads `config.json` and converts it; errors name the file.
 pub fn layout_from_config_file(path: &Path) -> Result<Layout> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let value: Value = serde_json::from_str(&text)
+    let text = crate::input::read_capped(path, crate::input::MAX_CONFIG_BYTES)?;
+    let value: Value = serde_json::from_slice(&text)
         .map_err(|e| Error::parse(path, format!("not valid JSON: {e}")))?;
     let name = path
         .parent()
@@ -181,6 +181,12 @@ pub fn layout_from_config(value: &Value, name: &str) -> Result<Layout> {
     };
     let first_k_dense = c.usize_or("first_k_dense_replace", 3)?.min(num_layers);
     let mlp = match c.str_list("mlp_layer_types")? {
+        Some(kinds) if kinds.len() != num_layers => {
+            return Err(Error::invalid(format!(
+                "mlp_layer_types lists {} layers but num_hidden_layers is {num_layers}",
+                kinds.len()
+            )))
+        }
         Some(kinds) => MlpPlan::PerLayer(
             kinds
                 .iter()

@@ -192,7 +192,7 @@ impl Layout {
     }
 
     pub fn from_ron_file(path: &Path) -> Result<Layout> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::input::read_text_capped(path, crate::input::MAX_LAYOUT_BYTES)?;
         Layout::from_ron_str(&text, path)
     }
 
@@ -344,7 +344,8 @@ impl Layout {
         match &self.mlp {
             MlpPlan::FirstDense(k) if layer < *k => MlpKind::Dense,
             MlpPlan::FirstDense(_) => MlpKind::Moe,
-            MlpPlan::PerLayer(kinds) => kinds[layer],
+            // A layer past the list (a layout not yet validated) is dense, never a panic.
+            MlpPlan::PerLayer(kinds) => kinds.get(layer).copied().unwrap_or(MlpKind::Dense),
         }
     }
 
@@ -454,8 +455,11 @@ impl MoeLayout {
                 self.topk_group
             )));
         }
-        if !self.routed_scaling_factor.is_finite() {
-            return Err(Error::invalid("moe.routed_scaling_factor must be finite"));
+        if !(self.routed_scaling_factor.is_finite() && self.routed_scaling_factor > 0.0) {
+            return Err(Error::invalid(format!(
+                "moe.routed_scaling_factor must be a finite positive number, got {}",
+                self.routed_scaling_factor
+            )));
         }
         Ok(())
     }

@@ -229,6 +229,10 @@ impl WeightSource for QuantizedSource {
         self.inner.shape(name)
     }
 
+    fn readable(&self, name: &str) -> Result<()> {
+        self.inner.readable(name)
+    }
+
     fn read_rows(&self, name: &str, start_row: usize, out: &mut [f32]) -> Result<()> {
         self.inner.read_rows(name, start_row, out)?;
         if let Some((ty, _)) = self.type_of(name) {

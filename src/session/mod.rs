@@ -76,6 +76,10 @@ pub struct Session {
     /// `runN/PHASE/OP`, N indexing `runs`), relative to the session file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensors: Option<PathBuf>,
+    /// v2: a hash of the companion file's bytes (FNV-1a, 64 bits, hex), binding the pair: a
+    /// companion from another save (a kill between the two renames) is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensors_hash: Option<String>,
     /// v2: the model's layout and a description of its weights, so a replay needs neither the
     /// weights nor the checkpoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -115,6 +119,7 @@ impl Session {
             annotations: Vec::new(),
             check: None,
             tensors: None,
+            tensors_hash: None,
             layout: None,
             weights: None,
             kv_b: None,
@@ -184,9 +189,11 @@ impl Session {
             .collect::<Result<_>>()?;
         let data = safetensors::serialize(views, None)
             .map_err(|e| Error::invalid(format!("writing {}: {e}", companion.display())))?;
+        crate::fsutil::check_output(path)?;
         write_atomic(&companion, &data)?;
         let mut with = self.clone();
         with.tensors = Some(PathBuf::from(name));
+        with.tensors_hash = Some(companion_hash(&data));
         with.save(path)
     }
 
@@ -225,6 +232,24 @@ impl Session {
                 session.version
             ));
         }
+        // The recorded layout is what a replay computes sizes from (the Learn view, the memory
+        // estimate): it must be one a run could have had.
+        if let Some(layout) = &session.layout {
+            layout.validate().map_err(|e| format!("layout: {e}"))?;
+        }
+        if let Some(t) = &session.tensors {
+            let mut parts = t.components();
+            let plain = matches!(
+                (parts.next(), parts.next()),
+                (Some(std::path::Component::Normal(_)), None)
+            );
+            if !plain {
+                return Err(format!(
+                    "tensors: {:?} is not a file name: the companion tensors must lie beside the session",
+                    t.display().to_string()
+                ));
+            }
+        }
         if session.version < 2 && (!session.runs.is_empty() || session.tensors.is_some()) {
             return Err(format!(
                 "a version {} session cannot hold recorded runs (they came with version 2)",
@@ -255,14 +280,9 @@ impl Session {
     /// The full outputs of every run from the companion file, if the session has one:
     /// `result[n][i]` is op i of run n.
     pub fn load_tensors(&self, session_path: &Path) -> Result<Option<Vec<Vec<Arc<Tensor>>>>> {
-        let Some(rel) = &self.tensors else {
+        let Some((path, bytes)) = self.companion_bytes(session_path)? else {
             return Ok(None);
         };
-        let path = match session_path.parent() {
-            Some(dir) => dir.join(rel),
-            None => rel.clone(),
-        };
-        let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
         let st = safetensors::SafeTensors::deserialize(&bytes)
             .map_err(|e| Error::parse(&path, e.to_string()))?;
         let mut runs = Vec::new();
@@ -301,34 +321,75 @@ impl Session {
     }
 }
 
+impl Session {
+    /// The companion file's path and bytes, if the session has one: a regular file beside the
+    /// session, no larger than the recorded outputs need, whose hash is the one the session
+    /// recorded (sessions saved before the hash existed are taken as they are).
+    pub fn companion_bytes(&self, session_path: &Path) -> Result<Option<(PathBuf, Vec<u8>)>> {
+        let Some(rel) = &self.tensors else {
+            return Ok(None);
+        };
+        let mut parts = rel.components();
+        if !matches!(
+            (parts.next(), parts.next()),
+            (Some(std::path::Component::Normal(_)), None)
+        ) {
+            return Err(Error::parse(
+                session_path,
+                format!(
+                    "tensors: {:?} is not a file name: the companion tensors must lie beside the session",
+                    rel.display().to_string()
+                ),
+            ));
+        }
+        let path = match session_path.parent() {
+            Some(dir) => dir.join(rel),
+            None => rel.clone(),
+        };
+        // The recorded outputs in f32, and a generous header (names, shapes, offsets).
+        let mut cap: u64 = 64 << 20;
+        for run in &self.runs {
+            for op in &run.ops {
+                let numel = crate::debug::sample::numel(&op.event.shape).unwrap_or(usize::MAX);
+                cap = cap
+                    .saturating_add((numel as u64).saturating_mul(4))
+                    .saturating_add(512);
+            }
+        }
+        let bytes = crate::input::read_capped(&path, cap)?;
+        if let Some(want) = &self.tensors_hash {
+            let found = companion_hash(&bytes);
+            if &found != want {
+                return Err(Error::parse(
+                    &path,
+                    format!(
+                        "does not match its session {} (hash {found}, the session recorded {want}): \
+                         the pair comes from two different saves",
+                        session_path.display()
+                    ),
+                ));
+            }
+        }
+        Ok(Some((path, bytes)))
+    }
+}
+
+/// The hash binding a companion file to its session.
+fn companion_hash(bytes: &[u8]) -> String {
+    format!("{:016x}", crate::model::weights::synthetic::fnv1a64(bytes))
+}
+
 /// The largest session file read (about two million recorded ops).
 const MAX_SESSION_BYTES: u64 = 2 << 30;
 
 /// A session file's text: a regular file (not `/dev/zero` or a FIFO, which would never end) of
 /// at most [`MAX_SESSION_BYTES`].
 fn read_bounded(path: &Path) -> Result<String> {
-    use std::io::Read;
-    let io = |e| Error::io(path, e);
-    // Before opening: opening a FIFO waits for a writer.
-    if !std::fs::metadata(path).map_err(io)?.is_file() {
-        return Err(Error::parse(path, "not a regular file"));
-    }
-    let file = std::fs::File::open(path).map_err(io)?;
-    let mut text = String::new();
-    file.take(MAX_SESSION_BYTES + 1)
-        .read_to_string(&mut text)
-        .map_err(io)?;
-    if text.len() as u64 > MAX_SESSION_BYTES {
-        return Err(Error::parse(
-            path,
-            format!("larger than {} GiB: not a session", MAX_SESSION_BYTES >> 30),
-        ));
-    }
-    Ok(text)
+    crate::input::read_text_capped(path, MAX_SESSION_BYTES)
 }
 
 /// The companion file's name: `NAME.tensors.safetensors` for `NAME.ron`.
-fn companion_name(path: &Path) -> Result<String> {
+pub fn companion_name(path: &Path) -> Result<String> {
     let stem = path
         .file_stem()
         .ok_or_else(|| Error::invalid(format!("{}: not a file path", path.display())))?;
@@ -348,64 +409,66 @@ pub fn field_path(text: &str, line: usize, col: usize) -> String {
         field: None,
         index: 0,
     }];
-    let chars: Vec<char> = text.chars().collect();
+    // Bytes, not a list of chars: the text may be 2 GiB. Every character the scan looks for
+    // is ASCII; columns count characters (UTF-8 continuation bytes do not advance them).
+    let chars = text.as_bytes();
     let (mut l, mut c) = (1usize, 1usize);
     let mut i = 0;
-    let advance = |ch: char, l: &mut usize, c: &mut usize| {
-        if ch == '\n' {
+    let advance = |ch: u8, l: &mut usize, c: &mut usize| {
+        if ch == b'\n' {
             *l += 1;
             *c = 1;
-        } else {
+        } else if ch & 0xC0 != 0x80 {
             *c += 1;
         }
     };
     while i < chars.len() && (l, c) < (line, col) {
         let ch = chars[i];
-        if ch == '"' {
+        if ch == b'"' {
             advance(ch, &mut l, &mut c);
             i += 1;
-            while i < chars.len() && chars[i] != '"' {
-                if chars[i] == '\\' && i + 1 < chars.len() {
+            while i < chars.len() && chars[i] != b'"' {
+                if chars[i] == b'\\' && i + 1 < chars.len() {
                     advance(chars[i], &mut l, &mut c);
                     i += 1;
                 }
                 advance(chars[i], &mut l, &mut c);
                 i += 1;
             }
-        } else if ch == '/' && chars.get(i + 1) == Some(&'/') {
-            while i < chars.len() && chars[i] != '\n' {
+        } else if ch == b'/' && chars.get(i + 1) == Some(&b'/') {
+            while i < chars.len() && chars[i] != b'\n' {
                 advance(chars[i], &mut l, &mut c);
                 i += 1;
             }
             continue;
-        } else if ch.is_ascii_alphabetic() || ch == '_' {
+        } else if ch.is_ascii_alphabetic() || ch == b'_' {
             let start = i;
-            while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '_') {
+            while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == b'_') {
                 advance(chars[i], &mut l, &mut c);
                 i += 1;
             }
-            let word: String = chars[start..i].iter().collect();
+            let word = String::from_utf8_lossy(&chars[start..i]).into_owned();
             let mut j = i;
-            while j < chars.len() && chars[j] == ' ' {
+            while j < chars.len() && chars[j] == b' ' {
                 j += 1;
             }
-            if chars.get(j) == Some(&':') {
+            if chars.get(j) == Some(&b':') {
                 if let Some(top) = stack.last_mut() {
                     top.field = Some(word);
                 }
             }
             continue;
-        } else if matches!(ch, '(' | '[' | '{') {
+        } else if matches!(ch, b'(' | b'[' | b'{') {
             stack.push(Frame {
-                list: ch == '[',
+                list: ch == b'[',
                 field: None,
                 index: 0,
             });
-        } else if matches!(ch, ')' | ']' | '}') {
+        } else if matches!(ch, b')' | b']' | b'}') {
             if stack.len() > 1 {
                 stack.pop();
             }
-        } else if ch == ',' {
+        } else if ch == b',' {
             if let Some(top) = stack.last_mut() {
                 top.index += 1;
                 if !top.list {
@@ -448,8 +511,8 @@ pub fn checkpoint_fingerprint(dir: &Path) -> Result<String> {
             .map_err(|e| Error::io(dir, e))?;
         return Ok(format!("size:{size},head:{:016x}", fnv1a64(&head)));
     }
-    let config = std::fs::read(dir.join("config.json"))
-        .map_err(|e| Error::io(dir.join("config.json"), e))?;
+    let config =
+        crate::input::read_capped(&dir.join("config.json"), crate::input::MAX_CONFIG_BYTES)?;
     let mut parts = vec![format!("{:016x}", fnv1a64(&config))];
     let mut files: Vec<(String, u64)> = std::fs::read_dir(dir)
         .map_err(|e| Error::io(dir, e))?

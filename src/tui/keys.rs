@@ -3,7 +3,6 @@
 
 use crate::error::{Error, Result};
 use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
-use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Everything a key can do.
@@ -222,6 +221,38 @@ impl Key {
     }
 }
 
+/// A key file's map, in its order, refusing an action named twice (RON maps would keep the last
+/// silently).
+struct Overrides(Vec<(String, Vec<String>)>);
+
+impl<'de> serde::Deserialize<'de> for Overrides {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = Overrides;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a map of action names to lists of keys")
+            }
+            fn visit_map<M: serde::de::MapAccess<'de>>(
+                self,
+                mut m: M,
+            ) -> std::result::Result<Overrides, M::Error> {
+                let mut out: Vec<(String, Vec<String>)> = Vec::new();
+                while let Some((name, keys)) = m.next_entry::<String, Vec<String>>()? {
+                    if out.iter().any(|(n, _)| *n == name) {
+                        return Err(serde::de::Error::custom(format!(
+                            "action '{name}' is named twice"
+                        )));
+                    }
+                    out.push((name, keys));
+                }
+                Ok(Overrides(out))
+            }
+        }
+        d.deserialize_map(Visitor)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Keymap {
     bindings: Vec<(Action, Vec<Key>)>,
@@ -250,8 +281,8 @@ impl Keymap {
     /// The defaults with the actions a RON file names rebound, e.g.
     /// `{ "step": ["s", "f10"], "next-layer": ["f11"] }`.
     pub fn with_overrides(path: &Path) -> Result<Keymap> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let overrides: BTreeMap<String, Vec<String>> = ron::from_str(&text).map_err(|e| {
+        let text = crate::input::read_text_capped(path, crate::input::MAX_KEYS_BYTES)?;
+        let overrides: Overrides = ron::from_str(&text).map_err(|e| {
             Error::parse(
                 path,
                 format!(
@@ -261,7 +292,7 @@ impl Keymap {
             )
         })?;
         let mut map = Keymap::default();
-        for (name, keys) in overrides {
+        for (name, keys) in overrides.0 {
             let action = Action::from_name(&name).ok_or_else(|| {
                 Error::parse(
                     path,
@@ -275,11 +306,45 @@ impl Keymap {
                 .iter()
                 .map(|k| Key::parse(k).map_err(|e| Error::parse(path, format!("{action:?}: {e}"))))
                 .collect::<Result<Vec<Key>>>()?;
+            if keys.is_empty() {
+                return Err(Error::parse(
+                    path,
+                    format!("{}: no keys (every action needs one)", action.name()),
+                ));
+            }
             if let Some(slot) = map.bindings.iter_mut().find(|(a, _)| *a == action) {
                 slot.1 = keys;
             }
         }
+        map.conflicts().map_err(|e| Error::parse(path, e))?;
         Ok(map)
+    }
+
+    /// A key bound to two actions, or Ctrl-C bound to anything but quit, named with both.
+    fn conflicts(&self) -> std::result::Result<(), String> {
+        let ctrl_c = Key {
+            code: KeyCode::Char('c'),
+            ctrl: true,
+        };
+        for (i, (a, keys)) in self.bindings.iter().enumerate() {
+            for k in keys {
+                if *k == ctrl_c && *a != Action::Quit {
+                    return Err(format!("Ctrl-C is bound to {} but always quits", a.name()));
+                }
+                if let Some((b, _)) = self.bindings[i + 1..]
+                    .iter()
+                    .find(|(_, other)| other.contains(k))
+                {
+                    return Err(format!(
+                        "{} is bound to both {} and {}",
+                        k.label(),
+                        a.name(),
+                        b.name()
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The key file to use: `$MLADB_KEYS`, else `~/.config/mladb/keys.ron` when it exists.
@@ -297,6 +362,10 @@ impl Keymap {
     }
 
     pub fn action(&self, event: &KeyEvent) -> Option<Action> {
+        // Ctrl-C always quits, whatever a key file says.
+        if event.code == KeyCode::Char('c') && event.modifiers.contains(KeyModifiers::CONTROL) {
+            return Some(Action::Quit);
+        }
         self.bindings
             .iter()
             .find(|(_, keys)| keys.iter().any(|k| k.matches(event)))
@@ -374,5 +443,30 @@ mod tests {
             .contains("keys.ron"));
         std::fs::write(&path, r#"{ "step": ["hyper-s"] }"#).unwrap();
         assert!(Keymap::with_overrides(&path).is_err());
+    }
+
+    #[test]
+    fn the_debugger_can_always_be_quit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.ron");
+        let err = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            Keymap::with_overrides(&path).unwrap_err().to_string()
+        };
+        assert!(err(r#"{ "quit": [] }"#).contains("quit: no keys"));
+        let e = err(r#"{ "quit": ["j"] }"#);
+        assert!(e.contains("j is bound to both down and quit"), "{e}");
+        let e = err(r#"{ "step": ["ctrl-c"] }"#);
+        assert!(e.contains("Ctrl-C is bound to step"), "{e}");
+        let e = err(r#"{ "step": ["x"], "step": ["y"] }"#);
+        assert!(e.contains("'step' is named twice"), "{e}");
+        // Ctrl-C quits even when the file rebinds quit to other keys.
+        std::fs::write(&path, r#"{ "quit": ["x"] }"#).unwrap();
+        let map = Keymap::with_overrides(&path).unwrap();
+        assert_eq!(
+            map.action(&key(KeyCode::Char('c'), KeyModifiers::CONTROL)),
+            Some(Action::Quit)
+        );
+        assert!(Keymap::default().conflicts().is_ok());
     }
 }

@@ -10,7 +10,30 @@ use ratatui::crossterm::event::{
 };
 use ratatui::crossterm::execute;
 use ratatui::Terminal;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
+
+/// The termination signal received (SIGTERM, SIGHUP or SIGINT), 0 while none: the loop ends on
+/// it as on `q`, and the terminal is restored.
+static SIGNAL: std::sync::OnceLock<Arc<AtomicUsize>> = std::sync::OnceLock::new();
+
+fn signal_received() -> usize {
+    SIGNAL.get().map_or(0, |s| s.load(Ordering::Relaxed))
+}
+
+/// Catches SIGTERM, SIGHUP and SIGINT: the first sets [`SIGNAL`] (the loop quits within one
+/// input wait and restores the terminal); a second of the same kind ends the process at once.
+fn catch_signals() {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let flag = SIGNAL.get_or_init(|| Arc::new(AtomicUsize::new(0))).clone();
+    for sig in [SIGTERM, SIGHUP, SIGINT] {
+        let caught = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let _ = signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, caught.clone());
+        let _ = signal_hook::flag::register(sig, caught);
+        let _ = signal_hook::flag::register_usize(sig, flag.clone(), sig as usize);
+    }
+}
 
 /// Where input comes from.
 pub trait EventSource {
@@ -42,6 +65,9 @@ pub fn run_loop<B: Backend, E: EventSource>(
     let draw_err = |e: B::Error| Error::invalid(format!("drawing failed: {e}"));
     let mut dirty = true;
     while !app.quit {
+        if signal_received() != 0 {
+            break;
+        }
         if app.tick() {
             dirty = true;
         }
@@ -71,6 +97,7 @@ pub fn run_loop<B: Backend, E: EventSource>(
 /// three off again however the loop ends (a panic included).
 pub fn run_terminal(mut app: App) -> Result<()> {
     let io = |e: std::io::Error| Error::io("terminal", e);
+    catch_signals();
     let mut terminal = ratatui::try_init().map_err(io)?;
     // ratatui's hook restores raw mode and the screen; this one, installed after it and so run
     // first, also gives the mouse back.
@@ -84,5 +111,15 @@ pub fn run_terminal(mut app: App) -> Result<()> {
         .and_then(|_| run_loop(&mut terminal, &mut app, &mut CrosstermEvents));
     let _ = execute!(std::io::stdout(), DisableMouseCapture);
     ratatui::restore();
+    // The cursor too (leaving the alternate screen does not show it again in every terminal).
+    let _ = execute!(std::io::stdout(), ratatui::crossterm::cursor::Show);
+    // Ended by a signal: the terminal is restored and the session saved as on `q`; the exit
+    // status says which signal, as the shell's would.
+    let sig = signal_received();
+    if sig != 0 {
+        drop(terminal);
+        result?;
+        std::process::exit(128 + sig as i32);
+    }
     result
 }

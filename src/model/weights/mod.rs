@@ -23,6 +23,11 @@ pub trait WeightSource: Send + Sync {
     /// Fills `out` with rows `start_row..` of the tensor viewed as a matrix
     /// [shape[0], product of the rest]; `out.len()` is a whole number of rows.
     fn read_rows(&self, name: &str, start_row: usize, out: &mut [f32]) -> Result<()>;
+    /// Whether the tensor can be read at all (its stored type is one this source decodes):
+    /// checked at load, so an unreadable tensor is an error before the run, not in the middle.
+    fn readable(&self, _name: &str) -> Result<()> {
+        Ok(())
+    }
     /// The tensor's ggml blocks when the source stores it quantized (a GGUF file, `--quant`);
     /// `read_rows` then returns the decoded values.
     fn quantized(&self, _name: &str) -> Option<Result<QuantTensor>> {
@@ -79,7 +84,7 @@ impl WeightStore {
                         found,
                     })
                 }
-                Some(_) => {}
+                Some(_) => source.readable(name)?,
             }
         }
         Ok(WeightStore {

@@ -15,7 +15,6 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata};
 use safetensors::SafeTensors;
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 /// One stored tensor: where its bytes are.
@@ -58,7 +57,7 @@ impl CheckpointWeights {
         let mut files = Vec::new();
         let mut tensors = HashMap::new();
         for path in shard_paths {
-            let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+            let file = crate::input::open_regular(&path)?;
             // SAFETY: the map is read-only; a file truncated while mladb runs can still fault,
             // which is the accepted cost of not copying hundreds of GB.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
@@ -183,8 +182,8 @@ impl CheckpointWeights {
 fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
-        let value: serde_json::Value = serde_json::from_str(&text)
+        let text = crate::input::read_capped(&index, crate::input::MAX_INDEX_BYTES)?;
+        let value: serde_json::Value = serde_json::from_slice(&text)
             .map_err(|e| Error::parse(&index, format!("not valid JSON: {e}")))?;
         let map = value
             .get("weight_map")
@@ -279,10 +278,11 @@ fn element_size(dtype: Dtype) -> Option<usize> {
 /// The FP8 block size from `config.json`'s `quantization_config` ([128, 128] when absent).
 fn fp8_block_size(dir: &Path) -> Result<[usize; 2]> {
     let path = dir.join("config.json");
-    let Ok(text) = std::fs::read_to_string(&path) else {
+    if !path.exists() {
         return Ok([128, 128]);
-    };
-    let value: serde_json::Value = serde_json::from_str(&text)
+    }
+    let text = crate::input::read_capped(&path, crate::input::MAX_CONFIG_BYTES)?;
+    let value: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| Error::parse(&path, format!("not valid JSON: {e}")))?;
     let Some(block) = value.pointer("/quantization_config/weight_block_size") else {
         return Ok([128, 128]);
@@ -328,6 +328,19 @@ impl WeightSource for CheckpointWeights {
             return Some(r.stored.shape.clone());
         }
         Some(vec![r.rows, r.cols])
+    }
+
+    fn readable(&self, name: &str) -> Result<()> {
+        match self.resolve(name) {
+            Some(r) if element_size(r.stored.dtype).is_none() => Err(Error::parse(
+                &self.files[r.stored.file].0,
+                format!(
+                    "tensor {name} is stored as {:?}; mladb reads F32, F16, BF16 and block-scaled F8_E4M3 checkpoints",
+                    r.stored.dtype
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 
     fn read_rows(&self, name: &str, start_row: usize, out: &mut [f32]) -> Result<()> {

@@ -86,6 +86,14 @@ impl Host {
             self.log(format!("{key} {value}: the schedule is unchanged"));
             return Ok(());
         }
+        // A prompt too long for memory is refused before the worker allocates for it.
+        crate::memory::check(
+            &self.controller.model().layout,
+            schedule.prompt.len().saturating_add(schedule.decode_steps),
+            self.controller.layers(),
+            8 << 30,
+            None,
+        )?;
         let change = self.controller.set_schedule(schedule.clone())?;
         (self.send)(Update::Schedule(schedule));
         self.changed(&format!("{key} {value}"), &change);

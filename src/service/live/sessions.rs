@@ -75,9 +75,42 @@ impl Host {
         out
     }
 
+    /// Reads a session file on a thread of its own, so that Esc cancels a long read (a large
+    /// file parses at about 5 MB/s): the read is abandoned, and its result dropped when it ends.
+    fn read_session(&self, path: &std::path::Path) -> Result<Session> {
+        use std::sync::atomic::Ordering;
+        use std::sync::mpsc::RecvTimeoutError;
+        let cancel = self.cancel.clone();
+        cancel.store(false, Ordering::Relaxed);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let owned = path.to_path_buf();
+        std::thread::Builder::new()
+            .name("mladb-load".into())
+            .spawn(move || {
+                let _ = tx.send(Session::load(&owned));
+            })
+            .map_err(|e| Error::invalid(format!("cannot start a thread to load: {e}")))?;
+        loop {
+            match rx.recv_timeout(std::time::Duration::from_millis(20)) {
+                Ok(result) => return result,
+                Err(RecvTimeoutError::Timeout) => {
+                    if cancel.swap(false, Ordering::Relaxed) {
+                        return Err(Error::invalid(format!(
+                            "load {}: cancelled",
+                            path.display()
+                        )));
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(Error::invalid(format!("load {}: failed", path.display())))
+                }
+            }
+        }
+    }
+
     /// Replaces the debugger with a saved session and runs it to its cursor.
     pub(super) fn load(&mut self, path: PathBuf) -> Result<()> {
-        let session = Session::load(&path)?;
+        let session = self.read_session(&path)?;
         let backend = self.controller.backend().clone();
         let model = if session.model == self.source {
             self.controller.model_arc()
@@ -90,6 +123,14 @@ impl Host {
                 format!("layers {:?} do not fit the model", session.layers),
             ));
         }
+        // A prompt too long for memory is refused before anything is recomputed.
+        crate::memory::check(
+            &model.layout,
+            session.prompt.len().saturating_add(session.decode),
+            &(session.layers.0..session.layers.1),
+            8 << 30,
+            None,
+        )?;
         let spec = HostSpec {
             model,
             source: session.model.clone(),

@@ -1,0 +1,170 @@
+//! The memory a run needs, estimated from the layout and the schedule before anything is
+//! allocated, and held against a limit (`--max-memory-gb`, by default the memory the machine has
+//! available), so that a prompt too long for memory is an `error:` with the figure, not an abort.
+
+use crate::error::{Error, Result};
+use crate::model::Layout;
+use std::ops::Range;
+
+/// The largest buffers a run of `layers` over a context of `context` tokens holds at once, in
+/// bytes (f32): the weights kept (at most `weight_cache_bytes`, plus the largest tensor fetched
+/// beyond it), every layer's latent cache and naive K/V cache, and the widest phase's transient
+/// buffers: attention scores and probabilities (heads × queries × keys, twice), the indexer's
+/// scores, and a few activations of the widest projection. The widest phase is taken as a
+/// prefill of the whole context, which `check` runs to compare prefill with decode.
+pub fn estimate(
+    layout: &Layout,
+    context: usize,
+    layers: &Range<usize>,
+    weight_cache_bytes: u64,
+) -> u128 {
+    let e = Estimate::of(layout, context, layers, weight_cache_bytes);
+    e.weights + e.attention + e.rest
+}
+
+/// An estimate in parts, for the error message.
+struct Estimate {
+    weights: u128,
+    attention: u128,
+    rest: u128,
+}
+
+impl Estimate {
+    fn of(
+        layout: &Layout,
+        context: usize,
+        layers: &Range<usize>,
+        weight_cache_bytes: u64,
+    ) -> Estimate {
+        let f = 4u128;
+        let t = context as u128;
+        let n_layers = layers.len() as u128;
+        let heads = layout.num_heads as u128;
+        let weights_total = layout.parameter_count() * f;
+        let largest_weight = [
+            layout.vocab_size as u128 * layout.hidden_size as u128,
+            layout.kv_lora_rank as u128
+                * heads
+                * (layout.qk_nope_head_dim + layout.v_head_dim) as u128,
+            layout.intermediate_size as u128 * layout.hidden_size as u128,
+            heads
+                * layout.qk_head_dim() as u128
+                * layout.q_lora_rank.unwrap_or(layout.hidden_size) as u128,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+            * f;
+        // The weights the run touches: embedding, head, and its share of the layers'.
+        let base = layout.vocab_size as u128
+            * layout.hidden_size as u128
+            * if layout.tie_word_embeddings { 1 } else { 2 }
+            * f;
+        let per_layer = weights_total.saturating_sub(base) / (layout.num_layers.max(1) as u128);
+        let touched = base + per_layer * n_layers;
+        let weights = touched.min(weight_cache_bytes as u128 + largest_weight);
+        // Caches: the latent rows and the naive path's decompressed K and V, per layer run.
+        let caches = n_layers
+            * t
+            * (layout.latent_width() as u128
+                + heads * (layout.qk_head_dim() + layout.v_head_dim) as u128)
+            * f;
+        // Attention over the whole context: scores and probabilities.
+        let attention = 2 * heads * t * t * f;
+        let indexer = layout
+            .indexer
+            .as_ref()
+            .map(|ix| (ix.n_heads as u128 + 1) * t * t * f)
+            .unwrap_or(0);
+        let widest = [
+            layout.vocab_size,
+            layout.hidden_size,
+            layout.num_heads * layout.qk_head_dim(),
+            layout.num_heads * (layout.qk_nope_head_dim + layout.v_head_dim),
+            layout.intermediate_size,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0) as u128;
+        let activations = 8 * t * widest * f;
+        Estimate {
+            weights,
+            attention: attention + indexer,
+            rest: caches + activations,
+        }
+    }
+}
+
+/// The memory the machine has available (`MemAvailable` of /proc/meminfo), if it says.
+pub fn available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// Refuses a run whose estimate exceeds `limit_gb` (GB, 10^9 bytes), or by default the memory
+/// available; `what` names the run in the error.
+pub fn check(
+    layout: &Layout,
+    context: usize,
+    layers: &Range<usize>,
+    weight_cache_bytes: u64,
+    limit_gb: Option<f64>,
+) -> Result<()> {
+    let (limit, source) = match limit_gb {
+        Some(gb) if gb.is_finite() && gb > 0.0 => ((gb * 1e9) as u128, "--max-memory-gb"),
+        Some(gb) => {
+            return Err(Error::invalid(format!(
+                "--max-memory-gb {gb} is not a positive number"
+            )))
+        }
+        None => match available() {
+            Some(b) => (
+                b as u128,
+                "the memory available; --max-memory-gb sets another limit",
+            ),
+            None => return Ok(()),
+        },
+    };
+    let e = Estimate::of(layout, context, layers, weight_cache_bytes);
+    let need = e.weights + e.attention + e.rest;
+    let gb = |b: u128| b as f64 / 1e9;
+    if need > limit {
+        return Err(Error::Allocation {
+            what: format!("about {:.2} GB", gb(need)),
+            detail: format!(
+                "{} layer(s) of {} over {context} tokens need about {:.2} GB (weights {:.2}, \
+                 attention over the context, which grows with its square, {:.2}, caches and \
+                 activations {:.2}), above the limit of {:.2} GB ({source})",
+                layers.len(),
+                layout.name,
+                gb(need),
+                gb(e.weights),
+                gb(e.attention),
+                gb(e.rest),
+                gb(limit)
+            ),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_grows_with_the_square_of_the_context() {
+        let layout = Layout::resolve("glm5-tiny").unwrap();
+        let layers = 0..layout.num_layers;
+        let small = estimate(&layout, 100, &layers, 1 << 30);
+        let big = estimate(&layout, 20000, &layers, 1 << 30);
+        // glm5-tiny's attention probabilities alone at 20000 tokens: 4 × 20000² × 4 bytes.
+        assert!(big > 4 * 20000u128 * 20000 * 4, "{big}");
+        assert!(small < 100 << 20, "{small}");
+        assert!(check(&layout, 20000, &layers, 1 << 30, Some(2.0)).is_err());
+        assert!(check(&layout, 100, &layers, 1 << 30, Some(2.0)).is_ok());
+        assert!(check(&layout, 100, &layers, 1 << 30, Some(f64::NAN)).is_err());
+    }
+}
