@@ -880,6 +880,7 @@ fn esc_cancels_a_long_load_in_the_debugger() {
         },
         backend: std::sync::Arc::new(mladb::backend::cpu::CpuBackend),
         flags: Flags::default(),
+        max_memory_gb: None,
     };
     let mut app = App::new(
         Box::new(ThreadDriver::start(spec).unwrap()),
@@ -1021,4 +1022,52 @@ fn save_in_the_debugger_refuses_what_it_must_not_replace() {
             .file_type()
             .is_fifo());
     }
+}
+
+/// `--max-memory-gb` holds the debugger's later runs too: a prompt set with `:set tokens` that
+/// fits the machine but not the limit given is refused, with the limit; without one it runs.
+#[test]
+fn the_debugger_holds_set_tokens_to_max_memory_gb() {
+    use mladb::debug::Flags;
+    use mladb::session::ModelSource;
+    use mladb::tui::{app::App, driver::InlineDriver, host::HostSpec, keys::Keymap, theme::Theme};
+    use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+    let answer = |limit: Option<f64>| {
+        let model = std::sync::Arc::new(common::synthetic("glm5-tiny", 0));
+        let spec = HostSpec {
+            schedule: mladb::engine::generate::Schedule {
+                prompt: vec![1, 2, 3],
+                prefill_len: 3,
+                decode_steps: 1,
+            },
+            layers: 0..model.layout.num_layers,
+            model,
+            source: ModelSource::Layout {
+                layout: "glm5-tiny".into(),
+                seed: 0,
+                quant: None,
+            },
+            backend: std::sync::Arc::new(mladb::backend::cpu::CpuBackend),
+            flags: Flags::default(),
+            max_memory_gb: limit,
+        };
+        let mut app = App::new(
+            Box::new(InlineDriver::new(spec).unwrap()),
+            Keymap::default(),
+            Theme::plain(),
+        );
+        let line = format!("set tokens {}", vec!["1"; 64].join(","));
+        for c in std::iter::once(':').chain(line.chars()) {
+            app.on_key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
+        }
+        app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE));
+        app.log.join("\n")
+    };
+    let held = answer(Some(1e-6));
+    assert!(
+        held.contains("refusing to allocate") && held.contains("--max-memory-gb"),
+        "{held}"
+    );
+    let free = answer(None);
+    assert!(!free.contains("refusing to allocate"), "{free}");
 }

@@ -271,6 +271,7 @@ fn open(target: Target) -> App {
                 model,
                 backend: Arc::new(CpuBackend),
                 flags: Flags::default(),
+                max_memory_gb: None,
             };
             let driver = InlineDriver::new(spec).unwrap();
             App::new(Box::new(driver), Keymap::default(), Theme::plain())

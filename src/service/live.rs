@@ -40,6 +40,8 @@ pub struct Host {
     /// How kv_b_proj is stored, and the flags last reported as having nothing to act on.
     kv_b: KvBStorage,
     idle: Vec<Idle>,
+    /// `--max-memory-gb`, held for schedule changes and loads.
+    max_memory_gb: Option<f64>,
 }
 
 impl Host {
@@ -51,6 +53,7 @@ impl Host {
             layers: spec.layers.clone(),
         };
         let kv_b = KvBStorage::of(&spec.model, &spec.layers)?;
+        let max_memory_gb = spec.max_memory_gb;
         let mut controller = Controller::new(
             spec.model,
             spec.backend,
@@ -80,6 +83,7 @@ impl Host {
             aux: Vec::new(),
             kv_b,
             idle: Vec::new(),
+            max_memory_gb,
         };
         // Paused at the first op.
         host.handle(Command::Step);

@@ -165,6 +165,9 @@ pub struct HostSpec {
     pub schedule: Schedule,
     pub layers: Range<usize>,
     pub flags: Flags,
+    /// The most memory a run may need, in GB, for `:set tokens` and `:load` as for the first
+    /// run (`--max-memory-gb`; none: what the machine has available).
+    pub max_memory_gb: Option<f64>,
 }
 
 impl HostSpec {
@@ -182,6 +185,7 @@ impl HostSpec {
             schedule: p.schedule,
             layers: p.layers,
             flags,
+            max_memory_gb: run.max_memory_gb,
         })
     }
 }

@@ -178,6 +178,7 @@ pub fn live_app(
         schedule,
         layers,
         flags: Flags::parse(flags).unwrap(),
+        max_memory_gb: None,
     };
     let driver = InlineDriver::new(spec).unwrap();
     App::new(Box::new(driver), Keymap::default(), Theme::plain())

@@ -92,7 +92,7 @@ impl Host {
             schedule.prompt.len().saturating_add(schedule.decode_steps),
             self.controller.layers(),
             8 << 30,
-            None,
+            self.max_memory_gb,
         )?;
         let change = self.controller.set_schedule(schedule.clone())?;
         (self.send)(Update::Schedule(schedule));

@@ -129,7 +129,7 @@ impl Host {
             session.prompt.len().saturating_add(session.decode),
             &(session.layers.0..session.layers.1),
             8 << 30,
-            None,
+            self.max_memory_gb,
         )?;
         let spec = HostSpec {
             model,
@@ -142,6 +142,7 @@ impl Host {
             },
             layers: session.layers.0..session.layers.1,
             flags: session.flags,
+            max_memory_gb: self.max_memory_gb,
         };
         let mut next = Host::new(spec, self.send.clone(), self.cancel.clone())?;
         for bp in &session.breakpoints {
