@@ -1,8 +1,10 @@
 //! Op-level types that the engine hands to the backends and both share: RoPE tables, cached rows
 //! (with the slot where a device backend keeps its copy), the storage type, the faults a kernel
-//! carries out, top-k and MoE routing. This module sits below both: the engine and the backends
-//! import it, it imports neither (so a backend never depends on the engine).
+//! carries out, top-k and MoE routing, and the FP8 latent cache format (`kv_fp8`). This module
+//! sits below both: the engine and the backends import it, it imports neither (so a backend
+//! never depends on the engine).
 
+pub mod kv_fp8;
 pub mod moe;
 pub mod rope;
 pub mod rows;
