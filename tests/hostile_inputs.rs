@@ -833,9 +833,7 @@ fn the_debugger_refuses_a_prompt_too_long_for_memory() {
 
 #[test]
 fn esc_cancels_a_long_load_in_the_debugger() {
-    use mladb::debug::Flags;
-    use mladb::session::ModelSource;
-    use mladb::tui::{app::App, driver::ThreadDriver, host::HostSpec, keys::Keymap, theme::Theme};
+    use mladb::tui::{app::App, driver::ThreadDriver, keys::Keymap, theme::Theme};
     use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
     let dir = tempfile::tempdir().unwrap();
     let small = dir.path().join("small.ron");
@@ -864,24 +862,7 @@ fn esc_cancels_a_long_load_in_the_debugger() {
     .unwrap();
     assert!(std::fs::metadata(&big).unwrap().len() > 40 << 20);
 
-    let model = std::sync::Arc::new(common::synthetic("glm5-tiny", 0));
-    let spec = HostSpec {
-        schedule: mladb::engine::generate::Schedule {
-            prompt: vec![1, 2, 3],
-            prefill_len: 3,
-            decode_steps: 1,
-        },
-        layers: 0..model.layout.num_layers,
-        model,
-        source: ModelSource::Layout {
-            layout: "glm5-tiny".into(),
-            seed: 0,
-            quant: None,
-        },
-        backend: std::sync::Arc::new(mladb::backend::cpu::CpuBackend),
-        flags: Flags::default(),
-        max_memory_gb: None,
-    };
+    let spec = common::live_spec("glm5-tiny", "", 3, 3, 1);
     let mut app = App::new(
         Box::new(ThreadDriver::start(spec).unwrap()),
         Keymap::default(),
@@ -1028,29 +1009,11 @@ fn save_in_the_debugger_refuses_what_it_must_not_replace() {
 /// fits the machine but not the limit given is refused, with the limit; without one it runs.
 #[test]
 fn the_debugger_holds_set_tokens_to_max_memory_gb() {
-    use mladb::debug::Flags;
-    use mladb::session::ModelSource;
-    use mladb::tui::{app::App, driver::InlineDriver, host::HostSpec, keys::Keymap, theme::Theme};
+    use mladb::tui::{app::App, driver::InlineDriver, keys::Keymap, theme::Theme};
     use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
     let answer = |limit: Option<f64>| {
-        let model = std::sync::Arc::new(common::synthetic("glm5-tiny", 0));
-        let spec = HostSpec {
-            schedule: mladb::engine::generate::Schedule {
-                prompt: vec![1, 2, 3],
-                prefill_len: 3,
-                decode_steps: 1,
-            },
-            layers: 0..model.layout.num_layers,
-            model,
-            source: ModelSource::Layout {
-                layout: "glm5-tiny".into(),
-                seed: 0,
-                quant: None,
-            },
-            backend: std::sync::Arc::new(mladb::backend::cpu::CpuBackend),
-            flags: Flags::default(),
-            max_memory_gb: limit,
-        };
+        let mut spec = common::live_spec("glm5-tiny", "", 3, 3, 1);
+        spec.max_memory_gb = limit;
         let mut app = App::new(
             Box::new(InlineDriver::new(spec).unwrap()),
             Keymap::default(),

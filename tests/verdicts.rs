@@ -148,6 +148,36 @@ fn random_cases() -> Vec<Case> {
         .collect()
 }
 
+/// The first GLM-5 case of the random checkpoints (it has a DSA indexer).
+fn glm5_case() -> Case {
+    random_cases()
+        .into_iter()
+        .find(|c| c.name.starts_with("glm5"))
+        .unwrap()
+}
+
+/// A plain CPU run of the whole model, outputs poisoned first.
+fn plain_run(model: &Model, schedule: &Schedule) -> mladb::debug::RunRecord {
+    let layers = 0..model.layout.num_layers;
+    let job = Job {
+        model,
+        backend: &CpuBackend,
+        schedule,
+        layers: &layers,
+        poison: true,
+    };
+    job.run(Flags::default(), None).unwrap()
+}
+
+/// The run's first prefill DSA top-k: (op index, event).
+fn first_prefill_topk(run: &mladb::debug::RunRecord) -> (usize, &mladb::engine::trace::OpEvent) {
+    run.events
+        .iter()
+        .enumerate()
+        .find(|(_, e)| e.kind == OpKind::IndexTopK && e.phase == Phase::Prefill)
+        .unwrap()
+}
+
 fn clean_tiny_layouts_report_nothing_in_f32_and_bf16(gpu: bool) {
     for layout in ["glm5-tiny", "glm5-tiny-wide", "deepseek-v3-tiny"] {
         for seed in [0, 1, 5] {
@@ -335,10 +365,7 @@ fn tied_checkpoint(from: &Path) -> tempfile::TempDir {
 
 #[test]
 fn a_tie_built_on_purpose_is_noted_with_its_candidates() {
-    let case = random_cases()
-        .into_iter()
-        .find(|c| c.name.starts_with("glm5"))
-        .unwrap();
+    let case = glm5_case();
     let dir = tied_checkpoint(&case.dir);
     let model = Model::hf_checkpoint(dir.path(), 1 << 30).unwrap();
     let report = run_check(&model, &case.schedule, "dtype=f32", None);
@@ -368,10 +395,7 @@ fn a_tie_built_on_purpose_is_noted_with_its_candidates() {
 /// choice, standing in for it): the flip is noted and followed, and no finding remains.
 #[test]
 fn a_tie_broken_the_other_way_is_followed() {
-    let case = random_cases()
-        .into_iter()
-        .find(|c| c.name.starts_with("glm5"))
-        .unwrap();
+    let case = glm5_case();
     let dir = tied_checkpoint(&case.dir);
     let model = Model::hf_checkpoint(dir.path(), 1 << 30).unwrap();
     let layers = 0..model.layout.num_layers;
@@ -385,12 +409,7 @@ fn a_tie_broken_the_other_way_is_followed() {
     let run = job.run(Flags::default(), None).unwrap();
     // A prefill top-k row that decides (more causal keys than it keeps).
     let topk = model.layout.indexer.as_ref().unwrap().topk;
-    let (i, e) = run
-        .events
-        .iter()
-        .enumerate()
-        .find(|(_, e)| e.kind == OpKind::IndexTopK && e.phase == Phase::Prefill)
-        .unwrap();
+    let (i, e) = first_prefill_topk(&run);
     let row = (0..e.shape[0])
         .find(|&r| r + 1 > topk)
         .expect("a deciding row");
@@ -444,27 +463,11 @@ fn a_tie_broken_the_other_way_is_followed() {
 /// choice no noise explains, reported at the top-k.
 #[test]
 fn a_choice_beyond_noise_is_a_finding() {
-    let case = random_cases()
-        .into_iter()
-        .find(|c| c.name.starts_with("glm5"))
-        .unwrap();
+    let case = glm5_case();
     let model = Model::hf_checkpoint(&case.dir, 1 << 30).unwrap();
-    let layers = 0..model.layout.num_layers;
-    let job = Job {
-        model: &model,
-        backend: &CpuBackend,
-        schedule: &case.schedule,
-        layers: &layers,
-        poison: true,
-    };
-    let run = job.run(Flags::default(), None).unwrap();
+    let run = plain_run(&model, &case.schedule);
     let topk = model.layout.indexer.as_ref().unwrap().topk;
-    let (i, e) = run
-        .events
-        .iter()
-        .enumerate()
-        .find(|(_, e)| e.kind == OpKind::IndexTopK && e.phase == Phase::Prefill)
-        .unwrap();
+    let (i, e) = first_prefill_topk(&run);
     let scores = run
         .output(e.phase, &e.name.replace(".topk", ".scores"))
         .unwrap();

@@ -155,9 +155,21 @@ pub fn live_app(
     prefill: usize,
     decode: usize,
 ) -> mladb::tui::app::App {
+    use mladb::tui::{app::App, driver::InlineDriver, keys::Keymap, theme::Theme};
+    let driver = InlineDriver::new(live_spec(layout, flags, total, prefill, decode)).unwrap();
+    App::new(Box::new(driver), Keymap::default(), Theme::plain())
+}
+
+/// What `live_app` starts its debugger from, for tests that drive it another way or change it.
+pub fn live_spec(
+    layout: &str,
+    flags: &str,
+    total: usize,
+    prefill: usize,
+    decode: usize,
+) -> mladb::tui::host::HostSpec {
     use mladb::debug::Flags;
     use mladb::session::ModelSource;
-    use mladb::tui::{app::App, driver::InlineDriver, host::HostSpec, keys::Keymap, theme::Theme};
     use std::sync::Arc;
     let model = Arc::new(synthetic(layout, 0));
     let schedule = Schedule {
@@ -167,7 +179,7 @@ pub fn live_app(
     };
     let layers = 0..model.layout.num_layers;
     let backend: Arc<dyn mladb::backend::Backend> = Arc::new(CpuBackend);
-    let spec = HostSpec {
+    mladb::tui::host::HostSpec {
         model,
         source: ModelSource::Layout {
             layout: layout.into(),
@@ -179,7 +191,5 @@ pub fn live_app(
         layers,
         flags: Flags::parse(flags).unwrap(),
         max_memory_gb: None,
-    };
-    let driver = InlineDriver::new(spec).unwrap();
-    App::new(Box::new(driver), Keymap::default(), Theme::plain())
+    }
 }
