@@ -209,7 +209,7 @@ impl RunSpec {
             layout,
             schedule.prompt.len().saturating_add(schedule.decode_steps),
             &layers,
-            self.model.weight_cache_mb.saturating_mul(1 << 20) as u64,
+            model.weights.budget_bytes() as u64,
             self.max_memory_gb,
         )?;
         Ok(Prepared {

@@ -123,6 +123,11 @@ impl WeightStore {
     }
 
     /// Whether a whole tensor of this size may be cached.
+    /// The most bytes of weights kept at once.
+    pub fn budget_bytes(&self) -> usize {
+        self.budget_bytes
+    }
+
     pub fn fits_budget(&self, bytes: usize) -> bool {
         bytes <= self.budget_bytes
     }

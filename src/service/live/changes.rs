@@ -91,7 +91,7 @@ impl Host {
             &self.controller.model().layout,
             schedule.prompt.len().saturating_add(schedule.decode_steps),
             self.controller.layers(),
-            8 << 30,
+            self.controller.model().weights.budget_bytes() as u64,
             self.max_memory_gb,
         )?;
         let change = self.controller.set_schedule(schedule.clone())?;

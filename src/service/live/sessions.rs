@@ -128,7 +128,7 @@ impl Host {
             &model.layout,
             session.prompt.len().saturating_add(session.decode),
             &(session.layers.0..session.layers.1),
-            8 << 30,
+            model.weights.budget_bytes() as u64,
             self.max_memory_gb,
         )?;
         let spec = HostSpec {
