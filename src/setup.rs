@@ -238,6 +238,11 @@ pub struct FlagOptions {
     pub inject: Vec<String>,
     pub dtype: Option<String>,
     pub force_dequant: bool,
+    /// `fast` or `reference` (the attention kernels on the GPU).
+    pub attn_kernel: Option<String>,
+    /// A decode or prefill kernel variant forced instead of the device's first choice.
+    pub decode_variant: Option<String>,
+    pub prefill_variant: Option<String>,
 }
 
 impl FlagOptions {
@@ -290,6 +295,17 @@ impl FlagOptions {
         }
         if self.force_dequant {
             flags.set("force-dequant", "on")?;
+        }
+        for (key, value) in [
+            ("attn-kernel", &self.attn_kernel),
+            ("decode-variant", &self.decode_variant),
+            ("prefill-variant", &self.prefill_variant),
+        ] {
+            if let Some(v) = value {
+                flags
+                    .set(key, v)
+                    .map_err(|e| Error::invalid(format!("--{key}: {e}")))?;
+            }
         }
         Ok(flags)
     }

@@ -37,11 +37,11 @@ if [ "$what" != tests ]; then
   # The other kernel variants on the same device, for comparison: the decode kernels that are
   # not the default here, then the prefill ones.
   for v in ${DECODE_VARIANTS:-kt3 ks3}; do
-    MLADB_DECODE_VARIANT=$v $B/mladb bench --device cuda ${QUICK:+--quick} --no-layers --prefill-lengths 1024 > "$OUT/bench_decode_$v.txt" 2>&1
+    $B/mladb bench --device cuda ${QUICK:+--quick} --no-layers --decode-variant $v --prefill-lengths 1024 > "$OUT/bench_decode_$v.txt" 2>&1
     sed -n '/MLA decode/,/^$/p' "$OUT/bench_decode_$v.txt"
   done
   for v in ${PREFILL_VARIANTS:-k128t64 r128t64}; do
-    MLADB_PREFILL_VARIANT=$v $B/mladb bench --device cuda ${QUICK:+--quick} --no-layers --decode-shapes 1:1024 > "$OUT/bench_prefill_$v.txt" 2>&1
+    $B/mladb bench --device cuda ${QUICK:+--quick} --no-layers --prefill-variant $v --decode-shapes 1:1024 > "$OUT/bench_prefill_$v.txt" 2>&1
     echo "prefill variant $v"; sed -n '/MLA prefill/,$p' "$OUT/bench_prefill_$v.txt"
   done
 fi

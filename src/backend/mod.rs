@@ -9,7 +9,7 @@ pub mod cuda;
 use crate::error::Result;
 use crate::model::layout::MoeLayout;
 use crate::model::quant::{QuantFaults, QuantTensor};
-use crate::ops::{KernelFaults, RopeTable, RowSource, StorageDtype};
+use crate::ops::{AttnKernels, KernelFaults, KernelLaunch, RopeTable, RowSource, StorageDtype};
 use crate::stats::TensorStats;
 use crate::tensor::Tensor;
 
@@ -87,6 +87,34 @@ impl KvbSplit {
             w_uv_row: dims.nope,
         }
     }
+}
+
+/// A device buffer a fast attention kernel read beyond its inputs: the cache's pages on the
+/// device, the block table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceRead {
+    pub id: crate::tensor::BufferId,
+    pub address: u64,
+    pub bytes: usize,
+}
+
+/// What a fast (production) attention kernel produced beside the output it wrote.
+pub struct FastAttention {
+    /// Log-sum-exp (natural log) per query and head, [n, heads] f32.
+    pub lse: Tensor,
+    /// The split-KV partials before the merge, [n, splits, heads, width + 1] (each split's
+    /// normalised output, then its log-sum-exp), when the kernel split the keys.
+    pub partials: Option<Tensor>,
+    /// The launches, in order (the split kernel, then the merge).
+    pub launches: Vec<KernelLaunch>,
+    /// Device buffers read beyond the inputs.
+    pub reads: Vec<DeviceRead>,
+}
+
+/// A fast kernel ran, or declined (with why) and the caller runs the reference instead.
+pub enum FastOutcome {
+    Ran(FastAttention),
+    Declined(String),
 }
 
 /// The numerical ops of the forward pass. Shapes are row-major; "[n, ...]" means one row per token.
@@ -220,6 +248,56 @@ pub trait Backend: Send + Sync {
         out: &mut Tensor,
         faults: KernelFaults,
     ) -> Result<Tensor>;
+
+    /// Whether this backend has production attention kernels (the `fast_*` methods); the CPU
+    /// has the reference alone.
+    fn has_fast_attention(&self) -> bool {
+        false
+    }
+
+    /// [`Backend::attention_latent`] on the production kernel (the tensor-core decode over the
+    /// paged latent cache, split-KV with a merge): writes `out` and returns the log-sum-exps,
+    /// the partials and the launches, or declines (shape, dtype, mask or fault it does not
+    /// take) without touching `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn fast_attention_latent(
+        &self,
+        _q_lat: &Tensor,
+        _q_pe: &Tensor,
+        _cache: &dyn RowSource,
+        _dims: MlaDims,
+        _mask: &AttnMask,
+        _scale: f32,
+        _out: &mut Tensor,
+        _kernels: AttnKernels,
+        _faults: KernelFaults,
+    ) -> Result<FastOutcome> {
+        Ok(FastOutcome::Declined(format!(
+            "the {} backend has the reference kernels alone",
+            self.name()
+        )))
+    }
+
+    /// [`Backend::attention_naive`] on the production kernel (the flash prefill of a whole
+    /// sequence), or declined as [`Backend::fast_attention_latent`] is.
+    #[allow(clippy::too_many_arguments)]
+    fn fast_attention_naive(
+        &self,
+        _q: &Tensor,
+        _k: &dyn RowSource,
+        _v: &dyn RowSource,
+        _dims: MlaDims,
+        _mask: &AttnMask,
+        _scale: f32,
+        _out: &mut Tensor,
+        _kernels: AttnKernels,
+        _faults: KernelFaults,
+    ) -> Result<FastOutcome> {
+        Ok(FastOutcome::Declined(format!(
+            "the {} backend has the reference kernels alone",
+            self.name()
+        )))
+    }
 
     /// DSA indexer scores: s[t, j] = Σ_h w[t,h]·ReLU(q[t,h]·key[j]·scale) for causal j, −∞
     /// elsewhere. q [n, heads, D], w [n, heads] → [n, context].

@@ -200,6 +200,19 @@ pub struct FlagArgs {
     /// weights to act on).
     #[arg(long)]
     pub force_dequant: bool,
+    /// The attention kernels on the GPU: fast (the tensor-core MLA decode over the paged latent
+    /// cache and the flash prefill, as production runs them; the default) or reference (simple
+    /// kernels that also write the probabilities). The CPU has the reference alone.
+    #[arg(long)]
+    pub attn_kernel: Option<String>,
+    /// Force a decode kernel variant (wgmma, kt3, ks3, ks2, t32, t16) instead of the first the
+    /// device runs.
+    #[arg(long)]
+    pub decode_variant: Option<String>,
+    /// Force a prefill kernel variant (wgmma, k128t64, r128t64, k64t32, r64t64, r128t32,
+    /// r64t32) instead of the first the device runs.
+    #[arg(long)]
+    pub prefill_variant: Option<String>,
 }
 
 impl FlagArgs {
@@ -212,6 +225,9 @@ impl FlagArgs {
             inject: self.inject.clone(),
             dtype: self.dtype.clone(),
             force_dequant: self.force_dequant,
+            attn_kernel: self.attn_kernel.clone(),
+            decode_variant: self.decode_variant.clone(),
+            prefill_variant: self.prefill_variant.clone(),
         }
     }
 

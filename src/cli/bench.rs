@@ -47,6 +47,17 @@ pub struct BenchArgs {
     /// With --device cuda: skip the whole-layer timing.
     #[arg(long)]
     pub no_layers: bool,
+    /// With --device cuda: the head counts of the decode grid as H,... (default 64, GLM-5's;
+    /// a rank under tensor parallelism holds 64/TP, DeepSeek-V3's 128/TP).
+    #[arg(long)]
+    pub decode_heads: Option<String>,
+    /// With --device cuda: force a decode kernel variant (wgmma, kt3, ks3, ks2, t32, t16).
+    #[arg(long)]
+    pub decode_variant: Option<String>,
+    /// With --device cuda: force a prefill kernel variant (wgmma, k128t64, r128t64, k64t32,
+    /// r64t64, r128t32, r64t32).
+    #[arg(long)]
+    pub prefill_variant: Option<String>,
 }
 
 /// Peak resident memory of this process in bytes, where the OS tells it.

@@ -15,6 +15,7 @@ use crate::engine::generate::{self, Schedule};
 use crate::engine::trace::StatsObserver;
 use crate::engine::{Engine, EngineOptions, MlaPaths, NullObserver, Phase, StorageDtype};
 use crate::error::{Error, Result};
+use crate::ops::{DecodeVariant, PrefillVariant};
 
 const GLM5_HEADS: usize = 64;
 /// Data per timed call below which copies of the inputs rotate (H200's L2 is 50 MB).
@@ -70,12 +71,11 @@ fn ceilings(gpu: &Gpu) -> Result<Ceilings> {
 /// One decode shape: returns (ms, GB/s, worst relative error of the sampled heads).
 fn decode_shape(
     gpu: &Gpu,
-    batch: usize,
-    context: usize,
+    (batch, context, heads): (usize, usize, usize),
+    variant: Option<&str>,
     seed: u64,
 ) -> Result<(f64, f64, f64, usize)> {
     let width = LATENT + ROPE;
-    let heads = GLM5_HEADS;
     let pages_per_seq = context.div_ceil(PAGE);
     let pages = batch * pages_per_seq;
     let cache_bytes = pages * PAGE * width * 2;
@@ -112,7 +112,7 @@ fn decode_shape(
         max_pages: pages_per_seq,
         max_len: context,
     };
-    let work = DecodeWork::new(gpu, shape)?;
+    let work = DecodeWork::for_variant(gpu, shape, variant)?;
     let scale = 1.0 / (192.0f32 + 64.0).sqrt();
     let mut turn = 0;
     let ms = time(gpu, 15, || {
@@ -129,6 +129,7 @@ fn decode_shape(
             &lse,
             &work,
         )
+        .map(|_| ())
     })?;
     // Check sequences 0 and the last, heads 0 and 63, against the f64 reference (last run's cache).
     fast::mla_decode(
@@ -158,7 +159,7 @@ fn decode_shape(
 }
 
 /// One causal prefill shape at GLM-5's head dims (256/256): (ms, TFLOP/s, worst error).
-fn prefill_shape(gpu: &Gpu, n: usize, seed: u64) -> Result<(f64, f64, f64)> {
+fn prefill_shape(gpu: &Gpu, n: usize, variant: Option<&str>, seed: u64) -> Result<(f64, f64, f64)> {
     let heads = GLM5_HEADS;
     let (dqk, dv) = (256, 256);
     let q = random(gpu, n * heads * dqk, Elem::Bf16, seed, 1.0)?;
@@ -168,7 +169,9 @@ fn prefill_shape(gpu: &Gpu, n: usize, seed: u64) -> Result<(f64, f64, f64)> {
     gpu.fill(&out, true)?;
     let scale = 1.0 / (dqk as f32).sqrt();
     let ms = time(gpu, 10, || {
-        fast::flash_prefill(gpu, n, heads, (dqk, dv), &q, &k, &v, scale, &out, None)
+        let dims = (dqk, dv);
+        fast::flash_prefill_variant(gpu, variant, n, heads, dims, &q, &k, &v, scale, &out, None)
+            .map(|_| ())
     })?;
     let flops = 2.0 * heads as f64 * (dqk + dv) as f64 * (n as f64 * (n as f64 + 1.0) / 2.0);
     let mut worst: f64 = 0.0;
@@ -186,6 +189,19 @@ fn prefill_shape(gpu: &Gpu, n: usize, seed: u64) -> Result<(f64, f64, f64)> {
         worst = worst.max(fast::relative_error(&got, &want));
     }
     Ok((ms, flops / (ms * 1e-3) / 1e12, worst))
+}
+
+/// The decode grid's head counts: --decode-heads, or GLM-5's 64.
+fn decode_heads(args: &BenchArgs) -> Result<Vec<usize>> {
+    let Some(text) = &args.decode_heads else {
+        return Ok(vec![GLM5_HEADS]);
+    };
+    text.split(',')
+        .map(|h| match parse_count(h, "--decode-heads")? {
+            h if h <= 128 => Ok(h),
+            h => Err(Error::invalid(format!("--decode-heads: {h} heads (1 to 128)"))),
+        })
+        .collect()
 }
 
 fn parse_count(text: &str, what: &str) -> Result<usize> {
@@ -284,22 +300,34 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
     writeln!(Out, "ceilings: device-to-device copy {:.0} GB/s (read + write), cuBLAS bf16 GEMM 8192³ {:.0} TFLOP/s", c.copy_gbs, c.gemm_tflops)?;
 
     if !args.no_kernels {
+        let decode_variant = args
+            .decode_variant
+            .as_deref()
+            .map(|v| v.parse::<DecodeVariant>().map(DecodeVariant::kernel))
+            .transpose()?;
+        let prefill_variant = args
+            .prefill_variant
+            .as_deref()
+            .map(|v| v.parse::<PrefillVariant>().map(PrefillVariant::tag))
+            .transpose()?;
         writeln!(
         Out,
-            "\nMLA decode (absorbed, paged latent cache 512+64, 64 heads, bf16), one query token per sequence, kernel {}",
-            fast::decode_kernel(gpu)?
+            "\nMLA decode (absorbed, paged latent cache 512+64, bf16), one query token per sequence, kernel {}",
+            fast::decode_kernel(gpu, decode_variant)?
         )?;
         writeln!(
             Out,
-            "{:>6} {:>8} {:>10} {:>9} {:>8} {:>7} {:>10}",
-            "batch", "context", "time us", "GB/s", "of copy", "splits", "rel err"
+            "{:>6} {:>6} {:>8} {:>10} {:>9} {:>8} {:>7} {:>10}",
+            "heads", "batch", "context", "time us", "GB/s", "of copy", "splits", "rel err"
         )?;
-        for (b, ctx) in decode_shapes(args)? {
-            {
-                let (ms, gbs, err, splits) = decode_shape(gpu, b, ctx, (b * 100_000 + ctx) as u64)?;
+        for heads in decode_heads(args)? {
+            for (b, ctx) in decode_shapes(args)? {
+                let seed = (b * 100_000 + ctx + heads) as u64;
+                let (ms, gbs, err, splits) =
+                    decode_shape(gpu, (b, ctx, heads), decode_variant, seed)?;
                 writeln!(
                     Out,
-                    "{b:>6} {ctx:>8} {:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e}",
+                    "{heads:>6} {b:>6} {ctx:>8} {:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e}",
                     ms * 1e3,
                     100.0 * gbs / c.copy_gbs
                 )?;
@@ -318,7 +346,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
             "tokens", "time ms", "TFLOP/s", "of GEMM", "rel err"
         )?;
         for n in prefill_lengths(args)? {
-            let (ms, tflops, err) = prefill_shape(gpu, n, n as u64)?;
+            let (ms, tflops, err) = prefill_shape(gpu, n, prefill_variant, n as u64)?;
             writeln!(
                 Out,
                 "{n:>8} {ms:>10.3} {tflops:>9.0} {:>7.0}% {err:>10.1e}",

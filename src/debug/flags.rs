@@ -1,11 +1,12 @@
 //! The flags a debugging session varies, one at a time: MLA disable, the path of each phase,
-//! force-dequantize, device, dtype and fault injections. A flag change knows the first op it
+//! force-dequantize, device, dtype, the attention kernels on the GPU and fault injections. A flag change knows the first op it
 //! affects, so a re-execution can take everything before it from the previous run.
 
 use crate::engine::faults::{Fault, Faults};
 use crate::engine::trace::{OpEvent, OpKind, Phase};
 use crate::engine::{EngineOptions, MlaPath, MlaPaths, StorageDtype};
 use crate::error::{Error, Result};
+use crate::ops::{AttnKernel, AttnKernels};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::ops::Range;
@@ -32,6 +33,10 @@ pub struct Flags {
     pub device: DeviceFlag,
     pub dtype: StorageDtype,
     pub faults: Faults,
+    /// The attention kernels on the GPU: fast (production) or reference, and forced variants.
+    /// The CPU has the reference alone. Absent from sessions saved before it existed.
+    #[serde(default)]
+    pub kernels: AttnKernels,
 }
 
 impl Default for Flags {
@@ -44,6 +49,7 @@ impl Default for Flags {
             device: DeviceFlag::Cpu,
             dtype: StorageDtype::F32,
             faults: Faults::none(),
+            kernels: AttnKernels::default(),
         }
     }
 }
@@ -79,6 +85,9 @@ pub const FLAG_NAMES: &[&str] = &[
     "device",
     "dtype",
     "inject",
+    "attn-kernel",
+    "decode-variant",
+    "prefill-variant",
 ];
 
 impl Flags {
@@ -112,6 +121,7 @@ impl Flags {
             storage: self.dtype,
             force_dequant: self.force_dequant,
             forced: Default::default(),
+            kernels: self.kernels,
         })
     }
 
@@ -140,6 +150,13 @@ impl Flags {
                 }
             }
             "dtype" => self.dtype = value.parse()?,
+            "attn-kernel" => self.kernels.kernel = value.parse()?,
+            "decode-variant" => {
+                self.kernels.decode = (value != "auto").then(|| value.parse()).transpose()?
+            }
+            "prefill-variant" => {
+                self.kernels.prefill = (value != "auto").then(|| value.parse()).transpose()?
+            }
             "inject" => match value {
                 "none" => self.faults = Faults::none(),
                 v if v.starts_with('-') => {
@@ -179,14 +196,9 @@ impl Flags {
     }
 
     fn affects(&self, new: &Flags, e: &OpEvent) -> bool {
-        let attention_path_op = matches!(
-            e.kind,
-            OpKind::Decompress
-                | OpKind::AbsorbQuery
-                | OpKind::AttentionProbs
-                | OpKind::Attention
-                | OpKind::AttentionLatent
-        ) || e.name.ends_with("self_attn.kv_cache");
+        let attention_path_op = matches!(e.kind, OpKind::Decompress | OpKind::AbsorbQuery)
+            || attention_kernel(e)
+            || e.name.ends_with("self_attn.kv_cache");
         if self.path_of(e.phase) != new.path_of(e.phase) && attention_path_op {
             return true;
         }
@@ -196,6 +208,10 @@ impl Flags {
             OpKind::Dequantize | OpKind::Decompress | OpKind::AbsorbQuery
         );
         if self.force_dequant != new.force_dequant && kv_b_op {
+            return true;
+        }
+        // The kernels only differ on the GPU; there they run every attention op.
+        if self.kernels != new.kernels && self.device == DeviceFlag::Cuda && attention_kernel(e) {
             return true;
         }
         Fault::ALL.into_iter().any(|f| {
@@ -211,13 +227,23 @@ impl Flags {
     }
 }
 
+/// Whether `e` is written by an attention kernel (the reference's probabilities, the fast
+/// kernels' log-sum-exps and split partials, the output of either).
+pub fn attention_kernel(e: &OpEvent) -> bool {
+    matches!(
+        e.kind,
+        OpKind::AttentionProbs
+            | OpKind::AttentionLse
+            | OpKind::AttentionPartials
+            | OpKind::Attention
+            | OpKind::AttentionLatent
+    )
+}
+
 /// The first ops a fault can change, under the flags it acts with.
 fn fault_touches(f: Fault, e: &OpEvent, flags: &Flags) -> bool {
     let absorbed = flags.path_of(e.phase) == MlaPath::Absorbed;
-    let kernel = matches!(
-        e.kind,
-        OpKind::AttentionProbs | OpKind::Attention | OpKind::AttentionLatent
-    );
+    let kernel = attention_kernel(e);
     match f {
         Fault::OutputBufferDisconnect | Fault::SkipPaddedRows => kernel,
         Fault::SoftmaxScaleLatent | Fault::LseBaseMismatch => absorbed && kernel,
@@ -268,11 +294,34 @@ impl Flags {
         if self.faults != new.faults {
             out.push(format!("inject {} → {}", self.faults, new.faults));
         }
+        if self.kernels != new.kernels {
+            out.push(format!(
+                "attn-kernel {} → {}",
+                kernels_text(&self.kernels),
+                kernels_text(&new.kernels)
+            ));
+        }
         if out.is_empty() {
             "same flags".to_string()
         } else {
             out.join(", ")
         }
+    }
+}
+
+/// `fast`, `fast (decode ks3, prefill r64t32)`, `reference`.
+pub fn kernels_text(k: &AttnKernels) -> String {
+    let forced: Vec<String> = [
+        k.decode.map(|v| format!("decode {}", v.tag())),
+        k.prefill.map(|v| format!("prefill {}", v.tag())),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if forced.is_empty() || k.kernel == AttnKernel::Reference {
+        k.kernel.to_string()
+    } else {
+        format!("{} ({})", k.kernel, forced.join(", "))
     }
 }
 
@@ -289,7 +338,12 @@ impl fmt::Display for Flags {
             self.device,
             self.dtype,
             self.faults
-        )
+        )?;
+        // The kernel choice means something on the GPU only.
+        if self.device == DeviceFlag::Cuda {
+            write!(f, " · attn-kernel {}", kernels_text(&self.kernels))?;
+        }
+        Ok(())
     }
 }
 

@@ -392,6 +392,7 @@ mod tests {
             inputs: vec![],
             positions: (4, 5),
             replayed: false,
+            kernel: None,
         };
         let choice = |chosen: Vec<usize>, scores: &[f32]| RowChoice {
             listed: chosen.clone(),

@@ -29,11 +29,12 @@ use super::forward::MlaPath;
 use super::rope::RopeTable;
 use super::sink::{Computed, Sink};
 use super::trace::{BufferRef, OpKind, Phase};
-use crate::backend::{AttnMask, Backend, MlaDims};
+use crate::backend::{AttnMask, Backend, FastAttention, FastOutcome, MlaDims};
 use crate::error::Result;
 use crate::model::catalog::layer_prefix;
 use crate::model::layout::Layout;
 use crate::model::WeightStore;
+use crate::ops::{AttnKernel, AttnKernels, KernelInfo};
 use crate::tensor::Tensor;
 
 /// What one layer's ops need to see.
@@ -55,6 +56,8 @@ pub struct LayerCtx<'a> {
     pub force_dequant: bool,
     /// Choices imposed instead of computed (teacher forcing).
     pub forced: &'a ForcedSelections,
+    /// The attention kernels a device backend runs.
+    pub kernels: AttnKernels,
 }
 
 impl LayerCtx<'_> {
@@ -307,6 +310,7 @@ fn attend_naive(
                     tensor,
                     kernel_wrote: None,
                     extra_reads: vec![latent],
+                    kernel: None,
                 })
             },
         )?;
@@ -337,16 +341,15 @@ fn attend_naive(
     let q_nope = b.slice_groups(&chunk.q, dims.heads, 0, dims.nope)?;
     let kernel = |out: &mut Tensor| {
         let q_full = b.concat_groups(&q_nope, &chunk.q_pe, dims.heads)?;
-        b.attention_naive(
-            &q_full,
-            &expanded.k,
-            &expanded.v,
-            dims,
-            &call.mask,
-            scale,
-            out,
-            call.faults,
-        )
+        let (k, v) = (&expanded.k, &expanded.v);
+        let fast = |out: &mut Tensor| {
+            let (mask, faults) = (&call.mask, call.faults);
+            b.fast_attention_naive(&q_full, k, v, dims, mask, scale, out, ctx.kernels, faults)
+        };
+        let reference = |out: &mut Tensor| {
+            b.attention_naive(&q_full, k, v, dims, &call.mask, scale, out, call.faults)
+        };
+        KernelOutput::run(ctx, out, fast, reference)
     };
     let out_shape = [ctx.positions.len(), dims.heads * dims.v];
     let output = ("attn_output", OpKind::Attention);
@@ -394,16 +397,14 @@ fn attend_absorbed(
     )?;
     let latent = &cache.latent;
     let kernel = |out: &mut Tensor| {
-        b.attention_latent(
-            &q_lat,
-            &chunk.q_pe,
-            latent,
-            dims,
-            &call.mask,
-            scale,
-            out,
-            call.faults,
-        )
+        let (q_pe, mask, faults) = (&chunk.q_pe, &call.mask, call.faults);
+        let fast = |out: &mut Tensor| {
+            let kernels = ctx.kernels;
+            b.fast_attention_latent(&q_lat, q_pe, latent, dims, mask, scale, out, kernels, faults)
+        };
+        let reference =
+            |out: &mut Tensor| b.attention_latent(&q_lat, q_pe, latent, dims, mask, scale, out, faults);
+        KernelOutput::run(ctx, out, fast, reference)
     };
     let out_shape = [ctx.positions.len(), dims.heads, dims.latent];
     let output = ("attn_latent", OpKind::AttentionLatent);
@@ -431,9 +432,105 @@ fn attend_absorbed(
     )
 }
 
+/// What one call of an attention kernel produced beside its output.
+enum KernelOutput {
+    /// The reference kernel: the probabilities [heads, n, context], and on a device backend
+    /// why the reference ran.
+    Reference { probs: Tensor, why: Option<String> },
+    /// A production kernel.
+    Fast(FastAttention),
+}
+
+impl KernelOutput {
+    /// The fast kernel where the run asks for it and the backend has one, else (or when it
+    /// declines) the reference.
+    fn run(
+        ctx: &LayerCtx,
+        out: &mut Tensor,
+        fast: impl FnOnce(&mut Tensor) -> Result<FastOutcome>,
+        reference: impl FnOnce(&mut Tensor) -> Result<Tensor>,
+    ) -> Result<KernelOutput> {
+        let why = if !ctx.backend.has_fast_attention() {
+            None
+        } else if ctx.kernels.kernel == AttnKernel::Reference {
+            Some("--attn-kernel reference".to_string())
+        } else {
+            match fast(out)? {
+                FastOutcome::Ran(f) => return Ok(KernelOutput::Fast(f)),
+                FastOutcome::Declined(why) => Some(why),
+            }
+        };
+        let probs = reference(out)?;
+        Ok(KernelOutput::Reference { probs, why })
+    }
+}
+
+/// One event of an attention kernel call, before the output's.
+struct Side {
+    op: &'static str,
+    kind: OpKind,
+    tensor: Tensor,
+    kernel: Option<KernelInfo>,
+}
+
+/// The events before the output (probabilities; or partials and log-sum-exps), the kernel
+/// information of the output op, and extra device reads.
+fn sides(output: KernelOutput) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>) {
+    match output {
+        KernelOutput::Reference { probs, why } => {
+            let info = why.map(|why| KernelInfo {
+                launches: Vec::new(),
+                reference: Some(why),
+            });
+            let side = Side {
+                op: "attn_probs",
+                kind: OpKind::AttentionProbs,
+                tensor: probs,
+                kernel: info.clone(),
+            };
+            (vec![side], info, Vec::new())
+        }
+        KernelOutput::Fast(f) => {
+            let info = KernelInfo {
+                launches: f.launches,
+                reference: None,
+            };
+            let first = KernelInfo {
+                launches: info.launches.iter().take(1).cloned().collect(),
+                reference: None,
+            };
+            let mut sides = Vec::new();
+            if let Some(partials) = f.partials {
+                sides.push(Side {
+                    op: "attn_partials",
+                    kind: OpKind::AttentionPartials,
+                    tensor: partials,
+                    kernel: Some(first),
+                });
+            }
+            sides.push(Side {
+                op: "attn_lse",
+                kind: OpKind::AttentionLse,
+                tensor: f.lse,
+                kernel: Some(info.clone()),
+            });
+            let reads = f
+                .reads
+                .iter()
+                .map(|r| BufferRef::device_cache(r.id, r.address, r.bytes))
+                .collect();
+            (sides, Some(info), reads)
+        }
+    }
+}
+
+/// The events an attention call may report before its output, by name.
+const SIDE_OPS: [&str; 3] = ["attn_probs", "attn_partials", "attn_lse"];
+
 /// The attention wrapper: allocates the output buffer, hands it to the kernel and returns it,
-/// reporting the kernel's two results (probabilities, then `output_op`). Under the disconnect
-/// fault the kernel is handed a phantom buffer instead and the returned one stays unwritten.
+/// reporting the kernel's results (the reference's probabilities, or a fast kernel's split
+/// partials and log-sum-exps), then `output_op`. Under the disconnect fault the kernel is
+/// handed a phantom buffer instead and the returned one stays unwritten.
 #[allow(clippy::too_many_arguments)]
 fn run_attention(
     ctx: &LayerCtx,
@@ -443,49 +540,60 @@ fn run_attention(
     (output_op, output_kind): (&str, OpKind),
     out_shape: &[usize],
     disconnect: bool,
-    kernel: impl Fn(&mut Tensor) -> Result<Tensor>,
+    kernel: impl Fn(&mut Tensor) -> Result<KernelOutput>,
 ) -> Result<Tensor> {
     let b = ctx.backend;
     let l = Some(ctx.layer);
-    let call = || -> Result<(Tensor, Tensor, BufferRef)> {
-        let mut out = b.alloc(out_shape, ctx.poison)?;
-        if disconnect {
-            let mut phantom = b.alloc(out_shape, ctx.poison)?;
-            let probs = kernel(&mut phantom)?;
-            let wrote = BufferRef::of(&phantom);
-            return Ok((probs, out, wrote));
-        }
-        let probs = kernel(&mut out)?;
-        let wrote = BufferRef::of(&out);
-        Ok((probs, out, wrote))
-    };
-    // One kernel call yields both events; the second takes its result from the first.
-    let mut pending: Option<(Tensor, BufferRef)> = None;
-    sink.op_with(
-        l,
-        &ctx.name("self_attn.attn_probs"),
-        OpKind::AttentionProbs,
-        inputs,
-        |_| {
-            let (probs, out, wrote) = call()?;
-            pending = Some((out, wrote));
-            Ok(Computed {
-                tensor: probs,
-                kernel_wrote: None,
-                extra_reads: vec![cache_read],
-            })
-        },
-    )?;
     let name = ctx.name(&format!("self_attn.{output_op}"));
+    let side_name = |op: &str| ctx.name(&format!("self_attn.{op}"));
+    // An earlier run's events, replayed as they were: which of them it reported is its own.
+    let mut replayed = Vec::new();
+    while let Some(op) = SIDE_OPS
+        .into_iter()
+        .find(|op| sink.replays(replayed.len(), &side_name(op)))
+    {
+        replayed.push(op);
+    }
+    if sink.replays(replayed.len(), &name) {
+        for op in replayed {
+            let kind = match op {
+                "attn_probs" => OpKind::AttentionProbs,
+                "attn_partials" => OpKind::AttentionPartials,
+                _ => OpKind::AttentionLse,
+            };
+            sink.op_with(l, &side_name(op), kind, inputs, |_| {
+                Err(crate::Error::invalid("a replayed op was computed"))
+            })?;
+        }
+        return sink.op_with(l, &name, output_kind, inputs, |_| {
+            Err(crate::Error::invalid("a replayed op was computed"))
+        });
+    }
+    let mut out = b.alloc(out_shape, ctx.poison)?;
+    let (output, wrote) = if disconnect {
+        let mut phantom = b.alloc(out_shape, ctx.poison)?;
+        (kernel(&mut phantom)?, BufferRef::of(&phantom))
+    } else {
+        (kernel(&mut out)?, BufferRef::of(&out))
+    };
+    let (sides, info, device_reads) = sides(output);
+    let reads: Vec<BufferRef> = std::iter::once(cache_read).chain(device_reads).collect();
+    for side in sides {
+        sink.op_with(l, &side_name(side.op), side.kind, inputs, |_| {
+            Ok(Computed {
+                tensor: side.tensor,
+                kernel_wrote: None,
+                extra_reads: reads.clone(),
+                kernel: side.kernel,
+            })
+        })?;
+    }
     sink.op_with(l, &name, output_kind, inputs, |_| {
-        let (out, wrote) = match pending.take() {
-            Some(p) => p,
-            None => call().map(|(_, out, wrote)| (out, wrote))?,
-        };
         Ok(Computed {
             tensor: out,
             kernel_wrote: Some(wrote),
-            extra_reads: vec![cache_read],
+            extra_reads: reads,
+            kernel: info,
         })
     })
 }

@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::model::catalog::{layer_prefix, lm_head_name};
 use crate::model::layout::MlpKind;
 use crate::model::Model;
+use crate::ops::AttnKernels;
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
@@ -74,6 +75,8 @@ pub struct EngineOptions {
     /// Choices (MoE experts, DSA keys) imposed at given rows instead of computed: teacher
     /// forcing for comparisons (see [`super::forcing`]).
     pub forced: Arc<ForcedSelections>,
+    /// The attention kernels a device backend runs (fast or reference, forced variants).
+    pub kernels: AttnKernels,
 }
 
 impl EngineOptions {
@@ -88,6 +91,7 @@ impl EngineOptions {
             storage: StorageDtype::F32,
             force_dequant: false,
             forced: Arc::default(),
+            kernels: AttnKernels::default(),
         }
     }
 
@@ -282,6 +286,7 @@ impl<'m> Engine<'m> {
                 mla_backend: !options.mla_disabled,
                 poison: options.poison,
                 force_dequant: options.force_dequant,
+                kernels: options.kernels,
                 forced: &options.forced,
             };
             let cache = self.caches[layer]

@@ -28,6 +28,8 @@ pub struct Computed {
     pub kernel_wrote: Option<BufferRef>,
     /// Reads that are not activations passed in (caches).
     pub extra_reads: Vec<BufferRef>,
+    /// Which kernels ran the op (attention on the GPU).
+    pub kernel: Option<crate::ops::KernelInfo>,
 }
 
 impl From<Tensor> for Computed {
@@ -36,6 +38,7 @@ impl From<Tensor> for Computed {
             tensor,
             kernel_wrote: None,
             extra_reads: Vec::new(),
+            kernel: None,
         }
     }
 }
@@ -68,6 +71,14 @@ pub struct Sink<'a> {
 }
 
 impl Sink<'_> {
+    /// Whether the op `offset` places ahead, named `name`, would be taken from the earlier run.
+    /// An op that reports several events from one kernel call asks this first, so that it
+    /// replays the earlier run's events as they were instead of calling the kernel.
+    pub fn replays(&self, offset: usize, name: &str) -> bool {
+        self.replay
+            .is_some_and(|r| r.lookup(*self.next_index + offset, self.phase, name).is_some())
+    }
+
     /// Runs (or replays) op `name`, which reads the activations `inputs`; `compute` fetches its
     /// weights through `Reads` and returns the output.
     pub fn op(
@@ -94,7 +105,7 @@ impl Sink<'_> {
     ) -> Result<Tensor> {
         let index = *self.next_index;
         let activations = inputs.iter().map(|t| BufferRef::of(t));
-        let (tensor, kernel_wrote, reads, replayed) =
+        let (tensor, kernel_wrote, reads, replayed, kernel) =
             match self.replay.and_then(|r| r.lookup(index, self.phase, name)) {
                 Some((old, old_output)) => {
                     let tensor = old_output.clone();
@@ -113,7 +124,7 @@ impl Sink<'_> {
                         }
                     });
                     self.counts.replayed += 1;
-                    (tensor, kernel_wrote, reads, true)
+                    (tensor, kernel_wrote, reads, true, old.kernel.clone())
                 }
                 None => {
                     let mut r = Reads {
@@ -131,7 +142,7 @@ impl Sink<'_> {
                     }
                     let reads = activations.chain(c.extra_reads).chain(r.refs).collect();
                     self.counts.executed += 1;
-                    (c.tensor, c.kernel_wrote, reads, false)
+                    (c.tensor, c.kernel_wrote, reads, false, c.kernel)
                 }
             };
         self.emit(
@@ -143,6 +154,7 @@ impl Sink<'_> {
             kernel_wrote,
             reads,
             replayed,
+            kernel,
         )?;
         Ok(tensor)
     }
@@ -166,7 +178,7 @@ impl Sink<'_> {
         } else {
             self.counts.executed += 1;
         }
-        self.emit(layer, name, kind, values, buffer, None, reads, replayed)
+        self.emit(layer, name, kind, values, buffer, None, reads, replayed, None)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -180,6 +192,7 @@ impl Sink<'_> {
         kernel_wrote: Option<BufferRef>,
         inputs: Vec<BufferRef>,
         replayed: bool,
+        kernel: Option<crate::ops::KernelInfo>,
     ) -> Result<()> {
         let event = OpEvent {
             index: *self.next_index,
@@ -199,6 +212,7 @@ impl Sink<'_> {
             inputs,
             positions: self.positions,
             replayed,
+            kernel,
         };
         *self.next_index += 1;
         self.observer.on_op(&event, values)

@@ -84,6 +84,12 @@ pub enum OpKind {
     Attention,
     /// Latent attention output (absorbed path), before W_UV.
     AttentionLatent,
+    /// A fast attention kernel's log-sum-exp (natural log) per query and head, [tokens, heads]:
+    /// what production kernels keep of the softmax instead of the probabilities.
+    AttentionLse,
+    /// A split-KV decode's partial results before the merge, [tokens, splits, heads, L + 1]:
+    /// each split's normalised latent output, then its log-sum-exp.
+    AttentionPartials,
     Residual,
     Activation,
     /// MoE router: chosen experts' weights and ids.
@@ -161,6 +167,14 @@ impl BufferRef {
         }
     }
 
+    /// A KV cache's copy on the device (or what a kernel reads with it: the block table).
+    pub fn device_cache(id: BufferId, address: u64, bytes: usize) -> BufferRef {
+        BufferRef {
+            device: Device::Cuda,
+            ..BufferRef::cache(id, address, bytes)
+        }
+    }
+
     /// A KV cache buffer.
     pub fn cache(id: BufferId, address: u64, bytes: usize) -> BufferRef {
         BufferRef {
@@ -200,6 +214,10 @@ pub struct OpEvent {
     /// flag change starts at the first op the change affects).
     #[serde(default)]
     pub replayed: bool,
+    /// For an attention op on the GPU: which kernels ran it and how they were launched, or why
+    /// the fast kernel declined.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<crate::ops::KernelInfo>,
 }
 
 impl OpEvent {

@@ -1,9 +1,10 @@
 //! Op-level types that the engine hands to the backends and both share: RoPE tables, cached rows
 //! (with the slot where a device backend keeps its copy), the storage type, the faults a kernel
-//! carries out, top-k and MoE routing, and the FP8 latent cache format (`kv_fp8`). This module
-//! sits below both: the engine and the backends import it, it imports neither (so a backend
-//! never depends on the engine).
+//! carries out, which attention kernels run (`kernels`), top-k and MoE routing, and the FP8
+//! latent cache format (`kv_fp8`). This module sits below both: the engine and the backends
+//! import it, it imports neither (so a backend never depends on the engine).
 
+pub mod kernels;
 pub mod kv_fp8;
 pub mod moe;
 pub mod rope;
@@ -11,6 +12,7 @@ pub mod rows;
 
 use serde::{Deserialize, Serialize};
 
+pub use kernels::{AttnKernel, AttnKernels, DecodeVariant, KernelInfo, KernelLaunch, PrefillVariant};
 pub use moe::{top_k_indices, Routing};
 pub use rope::RopeTable;
 pub use rows::{MirrorSlot, RowSource, PAGE_SIZE};

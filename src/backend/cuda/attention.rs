@@ -60,9 +60,9 @@ impl Drop for CacheMirror {
 }
 
 /// A cache's mirror slot, locked, holding this backend's up-to-date mirror.
-type Mirror<'a> = MutexGuard<'a, Option<Box<dyn Any + Send + Sync>>>;
+pub(super) type Mirror<'a> = MutexGuard<'a, Option<Box<dyn Any + Send + Sync>>>;
 
-fn mirror_buf<'a>(slot: &'a Mirror) -> &'a DevBuf {
+pub(super) fn mirror_buf<'a>(slot: &'a Mirror) -> &'a DevBuf {
     &slot
         .as_ref()
         .and_then(|m| m.downcast_ref::<CacheMirror>())
@@ -73,7 +73,7 @@ fn mirror_buf<'a>(slot: &'a Mirror) -> &'a DevBuf {
 impl CudaBackend {
     /// Brings a cache's device mirror up to date and returns its slot, locked (the mirror stays
     /// put while a kernel is queued on it).
-    fn sync_cache<'a>(&self, src: &'a dyn RowSource) -> Result<Mirror<'a>> {
+    pub(super) fn sync_cache<'a>(&self, src: &'a dyn RowSource) -> Result<Mirror<'a>> {
         let mut slot = src.mirror().lock();
         let width = src.width();
         let physical = |s: usize| match src.block_table() {

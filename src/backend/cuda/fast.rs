@@ -7,8 +7,20 @@
 
 use super::device::fast_kernels::{Decode, COMBINE_ROWS_MAX, HEAD_GROUP, MAX_SPLITS};
 pub use super::device::fast_kernels::{LATENT, PAGE, ROPE};
-use super::device::{DevBuf, DevI32, Elem, Gpu};
+use super::device::{DevBuf, DevI32, Elem, Gpu, Launched};
 use crate::error::{Error, Result};
+use crate::ops::KernelLaunch;
+
+/// A launch as the trace records it; `splits` for the decode's split kernel.
+fn traced(l: Launched, splits: usize) -> KernelLaunch {
+    KernelLaunch {
+        kernel: l.kernel,
+        grid: [l.grid.0, l.grid.1, l.grid.2],
+        block: [l.block, 1, 1],
+        shared_bytes: l.shared,
+        splits: splits as u32,
+    }
+}
 
 /// One decode launch: `batch` sequences of one query token each.
 #[derive(Clone, Copy, Debug)]
@@ -97,22 +109,12 @@ fn has_tma(gpu: &Gpu) -> bool {
     gpu.arch.parse::<u32>().is_ok_and(|a| a >= 90)
 }
 
-/// The decode variant for a device: `forced` (a kernel name) if given, else
-/// `MLADB_DECODE_VARIANT` (wgmma, kt3, ks3, ks2, t32, t16; `MLADB_DECODE_TILE=16` is t16) for experiments,
-/// else the first that fits its shared memory.
+/// The decode variant for a device: `forced` (a kernel name, from `--decode-variant`) if given,
+/// else the first that runs on it.
 fn decode_variant(gpu: &Gpu, forced: Option<&str>) -> Result<(&'static str, u32)> {
     let limit = gpu.max_shared_per_block() as u32;
-    let env = std::env::var("MLADB_DECODE_VARIANT")
-        .ok()
-        .map(|v| format!("mla_decode_{v}"))
-        .or_else(|| {
-            std::env::var("MLADB_DECODE_TILE")
-                .is_ok_and(|v| v == "16")
-                .then(|| "mla_decode_t16".to_string())
-        });
-    let want = forced.map(str::to_string).or(env);
     let variants = decode_variants();
-    if let Some(want) = want {
+    if let Some(want) = forced {
         let &(name, bytes) = variants
             .iter()
             .find(|(name, _)| *name == want)
@@ -140,9 +142,9 @@ fn decode_variant(gpu: &Gpu, forced: Option<&str>) -> Result<(&'static str, u32)
         })
 }
 
-/// The decode kernel a plain launch on this device uses (after `MLADB_DECODE_VARIANT`).
-pub fn decode_kernel(gpu: &Gpu) -> Result<&'static str> {
-    decode_variant(gpu, None).map(|(name, _)| name)
+/// The decode kernel a launch on this device uses: `forced` if given, else the first that runs.
+pub fn decode_kernel(gpu: &Gpu, forced: Option<&str>) -> Result<&'static str> {
+    decode_variant(gpu, forced).map(|(name, _)| name)
 }
 
 /// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
@@ -182,8 +184,20 @@ pub struct DecodeWork {
 
 impl DecodeWork {
     pub fn new(gpu: &Gpu, shape: DecodeShape) -> Result<DecodeWork> {
-        let (_, shared) = decode_variant(gpu, None)?;
-        DecodeWork::with_splits(gpu, shape, decode_splits(gpu, shape, shared))
+        DecodeWork::for_variant(gpu, shape, None)
+    }
+
+    /// The plan for a forced variant (a kernel name; `None`: the device's first), with the
+    /// split count chosen for the shape.
+    pub fn for_variant(gpu: &Gpu, shape: DecodeShape, variant: Option<&str>) -> Result<DecodeWork> {
+        let (_, shared) = decode_variant(gpu, variant)?;
+        DecodeWork::with_variant(gpu, shape, decode_splits(gpu, shape, shared), variant)
+    }
+
+    /// The split partials the last launch left: outputs [batch, splits, heads, 512] and
+    /// log-sum-exps [batch, splits, heads] (meaningful when it split the keys).
+    pub fn partials(&self, gpu: &Gpu) -> Result<(Vec<f32>, Vec<f32>)> {
+        Ok((gpu.download(&self.part_o)?, gpu.download(&self.part_lse)?))
     }
 
     /// Scratch for a chosen number of splits (1 to 256; tests use it to cover both the
@@ -218,7 +232,7 @@ impl DecodeWork {
 /// Absorbed MLA decode: `q` [batch, heads, 576] bf16 (q_nope·W_UK then q_pe), `cache` the paged
 /// latent cache [pages·64, 576] bf16, `block_table` [batch, max_pages] i32, `seq_lens` [batch]
 /// i32. Writes `out` [batch, heads, 512] bf16 (the latent output, before W_UV) and `lse`
-/// [batch, heads] f32.
+/// [batch, heads] f32. Returns the launches: the split kernel, then the merge when it split.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_decode(
     gpu: &Gpu,
@@ -231,7 +245,7 @@ pub fn mla_decode(
     out: &DevBuf,
     lse: &DevBuf,
     work: &DecodeWork,
-) -> Result<()> {
+) -> Result<Vec<KernelLaunch>> {
     let launch = Decode {
         kernel: work.kernel,
         shared: work.shared,
@@ -249,15 +263,16 @@ pub fn mla_decode(
         out,
         lse,
     };
-    gpu.mla_decode_splits(&launch)?;
+    let split = traced(gpu.mla_decode_splits(&launch)?, work.splits);
     if work.splits == 1 {
-        return Ok(()); // the kernel wrote the result itself
+        return Ok(vec![split]); // the kernel wrote the result itself
     }
     // Few splits over many rows: a warp per (sequence, head), no block barriers (the whole
     // decode at batch 64 × 1k, 2 splits, on the H200: 58 µs instead of 86). Under 64 blocks of
     // rows the block-wide merge spreads wider (batch 1 × 1k, 16 splits: 16.3 µs against 19–20).
     let per_row = work.splits <= combine_rows_max() && shape.batch * shape.heads >= 512;
-    gpu.mla_decode_combine(&launch, per_row)
+    let merge = traced(gpu.mla_decode_combine(&launch, per_row)?, 1);
+    Ok(vec![split, merge])
 }
 
 /// Up to how many splits the per-row merge runs (at most 32, a split per lane);
@@ -366,9 +381,8 @@ pub fn prefill_variants_for(gpu: &Gpu, dqk: usize, dv: usize) -> Vec<&'static st
 const HOPPER_PREFILL_SHARED: u32 = ((128 + 4 * 64) * 256 * 2 + 3 * 8 + 1024) as u32;
 
 /// Causal prefill of one sequence: `q`, `k` [n, heads, dqk] bf16, `v` [n, heads, dv] bf16;
-/// writes `out` [n, heads, dv] bf16 and, if given, `lse` [n, heads] f32. The variant is the first
-/// of [`PREFILL_VARIANTS`] that fits the device's shared memory, or the one that
-/// `MLADB_PREFILL_VARIANT` names (for experiments).
+/// writes `out` [n, heads, dv] bf16 and, if given, `lse` [n, heads] f32, on the first variant
+/// the device runs.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_prefill(
     gpu: &Gpu,
@@ -382,23 +396,11 @@ pub fn flash_prefill(
     out: &DevBuf,
     lse: Option<&DevBuf>,
 ) -> Result<()> {
-    let forced = std::env::var("MLADB_PREFILL_VARIANT").ok();
-    flash_prefill_variant(
-        gpu,
-        forced.as_deref(),
-        n,
-        heads,
-        dims,
-        q,
-        k,
-        v,
-        scale,
-        out,
-        lse,
-    )
+    flash_prefill_variant(gpu, None, n, heads, dims, q, k, v, scale, out, lse).map(|_| ())
 }
 
-/// [`flash_prefill`] with the variant given (`None`: the first that fits).
+/// [`flash_prefill`] with the variant given (a tag; `None`: the first that fits). Returns the
+/// launch (none for an empty sequence).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_prefill_variant(
     gpu: &Gpu,
@@ -412,7 +414,7 @@ pub fn flash_prefill_variant(
     scale: f32,
     out: &DevBuf,
     lse: Option<&DevBuf>,
-) -> Result<()> {
+) -> Result<Option<KernelLaunch>> {
     let variant = match variant {
         Some(v) => Some(v),
         None => prefill_variants_for(gpu, dqk, dv).first().copied(),
@@ -422,9 +424,9 @@ pub fn flash_prefill_variant(
     }
     let (name, rows, tile, smem, _) = prefill_variant(gpu, dqk, dv, variant)?;
     if n == 0 {
-        return Ok(());
+        return Ok(None);
     }
-    gpu.flash_prefill(
+    let launched = gpu.flash_prefill(
         &name,
         (rows, tile, smem),
         (n, heads, dqk, dv),
@@ -434,7 +436,8 @@ pub fn flash_prefill_variant(
         out,
         lse,
         scale * std::f32::consts::LOG2_E,
-    )
+    )?;
+    Ok(Some(traced(launched, 1)))
 }
 
 /// [`flash_prefill`] on the Hopper kernel (buffers already checked by the caller).
@@ -450,16 +453,16 @@ fn hopper_prefill(
     scale: f32,
     out: &DevBuf,
     lse: Option<&DevBuf>,
-) -> Result<()> {
+) -> Result<Option<KernelLaunch>> {
     if (dqk, dv) != (256, 256) || !gpu.has_kernel(HOPPER_PREFILL) {
         return Err(Error::invalid(
             "the Hopper prefill kernel runs head dims 256/256 on compute capability 9.0 only",
         ));
     }
     if n == 0 {
-        return Ok(());
+        return Ok(None);
     }
-    gpu.flash_prefill_wgmma(
+    let launched = gpu.flash_prefill_wgmma(
         HOPPER_PREFILL_SHARED,
         (n, heads),
         q,
@@ -468,7 +471,8 @@ fn hopper_prefill(
         out,
         lse,
         scale * std::f32::consts::LOG2_E,
-    )
+    )?;
+    Ok(Some(traced(launched, 1)))
 }
 
 /// The f64 reference the fast kernels are checked against: softmax(scale · q·kᵢ) over the

@@ -16,17 +16,18 @@ mod attention;
 #[allow(unsafe_code)]
 pub mod device;
 pub mod fast;
+mod fast_attention;
 mod stats;
 
 pub use attention::live_cache_mirrors;
 pub use device::compile;
 
 use super::checks::{self, same_shape};
-use super::{AttnMask, Backend, KvbSplit, MlaDims, Routing};
+use super::{AttnMask, Backend, FastOutcome, KvbSplit, MlaDims, Routing};
 use crate::error::{Error, Result};
 use crate::model::layout::MoeLayout;
 use crate::model::quant::{QuantFaults, QuantTensor};
-use crate::ops::{KernelFaults, RopeTable, RowSource, StorageDtype};
+use crate::ops::{AttnKernels, KernelFaults, RopeTable, RowSource, StorageDtype};
 use crate::stats::TensorStats;
 use crate::tensor::{DeviceBuffer, Tensor};
 use device::model_kernels::quant_kernel_name;
@@ -148,6 +149,40 @@ fn buf(d: &Arc<dyn DeviceBuffer>) -> &DevBuf {
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
+    }
+
+    fn has_fast_attention(&self) -> bool {
+        true
+    }
+
+    fn fast_attention_latent(
+        &self,
+        q_lat: &Tensor,
+        q_pe: &Tensor,
+        cache: &dyn RowSource,
+        dims: MlaDims,
+        mask: &AttnMask,
+        scale: f32,
+        out: &mut Tensor,
+        kernels: AttnKernels,
+        faults: KernelFaults,
+    ) -> Result<FastOutcome> {
+        self.fast_latent(q_lat, q_pe, cache, dims, mask, scale, out, kernels, faults)
+    }
+
+    fn fast_attention_naive(
+        &self,
+        q: &Tensor,
+        k: &dyn RowSource,
+        v: &dyn RowSource,
+        dims: MlaDims,
+        mask: &AttnMask,
+        scale: f32,
+        out: &mut Tensor,
+        kernels: AttnKernels,
+        faults: KernelFaults,
+    ) -> Result<FastOutcome> {
+        self.fast_naive(q, k, v, dims, mask, scale, out, kernels, faults)
     }
 
     fn set_poison_outputs(&self, on: bool) {

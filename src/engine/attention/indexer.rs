@@ -124,6 +124,7 @@ pub(super) fn dsa_selection(
                 tensor,
                 kernel_wrote: None,
                 extra_reads: vec![keys_ref],
+                kernel: None,
             })
         },
     )?;

@@ -183,6 +183,15 @@ impl<T: Plain> DevVec<T> {
         self.len
     }
 
+    /// The device address, for the trace.
+    pub fn address(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.len * T::SIZE
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

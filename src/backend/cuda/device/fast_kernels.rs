@@ -5,7 +5,7 @@
 
 use super::kernels::{blocks, blocks_yz, need, prod};
 use super::signature::{Param::*, Sig};
-use super::{Arg, DevBuf, DevI32, Elem, Gpu, Launch};
+use super::{Arg, DevBuf, DevI32, Elem, Gpu, Launch, Launched};
 use crate::error::{Error, Result};
 
 const DECODE: [super::signature::Param; 12] = [
@@ -170,7 +170,7 @@ fn int(v: usize, what: &str) -> Result<Arg> {
 
 impl Gpu {
     /// The decode kernel over every split (with one split it writes `out` and `lse` itself).
-    pub fn mla_decode_splits(&self, d: &Decode) -> Result<()> {
+    pub fn mla_decode_splits(&self, d: &Decode) -> Result<Launched> {
         let a = d.check()?;
         let (sig, tma) = [
             (&MLA_DECODE_WGMMA, true),
@@ -217,13 +217,13 @@ impl Gpu {
         // SAFETY: block (split, b, group) reads q of sequence b, pages bt[b][0..⌈len_b/64⌉] of
         // the cache (table entries in 0..pages, lengths ≤ max_pages·64: the uploaded ranges), and
         // writes its split's partials (or out and lse); every extent checked in `check`.
-        unsafe { self.launch(sig, d.kernel, cfg, &args) }
+        unsafe { self.launch_traced(sig, d.kernel, cfg, &args) }
     }
 
     /// Merges the splits of [`Gpu::mla_decode_splits`] into `out` and `lse`: a warp per
     /// (sequence, head) when `per_row` (at most 32 splits), else a block per (sequence, head,
     /// quarter of the dims).
-    pub fn mla_decode_combine(&self, d: &Decode, per_row: bool) -> Result<()> {
+    pub fn mla_decode_combine(&self, d: &Decode, per_row: bool) -> Result<Launched> {
         let a = d.check()?;
         let mut args = vec![
             a.part_o,
@@ -249,7 +249,7 @@ impl Gpu {
             // SAFETY: warp w of block x merges row 8x + w < rows (the kernel returns past it),
             // reading its ≤ 32 splits; extents checked in `check`.
             return unsafe {
-                self.launch(
+                self.launch_traced(
                     &MLA_DECODE_COMBINE_ROWS,
                     MLA_DECODE_COMBINE_ROWS.pattern,
                     cfg,
@@ -268,7 +268,9 @@ impl Gpu {
         };
         // SAFETY: block (b, h, quarter) reads the ≤ 256 splits of (b, h) (the kernel's shared
         // array holds 256) and writes a quarter of out row (b, h); extents checked in `check`.
-        unsafe { self.launch(&MLA_DECODE_COMBINE, MLA_DECODE_COMBINE.pattern, cfg, &args) }
+        unsafe {
+            self.launch_traced(&MLA_DECODE_COMBINE, MLA_DECODE_COMBINE.pattern, cfg, &args)
+        }
     }
 
     /// Causal prefill of one sequence with a portable kernel (`flash_prefill_r…`, or `…k…` with
@@ -285,7 +287,7 @@ impl Gpu {
         out: &DevBuf,
         lse: Option<&DevBuf>,
         scale_log2: f32,
-    ) -> Result<()> {
+    ) -> Result<Launched> {
         let tma = FLASH_PREFILL_TMA.matches(kernel);
         let sig = if tma {
             &FLASH_PREFILL_TMA
@@ -328,7 +330,7 @@ impl Gpu {
         };
         // SAFETY: block (i, h) reads rows ≤ its last query row (< n) of head h and writes its
         // query rows of out and lse; extents checked above.
-        unsafe { self.launch(sig, kernel, cfg, &args) }
+        unsafe { self.launch_traced(sig, kernel, cfg, &args) }
     }
 
     /// Causal prefill on the Hopper kernel (head dims 256/256, all of q, k, v by TMA).
@@ -343,7 +345,7 @@ impl Gpu {
         out: &DevBuf,
         lse: Option<&DevBuf>,
         scale_log2: f32,
-    ) -> Result<()> {
+    ) -> Result<Launched> {
         let d = 256;
         // Check the pointers first (the maps below read the same extents).
         let checked = prefill_buffers((n, heads, d, d), q, k, v, out, lse)?;
@@ -370,7 +372,7 @@ impl Gpu {
         };
         // SAFETY: as the portable prefill; the tensor maps cover exactly q, k and v.
         unsafe {
-            self.launch(
+            self.launch_traced(
                 &FLASH_PREFILL_WGMMA,
                 FLASH_PREFILL_WGMMA.pattern,
                 cfg,

@@ -67,6 +67,16 @@ struct Launch {
     shared: u32,
 }
 
+/// A launch as it went to the driver, for the trace: the kernel, grid, threads per block and
+/// dynamic shared memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Launched {
+    pub kernel: String,
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub shared: u32,
+}
+
 /// A 1-D launch covering `n` elements with 256-thread blocks (grid-stride loops do the rest).
 fn grid_1d(n: usize) -> Launch {
     Launch {
@@ -209,6 +219,27 @@ impl Gpu {
     /// launch shape, and any index the kernel reads from device memory must be in bounds too.
     /// The argument kinds are checked here against `sig`, and `sig` against the `.cu` source by
     /// a test, so a mismatch in count or type is an error, not a launch.
+    /// [`Gpu::launch`], returning what was launched.
+    ///
+    /// # Safety
+    /// As [`Gpu::launch`].
+    unsafe fn launch_traced(
+        &self,
+        sig: &Sig,
+        name: &str,
+        cfg: Launch,
+        args: &[Arg],
+    ) -> Result<Launched> {
+        // SAFETY: the caller upholds `launch`'s contract.
+        unsafe { self.launch(sig, name, cfg, args) }?;
+        Ok(Launched {
+            kernel: name.to_string(),
+            grid: cfg.grid,
+            block: cfg.block,
+            shared: cfg.shared,
+        })
+    }
+
     unsafe fn launch(&self, sig: &Sig, name: &str, cfg: Launch, args: &[Arg]) -> Result<()> {
         if !sig.matches(name) {
             return Err(Error::invalid(format!(
