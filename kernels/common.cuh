@@ -84,15 +84,17 @@ __device__ __forceinline__ DecodeSplit decode_split(int n_tok, int splits, int s
     return {split * chunk, min(split * chunk + chunk, n_tok)};
 }
 
-// What an empty split (or sequence) leaves for its `heads` rows × dv: zeros and an LSE of -inf,
+// What an empty split (or sequence) leaves for its `rows` heads × dv: zeros and an LSE of -inf,
 // in the output itself (one split: `row` of out/lse_out) or in the split's partials (`part_row`).
-__device__ __forceinline__ void decode_empty_split(int heads, int dv, int splits, u64 row, u64 part_row, bf16_t* out,
+// `rows` is the block's heads that exist, not its group size: the rows after them belong to the
+// next sequence or split, so the last group of a head count off the group size writes fewer.
+__device__ __forceinline__ void decode_empty_split(int rows, int dv, int splits, u64 row, u64 part_row, bf16_t* out,
                                                    float* lse_out, float* part_o, float* part_lse) {
     if (splits == 1) {
-        for (int i = threadIdx.x; i < heads * dv; i += blockDim.x) out[row * dv + i] = 0;
-        for (int i = threadIdx.x; i < heads; i += blockDim.x) lse_out[row + i] = -INFINITY;
+        for (int i = threadIdx.x; i < rows * dv; i += blockDim.x) out[row * dv + i] = 0;
+        for (int i = threadIdx.x; i < rows; i += blockDim.x) lse_out[row + i] = -INFINITY;
     } else {
-        for (int i = threadIdx.x; i < heads * dv; i += blockDim.x) part_o[part_row * dv + i] = 0.0f;
-        for (int i = threadIdx.x; i < heads; i += blockDim.x) part_lse[part_row + i] = -INFINITY;
+        for (int i = threadIdx.x; i < rows * dv; i += blockDim.x) part_o[part_row * dv + i] = 0.0f;
+        for (int i = threadIdx.x; i < rows; i += blockDim.x) part_lse[part_row + i] = -INFINITY;
     }
 }

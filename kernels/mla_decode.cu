@@ -5,8 +5,11 @@
 //
 // Variants: mla_decode_ks3/ks2 (mla_decode_splitk.cu; Hopper, B200) split the work so that far less shared
 // memory is read per tile; mla_decode_t32/t16 (A100; 99 KB parts such as sm_86/89/120) follow.
-// Block = (split, sequence, group of 64 heads), 8 warps. The 64×576 query block stays in shared
-// memory; KV tiles of TILE tokens stream through (double-buffered with cp.async when STAGES = 2).
+// Block = (split, sequence, group of 64 heads), 8 warps. Any head count runs (a tensor-parallel
+// rank holds 64/TP or 128/TP heads): the last group's rows past the last head are padding, zero
+// queries in shared memory whose results are never written, since in the outputs those rows
+// belong to the next sequence or split. The 64×576 query block stays in shared memory; KV tiles
+// of TILE tokens stream through (double-buffered with cp.async when STAGES = 2).
 // Warp w owns heads 16·(w%4).. of the block and, for S = Q·Kᵀ, tokens of half (w/4) of the tile;
 // for O += P·V, output dims of half (w/4). Softmax runs in base 2 on the fly (online softmax);
 // each split writes its normalised output and natural-log LSE, and mla_decode_combine weighs the
@@ -38,6 +41,7 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
     const unsigned sQ_a = smem_addr(sQ), sKV_a = smem_addr(sKV), sP_a = smem_addr(sP);
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * HEADS;
+    const int heads_here = min(HEADS, total_heads - head0);  // the rest of the group is padding
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int mt = warp % 4, half = warp / 4;
     const int g = lane / 4, qd = lane % 4, mi = lane / 8;
@@ -46,15 +50,18 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
     const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
 
     if (t_begin >= t_end) {  // an empty split (or sequence): nothing to attend to
-        decode_empty_split(HEADS, DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
+        decode_empty_split(heads_here, DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
         return;
     }
 
-    // The query block.
+    // The query block; padding rows are zeros (never read past the last head of q).
     const bf16_t* qb = q + ((u64)b * total_heads + head0) * DQK;
     for (int c = threadIdx.x; c < HEADS * CHUNKS; c += THREADS) {
         int r = c / CHUNKS, k = (c % CHUNKS) * 8;
-        cp_async16(sQ_a + (r * STRIDE + k) * 2, qb + (u64)r * DQK + k);
+        if (r < heads_here)
+            cp_async16(sQ_a + (r * STRIDE + k) * 2, qb + (u64)r * DQK + k);
+        else
+            st_shared_zero16(sQ_a + (r * STRIDE + k) * 2);
     }
     cp_async_commit();
 
@@ -226,30 +233,34 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
     const float ln2 = 0.6931471805599453f;
     const float lse0 = l0 > 0.0f ? (m_run[0] + log2f(l0)) * ln2 : -INFINITY;
     const float lse1 = l1 > 0.0f ? (m_run[1] + log2f(l1)) * ln2 : -INFINITY;
+    // This thread's two rows of the block; padding rows are not written.
+    const bool own0 = mt * 16 + g < heads_here, own1 = mt * 16 + g + 8 < heads_here;
     if (splits == 1) {
         // One split: this is the final result (no merge pass).
         const u64 row = (u64)b * total_heads + head0 + mt * 16 + g;
 #pragma unroll
         for (int nt = 0; nt < DV / 2 / 8; nt++) {
             int dim = half * (DV / 2) + nt * 8 + qd * 2;
-            *(unsigned*)(out + row * DV + dim) = pack_bf16(o[nt][0] * inv0, o[nt][1] * inv0);
-            *(unsigned*)(out + (row + 8) * DV + dim) = pack_bf16(o[nt][2] * inv1, o[nt][3] * inv1);
+            if (own0) *(unsigned*)(out + row * DV + dim) = pack_bf16(o[nt][0] * inv0, o[nt][1] * inv0);
+            if (own1) *(unsigned*)(out + (row + 8) * DV + dim) = pack_bf16(o[nt][2] * inv1, o[nt][3] * inv1);
         }
         if (qd == 0 && half == 0) {
-            lse_out[row] = lse0;
-            lse_out[row + 8] = lse1;
+            if (own0) lse_out[row] = lse0;
+            if (own1) lse_out[row + 8] = lse1;
         }
         return;
     }
 #pragma unroll
     for (int nt = 0; nt < DV / 2 / 8; nt++) {
         int dim = half * (DV / 2) + nt * 8 + qd * 2;
-        *(float2*)(part_o + (out_row + mt * 16 + g) * DV + dim) = make_float2(o[nt][0] * inv0, o[nt][1] * inv0);
-        *(float2*)(part_o + (out_row + mt * 16 + g + 8) * DV + dim) = make_float2(o[nt][2] * inv1, o[nt][3] * inv1);
+        if (own0)
+            *(float2*)(part_o + (out_row + mt * 16 + g) * DV + dim) = make_float2(o[nt][0] * inv0, o[nt][1] * inv0);
+        if (own1)
+            *(float2*)(part_o + (out_row + mt * 16 + g + 8) * DV + dim) = make_float2(o[nt][2] * inv1, o[nt][3] * inv1);
     }
     if (qd == 0 && half == 0) {
-        part_lse[out_row + mt * 16 + g] = lse0;
-        part_lse[out_row + mt * 16 + g + 8] = lse1;
+        if (own0) part_lse[out_row + mt * 16 + g] = lse0;
+        if (own1) part_lse[out_row + mt * 16 + g + 8] = lse1;
     }
 }
 

@@ -10,7 +10,9 @@
 // multiprocessor does the rest and signals a shared-memory barrier) reaches 85–94%.
 //
 // Block = (split, sequence, group of 64 heads), two warpgroups, one block per multiprocessor
-// (Q 72 KB + four 36 KB stages of 32 tokens + P 4 KB = 220 KB of shared memory).
+// (Q 72 KB + four 36 KB stages of 32 tokens + P 4 KB = 220 KB of shared memory). The last group
+// of a head count off a multiple of 64 is padded as in mla_decode.cu: zero query rows, whose
+// results are never written.
 //   Warpgroup 0: S = Q·Kᵀ (64 heads × 32 tokens, 36 MMAs over the 576 dims), the online softmax
 //     (exact row maxima: it holds the whole tile's S), P in bf16 to shared memory with each row's
 //     rescale factor, then O[:, 0:256] += P·V with P straight from its registers.
@@ -92,12 +94,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
     const unsigned mbar = smem_addr(sL + W_HEADS); // [W_STAGES] 8-byte TMA barriers
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * W_HEADS;
+    const int heads_here = min(W_HEADS, total_heads - head0);  // the rest of the group is padding
     const DecodeSplit range = decode_split(seq_lens[b], splits, split, W_TILE);
     const int t_begin = range.begin, t_end = range.end;
     const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
 
     if (t_begin >= t_end) {  // an empty split (or sequence): nothing to attend to
-        decode_empty_split(W_HEADS, W_DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
+        decode_empty_split(heads_here, W_DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
         return;
     }
 
@@ -124,7 +127,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
 
     if (wg == 0) {
-        load_block<W_HEADS>(sQ, q + ((u64)b * total_heads + head0) * W_DQK, W_HEADS, tid);
+        load_block<W_HEADS>(sQ, q + ((u64)b * total_heads + head0) * W_DQK, heads_here, tid);
         cp_async_wait<0>();
         fence_proxy_async();
         bar_sync(BAR_WG0, 128);  // Q landed
@@ -213,6 +216,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
             for (int r = 0; r < 2; r++) {
                 const float lse = l_run[r] > 0.0f ? (m_run[r] + log2f(l_run[r])) * ln2 : -INFINITY;
                 const int row = r ? r1 : r0;
+                if (row >= heads_here) continue;  // padding: not written
                 if (splits == 1)
                     lse_out[(u64)b * total_heads + head0 + row] = lse;
                 else
@@ -283,6 +287,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int row = r ? r1 : r0;
+            if (row >= heads_here) continue;  // padding: not written
             const float inv = r ? inv1 : inv0;
             const float x = o[4 * n + 2 * r] * inv, y = o[4 * n + 2 * r + 1] * inv;
             if (splits == 1)

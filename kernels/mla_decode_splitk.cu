@@ -1,7 +1,8 @@
 // MLA decode on tensor cores, the split-k variants (mla_decode_ks3/ks2 with cp.async,
 // mla_decode_kt3 with TMA): the same block, work and output as mla_decode_t32/t16 in
-// mla_decode.cu (see the top of that file), with the work inside a block divided so that far less
-// shared memory is read per tile. The splits are merged by mla_decode_combine(_rows) there.
+// mla_decode.cu (see the top of that file; the last head group is padded the same way), with the
+// work inside a block divided so that far less shared memory is read per tile. The splits are
+// merged by mla_decode_combine(_rows) there.
 #include "common.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
@@ -71,6 +72,7 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
     const unsigned mbar = smem_addr(sSum + 4 * HEADS);  // [STAGES] TMA barriers
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * HEADS;
+    const int heads_here = min(HEADS, total_heads - head0);  // the rest of the group is padding
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int mh = warp & 1, kq = warp >> 1;
     const int g = lane / 4, qd = lane % 4, mi = lane / 8;
@@ -79,7 +81,7 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
     const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
 
     if (t_begin >= t_end) {  // an empty split (or sequence): nothing to attend to
-        decode_empty_split(HEADS, DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
+        decode_empty_split(heads_here, DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
         return;
     }
 
@@ -90,10 +92,14 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
         }
         __syncthreads();
     }
+    // The query block; padding rows are zeros (never read past the last head of q).
     const bf16_t* qb = q + ((u64)b * total_heads + head0) * DQK;
     for (int c = threadIdx.x; c < HEADS * CHUNKS; c += THREADS) {
         int r = c / CHUNKS, k = (c % CHUNKS) * 8;
-        cp_async16(sQ_a + (r * STRIDE + k) * 2, qb + (u64)r * DQK + k);
+        if (r < heads_here)
+            cp_async16(sQ_a + (r * STRIDE + k) * 2, qb + (u64)r * DQK + k);
+        else
+            st_shared_zero16(sQ_a + (r * STRIDE + k) * 2);
     }
     cp_async_commit();
 
@@ -353,6 +359,7 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
             const float l = (sSum[row] + sSum[HEADS + row]) + (sSum[2 * HEADS + row] + sSum[3 * HEADS + row]);
             const float inv = l > 0.0f ? 1.0f / l : 0.0f;
             const float lse = l > 0.0f ? (m_run[i][r] + log2f(l)) * ln2 : -INFINITY;
+            if (row >= heads_here) continue;  // padding: not written
             if (splits == 1) {
                 const u64 orow = (u64)b * total_heads + head0 + row;
 #pragma unroll

@@ -4,8 +4,8 @@
 
 mod common;
 
-use mladb::backend::cuda::device::{Elem, Gpu};
-use mladb::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
+use mladb::backend::cuda::device::{DevBuf, DevI32, Elem, Gpu};
+use mladb::backend::cuda::fast::{self, DecodeShape, DecodeWork, HEAD_GROUP, LATENT, PAGE, ROPE};
 use mladb::backend::cuda::CudaBackend;
 use mladb::engine::StorageDtype;
 
@@ -18,6 +18,168 @@ fn random_bf16(rng: &mut common::Lcg, n: usize, amp: f32) -> Vec<f32> {
     (0..n)
         .map(|_| half::bf16::from_f32(amp * (rng.next_f32() * 2.0 - 1.0)).to_f32())
         .collect()
+}
+
+/// Pages for sequences of `lens` tokens handed out in a shuffled order, as a paged allocator
+/// does after churn, with a few pages no sequence uses: (block table [batch, max_pages],
+/// max_pages, pages in the cache).
+fn shuffled_block_table(rng: &mut common::Lcg, lens: &[usize]) -> (Vec<i32>, usize, usize) {
+    let pages_of: Vec<usize> = lens.iter().map(|l| l.div_ceil(PAGE)).collect();
+    let total_pages: usize = pages_of.iter().sum::<usize>() + 3;
+    let max_pages = *pages_of.iter().max().unwrap();
+    let mut order: Vec<usize> = (0..total_pages).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.next_u64() as usize % (i + 1));
+    }
+    let mut table = vec![0i32; lens.len() * max_pages];
+    let mut next = 0;
+    for (b, &np) in pages_of.iter().enumerate() {
+        for p in 0..np {
+            table[b * max_pages + p] = order[next] as i32;
+            next += 1;
+        }
+    }
+    (table, max_pages, total_pages)
+}
+
+/// The f64 reference of a decode of q [batch, heads, 576] over the paged `cache`: the latent
+/// output and natural-log LSE per (sequence, head), in that order.
+fn decode_reference(
+    q: &[f32],
+    heads: usize,
+    cache: &[f32],
+    (table, max_pages): (&[i32], usize),
+    lens: &[usize],
+    scale: f64,
+) -> Vec<(Vec<f64>, f64)> {
+    let width = LATENT + ROPE;
+    let mut want = Vec::with_capacity(lens.len() * heads);
+    for (b, &len) in lens.iter().enumerate() {
+        let row = |t: usize| {
+            let page = table[b * max_pages + t / PAGE] as usize;
+            let at = (page * PAGE + t % PAGE) * width;
+            &cache[at..at + width]
+        };
+        for h in 0..heads {
+            let qv = &q[(b * heads + h) * width..][..width];
+            let out =
+                fast::reference_attention(qv, (0..len).map(|t| (row(t), &row(t)[..LATENT])), scale);
+            let scores: Vec<f64> = (0..len)
+                .map(|t| {
+                    qv.iter()
+                        .zip(row(t))
+                        .map(|(&a, &c)| a as f64 * c as f64)
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = top + scores.iter().map(|s| (s - top).exp()).sum::<f64>().ln();
+            want.push((out, lse));
+        }
+    }
+    want
+}
+
+/// A decode's inputs on the device.
+struct DecodeInputs<'a> {
+    q: &'a DevBuf,
+    cache: &'a DevBuf,
+    table: &'a DevI32,
+    lens: &'a DevI32,
+    scale: f32,
+}
+
+/// Rows after the batch's in the output buffers, holding [`SENTINEL`]: a head group's padding
+/// rows (at most `HEAD_GROUP` − 1 of them) written by mistake would land there.
+const TAIL_ROWS: usize = HEAD_GROUP;
+/// Exact in bf16 and far from anything a decode writes (outputs lie in [-1, 1]).
+const SENTINEL: f32 = -1536.0;
+
+/// One decode launch into outputs poisoned first (an unwritten row reads NaN) and followed by
+/// [`TAIL_ROWS`] sentinel rows, which it must leave alone: (out, lse) of the batch's rows.
+fn run_decode(
+    gpu: &Gpu,
+    shape: DecodeShape,
+    input: &DecodeInputs,
+    work: &DecodeWork,
+) -> (Vec<f32>, Vec<f32>) {
+    let rows = shape.batch * shape.heads;
+    let mut out = gpu.alloc((rows + TAIL_ROWS) * LATENT, Elem::Bf16).unwrap();
+    let mut lse = gpu.alloc(rows + TAIL_ROWS, Elem::F32).unwrap();
+    gpu.fill(&out, true).unwrap();
+    gpu.fill(&lse, true).unwrap();
+    gpu.write(&mut out, rows * LATENT, &vec![SENTINEL; TAIL_ROWS * LATENT])
+        .unwrap();
+    gpu.write(&mut lse, rows, &[SENTINEL; TAIL_ROWS]).unwrap();
+    fast::mla_decode(
+        gpu,
+        shape,
+        input.q,
+        input.cache,
+        input.table,
+        input.lens,
+        input.scale,
+        &out,
+        &lse,
+        work,
+    )
+    .unwrap();
+    let mut got = gpu.download(&out).unwrap();
+    let mut got_lse = gpu.download(&lse).unwrap();
+    let what = format!(
+        "{}, {} heads, {} splits",
+        work.kernel, shape.heads, work.splits
+    );
+    let tail = got.split_off(rows * LATENT);
+    let tail_lse = got_lse.split_off(rows);
+    if let Some(i) = tail.iter().position(|&x| x != SENTINEL) {
+        panic!(
+            "{what}: wrote {} past the output's last row (row {} after it)",
+            tail[i],
+            i / LATENT
+        );
+    }
+    if let Some(i) = tail_lse.iter().position(|&x| x != SENTINEL) {
+        panic!(
+            "{what}: wrote lse {} past the last row ({i} after it)",
+            tail_lse[i]
+        );
+    }
+    (got, got_lse)
+}
+
+/// Checks a decode's `out` [batch, heads, 512] and `lse` [batch, heads] against `want(b, h)`
+/// (the reference's output and LSE): an empty sequence must give zeros and an LSE of −inf, the
+/// others LSEs within 2% (or 0.02); returns the worst relative error of an output row.
+fn check_decode<'a>(
+    (got, got_lse): (&[f32], &[f32]),
+    lens: &[usize],
+    heads: usize,
+    want: impl Fn(usize, usize) -> &'a (Vec<f64>, f64),
+    what: &str,
+) -> f64 {
+    let mut worst: f64 = 0.0;
+    for (b, &len) in lens.iter().enumerate() {
+        for h in 0..heads {
+            let got_row = &got[(b * heads + h) * LATENT..][..LATENT];
+            let l = got_lse[b * heads + h] as f64;
+            if len == 0 {
+                assert!(
+                    got_row.iter().all(|&x| x == 0.0) && l == f64::NEG_INFINITY,
+                    "{what}: empty sequence {b} head {h} gave lse {l}"
+                );
+                continue;
+            }
+            let (want_out, want_lse) = want(b, h);
+            worst = worst.max(fast::relative_error(got_row, want_out));
+            assert!(
+                (l - want_lse).abs() < 2e-2 * want_lse.abs().max(1.0),
+                "{what}: lse of sequence {b} head {h}: {l} vs {want_lse}"
+            );
+        }
+    }
+    worst
 }
 
 #[test]
@@ -33,22 +195,7 @@ fn tensor_core_decode_matches_reference() {
     let lens = [1usize, 77, 0, 900, 2100];
     let heads = 128;
     let batch = lens.len();
-    let pages_of: Vec<usize> = lens.iter().map(|l| l.div_ceil(PAGE)).collect();
-    let total_pages: usize = pages_of.iter().sum::<usize>() + 3;
-    let max_pages = *pages_of.iter().max().unwrap();
-    // Pages handed out in a shuffled order, as a paged allocator does after churn.
-    let mut order: Vec<usize> = (0..total_pages).collect();
-    for i in (1..order.len()).rev() {
-        order.swap(i, rng.next_u64() as usize % (i + 1));
-    }
-    let mut table = vec![0i32; batch * max_pages];
-    let mut next = 0;
-    for (b, &np) in pages_of.iter().enumerate() {
-        for p in 0..np {
-            table[b * max_pages + p] = order[next] as i32;
-            next += 1;
-        }
-    }
+    let (table, max_pages, total_pages) = shuffled_block_table(&mut rng, &lens);
     let cache = random_bf16(&mut rng, total_pages * PAGE * width, 1.0);
     let q = random_bf16(&mut rng, batch * heads * width, 1.0);
     let scale = 1.0 / (192.0f32).sqrt();
@@ -58,85 +205,135 @@ fn tensor_core_decode_matches_reference() {
         max_pages,
         max_len: *lens.iter().max().unwrap(),
     };
-    // The f64 reference (output and natural-log LSE per sequence and head), once.
-    let mut want = Vec::with_capacity(batch * heads);
-    for b in 0..batch {
-        let row = |t: usize| {
-            let page = table[b * max_pages + t / PAGE] as usize;
-            let at = (page * PAGE + t % PAGE) * width;
-            &cache[at..at + width]
-        };
-        for h in 0..heads {
-            let qv = &q[(b * heads + h) * width..][..width];
-            let out = fast::reference_attention(
-                qv,
-                (0..lens[b]).map(|t| (row(t), &row(t)[..LATENT])),
-                scale as f64,
-            );
-            let scores: Vec<f64> = (0..lens[b])
-                .map(|t| {
-                    qv.iter()
-                        .zip(row(t))
-                        .map(|(&a, &c)| a as f64 * c as f64)
-                        .sum::<f64>()
-                        * scale as f64
-                })
-                .collect();
-            let top = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let lse = top + scores.iter().map(|s| (s - top).exp()).sum::<f64>().ln();
-            want.push((out, lse));
-        }
-    }
-    let d_cache = gpu.upload(&cache, Elem::Bf16).unwrap();
-    let d_q = gpu.upload(&q, Elem::Bf16).unwrap();
+    let want = decode_reference(&q, heads, &cache, (&table, max_pages), &lens, scale as f64);
+    let (d_q, d_cache) = (
+        gpu.upload(&q, Elem::Bf16).unwrap(),
+        gpu.upload(&cache, Elem::Bf16).unwrap(),
+    );
     let d_table = gpu.upload_i32(&table).unwrap();
     let d_lens = gpu
         .upload_i32(&lens.iter().map(|&l| l as i32).collect::<Vec<_>>())
         .unwrap();
-    let out = gpu.alloc(batch * heads * LATENT, Elem::Bf16).unwrap();
-    let lse = gpu.alloc(batch * heads, Elem::F32).unwrap();
+    let input = DecodeInputs {
+        q: &d_q,
+        cache: &d_cache,
+        table: &d_table,
+        lens: &d_lens,
+        scale,
+    };
     // Every kernel variant the device can run; for each, the split count the device would
     // choose, one split (the kernel writes the result itself), an odd count that leaves some
     // splits of the short sequences empty (merged per row), and 40 (the block-wide merge).
     let chosen = DecodeWork::new(gpu, shape).unwrap().splits;
-    for variant in fast::decode_variants_for(gpu) {
+    let variants = fast::decode_variants_for(gpu);
+    assert!(!variants.is_empty(), "no decode variant fits the device");
+    for variant in variants {
         for splits in [chosen, 1, 7, 40] {
-            gpu.fill(&out, true).unwrap();
-            gpu.fill(&lse, true).unwrap();
             let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
-            fast::mla_decode(
-                gpu, shape, &d_q, &d_cache, &d_table, &d_lens, scale, &out, &lse, &work,
-            )
-            .unwrap();
-            let got = gpu.download(&out).unwrap();
-            let got_lse = gpu.download(&lse).unwrap();
-            let mut worst: f64 = 0.0;
-            for b in 0..batch {
-                for h in 0..heads {
-                    let got_row = &got[(b * heads + h) * LATENT..][..LATENT];
-                    let l = got_lse[b * heads + h] as f64;
-                    if lens[b] == 0 {
-                        // Nothing to attend to: zeros and an LSE of minus infinity.
-                        assert!(
-                            got_row.iter().all(|&x| x == 0.0) && l == f64::NEG_INFINITY,
-                            "{variant}, {splits} splits: empty sequence {b} head {h} gave lse {l}"
-                        );
-                        continue;
-                    }
-                    let (want_out, want_lse) = &want[b * heads + h];
-                    worst = worst.max(fast::relative_error(got_row, want_out));
-                    assert!(
-                        (l - want_lse).abs() < 2e-2 * want_lse.abs().max(1.0),
-                        "{variant}, {splits} splits: lse of sequence {b} head {h}: {l} vs {want_lse} (seed {seed})"
+            let got = run_decode(gpu, shape, &input, &work);
+            let what = format!("{variant}, {splits} splits (seed {seed})");
+            let worst = check_decode(
+                (&got.0, &got.1),
+                &lens,
+                heads,
+                |b, h| &want[b * heads + h],
+                &what,
+            );
+            eprintln!("decode {variant}: worst relative error {worst:.2e} over {batch} sequences × {heads} heads, {splits} splits");
+            assert!(worst < 1e-2, "decode {what}: relative error {worst}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn decode_runs_every_head_count() {
+    let backend = gpu();
+    let gpu: &Gpu = backend.gpu();
+    let seed = common::seed();
+    let mut rng = common::Lcg::new(seed ^ 0x4ead);
+    eprintln!("seed {seed}");
+    let width = LATENT + ROPE;
+    // A token, a page and a bit, several pages ending mid-tile, one shorter than a tile, a
+    // whole page, and two pages and a bit. Six sequences put 96 heads and more on the per-row
+    // merge (batch · heads ≥ 512), fewer on the block-wide one.
+    let lens = [1usize, 70, 300, 17, 64, 130];
+    // The same with the last sequence empty: its blocks then take the empty-split path, whose
+    // padding rows would overrun the buffers' end.
+    let mut lens_last_empty = lens;
+    lens_last_empty[lens.len() - 1] = 0;
+    let batch = lens.len();
+    let (table, max_pages, total_pages) = shuffled_block_table(&mut rng, &lens);
+    let cache = random_bf16(&mut rng, total_pages * PAGE * width, 1.0);
+    // Queries of 128 heads; a run with fewer takes each sequence's first ones, so one
+    // reference serves every head count.
+    let most = 128;
+    let q_all = random_bf16(&mut rng, batch * most * width, 1.0);
+    let scale = 1.0 / (192.0f32).sqrt();
+    let want = decode_reference(
+        &q_all,
+        most,
+        &cache,
+        (&table, max_pages),
+        &lens,
+        scale as f64,
+    );
+    let d_cache = gpu.upload(&cache, Elem::Bf16).unwrap();
+    let d_table = gpu.upload_i32(&table).unwrap();
+    let upload_lens = |lens: &[usize]| {
+        gpu.upload_i32(&lens.iter().map(|&l| l as i32).collect::<Vec<_>>())
+            .unwrap()
+    };
+    let runs = [
+        (lens, upload_lens(&lens)),
+        (lens_last_empty, upload_lens(&lens_last_empty)),
+    ];
+    let variants = fast::decode_variants_for(gpu);
+    assert!(!variants.is_empty(), "no decode variant fits the device");
+    let mut worst = vec![0.0f64; variants.len()];
+    for heads in [1, 2, 3, 5, 8, 16, 24, 32, 48, 63, 64, 65, 96, 127, 128] {
+        let q: Vec<f32> = (0..batch)
+            .flat_map(|b| q_all[b * most * width..][..heads * width].iter().copied())
+            .collect();
+        let d_q = gpu.upload(&q, Elem::Bf16).unwrap();
+        let shape = DecodeShape {
+            batch,
+            heads,
+            max_pages,
+            max_len: *lens.iter().max().unwrap(),
+        };
+        for (v, variant) in variants.iter().enumerate() {
+            // One split (the kernel writes out and lse itself) and five (the last split of the
+            // 300-token sequence ends mid-tile; the short sequences leave splits empty).
+            for splits in [1, 5] {
+                let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
+                for (lens, d_lens) in &runs {
+                    let input = DecodeInputs {
+                        q: &d_q,
+                        cache: &d_cache,
+                        table: &d_table,
+                        lens: d_lens,
+                        scale,
+                    };
+                    let got = run_decode(gpu, shape, &input, &work);
+                    let what = format!(
+                        "{variant}, {heads} heads, {splits} splits, lengths {lens:?} (seed {seed})"
                     );
+                    let err = check_decode(
+                        (&got.0, &got.1),
+                        lens,
+                        heads,
+                        |b, h| &want[b * most + h],
+                        &what,
+                    );
+                    assert!(err < 1e-2, "decode {what}: relative error {err}");
+                    worst[v] = worst[v].max(err);
                 }
             }
-            eprintln!("decode {variant}: worst relative error {worst:.2e} over {batch} sequences × {heads} heads, {splits} splits");
-            assert!(
-                worst < 1e-2,
-                "decode {variant} relative error {worst} with {splits} splits (seed {seed})"
-            );
         }
+    }
+    for (variant, worst) in variants.iter().zip(&worst) {
+        eprintln!("decode {variant}: worst relative error {worst:.2e} over heads 1 to 128, 1 and 5 splits");
     }
 }
 

@@ -5,8 +5,8 @@
 //! The debugger's own attention kernels (attention.cu) also write the attention probabilities
 //! and take fault injections; these do neither, and are built for speed.
 
-use super::device::fast_kernels::{Decode, COMBINE_ROWS_MAX, HEAD_GROUP, MAX_SPLITS};
-pub use super::device::fast_kernels::{LATENT, PAGE, ROPE};
+use super::device::fast_kernels::{Decode, COMBINE_ROWS_MAX, MAX_SPLITS};
+pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{DevBuf, DevI32, Elem, Gpu, Launched};
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
@@ -26,6 +26,8 @@ fn traced(l: Launched, splits: usize) -> KernelLaunch {
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeShape {
     pub batch: usize,
+    /// Query heads per sequence, any count from 1: a tensor-parallel rank holds the model's
+    /// heads / TP (GLM-5 at TP 8: 8). Blocks take [`HEAD_GROUP`] at a time, the last padded.
     pub heads: usize,
     /// Columns of the block table (pages per sequence at most).
     pub max_pages: usize,

@@ -59,7 +59,8 @@ pub const LATENT: usize = 512;
 pub const ROPE: usize = 64;
 /// Tokens per page of the paged latent cache.
 pub const PAGE: usize = 64;
-/// Heads one decode block handles.
+/// Heads one decode block handles. A head count off a multiple of it (a tensor-parallel rank's
+/// share: 8 or 16) runs too: the kernels pad the last group and write only its real heads.
 pub const HEAD_GROUP: usize = 64;
 /// The most KV splits (the merge's shared array, mla_decode.cu's MAX_SPLITS).
 pub const MAX_SPLITS: usize = 256;
@@ -73,6 +74,7 @@ pub struct Decode<'a> {
     pub kernel: &'a str,
     pub shared: u32,
     pub batch: usize,
+    /// At least 1, any count: the grid has ⌈heads / [`HEAD_GROUP`]⌉ groups.
     pub heads: usize,
     /// Columns of the block table.
     pub max_pages: usize,
@@ -110,9 +112,11 @@ impl Decode<'_> {
     fn check(&self) -> Result<DecodeArgs> {
         let width = LATENT + ROPE;
         let (b, h, s) = (self.batch, self.heads, self.splits);
-        if !h.is_multiple_of(HEAD_GROUP) || !(1..=MAX_SPLITS).contains(&s) {
+        // No sequences or heads would still launch one block (grids are at least 1), which
+        // would read the lengths and q past their ends.
+        if b == 0 || h == 0 || !(1..=MAX_SPLITS).contains(&s) {
             return Err(Error::invalid(format!(
-                "MLA decode: {h} heads (groups of {HEAD_GROUP}) and {s} splits (1 to {MAX_SPLITS})"
+                "MLA decode: {b} sequences, {h} heads (at least 1 each) and {s} splits (1 to {MAX_SPLITS})"
             )));
         }
         if !self.cache.len().is_multiple_of(PAGE * width) {
@@ -209,14 +213,16 @@ impl Gpu {
             grid: (
                 blocks("MLA decode", d.splits)?,
                 blocks_yz("MLA decode", d.batch)?,
-                blocks_yz("MLA decode", d.heads / HEAD_GROUP)?,
+                blocks_yz("MLA decode", d.heads.div_ceil(HEAD_GROUP))?,
             ),
             block: 256,
             shared: d.shared,
         };
-        // SAFETY: block (split, b, group) reads q of sequence b, pages bt[b][0..⌈len_b/64⌉] of
-        // the cache (table entries in 0..pages, lengths ≤ max_pages·64: the uploaded ranges), and
-        // writes its split's partials (or out and lse); every extent checked in `check`.
+        // SAFETY: block (split, b, group) reads the group's heads of q of sequence b (the last
+        // group's rows past `heads` are zeroed in shared memory, not read), pages
+        // bt[b][0..⌈len_b/64⌉] of the cache (table entries in 0..pages, lengths ≤ max_pages·64:
+        // the uploaded ranges), and writes its split's partials (or out and lse) for those heads
+        // only; every extent checked in `check`.
         unsafe { self.launch_traced(sig, d.kernel, cfg, &args) }
     }
 
