@@ -21,11 +21,13 @@ B=.device-bin
 OUT=${OUT:-/tmp}
 if [ "$what" != bench ]; then
   $B/mladb kernels --arch sm_90,sm_120 > "$OUT/kernels.txt" 2>&1; tail -1 "$OUT/kernels.txt"
-  for t in fast_kernels backends gpu_forward leaks verdicts; do
+  for t in fast_kernels gpu_attention backends gpu_forward leaks verdicts; do
     timeout 300 $B/$t --include-ignored --test-threads=1 > "$OUT/$t.txt" 2>&1 || echo "$t: exit $? (124 = timed out)"
     grep -E "^test |panicked|test result|skipped|worst" "$OUT/$t.txt" | head -30
   done
   $B/mladb run --device cuda --layout glm5-tiny --tokens 1,2,3 --decode 2 > "$OUT/run.txt" 2>&1; tail -2 "$OUT/run.txt"
+  # The fast kernels in the traced path, each attention op with the kernel that ran it.
+  $B/mladb run --device cuda --layout glm5-rank8 --tokens $(seq -s, 1 200) --decode 2 > "$OUT/run_rank8.txt" 2>&1; grep -E "↳" "$OUT/run_rank8.txt" | head -8; tail -1 "$OUT/run_rank8.txt"
   # A quantized kv_b_proj on the GPU: the two W_UK/W_UV routes per head, and the Q4_K fault.
   $B/mladb run --device cuda --layout glm5-tiny-wide --quant q4_k --decode 2 > "$OUT/run_q4k.txt" 2>&1; tail -7 "$OUT/run_q4k.txt"
   $B/mladb check --device cuda --layout glm5-tiny-wide --quant q4_k --inject q4k-scale-unpack > "$OUT/check_q4k.txt" 2>&1; tail -3 "$OUT/check_q4k.txt"

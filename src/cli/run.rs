@@ -72,7 +72,11 @@ impl Observer for RunObserver<'_> {
             v["type"] = json!("op");
             v.to_string()
         } else {
-            table::row(event)
+            match &event.kernel {
+                // Attention on the GPU: which kernels ran it, on the line below.
+                Some(k) => format!("{}\n{:>16}↳ {k}", table::row(event), ""),
+                None => table::row(event),
+            }
         };
         writeln!(self.out, "{line}").map_err(Error::stdout)?;
         if let Some(d) = &mut self.dump {

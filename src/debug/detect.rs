@@ -5,7 +5,9 @@
 //! * against re-runs of the same schedule: absorbed vs naive (every phase run on the other MLA
 //!   path), prefill vs decode (each decoded token against its row in a whole-sequence prefill);
 //! * against a reference dump, when one is given;
-//! * quantized vs dequantized kv_b_proj, once weights can be quantized (until then, a note).
+//! * quantized vs dequantized kv_b_proj, once weights can be quantized (until then, a note);
+//! * on the GPU, the fast (production) attention kernels against the reference kernels: the run
+//!   again with `attn-kernel reference`, op by op.
 //!
 //! Mismatch and NaN detectors report the first op of each phase (where a fault shows first) and
 //! count the rest; unwritten elements and disconnects are reported at every op that has them.
@@ -37,6 +39,7 @@ pub enum FindingKind {
     PrefillDecodeMismatch,
     QuantMismatch,
     ReferenceMismatch,
+    KernelMismatch,
 }
 
 impl fmt::Display for FindingKind {
@@ -63,6 +66,52 @@ pub struct CheckOptions {
     /// ([`Tolerances`]).
     pub tolerance: Option<f64>,
     pub reference: Option<ExternalDump>,
+}
+
+/// `kernel-mismatch`: where the checked run's attention ran a fast kernel, the run again on the
+/// reference kernels, op by op (the first attention op sees identical inputs in both; later ones
+/// carry the earlier difference, which the tolerances propagate). Says why when nothing ran fast.
+fn kernel_mismatch(
+    v: &mut Verdicts,
+    run: &RunRecord,
+    flags: Flags,
+    paired: impl FnOnce(Flags) -> Result<Paired>,
+) -> Result<()> {
+    if flags.device != super::flags::DeviceFlag::Cuda {
+        return Ok(());
+    }
+    let info = |e: &&crate::engine::OpEvent| e.kernel.clone();
+    let fast = run
+        .events
+        .iter()
+        .filter_map(|e| info(&e))
+        .filter(|k| !k.launches.is_empty())
+        .count();
+    if fast == 0 {
+        let why = run
+            .events
+            .iter()
+            .find_map(|e| e.kernel.as_ref().and_then(|k| k.reference.clone()))
+            .unwrap_or_else(|| "no attention op ran".into());
+        v.notes.push(format!(
+            "fast vs reference kernels: skipped, no attention op ran a fast kernel ({why})"
+        ));
+        return Ok(());
+    }
+    let mut other = flags;
+    other.kernels.kernel = crate::ops::AttnKernel::Reference;
+    v.add(
+        paired(other)?,
+        Comparison {
+            name: "fast vs reference kernels",
+            kind: FindingKind::KernelMismatch,
+            describe: format!(
+                "attention on the fast kernels ({}) vs the reference kernels",
+                super::flags::kernels_text(&flags.kernels)
+            ),
+        },
+    );
+    Ok(())
 }
 
 /// A note about a discrete choice: not a bug, but what a reader of the findings must know.
@@ -261,6 +310,10 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
             },
         );
     }
+
+    kernel_mismatch(&mut v, &run, flags, |other| {
+        paired(other, &forced, Pairing::SameSchedule)
+    })?;
 
     let mut reference = None;
     if let Some(dump) = &options.reference {

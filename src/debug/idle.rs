@@ -292,7 +292,8 @@ impl Run<'_> {
             return None;
         }
         let absorbed_phase_ran = self.events.iter().any(|e| {
-            e.kind == OpKind::AttentionProbs && without.path_of(e.phase) == MlaPath::Absorbed
+            matches!(e.kind, OpKind::AttentionProbs | OpKind::AttentionLse)
+                && without.path_of(e.phase) == MlaPath::Absorbed
         });
         (!absorbed_phase_ran).then(|| {
             let why = if base.prefill == MlaPath::Naive {
@@ -363,7 +364,7 @@ impl Run<'_> {
                 .any_in_scope(fault, |_, e| e.kernel_wrote.is_some()))
             .then(|| "no attention kernel ran in its phases".into()),
             Fault::SkipPaddedRows => (!self
-                .any_in_scope(fault, |_, e| e.kind == OpKind::AttentionProbs))
+                .any_in_scope(fault, |_, e| super::flags::attention_kernel(e)))
             .then(|| "no attention kernel ran in its phases".into()),
             Fault::SoftmaxScaleLatent => {
                 if !self.any_in_scope(fault, absorbed) {

@@ -161,6 +161,10 @@ const BUILTINS: &[Builtin] = &[
         ron: include_str!("../../layouts/glm5-tiny-wide.ron"),
     },
     Builtin {
+        name: "glm5-rank8",
+        ron: include_str!("../../layouts/glm5-rank8.ron"),
+    },
+    Builtin {
         name: "deepseek-v3",
         ron: include_str!("../../layouts/deepseek-v3.ron"),
     },

@@ -52,6 +52,17 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             ]));
         }
     }
+    if let Some(info) = &e.kernel {
+        for l in &info.launches {
+            lines.push(Line::from(vec![label("launch"), Span::raw(l.to_string())]));
+        }
+        if let Some(why) = &info.reference {
+            lines.push(Line::from(vec![
+                label("launch"),
+                Span::styled(format!("reference kernel: {why}"), t.dim()),
+            ]));
+        }
+    }
     let s = &e.stats;
     lines.push(Line::from(vec![
         label("written"),
