@@ -9,9 +9,9 @@ mod common;
 
 use common::*;
 use mladb::debug::detect::{check, CheckOptions, FindingKind};
-use mladb::debug::runner::Job;
 use mladb::debug::flags::DeviceFlag;
 use mladb::debug::record::RunRecord;
+use mladb::debug::runner::Job;
 use mladb::debug::Flags;
 use mladb::engine::generate::Schedule;
 use mladb::engine::trace::{OpKind, Phase};
@@ -66,7 +66,10 @@ fn the_fast_kernels_run_the_traced_attention_and_say_so() {
     let fast = j.run(gpu_flags(), None).unwrap();
 
     let prefill = event(&fast, Phase::Prefill, "attn_output");
-    let info = prefill.kernel.as_ref().expect("a GPU attention op says which kernel ran");
+    let info = prefill
+        .kernel
+        .as_ref()
+        .expect("a GPU attention op says which kernel ran");
     assert!(
         info.launches[0].kernel.starts_with("flash_prefill_") && info.reference.is_none(),
         "prefill ran {info}"
@@ -80,8 +83,14 @@ fn the_fast_kernels_run_the_traced_attention_and_say_so() {
     let info = decode.kernel.as_ref().unwrap();
     assert!(info.launches[0].kernel.starts_with("mla_decode_"), "{info}");
     let splits = info.launches[0].splits as usize;
-    assert!(splits > 1, "a 301-token context of one sequence splits: {info}");
-    assert!(info.launches[1].kernel.starts_with("mla_decode_combine"), "{info}");
+    assert!(
+        splits > 1,
+        "a 301-token context of one sequence splits: {info}"
+    );
+    assert!(
+        info.launches[1].kernel.starts_with("mla_decode_combine"),
+        "{info}"
+    );
     // The partials: every split of every head written (no poison, finite log-sum-exps).
     let partials = event(&fast, Phase::Decode(0), "attn_partials");
     assert_eq!(partials.shape, vec![1, splits, 8, 513]);
@@ -100,7 +109,11 @@ fn the_fast_kernels_run_the_traced_attention_and_say_so() {
         decode.inputs
     );
     // Every written element of the output, in every phase.
-    for e in fast.events.iter().filter(|e| e.kind == OpKind::AttentionLatent) {
+    for e in fast
+        .events
+        .iter()
+        .filter(|e| e.kind == OpKind::AttentionLatent)
+    {
         assert_eq!(e.stats.unwritten, 0, "{} {}", e.phase, e.name);
     }
 
@@ -108,7 +121,10 @@ fn the_fast_kernels_run_the_traced_attention_and_say_so() {
     let mut reference = gpu_flags();
     reference.kernels.kernel = AttnKernel::Reference;
     let slow = j.run(reference, None).unwrap();
-    let info = event(&slow, Phase::Decode(0), "attn_latent").kernel.clone().unwrap();
+    let info = event(&slow, Phase::Decode(0), "attn_latent")
+        .kernel
+        .clone()
+        .unwrap();
     assert_eq!(info.reference.as_deref(), Some("--attn-kernel reference"));
     assert!(info.launches.is_empty());
 }

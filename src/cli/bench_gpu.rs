@@ -199,7 +199,9 @@ fn decode_heads(args: &BenchArgs) -> Result<Vec<usize>> {
     text.split(',')
         .map(|h| match parse_count(h, "--decode-heads")? {
             h if h <= 128 => Ok(h),
-            h => Err(Error::invalid(format!("--decode-heads: {h} heads (1 to 128)"))),
+            h => Err(Error::invalid(format!(
+                "--decode-heads: {h} heads (1 to 128)"
+            ))),
         })
         .collect()
 }

@@ -400,10 +400,13 @@ fn attend_absorbed(
         let (q_pe, mask, faults) = (&chunk.q_pe, &call.mask, call.faults);
         let fast = |out: &mut Tensor| {
             let kernels = ctx.kernels;
-            b.fast_attention_latent(&q_lat, q_pe, latent, dims, mask, scale, out, kernels, faults)
+            b.fast_attention_latent(
+                &q_lat, q_pe, latent, dims, mask, scale, out, kernels, faults,
+            )
         };
-        let reference =
-            |out: &mut Tensor| b.attention_latent(&q_lat, q_pe, latent, dims, mask, scale, out, faults);
+        let reference = |out: &mut Tensor| {
+            b.attention_latent(&q_lat, q_pe, latent, dims, mask, scale, out, faults)
+        };
         KernelOutput::run(ctx, out, fast, reference)
     };
     let out_shape = [ctx.positions.len(), dims.heads, dims.latent];

@@ -75,8 +75,10 @@ impl Sink<'_> {
     /// An op that reports several events from one kernel call asks this first, so that it
     /// replays the earlier run's events as they were instead of calling the kernel.
     pub fn replays(&self, offset: usize, name: &str) -> bool {
-        self.replay
-            .is_some_and(|r| r.lookup(*self.next_index + offset, self.phase, name).is_some())
+        self.replay.is_some_and(|r| {
+            r.lookup(*self.next_index + offset, self.phase, name)
+                .is_some()
+        })
     }
 
     /// Runs (or replays) op `name`, which reads the activations `inputs`; `compute` fetches its
@@ -178,7 +180,9 @@ impl Sink<'_> {
         } else {
             self.counts.executed += 1;
         }
-        self.emit(layer, name, kind, values, buffer, None, reads, replayed, None)
+        self.emit(
+            layer, name, kind, values, buffer, None, reads, replayed, None,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]

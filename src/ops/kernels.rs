@@ -260,7 +260,10 @@ mod tests {
         let err = "t8".parse::<DecodeVariant>().unwrap_err().to_string();
         assert!(err.contains("wgmma, kt3"), "{err}");
         assert!("r32".parse::<PrefillVariant>().is_err());
-        assert_eq!("reference".parse::<AttnKernel>().unwrap(), AttnKernel::Reference);
+        assert_eq!(
+            "reference".parse::<AttnKernel>().unwrap(),
+            AttnKernel::Reference
+        );
         assert!("slow".parse::<AttnKernel>().is_err());
     }
 

@@ -12,7 +12,9 @@ pub mod rows;
 
 use serde::{Deserialize, Serialize};
 
-pub use kernels::{AttnKernel, AttnKernels, DecodeVariant, KernelInfo, KernelLaunch, PrefillVariant};
+pub use kernels::{
+    AttnKernel, AttnKernels, DecodeVariant, KernelInfo, KernelLaunch, PrefillVariant,
+};
 pub use moe::{top_k_indices, Routing};
 pub use rope::RopeTable;
 pub use rows::{MirrorSlot, RowSource, PAGE_SIZE};

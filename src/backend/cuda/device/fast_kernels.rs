@@ -274,9 +274,7 @@ impl Gpu {
         };
         // SAFETY: block (b, h, quarter) reads the ≤ 256 splits of (b, h) (the kernel's shared
         // array holds 256) and writes a quarter of out row (b, h); extents checked in `check`.
-        unsafe {
-            self.launch_traced(&MLA_DECODE_COMBINE, MLA_DECODE_COMBINE.pattern, cfg, &args)
-        }
+        unsafe { self.launch_traced(&MLA_DECODE_COMBINE, MLA_DECODE_COMBINE.pattern, cfg, &args) }
     }
 
     /// Causal prefill of one sequence with a portable kernel (`flash_prefill_r…`, or `…k…` with
