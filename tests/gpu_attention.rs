@@ -215,6 +215,62 @@ fn a_disconnected_output_buffer_around_the_fast_kernels_is_caught() {
     }
 }
 
+/// The faults that live in the fast kernels (the merge's two, the exp2 scale) act there and are
+/// caught: each finding's op ran a fast kernel, by the detector that can see it.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn faults_in_the_fast_kernels_are_caught_where_they_act() {
+    let gpu = cuda_backend(StorageDtype::Bf16);
+    let model = synthetic("glm5-rank8", 4);
+    let schedule = Schedule {
+        prompt: prompt(model.layout.vocab_size, 140),
+        prefill_len: 140,
+        decode_steps: 2,
+    };
+    let layers = 0..model.layout.num_layers;
+    let j = job(&model, &gpu, &schedule, &layers);
+    for (fault, kind, phase) in [
+        (
+            "lse-base-mismatch@decode",
+            "absorbed-naive-mismatch",
+            Phase::Decode(0),
+        ),
+        ("skip-padded-rows", "unwritten", Phase::Decode(0)),
+        ("exp2-scale", "kernel-mismatch", Phase::Prefill),
+    ] {
+        let mut flags = gpu_flags();
+        flags.set("inject", fault).unwrap();
+        let options = CheckOptions {
+            tolerance: None,
+            reference: None,
+        };
+        let report = check(&j, flags, &options).unwrap();
+        let found = report
+            .findings
+            .iter()
+            .find(|f| f.kind.to_string() == kind)
+            .unwrap_or_else(|| panic!("{fault}: no {kind}: {:#?}", report.findings));
+        assert_eq!(found.phase, phase, "{fault}: {found:?}");
+        // The op it names, or the attention op before it, ran a fast kernel.
+        let ran_fast = report.run.events[..=found.index]
+            .iter()
+            .rev()
+            .find_map(|e| e.kernel.clone())
+            .unwrap_or_else(|| panic!("{fault}: no attention op before {}", found.op));
+        assert!(!ran_fast.launches.is_empty(), "{fault}: {ran_fast}");
+        if fault.starts_with("lse") || fault.starts_with("skip") {
+            assert!(
+                ran_fast.launches.len() == 2,
+                "{fault}: the merge ran: {ran_fast}"
+            );
+        }
+        eprintln!(
+            "{fault}: {kind} at {} {} ({ran_fast})",
+            found.phase, found.op
+        );
+    }
+}
+
 #[test]
 fn the_cpu_runs_the_reference_kernels_and_records_no_launch() {
     let model = synthetic("glm5-rank8", 3);

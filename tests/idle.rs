@@ -96,6 +96,10 @@ fn every_fault_acts_in_the_default_schedule_and_idles_where_it_cannot() {
         let why = verdict(&tiny, &default, &format!("inject={}", f.name()), fault(f));
         if f == Fault::Q4kScaleUnpack {
             assert!(why.unwrap().contains("not Q4_K"));
+        } else if f == Fault::Exp2Scale {
+            assert!(why.unwrap().contains("fast GPU kernels"));
+        } else if f == Fault::YarnMscale {
+            assert!(why.unwrap().contains("YaRN"));
         } else {
             assert!(why.is_none(), "{} acts by default", f.name());
         }
@@ -332,5 +336,24 @@ fn idle_exactly_when_nothing_differs_across_schedules_paths_and_scopes() {
             }
         }
     }
-    assert_eq!(checked, 5 * 3 * 7 * 3);
+    assert_eq!(checked, 5 * 3 * (Fault::ALL.len() - 1) * 3);
+}
+
+/// yarn-mscale takes YaRN's `mscale` where `mscale_all_dim` belongs: idle without YaRN and
+/// where the two are equal (deepseek-v3-tiny, as DeepSeek-V3 itself), acting where they differ.
+#[test]
+fn yarn_mscale_acts_only_where_the_two_mscales_differ() {
+    let s = schedule(8, 6, 2);
+    let fault = Subject::Fault(Fault::YarnMscale);
+    let why = verdict(&model("glm5-tiny", None), &s, "inject=yarn-mscale", fault).unwrap();
+    assert!(why.contains("YaRN"), "{why}");
+    let equal = model("deepseek-v3-tiny", None);
+    let why = verdict(&equal, &s, "inject=yarn-mscale", fault).unwrap();
+    assert!(why.contains("equal"), "{why}");
+    let mut layout = Layout::resolve("deepseek-v3-tiny").unwrap();
+    if let mladb::model::layout::RopeScaling::Yarn { mscale, .. } = &mut layout.rope.scaling {
+        *mscale = Some(0.707);
+    }
+    let differ = Model::synthetic_quantized(layout, 3, None, common::BUDGET).unwrap();
+    assert_eq!(verdict(&differ, &s, "inject=yarn-mscale", fault), None);
 }

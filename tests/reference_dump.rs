@@ -272,6 +272,21 @@ fn the_hf_fixture_dump_supplies_its_own_tokens() {
         serde_json::from_str(stdout(&o).lines().next().unwrap()).unwrap();
     assert_eq!(first["kind"], "reference-mismatch");
     assert_eq!(first["op"], "model.layers.0.self_attn.o_proj");
+    // The indexer's RoPE in the wrong layout: every path shares the indexer, so only the
+    // reference sees the keys it then chooses; without one, check says so.
+    let inject = ["--inject", "indexer-rope-layout", "--json"];
+    let o = mladb(&[&["check", "--model", m, "--reference", d][..], &inject].concat());
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let first: serde_json::Value =
+        serde_json::from_str(stdout(&o).lines().next().unwrap()).unwrap();
+    assert_eq!(first["kind"], "reference-mismatch");
+    let o = mladb(&[&["check", "--model", m][..], &inject].concat());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("indexer-rope-layout: only a reference dump shows it"),
+        "{}",
+        stdout(&o)
+    );
     assert_error(
         &mladb(&["check", "--model", m, "--tokens", "1,2,3", "--reference", d]),
         &["1,2,3", "244,20,135"],

@@ -23,7 +23,7 @@ use super::selection::{ambiguous_selections, AmbiguousSelection, SelectionDiff};
 use super::tolerance::Tolerances;
 use crate::engine::generate::Schedule;
 use crate::engine::trace::{OpKind, Phase};
-use crate::engine::{MlaPath, StorageDtype};
+use crate::engine::{Fault, MlaPath, StorageDtype};
 use crate::error::Result;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -235,6 +235,18 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
         v.notes.push(format!("generated {}", o.generated_text()));
     }
     v.notes.extend(super::idle::check_notes(job, &run)?);
+    if options.reference.is_none() {
+        // No comparison between mladb's own runs can see these: every path and phase shares them.
+        for f in [Fault::IndexerRopeLayout, Fault::YarnMscale] {
+            if flags.faults.contains(f) {
+                v.notes.push(format!(
+                    "{}: only a reference dump shows it (every path and phase shares it): \
+                     check --reference DUMP",
+                    f.name()
+                ));
+            }
+        }
+    }
 
     // Absorbed vs naive: every phase again on the other path.
     if flags.mla_disable {

@@ -64,6 +64,10 @@ pub struct KvBStorage {
     layers: Vec<(usize, Option<String>)>,
     #[serde(skip)]
     unknown: bool,
+    /// The model's YaRN `mscale` and `mscale_all_dim` (what the yarn-mscale fault swaps), when
+    /// it scales RoPE by YaRN with both set; absent from older sessions (then never idle).
+    #[serde(default)]
+    yarn_mscales: Option<Option<(f64, f64)>>,
 }
 
 impl KvBStorage {
@@ -79,9 +83,18 @@ impl KvBStorage {
                 Ok((l, ty))
             })
             .collect::<Result<_>>()?;
+        let yarn = match &model.layout.rope.scaling {
+            crate::model::layout::RopeScaling::Yarn {
+                mscale: Some(m),
+                mscale_all_dim: Some(all),
+                ..
+            } => Some((*m, *all)),
+            _ => None,
+        };
         Ok(KvBStorage {
             layers,
             unknown: false,
+            yarn_mscales: Some(yarn),
         })
     }
 
@@ -91,6 +104,7 @@ impl KvBStorage {
         KvBStorage {
             layers: Vec::new(),
             unknown: true,
+            yarn_mscales: None,
         }
     }
 
@@ -345,6 +359,26 @@ impl Run<'_> {
             Fault::SoftmaxScaleLatent | Fault::AbsorbWrongSplit | Fault::LseBaseMismatch => {
                 self.naive_everywhere(scope, false)
             }
+            Fault::Exp2Scale if self.flags.device == super::flags::DeviceFlag::Cpu => Some(
+                "it lives in the fast GPU kernels (softmax in exp2); the CPU runs the reference \
+                 kernels, in exp"
+                    .into(),
+            ),
+            Fault::Exp2Scale if self.flags.kernels.kernel == crate::ops::AttnKernel::Reference => {
+                Some(
+                    "it lives in the fast GPU kernels (softmax in exp2); --attn-kernel reference \
+                     runs the reference kernels, in exp"
+                        .into(),
+                )
+            }
+            Fault::YarnMscale => match self.kv_b.yarn_mscales {
+                Some(None) => Some("the model does not scale RoPE by YaRN with mscale and mscale_all_dim".into()),
+                Some(Some((m, all))) if m == all => Some(format!(
+                    "mscale and mscale_all_dim are equal in this model ({m}), so taking one for the \
+                     other changes nothing"
+                )),
+                _ => None,
+            },
             Fault::Q4kScaleUnpack if !self.kv_b.any_q4k() => Some(format!(
                 "kv_b_proj is not Q4_K in this model ({}); it acts on a Q4_K kv_b_proj, e.g. \
                  --layout glm5-tiny-wide --quant q4_k",
@@ -394,6 +428,31 @@ impl Run<'_> {
                     )
                 })
             }
+            Fault::Exp2Scale => (!self.any_in_scope(fault, |_, e| {
+                e.kernel.as_ref().is_some_and(|k| !k.launches.is_empty())
+            }))
+            .then(|| {
+                let why = self
+                    .events
+                    .iter()
+                    .find_map(|e| e.kernel.as_ref().and_then(|k| k.reference.clone()))
+                    .map_or(String::new(), |w| format!(" ({w})"));
+                format!(
+                    "no attention op in its phases ran a fast kernel{why}; the reference kernels \
+                     compute in exp"
+                )
+            }),
+            Fault::IndexerRopeLayout => {
+                let q_rope = |e: &OpEvent| e.name.ends_with("self_attn.indexer.q_rope");
+                if self.any_in_scope(fault, |_, e| q_rope(e) && e.positions.1 >= 2) {
+                    None
+                } else if self.any_in_scope(fault, |_, e| q_rope(e)) {
+                    Some("its phases rotated the indexer's query at position 0 only, where RoPE is the identity".into())
+                } else {
+                    Some("no DSA indexer ran in its phases".into())
+                }
+            }
+            Fault::YarnMscale => None,
             Fault::RopeNoninterleaved => {
                 let q_rope = |e: &OpEvent| e.name.ends_with("self_attn.q_rope");
                 if self.any_in_scope(fault, |_, e| q_rope(e) && e.positions.1 >= 2) {

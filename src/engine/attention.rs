@@ -233,6 +233,11 @@ fn write_latent(
     )
 }
 
+/// The attention's softmax scale. FAULT yarn-mscale: YaRN's `mscale` taken for `mscale_all_dim`.
+fn softmax_scale(ctx: &LayerCtx) -> f64 {
+    ctx.layout.softmax_scale_from(ctx.fault(Fault::YarnMscale))
+}
+
 /// How this chunk's attention kernel is called: the mask, kv_b_proj as used, and the faults
 /// planted in the kernel and its wrapper.
 struct KernelCall {
@@ -263,6 +268,7 @@ fn attend(
         faults: KernelFaults {
             lse_base_mismatch: ctx.fault(Fault::LseBaseMismatch),
             skip_padded_rows: ctx.mla_backend && ctx.fault(Fault::SkipPaddedRows),
+            exp2_scale: ctx.fault(Fault::Exp2Scale),
         },
         disconnect: ctx.mla_backend && ctx.fault(Fault::OutputBufferDisconnect),
     };
@@ -283,7 +289,7 @@ fn attend_naive(
 ) -> Result<Tensor> {
     let (b, l, dims) = (ctx.backend, Some(ctx.layer), ctx.dims());
     let (kv_b, kv_b_name) = (&call.kv_b, &call.kv_b_name);
-    let scale = ctx.layout.softmax_scale() as f32;
+    let scale = softmax_scale(ctx) as f32;
     let start = ctx.positions[0];
     let latent = latent_ref(cache);
     let expanded = cache.expanded.get_or_insert_with(|| {
@@ -378,10 +384,10 @@ fn attend_absorbed(
     let (kv_b, kv_b_name) = (&call.kv_b, &call.kv_b_name);
     // FAULT softmax-scale-latent: the scale taken from the latent cache's width.
     let scale = if ctx.fault(Fault::SoftmaxScaleLatent) {
-        layout.softmax_scale() * (layout.qk_head_dim() as f64).sqrt()
+        softmax_scale(ctx) * (layout.qk_head_dim() as f64).sqrt()
             / (layout.latent_width() as f64).sqrt()
     } else {
-        layout.softmax_scale()
+        softmax_scale(ctx)
     } as f32;
     let split = kv_b_split(ctx);
     let q_nope = b.slice_groups(&chunk.q, dims.heads, 0, dims.nope)?;

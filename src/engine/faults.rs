@@ -7,9 +7,12 @@
 //! | `softmax-scale-latent` | absorbed attention scaled by the latent width (kv_lora_rank + qk_rope)^-0.5 instead of (qk_nope + qk_rope)^-0.5 | engine/attention.rs, the softmax scale |
 //! | `absorb-wrong-split` | W_UK and W_UV taken from the wrong rows of kv_b_proj (as if each head were [W_UV; W_UK]) | engine/attention.rs, the kv_b_proj split |
 //! | `rope-noninterleaved` | the query's RoPE uses the split-half layout while the key's is interleaved | engine/attention.rs, q_rope |
-//! | `lse-base-mismatch` | split-KV partials report log2-sum-exp but are merged as natural-log | backend/cpu/attention.rs, the split-KV merge |
-//! | `skip-padded-rows` | the decode kernel leaves the last head's rows of its output unwritten, as a kernel skipping padded rows does | backend/cpu/attention.rs |
+//! | `lse-base-mismatch` | split-KV partials' log-sum-exps merged in the wrong base (log2 against natural log) | the split-KV merges: the fast decode's (kernels/mla_decode.cu, which then splits every 64 tokens; contexts of 64 or fewer go to the reference kernel, which splits every 8) and the reference kernels' (backend/cpu/attention.rs, kernels/attention.cu) |
+//! | `skip-padded-rows` | the decode leaves the last head's rows of its output unwritten, as a kernel that counts the head group's padding one row too many does | the fast decode's merge (kernels/mla_decode.cu; it then always splits) and the reference kernels |
 //! | `kv-cache-off-by-one` | decode writes a token's latent row one slot early, so its own slot stays unwritten | engine/attention.rs, the slot mapping |
+//! | `exp2-scale` | the fast kernels' softmax runs in base 2, but the launcher hands them the scale without the log2 e factor (every score too small by ln 2); the reference kernels use exp, so only the fast ones carry it | backend/cuda/fast_attention.rs, where the kernels' scale is computed |
+//! | `indexer-rope-layout` | the DSA indexer's RoPE uses the other layout (interleaved vs split-half) than its checkpoint; the main attention's is right. Only a reference dump shows it: every path shares the indexer | engine/attention/indexer.rs |
+//! | `yarn-mscale` | under YaRN, the softmax scale takes `mscale` where `mscale_all_dim` belongs (a difference only where the two differ). Only a reference dump shows it: both paths share the scale | engine/attention.rs, the softmax scale |
 //! | `q4k-scale-unpack` | the dequantization kernel unpacks the 6-bit scales and mins of Q4_K sub-blocks 4..7 as if they were 0..3 (acts on a quantized kv_b_proj) | model/quant.rs, `dequantize_with` |
 //!
 //! A fault may be limited to one phase, `NAME@prefill` or `NAME@decode`, or act in both,
@@ -30,10 +33,13 @@ pub enum Fault {
     SkipPaddedRows,
     KvCacheOffByOne,
     Q4kScaleUnpack,
+    Exp2Scale,
+    IndexerRopeLayout,
+    YarnMscale,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 8] = [
+    pub const ALL: [Fault; 11] = [
         Fault::OutputBufferDisconnect,
         Fault::SoftmaxScaleLatent,
         Fault::AbsorbWrongSplit,
@@ -42,6 +48,9 @@ impl Fault {
         Fault::SkipPaddedRows,
         Fault::KvCacheOffByOne,
         Fault::Q4kScaleUnpack,
+        Fault::Exp2Scale,
+        Fault::IndexerRopeLayout,
+        Fault::YarnMscale,
     ];
 
     pub fn name(self) -> &'static str {
@@ -54,6 +63,9 @@ impl Fault {
             Fault::SkipPaddedRows => "skip-padded-rows",
             Fault::KvCacheOffByOne => "kv-cache-off-by-one",
             Fault::Q4kScaleUnpack => "q4k-scale-unpack",
+            Fault::Exp2Scale => "exp2-scale",
+            Fault::IndexerRopeLayout => "indexer-rope-layout",
+            Fault::YarnMscale => "yarn-mscale",
         }
     }
 
@@ -71,6 +83,9 @@ impl Fault {
             Fault::SkipPaddedRows => "decode kernel leaves some output rows unwritten",
             Fault::KvCacheOffByOne => "decode writes the latent cache one slot early",
             Fault::Q4kScaleUnpack => "Q4_K sub-blocks 4..7 decoded with the wrong scales and mins",
+            Fault::Exp2Scale => "fast kernels' exp2 softmax given a scale without log2 e",
+            Fault::IndexerRopeLayout => "DSA indexer RoPE in the other layout (interleaved/split)",
+            Fault::YarnMscale => "YaRN softmax scale from mscale instead of mscale_all_dim",
         }
     }
 
@@ -82,8 +97,8 @@ impl Fault {
         }
     }
 
-    fn bit(self) -> u32 {
-        self as u32
+    fn bit(self) -> u64 {
+        self as u64
     }
 }
 
@@ -125,7 +140,7 @@ impl Scope {
         }
     }
 
-    fn mask(self) -> u32 {
+    fn mask(self) -> u64 {
         match self {
             Scope::All => 0b11,
             Scope::Prefill => 0b01,
@@ -136,7 +151,7 @@ impl Scope {
 
 /// The set of active faults, two bits (prefill, decode) per fault.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub struct Faults(u32);
+pub struct Faults(u64);
 
 impl Faults {
     pub fn none() -> Faults {

@@ -365,15 +365,27 @@ impl Layout {
     /// Softmax scale of the main attention: (qk_nope + qk_rope)^-0.5, times mscale² under YaRN
     /// when `mscale_all_dim` is set (as HF's `yarn_apply_mscale`).
     pub fn softmax_scale(&self) -> f64 {
+        self.softmax_scale_from(false)
+    }
+
+    /// [`Layout::softmax_scale`], or with `mscale` taken where `mscale_all_dim` belongs (the
+    /// `yarn-mscale` fault; a difference only where the two differ).
+    pub fn softmax_scale_from(&self, wrong_mscale: bool) -> f64 {
         let mut scale = (self.qk_head_dim() as f64).powf(-0.5);
         if let RopeScaling::Yarn {
             factor,
+            mscale,
             mscale_all_dim: Some(all_dim),
             ..
         } = &self.rope.scaling
         {
+            let m = if wrong_mscale {
+                mscale.unwrap_or(0.0)
+            } else {
+                *all_dim
+            };
             if *all_dim != 0.0 {
-                let m = yarn_mscale(*factor, *all_dim);
+                let m = yarn_mscale(*factor, m);
                 scale *= m * m;
             }
         }

@@ -49,4 +49,7 @@ impl std::str::FromStr for StorageDtype {
 pub struct KernelFaults {
     pub lse_base_mismatch: bool,
     pub skip_padded_rows: bool,
+    /// The fast kernels' exp2 softmax handed the scale without log2 e (the reference kernels
+    /// compute in exp and ignore it).
+    pub exp2_scale: bool,
 }

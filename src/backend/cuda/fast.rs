@@ -5,7 +5,8 @@
 //! The debugger's own attention kernels (attention.cu) also write the attention probabilities
 //! and take fault injections; these do neither, and are built for speed.
 
-use super::device::fast_kernels::{Decode, COMBINE_ROWS_MAX, MAX_SPLITS};
+use super::device::fast_kernels::{Decode, COMBINE_ROWS_MAX};
+pub use super::device::fast_kernels::{MergeFaults, MAX_SPLITS};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{DevBuf, DevI32, Elem, Gpu, Launched};
 use crate::error::{Error, Result};
@@ -182,6 +183,8 @@ pub struct DecodeWork {
     part_o: DevBuf,
     part_lse: DevBuf,
     pub splits: usize,
+    /// Faults planted in the merge (the debugger's; none by default).
+    pub merge_faults: MergeFaults,
 }
 
 impl DecodeWork {
@@ -227,6 +230,7 @@ impl DecodeWork {
             part_o: gpu.alloc(shape.batch * splits * shape.heads * LATENT, Elem::F32)?,
             part_lse: gpu.alloc(shape.batch * splits * shape.heads, Elem::F32)?,
             splits,
+            merge_faults: MergeFaults::default(),
         })
     }
 }
@@ -264,6 +268,7 @@ pub fn mla_decode(
         part_lse: &work.part_lse,
         out,
         lse,
+        merge_faults: work.merge_faults,
     };
     let split = traced(gpu.mla_decode_splits(&launch)?, work.splits);
     if work.splits == 1 {

@@ -8,7 +8,9 @@
 
 use super::attention::mirror_buf;
 use super::device::{DevBuf, Elem};
-use super::fast::{self, DecodeShape, DecodeWork, LATENT, PREFILL_DIMS, ROPE};
+use super::fast::{
+    self, DecodeShape, DecodeWork, MergeFaults, LATENT, MAX_SPLITS, PREFILL_DIMS, ROPE,
+};
 use super::{buf, CudaBackend};
 use crate::backend::{checks, AttnMask, Backend, DeviceRead, FastAttention, FastOutcome, MlaDims};
 use crate::error::Result;
@@ -16,15 +18,9 @@ use crate::ops::{AttnKernels, KernelFaults, RowSource};
 use crate::tensor::{BufferId, DeviceBuffer, Tensor};
 
 /// Why a fast kernel does not take an op, or `None` when it does.
-fn declines(backend: &CudaBackend, faults: KernelFaults, mask: &AttnMask) -> Option<String> {
+fn declines(backend: &CudaBackend, mask: &AttnMask) -> Option<String> {
     if backend.elem() != Elem::Bf16 {
         return Some("f32 storage (the fast kernels read and write bf16: --dtype bf16)".into());
-    }
-    if faults.lse_base_mismatch {
-        return Some("lse-base-mismatch is planted in the reference kernel".into());
-    }
-    if faults.skip_padded_rows {
-        return Some("skip-padded-rows is planted in the reference kernel".into());
     }
     if let Some(sel) = &mask.selected {
         let sparse = sel
@@ -42,6 +38,19 @@ fn declines(backend: &CudaBackend, faults: KernelFaults, mask: &AttnMask) -> Opt
     }
     (mask.positions.is_empty()).then(|| "no queries".into())
 }
+
+/// The scale handed to a fast kernel, which converts it for its exp2 softmax. FAULT exp2-scale:
+/// it is handed pre-divided by log2 e, so the kernel's exp2 runs on the natural-log scale.
+fn kernel_scale(scale: f32, faults: KernelFaults) -> f32 {
+    if faults.exp2_scale {
+        scale * std::f32::consts::LN_2
+    } else {
+        scale
+    }
+}
+
+/// Tokens per split when a fault planted in the decode's merge needs the merge to run.
+const FAULT_SPLIT_TOKENS: usize = 64;
 
 impl CudaBackend {
     /// See [`Backend::fast_attention_latent`].
@@ -66,8 +75,15 @@ impl CudaBackend {
                 dims.latent, dims.rope
             )));
         }
-        if let Some(why) = declines(self, faults, mask) {
+        if let Some(why) = declines(self, mask) {
             return Ok(FastOutcome::Declined(why));
+        }
+        let longest = mask.positions.iter().max().map_or(0, |p| p + 1);
+        if faults.lse_base_mismatch && longest <= FAULT_SPLIT_TOKENS {
+            return Ok(FastOutcome::Declined(format!(
+                "lse-base-mismatch acts in the fast decode's merge, which splits every \
+                 {FAULT_SPLIT_TOKENS} tokens under it; this context ({longest}) is one split"
+            )));
         }
         let Some(table) = cache.block_table() else {
             return Ok(FastOutcome::Declined("a latent cache without pages".into()));
@@ -88,9 +104,26 @@ impl CudaBackend {
             .collect();
         let block_table = self.indices(&rows)?;
         let seq_lens = self.indices(&lens)?;
-        let work = DecodeWork::for_variant(self.gpu(), shape, kernels.decode.map(|v| v.kernel()))?;
+        let variant = kernels.decode.map(|v| v.kernel());
+        let merge_faults = MergeFaults {
+            lse_base: faults.lse_base_mismatch,
+            skip_last_head: faults.skip_padded_rows,
+        };
+        let work = if merge_faults.any() {
+            // The faults live in the merge: split so that it runs (every 64 tokens, at least 2).
+            let splits = shape
+                .max_len
+                .div_ceil(FAULT_SPLIT_TOKENS)
+                .clamp(2, MAX_SPLITS);
+            let mut work = DecodeWork::with_variant(self.gpu(), shape, splits, variant)?;
+            work.merge_faults = merge_faults;
+            work
+        } else {
+            DecodeWork::for_variant(self.gpu(), shape, variant)?
+        };
         let od = self.dev(out)?;
         let lse = self.gpu().alloc(n * heads, Elem::F32)?;
+        self.gpu().fill(&lse, true)?; // poisoned: a row the kernels skip shows
         let mirror = self.sync_cache(cache)?;
         let pages = mirror_buf(&mirror);
         let launches = fast::mla_decode(
@@ -100,7 +133,7 @@ impl CudaBackend {
             pages,
             &block_table,
             &seq_lens,
-            scale,
+            kernel_scale(scale, faults),
             buf(&od),
             &lse,
             &work,
@@ -166,8 +199,15 @@ impl CudaBackend {
                 PREFILL_DIMS.map(|(a, b)| format!("{a}/{b}")).join(" and ")
             )));
         }
-        if let Some(why) = declines(self, faults, mask) {
+        if let Some(why) = declines(self, mask) {
             return Ok(FastOutcome::Declined(why));
+        }
+        if faults.lse_base_mismatch || faults.skip_padded_rows {
+            return Ok(FastOutcome::Declined(
+                "lse-base-mismatch and skip-padded-rows are planted in the decode's merge and the \
+                 reference kernels; the flash prefill has neither"
+                    .into(),
+            ));
         }
         let whole = mask.positions.iter().enumerate().all(|(i, &p)| i == p) && k.len() == n;
         if !whole || k.block_table().is_some() || v.block_table().is_some() {
@@ -182,6 +222,7 @@ impl CudaBackend {
         let qd = self.dev(q)?;
         let od = self.dev(out)?;
         let lse = self.gpu().alloc(n * heads, Elem::F32)?;
+        self.gpu().fill(&lse, true)?;
         let (km, vm) = (self.sync_cache(k)?, self.sync_cache(v)?);
         let (kd, vd): (&DevBuf, &DevBuf) = (mirror_buf(&km), mirror_buf(&vm));
         let variant = kernels.prefill.map(|p| p.tag());
@@ -194,7 +235,7 @@ impl CudaBackend {
             buf(&qd),
             kd,
             vd,
-            scale,
+            kernel_scale(scale, faults),
             buf(&od),
             Some(&lse),
         )?;

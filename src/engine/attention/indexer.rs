@@ -2,6 +2,7 @@
 
 use super::{push_rows, LayerCtx, Selection};
 use crate::engine::cache::{LayerCache, RowCache, RowSource};
+use crate::engine::faults::Fault;
 use crate::engine::sink::{Computed, Sink};
 use crate::engine::trace::{BufferRef, OpKind};
 use crate::error::{Error, Result};
@@ -60,27 +61,21 @@ pub(super) fn dsa_selection(
             b.layer_norm(&k_proj, &w, &bias, 1e-6)
         },
     )?;
+    // FAULT indexer-rope-layout: the indexer's RoPE in the other layout than its checkpoint's.
+    let interleaved = ix.rope_interleaved ^ ctx.fault(Fault::IndexerRopeLayout);
     let q = sink.op(
         l,
         &ctx.name("self_attn.indexer.q_rope"),
         OpKind::Rope,
         &[&q_proj],
-        |_| {
-            b.rope(
-                &q_proj,
-                ix.n_heads,
-                ctx.rope,
-                ctx.positions,
-                ix.rope_interleaved,
-            )
-        },
+        |_| b.rope(&q_proj, ix.n_heads, ctx.rope, ctx.positions, interleaved),
     )?;
     let k = sink.op(
         l,
         &ctx.name("self_attn.indexer.k_rope"),
         OpKind::Rope,
         &[&k_normed],
-        |_| b.rope(&k_normed, 1, ctx.rope, ctx.positions, ix.rope_interleaved),
+        |_| b.rope(&k_normed, 1, ctx.rope, ctx.positions, interleaved),
     )?;
     let keys = cache
         .index_keys

@@ -20,11 +20,11 @@ pub const MLA_DECODE_KT3: Sig = Sig::new("mla_decode_kt3", &DECODE_TMA);
 pub const MLA_DECODE_WGMMA: Sig = Sig::new("mla_decode_wgmma", &DECODE_TMA);
 pub const MLA_DECODE_COMBINE: Sig = Sig::new(
     "mla_decode_combine",
-    &[F32Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int],
+    &[F32Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int],
 );
 pub const MLA_DECODE_COMBINE_ROWS: Sig = Sig::new(
     "mla_decode_combine_rows",
-    &[F32Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int],
+    &[F32Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int, Int],
 );
 pub const FLASH_PREFILL: Sig = Sig::new(
     "flash_prefill_r*",
@@ -94,6 +94,27 @@ pub struct Decode<'a> {
     /// [batch, heads, 512] bf16 and [batch, heads] f32.
     pub out: &'a DevBuf,
     pub lse: &'a DevBuf,
+    /// Faults planted in the merge (none in a real run).
+    pub merge_faults: MergeFaults,
+}
+
+/// The faults the debugger plants in the split merges (kernels/mla_decode.cu, `FAULT_*`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MergeFaults {
+    /// lse-base-mismatch: the splits' natural-log LSEs weighed as base 2.
+    pub lse_base: bool,
+    /// skip-padded-rows: the last real head of each sequence counted as padding, unwritten.
+    pub skip_last_head: bool,
+}
+
+impl MergeFaults {
+    pub fn any(self) -> bool {
+        self.lse_base || self.skip_last_head
+    }
+
+    fn bits(self) -> Arg {
+        Arg::I32(i32::from(self.lse_base) | (i32::from(self.skip_last_head) << 1))
+    }
 }
 
 /// The pointer arguments every decode kernel and merge share, checked.
@@ -247,6 +268,7 @@ impl Gpu {
                 ));
             }
             args.push(int(rows, "rows")?);
+            args.push(d.merge_faults.bits());
             let cfg = Launch {
                 grid: (blocks("MLA decode merge", rows.div_ceil(8))?, 1, 1),
                 block: 256,
