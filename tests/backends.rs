@@ -343,7 +343,7 @@ fn attention_both_paths_with_causal_and_sparse_masks(gpu: bool) {
             KernelFaults::default(),
             KernelFaults {
                 lse_base_mismatch: true,
-                skip_padded_rows: false,
+                ..KernelFaults::default()
             },
         ] {
             let mut want_out = cpu.alloc(&[n, d.heads * d.v], true).unwrap();
@@ -388,8 +388,8 @@ fn a_kernel_that_skips_rows_leaves_them_unwritten_everywhere(gpu: bool) {
     let q_lat = random(&[1, d.heads, d.latent], "ql", 1.0);
     let q_pe = random(&[1, d.heads, d.rope], "qp", 1.0);
     let faults = KernelFaults {
-        lse_base_mismatch: false,
         skip_padded_rows: true,
+        ..KernelFaults::default()
     };
     for u in backends(gpu) {
         let b = &*u.backend;
