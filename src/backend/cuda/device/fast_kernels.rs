@@ -285,6 +285,7 @@ impl Gpu {
                 )
             };
         }
+        args.push(d.merge_faults.bits());
         let cfg = Launch {
             grid: (
                 blocks("MLA decode merge", d.batch)?,
