@@ -93,7 +93,10 @@ fn the_fast_kernels_run_the_traced_attention_and_say_so() {
     );
     // The partials: every split of every head written (no poison, finite log-sum-exps).
     let partials = event(&fast, Phase::Decode(0), "attn_partials");
-    assert_eq!(partials.shape, vec![1, splits, 8, 513]);
+    assert_eq!(partials.shape, vec![1, splits, 8, 512]);
+    let partial_lse = event(&fast, Phase::Decode(0), "attn_partials_lse");
+    assert_eq!(partial_lse.shape, vec![1, splits, 8]);
+    assert_eq!(partial_lse.stats.unwritten + partial_lse.stats.nan, 0);
     assert_eq!(partials.stats.unwritten, 0);
     assert_eq!(partials.stats.nan + partials.stats.pos_inf, 0);
     // The kernel read the device copy of the latent cache and the block table.

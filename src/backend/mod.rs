@@ -102,9 +102,9 @@ pub struct DeviceRead {
 pub struct FastAttention {
     /// Log-sum-exp (natural log) per query and head, [n, heads] f32.
     pub lse: Tensor,
-    /// The split-KV partials before the merge, [n, splits, heads, width + 1] (each split's
-    /// normalised output, then its log-sum-exp), when the kernel split the keys.
-    pub partials: Option<Tensor>,
+    /// The split-KV partials before the merge, when the kernel split the keys: each split's
+    /// normalised output [n, splits, heads, width] and its log-sum-exp [n, splits, heads].
+    pub partials: Option<(Tensor, Tensor)>,
     /// The launches, in order (the split kernel, then the merge).
     pub launches: Vec<KernelLaunch>,
     /// Device buffers read beyond the inputs.

@@ -360,6 +360,9 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
         }
     }
 
+    if !args.no_kernels {
+        super::bench_traced::traced_decode(&backend, args.quick)?;
+    }
     if args.no_layers {
         return Ok(());
     }

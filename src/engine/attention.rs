@@ -509,11 +509,17 @@ fn sides(output: KernelOutput) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>
                 reference: None,
             };
             let mut sides = Vec::new();
-            if let Some(partials) = f.partials {
+            if let Some((outputs, lse)) = f.partials {
                 sides.push(Side {
                     op: "attn_partials",
                     kind: OpKind::AttentionPartials,
-                    tensor: partials,
+                    tensor: outputs,
+                    kernel: Some(first.clone()),
+                });
+                sides.push(Side {
+                    op: "attn_partials_lse",
+                    kind: OpKind::AttentionPartials,
+                    tensor: lse,
                     kernel: Some(first),
                 });
             }
@@ -534,7 +540,12 @@ fn sides(output: KernelOutput) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>
 }
 
 /// The events an attention call may report before its output, by name.
-const SIDE_OPS: [&str; 3] = ["attn_probs", "attn_partials", "attn_lse"];
+const SIDE_OPS: [&str; 4] = [
+    "attn_probs",
+    "attn_partials",
+    "attn_partials_lse",
+    "attn_lse",
+];
 
 /// The attention wrapper: allocates the output buffer, hands it to the kernel and returns it,
 /// reporting the kernel's results (the reference's probabilities, or a fast kernel's split
@@ -567,7 +578,7 @@ fn run_attention(
         for op in replayed {
             let kind = match op {
                 "attn_probs" => OpKind::AttentionProbs,
-                "attn_partials" => OpKind::AttentionPartials,
+                "attn_partials" | "attn_partials_lse" => OpKind::AttentionPartials,
                 _ => OpKind::AttentionLse,
             };
             sink.op_with(l, &side_name(op), kind, inputs, |_| {

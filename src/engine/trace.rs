@@ -87,8 +87,9 @@ pub enum OpKind {
     /// A fast attention kernel's log-sum-exp (natural log) per query and head, [tokens, heads]:
     /// what production kernels keep of the softmax instead of the probabilities.
     AttentionLse,
-    /// A split-KV decode's partial results before the merge, [tokens, splits, heads, L + 1]:
-    /// each split's normalised latent output, then its log-sum-exp.
+    /// A split-KV decode's partial results before the merge: each split's normalised latent
+    /// output [tokens, splits, heads, L] (`attn_partials`), or its log-sum-exp [tokens, splits,
+    /// heads] (`attn_partials_lse`).
     AttentionPartials,
     Residual,
     Activation,

@@ -199,10 +199,10 @@ impl DecodeWork {
         DecodeWork::with_variant(gpu, shape, decode_splits(gpu, shape, shared), variant)
     }
 
-    /// The split partials the last launch left: outputs [batch, splits, heads, 512] and
-    /// log-sum-exps [batch, splits, heads] (meaningful when it split the keys).
-    pub fn partials(&self, gpu: &Gpu) -> Result<(Vec<f32>, Vec<f32>)> {
-        Ok((gpu.download(&self.part_o)?, gpu.download(&self.part_lse)?))
+    /// The split partials the launch left, as device buffers: outputs [batch, splits, heads,
+    /// 512] and log-sum-exps [batch, splits, heads] (meaningful when it split the keys).
+    pub fn into_partials(self) -> (DevBuf, DevBuf) {
+        (self.part_o, self.part_lse)
     }
 
     /// Scratch for a chosen number of splits (1 to 256; tests use it to cover both the

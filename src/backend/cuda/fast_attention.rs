@@ -152,9 +152,17 @@ impl CudaBackend {
         ];
         drop(mirror);
         self.refresh_host(out, &od)?;
-        let partials = match work.splits {
+        let splits = work.splits;
+        let partials = match splits {
             1 => None,
-            splits => Some(self.partials(&work, n, splits, heads)?),
+            _ => {
+                // Left on the device beside their host copies: statistics run there.
+                let (o, l) = work.into_partials();
+                Some((
+                    self.finish(o, &[n, splits, heads, LATENT])?,
+                    self.finish(l, &[n, splits, heads])?,
+                ))
+            }
         };
         Ok(FastOutcome::Ran(FastAttention {
             lse: self.finish(lse, &[n, heads])?,
@@ -162,18 +170,6 @@ impl CudaBackend {
             launches,
             reads,
         }))
-    }
-
-    /// The split partials as one host tensor [n, splits, heads, L + 1].
-    fn partials(&self, work: &DecodeWork, n: usize, splits: usize, heads: usize) -> Result<Tensor> {
-        let (o, lse) = work.partials(self.gpu())?;
-        let rows = n * splits * heads;
-        let mut data = Vec::with_capacity(rows * (LATENT + 1));
-        for r in 0..rows {
-            data.extend_from_slice(&o[r * LATENT..][..LATENT]);
-            data.push(lse[r]);
-        }
-        Ok(Tensor::from_vec(&[n, splits, heads, LATENT + 1], data))
     }
 
     /// See [`Backend::fast_attention_naive`]: the flash prefill of a whole sequence.
