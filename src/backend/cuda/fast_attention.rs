@@ -1,22 +1,39 @@
 //! The production attention kernels ([`super::fast`]) in the traced path: the absorbed attention
 //! of a chunk runs the tensor-core decode over the paged latent cache (each query token a
-//! sequence of its own length over the same pages, as a serving batch is), and a whole-sequence
-//! naive prefill runs the flash prefill. Each says what it launched, returns its log-sum-exps and
+//! sequence of its own length over the same pages, as a serving batch is; with a sparse DSA
+//! selection, the sparse decode over each query's own key list), and a whole-sequence naive
+//! prefill runs the flash prefill. Each says what it launched, returns its log-sum-exps and
 //! split partials for the trace, or declines with the reason when the op is one it does not take
-//! (head dims it is not built for, f32 storage, a sparse selection, a fault planted in the
-//! reference kernel), and the engine runs the reference instead.
+//! (head dims it is not built for, f32 storage, a sparse selection on the naive path, a fault
+//! planted in the reference kernel), and the engine runs the reference instead.
 
 use super::attention::mirror_buf;
 use super::device::{DevBuf, Elem};
-use super::fast::{self, DecodeShape, DecodeWork, LATENT, PREFILL_DIMS, ROPE};
+use super::fast::{self, DecodeShape, DecodeWork, KeyLists, LATENT, PREFILL_DIMS, ROPE};
 use super::{buf, CudaBackend};
 use crate::backend::{checks, AttnMask, Backend, DeviceRead, FastAttention, FastOutcome, MlaDims};
 use crate::error::Result;
 use crate::ops::{AttnKernels, KernelFaults, RowSource};
 use crate::tensor::{BufferId, DeviceBuffer, Tensor};
 
-/// Why a fast kernel does not take an op, or `None` when it does.
-fn declines(backend: &CudaBackend, faults: KernelFaults, mask: &AttnMask) -> Option<String> {
+/// How many queries of a DSA selection keep fewer than all their keys (0 without one).
+fn sparse_queries(mask: &AttnMask) -> usize {
+    mask.selected.as_ref().map_or(0, |sel| {
+        sel.iter()
+            .zip(&mask.positions)
+            .filter(|(keys, &p)| keys.len() != p + 1)
+            .count()
+    })
+}
+
+/// Why a fast kernel does not take an op, or `None` when it does; `sparse` says whether it
+/// takes a sparse selection (the absorbed path's sparse decode does, the naive prefill not).
+fn declines(
+    backend: &CudaBackend,
+    faults: KernelFaults,
+    mask: &AttnMask,
+    sparse: bool,
+) -> Option<String> {
     if backend.elem() != Elem::Bf16 {
         return Some("f32 storage (the fast kernels read and write bf16: --dtype bf16)".into());
     }
@@ -26,19 +43,13 @@ fn declines(backend: &CudaBackend, faults: KernelFaults, mask: &AttnMask) -> Opt
     if faults.skip_padded_rows {
         return Some("skip-padded-rows is planted in the reference kernel".into());
     }
-    if let Some(sel) = &mask.selected {
-        let sparse = sel
-            .iter()
-            .zip(&mask.positions)
-            .filter(|(keys, &p)| keys.len() != p + 1)
-            .count();
-        if sparse > 0 {
-            return Some(format!(
-                "a sparse DSA selection ({sparse} of {} queries keep fewer than all their keys; \
-                 the sparse kernels are not built yet)",
-                sel.len()
-            ));
-        }
+    let n_sparse = sparse_queries(mask);
+    if n_sparse > 0 && !sparse {
+        return Some(format!(
+            "a sparse DSA selection ({n_sparse} of {} queries keep fewer than all their keys; \
+             the naive path's sparse prefill stays on the reference kernel)",
+            mask.positions.len()
+        ));
     }
     (mask.positions.is_empty()).then(|| "no queries".into())
 }
@@ -66,9 +77,22 @@ impl CudaBackend {
                 dims.latent, dims.rope
             )));
         }
-        if let Some(why) = declines(self, faults, mask) {
+        if let Some(why) = declines(self, faults, mask, true) {
             return Ok(FastOutcome::Declined(why));
         }
+        // A sparse selection: every query's list, padded with -1 to the longest.
+        let forced = kernels.decode.map(|v| v.kernel());
+        let lists = match &mask.selected {
+            Some(sel) if sparse_queries(mask) > 0 => {
+                if let Some(f) = forced.filter(|f| fast::sparse_twin(f).is_none()) {
+                    return Ok(FastOutcome::Declined(format!(
+                        "a sparse DSA selection, and the forced decode variant {f} has no sparse twin"
+                    )));
+                }
+                Some(fast::key_lists(sel)?)
+            }
+            _ => None,
+        };
         let Some(table) = cache.block_table() else {
             return Ok(FastOutcome::Declined("a latent cache without pages".into()));
         };
@@ -80,7 +104,10 @@ impl CudaBackend {
             batch: n,
             heads,
             max_pages: table.len().max(1),
-            max_len: lens.iter().copied().max().unwrap_or(1),
+            max_len: match &lists {
+                Some(l) => l.topk,
+                None => lens.iter().copied().max().unwrap_or(1),
+            },
         };
         // Every query reads the same pages: one table row per query, as a batch would hold.
         let rows: Vec<usize> = (0..n)
@@ -88,24 +115,59 @@ impl CudaBackend {
             .collect();
         let block_table = self.indices(&rows)?;
         let seq_lens = self.indices(&lens)?;
-        let work = DecodeWork::for_variant(self.gpu(), shape, kernels.decode.map(|v| v.kernel()))?;
         let od = self.dev(out)?;
         let lse = self.gpu().alloc(n * heads, Elem::F32)?;
         let mirror = self.sync_cache(cache)?;
         let pages = mirror_buf(&mirror);
-        let launches = fast::mla_decode(
-            self.gpu(),
-            shape,
-            buf(&qd),
-            pages,
-            &block_table,
-            &seq_lens,
-            scale,
-            buf(&od),
-            &lse,
-            &work,
-        )?;
-        let reads = vec![
+        // The key lists (on the device until the result is back, as the table is).
+        let sparse = match &lists {
+            Some(KeyLists {
+                indices,
+                topk,
+                lens,
+            }) => Some((
+                self.gpu().upload_i32(indices)?,
+                *topk,
+                self.gpu().upload_i32(lens)?,
+            )),
+            None => None,
+        };
+        let (launches, work) = match &sparse {
+            None => {
+                let work = DecodeWork::for_variant(self.gpu(), shape, forced)?;
+                let launches = fast::mla_decode(
+                    self.gpu(),
+                    shape,
+                    buf(&qd),
+                    pages,
+                    &block_table,
+                    &seq_lens,
+                    scale,
+                    buf(&od),
+                    &lse,
+                    &work,
+                )?;
+                (launches, work)
+            }
+            Some((indices, topk, lens)) => {
+                let work = DecodeWork::sparse(self.gpu(), shape, None, forced)?;
+                let launches = fast::mla_decode_sparse(
+                    self.gpu(),
+                    shape,
+                    buf(&qd),
+                    pages,
+                    &block_table,
+                    (indices, *topk),
+                    lens,
+                    scale,
+                    buf(&od),
+                    &lse,
+                    &work,
+                )?;
+                (launches, work)
+            }
+        };
+        let mut reads = vec![
             DeviceRead {
                 id: cache.id(),
                 address: pages.address(),
@@ -117,6 +179,13 @@ impl CudaBackend {
                 bytes: block_table.bytes(),
             },
         ];
+        if let Some((indices, _, _)) = &sparse {
+            reads.push(DeviceRead {
+                id: BufferId::fresh_cache(),
+                address: indices.address(),
+                bytes: indices.bytes(),
+            });
+        }
         drop(mirror);
         self.refresh_host(out, &od)?;
         let partials = match work.splits {
@@ -166,7 +235,7 @@ impl CudaBackend {
                 PREFILL_DIMS.map(|(a, b)| format!("{a}/{b}")).join(" and ")
             )));
         }
-        if let Some(why) = declines(self, faults, mask) {
+        if let Some(why) = declines(self, faults, mask, false) {
             return Ok(FastOutcome::Declined(why));
         }
         let whole = mask.positions.iter().enumerate().all(|(i, &p)| i == p) && k.len() == n;
