@@ -14,6 +14,14 @@
 // for O += P·V, output dims of half (w/4). Softmax runs in base 2 on the fly (online softmax);
 // each split writes its normalised output and natural-log LSE, and mla_decode_combine weighs the
 // splits by exp(lse_split − lse_total).
+//
+// The sparse twins (mla_sparse_t32/t16 here, mla_sparse_ks3/ks2 in mla_decode_splitk.cu: what
+// GLM-5 runs over the DSA indexer's top-k) are the same templates with SPARSE set: sequence b
+// attends to the keys indices[b, 0..lens[b]] (token positions, mapped to cache rows through its
+// block-table row; -1 is padding, anywhere in the list), the splits divide the list, and each
+// tile is gathered row by row. Padding and entries past the split's end get zeroed rows AND
+// scores of -inf; a sequence whose entries are all padding ends with l = 0, i.e. zeros and an
+// LSE of -inf, like an empty split.
 #include "common.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
@@ -26,9 +34,9 @@
 #define THREADS 256
 #define NT_OF(TILE) ((TILE) / 2 / 8)
 
-template <int TILE, int STAGES>
+template <int TILE, int STAGES, bool SPARSE>
 __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
-                             const int* seq_lens, float scale_log2, float* part_o, float* part_lse, int splits,
+                             const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse, int splits,
                              int total_heads, bf16_t* out, float* lse_out) {
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int PSTRIDE = TILE + 8;
@@ -68,7 +76,27 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
     // One tile of TILE tokens. Tiles start at multiples of TILE (which divides PAGE), so a tile
     // lies in one page: one block-table lookup per tile. Rows past the end are zeroed.
     const int* bt = block_table + (u64)b * max_pages;
+    const int* list = SPARSE ? indices + (u64)b * topk : nullptr;
     auto load_tile = [&](int t0, int stage) {
+        if constexpr (SPARSE) {
+            // Lane r < TILE of each warp finds the row of entry t0 + r; a chunk takes it by shuffle.
+            const int mine = sparse_row(list, lane < TILE ? t0 + lane : t_end, t_end, bt);
+            const unsigned dst = sKV_a + stage * TILE * STRIDE * 2;
+#pragma unroll
+            for (int i = 0; i < (TILE * CHUNKS + THREADS - 1) / THREADS; i++) {
+                int c = threadIdx.x + i * THREADS;
+                int r = c / CHUNKS, k = (c % CHUNKS) * 8;
+                const int row = __shfl_sync(0xffffffffu, mine, r % 32);
+                if (c < TILE * CHUNKS) {
+                    if (row >= 0)
+                        cp_async16(dst + (r * STRIDE + k) * 2, cache + (u64)row * DQK + k);
+                    else
+                        st_shared_zero16(dst + (r * STRIDE + k) * 2);
+                }
+            }
+            cp_async_commit();
+            return;
+        }
         const bf16_t* src = cache + ((u64)bt[t0 / PAGE] * PAGE + t0 % PAGE) * DQK;
         const unsigned dst = sKV_a + stage * TILE * STRIDE * 2;
 #pragma unroll
@@ -111,6 +139,13 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
         }
         __syncthreads();
         const unsigned kv = sKV_a + stage * TILE * STRIDE * 2;
+        // Which of this thread's tokens of S are keys (bit 2·nt + j); loaded ahead of the mma.
+        unsigned keys = ~0u;
+        if constexpr (SPARSE) {
+            keys = 0;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) keys |= sparse_keys(list, t0 + tok_base + nt * 8 + qd * 2, t_end, 2) << (2 * nt);
+        }
 
         // S = Q·Kᵀ for 16 heads × TILE/2 tokens; even and odd k-steps in separate accumulators
         // so that two independent chains of mma hide each other's latency.
@@ -144,7 +179,7 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int tok = t0 + tok_base + nt * 8 + qd * 2 + (e % 2);
-                float v = tok < t_end ? (s[nt][e] + s2[nt][e]) * scale_log2 : -INFINITY;
+                float v = tok < t_end && (keys >> (2 * nt + e % 2) & 1u) ? (s[nt][e] + s2[nt][e]) * scale_log2 : -INFINITY;
                 s[nt][e] = v;
                 tile_max[e / 2] = fmaxf(tile_max[e / 2], v);
             }
@@ -266,12 +301,23 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t32(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_k<32, 2>(q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_k<32, 2, false>(q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t16(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_k<16, 1>(q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_k<16, 1, false>(q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+}
+
+// The sparse twins: lens[b] is the length of sequence b's list, indices[b, 0..lens[b]] (≤ topk).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_t32(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* indices, int topk,
+               const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_k<32, 2, true>(q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_t16(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* indices, int topk,
+               const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_k<16, 1, true>(q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // out[b, h, :] = Σ_s exp(lse_s − lse) · O_s with lse = log Σ_s exp(lse_s). Block = (b, h, a

@@ -2,7 +2,9 @@
 // mla_decode_kt3 with TMA): the same block, work and output as mla_decode_t32/t16 in
 // mla_decode.cu (see the top of that file; the last head group is padded the same way), with the
 // work inside a block divided so that far less shared memory is read per tile. The splits are
-// merged by mla_decode_combine(_rows) there.
+// merged by mla_decode_combine(_rows) there. mla_sparse_ks3/ks2 are the sparse twins of
+// mla_decode_ks3/ks2 (SPARSE: see the top of mla_decode.cu; cp.async only, since TMA boxes
+// cannot gather rows).
 #include "common.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
@@ -51,10 +53,11 @@ __device__ __forceinline__ float4 ld_shared_f4(unsigned addr) {
 // at r·128 + ((c ^ r % 8) · 16), so the ldmatrix rows of one 8×8 matrix fall in 8 different
 // chunks: no bank conflicts without padding). One thread issues a tile's copies; everyone waits
 // on the stage's barrier; a split's short last tile gets its rows past the end zeroed.
-template <int STAGES, bool TMA>
+template <int STAGES, bool TMA, bool SPARSE>
 __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf16_t* cache, const int* block_table,
-                              int max_pages, const int* seq_lens, float scale_log2, float* part_o, float* part_lse,
+                              int max_pages, const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse,
                               int splits, int total_heads, bf16_t* out, float* lse_out) {
+    static_assert(!(TMA && SPARSE), "the sparse tiles are gathered by cp.async");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // The swizzled TMA stages need 1024-byte alignment; the host gives 1 KB of slack for it.
     unsigned char* smem = TMA ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
@@ -104,7 +107,25 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
     cp_async_commit();
 
     const int* bt = block_table + (u64)b * max_pages;
+    const int* list = SPARSE ? indices + (u64)b * topk : nullptr;
     auto load_tile = [&](int t0, int stage) {
+        if constexpr (SPARSE) {
+            // Lane r of each warp finds the row of entry t0 + r; a chunk takes it by shuffle.
+            const int mine = sparse_row(list, t0 + lane, t_end, bt);
+            const unsigned dst = sKV_a + stage * STAGE_BYTES;
+#pragma unroll
+            for (int i = 0; i < TILE * CHUNKS / THREADS; i++) {
+                int c = threadIdx.x + i * THREADS;
+                int r = c / CHUNKS, k = (c % CHUNKS) * 8;
+                const int row = __shfl_sync(0xffffffffu, mine, r);
+                if (row >= 0)
+                    cp_async16(dst + (r * STRIDE + k) * 2, cache + (u64)row * DQK + k);
+                else
+                    st_shared_zero16(dst + (r * STRIDE + k) * 2);
+            }
+            cp_async_commit();
+            return;
+        }
         if (TMA) {  // by one thread: nine boxes; a fence orders earlier generic accesses first
             if (threadIdx.x == 0) {
                 const int row = bt[t0 / PAGE] * PAGE + t0 % PAGE;
@@ -196,6 +217,8 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
             if (t0 + TILE < t_end) load_tile(t0 + TILE, stage ^ 1);
         }
         const unsigned kv = sKV_a + stage * STAGE_BYTES;
+        // Which of this thread's two tokens of S are keys; loaded ahead of the mma.
+        const unsigned keys = SPARSE ? sparse_keys(list, t0 + kq * 8 + qd * 2, t_end, 2) : 3u;
 
         // Partial S over this warp's quarter of the dims: 32 heads × 32 tokens, 8 chains of mma.
         float s[2][4][4];
@@ -260,7 +283,7 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
         for (int mt = 0; mt < 2; mt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                float x = tok + (e % 2) < t_end ? v[mt][e] * scale_log2 : -INFINITY;
+                float x = tok + (e % 2) < t_end && (keys >> (e % 2) & 1u) ? v[mt][e] * scale_log2 : -INFINITY;
                 v[mt][e] = x;
                 grow |= x - mr[mt][e / 2] > 8.0f;
             }
@@ -379,12 +402,12 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks3(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_ks<3, false>(nullptr, q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_ks<3, false, false>(nullptr, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks2(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_ks<2, false>(nullptr, q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_ks<2, false, false>(nullptr, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // The split-k kernel fed by TMA: for sm_90 and later (Hopper, B200, sm_120), where cp.async
@@ -393,8 +416,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks2(const bf
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_kt3(const __grid_constant__ TmaMap cache_map, const bf16_t* q, const bf16_t* cache, const int* bt,
                int max_pages, const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    mla_decode_ks<3, true>(&cache_map, q, cache, bt, max_pages, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_ks<3, true, false>(&cache_map, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 #else
     __trap();
 #endif
+}
+
+// The sparse twins of mla_decode_ks3/ks2: lens[b] is the length of sequence b's list,
+// indices[b, 0..lens[b]] (≤ topk).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_ks3(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* indices, int topk,
+               const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_ks<3, false, true>(nullptr, q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_ks2(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* indices, int topk,
+               const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_ks<2, false, true>(nullptr, q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }

@@ -48,13 +48,26 @@ fn decode_reference(
     q: &[f32],
     heads: usize,
     cache: &[f32],
-    (table, max_pages): (&[i32], usize),
+    table: (&[i32], usize),
     lens: &[usize],
     scale: f64,
 ) -> Vec<(Vec<f64>, f64)> {
+    let keys: Vec<Vec<usize>> = lens.iter().map(|&l| (0..l).collect()).collect();
+    keys_reference(q, heads, cache, table, &keys, scale)
+}
+
+/// The same over the listed token positions of each sequence (a sparse decode's keys).
+fn keys_reference(
+    q: &[f32],
+    heads: usize,
+    cache: &[f32],
+    (table, max_pages): (&[i32], usize),
+    keys: &[Vec<usize>],
+    scale: f64,
+) -> Vec<(Vec<f64>, f64)> {
     let width = LATENT + ROPE;
-    let mut want = Vec::with_capacity(lens.len() * heads);
-    for (b, &len) in lens.iter().enumerate() {
+    let mut want = Vec::with_capacity(keys.len() * heads);
+    for (b, keys) in keys.iter().enumerate() {
         let row = |t: usize| {
             let page = table[b * max_pages + t / PAGE] as usize;
             let at = (page * PAGE + t % PAGE) * width;
@@ -62,10 +75,11 @@ fn decode_reference(
         };
         for h in 0..heads {
             let qv = &q[(b * heads + h) * width..][..width];
-            let out =
-                fast::reference_attention(qv, (0..len).map(|t| (row(t), &row(t)[..LATENT])), scale);
-            let scores: Vec<f64> = (0..len)
-                .map(|t| {
+            let rows = keys.iter().map(|&t| (row(t), &row(t)[..LATENT]));
+            let out = fast::reference_attention(qv, rows, scale);
+            let scores: Vec<f64> = keys
+                .iter()
+                .map(|&t| {
                     qv.iter()
                         .zip(row(t))
                         .map(|(&a, &c)| a as f64 * c as f64)
@@ -86,8 +100,11 @@ struct DecodeInputs<'a> {
     q: &'a DevBuf,
     cache: &'a DevBuf,
     table: &'a DevI32,
+    /// Tokens per sequence (sparse: entries of its key list).
     lens: &'a DevI32,
     scale: f32,
+    /// The key lists [batch, topk] of a sparse decode.
+    keys: Option<(&'a DevI32, usize)>,
 }
 
 /// Rows after the batch's in the output buffers, holding [`SENTINEL`]: a head group's padding
@@ -112,18 +129,33 @@ fn run_decode(
     gpu.write(&mut out, rows * LATENT, &vec![SENTINEL; TAIL_ROWS * LATENT])
         .unwrap();
     gpu.write(&mut lse, rows, &[SENTINEL; TAIL_ROWS]).unwrap();
-    fast::mla_decode(
-        gpu,
-        shape,
-        input.q,
-        input.cache,
-        input.table,
-        input.lens,
-        input.scale,
-        &out,
-        &lse,
-        work,
-    )
+    match input.keys {
+        None => fast::mla_decode(
+            gpu,
+            shape,
+            input.q,
+            input.cache,
+            input.table,
+            input.lens,
+            input.scale,
+            &out,
+            &lse,
+            work,
+        ),
+        Some(keys) => fast::mla_decode_sparse(
+            gpu,
+            shape,
+            input.q,
+            input.cache,
+            input.table,
+            keys,
+            input.lens,
+            input.scale,
+            &out,
+            &lse,
+            work,
+        ),
+    }
     .unwrap();
     let mut got = gpu.download(&out).unwrap();
     let mut got_lse = gpu.download(&lse).unwrap();
@@ -220,6 +252,7 @@ fn tensor_core_decode_matches_reference() {
         table: &d_table,
         lens: &d_lens,
         scale,
+        keys: None,
     };
     // Every kernel variant the device can run; for each, the split count the device would
     // choose, one split (the kernel writes the result itself), an odd count that leaves some
@@ -314,6 +347,7 @@ fn decode_runs_every_head_count() {
                         table: &d_table,
                         lens: d_lens,
                         scale,
+                        keys: None,
                     };
                     let got = run_decode(gpu, shape, &input, &work);
                     let what = format!(
@@ -428,6 +462,139 @@ fn tensor_core_prefill_matches_reference() {
                 tested += 1;
             }
             assert!(tested > 0, "no prefill variant fits the device");
+        }
+    }
+}
+
+/// `count` distinct positions of 0..context in random order.
+fn random_positions(rng: &mut common::Lcg, context: usize, count: usize) -> Vec<usize> {
+    let mut all: Vec<usize> = (0..context).collect();
+    for i in (1..all.len()).rev() {
+        all.swap(i, rng.next_u64() as usize % (i + 1));
+    }
+    all.truncate(count);
+    all
+}
+
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn sparse_decode_matches_reference() {
+    let backend = gpu();
+    let gpu: &Gpu = backend.gpu();
+    let seed = common::seed();
+    let mut rng = common::Lcg::new(seed ^ 0x5ba5);
+    eprintln!("seed {seed}");
+    let width = LATENT + ROPE;
+    // Rows of 300 entries (off the 16/32-entry tile grid) over contexts longer and shorter than
+    // that; `None` marks padding (-1), and a list is read up to its length only.
+    let topk = 300;
+    let contexts = [3000usize, 100, 700, 40, 64, 64, 2100, 500];
+    let mut lists: Vec<Vec<Option<usize>>> = Vec::new();
+    let sorted = |mut v: Vec<usize>| {
+        v.sort_unstable();
+        v.into_iter().map(Some).collect::<Vec<_>>()
+    };
+    // A full list from a long context, sorted.
+    lists.push(sorted(random_positions(&mut rng, 3000, topk)));
+    // A whole context shorter than topk, padded at the end.
+    let mut short = sorted((0..100).collect());
+    short.resize(topk, None);
+    lists.push(short);
+    // Ragged: padding in the middle (every seventh entry) and at the end.
+    let mut ragged = sorted(random_positions(&mut rng, 700, 250));
+    for (i, e) in ragged.iter_mut().enumerate() {
+        if i % 7 == 3 {
+            *e = None;
+        }
+    }
+    ragged.resize(topk, None);
+    lists.push(ragged);
+    // Shorter than a tile, its length short of topk.
+    lists.push(sorted(random_positions(&mut rng, 40, 5)));
+    // Padding alone, and an empty list.
+    lists.push(vec![None; topk]);
+    lists.push(Vec::new());
+    // Unsorted, and a single key.
+    lists.push(
+        random_positions(&mut rng, 2100, topk)
+            .into_iter()
+            .map(Some)
+            .collect(),
+    );
+    lists.push(vec![Some(499)]);
+    let batch = lists.len();
+    let (table, max_pages, total_pages) = shuffled_block_table(&mut rng, &contexts);
+    let cache = random_bf16(&mut rng, total_pages * PAGE * width, 1.0);
+    let most = 128;
+    let q_all = random_bf16(&mut rng, batch * most * width, 1.0);
+    let scale = 1.0 / (192.0f32).sqrt();
+    let keys: Vec<Vec<usize>> = lists
+        .iter()
+        .map(|l| l.iter().flatten().copied().collect())
+        .collect();
+    let want = keys_reference(
+        &q_all,
+        most,
+        &cache,
+        (&table, max_pages),
+        &keys,
+        scale as f64,
+    );
+    let mut indices = vec![-1i32; batch * topk];
+    for (b, l) in lists.iter().enumerate() {
+        for (i, e) in l.iter().enumerate() {
+            indices[b * topk + i] = e.map_or(-1, |p| p as i32);
+        }
+    }
+    let list_lens: Vec<i32> = lists.iter().map(|l| l.len() as i32).collect();
+    let key_counts: Vec<usize> = keys.iter().map(Vec::len).collect();
+    let d_cache = gpu.upload(&cache, Elem::Bf16).unwrap();
+    let d_table = gpu.upload_i32(&table).unwrap();
+    let d_indices = gpu.upload_i32(&indices).unwrap();
+    let d_lens = gpu.upload_i32(&list_lens).unwrap();
+    let variants = fast::sparse_decode_variants_for(gpu);
+    assert!(
+        !variants.is_empty(),
+        "no sparse decode variant fits the device"
+    );
+    for heads in [8, 64, 128] {
+        let q: Vec<f32> = (0..batch)
+            .flat_map(|b| q_all[b * most * width..][..heads * width].iter().copied())
+            .collect();
+        let d_q = gpu.upload(&q, Elem::Bf16).unwrap();
+        let shape = DecodeShape {
+            batch,
+            heads,
+            max_pages,
+            max_len: topk,
+        };
+        let input = DecodeInputs {
+            q: &d_q,
+            cache: &d_cache,
+            table: &d_table,
+            lens: &d_lens,
+            scale,
+            keys: Some((&d_indices, topk)),
+        };
+        let chosen = DecodeWork::sparse(gpu, shape, None, None).unwrap().splits;
+        for variant in &variants {
+            // The device's choice, one split (written directly), three (the 5-entry list leaves
+            // two empty), 16 (per-row merge at 64 heads and more) and 40 (block-wide merge).
+            for splits in [chosen, 1, 3, 16, 40] {
+                let work = DecodeWork::sparse(gpu, shape, Some(splits), Some(variant)).unwrap();
+                assert_eq!(work.kernel, *variant);
+                let got = run_decode(gpu, shape, &input, &work);
+                let what = format!("{variant}, {heads} heads, {splits} splits (seed {seed})");
+                let worst = check_decode(
+                    (&got.0, &got.1),
+                    &key_counts,
+                    heads,
+                    |b, h| &want[b * most + h],
+                    &what,
+                );
+                eprintln!("sparse decode {what}: worst relative error {worst:.2e}");
+                assert!(worst < 1e-2, "sparse decode {what}: relative error {worst}");
+            }
         }
     }
 }

@@ -290,3 +290,65 @@ fn the_cpu_runs_the_reference_kernels_and_records_no_launch() {
     assert!(run.events.iter().all(|e| e.kernel.is_none()));
     assert!(run.events.iter().any(|e| e.kind == OpKind::AttentionProbs));
 }
+
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
+    let gpu = cuda_backend(StorageDtype::Bf16);
+    let mut model = synthetic("glm5-rank8", 11);
+    // An index_topk of 100 makes a 300-token context sparse without a 2048-token prompt.
+    model.layout.indexer.as_mut().unwrap().topk = 100;
+    let schedule = Schedule {
+        prompt: prompt(model.layout.vocab_size, 300),
+        prefill_len: 300,
+        decode_steps: 2,
+    };
+    let layers = 0..model.layout.num_layers;
+    let j = job(&model, &gpu, &schedule, &layers);
+    let variants = mladb::backend::cuda::fast::sparse_decode_variants_for(gpu.gpu());
+    assert!(!variants.is_empty(), "no sparse decode variant runs here");
+    for sparse in variants {
+        // The flag names the dense twin; the sparse selection runs its sparse kernel.
+        let dense = sparse.replace("mla_sparse_", "mla_decode_");
+        let mut flags = gpu_flags();
+        flags.kernels.decode = Some(dense.parse::<DecodeVariant>().unwrap());
+        let options = CheckOptions {
+            tolerance: None,
+            reference: None,
+        };
+        let report = check(&j, flags, &options).unwrap();
+        assert!(
+            report.findings.is_empty(),
+            "{sparse}: a clean bf16 run has findings: {:#?}\nnotes: {:#?}",
+            report.findings,
+            report.notes
+        );
+        assert!(
+            !report.notes.iter().any(|n| n.contains("fast vs reference")),
+            "{sparse}: {:?}",
+            report.notes
+        );
+        let kernel_of = |phase| {
+            report
+                .run
+                .events
+                .iter()
+                .find(|e| e.kind == OpKind::AttentionLatent && e.phase == phase)
+                .and_then(|e| e.kernel.clone())
+                .unwrap()
+        };
+        let decoded = kernel_of(Phase::Decode(0));
+        assert_eq!(decoded.launches[0].kernel, sparse, "{decoded}");
+        assert!(decoded.reference.is_none(), "{decoded}");
+        // The naive prefill declines the sparse selection and says so.
+        let prefill = event(&report.run, Phase::Prefill, "attn_output");
+        let info = prefill.kernel.as_ref().unwrap();
+        assert!(
+            info.reference
+                .as_deref()
+                .is_some_and(|why| why.contains("sparse prefill")),
+            "{info}"
+        );
+        eprintln!("{sparse}: clean; {decoded}");
+    }
+}

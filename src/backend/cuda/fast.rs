@@ -5,10 +5,13 @@
 //! The debugger's own attention kernels (attention.cu) also write the attention probabilities
 //! and take fault injections; these do neither, and are built for speed.
 
-use super::device::fast_kernels::{Decode, COMBINE_ROWS_MAX};
+use super::device::fast_kernels::{Decode, SparseKeys, COMBINE_ROWS_MAX};
 pub use super::device::fast_kernels::{MergeFaults, MAX_SPLITS};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{DevBuf, DevI32, Elem, Gpu, Launched};
+pub use super::fast_sparse::{
+    key_lists, mla_decode_sparse, sparse_decode_variants_for, sparse_twin, KeyLists,
+};
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
 
@@ -32,7 +35,7 @@ pub struct DecodeShape {
     pub heads: usize,
     /// Columns of the block table (pages per sequence at most).
     pub max_pages: usize,
-    /// The longest sequence (tokens), to choose the KV split.
+    /// The longest sequence (tokens; sparse: the longest key list), to choose the KV split.
     pub max_len: usize,
 }
 
@@ -45,19 +48,7 @@ pub struct DecodeShape {
 /// stages, 156 KB: A100); `mla_decode_t16` (16-token tiles in one stage, 99 KB: sm_86/89,
 /// sm_120). kernels/mla_decode.cu says how they differ.
 fn decode_variants() -> [(&'static str, u32); 6] {
-    let row = 584 * 2; // shared row stride in bytes (576 bf16 padded by 8)
-    let classic = |tile: usize, stages: usize| {
-        (HEAD_GROUP * row + stages * tile * row + HEAD_GROUP * (tile + 8) * 2 + 5 * HEAD_GROUP * 4)
-            as u32
-    };
-    // Q, the stages of 32 rows, the partial-S exchange, P (rows of 40), maxima and sums.
-    let split_k = |stages: usize| {
-        (HEAD_GROUP * row
-            + stages * 32 * row
-            + 2 * 4 * 4 * 2 * 512
-            + HEAD_GROUP * 40 * 2
-            + 8 * HEAD_GROUP * 4) as u32
-    };
+    let row = SHARED_ROW;
     // Q, four stages of 32 rows (576 bf16 each), P (64 × 32 bf16), rescale factors and sums,
     // four TMA barriers, and 1 KB of slack to align the swizzled stages to 1024 bytes.
     let wgmma = (HEAD_GROUP * 576 * 2
@@ -78,11 +69,42 @@ fn decode_variants() -> [(&'static str, u32); 6] {
     [
         ("mla_decode_wgmma", wgmma),
         ("mla_decode_kt3", split_k_tma),
-        ("mla_decode_ks3", split_k(3)),
-        ("mla_decode_ks2", split_k(2)),
-        ("mla_decode_t32", classic(32, 2)),
-        ("mla_decode_t16", classic(16, 1)),
+        ("mla_decode_ks3", split_k_shared(3)),
+        ("mla_decode_ks2", split_k_shared(2)),
+        ("mla_decode_t32", tiled_shared(32, 2)),
+        ("mla_decode_t16", tiled_shared(16, 1)),
     ]
+}
+
+/// A dense variant's shared memory, for the sparse twins' test.
+#[cfg(test)]
+pub(super) fn decode_variant_bytes(name: &str) -> Option<u32> {
+    decode_variants()
+        .into_iter()
+        .find(|v| v.0 == name)
+        .map(|v| v.1)
+}
+
+/// The shared row stride of the cp.async kernels in bytes (576 bf16 padded by 8).
+const SHARED_ROW: usize = 584 * 2;
+
+/// Shared memory of `mla_decode_t*` (and its sparse twin): Q, the stages of `tile` rows, P,
+/// maxima and sums.
+pub(super) fn tiled_shared(tile: usize, stages: usize) -> u32 {
+    let row = SHARED_ROW;
+    (HEAD_GROUP * row + stages * tile * row + HEAD_GROUP * (tile + 8) * 2 + 5 * HEAD_GROUP * 4)
+        as u32
+}
+
+/// Shared memory of `mla_decode_ks*` (and its sparse twin): Q, the stages of 32 rows, the
+/// partial-S exchange, P (rows of 40), maxima and sums.
+pub(super) fn split_k_shared(stages: usize) -> u32 {
+    let row = SHARED_ROW;
+    (HEAD_GROUP * row
+        + stages * 32 * row
+        + 2 * 4 * 4 * 2 * 512
+        + HEAD_GROUP * 40 * 2
+        + 8 * HEAD_GROUP * 4) as u32
 }
 
 /// The decode kernel variants this device's shared memory allows, in order of preference.
@@ -96,7 +118,7 @@ pub fn decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
 
 /// Whether a variant can run on a device: it was built for it (Hopper-only kernels exist on
 /// Hopper alone), the device has TMA if the kernel uses it, and its shared memory fits.
-fn runs_on(gpu: &Gpu, name: &str, shared: u32) -> bool {
+pub(super) fn runs_on(gpu: &Gpu, name: &str, shared: u32) -> bool {
     gpu.has_kernel(name)
         && (!reads_cache_by_tma(name) || has_tma(gpu))
         && shared as usize <= gpu.max_shared_per_block()
@@ -115,8 +137,17 @@ fn has_tma(gpu: &Gpu) -> bool {
 /// The decode variant for a device: `forced` (a kernel name, from `--decode-variant`) if given,
 /// else the first that runs on it.
 fn decode_variant(gpu: &Gpu, forced: Option<&str>) -> Result<(&'static str, u32)> {
+    pick_variant(gpu, &decode_variants(), forced)
+}
+
+/// The variant of `variants` for a device: `forced` if given (an error when it cannot run),
+/// else the first that runs.
+pub(super) fn pick_variant(
+    gpu: &Gpu,
+    variants: &[(&'static str, u32)],
+    forced: Option<&str>,
+) -> Result<(&'static str, u32)> {
     let limit = gpu.max_shared_per_block() as u32;
-    let variants = decode_variants();
     if let Some(want) = forced {
         let &(name, bytes) = variants
             .iter()
@@ -135,7 +166,8 @@ fn decode_variant(gpu: &Gpu, forced: Option<&str>) -> Result<(&'static str, u32)
         return Ok((name, bytes));
     }
     variants
-        .into_iter()
+        .iter()
+        .copied()
         .find(|&(name, bytes)| runs_on(gpu, name, bytes))
         .ok_or_else(|| {
             Error::invalid(format!(
@@ -153,7 +185,7 @@ pub fn decode_kernel(gpu: &Gpu, forced: Option<&str>) -> Result<&'static str> {
 /// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
 /// walks (plus a fixed cost per split for its start and the merge), at no fewer than 64 tokens
 /// per split.
-fn decode_splits(gpu: &Gpu, shape: DecodeShape, shared: u32) -> usize {
+pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, shared: u32) -> usize {
     // Blocks per multiprocessor: its shared memory over the block's (plus the 1 KB the driver
     // reserves per block).
     let per_sm = (gpu.max_shared_per_multiprocessor() / (shared as usize + 1024)).max(1);
@@ -179,9 +211,9 @@ fn decode_splits(gpu: &Gpu, shape: DecodeShape, shared: u32) -> usize {
 /// (per-split outputs and log-sum-exps), chosen once and reused by every launch of the shape.
 pub struct DecodeWork {
     pub kernel: &'static str,
-    shared: u32,
-    part_o: DevBuf,
-    part_lse: DevBuf,
+    pub(super) shared: u32,
+    pub(super) part_o: DevBuf,
+    pub(super) part_lse: DevBuf,
     pub splits: usize,
     /// Faults planted in the merge (the debugger's; none by default).
     pub merge_faults: MergeFaults,
@@ -218,12 +250,21 @@ impl DecodeWork {
         splits: usize,
         variant: Option<&str>,
     ) -> Result<DecodeWork> {
+        DecodeWork::scratch(gpu, shape, splits, decode_variant(gpu, variant)?)
+    }
+
+    /// The plan of a chosen (kernel, shared bytes) with scratch for `splits` (1 to 256).
+    pub(super) fn scratch(
+        gpu: &Gpu,
+        shape: DecodeShape,
+        splits: usize,
+        (kernel, shared): (&'static str, u32),
+    ) -> Result<DecodeWork> {
         if !(1..=MAX_SPLITS).contains(&splits) {
             return Err(Error::invalid(format!(
                 "MLA decode: {splits} splits (1 to {MAX_SPLITS})"
             )));
         }
-        let (kernel, shared) = decode_variant(gpu, variant)?;
         Ok(DecodeWork {
             kernel,
             shared,
@@ -252,6 +293,36 @@ pub fn mla_decode(
     lse: &DevBuf,
     work: &DecodeWork,
 ) -> Result<Vec<KernelLaunch>> {
+    decode_launches(
+        gpu,
+        shape,
+        q,
+        cache,
+        block_table,
+        seq_lens,
+        None,
+        scale,
+        out,
+        lse,
+        work,
+    )
+}
+
+/// The split kernel (dense, or sparse with `sparse`), then the merge when it split.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn decode_launches(
+    gpu: &Gpu,
+    shape: DecodeShape,
+    q: &DevBuf,
+    cache: &DevBuf,
+    block_table: &DevI32,
+    seq_lens: &DevI32,
+    sparse: Option<SparseKeys>,
+    scale: f32,
+    out: &DevBuf,
+    lse: &DevBuf,
+    work: &DecodeWork,
+) -> Result<Vec<KernelLaunch>> {
     let launch = Decode {
         kernel: work.kernel,
         shared: work.shared,
@@ -263,6 +334,7 @@ pub fn mla_decode(
         cache,
         block_table,
         seq_lens,
+        sparse,
         scale_log2: scale * std::f32::consts::LOG2_E,
         part_o: &work.part_o,
         part_lse: &work.part_lse,

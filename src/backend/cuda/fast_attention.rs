@@ -1,15 +1,16 @@
 //! The production attention kernels ([`super::fast`]) in the traced path: the absorbed attention
 //! of a chunk runs the tensor-core decode over the paged latent cache (each query token a
-//! sequence of its own length over the same pages, as a serving batch is), and a whole-sequence
-//! naive prefill runs the flash prefill. Each says what it launched, returns its log-sum-exps and
+//! sequence of its own length over the same pages, as a serving batch is; with a sparse DSA
+//! selection, the sparse decode over each query's own key list), and a whole-sequence naive
+//! prefill runs the flash prefill. Each says what it launched, returns its log-sum-exps and
 //! split partials for the trace, or declines with the reason when the op is one it does not take
-//! (head dims it is not built for, f32 storage, a sparse selection, a fault planted in the
-//! reference kernel), and the engine runs the reference instead.
+//! (head dims it is not built for, f32 storage, a sparse selection on the naive path, a fault
+//! planted in the reference kernel), and the engine runs the reference instead.
 
 use super::attention::mirror_buf;
 use super::device::{DevBuf, Elem};
 use super::fast::{
-    self, DecodeShape, DecodeWork, MergeFaults, LATENT, MAX_SPLITS, PREFILL_DIMS, ROPE,
+    self, DecodeShape, DecodeWork, KeyLists, MergeFaults, LATENT, MAX_SPLITS, PREFILL_DIMS, ROPE,
 };
 use super::{buf, CudaBackend};
 use crate::backend::{checks, AttnMask, Backend, DeviceRead, FastAttention, FastOutcome, MlaDims};
@@ -17,24 +18,29 @@ use crate::error::Result;
 use crate::ops::{AttnKernels, KernelFaults, RowSource};
 use crate::tensor::{BufferId, DeviceBuffer, Tensor};
 
-/// Why a fast kernel does not take an op, or `None` when it does.
-fn declines(backend: &CudaBackend, mask: &AttnMask) -> Option<String> {
+/// How many queries of a DSA selection keep fewer than all their keys (0 without one).
+fn sparse_queries(mask: &AttnMask) -> usize {
+    mask.selected.as_ref().map_or(0, |sel| {
+        sel.iter()
+            .zip(&mask.positions)
+            .filter(|(keys, &p)| keys.len() != p + 1)
+            .count()
+    })
+}
+
+/// Why a fast kernel does not take an op, or `None` when it does; `sparse` says whether it
+/// takes a sparse selection (the absorbed path's sparse decode does, the naive prefill not).
+fn declines(backend: &CudaBackend, mask: &AttnMask, sparse: bool) -> Option<String> {
     if backend.elem() != Elem::Bf16 {
         return Some("f32 storage (the fast kernels read and write bf16: --dtype bf16)".into());
     }
-    if let Some(sel) = &mask.selected {
-        let sparse = sel
-            .iter()
-            .zip(&mask.positions)
-            .filter(|(keys, &p)| keys.len() != p + 1)
-            .count();
-        if sparse > 0 {
-            return Some(format!(
-                "a sparse DSA selection ({sparse} of {} queries keep fewer than all their keys; \
-                 the sparse kernels are not built yet)",
-                sel.len()
-            ));
-        }
+    let n_sparse = sparse_queries(mask);
+    if n_sparse > 0 && !sparse {
+        return Some(format!(
+            "a sparse DSA selection ({n_sparse} of {} queries keep fewer than all their keys; \
+             the naive path's sparse prefill stays on the reference kernel)",
+            mask.positions.len()
+        ));
     }
     (mask.positions.is_empty()).then(|| "no queries".into())
 }
@@ -75,7 +81,7 @@ impl CudaBackend {
                 dims.latent, dims.rope
             )));
         }
-        if let Some(why) = declines(self, mask) {
+        if let Some(why) = declines(self, mask, true) {
             return Ok(FastOutcome::Declined(why));
         }
         let longest = mask.positions.iter().max().map_or(0, |p| p + 1);
@@ -85,6 +91,19 @@ impl CudaBackend {
                  {FAULT_SPLIT_TOKENS} tokens under it; this context ({longest}) is one split"
             )));
         }
+        // A sparse selection: every query's list, padded with -1 to the longest.
+        let forced = kernels.decode.map(|v| v.kernel());
+        let lists = match &mask.selected {
+            Some(sel) if sparse_queries(mask) > 0 => {
+                if let Some(f) = forced.filter(|f| fast::sparse_twin(f).is_none()) {
+                    return Ok(FastOutcome::Declined(format!(
+                        "a sparse DSA selection, and the forced decode variant {f} has no sparse twin"
+                    )));
+                }
+                Some(fast::key_lists(sel)?)
+            }
+            _ => None,
+        };
         let Some(table) = cache.block_table() else {
             return Ok(FastOutcome::Declined("a latent cache without pages".into()));
         };
@@ -96,7 +115,10 @@ impl CudaBackend {
             batch: n,
             heads,
             max_pages: table.len().max(1),
-            max_len: lens.iter().copied().max().unwrap_or(1),
+            max_len: match &lists {
+                Some(l) => l.topk,
+                None => lens.iter().copied().max().unwrap_or(1),
+            },
         };
         // Every query reads the same pages: one table row per query, as a batch would hold.
         let rows: Vec<usize> = (0..n)
@@ -104,41 +126,74 @@ impl CudaBackend {
             .collect();
         let block_table = self.indices(&rows)?;
         let seq_lens = self.indices(&lens)?;
-        let variant = kernels.decode.map(|v| v.kernel());
-        let merge_faults = MergeFaults {
-            lse_base: faults.lse_base_mismatch,
-            skip_last_head: faults.skip_padded_rows,
-        };
-        let work = if merge_faults.any() {
-            // The faults live in the merge: split so that it runs (every 64 tokens, at least 2).
-            let splits = shape
-                .max_len
-                .div_ceil(FAULT_SPLIT_TOKENS)
-                .clamp(2, MAX_SPLITS);
-            let mut work = DecodeWork::with_variant(self.gpu(), shape, splits, variant)?;
-            work.merge_faults = merge_faults;
-            work
-        } else {
-            DecodeWork::for_variant(self.gpu(), shape, variant)?
-        };
         let od = self.dev(out)?;
         let lse = self.gpu().alloc(n * heads, Elem::F32)?;
         self.gpu().fill(&lse, true)?; // poisoned: a row the kernels skip shows
         let mirror = self.sync_cache(cache)?;
+        let merge_faults = MergeFaults {
+            lse_base: faults.lse_base_mismatch,
+            skip_last_head: faults.skip_padded_rows,
+        };
+        // With a fault planted in the merge, split so that it runs (every 64 tokens, at least 2).
+        let fault_splits = merge_faults
+            .any()
+            .then(|| shape.max_len.div_ceil(FAULT_SPLIT_TOKENS).clamp(2, MAX_SPLITS));
+        let scale = kernel_scale(scale, faults);
         let pages = mirror_buf(&mirror);
-        let launches = fast::mla_decode(
-            self.gpu(),
-            shape,
-            buf(&qd),
-            pages,
-            &block_table,
-            &seq_lens,
-            kernel_scale(scale, faults),
-            buf(&od),
-            &lse,
-            &work,
-        )?;
-        let reads = vec![
+        // The key lists (on the device until the result is back, as the table is).
+        let sparse = match &lists {
+            Some(KeyLists {
+                indices,
+                topk,
+                lens,
+            }) => Some((
+                self.gpu().upload_i32(indices)?,
+                *topk,
+                self.gpu().upload_i32(lens)?,
+            )),
+            None => None,
+        };
+        let (launches, work) = match &sparse {
+            None => {
+                let mut work = match fault_splits {
+                    Some(splits) => DecodeWork::with_variant(self.gpu(), shape, splits, forced)?,
+                    None => DecodeWork::for_variant(self.gpu(), shape, forced)?,
+                };
+                work.merge_faults = merge_faults;
+                let launches = fast::mla_decode(
+                    self.gpu(),
+                    shape,
+                    buf(&qd),
+                    pages,
+                    &block_table,
+                    &seq_lens,
+                    scale,
+                    buf(&od),
+                    &lse,
+                    &work,
+                )?;
+                (launches, work)
+            }
+            Some((indices, topk, lens)) => {
+                let mut work = DecodeWork::sparse(self.gpu(), shape, fault_splits, forced)?;
+                work.merge_faults = merge_faults;
+                let launches = fast::mla_decode_sparse(
+                    self.gpu(),
+                    shape,
+                    buf(&qd),
+                    pages,
+                    &block_table,
+                    (indices, *topk),
+                    lens,
+                    scale,
+                    buf(&od),
+                    &lse,
+                    &work,
+                )?;
+                (launches, work)
+            }
+        };
+        let mut reads = vec![
             DeviceRead {
                 id: cache.id(),
                 address: pages.address(),
@@ -150,6 +205,13 @@ impl CudaBackend {
                 bytes: block_table.bytes(),
             },
         ];
+        if let Some((indices, _, _)) = &sparse {
+            reads.push(DeviceRead {
+                id: BufferId::fresh_cache(),
+                address: indices.address(),
+                bytes: indices.bytes(),
+            });
+        }
         drop(mirror);
         self.refresh_host(out, &od)?;
         let splits = work.splits;
@@ -195,7 +257,7 @@ impl CudaBackend {
                 PREFILL_DIMS.map(|(a, b)| format!("{a}/{b}")).join(" and ")
             )));
         }
-        if let Some(why) = declines(self, mask) {
+        if let Some(why) = declines(self, mask, false) {
             return Ok(FastOutcome::Declined(why));
         }
         if faults.lse_base_mismatch || faults.skip_padded_rows {

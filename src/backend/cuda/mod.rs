@@ -17,6 +17,7 @@ mod attention;
 pub mod device;
 pub mod fast;
 mod fast_attention;
+mod fast_sparse;
 mod stats;
 
 pub use attention::live_cache_mirrors;

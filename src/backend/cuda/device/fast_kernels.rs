@@ -14,10 +14,17 @@ const DECODE: [super::signature::Param; 12] = [
 const DECODE_TMA: [super::signature::Param; 13] = [
     Map, Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
 ];
+/// The sparse twins: the dense list with the key lists (indices, topk) after the block table.
+const SPARSE: [super::signature::Param; 14] = [
+    Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr,
+    F32Ptr,
+];
 pub const MLA_DECODE_TILED: Sig = Sig::new("mla_decode_t*", &DECODE);
 pub const MLA_DECODE_SPLIT_K: Sig = Sig::new("mla_decode_ks*", &DECODE);
 pub const MLA_DECODE_KT3: Sig = Sig::new("mla_decode_kt3", &DECODE_TMA);
 pub const MLA_DECODE_WGMMA: Sig = Sig::new("mla_decode_wgmma", &DECODE_TMA);
+pub const MLA_SPARSE_TILED: Sig = Sig::new("mla_sparse_t*", &SPARSE);
+pub const MLA_SPARSE_SPLIT_K: Sig = Sig::new("mla_sparse_ks*", &SPARSE);
 pub const MLA_DECODE_COMBINE: Sig = Sig::new(
     "mla_decode_combine",
     &[F32Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int],
@@ -47,6 +54,8 @@ pub const SIGNATURES: &[&Sig] = &[
     &MLA_DECODE_SPLIT_K,
     &MLA_DECODE_KT3,
     &MLA_DECODE_WGMMA,
+    &MLA_SPARSE_TILED,
+    &MLA_SPARSE_SPLIT_K,
     &MLA_DECODE_COMBINE,
     &MLA_DECODE_COMBINE_ROWS,
     &FLASH_PREFILL,
@@ -67,10 +76,19 @@ pub const MAX_SPLITS: usize = 256;
 /// The most splits the per-row merge takes (a split per lane).
 pub const COMBINE_ROWS_MAX: usize = 32;
 
+/// The key lists of a sparse decode: sequence b attends to the token positions
+/// `indices[b, 0..seq_lens[b]]` (-1: padding, masked), not to its first `seq_lens[b]` tokens.
+#[derive(Clone, Copy)]
+pub struct SparseKeys<'a> {
+    /// [batch, topk] positions in -1..max_pages·64, each row's entries past its length unread.
+    pub indices: &'a DevI32,
+    pub topk: usize,
+}
+
 /// One decode launch: `batch` sequences of one query token each over a paged cache.
 pub struct Decode<'a> {
     /// A kernel of [`MLA_DECODE_TILED`], [`MLA_DECODE_SPLIT_K`], [`MLA_DECODE_KT3`] or
-    /// [`MLA_DECODE_WGMMA`].
+    /// [`MLA_DECODE_WGMMA`]; with `sparse`, of [`MLA_SPARSE_TILED`] or [`MLA_SPARSE_SPLIT_K`].
     pub kernel: &'a str,
     pub shared: u32,
     pub batch: usize,
@@ -85,8 +103,10 @@ pub struct Decode<'a> {
     pub cache: &'a DevBuf,
     /// [batch, max_pages] page numbers.
     pub block_table: &'a DevI32,
-    /// [batch] lengths in tokens.
+    /// [batch] lengths in tokens (with `sparse`: of the key lists, at most topk).
     pub seq_lens: &'a DevI32,
+    /// The key lists of a sparse kernel; `None` for the dense ones.
+    pub sparse: Option<SparseKeys<'a>>,
     pub scale_log2: f32,
     /// [batch, splits, heads, 512] f32 and [batch, splits, heads] f32.
     pub part_o: &'a DevBuf,
@@ -123,6 +143,8 @@ struct DecodeArgs {
     cache: Arg,
     table: Arg,
     lens: Arg,
+    /// The key lists and their row length (sparse kernels only).
+    sparse: Option<(Arg, Arg)>,
     part_o: Arg,
     part_lse: Arg,
     out: Arg,
@@ -147,11 +169,26 @@ impl Decode<'_> {
         }
         let pages = (self.cache.len() / (PAGE * width)) as i64;
         let table = prod(&[b, self.max_pages])?;
+        let positions = (self.max_pages * PAGE) as i64;
+        // Dense: lengths are token counts within the table; sparse: list lengths ≤ topk, whose
+        // entries are positions within the table or -1.
+        let len_limit = self.sparse.map_or(positions, |k| k.topk as i64);
+        let sparse = match self.sparse {
+            None => None,
+            Some(k) => {
+                let entries = prod(&[b, k.topk])?;
+                if !k.indices.values_within(entries, -1, positions) || k.indices.len() < entries {
+                    return Err(Error::invalid(
+                        "MLA sparse decode: the key lists are short, or not known to lie in \
+                         -1..max_pages·64",
+                    ));
+                }
+                Some((Arg::Ptr(I32Ptr, k.indices.ptr()), int(k.topk, "topk")?))
+            }
+        };
         if !self.block_table.values_within(table, 0, pages)
             || self.block_table.len() < table
-            || !self
-                .seq_lens
-                .values_within(b, 0, (self.max_pages * PAGE) as i64 + 1)
+            || !self.seq_lens.values_within(b, 0, len_limit + 1)
             || self.seq_lens.len() < b
         {
             return Err(Error::invalid(
@@ -164,6 +201,7 @@ impl Decode<'_> {
             cache: need("MLA decode cache", self.cache, 0, Elem::Bf16)?,
             table: Arg::Ptr(I32Ptr, self.block_table.ptr()),
             lens: Arg::Ptr(I32Ptr, self.seq_lens.ptr()),
+            sparse,
             part_o: need(
                 "MLA decode workspace",
                 self.part_o,
@@ -197,16 +235,25 @@ impl Gpu {
     /// The decode kernel over every split (with one split it writes `out` and `lse` itself).
     pub fn mla_decode_splits(&self, d: &Decode) -> Result<Launched> {
         let a = d.check()?;
-        let (sig, tma) = [
-            (&MLA_DECODE_WGMMA, true),
-            (&MLA_DECODE_KT3, true),
-            (&MLA_DECODE_SPLIT_K, false),
-            (&MLA_DECODE_TILED, false),
+        let (sig, tma, sparse) = [
+            (&MLA_DECODE_WGMMA, true, false),
+            (&MLA_DECODE_KT3, true, false),
+            (&MLA_DECODE_SPLIT_K, false, false),
+            (&MLA_DECODE_TILED, false, false),
+            (&MLA_SPARSE_SPLIT_K, false, true),
+            (&MLA_SPARSE_TILED, false, true),
         ]
         .into_iter()
-        .find(|(s, _)| s.matches(d.kernel))
+        .find(|(s, _, _)| s.matches(d.kernel))
         .ok_or_else(|| Error::invalid(format!("{} is no MLA decode kernel", d.kernel)))?;
-        let mut args = Vec::with_capacity(13);
+        if sparse != a.sparse.is_some() {
+            return Err(Error::invalid(format!(
+                "{} takes {}key lists",
+                d.kernel,
+                if sparse { "" } else { "no " }
+            )));
+        }
+        let mut args = Vec::with_capacity(14);
         if tma {
             // Boxes of 32 rows × 64 columns of the cache, in the 128-byte swizzle.
             let width = LATENT + ROPE;
@@ -216,11 +263,11 @@ impl Gpu {
                 32,
             )?));
         }
+        args.extend([a.q, a.cache, a.table, int(d.max_pages, "pages")?]);
+        if let Some((indices, topk)) = a.sparse {
+            args.extend([indices, topk]);
+        }
         args.extend([
-            a.q,
-            a.cache,
-            a.table,
-            int(d.max_pages, "pages")?,
             a.lens,
             Arg::F32(d.scale_log2),
             a.part_o,
@@ -242,8 +289,10 @@ impl Gpu {
         // SAFETY: block (split, b, group) reads the group's heads of q of sequence b (the last
         // group's rows past `heads` are zeroed in shared memory, not read), pages
         // bt[b][0..⌈len_b/64⌉] of the cache (table entries in 0..pages, lengths ≤ max_pages·64:
-        // the uploaded ranges), and writes its split's partials (or out and lse) for those heads
-        // only; every extent checked in `check`.
+        // the uploaded ranges) or, sparse, entries 0..len_b ≤ topk of row b of the key lists and
+        // the pages bt[b][pos/64] of their positions pos ≥ 0 (all < max_pages·64), and writes
+        // its split's partials (or out and lse) for those heads only; every extent checked in
+        // `check`.
         unsafe { self.launch_traced(sig, d.kernel, cfg, &args) }
     }
 
