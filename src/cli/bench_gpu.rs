@@ -21,7 +21,7 @@ const GLM5_HEADS: usize = 64;
 /// Data per timed call below which copies of the inputs rotate (H200's L2 is 50 MB).
 const ROTATE_BELOW: usize = 256 << 20;
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -32,12 +32,12 @@ fn inner_for(estimate_ms: f64) -> usize {
 }
 
 /// Milliseconds per call, median of `reps` samples.
-fn time(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>) -> Result<f64> {
+pub(super) fn time(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>) -> Result<f64> {
     let probe = median(gpu.time_ms(2, 3, 1, &mut work)?);
     Ok(median(gpu.time_ms(2, reps, inner_for(probe), work)?))
 }
 
-fn random(gpu: &Gpu, len: usize, elem: Elem, seed: u64, amp: f32) -> Result<DevBuf> {
+pub(super) fn random(gpu: &Gpu, len: usize, elem: Elem, seed: u64, amp: f32) -> Result<DevBuf> {
     let buf = gpu.alloc(len, elem)?;
     gpu.fill_random(&buf, seed, amp)?;
     Ok(buf)
@@ -361,6 +361,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
     }
 
     if !args.no_kernels {
+        super::bench_sparse::sparse_decode(gpu, c.copy_gbs, args.quick)?;
         super::bench_traced::traced_decode(&backend, args.quick)?;
     }
     if args.no_layers {

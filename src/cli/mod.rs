@@ -10,6 +10,7 @@
 pub mod args;
 pub mod bench;
 pub mod bench_gpu;
+pub mod bench_sparse;
 pub mod bench_traced;
 pub mod check;
 pub mod dump;

@@ -135,9 +135,12 @@ impl CudaBackend {
             skip_last_head: faults.skip_padded_rows,
         };
         // With a fault planted in the merge, split so that it runs (every 64 tokens, at least 2).
-        let fault_splits = merge_faults
-            .any()
-            .then(|| shape.max_len.div_ceil(FAULT_SPLIT_TOKENS).clamp(2, MAX_SPLITS));
+        let fault_splits = merge_faults.any().then(|| {
+            shape
+                .max_len
+                .div_ceil(FAULT_SPLIT_TOKENS)
+                .clamp(2, MAX_SPLITS)
+        });
         let scale = kernel_scale(scale, faults);
         let pages = mirror_buf(&mirror);
         // The key lists (on the device until the result is back, as the table is).

@@ -1,0 +1,135 @@
+//! `mladb bench --device cuda`: the sparse MLA decode (attention over the DSA indexer's top-k
+//! keys, as GLM-5 decodes) at GLM-5's latent dims, in GB/s of the bytes it gathers (the listed
+//! cache rows, the query and the output) against the device's copy bandwidth, each shape checked
+//! against the f64 reference.
+
+use super::bench_gpu::{random, time};
+use super::Out;
+use crate::backend::cuda::device::{Elem, Gpu};
+use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
+use crate::error::{Error, Result};
+
+/// `count` distinct positions below `context`, sorted (a DSA selection), from `seed`.
+fn selection(context: usize, count: usize, seed: u64) -> Vec<i32> {
+    let mut x = seed | 1;
+    let mut all: Vec<i32> = (0..context as i32).collect();
+    for i in 0..count.min(context) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let j = i + (x % (context - i) as u64) as usize;
+        all.swap(i, j);
+    }
+    let mut chosen = all[..count.min(context)].to_vec();
+    chosen.sort_unstable();
+    chosen
+}
+
+/// (µs, GB/s gathered, worst error, splits) of one sparse decode shape.
+fn sparse_shape(
+    gpu: &Gpu,
+    (batch, context, topk, heads): (usize, usize, usize, usize),
+    seed: u64,
+) -> Result<(f64, f64, f64, usize)> {
+    let width = LATENT + ROPE;
+    let pages_per_seq = context.div_ceil(PAGE);
+    let cache = random(
+        gpu,
+        batch * pages_per_seq * PAGE * width,
+        Elem::Bf16,
+        seed,
+        1.0,
+    )?;
+    let q = random(gpu, batch * heads * width, Elem::Bf16, seed + 1, 1.0)?;
+    let table: Vec<i32> = (0..(batch * pages_per_seq) as i32).collect();
+    let table = gpu.upload_i32(&table)?;
+    let lists: Vec<Vec<i32>> = (0..batch)
+        .map(|b| selection(context, topk, seed + 7 * b as u64))
+        .collect();
+    let indices: Vec<i32> = lists.iter().flatten().copied().collect();
+    let indices_dev = gpu.upload_i32(&indices)?;
+    let lens = gpu.upload_i32(&vec![topk as i32; batch])?;
+    let out = gpu.alloc(batch * heads * LATENT, Elem::Bf16)?;
+    let lse = gpu.alloc(batch * heads, Elem::F32)?;
+    gpu.fill(&out, true)?;
+    let shape = DecodeShape {
+        batch,
+        heads,
+        max_pages: pages_per_seq,
+        max_len: topk,
+    };
+    let work = DecodeWork::sparse(gpu, shape, None, None)?;
+    let scale = 1.0 / 256f32.sqrt();
+    let run = || {
+        let keys = (&indices_dev, topk);
+        fast::mla_decode_sparse(
+            gpu, shape, &q, &cache, &table, keys, &lens, scale, &out, &lse, &work,
+        )
+        .map(|_| ())
+    };
+    let ms = time(gpu, 15, run)?;
+    let mut worst: f64 = 0.0;
+    for b in [0, batch - 1] {
+        let rows: Vec<Vec<f32>> = lists[b]
+            .iter()
+            .map(|&p| {
+                let row = b * pages_per_seq * PAGE + p as usize;
+                gpu.download_range(&cache, row * width, width)
+            })
+            .collect::<Result<_>>()?;
+        for h in [0, heads - 1] {
+            let qv = gpu.download_range(&q, (b * heads + h) * width, width)?;
+            let got = gpu.download_range(&out, (b * heads + h) * LATENT, LATENT)?;
+            let want = fast::reference_attention(
+                &qv,
+                rows.iter().map(|r| (&r[..], &r[..LATENT])),
+                scale as f64,
+            );
+            worst = worst.max(fast::relative_error(&got, &want));
+        }
+    }
+    let bytes = (batch * topk * width * 2 + batch * heads * (width + LATENT) * 2) as f64;
+    Ok((ms * 1e3, bytes / (ms * 1e-3) / 1e9, worst, work.splits))
+}
+
+/// The sparse decode table: top-k 2048 over 8k and 32k contexts, batch 1 and 64, 64 and 8 heads.
+pub fn sparse_decode(gpu: &Gpu, copy_gbs: f64, quick: bool) -> Result<()> {
+    writeln!(
+        Out,
+        "\nsparse MLA decode (top-k key lists, paged latent cache 512+64, bf16), kernel {}; \
+         GB/s of the rows gathered",
+        fast::sparse_decode_variants_for(gpu)
+            .first()
+            .copied()
+            .unwrap_or("none")
+    )?;
+    writeln!(
+        Out,
+        "{:>6} {:>6} {:>8} {:>6} {:>10} {:>9} {:>8} {:>7} {:>10}",
+        "heads", "batch", "context", "topk", "time us", "GB/s", "of copy", "splits", "rel err"
+    )?;
+    let shapes: &[(usize, usize)] = if quick {
+        &[(64, 32768)]
+    } else {
+        &[(1, 32768), (64, 8192), (64, 32768)]
+    };
+    for heads in [64, 8] {
+        for &(batch, context) in shapes {
+            let seed = (batch * 1000 + context + heads) as u64;
+            let (us, gbs, err, splits) = sparse_shape(gpu, (batch, context, 2048, heads), seed)?;
+            writeln!(
+                Out,
+                "{heads:>6} {batch:>6} {context:>8} {:>6} {us:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e}",
+                2048,
+                100.0 * gbs / copy_gbs
+            )?;
+            if err.is_nan() || err >= 1e-2 {
+                return Err(Error::invalid(format!(
+                    "sparse MLA decode at batch {batch}, context {context} disagrees with the \
+                     reference (relative error {err:.2e})"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
