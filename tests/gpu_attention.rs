@@ -42,6 +42,28 @@ fn job<'a>(
     }
 }
 
+/// `check` on `flags`, which must find nothing and must have compared the fast kernels with the
+/// reference (no note says that comparison was skipped).
+fn check_clean(j: &Job, flags: Flags, what: &str) -> mladb::debug::detect::CheckReport {
+    let options = CheckOptions {
+        tolerance: None,
+        reference: None,
+    };
+    let report = check(j, flags, &options).unwrap();
+    assert!(
+        report.findings.is_empty(),
+        "{what}: a clean bf16 run has findings: {:#?}\nnotes: {:#?}",
+        report.findings,
+        report.notes
+    );
+    assert!(
+        !report.notes.iter().any(|n| n.contains("fast vs reference")),
+        "{what}: {:?}",
+        report.notes
+    );
+    report
+}
+
 fn event<'a>(run: &'a RunRecord, phase: Phase, suffix: &str) -> &'a mladb::engine::OpEvent {
     run.events
         .iter()
@@ -149,23 +171,7 @@ fn check_is_clean_on_the_fast_kernels_of_every_decode_variant() {
     for kernel in variants {
         let mut flags = gpu_flags();
         flags.kernels.decode = Some(kernel.parse::<DecodeVariant>().unwrap());
-        let options = CheckOptions {
-            tolerance: None,
-            reference: None,
-        };
-        let report = check(&j, flags, &options).unwrap();
-        assert!(
-            report.findings.is_empty(),
-            "{kernel}: a clean bf16 run has findings: {:#?}\nnotes: {:#?}",
-            report.findings,
-            report.notes
-        );
-        // The fast vs reference comparison ran (no note says it was skipped).
-        assert!(
-            !report.notes.iter().any(|n| n.contains("fast vs reference")),
-            "{kernel}: {:?}",
-            report.notes
-        );
+        let report = check_clean(&j, flags, &kernel);
         let decoded = report
             .run
             .events
@@ -312,22 +318,7 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
         let dense = sparse.replace("mla_sparse_", "mla_decode_");
         let mut flags = gpu_flags();
         flags.kernels.decode = Some(dense.parse::<DecodeVariant>().unwrap());
-        let options = CheckOptions {
-            tolerance: None,
-            reference: None,
-        };
-        let report = check(&j, flags, &options).unwrap();
-        assert!(
-            report.findings.is_empty(),
-            "{sparse}: a clean bf16 run has findings: {:#?}\nnotes: {:#?}",
-            report.findings,
-            report.notes
-        );
-        assert!(
-            !report.notes.iter().any(|n| n.contains("fast vs reference")),
-            "{sparse}: {:?}",
-            report.notes
-        );
+        let report = check_clean(&j, flags, &sparse);
         let kernel_of = |phase| {
             report
                 .run
