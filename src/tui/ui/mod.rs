@@ -122,6 +122,14 @@ fn flags_bar(frame: &mut Frame, app: &App, area: Rect) {
         format!("{:?} {:?}", f.device, f.dtype).to_lowercase(),
         f.dtype != Default::default(),
     ));
+    // The attention kernels mean something on the GPU only.
+    if f.device == crate::debug::flags::DeviceFlag::Cuda {
+        spans.extend(item(
+            "attn",
+            crate::debug::flags::kernels_text(&f.kernels),
+            f.kernels != Default::default(),
+        ));
+    }
     let faults: Vec<String> = Fault::ALL
         .into_iter()
         .filter_map(|fault| {
