@@ -19,7 +19,7 @@
 // block-wide barrier is left in the loop: warps with less causal work run ahead.
 template <int ROWS, int TILE, int STAGES, int DQK, int DV, bool TMA = false>
 __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* out, float* lse, int n,
-                                int heads, float scale_log2, const TmaMap* k_map = nullptr,
+                                int heads, float scale_log2, int v_drift, const TmaMap* k_map = nullptr,
                                 const TmaMap* v_map = nullptr) {
     constexpr int THREADS = ROWS * 2;  // ROWS / 16 warps
     constexpr int SQ = DQK + 8, SV = DV + 8;
@@ -64,7 +64,11 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
 
     const bf16_t* kh = k + (u64)h * DQK;
     const bf16_t* vh = v + (u64)h * DV;
+    // FAULT kv-stride-mismatch (v_drift; 0 in every real run): the value loop steps its tiles by
+    // the keys' row width (DQK) where the values' (DV) belongs, so from the second tile on the
+    // values come from later rows than the keys (no drift when DQK = DV; rows past n read as 0).
     auto load_kv = [&](int t0, int stage) {
+        const int tv = v_drift ? t0 * DQK / DV : t0;
         if (TMA) {  // by one thread; the fence orders earlier generic reads of the stage first
             if (threadIdx.x == 0) {
                 const unsigned mb = mbar + 8 * stage;
@@ -73,7 +77,7 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
 #pragma unroll
                 for (int c = 0; c < DQK / 64; c++) tma_load_3d(sK + stage * K_BYTES + c * BOX, k_map, mb, c * 64, h, t0);
 #pragma unroll
-                for (int c = 0; c < DV / 64; c++) tma_load_3d(sV + stage * V_BYTES + c * BOX, v_map, mb, c * 64, h, t0);
+                for (int c = 0; c < DV / 64; c++) tma_load_3d(sV + stage * V_BYTES + c * BOX, v_map, mb, c * 64, h, tv);
             }
             return;
         }
@@ -94,8 +98,8 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
             int c = threadIdx.x + i * THREADS;
             if (c < TILE * VC) {
                 int r = c / VC, d = (c % VC) * 8;
-                if (t0 + r < kv_end)
-                    cp_async16(dv + (r * SV + d) * 2, vh + (u64)(t0 + r) * vstride + d);
+                if (t0 + r < kv_end && tv + r < n)
+                    cp_async16(dv + (r * SV + d) * 2, vh + (u64)(tv + r) * vstride + d);
                 else
                     st_shared_zero16(dv + (r * SV + d) * 2);
             }
@@ -272,8 +276,9 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
 #define FLASH_PREFILL(NAME, ROWS, TILE, STAGES, DQK, DV)                                                        \
     extern "C" __global__ void __launch_bounds__(ROWS * 2, 1) NAME(const bf16_t* q, const bf16_t* k,           \
                                                                    const bf16_t* v, bf16_t* out, float* lse,   \
-                                                                   int n, int heads, float scale_log2) {       \
-        flash_prefill_k<ROWS, TILE, STAGES, DQK, DV>(q, k, v, out, lse, n, heads, scale_log2);                \
+                                                                   int n, int heads, float scale_log2,         \
+                                                                   int v_drift) {                              \
+        flash_prefill_k<ROWS, TILE, STAGES, DQK, DV>(q, k, v, out, lse, n, heads, scale_log2, v_drift);       \
     }
 
 FLASH_PREFILL(flash_prefill_r128t64_d256, 128, 64, 2, 256, 256)
@@ -288,7 +293,7 @@ FLASH_PREFILL(flash_prefill_r64t32_d192, 64, 32, 1, 192, 128)
 // The variants fed by TMA (sm_90 and later; a trap below, never launched there).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define TMA_BODY(ROWS, TILE, DQK, DV) \
-    flash_prefill_k<ROWS, TILE, 2, DQK, DV, true>(q, k, v, out, lse, n, heads, scale_log2, &k_map, &v_map);
+    flash_prefill_k<ROWS, TILE, 2, DQK, DV, true>(q, k, v, out, lse, n, heads, scale_log2, v_drift, &k_map, &v_map);
 #else
 #define TMA_BODY(ROWS, TILE, DQK, DV) __trap();
 #endif
@@ -297,7 +302,8 @@ FLASH_PREFILL(flash_prefill_r64t32_d192, 64, 32, 1, 192, 128)
                                                                    const __grid_constant__ TmaMap v_map,     \
                                                                    const bf16_t* q, const bf16_t* k,         \
                                                                    const bf16_t* v, bf16_t* out, float* lse, \
-                                                                   int n, int heads, float scale_log2) {     \
+                                                                   int n, int heads, float scale_log2,       \
+                                                                   int v_drift) {                            \
         TMA_BODY(ROWS, TILE, DQK, DV)                                                                         \
     }
 

@@ -257,6 +257,55 @@ fn faults_in_the_fast_kernels_are_caught_where_they_act() {
     }
 }
 
+/// DeepSeek-V3's head dims (prefill 192/128) and a rank's 16 heads: check is clean on the fast
+/// kernels, and kv-stride-mismatch (values stepped by the keys' row width in the flash prefill)
+/// is caught there by the fast vs reference comparison; on GLM-5's 256/256 it is idle.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn deepseek_dims_are_clean_and_a_value_stride_drift_is_caught() {
+    let gpu = cuda_backend(StorageDtype::Bf16);
+    let model = synthetic("deepseek-v3-rank16", 6);
+    let schedule = Schedule {
+        prompt: prompt(model.layout.vocab_size, 150),
+        prefill_len: 150,
+        decode_steps: 2,
+    };
+    let layers = 0..model.layout.num_layers;
+    let j = job(&model, &gpu, &schedule, &layers);
+    let report = check_clean(&j, gpu_flags(), "deepseek-v3-rank16");
+    let prefill = event(&report.run, Phase::Prefill, "attn_output");
+    let info = prefill.kernel.clone().unwrap();
+    assert!(info.launches[0].kernel.ends_with("_d192"), "{info}");
+
+    let mut flags = gpu_flags();
+    flags.set("inject", "kv-stride-mismatch").unwrap();
+    let options = CheckOptions {
+        tolerance: None,
+        reference: None,
+    };
+    let report = check(&j, flags, &options).unwrap();
+    let first = report
+        .findings
+        .first()
+        .expect("kv-stride-mismatch not caught");
+    assert_eq!(first.kind.to_string(), "kernel-mismatch", "{first:?}");
+    assert_eq!(first.phase, Phase::Prefill, "{first:?}");
+    assert!(first.op.ends_with("self_attn.attn_output"), "{first:?}");
+
+    let model = synthetic("glm5-rank8", 6);
+    let j = job(&model, &gpu, &schedule, &layers);
+    let report = check(&j, flags, &options).unwrap();
+    assert!(report.findings.is_empty(), "{:#?}", report.findings);
+    assert!(
+        report
+            .notes
+            .iter()
+            .any(|n| n.contains("kv-stride-mismatch") && n.contains("256/256")),
+        "{:?}",
+        report.notes
+    );
+}
+
 #[test]
 fn the_cpu_runs_the_reference_kernels_and_records_no_launch() {
     let model = synthetic("glm5-rank8", 3);

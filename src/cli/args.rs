@@ -20,7 +20,7 @@ pub use crate::setup::{
 /// Where the model comes from.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Built-in layout name (glm5, glm5-tiny, glm5-tiny-wide, glm5-rank8, deepseek-v3, deepseek-v3-tiny) or a .ron file;
+    /// Built-in layout name (glm5, glm5-tiny, glm5-tiny-wide, glm5-rank8, deepseek-v3, deepseek-v3-tiny, deepseek-v3-rank16) or a .ron file;
     /// weights are synthetic.
     #[arg(long, conflicts_with = "model")]
     pub layout: Option<String>,

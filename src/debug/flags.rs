@@ -254,7 +254,7 @@ fn fault_touches(f: Fault, e: &OpEvent, flags: &Flags) -> bool {
             e.kind,
             OpKind::Dequantize | OpKind::Decompress | OpKind::AbsorbQuery
         ),
-        Fault::Exp2Scale | Fault::YarnMscale => kernel,
+        Fault::Exp2Scale | Fault::YarnMscale | Fault::KvStrideMismatch => kernel,
         Fault::IndexerRopeLayout => e.name.ends_with("self_attn.indexer.q_rope"),
     }
 }

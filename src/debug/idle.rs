@@ -371,6 +371,20 @@ impl Run<'_> {
                         .into(),
                 )
             }
+            Fault::KvStrideMismatch if self.flags.device == super::flags::DeviceFlag::Cpu => Some(
+                "it lives in the fast GPU prefill (its value tile loader); the CPU runs the \
+                 reference kernels"
+                    .into(),
+            ),
+            Fault::KvStrideMismatch
+                if self.flags.kernels.kernel == crate::ops::AttnKernel::Reference =>
+            {
+                Some(
+                    "it lives in the fast GPU prefill; --attn-kernel reference runs the \
+                     reference kernels"
+                        .into(),
+                )
+            }
             Fault::YarnMscale => match self.kv_b.yarn_mscales {
                 Some(None) => Some("the model does not scale RoPE by YaRN with mscale and mscale_all_dim".into()),
                 Some(Some((m, all))) if m == all => Some(format!(
@@ -453,6 +467,41 @@ impl Run<'_> {
                 }
             }
             Fault::YarnMscale => None,
+            Fault::KvStrideMismatch => {
+                // (kernel, keys) of every flash prefill in its phases.
+                let prefills: Vec<(String, usize)> = self
+                    .events
+                    .iter()
+                    .filter(|e| self.flags.faults.active(fault, e.phase))
+                    .filter_map(|e| {
+                        let launch = e.kernel.as_ref()?.launches.first()?;
+                        let keys = e.positions.1 - e.positions.0;
+                        (launch.kernel.starts_with("flash_prefill_"))
+                            .then(|| (launch.kernel.clone(), keys))
+                    })
+                    .collect();
+                // The key tile of a prefill kernel (`flash_prefill_k128t64_d192`: 64).
+                let tile = |k: &str| {
+                    k.split('_')
+                        .nth(2)
+                        .and_then(|v| v.split('t').nth(1))
+                        .and_then(|t| t.parse::<usize>().ok())
+                        .unwrap_or(0)
+                };
+                if prefills.is_empty() {
+                    Some("no attention op in its phases ran the flash prefill".into())
+                } else if prefills.iter().all(|(k, _)| k.ends_with("_d256")) {
+                    Some(
+                        "the prefill's qk and v head dims are equal (256/256): the two strides \
+                         agree"
+                            .into(),
+                    )
+                } else if prefills.iter().all(|(k, n)| *n <= tile(k)) {
+                    Some("every flash prefill in its phases fit in one key tile, where nothing drifts yet".into())
+                } else {
+                    None
+                }
+            }
             Fault::RopeNoninterleaved => {
                 let q_rope = |e: &OpEvent| e.name.ends_with("self_attn.q_rope");
                 if self.any_in_scope(fault, |_, e| q_rope(e) && e.positions.1 >= 2) {

@@ -269,6 +269,7 @@ fn attend(
             lse_base_mismatch: ctx.fault(Fault::LseBaseMismatch),
             skip_padded_rows: ctx.mla_backend && ctx.fault(Fault::SkipPaddedRows),
             exp2_scale: ctx.fault(Fault::Exp2Scale),
+            kv_stride_mismatch: ctx.fault(Fault::KvStrideMismatch),
         },
         disconnect: ctx.mla_backend && ctx.fault(Fault::OutputBufferDisconnect),
     };

@@ -11,6 +11,7 @@
 //! | `skip-padded-rows` | the decode leaves the last head's rows of its output unwritten, as a kernel that counts the head group's padding one row too many does | the fast decode's merge (kernels/mla_decode.cu; it then always splits) and the reference kernels |
 //! | `kv-cache-off-by-one` | decode writes a token's latent row one slot early, so its own slot stays unwritten | engine/attention.rs, the slot mapping |
 //! | `exp2-scale` | the fast kernels' softmax runs in base 2, but the launcher hands them the scale without the log2 e factor (every score too small by ln 2); the reference kernels use exp, so only the fast ones carry it | backend/cuda/fast_attention.rs, where the kernels' scale is computed |
+//! | `kv-stride-mismatch` | the flash prefill steps its value tiles by the keys' row width (qk_nope + qk_rope) where the values' (v_head) belongs, so keys and values drift apart after the first tile; acts where the two differ (DeepSeek-V3's 192/128, not GLM-5's 256/256); only the fast GPU prefill carries it | kernels/flash_prefill.cu, the value tile loader |
 //! | `indexer-rope-layout` | the DSA indexer's RoPE uses the other layout (interleaved vs split-half) than its checkpoint; the main attention's is right. Only a reference dump shows it: every path shares the indexer | engine/attention/indexer.rs |
 //! | `yarn-mscale` | under YaRN, the softmax scale takes `mscale` where `mscale_all_dim` belongs (a difference only where the two differ). Only a reference dump shows it: both paths share the scale | engine/attention.rs, the softmax scale |
 //! | `q4k-scale-unpack` | the dequantization kernel unpacks the 6-bit scales and mins of Q4_K sub-blocks 4..7 as if they were 0..3 (acts on a quantized kv_b_proj) | model/quant.rs, `dequantize_with` |
@@ -36,10 +37,11 @@ pub enum Fault {
     Exp2Scale,
     IndexerRopeLayout,
     YarnMscale,
+    KvStrideMismatch,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 11] = [
+    pub const ALL: [Fault; 12] = [
         Fault::OutputBufferDisconnect,
         Fault::SoftmaxScaleLatent,
         Fault::AbsorbWrongSplit,
@@ -51,6 +53,7 @@ impl Fault {
         Fault::Exp2Scale,
         Fault::IndexerRopeLayout,
         Fault::YarnMscale,
+        Fault::KvStrideMismatch,
     ];
 
     pub fn name(self) -> &'static str {
@@ -66,6 +69,7 @@ impl Fault {
             Fault::Exp2Scale => "exp2-scale",
             Fault::IndexerRopeLayout => "indexer-rope-layout",
             Fault::YarnMscale => "yarn-mscale",
+            Fault::KvStrideMismatch => "kv-stride-mismatch",
         }
     }
 
@@ -86,6 +90,7 @@ impl Fault {
             Fault::Exp2Scale => "fast kernels' exp2 softmax given a scale without log2 e",
             Fault::IndexerRopeLayout => "DSA indexer RoPE in the other layout (interleaved/split)",
             Fault::YarnMscale => "YaRN softmax scale from mscale instead of mscale_all_dim",
+            Fault::KvStrideMismatch => "flash prefill steps V tiles by the K row width",
         }
     }
 

@@ -169,6 +169,10 @@ const BUILTINS: &[Builtin] = &[
         ron: include_str!("../../layouts/deepseek-v3.ron"),
     },
     Builtin {
+        name: "deepseek-v3-rank16",
+        ron: include_str!("../../layouts/deepseek-v3-rank16.ron"),
+    },
+    Builtin {
         name: "deepseek-v3-tiny",
         ron: include_str!("../../layouts/deepseek-v3-tiny.ron"),
     },

@@ -52,4 +52,7 @@ pub struct KernelFaults {
     /// The fast kernels' exp2 softmax handed the scale without log2 e (the reference kernels
     /// compute in exp and ignore it).
     pub exp2_scale: bool,
+    /// The flash prefill steps its value tiles by the keys' row width (the reference kernels
+    /// ignore it).
+    pub kv_stride_mismatch: bool,
 }

@@ -486,13 +486,30 @@ pub fn flash_prefill_variant(
     variant: Option<&str>,
     n: usize,
     heads: usize,
-    (dqk, dv): (usize, usize),
+    dims: (usize, usize),
     q: &DevBuf,
     k: &DevBuf,
     v: &DevBuf,
     scale: f32,
     out: &DevBuf,
     lse: Option<&DevBuf>,
+) -> Result<Option<KernelLaunch>> {
+    let buffers = (q, k, v, out, lse);
+    flash_prefill_planted(gpu, variant, false, n, heads, dims, buffers, scale)
+}
+
+/// [`flash_prefill_variant`], with the kv-stride-mismatch fault planted when `v_drift` (it acts
+/// where the qk and v head dims differ; the Hopper kernel runs 256/256 only).
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub fn flash_prefill_planted(
+    gpu: &Gpu,
+    variant: Option<&str>,
+    v_drift: bool,
+    n: usize,
+    heads: usize,
+    (dqk, dv): (usize, usize),
+    (q, k, v, out, lse): (&DevBuf, &DevBuf, &DevBuf, &DevBuf, Option<&DevBuf>),
+    scale: f32,
 ) -> Result<Option<KernelLaunch>> {
     let variant = match variant {
         Some(v) => Some(v),
@@ -515,6 +532,7 @@ pub fn flash_prefill_variant(
         out,
         lse,
         scale * std::f32::consts::LOG2_E,
+        v_drift,
     )?;
     Ok(Some(traced(launched, 1)))
 }

@@ -287,18 +287,15 @@ impl CudaBackend {
         let (km, vm) = (self.sync_cache(k)?, self.sync_cache(v)?);
         let (kd, vd): (&DevBuf, &DevBuf) = (mirror_buf(&km), mirror_buf(&vm));
         let variant = kernels.prefill.map(|p| p.tag());
-        let launch = fast::flash_prefill_variant(
+        let launch = fast::flash_prefill_planted(
             self.gpu(),
             variant,
+            faults.kv_stride_mismatch,
             n,
             heads,
             (dqk, dv),
-            buf(&qd),
-            kd,
-            vd,
+            (buf(&qd), kd, vd, buf(&od), Some(&lse)),
             kernel_scale(scale, faults),
-            buf(&od),
-            Some(&lse),
         )?;
         let reads = [(k.id(), kd), (v.id(), vd)]
             .map(|(id, d)| DeviceRead {

@@ -35,12 +35,14 @@ pub const MLA_DECODE_COMBINE_ROWS: Sig = Sig::new(
 );
 pub const FLASH_PREFILL: Sig = Sig::new(
     "flash_prefill_r*",
-    &[Bf16Ptr, Bf16Ptr, Bf16Ptr, Bf16Ptr, F32Ptr, Int, Int, Float],
+    &[
+        Bf16Ptr, Bf16Ptr, Bf16Ptr, Bf16Ptr, F32Ptr, Int, Int, Float, Int,
+    ],
 );
 pub const FLASH_PREFILL_TMA: Sig = Sig::new(
     "flash_prefill_k*",
     &[
-        Map, Map, Bf16Ptr, Bf16Ptr, Bf16Ptr, Bf16Ptr, F32Ptr, Int, Int, Float,
+        Map, Map, Bf16Ptr, Bf16Ptr, Bf16Ptr, Bf16Ptr, F32Ptr, Int, Int, Float, Int,
     ],
 );
 pub const FLASH_PREFILL_WGMMA: Sig = Sig::new(
@@ -350,7 +352,7 @@ impl Gpu {
     }
 
     /// Causal prefill of one sequence with a portable kernel (`flash_prefill_r…`, or `…k…` with
-    /// K/V by TMA): q, k [n, heads, dqk], v and out [n, heads, dv] bf16, lse [n, heads] f32.
+    /// K/V by TMA): q, k [n, heads, dqk], v and out [n, heads, dv] bf16, lse [n, heads] f32. `v_drift` plants kv-stride-mismatch (see the kernel).
     #[allow(clippy::too_many_arguments)]
     pub fn flash_prefill(
         &self,
@@ -363,6 +365,7 @@ impl Gpu {
         out: &DevBuf,
         lse: Option<&DevBuf>,
         scale_log2: f32,
+        v_drift: bool,
     ) -> Result<Launched> {
         let tma = FLASH_PREFILL_TMA.matches(kernel);
         let sig = if tma {
@@ -394,6 +397,7 @@ impl Gpu {
             int(n, "tokens")?,
             int(heads, "heads")?,
             Arg::F32(scale_log2),
+            Arg::I32(i32::from(v_drift)),
         ]);
         let cfg = Launch {
             grid: (
