@@ -113,7 +113,7 @@ pub struct FastAttention {
 
 /// A fast kernel ran, or declined (with why) and the caller runs the reference instead.
 pub enum FastOutcome {
-    Ran(FastAttention),
+    Ran(Box<FastAttention>),
     Declined(String),
 }
 

@@ -466,7 +466,7 @@ impl KernelOutput {
             Some("--attn-kernel reference".to_string())
         } else {
             match fast(out)? {
-                FastOutcome::Ran(f) => return Ok(KernelOutput::Fast(f)),
+                FastOutcome::Ran(f) => return Ok(KernelOutput::Fast(*f)),
                 FastOutcome::Declined(why) => Some(why),
             }
         };

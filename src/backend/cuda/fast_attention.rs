@@ -229,12 +229,12 @@ impl CudaBackend {
                 ))
             }
         };
-        Ok(FastOutcome::Ran(FastAttention {
+        Ok(FastOutcome::Ran(Box::new(FastAttention {
             lse: self.finish(lse, &[n, heads])?,
             partials,
             launches,
             reads,
-        }))
+        })))
     }
 
     /// See [`Backend::fast_attention_naive`]: the flash prefill of a whole sequence.
@@ -306,11 +306,11 @@ impl CudaBackend {
             .to_vec();
         drop((km, vm));
         self.refresh_host(out, &od)?;
-        Ok(FastOutcome::Ran(FastAttention {
+        Ok(FastOutcome::Ran(Box::new(FastAttention {
             lse: self.finish(lse, &[n, heads])?,
             partials: None,
             launches: launch.into_iter().collect(),
             reads,
-        }))
+        })))
     }
 }
