@@ -171,7 +171,7 @@ fn check_is_clean_on_the_fast_kernels_of_every_decode_variant() {
     for kernel in variants {
         let mut flags = gpu_flags();
         flags.kernels.decode = Some(kernel.parse::<DecodeVariant>().unwrap());
-        let report = check_clean(&j, flags, &kernel);
+        let report = check_clean(&j, flags, kernel);
         let decoded = report
             .run
             .events
@@ -344,7 +344,7 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
         let dense = sparse.replace("mla_sparse_", "mla_decode_");
         let mut flags = gpu_flags();
         flags.kernels.decode = Some(dense.parse::<DecodeVariant>().unwrap());
-        let report = check_clean(&j, flags, &sparse);
+        let report = check_clean(&j, flags, sparse);
         let kernel_of = |phase| {
             report
                 .run
