@@ -213,6 +213,12 @@ pub struct FlagArgs {
     /// r64t32) instead of the first the device runs.
     #[arg(long)]
     pub prefill_variant: Option<String>,
+    /// How the latent cache stores each token: bf16 (the default) or fp8_ds_mla (656 bytes:
+    /// the 512 latent values as E4M3 in four tiles of 128 with one f32 scale each, then the 64
+    /// RoPE values in bf16), as production serves GLM-5. Needs kv_lora_rank 512 and
+    /// qk_rope_head_dim 64 (glm5, glm5-rank8).
+    #[arg(long)]
+    pub kv_cache_dtype: Option<String>,
 }
 
 impl FlagArgs {
@@ -228,6 +234,7 @@ impl FlagArgs {
             attn_kernel: self.attn_kernel.clone(),
             decode_variant: self.decode_variant.clone(),
             prefill_variant: self.prefill_variant.clone(),
+            kv_cache_dtype: self.kv_cache_dtype.clone(),
         }
     }
 

@@ -15,6 +15,7 @@ use crate::engine::MlaPath;
 use crate::error::Result;
 use crate::model::catalog::layer_prefix;
 use crate::model::Model;
+use crate::ops::KvCacheDtype;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::ops::Range;
@@ -188,6 +189,11 @@ struct Run<'a> {
 const ROUTED_AROUND: &str =
     "MLA disable routes attention around the MLA backend, where this fault lives";
 
+/// Why a fault of the FP8 cache's codec idles on a bf16 cache.
+pub const NEEDS_FP8_CACHE: &str = "it lives in the FP8 latent cache's codec, and this run's \
+     latent cache is bf16 (--kv-cache-dtype fp8_ds_mla, on a layout with kv_lora_rank 512 and \
+     qk_rope_head_dim 64 such as glm5-rank8)";
+
 fn is_decode(phase: Phase) -> bool {
     matches!(phase, Phase::Decode(_))
 }
@@ -345,6 +351,9 @@ impl Run<'_> {
             Fault::SoftmaxScaleLatent | Fault::AbsorbWrongSplit | Fault::LseBaseMismatch => {
                 self.naive_everywhere(scope, false)
             }
+            f if f.needs_fp8_cache() && self.flags.kv_cache != KvCacheDtype::Fp8DsMla => {
+                Some(NEEDS_FP8_CACHE.to_string())
+            }
             Fault::Q4kScaleUnpack if !self.kv_b.any_q4k() => Some(format!(
                 "kv_b_proj is not Q4_K in this model ({}); it acts on a Q4_K kv_b_proj, e.g. \
                  --layout glm5-tiny-wide --quant q4_k",
@@ -442,6 +451,9 @@ impl Run<'_> {
                     Some("no latent-cache write ran in its phases".into())
                 }
             }
+            Fault::Fp8ScaleDefault | Fault::Fp8AmaxPaddedRows => (!self
+                .any_in_scope(fault, |_, e| super::flags::latent_write(e)))
+            .then(|| "no latent-cache write ran in its phases".into()),
             Fault::Q4kScaleUnpack => {
                 // The blocks are decoded by the dequantize op (force-dequantize, or the identity
                 // matrix of the absorbed path) and, without force-dequantize, by every naive

@@ -11,6 +11,8 @@
 //! | `skip-padded-rows` | the decode kernel leaves the last head's rows of its output unwritten, as a kernel skipping padded rows does | backend/cpu/attention.rs |
 //! | `kv-cache-off-by-one` | decode writes a token's latent row one slot early, so its own slot stays unwritten | engine/attention.rs, the slot mapping |
 //! | `q4k-scale-unpack` | the dequantization kernel unpacks the 6-bit scales and mins of Q4_K sub-blocks 4..7 as if they were 0..3 (acts on a quantized kv_b_proj) | model/quant.rs, `dequantize_with` |
+//! | `fp8-scale-default` | the FP8 latent cache's tile scales stay at 1.0, as if the loader step that sets them was skipped: values past 448 clamp, small ones fall among the subnormals (acts with `--kv-cache-dtype fp8_ds_mla`) | ops/kv_fp8.rs, `tile_scale_with`, and the write kernel kernels/kv_fp8.cu |
+//! | `fp8-amax-padded-rows` | each tile's amax also covers unwritten padding holding stale values (at least 1e4), so the scale is far too large and the real values are crushed toward zero (acts with `--kv-cache-dtype fp8_ds_mla`) | the same |
 //!
 //! A fault may be limited to one phase, `NAME@prefill` or `NAME@decode`, or act in both,
 //! `NAME@both` (the default of all but the two decode-kernel faults, which default to decode).
@@ -30,10 +32,12 @@ pub enum Fault {
     SkipPaddedRows,
     KvCacheOffByOne,
     Q4kScaleUnpack,
+    Fp8ScaleDefault,
+    Fp8AmaxPaddedRows,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 8] = [
+    pub const ALL: [Fault; 10] = [
         Fault::OutputBufferDisconnect,
         Fault::SoftmaxScaleLatent,
         Fault::AbsorbWrongSplit,
@@ -42,6 +46,8 @@ impl Fault {
         Fault::SkipPaddedRows,
         Fault::KvCacheOffByOne,
         Fault::Q4kScaleUnpack,
+        Fault::Fp8ScaleDefault,
+        Fault::Fp8AmaxPaddedRows,
     ];
 
     pub fn name(self) -> &'static str {
@@ -54,6 +60,8 @@ impl Fault {
             Fault::SkipPaddedRows => "skip-padded-rows",
             Fault::KvCacheOffByOne => "kv-cache-off-by-one",
             Fault::Q4kScaleUnpack => "q4k-scale-unpack",
+            Fault::Fp8ScaleDefault => "fp8-scale-default",
+            Fault::Fp8AmaxPaddedRows => "fp8-amax-padded-rows",
         }
     }
 
@@ -71,6 +79,8 @@ impl Fault {
             Fault::SkipPaddedRows => "decode kernel leaves some output rows unwritten",
             Fault::KvCacheOffByOne => "decode writes the latent cache one slot early",
             Fault::Q4kScaleUnpack => "Q4_K sub-blocks 4..7 decoded with the wrong scales and mins",
+            Fault::Fp8ScaleDefault => "FP8 latent cache tile scales left at 1.0",
+            Fault::Fp8AmaxPaddedRows => "FP8 tile scales taken over stale padding",
         }
     }
 
@@ -84,6 +94,12 @@ impl Fault {
 
     fn bit(self) -> u32 {
         self as u32
+    }
+
+    /// Whether the fault lives in the FP8 latent cache's codec (it needs
+    /// `--kv-cache-dtype fp8_ds_mla` to act).
+    pub fn needs_fp8_cache(self) -> bool {
+        matches!(self, Fault::Fp8ScaleDefault | Fault::Fp8AmaxPaddedRows)
     }
 }
 
@@ -252,7 +268,17 @@ impl<'de> Deserialize<'de> for Faults {
     }
 }
 
-pub use crate::ops::KernelFaults;
+pub use crate::ops::{Fp8Faults, KernelFaults};
+
+impl Faults {
+    /// The codec faults acting in `phase`.
+    pub fn fp8(self, phase: Phase) -> Fp8Faults {
+        Fp8Faults {
+            scale_default: self.active(Fault::Fp8ScaleDefault, phase),
+            amax_padded: self.active(Fault::Fp8AmaxPaddedRows, phase),
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
