@@ -8,11 +8,12 @@
 use super::device::fast_kernels::{Decode, COMBINE_ROWS_MAX, MAX_SPLITS};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{DevBuf, DevI32, Elem, Gpu, Launched};
+pub use super::fast_fp8::{fp8_decode_variants_for, mla_decode_fp8};
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
 
 /// A launch as the trace records it; `splits` for the decode's split kernel.
-fn traced(l: Launched, splits: usize) -> KernelLaunch {
+pub(super) fn traced(l: Launched, splits: usize) -> KernelLaunch {
     KernelLaunch {
         kernel: l.kernel,
         grid: [l.grid.0, l.grid.1, l.grid.2],
@@ -43,7 +44,7 @@ pub struct DecodeShape {
 /// `mla_decode_ks2` (the same in two stages, 185 KB); `mla_decode_t32` (32-token tiles in two
 /// stages, 156 KB: A100); `mla_decode_t16` (16-token tiles in one stage, 99 KB: sm_86/89,
 /// sm_120). kernels/mla_decode.cu says how they differ.
-fn decode_variants() -> [(&'static str, u32); 6] {
+pub(super) fn decode_variants() -> [(&'static str, u32); 6] {
     let row = 584 * 2; // shared row stride in bytes (576 bf16 padded by 8)
     let classic = |tile: usize, stages: usize| {
         (HEAD_GROUP * row + stages * tile * row + HEAD_GROUP * (tile + 8) * 2 + 5 * HEAD_GROUP * 4)
@@ -152,7 +153,7 @@ pub fn decode_kernel(gpu: &Gpu, forced: Option<&str>) -> Result<&'static str> {
 /// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
 /// walks (plus a fixed cost per split for its start and the merge), at no fewer than 64 tokens
 /// per split.
-fn decode_splits(gpu: &Gpu, shape: DecodeShape, shared: u32) -> usize {
+pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, shared: u32) -> usize {
     // Blocks per multiprocessor: its shared memory over the block's (plus the 1 KB the driver
     // reserves per block).
     let per_sm = (gpu.max_shared_per_multiprocessor() / (shared as usize + 1024)).max(1);
@@ -178,9 +179,9 @@ fn decode_splits(gpu: &Gpu, shape: DecodeShape, shared: u32) -> usize {
 /// (per-split outputs and log-sum-exps), chosen once and reused by every launch of the shape.
 pub struct DecodeWork {
     pub kernel: &'static str,
-    shared: u32,
-    part_o: DevBuf,
-    part_lse: DevBuf,
+    pub(super) shared: u32,
+    pub(super) part_o: DevBuf,
+    pub(super) part_lse: DevBuf,
     pub splits: usize,
 }
 
@@ -221,6 +222,17 @@ impl DecodeWork {
             )));
         }
         let (kernel, shared) = decode_variant(gpu, variant)?;
+        DecodeWork::for_kernel(gpu, shape, splits, (kernel, shared))
+    }
+
+    /// The scratch of `splits` splits for a kernel chosen elsewhere (kernel, shared bytes): the
+    /// FP8-cache decode's (`fast_fp8`).
+    pub(super) fn for_kernel(
+        gpu: &Gpu,
+        shape: DecodeShape,
+        splits: usize,
+        (kernel, shared): (&'static str, u32),
+    ) -> Result<DecodeWork> {
         Ok(DecodeWork {
             kernel,
             shared,
@@ -279,7 +291,7 @@ pub fn mla_decode(
 
 /// Up to how many splits the per-row merge runs (at most 32, a split per lane);
 /// `MLADB_COMBINE_ROWS_MAX` sets another bound, for experiments (0: never).
-fn combine_rows_max() -> usize {
+pub(super) fn combine_rows_max() -> usize {
     std::env::var("MLADB_COMBINE_ROWS_MAX")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())

@@ -9,10 +9,12 @@
 use super::attention::mirror_buf;
 use super::device::{DevBuf, Elem};
 use super::fast::{self, DecodeShape, DecodeWork, LATENT, PREFILL_DIMS, ROPE};
+use super::fast_fp8::fp8_kernel_of;
+use super::fp8_cache::fp8_bytes;
 use super::{buf, CudaBackend};
 use crate::backend::{checks, AttnMask, Backend, DeviceRead, FastAttention, FastOutcome, MlaDims};
 use crate::error::Result;
-use crate::ops::{AttnKernels, KernelFaults, RowSource};
+use crate::ops::{AttnKernels, KernelFaults, KvCacheDtype, RowSource};
 use crate::tensor::{BufferId, DeviceBuffer, Tensor};
 
 /// Why a fast kernel does not take an op, or `None` when it does.
@@ -88,28 +90,60 @@ impl CudaBackend {
             .collect();
         let block_table = self.indices(&rows)?;
         let seq_lens = self.indices(&lens)?;
-        let work = DecodeWork::for_variant(self.gpu(), shape, kernels.decode.map(|v| v.kernel()))?;
+        let forced = kernels.decode.map(|v| v.kernel());
+        // An fp8_ds_mla cache is read by the FP8-cache variants, from its byte cache.
+        let fp8 = cache.kv_cache_dtype() == KvCacheDtype::Fp8DsMla;
+        let work = if fp8 {
+            match forced.map(fp8_kernel_of).transpose() {
+                Ok(kernel) => DecodeWork::for_fp8(self.gpu(), shape, kernel, None)?,
+                Err(why) => return Ok(FastOutcome::Declined(why.to_string())),
+            }
+        } else {
+            DecodeWork::for_variant(self.gpu(), shape, forced)?
+        };
         let od = self.dev(out)?;
         let lse = self.gpu().alloc(n * heads, Elem::F32)?;
-        let mirror = self.sync_cache(cache)?;
-        let pages = mirror_buf(&mirror);
-        let launches = fast::mla_decode(
-            self.gpu(),
-            shape,
-            buf(&qd),
-            pages,
-            &block_table,
-            &seq_lens,
-            scale,
-            buf(&od),
-            &lse,
-            &work,
-        )?;
+        let (mirror, launches, address, bytes) = if fp8 {
+            let mirror = self.sync_fp8_cache(cache)?;
+            let pages = fp8_bytes(&mirror);
+            let (q, lens, o) = (buf(&qd), &seq_lens, buf(&od));
+            let launches = fast::mla_decode_fp8(
+                self.gpu(),
+                shape,
+                q,
+                pages,
+                &block_table,
+                lens,
+                scale,
+                o,
+                &lse,
+                &work,
+            )?;
+            let (address, bytes) = (pages.address(), pages.bytes());
+            (mirror, launches, address, bytes)
+        } else {
+            let mirror = self.sync_cache(cache)?;
+            let pages = mirror_buf(&mirror);
+            let launches = fast::mla_decode(
+                self.gpu(),
+                shape,
+                buf(&qd),
+                pages,
+                &block_table,
+                &seq_lens,
+                scale,
+                buf(&od),
+                &lse,
+                &work,
+            )?;
+            let (address, bytes) = (pages.address(), pages.bytes());
+            (mirror, launches, address, bytes)
+        };
         let reads = vec![
             DeviceRead {
                 id: cache.id(),
-                address: pages.address(),
-                bytes: pages.bytes(),
+                address,
+                bytes,
             },
             DeviceRead {
                 id: BufferId::fresh_cache(),

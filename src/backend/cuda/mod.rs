@@ -17,6 +17,8 @@ mod attention;
 pub mod device;
 pub mod fast;
 mod fast_attention;
+mod fast_fp8;
+mod fp8_cache;
 mod stats;
 
 pub use attention::live_cache_mirrors;
