@@ -96,6 +96,9 @@ fn every_fault_acts_in_the_default_schedule_and_idles_where_it_cannot() {
         let why = verdict(&tiny, &default, &format!("inject={}", f.name()), fault(f));
         if f == Fault::Q4kScaleUnpack {
             assert!(why.unwrap().contains("not Q4_K"));
+        } else if f.needs_fp8_cache() {
+            // glm5-tiny's latent rows do not fit fp8_ds_mla; the cache is bf16.
+            assert!(why.unwrap().contains("--kv-cache-dtype fp8_ds_mla"));
         } else {
             assert!(why.is_none(), "{} acts by default", f.name());
         }
@@ -332,5 +335,5 @@ fn idle_exactly_when_nothing_differs_across_schedules_paths_and_scopes() {
             }
         }
     }
-    assert_eq!(checked, 5 * 3 * 7 * 3);
+    assert_eq!(checked, 5 * 3 * 9 * 3);
 }
