@@ -188,7 +188,8 @@ pub struct FlagArgs {
     /// Plant a fault: NAME, NAME@prefill, NAME@decode or NAME@both (repeatable: each adds one).
     /// Names: output-buffer-disconnect, softmax-scale-latent, absorb-wrong-split,
     /// rope-noninterleaved, lse-base-mismatch, skip-padded-rows and kv-cache-off-by-one (these two
-    /// default to decode), q4k-scale-unpack. A fault with nothing to act on in the run is
+    /// default to decode), q4k-scale-unpack, fp8-scale-default and fp8-amax-padded-rows (these
+    /// two act with --kv-cache-dtype fp8_ds_mla). A fault with nothing to act on in the run is
     /// reported as such.
     #[arg(long = "inject")]
     pub inject: Vec<String>,
