@@ -1,6 +1,7 @@
 //! Flags and faults that had nothing to act on in a run: a decode-scoped fault in a run without
 //! decode steps, a fault of the absorbed path when no op ran on it, `lse-base-mismatch` when no
-//! context spans two split-KV blocks, force-dequantize with a plain kv_b_proj, and so on.
+//! context spans two split-KV blocks, force-dequantize with a plain kv_b_proj, the FP8 cache's
+//! codec faults on a bf16 cache, and so on.
 //!
 //! Decided in one place from what the run executed (its op events) and from the model (how each
 //! kv_b_proj is stored), so that `check` (a note), `run` (stderr or its JSON summary) and the
