@@ -25,6 +25,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
+#include "kv_fp8.cuh"
 
 #define HEADS 64
 #define DQK 576
@@ -34,7 +35,7 @@
 #define THREADS 256
 #define NT_OF(TILE) ((TILE) / 2 / 8)
 
-template <int TILE, int STAGES, bool SPARSE>
+template <int TILE, int STAGES, bool SPARSE, bool FP8 = false>
 __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
                              const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse, int splits,
                              int total_heads, bf16_t* out, float* lse_out) {
@@ -94,6 +95,12 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
                         st_shared_zero16(dst + (r * STRIDE + k) * 2);
                 }
             }
+            cp_async_commit();
+            return;
+        }
+        if (FP8) {  // an fp8_ds_mla cache: rows of 656 bytes, dequantized on the way in
+            fp8_load_tile<TILE, STRIDE, THREADS>(sKV_a + stage * TILE * STRIDE * 2, (const unsigned char*)cache,
+                                                 (u64)bt[t0 / PAGE] * PAGE + t0 % PAGE, t_end - t0);
             cp_async_commit();
             return;
         }
@@ -318,6 +325,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_t32(const bf
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_t16(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* indices, int topk,
                const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_k<16, 1, true>(q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+}
+
+// The same over an fp8_ds_mla cache (kernels/kv_fp8.cuh): the tile loader dequantizes the
+// latent part of each 656-byte row into the same shared bf16 rows, so the MMAs are unchanged.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_t32(const bf16_t* q, const unsigned char* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
+               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_k<32, 2, false, true>(q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_t16(const bf16_t* q, const unsigned char* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
+               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_k<16, 1, false, true>(q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // out[b, h, :] = Σ_s exp(lse_s − lse) · O_s with lse = log Σ_s exp(lse_s). Block = (b, h, a

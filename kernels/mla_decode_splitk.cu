@@ -8,6 +8,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
+#include "kv_fp8.cuh"
 
 #define HEADS 64
 #define DQK 576
@@ -53,7 +54,7 @@ __device__ __forceinline__ float4 ld_shared_f4(unsigned addr) {
 // at r·128 + ((c ^ r % 8) · 16), so the ldmatrix rows of one 8×8 matrix fall in 8 different
 // chunks: no bank conflicts without padding). One thread issues a tile's copies; everyone waits
 // on the stage's barrier; a split's short last tile gets its rows past the end zeroed.
-template <int STAGES, bool TMA, bool SPARSE>
+template <int STAGES, bool TMA, bool SPARSE, bool FP8 = false>
 __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf16_t* cache, const int* block_table,
                               int max_pages, const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse,
                               int splits, int total_heads, bf16_t* out, float* lse_out) {
@@ -135,6 +136,12 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
 #pragma unroll
                 for (int c = 0; c < DQK / 64; c++) tma_load_2d(dst + c * BOX, cache_map, mb, c * 64, row);
             }
+            return;
+        }
+        if (FP8) {  // an fp8_ds_mla cache: rows of 656 bytes, dequantized on the way in
+            fp8_load_tile<TILE, STRIDE, THREADS>(sKV_a + stage * STAGE_BYTES, (const unsigned char*)cache,
+                                                 (u64)bt[t0 / PAGE] * PAGE + t0 % PAGE, t_end - t0);
+            cp_async_commit();
             return;
         }
         const bf16_t* src = cache + ((u64)bt[t0 / PAGE] * PAGE + t0 % PAGE) * DQK;
@@ -408,6 +415,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks3(const bf
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks2(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_ks<2, false, false>(nullptr, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+}
+
+// The same over an fp8_ds_mla cache (kernels/kv_fp8.cuh), as mla_decode_fp8_t32/t16 are.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_ks3(const bf16_t* q, const unsigned char* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
+               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_ks<3, false, false, true>(nullptr, q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_ks2(const bf16_t* q, const unsigned char* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
+               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_ks<2, false, false, true>(nullptr, q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // The split-k kernel fed by TMA: for sm_90 and later (Hopper, B200, sm_120), where cp.async

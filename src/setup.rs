@@ -243,6 +243,8 @@ pub struct FlagOptions {
     /// A decode or prefill kernel variant forced instead of the device's first choice.
     pub decode_variant: Option<String>,
     pub prefill_variant: Option<String>,
+    /// `bf16` or `fp8_ds_mla` (the latent cache's storage).
+    pub kv_cache_dtype: Option<String>,
 }
 
 impl FlagOptions {
@@ -300,6 +302,7 @@ impl FlagOptions {
             ("attn-kernel", &self.attn_kernel),
             ("decode-variant", &self.decode_variant),
             ("prefill-variant", &self.prefill_variant),
+            ("kv-cache-dtype", &self.kv_cache_dtype),
         ] {
             if let Some(v) = value {
                 flags

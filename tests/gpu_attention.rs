@@ -307,6 +307,71 @@ fn deepseek_dims_are_clean_and_a_value_stride_drift_is_caught() {
 }
 
 #[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn check_is_clean_on_an_fp8_cache_with_every_fp8_decode_variant() {
+    let gpu = cuda_backend(StorageDtype::Bf16);
+    let model = synthetic("glm5-rank8", 11);
+    // 140 tokens: each decode step's context spans three pages, split several ways.
+    let schedule = Schedule {
+        prompt: prompt(model.layout.vocab_size, 140),
+        prefill_len: 140,
+        decode_steps: 2,
+    };
+    let layers = 0..model.layout.num_layers;
+    let j = job(&model, &gpu, &schedule, &layers);
+    let variants = mladb::backend::cuda::fast::fp8_decode_variants_for(gpu.gpu());
+    assert!(
+        !variants.is_empty(),
+        "no FP8-cache decode variant runs on this GPU"
+    );
+    let forced = variants.iter().map(|v| Some(v.replace("fp8_", "")));
+    for variant in std::iter::once(None).chain(forced) {
+        let mut flags = gpu_flags();
+        flags.kv_cache = mladb::ops::KvCacheDtype::Fp8DsMla;
+        flags.kernels.decode = variant
+            .as_deref()
+            .map(|v| v.parse::<DecodeVariant>().unwrap());
+        let options = CheckOptions {
+            tolerance: None,
+            reference: None,
+        };
+        let report = check(&j, flags, &options).unwrap();
+        assert!(
+            report.findings.is_empty(),
+            "{variant:?}: a clean fp8 run has findings: {:#?}\nnotes: {:#?}",
+            report.findings,
+            report.notes
+        );
+        let decoded = report
+            .run
+            .events
+            .iter()
+            .find(|e| e.kind == OpKind::AttentionLatent && e.phase == Phase::Decode(0))
+            .and_then(|e| e.kernel.clone())
+            .unwrap();
+        let kernel = &decoded.launches[0].kernel;
+        assert!(kernel.starts_with("mla_decode_fp8_"), "{decoded}");
+        if let Some(v) = &variant {
+            assert_eq!(kernel.replace("fp8_", ""), *v, "{decoded}");
+        }
+        eprintln!("fp8 cache, {variant:?}: clean; {decoded}");
+    }
+    // A variant with no FP8 form: the decode declines it, saying why, and the reference runs.
+    if gpu.gpu().has_kernel("mla_decode_kt3") {
+        let mut flags = gpu_flags();
+        flags.kv_cache = mladb::ops::KvCacheDtype::Fp8DsMla;
+        flags.kernels.decode = Some(DecodeVariant::Kt3);
+        let run = j.run(flags, None).unwrap();
+        let info = event(&run, Phase::Decode(0), "attn_latent")
+            .kernel
+            .clone()
+            .unwrap();
+        assert!(info.launches.is_empty(), "{info}");
+        assert!(info.reference.unwrap().contains("fp8_ds_mla"));
+    }
+}
+
+#[test]
 fn the_cpu_runs_the_reference_kernels_and_records_no_launch() {
     let model = synthetic("glm5-rank8", 3);
     let schedule = Schedule {

@@ -258,4 +258,52 @@ fn the_fault_catalogue_is_caught_on_the_gpu() {
             );
         }
     }
+    // The FP8 latent cache's codec faults need the cache and GLM-5's latent rows: glm5-rank8
+    // on bf16 storage, where the FP8-cache decode kernels run (their write kernel carries the
+    // faults too).
+    let gpu = cuda_backend(mladb::engine::StorageDtype::Bf16);
+    let model = synthetic("glm5-rank8", 21);
+    let schedule = Schedule {
+        prompt: prompt(model.layout.vocab_size, 12),
+        prefill_len: 9,
+        decode_steps: 2,
+    };
+    let layers = 0..model.layout.num_layers;
+    let job = Job {
+        model: &model,
+        backend: &gpu,
+        schedule: &schedule,
+        layers: &layers,
+        poison: true,
+    };
+    for fault in ["fp8-scale-default", "fp8-amax-padded-rows"] {
+        let mut flags =
+            Flags::parse(&format!("kv-cache-dtype=fp8_ds_mla, inject={fault}")).unwrap();
+        flags.device = mladb::debug::flags::DeviceFlag::Cuda;
+        flags.dtype = mladb::engine::StorageDtype::Bf16;
+        let options = CheckOptions {
+            tolerance: None,
+            reference: None,
+        };
+        let report = check(&job, flags, &options).unwrap();
+        assert!(
+            report
+                .findings
+                .iter()
+                .any(|f| f.kind == FindingKind::KvQuantMismatch
+                    && f.op == "model.layers.0.self_attn.latent_cache"),
+            "cuda-bf16 {fault}: {:#?}",
+            report.findings
+        );
+        // The fast decode read the faulty bytes the write kernel made, as the reference read
+        // the faulty rows: the two kernels agree.
+        assert!(
+            !report
+                .findings
+                .iter()
+                .any(|f| f.kind == FindingKind::KernelMismatch),
+            "cuda-bf16 {fault}: {:#?}",
+            report.findings
+        );
+    }
 }

@@ -138,6 +138,7 @@ fn line() -> BoxedStrategy<String> {
         "device",
         "dtype",
         "inject",
+        "kv-cache-dtype",
         "bogus",
         "",
     ]);
@@ -158,6 +159,8 @@ fn line() -> BoxedStrategy<String> {
         "kv-cache-off-by-one",
         "lse-base-mismatch,absorb-wrong-split",
         "q4k-scale-unpack",
+        "fp8-scale-default@decode",
+        "fp8_ds_mla",
         "none",
         "@",
         "",

@@ -301,6 +301,27 @@ fn every_fault_is_caught_in_bf16() {
             );
         }
     }
+    // The FP8 latent cache's codec faults: they need the cache (and GLM-5's latent rows).
+    let model = common::synthetic("glm5-rank8", 0);
+    let schedule = Schedule {
+        prompt: common::prompt(model.layout.vocab_size, 12),
+        prefill_len: 9,
+        decode_steps: 4,
+    };
+    for fault in ["fp8-scale-default", "fp8-amax-padded-rows"] {
+        let flags = format!("dtype=bf16,kv-cache-dtype=fp8_ds_mla,inject={fault}");
+        let report = run_check(&model, &schedule, &flags, None);
+        let first = report
+            .findings
+            .first()
+            .unwrap_or_else(|| panic!("glm5-rank8 {fault}: not caught"));
+        assert_eq!(
+            (first.kind.to_string().as_str(), first.op.as_str()),
+            ("kv-quant-mismatch", "model.layers.0.self_attn.latent_cache"),
+            "{fault}:\n{}",
+            describe(&report)
+        );
+    }
     let model = Model::synthetic_quantized(
         mladb::model::Layout::resolve("glm5-tiny-wide").unwrap(),
         0,

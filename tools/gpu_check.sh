@@ -21,7 +21,7 @@ B=.device-bin
 OUT=${OUT:-/tmp}
 if [ "$what" != bench ]; then
   $B/mladb kernels --arch sm_90,sm_120 > "$OUT/kernels.txt" 2>&1; tail -1 "$OUT/kernels.txt"
-  for t in fast_kernels gpu_attention backends gpu_forward leaks verdicts; do
+  for t in fast_kernels fp8_kernels gpu_attention backends gpu_forward leaks verdicts; do
     timeout 300 $B/$t --include-ignored --test-threads=1 > "$OUT/$t.txt" 2>&1 || echo "$t: exit $? (124 = timed out)"
     grep -E "^test |panicked|test result|skipped|worst" "$OUT/$t.txt" | head -30
   done
@@ -31,6 +31,8 @@ if [ "$what" != bench ]; then
   # A quantized kv_b_proj on the GPU: the two W_UK/W_UV routes per head, and the Q4_K fault.
   $B/mladb run --device cuda --layout glm5-tiny-wide --quant q4_k --decode 2 > "$OUT/run_q4k.txt" 2>&1; tail -7 "$OUT/run_q4k.txt"
   $B/mladb check --device cuda --layout glm5-tiny-wide --quant q4_k --inject q4k-scale-unpack > "$OUT/check_q4k.txt" 2>&1; tail -3 "$OUT/check_q4k.txt"
+  # The FP8 latent cache: its write kernel and decode variants in the traced path, clean.
+  $B/mladb check --device cuda --layout glm5-rank8 --kv-cache-dtype fp8_ds_mla --tokens $(seq -s, 1 200) --decode 2 > "$OUT/check_fp8.txt" 2>&1; tail -3 "$OUT/check_fp8.txt"
 fi
 if [ "$what" != tests ]; then
   python3 tools/torch_mla_bench.py ${QUICK:+--quick} > "$OUT/torch_bench.txt" 2>&1

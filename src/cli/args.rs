@@ -188,7 +188,8 @@ pub struct FlagArgs {
     /// Plant a fault: NAME, NAME@prefill, NAME@decode or NAME@both (repeatable: each adds one).
     /// Names: output-buffer-disconnect, softmax-scale-latent, absorb-wrong-split,
     /// rope-noninterleaved, lse-base-mismatch, skip-padded-rows and kv-cache-off-by-one (these two
-    /// default to decode), q4k-scale-unpack. A fault with nothing to act on in the run is
+    /// default to decode), q4k-scale-unpack, fp8-scale-default and fp8-amax-padded-rows (these
+    /// two act with --kv-cache-dtype fp8_ds_mla). A fault with nothing to act on in the run is
     /// reported as such.
     #[arg(long = "inject")]
     pub inject: Vec<String>,
@@ -213,6 +214,12 @@ pub struct FlagArgs {
     /// r64t32) instead of the first the device runs.
     #[arg(long)]
     pub prefill_variant: Option<String>,
+    /// How the latent cache stores each token: bf16 (the default) or fp8_ds_mla (656 bytes:
+    /// the 512 latent values as E4M3 in four tiles of 128 with one f32 scale each, then the 64
+    /// RoPE values in bf16), as production serves GLM-5. Needs kv_lora_rank 512 and
+    /// qk_rope_head_dim 64 (glm5, glm5-rank8).
+    #[arg(long)]
+    pub kv_cache_dtype: Option<String>,
 }
 
 impl FlagArgs {
@@ -228,6 +235,7 @@ impl FlagArgs {
             attn_kernel: self.attn_kernel.clone(),
             decode_variant: self.decode_variant.clone(),
             prefill_variant: self.prefill_variant.clone(),
+            kv_cache_dtype: self.kv_cache_dtype.clone(),
         }
     }
 

@@ -47,8 +47,8 @@ pub enum Command {
     /// Run a forward pass headless and print the op trace.
     Run(run::RunArgs),
     /// Run the detectors (NaN/Inf, all-zero, unwritten, buffer disconnects, absorbed vs naive,
-    /// prefill vs decode, a quantized kv_b_proj's decoding, a reference dump) and print findings; exit 1
-    /// when there are any.
+    /// prefill vs decode, a quantized kv_b_proj's decoding, an FP8 latent cache's rows, fast vs
+    /// reference kernels, a reference dump) and print findings; exit 1 when there are any.
     Check(check::CheckArgs),
     /// Find the first op whose output differs between two flag sets (or a run and a dump).
     Bisect(check::BisectArgs),

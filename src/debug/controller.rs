@@ -411,6 +411,7 @@ impl Controller {
     /// current run stands, keeping the current run for comparison.
     pub fn set_flags(&mut self, new: Flags) -> Result<FlagChange> {
         new.engine_options(self.layers.clone(), true)?;
+        new.check_layout(&self.model.layout)?;
         let mut inert = self.flags;
         if !self.model.has_quantized_kv_b() {
             inert.force_dequant = new.force_dequant;

@@ -7,7 +7,9 @@
 //! * against a reference dump, when one is given;
 //! * quantized vs dequantized kv_b_proj, once weights can be quantized (until then, a note);
 //! * on the GPU, the fast (production) attention kernels against the reference kernels: the run
-//!   again with `attn-kernel reference`, op by op.
+//!   again with `attn-kernel reference`, op by op;
+//! * with an fp8_ds_mla latent cache, each cached row against what E4M3 explains of the row
+//!   written ([`super::kv_quant`]).
 //!
 //! Mismatch and NaN detectors report the first op of each phase (where a fault shows first) and
 //! count the rest; unwritten elements and disconnects are reported at every op that has them.
@@ -40,6 +42,7 @@ pub enum FindingKind {
     QuantMismatch,
     ReferenceMismatch,
     KernelMismatch,
+    KvQuantMismatch,
 }
 
 impl fmt::Display for FindingKind {
@@ -326,6 +329,11 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
     kernel_mismatch(&mut v, &run, flags, |other| {
         paired(other, &forced, Pairing::SameSchedule)
     })?;
+
+    let kv = super::kv_quant::kv_quant_mismatch(job, &run, flags, &forced)?;
+    v.findings.extend(kv.findings);
+    v.notes.extend(kv.notes);
+    v.ops += kv.ops;
 
     let mut reference = None;
     if let Some(dump) = &options.reference {

@@ -6,7 +6,7 @@ use crate::engine::faults::{Fault, Faults};
 use crate::engine::trace::{OpEvent, OpKind, Phase};
 use crate::engine::{EngineOptions, MlaPath, MlaPaths, StorageDtype};
 use crate::error::{Error, Result};
-use crate::ops::{AttnKernel, AttnKernels};
+use crate::ops::{AttnKernel, AttnKernels, KvCacheDtype};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::ops::Range;
@@ -37,6 +37,10 @@ pub struct Flags {
     /// The CPU has the reference alone. Absent from sessions saved before it existed.
     #[serde(default)]
     pub kernels: AttnKernels,
+    /// How the latent cache stores its rows (bf16, or fp8_ds_mla as production serves GLM-5).
+    /// Absent from sessions saved before it existed.
+    #[serde(default)]
+    pub kv_cache: KvCacheDtype,
 }
 
 impl Default for Flags {
@@ -50,6 +54,7 @@ impl Default for Flags {
             dtype: StorageDtype::F32,
             faults: Faults::none(),
             kernels: AttnKernels::default(),
+            kv_cache: KvCacheDtype::Bf16,
         }
     }
 }
@@ -88,6 +93,7 @@ pub const FLAG_NAMES: &[&str] = &[
     "attn-kernel",
     "decode-variant",
     "prefill-variant",
+    "kv-cache-dtype",
 ];
 
 impl Flags {
@@ -122,7 +128,14 @@ impl Flags {
             force_dequant: self.force_dequant,
             forced: Default::default(),
             kernels: self.kernels,
+            kv_cache: self.kv_cache,
         })
+    }
+
+    /// Whether these flags fit a layout: an fp8_ds_mla cache needs GLM-5's latent rows.
+    pub fn check_layout(&self, layout: &crate::model::Layout) -> Result<()> {
+        self.kv_cache
+            .check_layout(layout.kv_lora_rank, layout.qk_rope_head_dim)
     }
 
     /// Sets one flag from text (`:set FLAG VALUE`, `--a FLAG=VALUE`). `inject` adds a fault
@@ -157,6 +170,7 @@ impl Flags {
             "prefill-variant" => {
                 self.kernels.prefill = (value != "auto").then(|| value.parse()).transpose()?
             }
+            "kv-cache-dtype" => self.kv_cache = value.parse()?,
             "inject" => match value {
                 "none" => self.faults = Faults::none(),
                 v if v.starts_with('-') => {
@@ -214,6 +228,10 @@ impl Flags {
         if self.kernels != new.kernels && self.device == DeviceFlag::Cuda && attention_kernel(e) {
             return true;
         }
+        // The latent cache write, and every attention op after it, which reads the cache.
+        if self.kv_cache != new.kv_cache && (latent_write(e) || attention_path_op) {
+            return true;
+        }
         Fault::ALL.into_iter().any(|f| {
             let (was, is) = (self.fault_acts(f, e.phase), new.fault_acts(f, e.phase));
             was != is && fault_touches(f, e, if was { self } else { new })
@@ -223,8 +241,14 @@ impl Flags {
     /// Whether fault `f` acts in `phase` under these flags.
     fn fault_acts(&self, f: Fault, phase: Phase) -> bool {
         let mla_only = matches!(f, Fault::OutputBufferDisconnect | Fault::SkipPaddedRows);
-        self.faults.active(f, phase) && !(mla_only && self.mla_disable)
+        let without_fp8 = f.needs_fp8_cache() && self.kv_cache != KvCacheDtype::Fp8DsMla;
+        self.faults.active(f, phase) && !(mla_only && self.mla_disable) && !without_fp8
     }
+}
+
+/// Whether `e` is a layer's latent cache write.
+pub fn latent_write(e: &OpEvent) -> bool {
+    e.name.ends_with("self_attn.latent_cache")
 }
 
 /// Whether `e` is written by an attention kernel (the reference's probabilities, the fast
@@ -249,7 +273,9 @@ fn fault_touches(f: Fault, e: &OpEvent, flags: &Flags) -> bool {
         Fault::SoftmaxScaleLatent | Fault::LseBaseMismatch => absorbed && kernel,
         Fault::AbsorbWrongSplit => absorbed && e.kind == OpKind::AbsorbQuery,
         Fault::RopeNoninterleaved => e.name.ends_with("self_attn.q_rope"),
-        Fault::KvCacheOffByOne => e.name.ends_with("self_attn.latent_cache"),
+        Fault::KvCacheOffByOne | Fault::Fp8ScaleDefault | Fault::Fp8AmaxPaddedRows => {
+            latent_write(e)
+        }
         Fault::Q4kScaleUnpack => matches!(
             e.kind,
             OpKind::Dequantize | OpKind::Decompress | OpKind::AbsorbQuery
@@ -303,6 +329,12 @@ impl Flags {
                 kernels_text(&new.kernels)
             ));
         }
+        if self.kv_cache != new.kv_cache {
+            out.push(format!(
+                "kv-cache-dtype {} → {}",
+                self.kv_cache, new.kv_cache
+            ));
+        }
         if out.is_empty() {
             "same flags".to_string()
         } else {
@@ -345,6 +377,9 @@ impl fmt::Display for Flags {
         if self.device == DeviceFlag::Cuda {
             write!(f, " · attn-kernel {}", kernels_text(&self.kernels))?;
         }
+        if self.kv_cache != KvCacheDtype::default() {
+            write!(f, " · kv-cache-dtype {}", self.kv_cache)?;
+        }
         Ok(())
     }
 }
@@ -367,5 +402,31 @@ mod tests {
         assert!(g.set("device", "cuda").is_err());
         assert!(g.set("colour", "red").is_err());
         assert!(Flags::parse("decode-path=sideways").is_err());
+    }
+
+    #[test]
+    fn the_kv_cache_dtype_is_a_flag_shown_only_when_not_bf16() {
+        let mut f = Flags::default();
+        assert!(!f.to_string().contains("kv-cache"));
+        f.set("kv-cache-dtype", "fp8_ds_mla").unwrap();
+        assert_eq!(f.kv_cache, KvCacheDtype::Fp8DsMla);
+        assert!(
+            f.to_string().ends_with(" · kv-cache-dtype fp8_ds_mla"),
+            "{f}"
+        );
+        assert_eq!(
+            Flags::default().changes_to(&f),
+            "kv-cache-dtype bf16 → fp8_ds_mla"
+        );
+        assert!(f.set("kv-cache-dtype", "fp16").is_err());
+        assert!(FLAG_NAMES.contains(&"kv-cache-dtype"));
+        // Sessions saved before the flag load with a bf16 cache.
+        let old = "(mla_disable: false, prefill_path: naive, decode_path: absorbed, \
+                   force_dequant: false, device: cpu, dtype: f32, faults: [])";
+        let loaded: Flags = ron::from_str(old).unwrap();
+        assert_eq!(loaded.kv_cache, KvCacheDtype::Bf16);
+        let saved = ron::to_string(&f).unwrap();
+        assert!(saved.contains("kv_cache:fp8_ds_mla"), "{saved}");
+        assert_eq!(ron::from_str::<Flags>(&saved).unwrap(), f);
     }
 }

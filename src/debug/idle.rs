@@ -1,6 +1,7 @@
 //! Flags and faults that had nothing to act on in a run: a decode-scoped fault in a run without
 //! decode steps, a fault of the absorbed path when no op ran on it, `lse-base-mismatch` when no
-//! context spans two split-KV blocks, force-dequantize with a plain kv_b_proj, and so on.
+//! context spans two split-KV blocks, force-dequantize with a plain kv_b_proj, the FP8 cache's
+//! codec faults on a bf16 cache, and so on.
 //!
 //! Decided in one place from what the run executed (its op events) and from the model (how each
 //! kv_b_proj is stored), so that `check` (a note), `run` (stderr or its JSON summary) and the
@@ -15,6 +16,7 @@ use crate::engine::MlaPath;
 use crate::error::Result;
 use crate::model::catalog::layer_prefix;
 use crate::model::Model;
+use crate::ops::KvCacheDtype;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::ops::Range;
@@ -202,6 +204,11 @@ struct Run<'a> {
 const ROUTED_AROUND: &str =
     "MLA disable routes attention around the MLA backend, where this fault lives";
 
+/// Why a fault of the FP8 cache's codec idles on a bf16 cache.
+pub const NEEDS_FP8_CACHE: &str = "it lives in the FP8 latent cache's codec, and this run's \
+     latent cache is bf16 (--kv-cache-dtype fp8_ds_mla, on a layout with kv_lora_rank 512 and \
+     qk_rope_head_dim 64 such as glm5-rank8)";
+
 fn is_decode(phase: Phase) -> bool {
     matches!(phase, Phase::Decode(_))
 }
@@ -358,6 +365,9 @@ impl Run<'_> {
             }
             Fault::SoftmaxScaleLatent | Fault::AbsorbWrongSplit | Fault::LseBaseMismatch => {
                 self.naive_everywhere(scope, false)
+            }
+            f if f.needs_fp8_cache() && self.flags.kv_cache != KvCacheDtype::Fp8DsMla => {
+                Some(NEEDS_FP8_CACHE.to_string())
             }
             Fault::Exp2Scale if self.flags.device == super::flags::DeviceFlag::Cpu => Some(
                 "it lives in the fast GPU kernels (softmax in exp2); the CPU runs the reference \
@@ -550,6 +560,9 @@ impl Run<'_> {
                     Some("no latent-cache write ran in its phases".into())
                 }
             }
+            Fault::Fp8ScaleDefault | Fault::Fp8AmaxPaddedRows => (!self
+                .any_in_scope(fault, |_, e| super::flags::latent_write(e)))
+            .then(|| "no latent-cache write ran in its phases".into()),
             Fault::Q4kScaleUnpack => {
                 // The blocks are decoded by the dequantize op (force-dequantize, or the identity
                 // matrix of the absorbed path) and, without force-dequantize, by every naive

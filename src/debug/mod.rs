@@ -9,7 +9,8 @@
 //! * [`compare`], [`bisect`], [`external`]: per-op comparisons of runs, phases and dumps;
 //! * [`forensics`], [`detect`]: buffer forensics and the detectors of `mladb check`;
 //! * [`idle`]: flags and faults that had nothing to act on in a run;
-//! * [`quant`]: a quantized kv_b_proj's two derivations compared, and its decoding checked.
+//! * [`quant`]: a quantized kv_b_proj's two derivations compared, and its decoding checked;
+//!   [`kv_quant`]: an FP8 latent cache's rows against what E4M3 explains.
 
 pub mod bisect;
 pub mod breakpoint;
@@ -21,6 +22,7 @@ pub mod external;
 pub mod flags;
 pub mod forensics;
 pub mod idle;
+pub mod kv_quant;
 pub mod paired;
 pub mod per_op;
 pub mod quant;

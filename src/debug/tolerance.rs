@@ -98,7 +98,7 @@ impl Tolerances {
     pub fn judge(&self, run: &RunRecord, comparisons: &mut [OpComparison]) {
         let mut by_index: HashMap<usize, &mut OpComparison> =
             comparisons.iter_mut().map(|c| (c.index, c)).collect();
-        let mut judge = Judge::new(*self);
+        let mut judge = Judge::new(*self).with_kv_cache(run.flags.kv_cache);
         for (i, e) in run.events.iter().enumerate() {
             judge.next(e, by_index.remove(&i));
         }
@@ -127,12 +127,20 @@ impl Tolerances {
     }
 }
 
+/// What two fp8_ds_mla round trips of inputs that differ at all may differ by, relative: each
+/// is within half an E4M3 step (2^-4 relative) of its input, so an element whose inputs straddle
+/// a rounding boundary lands a whole step away however close the inputs are. Allowed on top of
+/// the table at an FP8 cache write whose inputs differ; inputs that agree must still agree.
+pub const FP8_REQUANT: f64 = 0.125;
+
 /// Judges one comparison's ops in execution order, carrying the error each buffer holds so far
 /// (caches: the largest of any write into them), so that a view that sees ops one at a time
 /// (the TUI's marks) judges them as a whole-run comparison would.
 pub struct Judge {
     tolerances: Tolerances,
     carried: HashMap<BufferId, f64>,
+    /// The runs write an fp8_ds_mla latent cache (see [`FP8_REQUANT`]).
+    fp8_cache: bool,
 }
 
 impl Judge {
@@ -140,7 +148,14 @@ impl Judge {
         Judge {
             tolerances,
             carried: HashMap::new(),
+            fp8_cache: false,
         }
+    }
+
+    /// The judge of runs whose latent cache is stored as `kv_cache`.
+    pub fn with_kv_cache(mut self, kv_cache: crate::ops::KvCacheDtype) -> Judge {
+        self.fp8_cache = kv_cache == crate::ops::KvCacheDtype::Fp8DsMla;
+        self
     }
 
     /// Takes the run's next op and, when it was compared, its comparison, whose input error and
@@ -156,6 +171,10 @@ impl Judge {
             Some(c) => {
                 c.input_error = input_error;
                 c.tolerance = self.tolerances.of(c.kind, input_error);
+                let requant = self.fp8_cache && super::flags::latent_write(e) && input_error > 0.0;
+                if requant && matches!(self.tolerances, Tolerances::Table(_)) {
+                    c.tolerance += FP8_REQUANT;
+                }
                 match &c.diff {
                     Ok(d) if d.error().is_finite() => d.error(),
                     Ok(_) => f64::INFINITY,

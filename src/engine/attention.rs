@@ -16,13 +16,15 @@
 //! the kernel wrote and the one the wrapper returned. Several faults of [`super::faults`] are
 //! planted in this file, each where its real counterpart lives.
 
+mod cache_writes;
 mod indexer;
 mod kv_b;
 
+use cache_writes::{append_expanded, latent_ref, push_rows, write_latent};
 use indexer::dsa_selection;
 use kv_b::{kv_b_as_used, kv_b_split, KvB};
 
-use super::cache::{ExpandedCache, LayerCache, RowCache, RowSource};
+use super::cache::{ExpandedCache, LayerCache, RowSource};
 use super::faults::{Fault, Faults, KernelFaults};
 use super::forcing::ForcedSelections;
 use super::forward::MlaPath;
@@ -34,7 +36,7 @@ use crate::error::Result;
 use crate::model::catalog::layer_prefix;
 use crate::model::layout::Layout;
 use crate::model::WeightStore;
-use crate::ops::{AttnKernel, AttnKernels, KernelInfo};
+use crate::ops::{AttnKernel, AttnKernels, KernelInfo, KvCacheDtype};
 use crate::tensor::Tensor;
 
 /// What one layer's ops need to see.
@@ -58,6 +60,8 @@ pub struct LayerCtx<'a> {
     pub forced: &'a ForcedSelections,
     /// The attention kernels a device backend runs.
     pub kernels: AttnKernels,
+    /// How the latent cache stores its rows.
+    pub kv_cache: KvCacheDtype,
 }
 
 impl LayerCtx<'_> {
@@ -129,6 +133,9 @@ struct Chunk {
     /// The normalised latent c_kv [n, L] and the shared rope key after RoPE [n, R].
     c_kv: Tensor,
     k_pe: Tensor,
+    /// c_kv and k_pe are the rows as the latent cache holds them (an FP8 cache's round trip),
+    /// read from the cache rather than from the ops that made them.
+    cached: bool,
 }
 
 /// Runs the attention block on normalised input `x` [n, hidden]. `shared_selection` carries the
@@ -144,13 +151,17 @@ pub fn attention_block(
     let (q, q_resid) = query(ctx, x, sink)?;
     let (kv_a, c_kv) = compressed_kv(ctx, x, sink)?;
     let (q_pe, k_pe) = positions(ctx, &q, &kv_a, sink)?;
-    let chunk = Chunk {
+    let mut chunk = Chunk {
         q,
         q_pe,
         c_kv,
         k_pe,
+        cached: false,
     };
-    write_latent(ctx, &chunk, cache, sink)?;
+    // With an FP8 cache every attention reads the rows as the cache holds them.
+    if let Some((c_kv, k_pe)) = write_latent(ctx, &chunk, cache, sink)? {
+        (chunk.c_kv, chunk.k_pe, chunk.cached) = (c_kv, k_pe, true);
+    }
     let selection = dsa_selection(ctx, x, q_resid.as_ref(), cache, shared_selection, sink)?;
     let attn = attend(ctx, &chunk, selection, cache, path, sink)?;
     ctx.linear(sink, "self_attn.o_proj", &attn, true)
@@ -201,36 +212,6 @@ fn positions(
         },
     )?;
     Ok((q_pe, k_pe))
-}
-
-/// The latent cache gets c_kv | k_pe of every new token. FAULT kv-cache-off-by-one: decode maps
-/// each token to the slot before its own.
-fn write_latent(
-    ctx: &LayerCtx,
-    chunk: &Chunk,
-    cache: &mut LayerCache,
-    sink: &mut Sink,
-) -> Result<()> {
-    let dims = ctx.dims();
-    let written = ctx.backend.concat_groups(&chunk.c_kv, &chunk.k_pe, 1)?;
-    let written = written.reshaped(&[ctx.positions.len(), dims.latent + dims.rope]);
-    for (t, &pos) in ctx.positions.iter().enumerate() {
-        let slot = if ctx.fault(Fault::KvCacheOffByOne) {
-            pos.saturating_sub(1)
-        } else {
-            pos
-        };
-        cache.latent.push_at(written.row(t), slot)?;
-    }
-    let reads = vec![BufferRef::of(&chunk.c_kv), BufferRef::of(&chunk.k_pe)];
-    sink.report(
-        Some(ctx.layer),
-        &ctx.name("self_attn.latent_cache"),
-        OpKind::CacheWrite,
-        &written,
-        latent_ref(cache),
-        reads,
-    )
 }
 
 /// The attention's softmax scale. FAULT yarn-mscale: YaRN's `mscale` taken for `mscale_all_dim`.
@@ -326,14 +307,31 @@ fn attend_naive(
         append_expanded(ctx, expanded, &kv, &old_pe, backfill, reads, sink)?;
     }
     let c_kv = &chunk.c_kv;
-    let kv = sink.op(
+    // Rows of an FP8 cache are read from the cache, not from the ops that made them.
+    let (inputs, cache_reads) = if chunk.cached {
+        (&[][..], vec![latent])
+    } else {
+        (&[c_kv][..], Vec::new())
+    };
+    let kv = sink.op_with(
         l,
         &ctx.name("self_attn.kv_b_proj"),
         OpKind::Decompress,
-        &[c_kv],
-        |r| kv_b.linear(r, kv_b_name, b, c_kv),
+        inputs,
+        |r| {
+            Ok(Computed {
+                tensor: kv_b.linear(r, kv_b_name, b, c_kv)?,
+                kernel_wrote: None,
+                extra_reads: cache_reads,
+                kernel: None,
+            })
+        },
     )?;
-    let reads = vec![BufferRef::of(&kv), BufferRef::of(&chunk.k_pe)];
+    let k_pe_read = match chunk.cached {
+        true => latent,
+        false => BufferRef::of(&chunk.k_pe),
+    };
+    let reads = vec![BufferRef::of(&kv), k_pe_read];
     append_expanded(
         ctx,
         expanded,
@@ -617,49 +615,4 @@ fn run_attention(
             kernel: info,
         })
     })
-}
-
-fn latent_ref(cache: &LayerCache) -> BufferRef {
-    BufferRef::cache(
-        cache.latent.id(),
-        cache.latent.address(),
-        cache.latent.bytes(),
-    )
-}
-
-/// Appends decompressed tokens to the expanded cache: kv [n, heads·(P+V)] from kv_b_proj and
-/// their roped k_pe [n, R] become per-head K (k_nope | k_pe) and V rows. Reported as a cache
-/// write of the rows K | V.
-fn append_expanded(
-    ctx: &LayerCtx,
-    expanded: &mut ExpandedCache,
-    kv: &Tensor,
-    k_pe: &Tensor,
-    op: &str,
-    reads: Vec<BufferRef>,
-    sink: &mut Sink,
-) -> Result<()> {
-    let b = ctx.backend;
-    let (k_rows, v_rows) = b.assemble_kv(kv, k_pe, ctx.dims())?;
-    push_rows(&mut expanded.k, &k_rows)?;
-    push_rows(&mut expanded.v, &v_rows)?;
-    let written = b.concat_groups(&k_rows, &v_rows, 1)?;
-    let written = written.reshaped(&[k_rows.rows(), k_rows.cols() + v_rows.cols()]);
-    let buffer = BufferRef::cache(expanded.id(), expanded.address(), expanded.bytes());
-    sink.report(
-        Some(ctx.layer),
-        &ctx.name(op),
-        OpKind::CacheWrite,
-        &written,
-        buffer,
-        reads,
-    )
-}
-
-/// Appends each row of `rows` to a row cache.
-fn push_rows(cache: &mut RowCache, rows: &Tensor) -> Result<()> {
-    for t in 0..rows.rows() {
-        cache.push(rows.row(t))?;
-    }
-    Ok(())
 }

@@ -10,6 +10,7 @@
 
 use crate::error::{Error, Result};
 use crate::ops::rows::MirrorSlot;
+use crate::ops::{Fp8Faults, KvCacheDtype};
 use crate::tensor::{checked_numel, BufferId};
 
 pub use crate::ops::rows::{RowSource, PAGE_SIZE};
@@ -28,10 +29,19 @@ pub struct LatentCache {
     id: BufferId,
     writes: Vec<usize>,
     mirror: MirrorSlot,
+    dtype: KvCacheDtype,
+    /// fp8_ds_mla: per physical page, each slot's row before the round trip and the codec
+    /// faults it was written with (what a device's write kernel quantizes).
+    fp8_pages: Vec<(Vec<f32>, Vec<Fp8Faults>)>,
 }
 
 impl LatentCache {
     pub fn new(width: usize, poison: bool) -> LatentCache {
+        LatentCache::with_dtype(width, poison, KvCacheDtype::Bf16)
+    }
+
+    /// A cache whose rows are stored as `dtype` (fp8_ds_mla: written by [`LatentCache::push_fp8`]).
+    pub fn with_dtype(width: usize, poison: bool, dtype: KvCacheDtype) -> LatentCache {
         LatentCache {
             width,
             poison,
@@ -41,6 +51,8 @@ impl LatentCache {
             id: BufferId::fresh_cache(),
             writes: Vec::new(),
             mirror: MirrorSlot::default(),
+            dtype,
+            fp8_pages: Vec::new(),
         }
     }
 
@@ -60,7 +72,35 @@ impl LatentCache {
     /// Appends one token, writing its row to `slot` (≤ the new token's position). The slot
     /// mapping is the caller's: a wrong one leaves the token's own slot unwritten.
     pub fn push_at(&mut self, row: &[f32], slot: usize) -> Result<()> {
+        self.push_with(row, None, slot)
+    }
+
+    /// Appends one token to an fp8_ds_mla cache: `stored` (the row after the format's round
+    /// trip, what attention reads) at `slot`, keeping `written` (the row before it) and the
+    /// codec faults of the write.
+    pub fn push_fp8(
+        &mut self,
+        stored: &[f32],
+        written: &[f32],
+        faults: Fp8Faults,
+        slot: usize,
+    ) -> Result<()> {
+        assert_eq!(written.len(), self.width, "latent row of the wrong width");
+        self.push_with(stored, Some((written, faults)), slot)
+    }
+
+    fn push_with(
+        &mut self,
+        row: &[f32],
+        fp8: Option<(&[f32], Fp8Faults)>,
+        slot: usize,
+    ) -> Result<()> {
         assert_eq!(row.len(), self.width, "latent row of the wrong width");
+        assert_eq!(
+            fp8.is_some(),
+            self.dtype == KvCacheDtype::Fp8DsMla,
+            "a latent row written past its cache's format"
+        );
         assert!(
             slot <= self.len,
             "slot {slot} past the token being appended"
@@ -74,12 +114,22 @@ impl LatentCache {
             };
             self.block_table.push(self.pages.len());
             self.pages.push(vec![fill; PAGE_SIZE * self.width]);
+            if fp8.is_some() {
+                let faults = vec![Fp8Faults::default(); PAGE_SIZE];
+                self.fp8_pages
+                    .push((vec![fill; PAGE_SIZE * self.width], faults));
+            }
         }
         self.len += 1;
         let w = self.width;
         let page = self.block_table[slot / PAGE_SIZE];
         let at = slot % PAGE_SIZE * w;
         self.pages[page][at..at + w].copy_from_slice(row);
+        if let Some((written, faults)) = fp8 {
+            let (rows, slot_faults) = &mut self.fp8_pages[page];
+            rows[at..at + w].copy_from_slice(written);
+            slot_faults[slot % PAGE_SIZE] = faults;
+        }
         self.writes.push(slot);
         Ok(())
     }
@@ -134,6 +184,20 @@ impl RowSource for LatentCache {
         let page = self.block_table[t / PAGE_SIZE];
         let slot = t % PAGE_SIZE;
         &self.pages[page][slot * self.width..(slot + 1) * self.width]
+    }
+
+    fn kv_cache_dtype(&self) -> KvCacheDtype {
+        self.dtype
+    }
+
+    fn fp8_written(&self, t: usize) -> Option<(&[f32], Fp8Faults)> {
+        assert!(t < self.len, "latent cache read past its end");
+        let (rows, faults) = self.fp8_pages.get(self.block_table[t / PAGE_SIZE])?;
+        let slot = t % PAGE_SIZE;
+        Some((
+            &rows[slot * self.width..(slot + 1) * self.width],
+            faults[slot],
+        ))
     }
 }
 

@@ -15,6 +15,8 @@
 //! | `indexer-rope-layout` | the DSA indexer's RoPE uses the other layout (interleaved vs split-half) than its checkpoint; the main attention's is right. Only a reference dump shows it: every path shares the indexer | engine/attention/indexer.rs |
 //! | `yarn-mscale` | under YaRN, the softmax scale takes `mscale` where `mscale_all_dim` belongs (a difference only where the two differ). Only a reference dump shows it: both paths share the scale | engine/attention.rs, the softmax scale |
 //! | `q4k-scale-unpack` | the dequantization kernel unpacks the 6-bit scales and mins of Q4_K sub-blocks 4..7 as if they were 0..3 (acts on a quantized kv_b_proj) | model/quant.rs, `dequantize_with` |
+//! | `fp8-scale-default` | the FP8 latent cache's tile scales stay at 1.0, as if the loader step that sets them was skipped: values past 448 clamp, small ones fall among the subnormals (acts with `--kv-cache-dtype fp8_ds_mla`) | ops/kv_fp8.rs, `tile_scale_with`, and the write kernel kernels/kv_fp8.cu |
+//! | `fp8-amax-padded-rows` | each tile's amax also covers unwritten padding holding stale values (at least 1e4), so the scale is far too large and the real values are crushed toward zero (acts with `--kv-cache-dtype fp8_ds_mla`) | the same |
 //!
 //! A fault may be limited to one phase, `NAME@prefill` or `NAME@decode`, or act in both,
 //! `NAME@both` (the default of all but the two decode-kernel faults, which default to decode).
@@ -38,10 +40,12 @@ pub enum Fault {
     IndexerRopeLayout,
     YarnMscale,
     KvStrideMismatch,
+    Fp8ScaleDefault,
+    Fp8AmaxPaddedRows,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 12] = [
+    pub const ALL: [Fault; 14] = [
         Fault::OutputBufferDisconnect,
         Fault::SoftmaxScaleLatent,
         Fault::AbsorbWrongSplit,
@@ -54,6 +58,8 @@ impl Fault {
         Fault::IndexerRopeLayout,
         Fault::YarnMscale,
         Fault::KvStrideMismatch,
+        Fault::Fp8ScaleDefault,
+        Fault::Fp8AmaxPaddedRows,
     ];
 
     pub fn name(self) -> &'static str {
@@ -70,6 +76,8 @@ impl Fault {
             Fault::IndexerRopeLayout => "indexer-rope-layout",
             Fault::YarnMscale => "yarn-mscale",
             Fault::KvStrideMismatch => "kv-stride-mismatch",
+            Fault::Fp8ScaleDefault => "fp8-scale-default",
+            Fault::Fp8AmaxPaddedRows => "fp8-amax-padded-rows",
         }
     }
 
@@ -91,6 +99,8 @@ impl Fault {
             Fault::IndexerRopeLayout => "DSA indexer RoPE in the other layout (interleaved/split)",
             Fault::YarnMscale => "YaRN softmax scale from mscale instead of mscale_all_dim",
             Fault::KvStrideMismatch => "flash prefill steps V tiles by the K row width",
+            Fault::Fp8ScaleDefault => "FP8 latent cache tile scales left at 1.0",
+            Fault::Fp8AmaxPaddedRows => "FP8 tile scales taken over stale padding",
         }
     }
 
@@ -104,6 +114,12 @@ impl Fault {
 
     fn bit(self) -> u64 {
         self as u64
+    }
+
+    /// Whether the fault lives in the FP8 latent cache's codec (it needs
+    /// `--kv-cache-dtype fp8_ds_mla` to act).
+    pub fn needs_fp8_cache(self) -> bool {
+        matches!(self, Fault::Fp8ScaleDefault | Fault::Fp8AmaxPaddedRows)
     }
 }
 
@@ -272,7 +288,17 @@ impl<'de> Deserialize<'de> for Faults {
     }
 }
 
-pub use crate::ops::KernelFaults;
+pub use crate::ops::{Fp8Faults, KernelFaults};
+
+impl Faults {
+    /// The codec faults acting in `phase`.
+    pub fn fp8(self, phase: Phase) -> Fp8Faults {
+        Fp8Faults {
+            scale_default: self.active(Fault::Fp8ScaleDefault, phase),
+            amax_padded: self.active(Fault::Fp8AmaxPaddedRows, phase),
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

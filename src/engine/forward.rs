@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::model::catalog::{layer_prefix, lm_head_name};
 use crate::model::layout::MlpKind;
 use crate::model::Model;
-use crate::ops::AttnKernels;
+use crate::ops::{AttnKernels, KvCacheDtype};
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
@@ -77,6 +77,9 @@ pub struct EngineOptions {
     pub forced: Arc<ForcedSelections>,
     /// The attention kernels a device backend runs (fast or reference, forced variants).
     pub kernels: AttnKernels,
+    /// How the latent cache stores its rows: fp8_ds_mla stores each row as the format's round
+    /// trip, so that every attention op reads what an FP8 cache holds.
+    pub kv_cache: KvCacheDtype,
 }
 
 impl EngineOptions {
@@ -92,6 +95,7 @@ impl EngineOptions {
             force_dequant: false,
             forced: Arc::default(),
             kernels: AttnKernels::default(),
+            kv_cache: KvCacheDtype::Bf16,
         }
     }
 
@@ -144,11 +148,18 @@ impl<'m> Engine<'m> {
                 r.start, r.end, layout.num_layers
             )));
         }
+        options
+            .kv_cache
+            .check_layout(layout.kv_lora_rank, layout.qk_rope_head_dim)?;
         backend.set_poison_outputs(options.poison);
         let caches = (0..layout.num_layers)
             .map(|l| {
                 r.contains(&l).then(|| LayerCache {
-                    latent: LatentCache::new(layout.latent_width(), options.poison),
+                    latent: LatentCache::with_dtype(
+                        layout.latent_width(),
+                        options.poison,
+                        options.kv_cache,
+                    ),
                     expanded: None,
                     index_keys: None,
                     kv_b_plain: None,
@@ -287,6 +298,7 @@ impl<'m> Engine<'m> {
                 poison: options.poison,
                 force_dequant: options.force_dequant,
                 kernels: options.kernels,
+                kv_cache: options.kv_cache,
                 forced: &options.forced,
             };
             let cache = self.caches[layer]

@@ -13,6 +13,8 @@
 //! format are held to.
 
 use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt;
 
 /// Latent values per token.
 pub const LATENT: usize = 512;
@@ -27,6 +29,77 @@ pub const E4M3_MAX: f32 = 448.0;
 
 const SCALES_AT: usize = LATENT;
 const ROPE_AT: usize = LATENT + 4 * (LATENT / TILE);
+
+/// How the latent cache stores a token: bf16 rows (576 values), or `fp8_ds_mla` (656 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvCacheDtype {
+    #[default]
+    Bf16,
+    Fp8DsMla,
+}
+
+impl KvCacheDtype {
+    /// The flag's spelling (`bf16`, `fp8_ds_mla`).
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheDtype::Bf16 => "bf16",
+            KvCacheDtype::Fp8DsMla => "fp8_ds_mla",
+        }
+    }
+
+    /// Whether a layout's latent rows (`latent` c_kv values and `rope` k_pe values) fit this
+    /// format: fp8_ds_mla is laid out for 512 + 64 alone.
+    pub fn check_layout(self, latent: usize, rope: usize) -> Result<()> {
+        if self == KvCacheDtype::Fp8DsMla && (latent, rope) != (LATENT, ROPE) {
+            return Err(Error::invalid(format!(
+                "kv-cache-dtype fp8_ds_mla needs kv_lora_rank {LATENT} and qk_rope_head_dim \
+                 {ROPE} (this layout: {latent}+{rope})"
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl std::str::FromStr for KvCacheDtype {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<KvCacheDtype> {
+        match s {
+            "bf16" => Ok(KvCacheDtype::Bf16),
+            "fp8_ds_mla" => Ok(KvCacheDtype::Fp8DsMla),
+            other => Err(Error::invalid(format!(
+                "kv-cache-dtype '{other}' is not bf16 or fp8_ds_mla"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for KvCacheDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Faults of the codec's tile scale (`fp8-scale-default`, `fp8-amax-padded-rows`), carried out
+/// identically by the CPU codec and the device write kernel.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Fp8Faults {
+    /// Every tile scale left at 1.0, as if the loader step that sets them never ran.
+    pub scale_default: bool,
+    /// The tile's amax taken over padding as well: at least [`PADDING_AMAX`].
+    pub amax_padded: bool,
+}
+
+impl Fp8Faults {
+    /// The faults as the write kernel's `faults` argument: bit 0 and bit 1.
+    pub fn bits(self) -> u32 {
+        u32::from(self.scale_default) | u32::from(self.amax_padded) << 1
+    }
+}
+
+/// What `fp8-amax-padded-rows` finds in the padding its amax wrongly covers: stale values far
+/// above any normalised latent, so every real value of the tile is crushed toward zero.
+pub const PADDING_AMAX: f32 = 1.0e4;
 
 /// The E4M3 byte nearest `x` (ties to even), saturating at ±448; NaN becomes the NaN pattern.
 pub fn e4m3_from_f32(x: f32) -> u8 {
@@ -73,12 +146,51 @@ pub use crate::model::weights::safetensors::fp8_e4m3_to_f32 as e4m3_to_f32;
 /// The scale of a tile: its largest magnitude over 448, at least the smallest normal f32 (so an
 /// all-zero tile still divides).
 pub fn tile_scale(tile: &[f32]) -> f32 {
-    let amax = tile.iter().fold(0f32, |m, v| m.max(v.abs()));
+    tile_scale_with(tile, Fp8Faults::default())
+}
+
+/// [`tile_scale`] with the scale faults planted.
+pub fn tile_scale_with(tile: &[f32], faults: Fp8Faults) -> f32 {
+    if faults.scale_default {
+        return 1.0;
+    }
+    let mut amax = tile.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if faults.amax_padded {
+        amax = amax.max(PADDING_AMAX);
+    }
     (amax / E4M3_MAX).max(f32::MIN_POSITIVE)
 }
 
 /// Writes one token's latent and RoPE values into `out` (`TOKEN_BYTES` long) in the format.
 pub fn encode_token(latent: &[f32], rope: &[f32], out: &mut [u8]) -> Result<()> {
+    encode_token_with(latent, rope, out, Fp8Faults::default())
+}
+
+/// A latent-cache row (latent then RoPE values) as the format gives it back: encoded with
+/// `faults`, then decoded. What an attention kernel reading an fp8_ds_mla cache sees.
+pub fn round_trip(row: &[f32], faults: Fp8Faults) -> Result<Vec<f32>> {
+    check(row.len() == LATENT + ROPE, || {
+        format!(
+            "fp8_ds_mla: a row is {} values, not {}",
+            LATENT + ROPE,
+            row.len()
+        )
+    })?;
+    let mut bytes = [0u8; TOKEN_BYTES];
+    encode_token_with(&row[..LATENT], &row[LATENT..], &mut bytes, faults)?;
+    let mut out = vec![0f32; LATENT + ROPE];
+    let (latent, rope) = out.split_at_mut(LATENT);
+    decode_token(&bytes, latent, rope)?;
+    Ok(out)
+}
+
+/// [`encode_token`] with the scale faults planted.
+pub fn encode_token_with(
+    latent: &[f32],
+    rope: &[f32],
+    out: &mut [u8],
+    faults: Fp8Faults,
+) -> Result<()> {
     check(
         latent.len() == LATENT && rope.len() == ROPE && out.len() == TOKEN_BYTES,
         || {
@@ -91,7 +203,7 @@ pub fn encode_token(latent: &[f32], rope: &[f32], out: &mut [u8]) -> Result<()> 
         },
     )?;
     for (t, tile) in latent.chunks(TILE).enumerate() {
-        let scale = tile_scale(tile);
+        let scale = tile_scale_with(tile, faults);
         for (i, &v) in tile.iter().enumerate() {
             out[t * TILE + i] = e4m3_from_f32(v / scale);
         }
@@ -260,6 +372,65 @@ mod tests {
             bytes[SCALES_AT..SCALES_AT + 4],
             f32::MIN_POSITIVE.to_le_bytes()
         );
+    }
+
+    #[test]
+    fn the_scale_faults_crush_or_clamp_and_round_trip_is_encode_then_decode() {
+        let (latent, rope) = token(3);
+        let row: Vec<f32> = latent.iter().chain(&rope).copied().collect();
+        let clean = round_trip(&row, Fp8Faults::default()).unwrap();
+        let mut bytes = vec![0u8; TOKEN_BYTES];
+        encode_token(&latent, &rope, &mut bytes).unwrap();
+        let (mut l2, mut r2) = (vec![0f32; LATENT], vec![0f32; ROPE]);
+        decode_token(&bytes, &mut l2, &mut r2).unwrap();
+        assert_eq!(clean, [l2, r2].concat());
+        let worst = |faults: Fp8Faults, t: usize| {
+            let got = round_trip(&row, faults).unwrap();
+            (t * TILE..(t + 1) * TILE)
+                .map(|i| (got[i] - row[i]).abs() / row[i].abs().max(1e-30))
+                .fold(0f32, f32::max)
+        };
+        // Scale 1.0: the 1e-3 tile falls among the subnormals (steps of 2^-9); 30 stays normal.
+        let one = Fp8Faults {
+            scale_default: true,
+            ..Fp8Faults::default()
+        };
+        assert!(worst(one, 2) > 0.5, "{}", worst(one, 2));
+        assert!(worst(one, 1) <= 1.0 / 16.0 + 1e-6);
+        assert_eq!(tile_scale_with(&latent[..TILE], one), 1.0);
+        // Padding in the amax: the unit tile is crushed too.
+        let padded = Fp8Faults {
+            amax_padded: true,
+            ..Fp8Faults::default()
+        };
+        assert!(worst(padded, 0) > 0.5, "{}", worst(padded, 0));
+        assert_eq!(
+            tile_scale_with(&latent[..TILE], padded),
+            PADDING_AMAX / E4M3_MAX
+        );
+        assert!(worst(Fp8Faults::default(), 2) <= 1.0 / 16.0 + 1e-6);
+        // The RoPE values are untouched by either.
+        let both = Fp8Faults {
+            scale_default: true,
+            amax_padded: true,
+        };
+        assert_eq!(both.bits(), 3);
+        assert_eq!(round_trip(&row, both).unwrap()[LATENT..], clean[LATENT..]);
+    }
+
+    #[test]
+    fn the_cache_dtype_parses_and_needs_the_glm5_layout() {
+        for d in [KvCacheDtype::Bf16, KvCacheDtype::Fp8DsMla] {
+            assert_eq!(d.name().parse::<KvCacheDtype>().unwrap(), d);
+        }
+        assert!("fp8".parse::<KvCacheDtype>().is_err());
+        assert!(KvCacheDtype::Fp8DsMla.check_layout(512, 64).is_ok());
+        assert!(KvCacheDtype::Bf16.check_layout(64, 32).is_ok());
+        let err = KvCacheDtype::Fp8DsMla
+            .check_layout(64, 32)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("(this layout: 64+32)"), "{err}");
     }
 
     #[test]

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 pub use kernels::{
     AttnKernel, AttnKernels, DecodeVariant, KernelInfo, KernelLaunch, PrefillVariant,
 };
+pub use kv_fp8::{Fp8Faults, KvCacheDtype};
 pub use moe::{top_k_indices, Routing};
 pub use rope::RopeTable;
 pub use rows::{MirrorSlot, RowSource, PAGE_SIZE};

@@ -44,6 +44,17 @@ pub trait RowSource: Sync {
     }
     /// Where a device backend keeps its copy of these rows, freed with the cache.
     fn mirror(&self) -> &MirrorSlot;
+    /// How the cache stores its rows: for `fp8_ds_mla`, [`RowSource::row`] is a row after the
+    /// format's round trip.
+    fn kv_cache_dtype(&self) -> super::KvCacheDtype {
+        super::KvCacheDtype::Bf16
+    }
+    /// For an fp8_ds_mla cache: the row last written to token `t`'s slot as it was before the
+    /// round trip, and the codec faults of that write. A device backend quantizes it into its
+    /// own byte cache with its write kernel, which gives the bytes the CPU codec gave.
+    fn fp8_written(&self, _t: usize) -> Option<(&[f32], super::Fp8Faults)> {
+        None
+    }
 }
 
 /// Where a backend keeps its own copy of a cache (a device mirror). Owned by the cache: the copy

@@ -28,6 +28,34 @@ pub fn live_cache_mirrors() -> (usize, usize) {
     )
 }
 
+/// What a cache's mirror slot holds for this backend: the copy of its rows, and for an
+/// fp8_ds_mla cache the byte cache the write kernel fills ([`super::fp8_cache`]). A cache may
+/// need both in one run (the fast decode reads the bytes, the reference kernel the rows).
+#[derive(Default)]
+pub(super) struct Mirrors {
+    rows: Option<CacheMirror>,
+    pub(super) fp8: Option<super::fp8_cache::Fp8Mirror>,
+}
+
+/// The mirrors in a slot, taken out of it (empty when it held none, or another kind).
+pub(super) fn take_mirrors(slot: &mut Mirror) -> Mirrors {
+    slot.take()
+        .and_then(|m| m.downcast::<Mirrors>().ok())
+        .map_or_else(Mirrors::default, |m| *m)
+}
+
+/// Mirrors alive, counted for the leak tests: a new one of `bytes`.
+pub(super) fn count_mirror(bytes: usize) {
+    LIVE_MIRRORS.fetch_add(1, Ordering::Relaxed);
+    LIVE_MIRROR_BYTES.fetch_add(bytes, Ordering::Relaxed);
+}
+
+/// One of `bytes` dropped.
+pub(super) fn uncount_mirror(bytes: usize) {
+    LIVE_MIRRORS.fetch_sub(1, Ordering::Relaxed);
+    LIVE_MIRROR_BYTES.fetch_sub(bytes, Ordering::Relaxed);
+}
+
 /// A device copy of a KV cache, kept in step with the host cache's writes.
 struct CacheMirror {
     /// The backend that made it (its buffer belongs to that backend's context and dtype).
@@ -41,8 +69,7 @@ struct CacheMirror {
 
 impl CacheMirror {
     fn new(backend: u64, buf: DevBuf, rows: usize, applied: usize) -> CacheMirror {
-        LIVE_MIRRORS.fetch_add(1, Ordering::Relaxed);
-        LIVE_MIRROR_BYTES.fetch_add(buf.bytes(), Ordering::Relaxed);
+        count_mirror(buf.bytes());
         CacheMirror {
             backend,
             buf,
@@ -54,8 +81,7 @@ impl CacheMirror {
 
 impl Drop for CacheMirror {
     fn drop(&mut self) {
-        LIVE_MIRRORS.fetch_sub(1, Ordering::Relaxed);
-        LIVE_MIRROR_BYTES.fetch_sub(self.buf.bytes(), Ordering::Relaxed);
+        uncount_mirror(self.buf.bytes());
     }
 }
 
@@ -65,7 +91,8 @@ pub(super) type Mirror<'a> = MutexGuard<'a, Option<Box<dyn Any + Send + Sync>>>;
 pub(super) fn mirror_buf<'a>(slot: &'a Mirror) -> &'a DevBuf {
     &slot
         .as_ref()
-        .and_then(|m| m.downcast_ref::<CacheMirror>())
+        .and_then(|m| m.downcast_ref::<Mirrors>())
+        .and_then(|m| m.rows.as_ref())
         .expect("sync_cache leaves a mirror")
         .buf
 }
@@ -85,12 +112,13 @@ impl CudaBackend {
             None => src.len(),
         }
         .max(1);
-        let old = slot
+        let mut mirrors = take_mirrors(&mut slot);
+        let old = mirrors
+            .rows
             .take()
-            .and_then(|m| m.downcast::<CacheMirror>().ok())
             .filter(|m| m.backend == self.id && m.buf.elem() == self.elem);
         let mut mirror = match old {
-            Some(m) if m.rows >= needed => *m,
+            Some(m) if m.rows >= needed => m,
             old => {
                 let rows = needed.max(old.as_ref().map_or(0, |m| m.rows * 2));
                 let mut buf = self.gpu.alloc(rows * width, self.elem)?;
@@ -125,7 +153,8 @@ impl CudaBackend {
             i = j;
         }
         mirror.applied = src.writes().len();
-        *slot = Some(Box::new(mirror));
+        mirrors.rows = Some(mirror);
+        *slot = Some(Box::new(mirrors));
         Ok(slot)
     }
 

@@ -9,6 +9,7 @@ use super::device::fast_kernels::{Decode, SparseKeys, COMBINE_ROWS_MAX};
 pub use super::device::fast_kernels::{MergeFaults, MAX_SPLITS};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{DevBuf, DevI32, Elem, Gpu, Launched};
+pub use super::fast_fp8::{fp8_decode_variants_for, mla_decode_fp8};
 pub use super::fast_sparse::{
     key_lists, mla_decode_sparse, sparse_decode_variants_for, sparse_twin, KeyLists,
 };
@@ -16,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
 
 /// A launch as the trace records it; `splits` for the decode's split kernel.
-fn traced(l: Launched, splits: usize) -> KernelLaunch {
+pub(super) fn traced(l: Launched, splits: usize) -> KernelLaunch {
     KernelLaunch {
         kernel: l.kernel,
         grid: [l.grid.0, l.grid.1, l.grid.2],
@@ -47,7 +48,7 @@ pub struct DecodeShape {
 /// `mla_decode_ks2` (the same in two stages, 185 KB); `mla_decode_t32` (32-token tiles in two
 /// stages, 156 KB: A100); `mla_decode_t16` (16-token tiles in one stage, 99 KB: sm_86/89,
 /// sm_120). kernels/mla_decode.cu says how they differ.
-fn decode_variants() -> [(&'static str, u32); 6] {
+pub(super) fn decode_variants() -> [(&'static str, u32); 6] {
     let row = SHARED_ROW;
     // Q, four stages of 32 rows (576 bf16 each), P (64 × 32 bf16), rescale factors and sums,
     // four TMA barriers, and 1 KB of slack to align the swizzled stages to 1024 bytes.
@@ -356,7 +357,7 @@ pub(super) fn decode_launches(
 
 /// Up to how many splits the per-row merge runs (at most 32, a split per lane);
 /// `MLADB_COMBINE_ROWS_MAX` sets another bound, for experiments (0: never).
-fn combine_rows_max() -> usize {
+pub(super) fn combine_rows_max() -> usize {
     std::env::var("MLADB_COMBINE_ROWS_MAX")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())

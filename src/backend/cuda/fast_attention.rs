@@ -12,10 +12,12 @@ use super::device::{DevBuf, Elem};
 use super::fast::{
     self, DecodeShape, DecodeWork, KeyLists, MergeFaults, LATENT, MAX_SPLITS, PREFILL_DIMS, ROPE,
 };
+use super::fast_fp8::fp8_kernel_of;
+use super::fp8_cache::fp8_bytes;
 use super::{buf, CudaBackend};
 use crate::backend::{checks, AttnMask, Backend, DeviceRead, FastAttention, FastOutcome, MlaDims};
 use crate::error::Result;
-use crate::ops::{AttnKernels, KernelFaults, RowSource};
+use crate::ops::{AttnKernels, KernelFaults, KvCacheDtype, RowSource};
 use crate::tensor::{BufferId, DeviceBuffer, Tensor};
 
 /// How many queries of a DSA selection keep fewer than all their keys (0 without one).
@@ -126,10 +128,24 @@ impl CudaBackend {
             .collect();
         let block_table = self.indices(&rows)?;
         let seq_lens = self.indices(&lens)?;
+        // An fp8_ds_mla cache is read by the FP8-cache variants from its byte cache; the sparse
+        // kernels read bf16 pages.
+        let fp8 = cache.kv_cache_dtype() == KvCacheDtype::Fp8DsMla;
+        if fp8 && lists.is_some() {
+            return Ok(FastOutcome::Declined(
+                "a sparse DSA selection over an fp8_ds_mla cache (the sparse kernels read bf16 \
+                 pages)"
+                    .into(),
+            ));
+        }
+        let fp8_kernel = match (fp8, forced.map(fp8_kernel_of).transpose()) {
+            (true, Err(why)) => return Ok(FastOutcome::Declined(why.to_string())),
+            (_, Ok(kernel)) => kernel,
+            (false, Err(_)) => None,
+        };
         let od = self.dev(out)?;
         let lse = self.gpu().alloc(n * heads, Elem::F32)?;
         self.gpu().fill(&lse, true)?; // poisoned: a row the kernels skip shows
-        let mirror = self.sync_cache(cache)?;
         let merge_faults = MergeFaults {
             lse_base: faults.lse_base_mismatch,
             skip_last_head: faults.skip_padded_rows,
@@ -142,7 +158,6 @@ impl CudaBackend {
                 .clamp(2, MAX_SPLITS)
         });
         let scale = kernel_scale(scale, faults);
-        let pages = mirror_buf(&mirror);
         // The key lists (on the device until the result is back, as the table is).
         let sparse = match &lists {
             Some(KeyLists {
@@ -156,51 +171,79 @@ impl CudaBackend {
             )),
             None => None,
         };
-        let (launches, work) = match &sparse {
-            None => {
-                let mut work = match fault_splits {
-                    Some(splits) => DecodeWork::with_variant(self.gpu(), shape, splits, forced)?,
-                    None => DecodeWork::for_variant(self.gpu(), shape, forced)?,
-                };
-                work.merge_faults = merge_faults;
-                let launches = fast::mla_decode(
-                    self.gpu(),
-                    shape,
-                    buf(&qd),
-                    pages,
-                    &block_table,
-                    &seq_lens,
-                    scale,
-                    buf(&od),
-                    &lse,
-                    &work,
-                )?;
-                (launches, work)
-            }
-            Some((indices, topk, lens)) => {
-                let mut work = DecodeWork::sparse(self.gpu(), shape, fault_splits, forced)?;
-                work.merge_faults = merge_faults;
-                let launches = fast::mla_decode_sparse(
-                    self.gpu(),
-                    shape,
-                    buf(&qd),
-                    pages,
-                    &block_table,
-                    (indices, *topk),
-                    lens,
-                    scale,
-                    buf(&od),
-                    &lse,
-                    &work,
-                )?;
-                (launches, work)
-            }
+        let (mirror, launches, work, address, bytes) = if fp8 {
+            let mut work = DecodeWork::for_fp8(self.gpu(), shape, fp8_kernel, fault_splits)?;
+            work.merge_faults = merge_faults;
+            let mirror = self.sync_fp8_cache(cache)?;
+            let pages = fp8_bytes(&mirror);
+            let (q, lens, o) = (buf(&qd), &seq_lens, buf(&od));
+            let launches = fast::mla_decode_fp8(
+                self.gpu(),
+                shape,
+                q,
+                pages,
+                &block_table,
+                lens,
+                scale,
+                o,
+                &lse,
+                &work,
+            )?;
+            let (address, bytes) = (pages.address(), pages.bytes());
+            (mirror, launches, work, address, bytes)
+        } else {
+            let mirror = self.sync_cache(cache)?;
+            let pages = mirror_buf(&mirror);
+            let (launches, work) = match &sparse {
+                None => {
+                    let mut work = match fault_splits {
+                        Some(splits) => {
+                            DecodeWork::with_variant(self.gpu(), shape, splits, forced)?
+                        }
+                        None => DecodeWork::for_variant(self.gpu(), shape, forced)?,
+                    };
+                    work.merge_faults = merge_faults;
+                    let launches = fast::mla_decode(
+                        self.gpu(),
+                        shape,
+                        buf(&qd),
+                        pages,
+                        &block_table,
+                        &seq_lens,
+                        scale,
+                        buf(&od),
+                        &lse,
+                        &work,
+                    )?;
+                    (launches, work)
+                }
+                Some((indices, topk, lens)) => {
+                    let mut work = DecodeWork::sparse(self.gpu(), shape, fault_splits, forced)?;
+                    work.merge_faults = merge_faults;
+                    let launches = fast::mla_decode_sparse(
+                        self.gpu(),
+                        shape,
+                        buf(&qd),
+                        pages,
+                        &block_table,
+                        (indices, *topk),
+                        lens,
+                        scale,
+                        buf(&od),
+                        &lse,
+                        &work,
+                    )?;
+                    (launches, work)
+                }
+            };
+            let (address, bytes) = (pages.address(), pages.bytes());
+            (mirror, launches, work, address, bytes)
         };
         let mut reads = vec![
             DeviceRead {
                 id: cache.id(),
-                address: pages.address(),
-                bytes: pages.bytes(),
+                address,
+                bytes,
             },
             DeviceRead {
                 id: BufferId::fresh_cache(),

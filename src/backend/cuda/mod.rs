@@ -17,7 +17,9 @@ mod attention;
 pub mod device;
 pub mod fast;
 mod fast_attention;
+mod fast_fp8;
 mod fast_sparse;
+mod fp8_cache;
 mod stats;
 
 pub use attention::live_cache_mirrors;

@@ -116,7 +116,8 @@ impl App {
             .mark_cache
             .entry((m.current_number(), c))
             .or_insert_with(|| Marks {
-                judge: Judge::new(Tolerances::Table(run.flags.dtype)),
+                judge: Judge::new(Tolerances::Table(run.flags.dtype))
+                    .with_kv_cache(run.flags.kv_cache),
                 verdicts: Vec::new(),
             });
         while marks.verdicts.len() < run.len() {

@@ -117,10 +117,15 @@ fn flags_bar(frame: &mut Frame, app: &App, area: Rect) {
         marked(onoff(f.force_dequant).into(), idle(Subject::ForceDequant)),
         f.force_dequant,
     ));
+    // The latent cache's storage, when it is not bf16.
+    let kv = match f.kv_cache {
+        crate::ops::KvCacheDtype::Bf16 => String::new(),
+        other => format!(" kv {other}"),
+    };
     spans.extend(item(
         "",
-        format!("{:?} {:?}", f.device, f.dtype).to_lowercase(),
-        f.dtype != Default::default(),
+        format!("{:?} {:?}{kv}", f.device, f.dtype).to_lowercase(),
+        f.dtype != Default::default() || !kv.is_empty(),
     ));
     // The attention kernels mean something on the GPU only.
     if f.device == crate::debug::flags::DeviceFlag::Cuda {

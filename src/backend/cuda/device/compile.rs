@@ -10,6 +10,7 @@ const COMMON: &str = include_str!("../../../../kernels/common.cuh");
 const MMA: &str = include_str!("../../../../kernels/mma.cuh");
 const WGMMA: &str = include_str!("../../../../kernels/wgmma.cuh");
 const TMA: &str = include_str!("../../../../kernels/tma.cuh");
+const KV_FP8: &str = include_str!("../../../../kernels/kv_fp8.cuh");
 
 /// (file name, source) of every kernel file.
 pub const SOURCES: &[(&str, &str)] = &[
@@ -40,6 +41,7 @@ pub const SOURCES: &[(&str, &str)] = &[
         "flash_prefill.cu",
         include_str!("../../../../kernels/flash_prefill.cu"),
     ),
+    ("kv_fp8.cu", include_str!("../../../../kernels/kv_fp8.cu")),
 ];
 
 /// Kernel files for Hopper alone (compute capability 9.0, compiled for `sm_90a`: wgmma has no
@@ -62,13 +64,14 @@ pub fn hopper_target(arch: &str) -> Option<String> {
         .then(|| format!("{}a", arch.trim_end_matches('a')))
 }
 
-/// The source with `common.cuh`, `mma.cuh`, `wgmma.cuh` and `tma.cuh` inlined (NVRTC is given no
-/// include files).
+/// The source with `common.cuh`, `mma.cuh`, `wgmma.cuh`, `tma.cuh` and `kv_fp8.cuh` inlined
+/// (NVRTC is given no include files).
 pub fn full_source(src: &str) -> String {
     src.replace("#include \"common.cuh\"", COMMON)
         .replace("#include \"mma.cuh\"", MMA)
         .replace("#include \"wgmma.cuh\"", WGMMA)
         .replace("#include \"tma.cuh\"", TMA)
+        .replace("#include \"kv_fp8.cuh\"", KV_FP8)
 }
 
 /// Whether NVRTC can be loaded (probe before the first NVRTC call: cudarc panics otherwise).

@@ -120,6 +120,20 @@ pub struct Decode<'a> {
     pub merge_faults: MergeFaults,
 }
 
+/// A split decode's merge: the partials it reads, the output it writes.
+pub struct Merge<'a> {
+    pub batch: usize,
+    pub heads: usize,
+    pub splits: usize,
+    /// [batch, splits, heads, 512] f32 and [batch, splits, heads] f32.
+    pub part_o: &'a DevBuf,
+    pub part_lse: &'a DevBuf,
+    /// [batch, heads, 512] bf16 and [batch, heads] f32.
+    pub out: &'a DevBuf,
+    pub lse: &'a DevBuf,
+    pub faults: MergeFaults,
+}
+
 /// The faults the debugger plants in the split merges (kernels/mla_decode.cu, `FAULT_*`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MergeFaults {
@@ -298,57 +312,86 @@ impl Gpu {
         unsafe { self.launch_traced(sig, d.kernel, cfg, &args) }
     }
 
-    /// Merges the splits of [`Gpu::mla_decode_splits`] into `out` and `lse`: a warp per
-    /// (sequence, head) when `per_row` (at most 32 splits), else a block per (sequence, head,
-    /// quarter of the dims).
+    /// Merges the splits of [`Gpu::mla_decode_splits`] into `out` and `lse` (see
+    /// [`Gpu::mla_decode_merge`]).
     pub fn mla_decode_combine(&self, d: &Decode, per_row: bool) -> Result<Launched> {
-        let a = d.check()?;
+        d.check()?;
+        self.mla_decode_merge(
+            &Merge {
+                batch: d.batch,
+                heads: d.heads,
+                splits: d.splits,
+                part_o: d.part_o,
+                part_lse: d.part_lse,
+                out: d.out,
+                lse: d.lse,
+                faults: d.merge_faults,
+            },
+            per_row,
+        )
+    }
+
+    /// Merges a split decode's partials (any decode: bf16, sparse or FP8 cache) into `out` and
+    /// `lse`: a warp per (sequence, head) when `per_row` (at most 32 splits), else a block per
+    /// (sequence, head, quarter of the dims).
+    pub fn mla_decode_merge(&self, m: &Merge, per_row: bool) -> Result<Launched> {
+        let (b, h, s) = (m.batch, m.heads, m.splits);
+        if b == 0 || h == 0 || !(1..=MAX_SPLITS).contains(&s) {
+            return Err(Error::invalid(format!(
+                "MLA decode merge: {b} sequences, {h} heads, {s} splits (1 to {MAX_SPLITS})"
+            )));
+        }
         let mut args = vec![
-            a.part_o,
-            a.part_lse,
-            a.out,
-            a.lse,
-            int(d.splits, "splits")?,
-            int(d.heads, "heads")?,
+            need(
+                "MLA decode workspace",
+                m.part_o,
+                prod(&[b, s, h, LATENT])?,
+                Elem::F32,
+            )?,
+            need(
+                "MLA decode workspace",
+                m.part_lse,
+                prod(&[b, s, h])?,
+                Elem::F32,
+            )?,
+            need("MLA decode out", m.out, prod(&[b, h, LATENT])?, Elem::Bf16)?,
+            need("MLA decode lse", m.lse, prod(&[b, h])?, Elem::F32)?,
+            int(s, "splits")?,
+            int(h, "heads")?,
         ];
-        let rows = prod(&[d.batch, d.heads])?;
+        let rows = prod(&[b, h])?;
         if per_row {
-            if d.splits > COMBINE_ROWS_MAX {
+            if s > COMBINE_ROWS_MAX {
                 return Err(Error::invalid(
                     "MLA decode: the per-row merge takes 32 splits",
                 ));
             }
             args.push(int(rows, "rows")?);
-            args.push(d.merge_faults.bits());
+            args.push(m.faults.bits());
             let cfg = Launch {
                 grid: (blocks("MLA decode merge", rows.div_ceil(8))?, 1, 1),
                 block: 256,
                 shared: 0,
             };
+            let sig = &MLA_DECODE_COMBINE_ROWS;
             // SAFETY: warp w of block x merges row 8x + w < rows (the kernel returns past it),
-            // reading its ≤ 32 splits; extents checked in `check`.
-            return unsafe {
-                self.launch_traced(
-                    &MLA_DECODE_COMBINE_ROWS,
-                    MLA_DECODE_COMBINE_ROWS.pattern,
-                    cfg,
-                    &args,
-                )
-            };
+            // reading its ≤ 32 splits; extents checked above.
+            return unsafe { self.launch_traced(sig, sig.pattern, cfg, &args) };
         }
-        args.push(d.merge_faults.bits());
+        args.push(m.faults.bits());
         let cfg = Launch {
             grid: (
-                blocks("MLA decode merge", d.batch)?,
-                blocks_yz("MLA decode merge", d.heads)?,
+                blocks("MLA decode merge", b)?,
+                blocks_yz("MLA decode merge", h)?,
                 (LATENT / 128) as u32,
             ),
             block: 256,
             shared: 0,
         };
+        let sig = &MLA_DECODE_COMBINE;
         // SAFETY: block (b, h, quarter) reads the ≤ 256 splits of (b, h) (the kernel's shared
-        // array holds 256) and writes a quarter of out row (b, h); extents checked in `check`.
-        unsafe { self.launch_traced(&MLA_DECODE_COMBINE, MLA_DECODE_COMBINE.pattern, cfg, &args) }
+        // array holds 256) and writes a quarter of out row (b, h); extents checked above.
+        unsafe { self.launch_traced(sig, sig.pattern, cfg, &args) }
     }
 
     /// Causal prefill of one sequence with a portable kernel (`flash_prefill_r…`, or `…k…` with

@@ -4,7 +4,7 @@
 //! Every `unsafe` of the CUDA backend is in this module and its files (the rest of `cuda` is
 //! compiled with `deny(unsafe_code)`), each with the invariant it relies on beside it. The raw
 //! launch is `unsafe` and private to this module; what the backend calls are the typed launchers
-//! of [`kernels`], [`mla_kernels`], [`model_kernels`] and [`fast_kernels`], one per kernel, which take typed buffers, check every
+//! of [`kernels`], [`mla_kernels`], [`model_kernels`], [`fast_kernels`] and [`fp8_kernels`], one per kernel, which take typed buffers, check every
 //! buffer against the sizes the kernel will index with, and pass exactly the parameters of the
 //! kernel's `extern "C"` signature (declared in [`signature`] and compared with `kernels/*.cu` by
 //! a test). A safe caller cannot make a kernel read or write out of bounds.
@@ -13,6 +13,7 @@ pub mod blas;
 pub mod buffer;
 pub mod compile;
 pub mod fast_kernels;
+pub mod fp8_kernels;
 pub mod kernels;
 pub mod mla_kernels;
 pub mod model_kernels;

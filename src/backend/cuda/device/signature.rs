@@ -209,7 +209,7 @@ fn declarations(text: &str) -> Vec<(String, Vec<String>)> {
 mod tests {
     use super::*;
     use crate::backend::cuda::device::compile::{HOPPER_SOURCES, SOURCES};
-    use crate::backend::cuda::device::{fast_kernels, kernels, Elem};
+    use crate::backend::cuda::device::{fast_kernels, fp8_kernels, kernels, Elem};
 
     #[test]
     fn kernel_names_cover_plain_bounded_and_macro_declarations() {
@@ -244,6 +244,7 @@ mod tests {
         let declared: Vec<&Sig> = kernels::SIGNATURES
             .iter()
             .chain(fast_kernels::SIGNATURES.iter())
+            .chain(fp8_kernels::SIGNATURES.iter())
             .copied()
             .collect();
         let mut used = vec![0usize; declared.len()];

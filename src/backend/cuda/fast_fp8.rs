@@ -1,0 +1,160 @@
+//! The tensor-core MLA decode over an fp8_ds_mla latent cache (656-byte rows: E4M3 latent values
+//! in four scaled tiles, bf16 RoPE values), as production serves GLM-5. Each variant is a bf16
+//! decode variant whose tile loader dequantizes the rows into the same shared-memory bf16 tiles
+//! (kernels/kv_fp8.cuh), so it takes that variant's shared memory and split choice. The TMA
+//! and wgmma variants have no FP8 form: TMA copies bytes as they are, and the tiles need
+//! converting on the way in.
+
+use super::device::fast_kernels::Merge;
+use super::device::fp8_kernels::Fp8Decode;
+use super::device::{DevBuf, DevBytes, DevI32, Gpu};
+use super::fast::{
+    combine_rows_max, decode_splits, decode_variants, traced, DecodeShape, DecodeWork,
+};
+use crate::error::{Error, Result};
+use crate::ops::KernelLaunch;
+
+/// The FP8-cache variants, in order of preference, each with the bf16 variant it mirrors.
+const VARIANTS: [(&str, &str); 4] = [
+    ("mla_decode_fp8_ks3", "mla_decode_ks3"),
+    ("mla_decode_fp8_ks2", "mla_decode_ks2"),
+    ("mla_decode_fp8_t32", "mla_decode_t32"),
+    ("mla_decode_fp8_t16", "mla_decode_t16"),
+];
+
+/// Shared bytes of an FP8-cache variant: its bf16 twin's (the same tiles in shared memory).
+fn shared_of(fp8: &str) -> Option<u32> {
+    let (_, twin) = VARIANTS.iter().find(|(k, _)| *k == fp8)?;
+    decode_variants()
+        .into_iter()
+        .find(|(k, _)| k == twin)
+        .map(|(_, b)| b)
+}
+
+/// The FP8-cache variants this device runs, in order of preference.
+pub fn fp8_decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
+    VARIANTS
+        .iter()
+        .map(|&(k, _)| k)
+        .filter(|k| {
+            gpu.has_kernel(k)
+                && shared_of(k).is_some_and(|b| b as usize <= gpu.max_shared_per_block())
+        })
+        .collect()
+}
+
+/// The FP8-cache kernel for a forced variant, given as the bf16 kernel's name
+/// (`mla_decode_ks3`, from `--decode-variant`) or its own; `Err` with the reason when it has
+/// none (the TMA and wgmma variants).
+pub fn fp8_kernel_of(variant: &str) -> Result<&'static str> {
+    VARIANTS
+        .iter()
+        .find(|(fp8, twin)| *fp8 == variant || *twin == variant)
+        .map(|&(fp8, _)| fp8)
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "{variant} has no form that reads an fp8_ds_mla cache (those are ks3, ks2, t32, \
+                 t16: TMA copies the bytes as they are, and the tiles need converting)"
+            ))
+        })
+}
+
+/// The FP8-cache kernel and its shared bytes: `forced` (see [`fp8_kernel_of`]) or the first
+/// the device runs.
+fn fp8_variant(gpu: &Gpu, forced: Option<&str>) -> Result<(&'static str, u32)> {
+    let limit = gpu.max_shared_per_block();
+    let kernel = match forced {
+        Some(v) => fp8_kernel_of(v)?,
+        None => *fp8_decode_variants_for(gpu).first().ok_or_else(|| {
+            Error::invalid(format!(
+                "no FP8-cache decode variant fits this device's {limit} bytes of shared memory"
+            ))
+        })?,
+    };
+    let shared = shared_of(kernel).expect("every variant has a twin");
+    if !gpu.has_kernel(kernel) || shared as usize > limit {
+        return Err(Error::invalid(format!(
+            "{kernel} needs {shared} bytes of shared memory per block; this device allows {limit}"
+        )));
+    }
+    Ok((kernel, shared))
+}
+
+impl DecodeWork {
+    /// The plan of an FP8-cache decode: the variant (`forced`, or the device's first) and the
+    /// split count its bf16 twin would take for the shape (`splits` overrides it, for tests).
+    pub fn for_fp8(
+        gpu: &Gpu,
+        shape: DecodeShape,
+        forced: Option<&str>,
+        splits: Option<usize>,
+    ) -> Result<DecodeWork> {
+        let (kernel, shared) = fp8_variant(gpu, forced)?;
+        let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, shared));
+        if !(1..=super::device::fast_kernels::MAX_SPLITS).contains(&splits) {
+            return Err(Error::invalid(format!("MLA decode: {splits} splits")));
+        }
+        DecodeWork::scratch(gpu, shape, splits, (kernel, shared))
+    }
+}
+
+/// Absorbed MLA decode over an fp8_ds_mla cache: `q` [batch, heads, 576] bf16, `cache` the paged
+/// byte cache [pages·64 · 656], `block_table` [batch, max_pages], `seq_lens` [batch]. Writes
+/// `out` [batch, heads, 512] bf16 and `lse` [batch, heads] f32, as [`super::fast::mla_decode`]
+/// does; `work` from [`DecodeWork::for_fp8`]. Returns the split kernel's launch, then the
+/// merge's when it split.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_decode_fp8(
+    gpu: &Gpu,
+    shape: DecodeShape,
+    q: &DevBuf,
+    cache: &DevBytes,
+    block_table: &DevI32,
+    seq_lens: &DevI32,
+    scale: f32,
+    out: &DevBuf,
+    lse: &DevBuf,
+    work: &DecodeWork,
+) -> Result<Vec<KernelLaunch>> {
+    if !VARIANTS.iter().any(|(k, _)| *k == work.kernel) {
+        return Err(Error::invalid(format!(
+            "{} does not read an fp8_ds_mla cache",
+            work.kernel
+        )));
+    }
+    let launch = Fp8Decode {
+        kernel: work.kernel,
+        shared: work.shared,
+        batch: shape.batch,
+        heads: shape.heads,
+        max_pages: shape.max_pages,
+        splits: work.splits,
+        q,
+        cache,
+        block_table,
+        seq_lens,
+        scale_log2: scale * std::f32::consts::LOG2_E,
+        part_o: &work.part_o,
+        part_lse: &work.part_lse,
+        out,
+        lse,
+    };
+    let split = traced(gpu.mla_decode_fp8_splits(&launch)?, work.splits);
+    if work.splits == 1 {
+        return Ok(vec![split]);
+    }
+    // The merge the bf16 decode takes for the same shape.
+    let per_row = work.splits <= combine_rows_max() && shape.batch * shape.heads >= 512;
+    let merge = Merge {
+        batch: shape.batch,
+        heads: shape.heads,
+        splits: work.splits,
+        part_o: &work.part_o,
+        part_lse: &work.part_lse,
+        out,
+        lse,
+        faults: work.merge_faults,
+    };
+    let merge = traced(gpu.mla_decode_merge(&merge, per_row)?, 1);
+    Ok(vec![split, merge])
+}

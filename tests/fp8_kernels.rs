@@ -1,0 +1,276 @@
+//! The fp8_ds_mla latent cache's kernels on the GPU: the write kernel's bytes against the CPU
+//! codec's (ties, saturation, zero rows, NaN and infinity, every fault, f32 and bf16 rows), and
+//! every FP8-cache decode variant against the f64 reference over the decoded rows, and bit for
+//! bit against its bf16 twin over a bf16 copy of them. GPU only: ignored by default, run by
+//! `tools/gpu_check.sh` with `--include-ignored`.
+
+mod common;
+
+use mladb::backend::cuda::device::{DevBuf, Elem, Gpu};
+use mladb::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
+use mladb::engine::StorageDtype;
+use mladb::ops::kv_fp8::{self, E4M3_MAX, TILE, TOKEN_BYTES};
+use mladb::ops::Fp8Faults;
+
+const WIDTH: usize = LATENT + ROPE;
+
+/// Every E4M3 value from 0 up, in order.
+fn e4m3_grid() -> Vec<f32> {
+    let mut v: Vec<f32> = (0..=0x7Eu8).map(kv_fp8::e4m3_to_f32).collect();
+    v.sort_by(f32::total_cmp);
+    v
+}
+
+/// Rows that exercise the codec's edges, then random rows of varied magnitudes.
+fn test_rows(rng: &mut common::Lcg, random: usize) -> Vec<Vec<f32>> {
+    let grid = e4m3_grid();
+    let mut rows = Vec::new();
+    // All zeros (scale at its floor), and negative zeros.
+    rows.push(vec![0.0; WIDTH]);
+    rows.push(vec![-0.0; WIDTH]);
+    // Exact ties: a tile whose amax is 448·2^k has scale 2^k, so midpoints of the grid stay
+    // midpoints after the division; both parities, subnormals included, both signs.
+    for k in [-12, -3, 0, 5] {
+        let s = 2f32.powi(k);
+        let mut row = vec![0f32; WIDTH];
+        for (i, v) in row.iter_mut().enumerate().take(LATENT) {
+            let j = 1 + i % (grid.len() - 2);
+            let mid = (grid[j] + grid[j + 1]) / 2.0;
+            let sign = if (i / 7) % 2 == 0 { 1.0 } else { -1.0 };
+            *v = sign * mid * s;
+        }
+        for t in 0..LATENT / TILE {
+            row[t * TILE] = E4M3_MAX * s; // the tile's amax
+        }
+        for (i, v) in row[LATENT..].iter_mut().enumerate() {
+            *v = (i as f32 - 31.5) * 0.37;
+        }
+        rows.push(row);
+    }
+    // NaN and infinity in a tile, values below half the smallest subnormal, huge values.
+    let mut odd = vec![1e-3f32; WIDTH];
+    odd[3] = f32::NAN;
+    odd[TILE + 5] = f32::INFINITY;
+    odd[2 * TILE] = 3e38;
+    odd[2 * TILE + 1] = 1e-30;
+    odd[3 * TILE + 9] = -1e-12;
+    odd[LATENT + 1] = f32::NAN;
+    rows.push(odd);
+    // Values past 448 (they saturate under fp8-scale-default).
+    rows.push((0..WIDTH).map(|i| (i as f32 - 288.0) * 3.1).collect());
+    for _ in 0..random {
+        let row = (0..WIDTH)
+            .map(|i| {
+                let tile_mag = 10f32.powi((i / TILE) as i32 * 2 - 4);
+                (rng.next_f32() * 2.0 - 1.0) * tile_mag * 10f32.powf(rng.next_f32() * 2.0 - 1.0)
+            })
+            .collect();
+        rows.push(row);
+    }
+    rows
+}
+
+/// The host's byte cache of `slots` slots (filled with 0xA5) after the CPU codec wrote each row
+/// at its slot.
+fn host_cache(rows: &[Vec<f32>], at: &[usize], slots: usize, faults: Fp8Faults) -> Vec<u8> {
+    let mut cache = vec![0xA5u8; slots * TOKEN_BYTES];
+    for (row, &s) in rows.iter().zip(at) {
+        let out = &mut cache[s * TOKEN_BYTES..(s + 1) * TOKEN_BYTES];
+        kv_fp8::encode_token_with(&row[..LATENT], &row[LATENT..], out, faults).unwrap();
+    }
+    cache
+}
+
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn the_write_kernel_writes_the_codec_bytes() {
+    let backend = common::cuda_backend(StorageDtype::Bf16);
+    let gpu: &Gpu = backend.gpu();
+    let seed = common::seed();
+    let mut rng = common::Lcg::new(seed ^ 0xf8);
+    let rows = test_rows(&mut rng, 300);
+    // Scattered over five pages, in a shuffled order, some slots left unwritten.
+    let slots = 5 * PAGE;
+    let mut order: Vec<usize> = (0..slots).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.next_u64() as usize % (i + 1));
+    }
+    let at: Vec<usize> = order[..rows.len()].to_vec();
+    let d_slots = gpu
+        .upload_i32(&at.iter().map(|&s| s as i32).collect::<Vec<_>>())
+        .unwrap();
+    for bits in 0..4u32 {
+        let faults = Fp8Faults {
+            scale_default: bits & 1 != 0,
+            amax_padded: bits & 2 != 0,
+        };
+        for elem in [Elem::F32, Elem::Bf16] {
+            // bf16 rows are the codec's input rounded to bf16, as the device holds them.
+            let input: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|r| match elem {
+                    Elem::F32 => r.clone(),
+                    Elem::Bf16 => r
+                        .iter()
+                        .map(|&v| half::bf16::from_f32(v).to_f32())
+                        .collect(),
+                })
+                .collect();
+            let want = host_cache(&input, &at, slots, faults);
+            let d_cache = gpu
+                .upload_bytes(&vec![0xA5u8; slots * TOKEN_BYTES])
+                .unwrap();
+            let flat: Vec<f32> = input.concat();
+            let d_rows = gpu.upload(&flat, elem).unwrap();
+            gpu.kv_fp8_write(&d_rows, &d_slots, &d_cache, rows.len(), faults.bits())
+                .unwrap();
+            let got = gpu.download_vec(&d_cache, slots * TOKEN_BYTES).unwrap();
+            if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+                let (slot, byte) = (i / TOKEN_BYTES, i % TOKEN_BYTES);
+                let row = at.iter().position(|&s| s == slot);
+                panic!(
+                    "{elem:?} rows, faults {faults:?}: slot {slot} (row {row:?}) byte {byte}: \
+                     device {:#04x}, codec {:#04x} (seed {seed})",
+                    got[i], want[i]
+                );
+            }
+        }
+    }
+    // Bad arguments are errors, not launches.
+    let d_cache = gpu.upload_bytes(&vec![0u8; TOKEN_BYTES * 2]).unwrap();
+    let d_rows = gpu.upload(&rows[0], Elem::F32).unwrap();
+    assert!(gpu.kv_fp8_write(&d_rows, &d_slots, &d_cache, 1, 0).is_err());
+    let one = gpu.upload_i32(&[1]).unwrap();
+    assert!(gpu.kv_fp8_write(&d_rows, &one, &d_cache, 2, 0).is_err());
+    assert!(gpu.kv_fp8_write(&d_rows, &one, &d_cache, 1, 4).is_err());
+}
+
+/// Decodes `bytes` (a whole byte cache) to rows, each value rounded to bf16: what the decode's
+/// shared tiles hold.
+fn decoded_bf16(bytes: &[u8]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(bytes.len() / TOKEN_BYTES * WIDTH);
+    for slot in bytes.chunks(TOKEN_BYTES) {
+        let (mut l, mut r) = (vec![0f32; LATENT], vec![0f32; ROPE]);
+        kv_fp8::decode_token(slot, &mut l, &mut r).unwrap();
+        out.extend(
+            l.iter()
+                .chain(&r)
+                .map(|&v| half::bf16::from_f32(v).to_f32()),
+        );
+    }
+    out
+}
+
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn every_fp8_decode_variant_matches_the_reference_and_its_bf16_twin() {
+    let backend = common::cuda_backend(StorageDtype::Bf16);
+    let gpu: &Gpu = backend.gpu();
+    let seed = common::seed();
+    let mut rng = common::Lcg::new(seed ^ 0xdec8);
+    let lens = [1usize, 77, 0, 300, 130];
+    let heads = 16;
+    let batch = lens.len();
+    // Pages in order, three spare; every slot written (rows of varied tile magnitudes).
+    let max_pages = lens.iter().map(|l| l.div_ceil(PAGE)).max().unwrap();
+    let total_pages = batch * max_pages + 3;
+    let table: Vec<i32> = (0..batch * max_pages).map(|p| (p + 3) as i32).collect();
+    let rows: Vec<Vec<f32>> = (0..total_pages * PAGE)
+        .map(|_| {
+            (0..WIDTH)
+                .map(|i| (rng.next_f32() * 2.0 - 1.0) * [1.0, 8.0, 0.05, 0.5, 1.0][i / TILE])
+                .collect()
+        })
+        .collect();
+    let at: Vec<usize> = (0..rows.len()).collect();
+    let bytes = host_cache(&rows, &at, rows.len(), Fp8Faults::default());
+    let cache = decoded_bf16(&bytes);
+    let q: Vec<f32> = (0..batch * heads * WIDTH)
+        .map(|_| half::bf16::from_f32(rng.next_f32() * 2.0 - 1.0).to_f32())
+        .collect();
+    let scale = 1.0 / 192f32.sqrt();
+    let d_q = gpu.upload(&q, Elem::Bf16).unwrap();
+    let d_bytes = gpu.upload_bytes(&bytes).unwrap();
+    let d_cache = gpu.upload(&cache, Elem::Bf16).unwrap();
+    let d_table = gpu.upload_i32(&table).unwrap();
+    let d_lens = gpu
+        .upload_i32(&lens.iter().map(|&l| l as i32).collect::<Vec<_>>())
+        .unwrap();
+    let shape = DecodeShape {
+        batch,
+        heads,
+        max_pages,
+        max_len: 300,
+    };
+    let variants = fast::fp8_decode_variants_for(gpu);
+    assert!(
+        !variants.is_empty(),
+        "no FP8-cache decode variant runs here"
+    );
+    let outputs = |gpu: &Gpu| {
+        let out = gpu.alloc(batch * heads * LATENT, Elem::Bf16).unwrap();
+        let lse = gpu.alloc(batch * heads, Elem::F32).unwrap();
+        gpu.fill(&out, true).unwrap();
+        gpu.fill(&lse, true).unwrap();
+        (out, lse)
+    };
+    let read =
+        |gpu: &Gpu, (o, l): &(DevBuf, DevBuf)| (gpu.download(o).unwrap(), gpu.download(l).unwrap());
+    for variant in variants {
+        let twin = variant.replace("fp8_", "");
+        for splits in [1, 4, 40] {
+            let work = DecodeWork::for_fp8(gpu, shape, Some(variant), Some(splits)).unwrap();
+            assert_eq!(work.kernel, variant);
+            let got = outputs(gpu);
+            fast::mla_decode_fp8(
+                gpu, shape, &d_q, &d_bytes, &d_table, &d_lens, scale, &got.0, &got.1, &work,
+            )
+            .unwrap();
+            let (out, lse) = read(gpu, &got);
+            let bf16_work = DecodeWork::with_variant(gpu, shape, splits, Some(&twin)).unwrap();
+            let want = outputs(gpu);
+            fast::mla_decode(
+                gpu, shape, &d_q, &d_cache, &d_table, &d_lens, scale, &want.0, &want.1, &bf16_work,
+            )
+            .unwrap();
+            let (twin_out, twin_lse) = read(gpu, &want);
+            let what = format!("{variant}, {splits} splits (seed {seed})");
+            // The same tiles in shared memory, the same MMAs: the same bits.
+            assert!(
+                out.iter()
+                    .zip(&twin_out)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+                    && lse
+                        .iter()
+                        .zip(&twin_lse)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: differs from {twin} over the decoded rows"
+            );
+            let mut worst: f64 = 0.0;
+            for (b, &len) in lens.iter().enumerate() {
+                for h in 0..heads {
+                    let row = (b * heads + h) * LATENT;
+                    if len == 0 {
+                        assert!(out[row..row + LATENT].iter().all(|&x| x == 0.0), "{what}");
+                        continue;
+                    }
+                    let qv = &q[(b * heads + h) * WIDTH..][..WIDTH];
+                    let key = |t: usize| {
+                        let page = table[b * max_pages + t / PAGE] as usize;
+                        &cache[(page * PAGE + t % PAGE) * WIDTH..][..WIDTH]
+                    };
+                    let reference = fast::reference_attention(
+                        qv,
+                        (0..len).map(|t| (key(t), &key(t)[..LATENT])),
+                        scale as f64,
+                    );
+                    worst = worst.max(fast::relative_error(&out[row..row + LATENT], &reference));
+                }
+            }
+            eprintln!("{what}: worst relative error {worst:.2e}");
+            assert!(worst < 1e-2, "{what}: relative error {worst}");
+        }
+    }
+    // A variant without an FP8 form is refused by name.
+    assert!(DecodeWork::for_fp8(gpu, shape, Some("mla_decode_kt3"), None).is_err());
+}
