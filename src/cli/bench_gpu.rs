@@ -362,6 +362,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
 
     if !args.no_kernels {
         super::bench_sparse::sparse_decode(gpu, c.copy_gbs, args.quick)?;
+        super::bench_fp8::fp8_decode(gpu)?;
         super::bench_traced::traced_decode(&backend, args.quick)?;
     }
     if args.no_layers {

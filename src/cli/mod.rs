@@ -9,6 +9,7 @@
 
 pub mod args;
 pub mod bench;
+pub mod bench_fp8;
 pub mod bench_gpu;
 pub mod bench_sparse;
 pub mod bench_traced;
