@@ -27,18 +27,35 @@ fn gpu_flags() -> Flags {
     }
 }
 
-fn job<'a>(
-    model: &'a Model,
-    backend: &'a dyn mladb::backend::Backend,
-    schedule: &'a Schedule,
-    layers: &'a std::ops::Range<usize>,
-) -> Job<'a> {
-    Job {
-        model,
-        backend,
-        schedule,
-        layers,
-        poison: true,
+/// A model, a prompt of `len` tokens prefilled whole, and `decode` steps, over every layer.
+struct Case {
+    model: Model,
+    schedule: Schedule,
+    layers: std::ops::Range<usize>,
+}
+
+impl Case {
+    fn new(model: Model, len: usize, decode: usize) -> Case {
+        Case {
+            schedule: Schedule {
+                prompt: prompt(model.layout.vocab_size, len),
+                prefill_len: len,
+                decode_steps: decode,
+            },
+            layers: 0..model.layout.num_layers,
+            model,
+        }
+    }
+
+    /// The job `check` and the runs take, with poisoned buffers.
+    fn job<'a>(&'a self, backend: &'a dyn mladb::backend::Backend) -> Job<'a> {
+        Job {
+            model: &self.model,
+            backend,
+            schedule: &self.schedule,
+            layers: &self.layers,
+            poison: true,
+        }
     }
 }
 
@@ -78,13 +95,8 @@ fn the_fast_kernels_run_the_traced_attention_and_say_so() {
     let model = synthetic("glm5-rank8", 5);
     // 300 tokens: the prefill is one flash-prefill launch; each decode step's context spans
     // five pages, which the split choice cuts into several splits for one sequence of 8 heads.
-    let schedule = Schedule {
-        prompt: prompt(model.layout.vocab_size, 300),
-        prefill_len: 300,
-        decode_steps: 2,
-    };
-    let layers = 0..model.layout.num_layers;
-    let j = job(&model, &gpu, &schedule, &layers);
+    let case = Case::new(model, 300, 2);
+    let j = case.job(&gpu);
     let fast = j.run(gpu_flags(), None).unwrap();
 
     let prefill = event(&fast, Phase::Prefill, "attn_output");
@@ -159,13 +171,8 @@ fn the_fast_kernels_run_the_traced_attention_and_say_so() {
 fn check_is_clean_on_the_fast_kernels_of_every_decode_variant() {
     let gpu = cuda_backend(StorageDtype::Bf16);
     let model = synthetic("glm5-rank8", 9);
-    let schedule = Schedule {
-        prompt: prompt(model.layout.vocab_size, 140),
-        prefill_len: 140,
-        decode_steps: 2,
-    };
-    let layers = 0..model.layout.num_layers;
-    let j = job(&model, &gpu, &schedule, &layers);
+    let case = Case::new(model, 140, 2);
+    let j = case.job(&gpu);
     let variants = mladb::backend::cuda::fast::decode_variants_for(gpu.gpu());
     assert!(!variants.is_empty(), "no decode variant runs on this GPU");
     for kernel in variants {
@@ -192,13 +199,8 @@ fn check_is_clean_on_the_fast_kernels_of_every_decode_variant() {
 fn faults_in_the_fast_kernels_are_caught_where_they_act() {
     let gpu = cuda_backend(StorageDtype::Bf16);
     let model = synthetic("glm5-rank8", 4);
-    let schedule = Schedule {
-        prompt: prompt(model.layout.vocab_size, 140),
-        prefill_len: 140,
-        decode_steps: 2,
-    };
-    let layers = 0..model.layout.num_layers;
-    let j = job(&model, &gpu, &schedule, &layers);
+    let case = Case::new(model, 140, 2);
+    let j = case.job(&gpu);
     // The disconnect in both phases (its default) shows first at the flash prefill's wrapper; in
     // decode alone, at the tensor-core decode's.
     for (fault, kind, phase) in [
@@ -265,13 +267,8 @@ fn faults_in_the_fast_kernels_are_caught_where_they_act() {
 fn deepseek_dims_are_clean_and_a_value_stride_drift_is_caught() {
     let gpu = cuda_backend(StorageDtype::Bf16);
     let model = synthetic("deepseek-v3-rank16", 6);
-    let schedule = Schedule {
-        prompt: prompt(model.layout.vocab_size, 150),
-        prefill_len: 150,
-        decode_steps: 2,
-    };
-    let layers = 0..model.layout.num_layers;
-    let j = job(&model, &gpu, &schedule, &layers);
+    let case = Case::new(model, 150, 2);
+    let j = case.job(&gpu);
     let report = check_clean(&j, gpu_flags(), "deepseek-v3-rank16");
     let prefill = event(&report.run, Phase::Prefill, "attn_output");
     let info = prefill.kernel.clone().unwrap();
@@ -301,8 +298,8 @@ fn deepseek_dims_are_clean_and_a_value_stride_drift_is_caught() {
         report.findings
     );
 
-    let model = synthetic("glm5-rank8", 6);
-    let j = job(&model, &gpu, &schedule, &layers);
+    let case = Case::new(synthetic("glm5-rank8", 6), 150, 2);
+    let j = case.job(&gpu);
     let report = check(&j, flags, &options).unwrap();
     assert!(report.findings.is_empty(), "{:#?}", report.findings);
     assert!(
@@ -321,13 +318,8 @@ fn check_is_clean_on_an_fp8_cache_with_every_fp8_decode_variant() {
     let gpu = cuda_backend(StorageDtype::Bf16);
     let model = synthetic("glm5-rank8", 11);
     // 140 tokens: each decode step's context spans three pages, split several ways.
-    let schedule = Schedule {
-        prompt: prompt(model.layout.vocab_size, 140),
-        prefill_len: 140,
-        decode_steps: 2,
-    };
-    let layers = 0..model.layout.num_layers;
-    let j = job(&model, &gpu, &schedule, &layers);
+    let case = Case::new(model, 140, 2);
+    let j = case.job(&gpu);
     let variants = mladb::backend::cuda::fast::fp8_decode_variants_for(gpu.gpu());
     assert!(
         !variants.is_empty(),
@@ -382,17 +374,9 @@ fn check_is_clean_on_an_fp8_cache_with_every_fp8_decode_variant() {
 
 #[test]
 fn the_cpu_runs_the_reference_kernels_and_records_no_launch() {
-    let model = synthetic("glm5-rank8", 3);
-    let schedule = Schedule {
-        prompt: prompt(model.layout.vocab_size, 6),
-        prefill_len: 6,
-        decode_steps: 1,
-    };
-    let layers = 0..model.layout.num_layers;
+    let case = Case::new(synthetic("glm5-rank8", 3), 6, 1);
     let cpu = mladb::backend::cpu::CpuBackend;
-    let run = job(&model, &cpu, &schedule, &layers)
-        .run(Flags::default(), None)
-        .unwrap();
+    let run = case.job(&cpu).run(Flags::default(), None).unwrap();
     assert!(run.events.iter().all(|e| e.kernel.is_none()));
     assert!(run.events.iter().any(|e| e.kind == OpKind::AttentionProbs));
 }
@@ -404,13 +388,8 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
     let mut model = synthetic("glm5-rank8", 11);
     // An index_topk of 100 makes a 300-token context sparse without a 2048-token prompt.
     model.layout.indexer.as_mut().unwrap().topk = 100;
-    let schedule = Schedule {
-        prompt: prompt(model.layout.vocab_size, 300),
-        prefill_len: 300,
-        decode_steps: 2,
-    };
-    let layers = 0..model.layout.num_layers;
-    let j = job(&model, &gpu, &schedule, &layers);
+    let case = Case::new(model, 300, 2);
+    let j = case.job(&gpu);
     let variants = mladb::backend::cuda::fast::sparse_decode_variants_for(gpu.gpu());
     assert!(!variants.is_empty(), "no sparse decode variant runs here");
     for sparse in variants {
