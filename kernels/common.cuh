@@ -84,24 +84,6 @@ __device__ __forceinline__ DecodeSplit decode_split(int n_tok, int splits, int s
     return {split * chunk, min(split * chunk + chunk, n_tok)};
 }
 
-// Sparse decode (mla_sparse_*): sequence b attends to the keys listed in row b of an index
-// array (token positions, -1 for padding) rather than to its first tokens; the splits and tiles
-// then run over list entries. The cache row of entry i of a list of n entries through the
-// sequence's block table (pages of 64 rows), or -1 for padding and entries past n.
-__device__ __forceinline__ int sparse_row(const int* list, int i, int n, const int* bt) {
-    const int pos = i < n ? list[i] : -1;
-    return pos < 0 ? -1 : bt[pos / 64] * 64 + pos % 64;
-}
-
-// Bit j set where entry i + j (j < count) of the list is a key, not padding or past n: the
-// scores of the other entries are masked to -inf (their zeroed rows alone would score 0).
-__device__ __forceinline__ unsigned sparse_keys(const int* list, int i, int n, int count) {
-    unsigned bits = 0;
-    for (int j = 0; j < count; j++)
-        if (i + j < n && list[i + j] >= 0) bits |= 1u << j;
-    return bits;
-}
-
 // What an empty split (or sequence) leaves for its `rows` heads × dv: zeros and an LSE of -inf,
 // in the output itself (one split: `row` of out/lse_out) or in the split's partials (`part_row`).
 // `rows` is the block's heads that exist, not its group size: the rows after them belong to the

@@ -19,13 +19,14 @@
 // GLM-5 runs over the DSA indexer's top-k) are the same templates with SPARSE set: sequence b
 // attends to the keys indices[b, 0..lens[b]] (token positions, mapped to cache rows through its
 // block-table row; -1 is padding, anywhere in the list), the splits divide the list, and each
-// tile is gathered row by row. Padding and entries past the split's end get zeroed rows AND
-// scores of -inf; a sequence whose entries are all padding ends with l = 0, i.e. zeros and an
-// LSE of -inf, like an empty split.
+// tile is gathered row by row, its rows looked up tiles ahead (sparse.cuh). Padding and entries
+// past the split's end get zeroed rows AND scores of -inf; a sequence whose entries are all
+// padding ends with l = 0, i.e. zeros and an LSE of -inf, like an empty split.
 #include "common.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
 #include "kv_fp8.cuh"
+#include "sparse.cuh"
 
 #define HEADS 64
 #define DQK 576
@@ -47,6 +48,7 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
     bf16_t* sP = sKV + STAGES * TILE * STRIDE;
     float* sMax = (float*)(sP + HEADS * PSTRIDE);  // [2][HEADS]
     float* sSum = sMax + 2 * HEADS;                // [2][HEADS] (and HEADS floats spare)
+    int* ring = (int*)(sMax + 5 * HEADS);          // SPARSE: the row lookups (sparse.cuh)
     const unsigned sQ_a = smem_addr(sQ), sKV_a = smem_addr(sKV), sP_a = smem_addr(sP);
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * HEADS;
@@ -78,10 +80,17 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
     // lies in one page: one block-table lookup per tile. Rows past the end are zeroed.
     const int* bt = block_table + (u64)b * max_pages;
     const int* list = SPARSE ? indices + (u64)b * topk : nullptr;
+    // Issuing tile j, the groups up to tile j − LAG are complete and behind a barrier: STAGES = 2
+    // issues a tile before waiting for the one before it, STAGES = 1 after.
+    constexpr int LAG = STAGES;
+    if constexpr (SPARSE) {
+        if (warp == 0) sparse_ring_start<TILE, LAG>(ring, list, bt, t_begin, t_end, lane);
+        __syncthreads();
+    }
     auto load_tile = [&](int t0, int stage) {
         if constexpr (SPARSE) {
-            // Lane r < TILE of each warp finds the row of entry t0 + r; a chunk takes it by shuffle.
-            const int mine = sparse_row(list, lane < TILE ? t0 + lane : t_end, t_end, bt);
+            // Lane r < TILE of each warp reads the row of entry t0 + r; a chunk takes it by shuffle.
+            const int mine = sparse_ring_row<TILE>(ring, t0, lane);
             const unsigned dst = sKV_a + stage * TILE * STRIDE * 2;
 #pragma unroll
             for (int i = 0; i < (TILE * CHUNKS + THREADS - 1) / THREADS; i++) {
@@ -95,6 +104,7 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
                         st_shared_zero16(dst + (r * STRIDE + k) * 2);
                 }
             }
+            if (warp == 0) sparse_ring_ahead<TILE, LAG>(ring, list, bt, t0, t_end, lane);
             cp_async_commit();
             return;
         }

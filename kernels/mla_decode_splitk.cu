@@ -9,6 +9,7 @@
 #include "mma.cuh"
 #include "tma.cuh"
 #include "kv_fp8.cuh"
+#include "sparse.cuh"
 
 #define HEADS 64
 #define DQK 576
@@ -74,6 +75,7 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
     float* sSum = sMax + 4 * HEADS;                // [4][HEADS]
     const unsigned sQ_a = smem_addr(sQ), sKV_a = smem_addr(sKV), sX_a = smem_addr(sX), sP_a = smem_addr(sP);
     const unsigned mbar = smem_addr(sSum + 4 * HEADS);  // [STAGES] TMA barriers
+    int* ring = (int*)(sSum + 4 * HEADS);               // SPARSE: the row lookups (sparse.cuh)
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * HEADS;
     const int heads_here = min(HEADS, total_heads - head0);  // the rest of the group is padding
@@ -109,10 +111,16 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
 
     const int* bt = block_table + (u64)b * max_pages;
     const int* list = SPARSE ? indices + (u64)b * topk : nullptr;
+    // Issuing tile j, the groups up to tile j − LAG are complete and behind a barrier.
+    constexpr int LAG = STAGES - 1;
+    if constexpr (SPARSE) {
+        if (warp == 0) sparse_ring_start<TILE, LAG>(ring, list, bt, t_begin, t_end, lane);
+        __syncthreads();
+    }
     auto load_tile = [&](int t0, int stage) {
         if constexpr (SPARSE) {
-            // Lane r of each warp finds the row of entry t0 + r; a chunk takes it by shuffle.
-            const int mine = sparse_row(list, t0 + lane, t_end, bt);
+            // Lane r of each warp reads the row of entry t0 + r; a chunk takes it by shuffle.
+            const int mine = sparse_ring_row<TILE>(ring, t0, lane);
             const unsigned dst = sKV_a + stage * STAGE_BYTES;
 #pragma unroll
             for (int i = 0; i < TILE * CHUNKS / THREADS; i++) {
@@ -124,6 +132,7 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
                 else
                     st_shared_zero16(dst + (r * STRIDE + k) * 2);
             }
+            if (warp == 0) sparse_ring_ahead<TILE, LAG>(ring, list, bt, t0, t_end, lane);
             cp_async_commit();
             return;
         }

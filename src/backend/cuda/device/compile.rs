@@ -11,6 +11,7 @@ const MMA: &str = include_str!("../../../../kernels/mma.cuh");
 const WGMMA: &str = include_str!("../../../../kernels/wgmma.cuh");
 const TMA: &str = include_str!("../../../../kernels/tma.cuh");
 const KV_FP8: &str = include_str!("../../../../kernels/kv_fp8.cuh");
+const SPARSE: &str = include_str!("../../../../kernels/sparse.cuh");
 
 /// (file name, source) of every kernel file.
 pub const SOURCES: &[(&str, &str)] = &[
@@ -64,14 +65,15 @@ pub fn hopper_target(arch: &str) -> Option<String> {
         .then(|| format!("{}a", arch.trim_end_matches('a')))
 }
 
-/// The source with `common.cuh`, `mma.cuh`, `wgmma.cuh`, `tma.cuh` and `kv_fp8.cuh` inlined
-/// (NVRTC is given no include files).
+/// The source with `common.cuh`, `mma.cuh`, `wgmma.cuh`, `tma.cuh`, `kv_fp8.cuh` and
+/// `sparse.cuh` inlined (NVRTC is given no include files).
 pub fn full_source(src: &str) -> String {
     src.replace("#include \"common.cuh\"", COMMON)
         .replace("#include \"mma.cuh\"", MMA)
         .replace("#include \"wgmma.cuh\"", WGMMA)
         .replace("#include \"tma.cuh\"", TMA)
         .replace("#include \"kv_fp8.cuh\"", KV_FP8)
+        .replace("#include \"sparse.cuh\"", SPARSE)
 }
 
 /// Whether NVRTC can be loaded (probe before the first NVRTC call: cudarc panics otherwise).
