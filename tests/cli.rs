@@ -206,6 +206,19 @@ fn bad_input_is_one_error_line_and_exit_2() {
         &mladb(&["run", "--layout", "glm5-tiny", "--layers", "3..9"]),
         "--layers 3..9",
     );
+    // The attention kernel flags (meaningful on the GPU, checked everywhere).
+    assert_clean_error(
+        &mladb(&["run", "--attn-kernel", "slow"]),
+        "--attn-kernel: attn-kernel 'slow' is not fast or reference",
+    );
+    assert_clean_error(
+        &mladb(&["run", "--decode-variant", "t8"]),
+        "decode variant 't8' is not one of wgmma, kt3, ks3, ks2, t32, t16",
+    );
+    assert_clean_error(
+        &mladb(&["check", "--prefill-variant", "r32"]),
+        "prefill variant 'r32' is not one of",
+    );
     if mladb::backend::cuda::probe().is_err() {
         assert_clean_error(&mladb(&["run", "--device", "cuda"]), "--device cuda: ");
     }
