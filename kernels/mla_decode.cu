@@ -109,7 +109,8 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
             return;
         }
         if (FP8) {  // an fp8_ds_mla cache: rows of 656 bytes, dequantized on the way in
-            fp8_load_tile<TILE, STRIDE, THREADS>(sKV_a + stage * TILE * STRIDE * 2, (const unsigned char*)cache,
+            constexpr int FP8_BATCH = TILE == 16 ? 2 : 4;  // chunks in flight per thread (kv_fp8.cuh)
+            fp8_load_tile<TILE, STRIDE, THREADS, FP8_BATCH>(sKV_a + stage * TILE * STRIDE * 2, (const unsigned char*)cache,
                                                  (u64)bt[t0 / PAGE] * PAGE + t0 % PAGE, t_end - t0);
             cp_async_commit();
             return;

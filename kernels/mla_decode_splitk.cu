@@ -148,7 +148,8 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
             return;
         }
         if (FP8) {  // an fp8_ds_mla cache: rows of 656 bytes, dequantized on the way in
-            fp8_load_tile<TILE, STRIDE, THREADS>(sKV_a + stage * STAGE_BYTES, (const unsigned char*)cache,
+            constexpr int FP8_BATCH = 4;  // chunks in flight per thread (kv_fp8.cuh)
+            fp8_load_tile<TILE, STRIDE, THREADS, FP8_BATCH>(sKV_a + stage * STAGE_BYTES, (const unsigned char*)cache,
                                                  (u64)bt[t0 / PAGE] * PAGE + t0 % PAGE, t_end - t0);
             cp_async_commit();
             return;
