@@ -69,57 +69,62 @@ __device__ __forceinline__ void fp8_store16(unsigned dst, uint4 b, float s) {
         const int sh = (i % 2) * 16;
         p[i] = pack_bf16(e4m3_to_f32((w[i / 2] >> sh) & 0xffu) * s, e4m3_to_f32((w[i / 2] >> (sh + 8)) & 0xffu) * s);
     }
-    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst), "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3]));
-    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + 16), "r"(p[4]), "r"(p[5]), "r"(p[6]), "r"(p[7]));
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst), "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3]) : "memory");
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + 16), "r"(p[4]), "r"(p[5]), "r"(p[6]), "r"(p[7]) : "memory");
 }
 
-// One tile of a decode's KV loader from an fp8_ds_mla cache: rows row0.. (one page, so
-// consecutive slots) as TILE rows of 576 bf16 at a shared row stride of STRIDE elements from
-// `dst`; rows from `valid` on are zeroed. The RoPE part is bf16 already and copied
-// asynchronously, as a bf16 cache's is. The latent part goes in 16-byte chunks (16 values, one
-// tile's, so one scale), BATCH chunks per thread at a time: all of a batch's global loads are
-// issued before any is converted, so a batch waits for one memory latency rather than one per
-// chunk. The batches are not unrolled: the decode's accumulators are live around the loader,
-// and BATCH is what each kernel's registers leave room for (a zero row converts to +0, as
-// st_shared_zero16 writes).
-template <int TILE, int STRIDE_, int THREADS_, int BATCH>
-__device__ __forceinline__ void fp8_load_tile(unsigned dst, const unsigned char* cache, u64 row0, int valid) {
-    constexpr int ROPE_CHUNKS = FP8_ROPE / 8;     // 16-byte chunks of a row's bf16 RoPE part
-    constexpr int LATENT_CHUNKS = FP8_LATENT / 16;  // 16-byte chunks of a row's E4M3 part
-    constexpr int PER_THREAD = TILE * LATENT_CHUNKS / THREADS_;
-    static_assert(TILE * LATENT_CHUNKS % THREADS_ == 0 && PER_THREAD % BATCH == 0, "whole batches");
-    for (int c = threadIdx.x; c < TILE * ROPE_CHUNKS; c += THREADS_) {
-        const int r = c / ROPE_CHUNKS, k = (c % ROPE_CHUNKS) * 8;
-        const unsigned d = dst + (r * STRIDE_ + FP8_LATENT + k) * 2;
-        if (r < valid)
-            cp_async16(d, cache + (row0 + r) * FP8_TOKEN_BYTES + FP8_ROPE_AT + 2 * k);
-        else
-            st_shared_zero16(d);
+// A decode's KV tile from an fp8_ds_mla cache comes in two steps, so that its global loads are
+// asynchronous like a bf16 cache's and overlap the compute of earlier tiles:
+// - fp8_issue_tile (the stage's loader) copies each row's 656 raw bytes by cp.async into the
+//   tail of the row's shared bf16 row (bytes FP8_RAW_AT.. of its STRIDE·2 = 1168) and zeroes
+//   the rows from `valid` on;
+// - fp8_expand_tile (after the stage's wait and barrier) dequantizes each row in place: E4M3 ×
+//   the tile's scale rounded to bf16 (what a bf16 copy of the decoded row holds) into bytes
+//   0..1024, the bf16 RoPE part moved to 1024..1152. The raw bytes overlap the bf16 ones of the
+//   same row only, so one warp takes a row: every lane reads its part, the warp syncs, then
+//   every lane writes. A barrier must follow before the tile is read.
+#define FP8_RAW_AT 512
+
+template <int TILE, int STRIDE_, int THREADS_>
+__device__ __forceinline__ void fp8_issue_tile(unsigned dst, const unsigned char* cache, u64 row0, int valid) {
+    constexpr int RAW_CHUNKS = FP8_TOKEN_BYTES / 16;     // 41 16-byte chunks of a cache row
+    constexpr int CHUNKS = (FP8_LATENT + FP8_ROPE) / 8;  // 72 of a bf16 row
+    static_assert(FP8_TOKEN_BYTES % 16 == 0 && FP8_RAW_AT + FP8_TOKEN_BYTES <= STRIDE_ * 2 && STRIDE_ % 8 == 0,
+                  "raw rows fit, 16-byte aligned, in the tails of the bf16 rows");
+    const int n = min(TILE, valid);
+    const unsigned char* src = cache + row0 * FP8_TOKEN_BYTES;
+    for (int c = threadIdx.x; c < n * RAW_CHUNKS; c += THREADS_) {
+        const int r = c / RAW_CHUNKS, j = c % RAW_CHUNKS;
+        cp_async16(dst + r * STRIDE_ * 2 + FP8_RAW_AT + 16 * j, src + (u64)r * FP8_TOKEN_BYTES + 16 * j);
     }
-    // Chunk c = threadIdx.x + i·THREADS: the column is the same for every i (THREADS is a
-    // multiple of LATENT_CHUNKS), so is the scale's tile; the row steps by THREADS / 32.
-    static_assert(THREADS_ % LATENT_CHUNKS == 0, "one column per thread");
-    const int k = (threadIdx.x % LATENT_CHUNKS) * 16, r0 = threadIdx.x / LATENT_CHUNKS;
-    constexpr int ROW_STEP = THREADS_ / LATENT_CHUNKS;
-    const unsigned char* src = cache + (row0 + r0) * FP8_TOKEN_BYTES;
-    const unsigned d0 = dst + (r0 * STRIDE_ + k) * 2;
+    for (int c = n * CHUNKS + threadIdx.x; c < TILE * CHUNKS; c += THREADS_)
+        st_shared_zero16(dst + ((c / CHUNKS) * STRIDE_ + (c % CHUNKS) * 8) * 2);
+}
+
+__device__ __forceinline__ uint4 fp8_ld_shared16(unsigned addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+}
+
+template <int TILE, int STRIDE_, int THREADS_>
+__device__ __forceinline__ void fp8_expand_tile(unsigned dst, int valid) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int n = min(TILE, valid);
+    static_assert(FP8_LATENT == 32 * 16 && FP8_ROPE * 2 == 8 * 16, "lane l: latent bytes 16l.., lanes < 8: a RoPE chunk");
 #pragma unroll 1
-    for (int i0 = 0; i0 < PER_THREAD; i0 += BATCH) {
-        uint4 b[BATCH];
-        float s[BATCH];
-#pragma unroll
-        for (int j = 0; j < BATCH; j++) {
-            const int r = r0 + (i0 + j) * ROW_STEP;
-            const unsigned char* t = src + (u64)((i0 + j) * ROW_STEP) * FP8_TOKEN_BYTES;
-            if (r < valid) {
-                b[j] = __ldg((const uint4*)(t + k));
-                s[j] = __ldg((const float*)(t + FP8_SCALES_AT + 4 * (k / FP8_TILE)));
-            } else {
-                b[j] = make_uint4(0, 0, 0, 0);
-                s[j] = 0.0f;
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < BATCH; j++) fp8_store16(d0 + (i0 + j) * ROW_STEP * STRIDE_ * 2, b[j], s[j]);
+    for (int r = warp; r < n; r += THREADS_ / 32) {  // the same rows for the whole warp
+        const unsigned row = dst + r * STRIDE_ * 2, raw = row + FP8_RAW_AT;
+        const uint4 b = fp8_ld_shared16(raw + 16 * lane);
+        float s;
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(s) : "r"(raw + FP8_SCALES_AT + 4 * (16 * lane / FP8_TILE)) : "memory");
+        uint4 rope = make_uint4(0, 0, 0, 0);
+        if (lane < 8) rope = fp8_ld_shared16(raw + FP8_ROPE_AT + 16 * lane);
+        __syncwarp();
+        fp8_store16(row + 32 * lane, b, s);
+        if (lane < 8)
+            asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(row + 2 * FP8_LATENT + 16 * lane), "r"(rope.x), "r"(rope.y),
+                         "r"(rope.z), "r"(rope.w)
+                         : "memory");
     }
 }
