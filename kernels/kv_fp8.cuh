@@ -17,16 +17,13 @@
 #define FP8_PADDING_AMAX 1.0e4f    // what fp8-amax-padded-rows finds in the padding
 
 // The value of an E4M3 byte: 2^(e-7)·(1 + m/8), or m·2^-9 for e = 0; 0x7F and 0xFF are NaN.
+// Exponent and mantissa placed in a float's (e = 0 giving an f32 subnormal) make the value
+// times 2^-120, and the product by 2^120 is exact (no flush to zero: the kernels are compiled
+// without -ftz), so no branch is taken per byte.
 __device__ __forceinline__ float e4m3_to_f32(unsigned b) {
-    const unsigned e = (b >> 3) & 15u, m = b & 7u;
-    float v;
-    if (e == 0)
-        v = (float)m * (1.0f / 512.0f);
-    else if (e == 15 && m == 7)
-        v = __int_as_float(0x7fc00000);
-    else
-        v = __uint_as_float(((e + 120u) << 23) | (m << 20));
-    return (b & 0x80u) ? -v : v;
+    const u32 sign = (b & 0x80u) << 24;
+    if ((b & 0x7fu) == 0x7fu) return __uint_as_float(sign | 0x7fc00000u);
+    return __uint_as_float(sign | ((b & 0x7fu) << 20)) * __uint_as_float(247u << 23);
 }
 
 // 2^k as a float (k within the normal range).
@@ -62,41 +59,72 @@ __device__ __forceinline__ float fp8_tile_scale(float amax, int faults) {
     return fmaxf(amax / FP8_MAX, 1.17549435e-38f);
 }
 
-// Columns k..k+7 of an fp8_ds_mla cache row (656 bytes) into 16 bytes of shared memory as
-// bf16, for the decode's tile loaders: a latent chunk lies in one tile, and its bytes are
-// dequantized here (E4M3 × the tile's scale, rounded to bf16: what a bf16 copy of the decoded
-// row holds); a RoPE chunk is bf16 already and copied asynchronously, as a bf16 cache's is.
-__device__ __forceinline__ void fp8_load16(unsigned dst, const unsigned char* cache, u64 row, int k) {
-    const unsigned char* t = cache + row * FP8_TOKEN_BYTES;
-    if (k >= FP8_LATENT) {
-        cp_async16(dst, t + FP8_ROPE_AT + 2 * (k - FP8_LATENT));
-        return;
-    }
-    const uint2 b = *(const uint2*)(t + k);
-    const float s = *(const float*)(t + FP8_SCALES_AT + 4 * (k / FP8_TILE));
-    unsigned p[4];
+// Sixteen E4M3 bytes times their tile's scale, rounded to bf16 (what a bf16 copy of the decoded
+// row holds), as 16 bytes of shared memory at dst and 16 more at dst + 16.
+__device__ __forceinline__ void fp8_store16(unsigned dst, uint4 b, float s) {
+    const u32 w[4] = {b.x, b.y, b.z, b.w};
+    unsigned p[8];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const u32 w = i < 2 ? b.x : b.y;
+    for (int i = 0; i < 8; i++) {
         const int sh = (i % 2) * 16;
-        p[i] = pack_bf16(e4m3_to_f32((w >> sh) & 0xffu) * s, e4m3_to_f32((w >> (sh + 8)) & 0xffu) * s);
+        p[i] = pack_bf16(e4m3_to_f32((w[i / 2] >> sh) & 0xffu) * s, e4m3_to_f32((w[i / 2] >> (sh + 8)) & 0xffu) * s);
     }
-    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst), "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3]));
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst), "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3]) : "memory");
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + 16), "r"(p[4]), "r"(p[5]), "r"(p[6]), "r"(p[7]) : "memory");
 }
 
-// One tile of a decode's KV loader from an fp8_ds_mla cache: rows row0.. (one page, so
-// consecutive slots) as TILE rows of 576 bf16 at a shared row stride of STRIDE elements from
-// `dst`; rows from `valid` on are zeroed. Not unrolled: the decode's accumulators are live
-// around it, and registers are what the loader must not take.
+// A decode's KV tile from an fp8_ds_mla cache comes in two steps, so that its global loads are
+// asynchronous like a bf16 cache's and overlap the compute of earlier tiles:
+// - fp8_issue_tile (the stage's loader) copies each row's 656 raw bytes by cp.async into the
+//   tail of the row's shared bf16 row (bytes FP8_RAW_AT.. of its STRIDE·2 = 1168) and zeroes
+//   the rows from `valid` on;
+// - fp8_expand_tile (after the stage's wait and barrier) dequantizes each row in place: E4M3 ×
+//   the tile's scale rounded to bf16 (what a bf16 copy of the decoded row holds) into bytes
+//   0..1024, the bf16 RoPE part moved to 1024..1152. The raw bytes overlap the bf16 ones of the
+//   same row only, so one warp takes a row: every lane reads its part, the warp syncs, then
+//   every lane writes. A barrier must follow before the tile is read.
+#define FP8_RAW_AT 512
+
 template <int TILE, int STRIDE_, int THREADS_>
-__device__ __forceinline__ void fp8_load_tile(unsigned dst, const unsigned char* cache, u64 row0, int valid) {
-    constexpr int CHUNKS = (FP8_LATENT + FP8_ROPE) / 8;  // 16-byte chunks of a bf16 row
+__device__ __forceinline__ void fp8_issue_tile(unsigned dst, const unsigned char* cache, u64 row0, int valid) {
+    constexpr int RAW_CHUNKS = FP8_TOKEN_BYTES / 16;     // 41 16-byte chunks of a cache row
+    constexpr int CHUNKS = (FP8_LATENT + FP8_ROPE) / 8;  // 72 of a bf16 row
+    static_assert(FP8_TOKEN_BYTES % 16 == 0 && FP8_RAW_AT + FP8_TOKEN_BYTES <= STRIDE_ * 2 && STRIDE_ % 8 == 0,
+                  "raw rows fit, 16-byte aligned, in the tails of the bf16 rows");
+    const int n = min(TILE, valid);
+    const unsigned char* src = cache + row0 * FP8_TOKEN_BYTES;
+    for (int c = threadIdx.x; c < n * RAW_CHUNKS; c += THREADS_) {
+        const int r = c / RAW_CHUNKS, j = c % RAW_CHUNKS;
+        cp_async16(dst + r * STRIDE_ * 2 + FP8_RAW_AT + 16 * j, src + (u64)r * FP8_TOKEN_BYTES + 16 * j);
+    }
+    for (int c = n * CHUNKS + threadIdx.x; c < TILE * CHUNKS; c += THREADS_)
+        st_shared_zero16(dst + ((c / CHUNKS) * STRIDE_ + (c % CHUNKS) * 8) * 2);
+}
+
+__device__ __forceinline__ uint4 fp8_ld_shared16(unsigned addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+}
+
+template <int TILE, int STRIDE_, int THREADS_>
+__device__ __forceinline__ void fp8_expand_tile(unsigned dst, int valid) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int n = min(TILE, valid);
+    static_assert(FP8_LATENT == 32 * 16 && FP8_ROPE * 2 == 8 * 16, "lane l: latent bytes 16l.., lanes < 8: a RoPE chunk");
 #pragma unroll 1
-    for (int c = threadIdx.x; c < TILE * CHUNKS; c += THREADS_) {
-        const int r = c / CHUNKS, k = (c % CHUNKS) * 8;
-        if (r < valid)
-            fp8_load16(dst + (r * STRIDE_ + k) * 2, cache, row0 + r, k);
-        else
-            st_shared_zero16(dst + (r * STRIDE_ + k) * 2);
+    for (int r = warp; r < n; r += THREADS_ / 32) {  // the same rows for the whole warp
+        const unsigned row = dst + r * STRIDE_ * 2, raw = row + FP8_RAW_AT;
+        const uint4 b = fp8_ld_shared16(raw + 16 * lane);
+        float s;
+        asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(s) : "r"(raw + FP8_SCALES_AT + 4 * (16 * lane / FP8_TILE)) : "memory");
+        uint4 rope = make_uint4(0, 0, 0, 0);
+        if (lane < 8) rope = fp8_ld_shared16(raw + FP8_ROPE_AT + 16 * lane);
+        __syncwarp();
+        fp8_store16(row + 32 * lane, b, s);
+        if (lane < 8)
+            asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(row + 2 * FP8_LATENT + 16 * lane), "r"(rope.x), "r"(rope.y),
+                         "r"(rope.z), "r"(rope.w)
+                         : "memory");
     }
 }

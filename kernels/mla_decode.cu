@@ -108,9 +108,9 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
             cp_async_commit();
             return;
         }
-        if (FP8) {  // an fp8_ds_mla cache: rows of 656 bytes, dequantized on the way in
-            fp8_load_tile<TILE, STRIDE, THREADS>(sKV_a + stage * TILE * STRIDE * 2, (const unsigned char*)cache,
-                                                 (u64)bt[t0 / PAGE] * PAGE + t0 % PAGE, t_end - t0);
+        if (FP8) {  // an fp8_ds_mla cache: rows of 656 bytes, raw into the stage (kv_fp8.cuh)
+            fp8_issue_tile<TILE, STRIDE, THREADS>(sKV_a + stage * TILE * STRIDE * 2, (const unsigned char*)cache,
+                                                  (u64)bt[t0 / PAGE] * PAGE + t0 % PAGE, t_end - t0);
             cp_async_commit();
             return;
         }
@@ -155,6 +155,10 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
             cp_async_wait<0>();
         }
         __syncthreads();
+        if constexpr (FP8) {  // the landed raw rows to bf16, in place (kv_fp8.cuh)
+            fp8_expand_tile<TILE, STRIDE, THREADS>(sKV_a + stage * TILE * STRIDE * 2, t_end - t0);
+            __syncthreads();
+        }
         const unsigned kv = sKV_a + stage * TILE * STRIDE * 2;
         // Which of this thread's tokens of S are keys (bit 2·nt + j); loaded ahead of the mma.
         unsigned keys = ~0u;

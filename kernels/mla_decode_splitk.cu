@@ -147,9 +147,9 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
             }
             return;
         }
-        if (FP8) {  // an fp8_ds_mla cache: rows of 656 bytes, dequantized on the way in
-            fp8_load_tile<TILE, STRIDE, THREADS>(sKV_a + stage * STAGE_BYTES, (const unsigned char*)cache,
-                                                 (u64)bt[t0 / PAGE] * PAGE + t0 % PAGE, t_end - t0);
+        if (FP8) {  // an fp8_ds_mla cache: rows of 656 bytes, raw into the stage (kv_fp8.cuh)
+            fp8_issue_tile<TILE, STRIDE, THREADS>(sKV_a + stage * STAGE_BYTES, (const unsigned char*)cache,
+                                                  (u64)bt[t0 / PAGE] * PAGE + t0 % PAGE, t_end - t0);
             cp_async_commit();
             return;
         }
@@ -231,6 +231,10 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
             cp_async_wait<0>();
             __syncthreads();
             if (t0 + TILE < t_end) load_tile(t0 + TILE, stage ^ 1);
+        }
+        if constexpr (FP8) {  // the landed raw rows to bf16, in place (kv_fp8.cuh)
+            fp8_expand_tile<TILE, STRIDE, THREADS>(sKV_a + stage * STAGE_BYTES, t_end - t0);
+            __syncthreads();
         }
         const unsigned kv = sKV_a + stage * STAGE_BYTES;
         // Which of this thread's two tokens of S are keys; loaded ahead of the mma.
