@@ -8,33 +8,22 @@
 //! time is event-timed on the device, as the kernel grid above. The engine decodes one sequence
 //! at a time, so this is batch 1 (a serving batch of many sequences is the kernel grid's).
 
+use super::bench_gpu::median;
 use super::Out;
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, ROPE};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{AttnMask, Backend, FastOutcome, MlaDims};
 use crate::engine::cache::LatentCache;
 use crate::error::{Error, Result};
+use crate::model::weights::synthetic::normalish;
 use crate::ops::{AttnKernels, KernelFaults, RowSource};
 use crate::tensor::Tensor;
 use std::time::Instant;
 
-/// A deterministic value in -1..1 for element `i` of stream `seed`.
-fn noise(seed: u64, i: u64) -> f32 {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i.wrapping_mul(0xD1B5_4A32_D192_ED03);
-    x ^= x >> 29;
-    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 32;
-    (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-}
-
+/// Random inputs from the synthetic weights' generator.
 fn random(shape: &[usize], seed: u64) -> Tensor {
     let n: usize = shape.iter().product();
-    Tensor::from_vec(shape, (0..n as u64).map(|i| noise(seed, i)).collect())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    Tensor::from_vec(shape, (0..n as u64).map(|i| normalish(seed, i)).collect())
 }
 
 /// (traced ms, bare ms, splits) of one decode step over `context` tokens with `heads` heads.
@@ -43,7 +32,7 @@ fn traced_step(backend: &CudaBackend, context: usize, heads: usize) -> Result<(f
     let mut cache = LatentCache::new(width, false);
     for t in 0..context {
         let row: Vec<f32> = (0..width as u64)
-            .map(|i| noise(7, (t * width) as u64 + i))
+            .map(|i| normalish(7, (t * width) as u64 + i))
             .collect();
         cache.push(&row)?;
     }

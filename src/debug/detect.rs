@@ -83,19 +83,12 @@ fn kernel_mismatch(
     if flags.device != super::flags::DeviceFlag::Cuda {
         return Ok(());
     }
-    let info = |e: &&crate::engine::OpEvent| e.kernel.clone();
-    let fast = run
-        .events
-        .iter()
-        .filter_map(|e| info(&e))
-        .filter(|k| !k.launches.is_empty())
-        .count();
-    if fast == 0 {
+    if !run.events.iter().any(|e| e.ran_fast_kernel()) {
         let why = run
             .events
             .iter()
-            .find_map(|e| e.kernel.as_ref().and_then(|k| k.reference.clone()))
-            .unwrap_or_else(|| "no attention op ran".into());
+            .find_map(|e| e.reference_reason())
+            .unwrap_or("no attention op ran");
         v.notes.push(format!(
             "fast vs reference kernels: skipped, no attention op ran a fast kernel ({why})"
         ));

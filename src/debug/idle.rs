@@ -293,6 +293,18 @@ impl Run<'_> {
             .unwrap_or(0)
     }
 
+    /// Why every attention op of the run takes the reference kernels, where the faults that live
+    /// in the fast ones have nothing to act on; `None` on the GPU with the fast kernels asked.
+    fn reference_kernels_only(&self) -> Option<&'static str> {
+        if self.flags.device == super::flags::DeviceFlag::Cpu {
+            Some("the CPU runs the reference kernels")
+        } else if self.flags.kernels.kernel == crate::ops::AttnKernel::Reference {
+            Some("--attn-kernel reference runs the reference kernels")
+        } else {
+            None
+        }
+    }
+
     fn mla_disable(&self, finished: bool) -> Option<String> {
         let mut without = *self.flags;
         without.mla_disable = false;
@@ -369,32 +381,13 @@ impl Run<'_> {
             f if f.needs_fp8_cache() && self.flags.kv_cache != KvCacheDtype::Fp8DsMla => {
                 Some(NEEDS_FP8_CACHE.to_string())
             }
-            Fault::Exp2Scale if self.flags.device == super::flags::DeviceFlag::Cpu => Some(
-                "it lives in the fast GPU kernels (softmax in exp2); the CPU runs the reference \
-                 kernels, in exp"
-                    .into(),
-            ),
-            Fault::Exp2Scale if self.flags.kernels.kernel == crate::ops::AttnKernel::Reference => {
-                Some(
-                    "it lives in the fast GPU kernels (softmax in exp2); --attn-kernel reference \
-                     runs the reference kernels, in exp"
-                        .into(),
-                )
-            }
-            Fault::KvStrideMismatch if self.flags.device == super::flags::DeviceFlag::Cpu => Some(
-                "it lives in the fast GPU prefill (its value tile loader); the CPU runs the \
-                 reference kernels"
-                    .into(),
-            ),
-            Fault::KvStrideMismatch
-                if self.flags.kernels.kernel == crate::ops::AttnKernel::Reference =>
-            {
-                Some(
-                    "it lives in the fast GPU prefill; --attn-kernel reference runs the \
-                     reference kernels"
-                        .into(),
-                )
-            }
+            Fault::Exp2Scale | Fault::KvStrideMismatch => self.reference_kernels_only().map(|off| {
+                let lives = match fault {
+                    Fault::Exp2Scale => "the fast GPU kernels (softmax in exp2)",
+                    _ => "the fast GPU prefill (its value tile loader)",
+                };
+                format!("it lives in {lives}; {off}")
+            }),
             Fault::YarnMscale => match self.kv_b.yarn_mscales {
                 Some(None) => Some("the model does not scale RoPE by YaRN with mscale and mscale_all_dim".into()),
                 Some(Some((m, all))) if m == all => Some(format!(
@@ -452,20 +445,19 @@ impl Run<'_> {
                     )
                 })
             }
-            Fault::Exp2Scale => (!self.any_in_scope(fault, |_, e| {
-                e.kernel.as_ref().is_some_and(|k| !k.launches.is_empty())
-            }))
-            .then(|| {
-                let why = self
-                    .events
-                    .iter()
-                    .find_map(|e| e.kernel.as_ref().and_then(|k| k.reference.clone()))
-                    .map_or(String::new(), |w| format!(" ({w})"));
-                format!(
+            Fault::Exp2Scale => {
+                (!self.any_in_scope(fault, |_, e| e.ran_fast_kernel())).then(|| {
+                    let why = self
+                        .events
+                        .iter()
+                        .find_map(|e| e.reference_reason())
+                        .map_or(String::new(), |w| format!(" ({w})"));
+                    format!(
                     "no attention op in its phases ran a fast kernel{why}; the reference kernels \
                      compute in exp"
                 )
-            }),
+                })
+            }
             Fault::IndexerRopeLayout => {
                 let q_rope = |e: &OpEvent| e.name.ends_with("self_attn.indexer.q_rope");
                 if self.any_in_scope(fault, |_, e| q_rope(e) && e.positions.1 >= 2) {

@@ -473,10 +473,16 @@ impl KernelOutput {
     }
 }
 
+/// The events an attention call may report before its output: (op name, kind).
+const PROBS: (&str, OpKind) = ("attn_probs", OpKind::AttentionProbs);
+const PARTIALS: (&str, OpKind) = ("attn_partials", OpKind::AttentionPartials);
+const PARTIALS_LSE: (&str, OpKind) = ("attn_partials_lse", OpKind::AttentionPartials);
+const LSE: (&str, OpKind) = ("attn_lse", OpKind::AttentionLse);
+const SIDE_OPS: [(&str, OpKind); 4] = [PROBS, PARTIALS, PARTIALS_LSE, LSE];
+
 /// One event of an attention kernel call, before the output's.
 struct Side {
-    op: &'static str,
-    kind: OpKind,
+    op: (&'static str, OpKind),
     tensor: Tensor,
     kernel: Option<KernelInfo>,
 }
@@ -491,8 +497,7 @@ fn sides(output: KernelOutput) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>
                 reference: Some(why),
             });
             let side = Side {
-                op: "attn_probs",
-                kind: OpKind::AttentionProbs,
+                op: PROBS,
                 tensor: probs,
                 kernel: info.clone(),
             };
@@ -510,21 +515,18 @@ fn sides(output: KernelOutput) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>
             let mut sides = Vec::new();
             if let Some((outputs, lse)) = f.partials {
                 sides.push(Side {
-                    op: "attn_partials",
-                    kind: OpKind::AttentionPartials,
+                    op: PARTIALS,
                     tensor: outputs,
                     kernel: Some(first.clone()),
                 });
                 sides.push(Side {
-                    op: "attn_partials_lse",
-                    kind: OpKind::AttentionPartials,
+                    op: PARTIALS_LSE,
                     tensor: lse,
                     kernel: Some(first),
                 });
             }
             sides.push(Side {
-                op: "attn_lse",
-                kind: OpKind::AttentionLse,
+                op: LSE,
                 tensor: f.lse,
                 kernel: Some(info.clone()),
             });
@@ -537,14 +539,6 @@ fn sides(output: KernelOutput) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>
         }
     }
 }
-
-/// The events an attention call may report before its output, by name.
-const SIDE_OPS: [&str; 4] = [
-    "attn_probs",
-    "attn_partials",
-    "attn_partials_lse",
-    "attn_lse",
-];
 
 /// The attention wrapper: allocates the output buffer, hands it to the kernel and returns it,
 /// reporting the kernel's results (the reference's probabilities, or a fast kernel's split
@@ -569,17 +563,12 @@ fn run_attention(
     let mut replayed = Vec::new();
     while let Some(op) = SIDE_OPS
         .into_iter()
-        .find(|op| sink.replays(replayed.len(), &side_name(op)))
+        .find(|(op, _)| sink.replays(replayed.len(), &side_name(op)))
     {
         replayed.push(op);
     }
     if sink.replays(replayed.len(), &name) {
-        for op in replayed {
-            let kind = match op {
-                "attn_probs" => OpKind::AttentionProbs,
-                "attn_partials" | "attn_partials_lse" => OpKind::AttentionPartials,
-                _ => OpKind::AttentionLse,
-            };
+        for (op, kind) in replayed {
             sink.op_with(l, &side_name(op), kind, inputs, |_| {
                 Err(crate::Error::invalid("a replayed op was computed"))
             })?;
@@ -598,7 +587,8 @@ fn run_attention(
     let (sides, info, device_reads) = sides(output);
     let reads: Vec<BufferRef> = std::iter::once(cache_read).chain(device_reads).collect();
     for side in sides {
-        sink.op_with(l, &side_name(side.op), side.kind, inputs, |_| {
+        let (op, kind) = side.op;
+        sink.op_with(l, &side_name(op), kind, inputs, |_| {
             Ok(Computed {
                 tensor: side.tensor,
                 kernel_wrote: None,

@@ -222,6 +222,16 @@ pub struct OpEvent {
 }
 
 impl OpEvent {
+    /// Whether a fast (production) attention kernel ran this op.
+    pub fn ran_fast_kernel(&self) -> bool {
+        self.kernel.as_ref().is_some_and(|k| !k.launches.is_empty())
+    }
+
+    /// Why the reference attention kernel ran this op on a device backend, where it did.
+    pub fn reference_reason(&self) -> Option<&str> {
+        self.kernel.as_ref()?.reference.as_deref()
+    }
+
     /// `PHASE/OPNAME`, the public name of this op's output in dumps.
     pub fn dump_name(&self) -> String {
         format!("{}/{}", self.phase, self.name)

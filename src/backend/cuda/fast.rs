@@ -5,7 +5,7 @@
 //! The debugger's own attention kernels (attention.cu) also write the attention probabilities
 //! and take fault injections; these do neither, and are built for speed.
 
-use super::device::fast_kernels::{Decode, SparseKeys, COMBINE_ROWS_MAX};
+use super::device::fast_kernels::{Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
 pub use super::device::fast_kernels::{MergeFaults, MAX_SPLITS};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{DevBuf, DevI32, Elem, Gpu, Launched};
@@ -341,23 +341,45 @@ pub(super) fn decode_launches(
         part_lse: &work.part_lse,
         out,
         lse,
-        merge_faults: work.merge_faults,
     };
     let split = traced(gpu.mla_decode_splits(&launch)?, work.splits);
+    with_merge(gpu, shape, work, split, out, lse)
+}
+
+/// A split kernel's launch, then the merge of its partials into `out` and `lse` when it split
+/// (with one split the kernel wrote the result itself): the same for every decode kernel.
+pub(super) fn with_merge(
+    gpu: &Gpu,
+    shape: DecodeShape,
+    work: &DecodeWork,
+    split: KernelLaunch,
+    out: &DevBuf,
+    lse: &DevBuf,
+) -> Result<Vec<KernelLaunch>> {
     if work.splits == 1 {
-        return Ok(vec![split]); // the kernel wrote the result itself
+        return Ok(vec![split]);
     }
     // Few splits over many rows: a warp per (sequence, head), no block barriers (the whole
     // decode at batch 64 × 1k, 2 splits, on the H200: 58 µs instead of 86). Under 64 blocks of
     // rows the block-wide merge spreads wider (batch 1 × 1k, 16 splits: 16.3 µs against 19–20).
     let per_row = work.splits <= combine_rows_max() && shape.batch * shape.heads >= 512;
-    let merge = traced(gpu.mla_decode_combine(&launch, per_row)?, 1);
+    let merge = Merge {
+        batch: shape.batch,
+        heads: shape.heads,
+        splits: work.splits,
+        part_o: &work.part_o,
+        part_lse: &work.part_lse,
+        out,
+        lse,
+        faults: work.merge_faults,
+    };
+    let merge = traced(gpu.mla_decode_merge(&merge, per_row)?, 1);
     Ok(vec![split, merge])
 }
 
 /// Up to how many splits the per-row merge runs (at most 32, a split per lane);
 /// `MLADB_COMBINE_ROWS_MAX` sets another bound, for experiments (0: never).
-pub(super) fn combine_rows_max() -> usize {
+fn combine_rows_max() -> usize {
     std::env::var("MLADB_COMBINE_ROWS_MAX")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())

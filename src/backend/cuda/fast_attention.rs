@@ -15,7 +15,7 @@ use super::fast::{
 use super::fast_fp8::fp8_kernel_of;
 use super::fp8_cache::fp8_bytes;
 use super::{buf, CudaBackend};
-use crate::backend::{checks, AttnMask, Backend, DeviceRead, FastAttention, FastOutcome, MlaDims};
+use crate::backend::{checks, AttnMask, DeviceRead, FastAttention, FastOutcome, MlaDims};
 use crate::error::Result;
 use crate::ops::{AttnKernels, KernelFaults, KvCacheDtype, RowSource};
 use crate::tensor::{BufferId, DeviceBuffer, Tensor};
@@ -36,8 +36,8 @@ fn declines(backend: &CudaBackend, mask: &AttnMask, sparse: bool) -> Option<Stri
     if backend.elem() != Elem::Bf16 {
         return Some("f32 storage (the fast kernels read and write bf16: --dtype bf16)".into());
     }
-    let n_sparse = sparse_queries(mask);
-    if n_sparse > 0 && !sparse {
+    let n_sparse = if sparse { 0 } else { sparse_queries(mask) };
+    if n_sparse > 0 {
         return Some(format!(
             "a sparse DSA selection ({n_sparse} of {} queries keep fewer than all their keys; \
              the naive path's sparse prefill stays on the reference kernel)",
@@ -61,7 +61,14 @@ fn kernel_scale(scale: f32, faults: KernelFaults) -> f32 {
 const FAULT_SPLIT_TOKENS: usize = 64;
 
 impl CudaBackend {
-    /// See [`Backend::fast_attention_latent`].
+    /// A fast kernel's log-sum-exp output, poisoned so that a row the kernel skips shows.
+    fn lse_buffer(&self, rows: usize) -> Result<DevBuf> {
+        let lse = self.gpu().alloc(rows, Elem::F32)?;
+        self.gpu().fill(&lse, true)?;
+        Ok(lse)
+    }
+
+    /// See [`crate::backend::Backend::fast_attention_latent`].
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fast_latent(
         &self,
@@ -110,8 +117,7 @@ impl CudaBackend {
             return Ok(FastOutcome::Declined("a latent cache without pages".into()));
         };
         let heads = dims.heads;
-        let q = self.concat_groups(q_lat, q_pe, heads)?;
-        let qd = self.dev(&q)?;
+        let qd = self.concat_on_device(q_lat, q_pe, heads)?;
         let lens: Vec<usize> = mask.positions.iter().map(|&p| p + 1).collect();
         let shape = DecodeShape {
             batch: n,
@@ -144,8 +150,7 @@ impl CudaBackend {
             (false, Err(_)) => None,
         };
         let od = self.dev(out)?;
-        let lse = self.gpu().alloc(n * heads, Elem::F32)?;
-        self.gpu().fill(&lse, true)?; // poisoned: a row the kernels skip shows
+        let lse = self.lse_buffer(n * heads)?;
         let merge_faults = MergeFaults {
             lse_base: faults.lse_base_mismatch,
             skip_last_head: faults.skip_padded_rows,
@@ -171,12 +176,19 @@ impl CudaBackend {
             )),
             None => None,
         };
-        let (mirror, launches, work, address, bytes) = if fp8 {
-            let mut work = DecodeWork::for_fp8(self.gpu(), shape, fp8_kernel, fault_splits)?;
-            work.merge_faults = merge_faults;
+        let mut work = match (fp8, &sparse) {
+            (true, _) => DecodeWork::for_fp8(self.gpu(), shape, fp8_kernel, fault_splits)?,
+            (false, Some(_)) => DecodeWork::sparse(self.gpu(), shape, fault_splits, forced)?,
+            (false, None) => match fault_splits {
+                Some(splits) => DecodeWork::with_variant(self.gpu(), shape, splits, forced)?,
+                None => DecodeWork::for_variant(self.gpu(), shape, forced)?,
+            },
+        };
+        work.merge_faults = merge_faults;
+        let (q, lens, o) = (&qd, &seq_lens, buf(&od));
+        let (mirror, launches, address, bytes) = if fp8 {
             let mirror = self.sync_fp8_cache(cache)?;
             let pages = fp8_bytes(&mirror);
-            let (q, lens, o) = (buf(&qd), &seq_lens, buf(&od));
             let launches = fast::mla_decode_fp8(
                 self.gpu(),
                 shape,
@@ -190,54 +202,39 @@ impl CudaBackend {
                 &work,
             )?;
             let (address, bytes) = (pages.address(), pages.bytes());
-            (mirror, launches, work, address, bytes)
+            (mirror, launches, address, bytes)
         } else {
             let mirror = self.sync_cache(cache)?;
             let pages = mirror_buf(&mirror);
-            let (launches, work) = match &sparse {
-                None => {
-                    let mut work = match fault_splits {
-                        Some(splits) => {
-                            DecodeWork::with_variant(self.gpu(), shape, splits, forced)?
-                        }
-                        None => DecodeWork::for_variant(self.gpu(), shape, forced)?,
-                    };
-                    work.merge_faults = merge_faults;
-                    let launches = fast::mla_decode(
-                        self.gpu(),
-                        shape,
-                        buf(&qd),
-                        pages,
-                        &block_table,
-                        &seq_lens,
-                        scale,
-                        buf(&od),
-                        &lse,
-                        &work,
-                    )?;
-                    (launches, work)
-                }
-                Some((indices, topk, lens)) => {
-                    let mut work = DecodeWork::sparse(self.gpu(), shape, fault_splits, forced)?;
-                    work.merge_faults = merge_faults;
-                    let launches = fast::mla_decode_sparse(
-                        self.gpu(),
-                        shape,
-                        buf(&qd),
-                        pages,
-                        &block_table,
-                        (indices, *topk),
-                        lens,
-                        scale,
-                        buf(&od),
-                        &lse,
-                        &work,
-                    )?;
-                    (launches, work)
-                }
+            let launches = match &sparse {
+                None => fast::mla_decode(
+                    self.gpu(),
+                    shape,
+                    q,
+                    pages,
+                    &block_table,
+                    lens,
+                    scale,
+                    o,
+                    &lse,
+                    &work,
+                )?,
+                Some((indices, topk, key_counts)) => fast::mla_decode_sparse(
+                    self.gpu(),
+                    shape,
+                    q,
+                    pages,
+                    &block_table,
+                    (indices, *topk),
+                    key_counts,
+                    scale,
+                    o,
+                    &lse,
+                    &work,
+                )?,
             };
             let (address, bytes) = (pages.address(), pages.bytes());
-            (mirror, launches, work, address, bytes)
+            (mirror, launches, address, bytes)
         };
         let mut reads = vec![
             DeviceRead {
@@ -280,7 +277,7 @@ impl CudaBackend {
         })))
     }
 
-    /// See [`Backend::fast_attention_naive`]: the flash prefill of a whole sequence.
+    /// See [`crate::backend::Backend::fast_attention_naive`]: the flash prefill of a whole sequence.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fast_naive(
         &self,
@@ -325,8 +322,7 @@ impl CudaBackend {
         let heads = dims.heads;
         let qd = self.dev(q)?;
         let od = self.dev(out)?;
-        let lse = self.gpu().alloc(n * heads, Elem::F32)?;
-        self.gpu().fill(&lse, true)?;
+        let lse = self.lse_buffer(n * heads)?;
         let (km, vm) = (self.sync_cache(k)?, self.sync_cache(v)?);
         let (kd, vd): (&DevBuf, &DevBuf) = (mirror_buf(&km), mirror_buf(&vm));
         let variant = kernels.prefill.map(|p| p.tag());

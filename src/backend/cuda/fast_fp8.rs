@@ -5,11 +5,11 @@
 //! and wgmma variants have no FP8 form: TMA copies bytes as they are, and the tiles need
 //! converting on the way in.
 
-use super::device::fast_kernels::Merge;
 use super::device::fp8_kernels::Fp8Decode;
 use super::device::{DevBuf, DevBytes, DevI32, Gpu};
 use super::fast::{
-    combine_rows_max, decode_splits, decode_variants, traced, DecodeShape, DecodeWork,
+    decode_splits, decode_variants, pick_variant, runs_on, traced, with_merge, DecodeShape,
+    DecodeWork,
 };
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
@@ -22,24 +22,25 @@ const VARIANTS: [(&str, &str); 4] = [
     ("mla_decode_fp8_t16", "mla_decode_t16"),
 ];
 
-/// Shared bytes of an FP8-cache variant: its bf16 twin's (the same tiles in shared memory).
-fn shared_of(fp8: &str) -> Option<u32> {
-    let (_, twin) = VARIANTS.iter().find(|(k, _)| *k == fp8)?;
-    decode_variants()
-        .into_iter()
-        .find(|(k, _)| k == twin)
-        .map(|(_, b)| b)
+/// The FP8-cache variants with their shared bytes: each its bf16 twin's (the same tiles in
+/// shared memory).
+fn fp8_variants() -> Vec<(&'static str, u32)> {
+    let bf16 = decode_variants();
+    VARIANTS
+        .iter()
+        .filter_map(|&(fp8, twin)| {
+            let &(_, bytes) = bf16.iter().find(|(k, _)| *k == twin)?;
+            Some((fp8, bytes))
+        })
+        .collect()
 }
 
 /// The FP8-cache variants this device runs, in order of preference.
 pub fn fp8_decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
-    VARIANTS
-        .iter()
-        .map(|&(k, _)| k)
-        .filter(|k| {
-            gpu.has_kernel(k)
-                && shared_of(k).is_some_and(|b| b as usize <= gpu.max_shared_per_block())
-        })
+    fp8_variants()
+        .into_iter()
+        .filter(|&(name, bytes)| runs_on(gpu, name, bytes))
+        .map(|(name, _)| name)
         .collect()
 }
 
@@ -59,27 +60,6 @@ pub fn fp8_kernel_of(variant: &str) -> Result<&'static str> {
         })
 }
 
-/// The FP8-cache kernel and its shared bytes: `forced` (see [`fp8_kernel_of`]) or the first
-/// the device runs.
-fn fp8_variant(gpu: &Gpu, forced: Option<&str>) -> Result<(&'static str, u32)> {
-    let limit = gpu.max_shared_per_block();
-    let kernel = match forced {
-        Some(v) => fp8_kernel_of(v)?,
-        None => *fp8_decode_variants_for(gpu).first().ok_or_else(|| {
-            Error::invalid(format!(
-                "no FP8-cache decode variant fits this device's {limit} bytes of shared memory"
-            ))
-        })?,
-    };
-    let shared = shared_of(kernel).expect("every variant has a twin");
-    if !gpu.has_kernel(kernel) || shared as usize > limit {
-        return Err(Error::invalid(format!(
-            "{kernel} needs {shared} bytes of shared memory per block; this device allows {limit}"
-        )));
-    }
-    Ok((kernel, shared))
-}
-
 impl DecodeWork {
     /// The plan of an FP8-cache decode: the variant (`forced`, or the device's first) and the
     /// split count its bf16 twin would take for the shape (`splits` overrides it, for tests).
@@ -89,12 +69,10 @@ impl DecodeWork {
         forced: Option<&str>,
         splits: Option<usize>,
     ) -> Result<DecodeWork> {
-        let (kernel, shared) = fp8_variant(gpu, forced)?;
-        let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, shared));
-        if !(1..=super::device::fast_kernels::MAX_SPLITS).contains(&splits) {
-            return Err(Error::invalid(format!("MLA decode: {splits} splits")));
-        }
-        DecodeWork::scratch(gpu, shape, splits, (kernel, shared))
+        let forced = forced.map(fp8_kernel_of).transpose()?;
+        let variant = pick_variant(gpu, &fp8_variants(), forced)?;
+        let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant.1));
+        DecodeWork::scratch(gpu, shape, splits, variant)
     }
 }
 
@@ -140,21 +118,5 @@ pub fn mla_decode_fp8(
         lse,
     };
     let split = traced(gpu.mla_decode_fp8_splits(&launch)?, work.splits);
-    if work.splits == 1 {
-        return Ok(vec![split]);
-    }
-    // The merge the bf16 decode takes for the same shape.
-    let per_row = work.splits <= combine_rows_max() && shape.batch * shape.heads >= 512;
-    let merge = Merge {
-        batch: shape.batch,
-        heads: shape.heads,
-        splits: work.splits,
-        part_o: &work.part_o,
-        part_lse: &work.part_lse,
-        out,
-        lse,
-        faults: work.merge_faults,
-    };
-    let merge = traced(gpu.mla_decode_merge(&merge, per_row)?, 1);
-    Ok(vec![split, merge])
+    with_merge(gpu, shape, work, split, out, lse)
 }

@@ -133,6 +133,19 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// [`Backend::concat_groups`] left on the device (no host copy): for a kernel's input that
+    /// is no op's output, such as the fast decode's query.
+    fn concat_on_device(&self, a: &Tensor, b: &Tensor, groups: usize) -> Result<DevBuf> {
+        let (wa, wb) = (a.cols(), b.cols());
+        let rows = a.rows();
+        checks::concat_groups(a, b, groups)?;
+        let (ad, bd) = (self.dev(a)?, self.dev(b)?);
+        let out = self.out(rows * (wa + wb))?;
+        self.gpu
+            .concat_groups(buf(&ad), buf(&bd), &out, rows, wa, wb)?;
+        Ok(out)
+    }
+
     fn indices(&self, values: &[usize]) -> Result<DevI32> {
         let v: Vec<i32> = values
             .iter()
@@ -307,14 +320,9 @@ impl Backend for CudaBackend {
     }
 
     fn concat_groups(&self, a: &Tensor, b: &Tensor, groups: usize) -> Result<Tensor> {
-        let (wa, wb) = (a.cols(), b.cols());
-        let rows = a.rows();
-        checks::concat_groups(a, b, groups)?;
-        let (ad, bd) = (self.dev(a)?, self.dev(b)?);
-        let out = self.out(rows * (wa + wb))?;
-        self.gpu
-            .concat_groups(buf(&ad), buf(&bd), &out, rows, wa, wb)?;
-        self.finish(out, &[rows / groups, groups, wa + wb])
+        let out = self.concat_on_device(a, b, groups)?;
+        let (rows, width) = (a.rows(), a.cols() + b.cols());
+        self.finish(out, &[rows / groups, groups, width])
     }
 
     fn scale(&self, x: &Tensor, s: f32) -> Result<Tensor> {

@@ -116,8 +116,6 @@ pub struct Decode<'a> {
     /// [batch, heads, 512] bf16 and [batch, heads] f32.
     pub out: &'a DevBuf,
     pub lse: &'a DevBuf,
-    /// Faults planted in the merge (none in a real run).
-    pub merge_faults: MergeFaults,
 }
 
 /// A split decode's merge: the partials it reads, the output it writes.
@@ -310,25 +308,6 @@ impl Gpu {
         // its split's partials (or out and lse) for those heads only; every extent checked in
         // `check`.
         unsafe { self.launch_traced(sig, d.kernel, cfg, &args) }
-    }
-
-    /// Merges the splits of [`Gpu::mla_decode_splits`] into `out` and `lse` (see
-    /// [`Gpu::mla_decode_merge`]).
-    pub fn mla_decode_combine(&self, d: &Decode, per_row: bool) -> Result<Launched> {
-        d.check()?;
-        self.mla_decode_merge(
-            &Merge {
-                batch: d.batch,
-                heads: d.heads,
-                splits: d.splits,
-                part_o: d.part_o,
-                part_lse: d.part_lse,
-                out: d.out,
-                lse: d.lse,
-                faults: d.merge_faults,
-            },
-            per_row,
-        )
     }
 
     /// Merges a split decode's partials (any decode: bf16, sparse or FP8 cache) into `out` and

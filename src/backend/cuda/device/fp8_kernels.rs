@@ -1,8 +1,8 @@
 //! Typed launchers of the fp8_ds_mla latent cache's kernels: the write kernel (kernels/kv_fp8.cu),
 //! which quantizes rows into the 656-byte slots of a paged byte cache, and the tensor-core decode
-//! reading such a cache (`mla_decode_fp8_*` in mla_decode.cu and mla_decode_splitk.cu) with its
-//! split merge (the bf16 decode's `mla_decode_combine`). What a launch may touch is checked
-//! here; the variant and split count are `cuda::fast_fp8`'s.
+//! reading such a cache (`mla_decode_fp8_*` in mla_decode.cu and mla_decode_splitk.cu), whose
+//! splits the one merge of every decode joins (`Gpu::mla_decode_merge`). What a launch may touch
+//! is checked here; the variant and split count are `cuda::fast_fp8`'s.
 
 use super::fast_kernels::{LATENT, MAX_SPLITS, PAGE, ROPE};
 use super::kernels::{blocks, blocks_yz, int, need, need_bytes, need_i32, prod, FILL_U32};
