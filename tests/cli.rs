@@ -1,5 +1,8 @@
 //! Every public command, run as the real binary.
 
+mod common;
+
+use common::{assert_clean_error, stderr, stdout};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -8,25 +11,6 @@ fn mladb(args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("the mladb binary runs")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// Bad input: exit code 2 and exactly one `error:` line naming the problem; never a panic.
-fn assert_clean_error(o: &Output, needle: &str) {
-    let err = stderr(o);
-    assert_eq!(o.status.code(), Some(2), "exit code; stderr: {err}");
-    let lines: Vec<&str> = err.lines().collect();
-    assert_eq!(lines.len(), 1, "one line: {err}");
-    assert!(lines[0].starts_with("error: "), "{err}");
-    assert!(err.contains(needle), "expected '{needle}' in: {err}");
-    assert!(!err.contains("panicked"), "{err}");
 }
 
 fn fixture(case: &str) -> PathBuf {

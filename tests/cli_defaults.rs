@@ -2,7 +2,10 @@
 //! the DSA top-k), `VLLM_MLA_DISABLE`, and the report of flags that had nothing to act on, as
 //! the real binary prints them.
 
+mod common;
+
 use clap::Parser;
+use common::{stderr, stdout};
 use mladb::cli::{Cli, Command as Sub};
 use mladb::debug::Flags;
 use mladb::engine::generate::Schedule;
@@ -19,14 +22,6 @@ fn mladb_env(args: &[&str], mla_disable: Option<&str>) -> Output {
 
 fn mladb(args: &[&str]) -> Output {
     mladb_env(args, None)
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 fn json_lines(o: &Output) -> Vec<serde_json::Value> {

@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::{assert_clean_error, stderr};
+
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -56,20 +58,6 @@ fn mladb_bounded(args: &[&str], secs: u64, mem_gib: u64) -> Output {
 
 fn mladb(args: &[&str]) -> Output {
     mladb_bounded(args, 20, 4)
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// Exit code 2 and exactly one `error:` line containing `needle`.
-fn assert_clean_error(o: &Output, needle: &str) {
-    let err = stderr(o);
-    assert_eq!(o.status.code(), Some(2), "exit code; stderr: {err}");
-    let lines: Vec<&str> = err.lines().collect();
-    assert_eq!(lines.len(), 1, "one line: {err}");
-    assert!(lines[0].starts_with("error: "), "{err}");
-    assert!(err.contains(needle), "expected '{needle}' in: {err}");
 }
 
 fn fixture(case: &str) -> PathBuf {
@@ -191,6 +179,23 @@ fn an_oversized_config_is_refused() {
     let f = std::fs::File::create(&config).unwrap();
     f.set_len(1 << 30).unwrap(); // sparse: no disk used
     assert_clean_error(&mladb(&["layout", "import", s(&config)]), "larger than");
+}
+
+/// Records a small session (glm5-tiny, prompt 1,2,3, `decode` steps, no tensors) at `path`.
+fn record_plain(path: &Path, decode: usize) {
+    let decode = decode.to_string();
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2,3",
+        "--decode",
+        &decode,
+        "--record",
+        s(path),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
 }
 
 /// Records a small session (with tensors) at `path`.
@@ -617,18 +622,7 @@ fn non_finite_and_wrong_typed_gguf_metadata_are_refused() {
 fn verify_notices_tampered_indices_layers_positions_and_byte_counts() {
     let dir = tempfile::tempdir().unwrap();
     let session = dir.path().join("s.ron");
-    let o = mladb(&[
-        "run",
-        "--layout",
-        "glm5-tiny",
-        "--tokens",
-        "1,2,3",
-        "--decode",
-        "1",
-        "--record",
-        s(&session),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    record_plain(&session, 1);
     let o = mladb(&["replay", s(&session), "--verify"]);
     assert_eq!(o.status.code(), Some(0), "untouched: {}", stderr(&o));
     let text = std::fs::read_to_string(&session).unwrap();
@@ -727,18 +721,7 @@ fn a_shared_indexer_with_no_earlier_layer_says_it_runs_dense() {
 fn verify_checks_the_memory_a_recomputation_needs() {
     let dir = tempfile::tempdir().unwrap();
     let session = dir.path().join("s.ron");
-    let o = mladb(&[
-        "run",
-        "--layout",
-        "glm5-tiny",
-        "--tokens",
-        "1,2,3",
-        "--decode",
-        "1",
-        "--record",
-        s(&session),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    record_plain(&session, 1);
     let o = mladb(&[
         "replay",
         s(&session),
@@ -782,18 +765,7 @@ fn a_layout_too_large_for_memory_is_refused_with_the_figure() {
 fn a_session_s_recorded_layout_is_validated() {
     let dir = tempfile::tempdir().unwrap();
     let session = dir.path().join("s.ron");
-    let o = mladb(&[
-        "run",
-        "--layout",
-        "glm5-tiny",
-        "--tokens",
-        "1,2,3",
-        "--decode",
-        "0",
-        "--record",
-        s(&session),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    record_plain(&session, 0);
     let text = std::fs::read_to_string(&session).unwrap();
     assert!(text.contains("hidden_size: 256,"));
     std::fs::write(
@@ -809,16 +781,12 @@ fn a_session_s_recorded_layout_is_validated() {
 
 #[test]
 fn the_debugger_refuses_a_prompt_too_long_for_memory() {
-    use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut app = common::tiny_app("");
         // 300,000 tokens: attention over them needs terabytes.
         let line = format!("set tokens {}", vec!["1"; 300_000].join(","));
-        for c in std::iter::once(':').chain(line.chars()) {
-            app.on_key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
-        }
-        app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE));
+        common::command(&mut app, &line);
         let _ = tx.send(app.log.join("\n"));
     });
     let log = rx
@@ -837,18 +805,7 @@ fn esc_cancels_a_long_load_in_the_debugger() {
     use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
     let dir = tempfile::tempdir().unwrap();
     let small = dir.path().join("small.ron");
-    let o = mladb(&[
-        "run",
-        "--layout",
-        "glm5-tiny",
-        "--tokens",
-        "1,2,3",
-        "--decode",
-        "1",
-        "--record",
-        s(&small),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    record_plain(&small, 1);
     // A large session: its one run repeated until the file takes seconds to parse.
     let text = std::fs::read_to_string(&small).unwrap();
     let start = text.find("    runs: [\n").unwrap() + "    runs: [\n".len();
@@ -869,11 +826,7 @@ fn esc_cancels_a_long_load_in_the_debugger() {
         Theme::plain(),
     );
     let key = |app: &mut App, code| app.on_key(KeyEvent::new(code, KeyModifiers::NONE));
-    let line = format!("load {}", s(&big));
-    for c in std::iter::once(':').chain(line.chars()) {
-        key(&mut app, KeyCode::Char(c));
-    }
-    key(&mut app, KeyCode::Enter);
+    common::command(&mut app, &format!("load {}", s(&big)));
     let t = Instant::now();
     while app.mirror.busy.is_none() {
         app.tick();
@@ -926,21 +879,9 @@ fn a_huge_session_of_blanks_is_refused_without_a_list_of_its_characters() {
 
 #[test]
 fn the_debugger_refuses_to_load_a_session_too_long_for_memory() {
-    use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
     let dir = tempfile::tempdir().unwrap();
     let session = dir.path().join("s.ron");
-    let o = mladb(&[
-        "run",
-        "--layout",
-        "glm5-tiny",
-        "--tokens",
-        "1,2,3",
-        "--decode",
-        "0",
-        "--record",
-        s(&session),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    record_plain(&session, 0);
     // A version 1 session (nothing recorded) whose prompt has 300,000 tokens.
     let text = std::fs::read_to_string(&session).unwrap();
     let start = text.find("    prompt: [").unwrap();
@@ -958,10 +899,7 @@ fn the_debugger_refuses_to_load_a_session_too_long_for_memory() {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut app = common::tiny_app("");
-        for c in std::iter::once(':').chain(format!("load {path}").chars()) {
-            app.on_key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
-        }
-        app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE));
+        common::command(&mut app, &format!("load {path}"));
         let _ = tx.send(app.log.join("\n"));
     });
     let log = rx
@@ -972,7 +910,6 @@ fn the_debugger_refuses_to_load_a_session_too_long_for_memory() {
 
 #[test]
 fn save_in_the_debugger_refuses_what_it_must_not_replace() {
-    use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("fifo.ron");
     let ro = dir.path().join("ro.ron");
@@ -985,10 +922,7 @@ fn save_in_the_debugger_refuses_what_it_must_not_replace() {
     let mut app = common::tiny_app("");
     for (target, needle) in targets {
         let line = format!("save {}", s(&target));
-        for c in std::iter::once(':').chain(line.chars()) {
-            app.on_key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
-        }
-        app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE));
+        common::command(&mut app, &line);
         let log = app.log.join("\n");
         assert!(log.contains(needle), "{needle}: {log}");
     }
@@ -1010,7 +944,6 @@ fn save_in_the_debugger_refuses_what_it_must_not_replace() {
 #[test]
 fn the_debugger_holds_set_tokens_to_max_memory_gb() {
     use mladb::tui::{app::App, driver::InlineDriver, keys::Keymap, theme::Theme};
-    use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
     let answer = |limit: Option<f64>| {
         let mut spec = common::live_spec("glm5-tiny", "", 3, 3, 1);
         spec.max_memory_gb = limit;
@@ -1020,10 +953,7 @@ fn the_debugger_holds_set_tokens_to_max_memory_gb() {
             Theme::plain(),
         );
         let line = format!("set tokens {}", vec!["1"; 64].join(","));
-        for c in std::iter::once(':').chain(line.chars()) {
-            app.on_key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
-        }
-        app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE));
+        common::command(&mut app, &line);
         app.log.join("\n")
     };
     let held = answer(Some(1e-6));

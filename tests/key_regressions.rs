@@ -2,21 +2,15 @@
 
 mod common;
 
+use common::command;
+
 use mladb::tui::app::App;
 use mladb::tui::keys::Keymap;
 use mladb::tui::replay::ReplayDriver;
 use mladb::tui::theme::Theme;
-use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 use std::path::Path;
 use std::sync::mpsc::channel;
 use std::time::Duration;
-
-fn command(app: &mut App, line: &str) {
-    for c in std::iter::once(':').chain(line.chars()) {
-        app.on_key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
-    }
-    app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE));
-}
 
 /// Runs `f` on its own thread; fails when it takes longer than `limit` (a hang).
 fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {

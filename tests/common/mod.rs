@@ -193,3 +193,34 @@ pub fn live_spec(
         max_memory_gb: None,
     }
 }
+
+/// The standard output of a finished `mladb` process, as text.
+pub fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Its standard error, as text.
+pub fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Bad input: exit code 2 and exactly one `error:` line naming the problem; never a panic.
+#[track_caller]
+pub fn assert_clean_error(o: &std::process::Output, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "exit code; stderr: {err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "one line: {err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    assert!(err.contains(needle), "expected '{needle}' in: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// Types `:line` and Enter into the debugger.
+pub fn command(app: &mut mladb::tui::app::App, line: &str) {
+    use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+    for c in std::iter::once(':').chain(line.chars()) {
+        app.on_key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE));
+    }
+    app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE));
+}
