@@ -10,6 +10,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
+#include "variants.cuh"
 
 // With TMA (flash_prefill_k…: sm_90 and later), K and V tiles come by TMA as boxes of TILE keys ×
 // 64 dims in the 128-byte swizzle (chunk c of row r at r·128 + ((c ^ r % 8) · 16): conflict-free
@@ -17,6 +18,19 @@
 // waited for on a shared-memory barrier per stage, which frees the load/store pipe that cp.async
 // shares with ldmatrix. A second barrier per stage counts the warps done with it, so no
 // block-wide barrier is left in the loop: warps with less causal work run ahead.
+// The shared memory of flash_prefill_k, as byte offsets from the (TMA: 1024-aligned) base: Q,
+// the K stages, the V stages, then (TMA) two barriers per stage. BYTES (with TMA's 1 KB of
+// alignment slack) is checked against the variant's row in variants.cuh.
+template <int ROWS, int TILE, int STAGES, int DQK, int DV, bool TMA> struct PrefillSmem {
+    static constexpr unsigned K_STAGE = TMA ? TILE * DQK * 2 : TILE * (DQK + 8) * 2;
+    static constexpr unsigned V_STAGE = TMA ? TILE * DV * 2 : TILE * (DV + 8) * 2;
+    static constexpr unsigned Q = 0;
+    static constexpr unsigned K = Q + ROWS * (DQK + 8) * 2;  // a multiple of 1024 for the TMA shapes
+    static constexpr unsigned V = K + STAGES * K_STAGE;
+    static constexpr unsigned BARS = V + STAGES * V_STAGE;
+    static constexpr unsigned BYTES = BARS + (TMA ? 2 * STAGES * 8 + 1024 : 0);
+};
+
 template <int ROWS, int TILE, int STAGES, int DQK, int DV, bool TMA = false>
 __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* out, float* lse, int n,
                                 int heads, float scale_log2, int v_drift, const TmaMap* k_map = nullptr,
@@ -26,14 +40,15 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
     constexpr int NT = TILE / 8;
     constexpr int QC = DQK / 8, VC = DV / 8;  // 16-byte chunks per row
     constexpr int BOX = TILE * 128;           // one TMA box: TILE keys × 64 dims
-    constexpr int K_BYTES = TMA ? TILE * DQK * 2 : TILE * SQ * 2, V_BYTES = TMA ? TILE * DV * 2 : TILE * SV * 2;
+    using L = PrefillSmem<ROWS, TILE, STAGES, DQK, DV, TMA>;
+    constexpr int K_BYTES = L::K_STAGE, V_BYTES = L::V_STAGE;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // The swizzled TMA stages need 1024-byte alignment; the host gives 1 KB of slack for it.
     unsigned char* smem = TMA ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
-    const unsigned sQ = smem_addr(smem);
-    const unsigned sK = sQ + ROWS * SQ * 2;  // a multiple of 1024 for the TMA shapes
-    const unsigned sV = sK + STAGES * K_BYTES;
-    const unsigned mbar = sV + STAGES * V_BYTES;  // [STAGES] copies landed, [STAGES] stage released
+    const unsigned sQ = smem_addr(smem) + L::Q;
+    const unsigned sK = smem_addr(smem) + L::K;
+    const unsigned sV = smem_addr(smem) + L::V;
+    const unsigned mbar = smem_addr(smem) + L::BARS;  // [STAGES] copies landed, [STAGES] stage released
 
     const int q0 = (gridDim.x - 1 - blockIdx.x) * ROWS, h = blockIdx.y;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -273,42 +288,49 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
 // (about 198 KB: Hopper, B200), 64 rows with 64-key tiles in one stage (99 KB, two blocks per
 // Hopper multiprocessor), 128 rows with 32-key tiles (about 132 KB: A100), 64 rows with 32-key
 // tiles in one stage (about 66 KB: sm_86/89 and sm_120, which allow 99 KB per block).
-#define FLASH_PREFILL(NAME, ROWS, TILE, STAGES, DQK, DV)                                                        \
-    extern "C" __global__ void __launch_bounds__(ROWS * 2, 1) NAME(const bf16_t* q, const bf16_t* k,           \
-                                                                   const bf16_t* v, bf16_t* out, float* lse,   \
-                                                                   int n, int heads, float scale_log2,         \
-                                                                   int v_drift) {                              \
-        flash_prefill_k<ROWS, TILE, STAGES, DQK, DV>(q, k, v, out, lse, n, heads, scale_log2, v_drift);       \
+// NAME##_v, its row in variants.cuh, gives the rows, tile and stages; the layout must add up to
+// its bytes.
+#define PREFILL_ARGS(V) V.rows, V.tile, V.stages
+#define CHECK_PREFILL(V, DQK, DV, TMA)                                                                        \
+    static_assert(PrefillSmem<PREFILL_ARGS(V), DQK, DV, TMA>::BYTES == V.shared, #V ": variants.cuh and the layout differ");
+#define FLASH_PREFILL(NAME, DQK, DV)                                                                          \
+    CHECK_PREFILL(NAME##_v, DQK, DV, false)                                                                  \
+    extern "C" __global__ void __launch_bounds__(NAME##_v.rows * 2, 1) NAME(const bf16_t* q, const bf16_t* k, \
+                                                                          const bf16_t* v, bf16_t* out,     \
+                                                                          float* lse, int n, int heads,     \
+                                                                          float scale_log2, int v_drift) {  \
+        flash_prefill_k<PREFILL_ARGS(NAME##_v), DQK, DV>(q, k, v, out, lse, n, heads, scale_log2, v_drift);  \
     }
 
-FLASH_PREFILL(flash_prefill_r128t64_d256, 128, 64, 2, 256, 256)
-FLASH_PREFILL(flash_prefill_r64t64_d256, 64, 64, 1, 256, 256)
-FLASH_PREFILL(flash_prefill_r128t32_d256, 128, 32, 2, 256, 256)
-FLASH_PREFILL(flash_prefill_r64t32_d256, 64, 32, 1, 256, 256)
-FLASH_PREFILL(flash_prefill_r128t64_d192, 128, 64, 2, 192, 128)
-FLASH_PREFILL(flash_prefill_r64t64_d192, 64, 64, 1, 192, 128)
-FLASH_PREFILL(flash_prefill_r128t32_d192, 128, 32, 2, 192, 128)
-FLASH_PREFILL(flash_prefill_r64t32_d192, 64, 32, 1, 192, 128)
+FLASH_PREFILL(flash_prefill_r128t64_d256, 256, 256)
+FLASH_PREFILL(flash_prefill_r64t64_d256, 256, 256)
+FLASH_PREFILL(flash_prefill_r128t32_d256, 256, 256)
+FLASH_PREFILL(flash_prefill_r64t32_d256, 256, 256)
+FLASH_PREFILL(flash_prefill_r128t64_d192, 192, 128)
+FLASH_PREFILL(flash_prefill_r64t64_d192, 192, 128)
+FLASH_PREFILL(flash_prefill_r128t32_d192, 192, 128)
+FLASH_PREFILL(flash_prefill_r64t32_d192, 192, 128)
 
 // The variants fed by TMA (sm_90 and later; a trap below, never launched there).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define TMA_BODY(ROWS, TILE, DQK, DV) \
-    flash_prefill_k<ROWS, TILE, 2, DQK, DV, true>(q, k, v, out, lse, n, heads, scale_log2, v_drift, &k_map, &v_map);
+#define TMA_BODY(V, DQK, DV) \
+    flash_prefill_k<PREFILL_ARGS(V), DQK, DV, true>(q, k, v, out, lse, n, heads, scale_log2, v_drift, &k_map, &v_map);
 #else
-#define TMA_BODY(ROWS, TILE, DQK, DV) __trap();
+#define TMA_BODY(V, DQK, DV) __trap();
 #endif
-#define FLASH_PREFILL_TMA(NAME, ROWS, TILE, DQK, DV)                                                           \
-    extern "C" __global__ void __launch_bounds__(ROWS * 2, 1) NAME(const __grid_constant__ TmaMap k_map,     \
-                                                                   const __grid_constant__ TmaMap v_map,     \
-                                                                   const bf16_t* q, const bf16_t* k,         \
-                                                                   const bf16_t* v, bf16_t* out, float* lse, \
-                                                                   int n, int heads, float scale_log2,       \
-                                                                   int v_drift) {                            \
-        TMA_BODY(ROWS, TILE, DQK, DV)                                                                         \
+#define FLASH_PREFILL_TMA(NAME, DQK, DV)                                                                         \
+    CHECK_PREFILL(NAME##_v, DQK, DV, true)                                                                      \
+    extern "C" __global__ void __launch_bounds__(NAME##_v.rows * 2, 1) NAME(const __grid_constant__ TmaMap k_map, \
+                                                                          const __grid_constant__ TmaMap v_map, \
+                                                                          const bf16_t* q, const bf16_t* k,     \
+                                                                          const bf16_t* v, bf16_t* out,         \
+                                                                          float* lse, int n, int heads,         \
+                                                                          float scale_log2, int v_drift) {      \
+        TMA_BODY(NAME##_v, DQK, DV)                                                                              \
     }
 
-FLASH_PREFILL_TMA(flash_prefill_k128t64_d256, 128, 64, 256, 256)
-FLASH_PREFILL_TMA(flash_prefill_k128t64_d192, 128, 64, 192, 128)
+FLASH_PREFILL_TMA(flash_prefill_k128t64_d256, 256, 256)
+FLASH_PREFILL_TMA(flash_prefill_k128t64_d192, 192, 128)
 // For 99 KB blocks (sm_120): 64 rows, 32-key tiles in two stages (about 98 KB).
-FLASH_PREFILL_TMA(flash_prefill_k64t32_d256, 64, 32, 256, 256)
-FLASH_PREFILL_TMA(flash_prefill_k64t32_d192, 64, 32, 192, 128)
+FLASH_PREFILL_TMA(flash_prefill_k64t32_d256, 256, 256)
+FLASH_PREFILL_TMA(flash_prefill_k64t32_d192, 192, 128)

@@ -18,6 +18,7 @@
 #include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
+#include "variants.cuh"
 
 #define FP_D 256
 #define FP_ROWS 128
@@ -26,6 +27,12 @@
 #define FP_Q_BYTES (4 * FP_BOX)        // 64 rows × 256 dims, per warpgroup
 #define FP_KV_BYTES (4 * FP_BOX)       // 64 keys × 256 dims
 #define FP_BAR_EMPTY 1
+// Q (two warpgroups' rows), two stages of K and V, three TMA barriers, 1 KB of alignment slack:
+// the bytes of the kernel's row in variants.cuh.
+static_assert(flash_prefill_wgmma_d256_v.rows == FP_ROWS && flash_prefill_wgmma_d256_v.tile == FP_TILE &&
+                  flash_prefill_wgmma_d256_v.stages == 2 &&
+                  2 * FP_Q_BYTES + 4 * FP_KV_BYTES + 3 * 8 + 1024 == flash_prefill_wgmma_d256_v.shared,
+              "flash_prefill_wgmma_d256: variants.cuh and the layout differ");
 
 extern "C" __global__ void __launch_bounds__(256, 1) flash_prefill_wgmma_d256(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
                                                                             const __grid_constant__ TmaMap v_map, bf16_t* out, float* lse, int n,

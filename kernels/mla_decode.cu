@@ -27,6 +27,7 @@
 #include "tma.cuh"
 #include "kv_fp8.cuh"
 #include "sparse.cuh"
+#include "variants.cuh"
 
 #define HEADS 64
 #define DQK 576
@@ -36,6 +37,18 @@
 #define THREADS 256
 #define NT_OF(TILE) ((TILE) / 2 / 8)
 
+// The shared memory of mla_decode_k, as byte offsets: Q, the KV stages, P, the maxima and sums
+// ([2][HEADS] each, and HEADS floats spare), then (SPARSE) the ring of row lookups. BYTES is
+// checked against the variant's row in variants.cuh.
+template <int TILE, int STAGES, bool SPARSE> struct TiledSmem {
+    static constexpr unsigned Q = 0;
+    static constexpr unsigned KV = Q + HEADS * STRIDE * 2;
+    static constexpr unsigned P = KV + STAGES * TILE * STRIDE * 2;
+    static constexpr unsigned SUMS = P + HEADS * (TILE + 8) * 2;
+    static constexpr unsigned RING = SUMS + 5 * HEADS * 4;
+    static constexpr unsigned BYTES = RING + (SPARSE ? SPARSE_RING_BYTES(TILE) : 0);
+};
+
 template <int TILE, int STAGES, bool SPARSE, bool FP8 = false>
 __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
                              const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse, int splits,
@@ -43,12 +56,13 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int PSTRIDE = TILE + 8;
     constexpr int CHUNKS = DQK / 8;  // 16-byte chunks per row
-    bf16_t* sQ = (bf16_t*)smem;
-    bf16_t* sKV = sQ + HEADS * STRIDE;
-    bf16_t* sP = sKV + STAGES * TILE * STRIDE;
-    float* sMax = (float*)(sP + HEADS * PSTRIDE);  // [2][HEADS]
-    float* sSum = sMax + 2 * HEADS;                // [2][HEADS] (and HEADS floats spare)
-    int* ring = (int*)(sMax + 5 * HEADS);          // SPARSE: the row lookups (sparse.cuh)
+    using L = TiledSmem<TILE, STAGES, SPARSE>;
+    bf16_t* sQ = (bf16_t*)(smem + L::Q);
+    bf16_t* sKV = (bf16_t*)(smem + L::KV);
+    bf16_t* sP = (bf16_t*)(smem + L::P);
+    float* sMax = (float*)(smem + L::SUMS);  // [2][HEADS]
+    float* sSum = sMax + 2 * HEADS;          // [2][HEADS]
+    int* ring = (int*)(smem + L::RING);      // SPARSE: the row lookups (sparse.cuh)
     const unsigned sQ_a = smem_addr(sQ), sKV_a = smem_addr(sKV), sP_a = smem_addr(sP);
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * HEADS;
@@ -320,37 +334,48 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
     }
 }
 
+// Each entry point's template arguments come from its row in variants.cuh; its layout must add
+// up to the row's bytes.
+#define CHECK_TILED(V, SPARSE) \
+    static_assert(V.rows == HEADS && TiledSmem<V.tile, V.stages, SPARSE>::BYTES == V.shared, #V ": variants.cuh and the layout differ");
+CHECK_TILED(mla_decode_t32_v, false)
+CHECK_TILED(mla_decode_t16_v, false)
+CHECK_TILED(mla_sparse_t32_v, true)
+CHECK_TILED(mla_sparse_t16_v, true)
+CHECK_TILED(mla_decode_fp8_t32_v, false)
+CHECK_TILED(mla_decode_fp8_t16_v, false)
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t32(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_k<32, 2, false>(q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_k<mla_decode_t32_v.tile, mla_decode_t32_v.stages, false>(q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t16(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_k<16, 1, false>(q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_k<mla_decode_t16_v.tile, mla_decode_t16_v.stages, false>(q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // The sparse twins: lens[b] is the length of sequence b's list, indices[b, 0..lens[b]] (≤ topk).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_t32(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* indices, int topk,
                const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_k<32, 2, true>(q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_k<mla_sparse_t32_v.tile, mla_sparse_t32_v.stages, true>(q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_t16(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* indices, int topk,
                const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_k<16, 1, true>(q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_k<mla_sparse_t16_v.tile, mla_sparse_t16_v.stages, true>(q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // The same over an fp8_ds_mla cache (kernels/kv_fp8.cuh): the tile loader dequantizes the
 // latent part of each 656-byte row into the same shared bf16 rows, so the MMAs are unchanged.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_t32(const bf16_t* q, const unsigned char* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_k<32, 2, false, true>(q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_k<mla_decode_fp8_t32_v.tile, mla_decode_fp8_t32_v.stages, false, true>(q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_t16(const bf16_t* q, const unsigned char* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_k<16, 1, false, true>(q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_k<mla_decode_fp8_t16_v.tile, mla_decode_fp8_t16_v.stages, false, true>(q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // out[b, h, :] = Σ_s exp(lse_s − lse) · O_s with lse = log Σ_s exp(lse_s). Block = (b, h, a

@@ -42,13 +42,14 @@
 #include "mma.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
+#include "variants.cuh"
 
 #define W_HEADS 64
 #define W_DQK 576
 #define W_DV 512
 #define W_PAGE 64
-#define W_TILE 32  // tokens per tile (half a page of the cache)
-#define W_STAGES 4
+#define W_TILE (mla_decode_wgmma_v.tile)      // tokens per tile (half a page of the cache)
+#define W_STAGES (mla_decode_wgmma_v.stages)
 #define W_SLAB 9216
 #define W_Q_BYTES (8 * W_SLAB)                 // 64 rows of 576
 #define W_TILE_BYTES (W_TILE / 8 * W_SLAB)     // W_TILE rows of 576
@@ -58,6 +59,11 @@
 
 #define W_BOX_BYTES (W_TILE * 128)             // one TMA box: W_TILE rows × 64 dims
 
+// Q, the KV stages, P, the rescale factors and row sums, the TMA barriers, 1 KB of alignment
+// slack: the bytes of the kernel's row in variants.cuh.
+static_assert(mla_decode_wgmma_v.rows == W_HEADS &&
+                  W_Q_BYTES + W_STAGES * W_TILE_BYTES + W_P_BYTES + 2 * W_HEADS * 4 + W_STAGES * 8 + 1024 == mla_decode_wgmma_v.shared,
+              "mla_decode_wgmma: variants.cuh and the layout differ");
 #define BAR_EMPTY 1  // + stage
 #define BAR_P_FULL (1 + W_STAGES)
 #define BAR_P_EMPTY (2 + W_STAGES)

@@ -10,6 +10,7 @@
 #include "tma.cuh"
 #include "kv_fp8.cuh"
 #include "sparse.cuh"
+#include "variants.cuh"
 
 #define HEADS 64
 #define DQK 576
@@ -55,6 +56,21 @@ __device__ __forceinline__ float4 ld_shared_f4(unsigned addr) {
 // at r·128 + ((c ^ r % 8) · 16), so the ldmatrix rows of one 8×8 matrix fall in 8 different
 // chunks: no bank conflicts without padding). One thread issues a tile's copies; everyone waits
 // on the stage's barrier; a split's short last tile gets its rows past the end zeroed.
+// The shared memory of mla_decode_ks, as byte offsets from the (TMA: 1024-aligned) base: Q, the
+// KV stages, the partial-S exchange, P, the maxima and sums ([4][HEADS] each), then the TMA
+// barriers or (SPARSE) the ring of row lookups. BYTES (with TMA's 1 KB of alignment slack) is
+// checked against the variant's row in variants.cuh.
+template <int STAGES, bool TMA, bool SPARSE> struct SplitKSmem {
+    static constexpr unsigned STAGE = TMA ? KS_TILE * DQK * 2 : KS_TILE * STRIDE * 2;
+    static constexpr unsigned Q = 0;
+    static constexpr unsigned KV = Q + HEADS * STRIDE * 2;
+    static constexpr unsigned X = KV + STAGES * STAGE;
+    static constexpr unsigned P = X + 2 * 4 * 4 * 2 * 512;
+    static constexpr unsigned SUMS = P + HEADS * KS_PSTRIDE * 2;
+    static constexpr unsigned TAIL = SUMS + 8 * HEADS * 4;
+    static constexpr unsigned BYTES = TAIL + (TMA ? STAGES * 8 + 1024 : 0) + (SPARSE ? SPARSE_RING_BYTES(KS_TILE) : 0);
+};
+
 template <int STAGES, bool TMA, bool SPARSE, bool FP8 = false>
 __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf16_t* cache, const int* block_table,
                               int max_pages, const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse,
@@ -65,17 +81,18 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
     unsigned char* smem = TMA ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
     constexpr int TILE = KS_TILE, PSTRIDE = KS_PSTRIDE;
     constexpr int CHUNKS = DQK / 8;  // 16-byte chunks per row
-    constexpr int STAGE_BYTES = TMA ? TILE * DQK * 2 : TILE * STRIDE * 2;
+    using L = SplitKSmem<STAGES, TMA, SPARSE>;
+    constexpr int STAGE_BYTES = L::STAGE;
     constexpr int BOX = TILE * 128;  // one TMA box: TILE rows × 64 dims
-    bf16_t* sQ = (bf16_t*)smem;
-    bf16_t* sKV = sQ + HEADS * STRIDE;
-    unsigned char* sX = (unsigned char*)sKV + STAGES * STAGE_BYTES;  // [mh 2][nt 4][kq 4][mt 2] × 512 B
-    bf16_t* sP = (bf16_t*)(sX + 2 * 4 * 4 * 2 * 512);
-    float* sMax = (float*)(sP + HEADS * PSTRIDE);  // [4][HEADS]
-    float* sSum = sMax + 4 * HEADS;                // [4][HEADS]
+    bf16_t* sQ = (bf16_t*)(smem + L::Q);
+    bf16_t* sKV = (bf16_t*)(smem + L::KV);
+    unsigned char* sX = smem + L::X;  // [mh 2][nt 4][kq 4][mt 2] × 512 B
+    bf16_t* sP = (bf16_t*)(smem + L::P);
+    float* sMax = (float*)(smem + L::SUMS);  // [4][HEADS]
+    float* sSum = sMax + 4 * HEADS;          // [4][HEADS]
     const unsigned sQ_a = smem_addr(sQ), sKV_a = smem_addr(sKV), sX_a = smem_addr(sX), sP_a = smem_addr(sP);
-    const unsigned mbar = smem_addr(sSum + 4 * HEADS);  // [STAGES] TMA barriers
-    int* ring = (int*)(sSum + 4 * HEADS);               // SPARSE: the row lookups (sparse.cuh)
+    const unsigned mbar = smem_addr(smem + L::TAIL);  // [STAGES] TMA barriers
+    int* ring = (int*)(smem + L::TAIL);               // SPARSE: the row lookups (sparse.cuh)
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * HEADS;
     const int heads_here = min(HEADS, total_heads - head0);  // the rest of the group is padding
@@ -420,25 +437,38 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
         }
 }
 
+// Each entry point's stages come from its row in variants.cuh; its layout must add up to the
+// row's bytes.
+#define CHECK_SPLIT_K(V, TMA, SPARSE)                                                                    \
+    static_assert(V.rows == HEADS && V.tile == KS_TILE && SplitKSmem<V.stages, TMA, SPARSE>::BYTES == V.shared, \
+                  #V ": variants.cuh and the layout differ");
+CHECK_SPLIT_K(mla_decode_ks3_v, false, false)
+CHECK_SPLIT_K(mla_decode_ks2_v, false, false)
+CHECK_SPLIT_K(mla_decode_kt3_v, true, false)
+CHECK_SPLIT_K(mla_sparse_ks3_v, false, true)
+CHECK_SPLIT_K(mla_sparse_ks2_v, false, true)
+CHECK_SPLIT_K(mla_decode_fp8_ks3_v, false, false)
+CHECK_SPLIT_K(mla_decode_fp8_ks2_v, false, false)
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks3(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_ks<3, false, false>(nullptr, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_ks<mla_decode_ks3_v.stages, false, false>(nullptr, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks2(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_ks<2, false, false>(nullptr, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_ks<mla_decode_ks2_v.stages, false, false>(nullptr, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // The same over an fp8_ds_mla cache (kernels/kv_fp8.cuh), as mla_decode_fp8_t32/t16 are.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_ks3(const bf16_t* q, const unsigned char* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_ks<3, false, false, true>(nullptr, q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_ks<mla_decode_fp8_ks3_v.stages, false, false, true>(nullptr, q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_ks2(const bf16_t* q, const unsigned char* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_ks<2, false, false, true>(nullptr, q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_ks<mla_decode_fp8_ks2_v.stages, false, false, true>(nullptr, q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // The split-k kernel fed by TMA: for sm_90 and later (Hopper, B200, sm_120), where cp.async
@@ -447,7 +477,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_ks2(cons
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_kt3(const __grid_constant__ TmaMap cache_map, const bf16_t* q, const bf16_t* cache, const int* bt,
                int max_pages, const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    mla_decode_ks<3, true, false>(&cache_map, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_ks<mla_decode_kt3_v.stages, true, false>(&cache_map, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 #else
     __trap();
 #endif
@@ -457,10 +487,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_kt3(const __
 // indices[b, 0..lens[b]] (≤ topk).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_ks3(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* indices, int topk,
                const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_ks<3, false, true>(nullptr, q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_ks<mla_sparse_ks3_v.stages, false, true>(nullptr, q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_ks2(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* indices, int topk,
                const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
-    mla_decode_ks<2, false, true>(nullptr, q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+    mla_decode_ks<mla_sparse_ks2_v.stages, false, true>(nullptr, q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }

@@ -8,7 +8,7 @@
 use super::device::fast_kernels::{Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
 pub use super::device::fast_kernels::{MergeFaults, MAX_SPLITS};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
-use super::device::{DevBuf, DevI32, Elem, Gpu, Launched};
+use super::device::{variants, DevBuf, DevI32, Elem, Gpu, Launched};
 pub use super::fast_fp8::{fp8_decode_variants_for, mla_decode_fp8};
 pub use super::fast_sparse::{
     key_lists, mla_decode_sparse, sparse_decode_variants_for, sparse_twin, KeyLists,
@@ -40,72 +40,24 @@ pub struct DecodeShape {
     pub max_len: usize,
 }
 
-/// The decode kernel variants, in order of preference: (kernel, shared bytes per block).
+/// The decode kernel variants, in order of preference, with their shared bytes per block from
+/// kernels/variants.cuh (where each is described once):
 /// `mla_decode_wgmma` (Hopper only, kernels/mla_decode_sm90.cu: TMA and warpgroup MMAs, 222 KB);
-/// `mla_decode_kt3` (the split-k mma.sync kernel below with its tiles by TMA: sm_90 and later,
-/// 222 KB);
+/// `mla_decode_kt3` (the split-k mma.sync kernel with its tiles by TMA: sm_90 and later, 221 KB);
 /// `mla_decode_ks3` (split-k S, P·V by output dims, three stages: 222 KB, Hopper and B200);
 /// `mla_decode_ks2` (the same in two stages, 185 KB); `mla_decode_t32` (32-token tiles in two
-/// stages, 156 KB: A100); `mla_decode_t16` (16-token tiles in one stage, 99 KB: sm_86/89,
+/// stages, 152 KB: A100); `mla_decode_t16` (16-token tiles in one stage, 96 KB: sm_86/89,
 /// sm_120). kernels/mla_decode.cu says how they differ.
 pub(super) fn decode_variants() -> [(&'static str, u32); 6] {
-    let row = SHARED_ROW;
-    // Q, four stages of 32 rows (576 bf16 each), P (64 × 32 bf16), rescale factors and sums,
-    // four TMA barriers, and 1 KB of slack to align the swizzled stages to 1024 bytes.
-    let wgmma = (HEAD_GROUP * 576 * 2
-        + 4 * 32 * 576 * 2
-        + HEAD_GROUP * 32 * 2
-        + 2 * HEAD_GROUP * 4
-        + 4 * 8
-        + 1024) as u32;
-    // The split-k kernel fed by TMA: Q padded as before, three unpadded 32-row stages, the
-    // exchange, P, maxima and sums, three TMA barriers, 1 KB of alignment slack.
-    let split_k_tma = (HEAD_GROUP * row
-        + 3 * 32 * 576 * 2
-        + 2 * 4 * 4 * 2 * 512
-        + HEAD_GROUP * 40 * 2
-        + 8 * HEAD_GROUP * 4
-        + 3 * 8
-        + 1024) as u32;
     [
-        ("mla_decode_wgmma", wgmma),
-        ("mla_decode_kt3", split_k_tma),
-        ("mla_decode_ks3", split_k_shared(3)),
-        ("mla_decode_ks2", split_k_shared(2)),
-        ("mla_decode_t32", tiled_shared(32, 2)),
-        ("mla_decode_t16", tiled_shared(16, 1)),
+        "mla_decode_wgmma",
+        "mla_decode_kt3",
+        "mla_decode_ks3",
+        "mla_decode_ks2",
+        "mla_decode_t32",
+        "mla_decode_t16",
     ]
-}
-
-/// A dense variant's shared memory, for the sparse twins' test.
-#[cfg(test)]
-pub(super) fn decode_variant_bytes(name: &str) -> Option<u32> {
-    decode_variants()
-        .into_iter()
-        .find(|v| v.0 == name)
-        .map(|v| v.1)
-}
-
-/// The shared row stride of the cp.async kernels in bytes (576 bf16 padded by 8).
-const SHARED_ROW: usize = 584 * 2;
-
-/// Shared memory of `mla_decode_t*` (and its sparse twin): Q, the stages of `tile` rows, P,
-/// maxima and sums.
-pub(super) fn tiled_shared(tile: usize, stages: usize) -> u32 {
-    let row = SHARED_ROW;
-    (HEAD_GROUP * row + stages * tile * row + HEAD_GROUP * (tile + 8) * 2 + 5 * HEAD_GROUP * 4)
-        as u32
-}
-
-/// Shared memory of `mla_decode_ks*` (and its sparse twin): Q, the stages of 32 rows, the
-/// partial-S exchange, P (rows of 40), maxima and sums.
-pub(super) fn split_k_shared(stages: usize) -> u32 {
-    let row = SHARED_ROW;
-    (HEAD_GROUP * row
-        + stages * 32 * row
-        + 2 * 4 * 4 * 2 * 512
-        + HEAD_GROUP * 40 * 2
-        + 8 * HEAD_GROUP * 4) as u32
+    .map(|kernel| (kernel, variants::shared_bytes(kernel)))
 }
 
 /// The decode kernel variants this device's shared memory allows, in order of preference.
@@ -390,27 +342,32 @@ fn combine_rows_max() -> usize {
 /// The prefill head dimensions the kernel is built for: (q·k width, v width).
 pub const PREFILL_DIMS: [(usize, usize); 2] = [(256, 256), (192, 128)];
 
-/// The portable prefill variants, in the order of preference: (tag, rows per block, KV tile,
-/// stages, K/V by TMA). Each warp owns 16 query rows and all output dims. `k…` is `r…` with its
-/// K/V tiles copied by TMA (sm_90 and later) instead of cp.async.
-pub const PREFILL_VARIANTS: [(&str, usize, usize, usize, bool); 6] = [
-    ("k128t64", 128, 64, 2, true),
-    ("r128t64", 128, 64, 2, false),
-    ("k64t32", 64, 32, 2, true),
-    ("r64t64", 64, 64, 1, false),
-    ("r128t32", 128, 32, 2, false),
-    ("r64t32", 64, 32, 1, false),
+/// The portable prefill variants, in the order of preference: (tag, K/V by TMA). Each warp owns
+/// 16 query rows and all output dims; kernels/variants.cuh gives each kernel's rows per block,
+/// KV tile, stages and shared memory. `k…` is `r…` with its K/V tiles copied by TMA (sm_90 and
+/// later) instead of cp.async.
+pub const PREFILL_VARIANTS: [(&str, bool); 6] = [
+    ("k128t64", true),
+    ("r128t64", false),
+    ("k64t32", true),
+    ("r64t64", false),
+    ("r128t32", false),
+    ("r64t32", false),
 ];
 
-/// Shared memory of a prefill variant: Q and the K/V stages (unpadded with TMA, plus its
-/// barriers and 1 KB of alignment slack).
+/// The kernel of a prefill variant for head dims (dqk, dv), as kernels/variants.cuh describes it.
+fn prefill_kernel(tag: &str, dqk: usize, dv: usize) -> Option<&'static variants::Variant> {
+    let dims = match (dqk, dv) {
+        (256, 256) => "d256",
+        (192, 128) => "d192",
+        _ => return None,
+    };
+    variants::variant(&format!("flash_prefill_{tag}_{dims}"))
+}
+
+/// Shared memory of a prefill variant (kernels/variants.cuh).
 pub fn prefill_shared_bytes(tag: &str, dqk: usize, dv: usize) -> Option<u32> {
-    let &(_, rows, tile, stages, tma) = PREFILL_VARIANTS.iter().find(|v| v.0 == tag)?;
-    Some(if tma {
-        ((rows * (dqk + 8) + stages * tile * (dqk + dv)) * 2 + 2 * stages * 8 + 1024) as u32
-    } else {
-        ((rows * (dqk + 8) + stages * tile * (dqk + 8 + dv + 8)) * 2) as u32
-    })
+    prefill_kernel(tag, dqk, dv).map(|v| v.shared)
 }
 
 /// The prefill variant for the device's shared memory: (kernel, rows per block, bytes). `forced`
@@ -420,35 +377,24 @@ fn prefill_variant(
     dqk: usize,
     dv: usize,
     forced: Option<&str>,
-) -> Result<(String, usize, usize, u32, bool)> {
+) -> Result<(&'static str, usize, usize, u32, bool)> {
     let limit = gpu.max_shared_per_block() as u32;
-    let dims = match (dqk, dv) {
-        (256, 256) => "d256",
-        (192, 128) => "d192",
-        _ => {
-            return Err(Error::invalid(format!(
-                "the prefill kernel is built for head dims 256/256 and 192/128, not {dqk}/{dv}"
-            )))
-        }
-    };
+    if !PREFILL_DIMS.contains(&(dqk, dv)) {
+        return Err(Error::invalid(format!(
+            "the prefill kernel is built for head dims 256/256 and 192/128, not {dqk}/{dv}"
+        )));
+    }
     if let Some(f) = forced {
         if !PREFILL_VARIANTS.iter().any(|v| v.0 == f) {
             return Err(Error::invalid(format!("no prefill variant {f}")));
         }
     }
-    for &(tag, rows, tile, _, tma) in &PREFILL_VARIANTS {
+    for &(tag, tma) in &PREFILL_VARIANTS {
         if forced.is_some_and(|f| f != tag) || (tma && !has_tma(gpu)) {
             continue;
         }
-        let bytes = prefill_shared_bytes(tag, dqk, dv).unwrap_or(u32::MAX);
-        if bytes <= limit {
-            return Ok((
-                format!("flash_prefill_{tag}_{dims}"),
-                rows,
-                tile,
-                bytes,
-                tma,
-            ));
+        if let Some(v) = prefill_kernel(tag, dqk, dv).filter(|v| v.shared <= limit) {
+            return Ok((v.kernel, v.rows, v.tile, v.shared, tma));
         }
     }
     Err(Error::invalid(format!(
@@ -471,16 +417,12 @@ pub fn prefill_variants_for(gpu: &Gpu, dqk: usize, dv: usize) -> Vec<&'static st
         .chain(
             PREFILL_VARIANTS
                 .iter()
-                .filter(|v| !v.4 || has_tma(gpu))
+                .filter(|v| !v.1 || has_tma(gpu))
                 .filter(|v| prefill_shared_bytes(v.0, dqk, dv).is_some_and(|b| b <= limit))
                 .map(|v| v.0),
         )
         .collect()
 }
-
-/// Shared memory of the Hopper prefill: Q (128 rows), two stages of K and V (64 rows each), all
-/// 256 wide, three TMA barriers and 1 KB of slack to align the swizzled boxes.
-const HOPPER_PREFILL_SHARED: u32 = ((128 + 4 * 64) * 256 * 2 + 3 * 8 + 1024) as u32;
 
 /// Causal prefill of one sequence: `q`, `k` [n, heads, dqk] bf16, `v` [n, heads, dv] bf16;
 /// writes `out` [n, heads, dv] bf16 and, if given, `lse` [n, heads] f32, on the first variant
@@ -583,7 +525,7 @@ fn hopper_prefill(
         return Ok(None);
     }
     let launched = gpu.flash_prefill_wgmma(
-        HOPPER_PREFILL_SHARED,
+        variants::shared_bytes(HOPPER_PREFILL),
         (n, heads),
         q,
         k,
@@ -637,4 +579,34 @@ pub fn relative_error(a: &[f32], b: &[f64]) -> f64 {
         norm += y * y;
     }
     (diff / norm.max(1e-300)).sqrt()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variant_the_launchers_pick_from_is_described() {
+        for (kernel, bytes) in decode_variants() {
+            assert_ne!(
+                bytes,
+                u32::MAX,
+                "{kernel} has no row in kernels/variants.cuh"
+            );
+            assert_eq!(
+                variants::variant(kernel).unwrap().rows,
+                HEAD_GROUP,
+                "{kernel}"
+            );
+        }
+        for (dqk, dv) in PREFILL_DIMS {
+            for (tag, _) in PREFILL_VARIANTS {
+                assert!(
+                    prefill_shared_bytes(tag, dqk, dv).is_some(),
+                    "{tag} {dqk}/{dv}"
+                );
+            }
+        }
+        assert_ne!(variants::shared_bytes(HOPPER_PREFILL), u32::MAX);
+    }
 }

@@ -6,10 +6,9 @@
 //! converting on the way in.
 
 use super::device::fp8_kernels::Fp8Decode;
-use super::device::{DevBuf, DevBytes, DevI32, Gpu};
+use super::device::{variants, DevBuf, DevBytes, DevI32, Gpu};
 use super::fast::{
-    decode_splits, decode_variants, pick_variant, runs_on, traced, with_merge, DecodeShape,
-    DecodeWork,
+    decode_splits, pick_variant, runs_on, traced, with_merge, DecodeShape, DecodeWork,
 };
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
@@ -22,16 +21,12 @@ const VARIANTS: [(&str, &str); 4] = [
     ("mla_decode_fp8_t16", "mla_decode_t16"),
 ];
 
-/// The FP8-cache variants with their shared bytes: each its bf16 twin's (the same tiles in
-/// shared memory).
+/// The FP8-cache variants with their shared bytes (kernels/variants.cuh: their bf16 twins'
+/// layouts).
 fn fp8_variants() -> Vec<(&'static str, u32)> {
-    let bf16 = decode_variants();
     VARIANTS
         .iter()
-        .filter_map(|&(fp8, twin)| {
-            let &(_, bytes) = bf16.iter().find(|(k, _)| *k == twin)?;
-            Some((fp8, bytes))
-        })
+        .map(|&(fp8, _)| (fp8, variants::shared_bytes(fp8)))
         .collect()
 }
 
@@ -119,4 +114,17 @@ pub fn mla_decode_fp8(
     };
     let split = traced(gpu.mla_decode_fp8_splits(&launch)?, work.splits);
     with_merge(gpu, shape, work, split, out, lse)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_variants_are_described_with_their_twins_layouts() {
+        for (&(fp8, twin), (_, bytes)) in VARIANTS.iter().zip(fp8_variants()) {
+            assert_ne!(bytes, u32::MAX, "{fp8} has no row in kernels/variants.cuh");
+            assert_eq!(bytes, variants::shared_bytes(twin), "{fp8}");
+        }
+    }
 }

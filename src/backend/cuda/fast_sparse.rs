@@ -5,30 +5,22 @@
 //! [`super::fast`].
 
 use super::device::fast_kernels::SparseKeys;
-use super::device::{DevBuf, DevI32, Gpu};
-use super::fast::{
-    decode_launches, decode_splits, pick_variant, runs_on, split_k_shared, tiled_shared,
-    DecodeShape, DecodeWork,
-};
+use super::device::{variants, DevBuf, DevI32, Gpu};
+use super::fast::{decode_launches, decode_splits, pick_variant, runs_on, DecodeShape, DecodeWork};
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
 
-/// The sparse variants, in order of preference, with the shared memory of their dense twins
-/// (the TMA and wgmma kernels have none: their copies cannot gather rows) and the ring of row
-/// lookups after it.
+/// The sparse variants, in order of preference, with their shared bytes (kernels/variants.cuh:
+/// their dense twins' layouts and a ring of row lookups). The TMA and wgmma kernels have none:
+/// their copies cannot gather rows.
 fn sparse_variants() -> [(&'static str, u32); 4] {
     [
-        ("mla_sparse_ks3", split_k_shared(3) + ring_bytes(32)),
-        ("mla_sparse_ks2", split_k_shared(2) + ring_bytes(32)),
-        ("mla_sparse_t32", tiled_shared(32, 2) + ring_bytes(32)),
-        ("mla_sparse_t16", tiled_shared(16, 1) + ring_bytes(16)),
+        "mla_sparse_ks3",
+        "mla_sparse_ks2",
+        "mla_sparse_t32",
+        "mla_sparse_t16",
     ]
-}
-
-/// `SPARSE_RING_BYTES` of kernels/sparse.cuh: 8 slots of a tile's list positions and
-/// block-table entries (i32), fetched ahead so that issuing a tile does not wait on them.
-fn ring_bytes(tile: usize) -> u32 {
-    (8 * 2 * tile * 4) as u32
+    .map(|kernel| (kernel, variants::shared_bytes(kernel)))
 }
 
 /// The sparse decode variants this device runs, in order of preference.
@@ -172,18 +164,13 @@ mod tests {
     }
 
     #[test]
-    fn sparse_variants_take_their_twins_shared_memory_and_the_ring() {
+    fn sparse_variants_are_described_and_fit_hopper() {
         for (name, bytes) in sparse_variants() {
+            // Their twin's layout and the ring: more than the twin, never another layout.
             let dense = name.replace("mla_sparse_", "mla_decode_");
-            let twin = super::super::fast::decode_variant_bytes(&dense).unwrap();
-            let tile = if name.ends_with("t16") { 16 } else { 32 };
-            assert_eq!(bytes, twin + ring_bytes(tile), "{name}");
+            assert!(bytes > variants::shared_bytes(&dense), "{name}");
+            // The largest still fits Hopper's and B200's 227 KB per block.
+            assert!(bytes <= 232_448, "{name}: {bytes}");
         }
-        // The kernels' ring: SPARSE_RING slots of 2 × TILE ints.
-        let ring = include_str!("../../../kernels/sparse.cuh");
-        assert!(ring.contains("#define SPARSE_RING 8\n"));
-        assert!(ring.contains("#define SPARSE_RING_BYTES(TILE) (SPARSE_RING * 2 * (TILE) * 4)"));
-        // The largest still fits Hopper's and B200's 227 KB per block.
-        assert!(sparse_variants()[0].1 <= 232_448);
     }
 }

@@ -2,6 +2,7 @@
 //! for the device at hand (the driver JIT-compiles it), or to a cubin for a named architecture
 //! to report registers, shared memory and spills (`mladb kernels --arch sm_120`).
 
+use super::variants::SOURCE as VARIANTS;
 use crate::error::{CudaError, Error, Result};
 use cudarc::nvrtc::{result as nvrtc, sys};
 use std::ffi::CString;
@@ -65,8 +66,8 @@ pub fn hopper_target(arch: &str) -> Option<String> {
         .then(|| format!("{}a", arch.trim_end_matches('a')))
 }
 
-/// The source with `common.cuh`, `mma.cuh`, `wgmma.cuh`, `tma.cuh`, `kv_fp8.cuh` and
-/// `sparse.cuh` inlined (NVRTC is given no include files).
+/// The source with `common.cuh`, `mma.cuh`, `wgmma.cuh`, `tma.cuh`, `kv_fp8.cuh`, `sparse.cuh`
+/// and `variants.cuh` inlined (NVRTC is given no include files).
 pub fn full_source(src: &str) -> String {
     src.replace("#include \"common.cuh\"", COMMON)
         .replace("#include \"mma.cuh\"", MMA)
@@ -74,6 +75,7 @@ pub fn full_source(src: &str) -> String {
         .replace("#include \"tma.cuh\"", TMA)
         .replace("#include \"kv_fp8.cuh\"", KV_FP8)
         .replace("#include \"sparse.cuh\"", SPARSE)
+        .replace("#include \"variants.cuh\"", VARIANTS)
 }
 
 /// Whether NVRTC can be loaded (probe before the first NVRTC call: cudarc panics otherwise).

@@ -18,6 +18,7 @@ pub mod kernels;
 pub mod mla_kernels;
 pub mod model_kernels;
 pub mod signature;
+pub mod variants;
 
 pub use blas::TensorMap;
 pub use buffer::{DevBuf, DevBytes, DevF64, DevI32, DevVec, Elem};
