@@ -88,6 +88,16 @@ __device__ __forceinline__ DecodeSplit decode_split(int n_tok, int splits, int s
 // in the output itself (one split: `row` of out/lse_out) or in the split's partials (`part_row`).
 // `rows` is the block's heads that exist, not its group size: the rows after them belong to the
 // next sequence or split, so the last group of a head count off the group size writes fewer.
+// Element offset of row `row` of page `page` in a paged cache of `width`-wide bf16 rows (pages
+// of 64). WRAP32 plants page-index-overflow: the byte offset computed in 32 bits, as a kernel
+// doing its index arithmetic in unsigned int does, wraps for pages past the first 4 GiB of the
+// pool and lands 4 GiB early (the launcher only runs it over a pool larger than 4 GiB, so the
+// wrapped address stays inside the pool).
+template <bool WRAP32> __device__ __forceinline__ u64 paged_row(int page, int row, int width) {
+    const u64 bytes = ((u64)page * 64 + row) * width * 2;
+    return (WRAP32 ? (u64)(unsigned)bytes : bytes) / 2;
+}
+
 __device__ __forceinline__ void decode_empty_split(int rows, int dv, int splits, u64 row, u64 part_row, bf16_t* out,
                                                    float* lse_out, float* part_o, float* part_lse) {
     if (splits == 1) {

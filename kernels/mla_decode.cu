@@ -49,7 +49,7 @@ template <int TILE, int STAGES, bool SPARSE> struct TiledSmem {
     static constexpr unsigned BYTES = RING + (SPARSE ? SPARSE_RING_BYTES(TILE) : 0);
 };
 
-template <int TILE, int STAGES, bool SPARSE, bool FP8 = false>
+template <int TILE, int STAGES, bool SPARSE, bool FP8 = false, bool WRAP32 = false>
 __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
                              const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse, int splits,
                              int total_heads, bf16_t* out, float* lse_out) {
@@ -128,7 +128,7 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
             cp_async_commit();
             return;
         }
-        const bf16_t* src = cache + ((u64)bt[t0 / PAGE] * PAGE + t0 % PAGE) * DQK;
+        const bf16_t* src = cache + paged_row<WRAP32>(bt[t0 / PAGE], t0 % PAGE, DQK);  // WRAP32: see common.cuh
         const unsigned dst = sKV_a + stage * TILE * STRIDE * 2;
 #pragma unroll
         for (int i = 0; i < (TILE * CHUNKS + THREADS - 1) / THREADS; i++) {
@@ -344,6 +344,7 @@ CHECK_TILED(mla_sparse_t32_v, true)
 CHECK_TILED(mla_sparse_t16_v, true)
 CHECK_TILED(mla_decode_fp8_t32_v, false)
 CHECK_TILED(mla_decode_fp8_t16_v, false)
+CHECK_TILED(mla_decode_t16_o32_v, false)
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t32(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
@@ -353,6 +354,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t32(const bf
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t16(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_k<mla_decode_t16_v.tile, mla_decode_t16_v.stages, false>(q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+}
+
+// mla_decode_t16 with the page-index-overflow fault planted (see mla_decode_ks3_o32).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t16_o32(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
+               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_k<mla_decode_t16_o32_v.tile, mla_decode_t16_o32_v.stages, false, false, true>(q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // The sparse twins: lens[b] is the length of sequence b's list, indices[b, 0..lens[b]] (≤ topk).

@@ -71,7 +71,7 @@ template <int STAGES, bool TMA, bool SPARSE> struct SplitKSmem {
     static constexpr unsigned BYTES = TAIL + (TMA ? STAGES * 8 + 1024 : 0) + (SPARSE ? SPARSE_RING_BYTES(KS_TILE) : 0);
 };
 
-template <int STAGES, bool TMA, bool SPARSE, bool FP8 = false>
+template <int STAGES, bool TMA, bool SPARSE, bool FP8 = false, bool WRAP32 = false>
 __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf16_t* cache, const int* block_table,
                               int max_pages, const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse,
                               int splits, int total_heads, bf16_t* out, float* lse_out) {
@@ -170,7 +170,7 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
             cp_async_commit();
             return;
         }
-        const bf16_t* src = cache + ((u64)bt[t0 / PAGE] * PAGE + t0 % PAGE) * DQK;
+        const bf16_t* src = cache + paged_row<WRAP32>(bt[t0 / PAGE], t0 % PAGE, DQK);  // WRAP32: see common.cuh
         const unsigned dst = sKV_a + stage * STAGE_BYTES;
 #pragma unroll
         for (int i = 0; i < TILE * CHUNKS / THREADS; i++) {
@@ -449,6 +449,7 @@ CHECK_SPLIT_K(mla_sparse_ks3_v, false, true)
 CHECK_SPLIT_K(mla_sparse_ks2_v, false, true)
 CHECK_SPLIT_K(mla_decode_fp8_ks3_v, false, false)
 CHECK_SPLIT_K(mla_decode_fp8_ks2_v, false, false)
+CHECK_SPLIT_K(mla_decode_ks3_o32_v, false, false)
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks3(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
@@ -458,6 +459,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks3(const bf
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks2(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
                float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_ks<mla_decode_ks2_v.stages, false, false>(nullptr, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
+}
+
+// mla_decode_ks3 with the page-index-overflow fault planted (WRAP32: its page offsets in 32
+// bits, common.cuh), which the debugger runs in its place when the fault is injected.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks3_o32(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
+               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+    mla_decode_ks<mla_decode_ks3_o32_v.stages, false, false, false, true>(nullptr, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // The same over an fp8_ds_mla cache (kernels/kv_fp8.cuh), as mla_decode_fp8_t32/t16 are.

@@ -26,6 +26,9 @@ KERNEL_VARIANT(mla_decode_ks3, 64, 32, 3, 226816)
 KERNEL_VARIANT(mla_decode_ks2, 64, 32, 2, 189440)
 KERNEL_VARIANT(mla_decode_t32, 64, 32, 2, 155904)
 KERNEL_VARIANT(mla_decode_t16, 64, 16, 1, 97792)
+// The dense decode with the page-index-overflow fault planted (32-bit page offsets).
+KERNEL_VARIANT(mla_decode_ks3_o32, 64, 32, 3, 226816)
+KERNEL_VARIANT(mla_decode_t16_o32, 64, 16, 1, 97792)
 // The sparse decode: its dense twin's layout and a ring of row lookups (sparse.cuh).
 KERNEL_VARIANT(mla_sparse_ks3, 64, 32, 3, 228864)
 KERNEL_VARIANT(mla_sparse_ks2, 64, 32, 2, 191488)

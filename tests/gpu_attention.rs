@@ -422,3 +422,115 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
         eprintln!("{sparse}: clean; {decoded}");
     }
 }
+
+/// page-index-overflow, at the kernel: every decode variant reads pages placed past the first
+/// 4 GiB of a pool exactly as it reads them at the bottom (its offsets are 64-bit); the planted
+/// kernel wraps there and gives another answer; and the planted kernel is refused a pool of at
+/// most 4 GiB, where its wrapped offsets could fall outside.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn decode_pages_past_4_gib_read_alike_and_the_planted_wrap_differs() {
+    use mladb::backend::cuda::device::{Elem, Gpu};
+    use mladb::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
+    let backend = cuda_backend(StorageDtype::Bf16);
+    let gpu: &Gpu = backend.gpu();
+    let (width, heads, lens) = (LATENT + ROPE, 8, [200usize, 70]);
+    let mut rng = Lcg::new(41);
+    let pages = 6;
+    let cache: Vec<f32> = (0..pages * PAGE * width)
+        .map(|_| rng.next_f32() * 2.0 - 1.0)
+        .collect();
+    let q: Vec<f32> = (0..lens.len() * heads * width)
+        .map(|_| rng.next_f32() * 2.0 - 1.0)
+        .collect();
+    // Sequence 0 on pages 3, 0, 5, 1; sequence 1 on 4, 2.
+    let table = [3usize, 0, 5, 1, 4, 2, 0, 0];
+    let shape = DecodeShape {
+        batch: 2,
+        heads,
+        max_pages: 4,
+        max_len: 200,
+    };
+    let low = gpu.upload(&cache, Elem::Bf16).unwrap();
+    let at = fast::OVERFLOW_PAGE * PAGE * width;
+    let mut high = gpu.alloc(at + cache.len(), Elem::Bf16).unwrap();
+    gpu.fill(&high, false).unwrap();
+    gpu.write(&mut high, at, &cache).unwrap();
+    let q = gpu.upload(&q, Elem::Bf16).unwrap();
+    let lens_dev = gpu.upload_i32(&lens.map(|l| l as i32)).unwrap();
+    let table_at = |shift: usize| {
+        let rows: Vec<i32> = table.iter().map(|&p| (p + shift) as i32).collect();
+        gpu.upload_i32(&rows).unwrap()
+    };
+    let (table_low, table_high) = (table_at(0), table_at(fast::OVERFLOW_PAGE));
+    let run = |pool, bt, work: &DecodeWork| {
+        let out = gpu.alloc(2 * heads * LATENT, Elem::Bf16).unwrap();
+        let lse = gpu.alloc(2 * heads, Elem::F32).unwrap();
+        let launched =
+            fast::mla_decode(gpu, shape, &q, pool, bt, &lens_dev, 0.05, &out, &lse, work);
+        launched.map(|_| gpu.download(&out).unwrap())
+    };
+    let mut reference = None;
+    for kernel in fast::decode_variants_for(gpu) {
+        let work = DecodeWork::with_variant(gpu, shape, 3, Some(kernel)).unwrap();
+        let below = run(&low, &table_low, &work).unwrap();
+        let above = run(&high, &table_high, &work).unwrap();
+        assert!(
+            below == above,
+            "{kernel}: pages past 4 GiB read differently from the same pages at the bottom"
+        );
+        reference.get_or_insert(below);
+    }
+    let reference = reference.expect("no decode variant runs on this GPU");
+    let planted = fast::planted_decode_work(gpu, shape, Some(3)).unwrap();
+    let wrapped = run(&high, &table_high, &planted).unwrap();
+    let diff = wrapped
+        .iter()
+        .zip(&reference)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        diff > 0.05,
+        "{}: the wrap changed nothing ({diff})",
+        planted.kernel
+    );
+    let refused = run(&low, &table_low, &planted).unwrap_err().to_string();
+    assert!(refused.contains("page-index-overflow"), "{refused}");
+    eprintln!(
+        "{}: wrapped past 4 GiB, off by up to {diff}",
+        planted.kernel
+    );
+}
+
+/// page-index-overflow in the traced path: `check` catches it at the decode's attention by the
+/// fast vs reference comparison, on the planted kernel; on the CPU it is idle, with the reason.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn page_index_overflow_is_caught_by_the_fast_vs_reference_comparison() {
+    let gpu = cuda_backend(StorageDtype::Bf16);
+    let case = Case::new(synthetic("glm5-rank8", 4), 100, 2);
+    let j = case.job(&gpu);
+    let mut flags = gpu_flags();
+    flags.set("inject", "page-index-overflow").unwrap();
+    let options = CheckOptions {
+        tolerance: None,
+        reference: None,
+    };
+    let report = check(&j, flags, &options).unwrap();
+    let found = report
+        .findings
+        .iter()
+        .find(|f| f.kind.to_string() == "kernel-mismatch")
+        .unwrap_or_else(|| panic!("page-index-overflow not caught: {:#?}", report.findings));
+    assert_eq!(found.phase, Phase::Decode(0), "{found:?}");
+    let info = report.run.events[found.index].kernel.clone().unwrap();
+    assert!(
+        info.launches.iter().any(|l| l.kernel.ends_with("_o32")),
+        "{}: {info}",
+        found.op
+    );
+    eprintln!(
+        "page-index-overflow: kernel-mismatch at {} ({info})",
+        found.op
+    );
+}

@@ -96,7 +96,13 @@ fn every_fault_acts_in_the_default_schedule_and_idles_where_it_cannot() {
         let why = verdict(&tiny, &default, &format!("inject={}", f.name()), fault(f));
         if f == Fault::Q4kScaleUnpack {
             assert!(why.unwrap().contains("not Q4_K"));
-        } else if f == Fault::Exp2Scale || f == Fault::KvStrideMismatch {
+        } else if [
+            Fault::Exp2Scale,
+            Fault::KvStrideMismatch,
+            Fault::PageIndexOverflow,
+        ]
+        .contains(&f)
+        {
             assert!(why.unwrap().contains("fast GPU"), "{}", f.name());
         } else if f == Fault::YarnMscale {
             assert!(why.unwrap().contains("YaRN"));

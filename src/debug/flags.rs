@@ -282,6 +282,7 @@ fn fault_touches(f: Fault, e: &OpEvent, flags: &Flags) -> bool {
         ),
         Fault::Exp2Scale | Fault::YarnMscale | Fault::KvStrideMismatch => kernel,
         Fault::IndexerRopeLayout => e.name.ends_with("self_attn.indexer.q_rope"),
+        Fault::PageIndexOverflow => absorbed && kernel,
     }
 }
 

@@ -16,7 +16,7 @@ use crate::engine::MlaPath;
 use crate::error::Result;
 use crate::model::catalog::layer_prefix;
 use crate::model::Model;
-use crate::ops::KvCacheDtype;
+use crate::ops::{KvCacheDtype, PLANTED_OFFSET32};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::ops::Range;
@@ -388,6 +388,10 @@ impl Run<'_> {
                 };
                 format!("it lives in {lives}; {off}")
             }),
+            Fault::PageIndexOverflow => self
+                .reference_kernels_only()
+                .map(|off| format!("it lives in the fast GPU decode (its page addressing); {off}"))
+                .or_else(|| self.naive_everywhere(scope, false)),
             Fault::YarnMscale => match self.kv_b.yarn_mscales {
                 Some(None) => Some("the model does not scale RoPE by YaRN with mscale and mscale_all_dim".into()),
                 Some(Some((m, all))) if m == all => Some(format!(
@@ -469,6 +473,26 @@ impl Run<'_> {
                 }
             }
             Fault::YarnMscale => None,
+            Fault::PageIndexOverflow => {
+                let planted = |e: &OpEvent| {
+                    e.kernel.as_ref().is_some_and(|k| {
+                        k.launches
+                            .iter()
+                            .any(|l| l.kernel.ends_with(PLANTED_OFFSET32))
+                    })
+                };
+                (!self.any_in_scope(fault, |_, e| planted(e))).then(|| {
+                    let why = self
+                        .events
+                        .iter()
+                        .find_map(|e| e.reference_reason())
+                        .map_or(String::new(), |w| format!(" ({w})"));
+                    format!(
+                        "no attention op in its phases ran the fast dense bf16 decode, where it \
+                         is planted{why}"
+                    )
+                })
+            }
             Fault::KvStrideMismatch => {
                 // (kernel, keys) of every flash prefill in its phases.
                 let prefills: Vec<(String, usize)> = self

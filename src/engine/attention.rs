@@ -251,6 +251,7 @@ fn attend(
             skip_padded_rows: ctx.mla_backend && ctx.fault(Fault::SkipPaddedRows),
             exp2_scale: ctx.fault(Fault::Exp2Scale),
             kv_stride_mismatch: ctx.fault(Fault::KvStrideMismatch),
+            page_index_overflow: ctx.fault(Fault::PageIndexOverflow),
         },
         disconnect: ctx.mla_backend && ctx.fault(Fault::OutputBufferDisconnect),
     };

@@ -17,6 +17,7 @@
 //! | `q4k-scale-unpack` | the dequantization kernel unpacks the 6-bit scales and mins of Q4_K sub-blocks 4..7 as if they were 0..3 (acts on a quantized kv_b_proj) | model/quant.rs, `dequantize_with` |
 //! | `fp8-scale-default` | the FP8 latent cache's tile scales stay at 1.0, as if the loader step that sets them was skipped: values past 448 clamp, small ones fall among the subnormals (acts with `--kv-cache-dtype fp8_ds_mla`) | ops/kv_fp8.rs, `tile_scale_with`, and the write kernel kernels/kv_fp8.cu |
 //! | `fp8-amax-padded-rows` | each tile's amax also covers unwritten padding holding stale values (at least 1e4), so the scale is far too large and the real values are crushed toward zero (acts with `--kv-cache-dtype fp8_ds_mla`) | the same |
+//! | `page-index-overflow` | the fast decode computes a page's byte offset (page × page bytes) in 32 bits, which wraps for pages past the first 4 GiB of the pool and reads rows 4 GiB early. Planted in the dense bf16 decode (`mla_decode_ks3_o32`, `mla_decode_t16_o32`, run in place of the device's variant), with the cache's pages placed past 4 GiB of a pool larger than that so that it acts (and every wrapped read stays inside the pool); a sparse selection or an fp8_ds_mla cache goes to the reference kernel under it | kernels/common.cuh `paged_row`, backend/cuda/fast_attention.rs (the pool) |
 //!
 //! A fault may be limited to one phase, `NAME@prefill` or `NAME@decode`, or act in both,
 //! `NAME@both` (the default of all but the two decode-kernel faults, which default to decode).
@@ -42,10 +43,11 @@ pub enum Fault {
     KvStrideMismatch,
     Fp8ScaleDefault,
     Fp8AmaxPaddedRows,
+    PageIndexOverflow,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 14] = [
+    pub const ALL: [Fault; 15] = [
         Fault::OutputBufferDisconnect,
         Fault::SoftmaxScaleLatent,
         Fault::AbsorbWrongSplit,
@@ -60,6 +62,7 @@ impl Fault {
         Fault::KvStrideMismatch,
         Fault::Fp8ScaleDefault,
         Fault::Fp8AmaxPaddedRows,
+        Fault::PageIndexOverflow,
     ];
 
     pub fn name(self) -> &'static str {
@@ -78,6 +81,7 @@ impl Fault {
             Fault::KvStrideMismatch => "kv-stride-mismatch",
             Fault::Fp8ScaleDefault => "fp8-scale-default",
             Fault::Fp8AmaxPaddedRows => "fp8-amax-padded-rows",
+            Fault::PageIndexOverflow => "page-index-overflow",
         }
     }
 
@@ -101,6 +105,7 @@ impl Fault {
             Fault::KvStrideMismatch => "flash prefill steps V tiles by the K row width",
             Fault::Fp8ScaleDefault => "FP8 latent cache tile scales left at 1.0",
             Fault::Fp8AmaxPaddedRows => "FP8 tile scales taken over stale padding",
+            Fault::PageIndexOverflow => "decode page offsets in 32 bits wrap past 4 GiB of pool",
         }
     }
 

@@ -219,6 +219,11 @@ impl fmt::Display for KernelLaunch {
     }
 }
 
+/// The name suffix of the decode kernels with page-index-overflow planted
+/// (`mla_decode_ks3_o32`): the launcher runs them in place of the device's variant when the
+/// fault is injected, and the debugger recognises them in the trace by it.
+pub const PLANTED_OFFSET32: &str = "_o32";
+
 /// Which kernels ran an attention op: their launches (the split kernel, then the merge), or that
 /// the reference kernel ran and why (the flag asked for it, or the fast kernel declined).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]

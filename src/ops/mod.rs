@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 pub use kernels::{
     AttnKernel, AttnKernels, DecodeVariant, KernelInfo, KernelLaunch, PrefillVariant,
+    PLANTED_OFFSET32,
 };
 pub use kv_fp8::{Fp8Faults, KvCacheDtype};
 pub use moe::{top_k_indices, Routing};
@@ -56,4 +57,7 @@ pub struct KernelFaults {
     /// The flash prefill steps its value tiles by the keys' row width (the reference kernels
     /// ignore it).
     pub kv_stride_mismatch: bool,
+    /// The fast decode's page offsets computed in 32 bits, over a pool past 4 GiB (the
+    /// reference kernels ignore it).
+    pub page_index_overflow: bool,
 }

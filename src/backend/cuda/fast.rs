@@ -135,6 +135,27 @@ pub fn decode_kernel(gpu: &Gpu, forced: Option<&str>) -> Result<&'static str> {
     decode_variant(gpu, forced).map(|(name, _)| name)
 }
 
+/// The decode kernels with page-index-overflow planted, in order of preference: the dense
+/// variants `ks3` and `t16` with their page offsets in 32 bits (kernels/common.cuh `paged_row`).
+const PLANTED_DECODE: [&str; 2] = ["mla_decode_ks3_o32", "mla_decode_t16_o32"];
+
+/// The first page past 4 GiB of a bf16 pool: pages from here on are where 32-bit byte offsets
+/// wrap (58 255 pages of 64 rows of 576).
+pub const OVERFLOW_PAGE: usize = (1usize << 32).div_ceil(PAGE * (LATENT + ROPE) * 2);
+
+/// The plan of a decode with page-index-overflow planted: the first planted kernel the device
+/// runs, `splits` or the count chosen for the shape.
+pub fn planted_decode_work(
+    gpu: &Gpu,
+    shape: DecodeShape,
+    splits: Option<usize>,
+) -> Result<DecodeWork> {
+    let planted = PLANTED_DECODE.map(|kernel| (kernel, variants::shared_bytes(kernel)));
+    let (kernel, shared) = pick_variant(gpu, &planted, None)?;
+    let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, shared));
+    DecodeWork::scratch(gpu, shape, splits, (kernel, shared))
+}
+
 /// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
 /// walks (plus a fixed cost per split for its start and the merge), at no fewer than 64 tokens
 /// per split.

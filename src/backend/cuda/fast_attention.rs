@@ -61,6 +61,18 @@ fn kernel_scale(scale: f32, faults: KernelFaults) -> f32 {
 const FAULT_SPLIT_TOKENS: usize = 64;
 
 impl CudaBackend {
+    /// FAULT page-index-overflow: the cache's pages copied past the first 4 GiB of a zeroed
+    /// pool larger than that (page p at [`fast::OVERFLOW_PAGE`] + p), as the pages of a busy
+    /// server's large pool lie, where the planted kernel's 32-bit offsets wrap to pages 4 GiB
+    /// early.
+    fn overflow_pool(&self, pages: &DevBuf) -> Result<DevBuf> {
+        let at = fast::OVERFLOW_PAGE * fast::PAGE * (LATENT + ROPE);
+        let mut pool = self.gpu().alloc(at + pages.len(), pages.elem())?;
+        self.gpu().fill(&pool, false)?;
+        self.gpu().copy(pages, 0, &mut pool, at, pages.len())?;
+        Ok(pool)
+    }
+
     /// A fast kernel's log-sum-exp output, poisoned so that a row the kernel skips shows.
     fn lse_buffer(&self, rows: usize) -> Result<DevBuf> {
         let lse = self.gpu().alloc(rows, Elem::F32)?;
@@ -102,6 +114,18 @@ impl CudaBackend {
         }
         // A sparse selection: every query's list, padded with -1 to the longest.
         let forced = kernels.decode.map(|v| v.kernel());
+        let overflow = faults.page_index_overflow;
+        let fp8 = cache.kv_cache_dtype() == KvCacheDtype::Fp8DsMla;
+        if overflow && (fp8 || sparse_queries(mask) > 0) {
+            return Ok(FastOutcome::Declined(format!(
+                "page-index-overflow is planted in the dense bf16 decode, and this op reads {}",
+                if fp8 {
+                    "an fp8_ds_mla cache"
+                } else {
+                    "a sparse DSA selection"
+                }
+            )));
+        }
         let lists = match &mask.selected {
             Some(sel) if sparse_queries(mask) > 0 => {
                 if let Some(f) = forced.filter(|f| fast::sparse_twin(f).is_none()) {
@@ -128,15 +152,17 @@ impl CudaBackend {
                 None => lens.iter().copied().max().unwrap_or(1),
             },
         };
-        // Every query reads the same pages: one table row per query, as a batch would hold.
+        // Every query reads the same pages: one table row per query, as a batch would hold. FAULT
+        // page-index-overflow: the pages sit past the first 4 GiB of the pool (`overflow_pool`).
+        let shift = if overflow { fast::OVERFLOW_PAGE } else { 0 };
         let rows: Vec<usize> = (0..n)
             .flat_map(|_| table.iter().copied().chain((table.is_empty()).then_some(0)))
+            .map(|page| page + shift)
             .collect();
         let block_table = self.indices(&rows)?;
         let seq_lens = self.indices(&lens)?;
         // An fp8_ds_mla cache is read by the FP8-cache variants from its byte cache; the sparse
         // kernels read bf16 pages.
-        let fp8 = cache.kv_cache_dtype() == KvCacheDtype::Fp8DsMla;
         if fp8 && lists.is_some() {
             return Ok(FastOutcome::Declined(
                 "a sparse DSA selection over an fp8_ds_mla cache (the sparse kernels read bf16 \
@@ -179,6 +205,9 @@ impl CudaBackend {
         let mut work = match (fp8, &sparse) {
             (true, _) => DecodeWork::for_fp8(self.gpu(), shape, fp8_kernel, fault_splits)?,
             (false, Some(_)) => DecodeWork::sparse(self.gpu(), shape, fault_splits, forced)?,
+            (false, None) if overflow => {
+                fast::planted_decode_work(self.gpu(), shape, fault_splits)?
+            }
             (false, None) => match fault_splits {
                 Some(splits) => DecodeWork::with_variant(self.gpu(), shape, splits, forced)?,
                 None => DecodeWork::for_variant(self.gpu(), shape, forced)?,
@@ -186,7 +215,7 @@ impl CudaBackend {
         };
         work.merge_faults = merge_faults;
         let (q, lens, o) = (&qd, &seq_lens, buf(&od));
-        let (mirror, launches, address, bytes) = if fp8 {
+        let (mirror, pool, launches, address, bytes) = if fp8 {
             let mirror = self.sync_fp8_cache(cache)?;
             let pages = fp8_bytes(&mirror);
             let launches = fast::mla_decode_fp8(
@@ -202,10 +231,13 @@ impl CudaBackend {
                 &work,
             )?;
             let (address, bytes) = (pages.address(), pages.bytes());
-            (mirror, launches, address, bytes)
+            (mirror, None, launches, address, bytes)
         } else {
             let mirror = self.sync_cache(cache)?;
-            let pages = mirror_buf(&mirror);
+            let pool = overflow
+                .then(|| self.overflow_pool(mirror_buf(&mirror)))
+                .transpose()?;
+            let pages = pool.as_ref().unwrap_or_else(|| mirror_buf(&mirror));
             let launches = match &sparse {
                 None => fast::mla_decode(
                     self.gpu(),
@@ -234,7 +266,7 @@ impl CudaBackend {
                 )?,
             };
             let (address, bytes) = (pages.address(), pages.bytes());
-            (mirror, launches, address, bytes)
+            (mirror, pool, launches, address, bytes)
         };
         let mut reads = vec![
             DeviceRead {
@@ -257,6 +289,7 @@ impl CudaBackend {
         }
         drop(mirror);
         self.refresh_host(out, &od)?;
+        drop(pool); // after the launches are done with it
         let splits = work.splits;
         let partials = match splits {
             1 => None,

@@ -181,6 +181,16 @@ impl Decode<'_> {
                 "MLA decode: the cache must be pages of 64 rows of 576",
             ));
         }
+        // The kernels with page-index-overflow planted wrap their offsets at 4 GiB: only over a
+        // larger pool does every wrapped address stay inside it.
+        let bytes = self.cache.len() * self.cache.elem().size();
+        if self.kernel.ends_with(crate::ops::PLANTED_OFFSET32) && bytes <= 1 << 32 {
+            return Err(Error::invalid(format!(
+                "{}: page-index-overflow is planted in it, and a cache of {bytes} bytes (at most \
+                 4 GiB) would let its wrapped offsets fall outside",
+                self.kernel
+            )));
+        }
         let pages = (self.cache.len() / (PAGE * width)) as i64;
         let table = prod(&[b, self.max_pages])?;
         let positions = (self.max_pages * PAGE) as i64;
@@ -306,7 +316,8 @@ impl Gpu {
         // the uploaded ranges) or, sparse, entries 0..len_b ≤ topk of row b of the key lists and
         // the pages bt[b][pos/64] of their positions pos ≥ 0 (all < max_pages·64), and writes
         // its split's partials (or out and lse) for those heads only; every extent checked in
-        // `check`.
+        // `check`. A kernel with page-index-overflow planted reads row offsets taken modulo
+        // 4 GiB, inside the cache because `check` wants it larger than 4 GiB.
         unsafe { self.launch_traced(sig, d.kernel, cfg, &args) }
     }
 
