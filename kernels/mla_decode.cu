@@ -396,10 +396,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_t16(cons
 // Faults the debugger plants in the merges (`faults`, a bit set; 0 in every real run):
 // FAULT_LSE_BASE (lse-base-mismatch): the splits' log-sum-exps are taken as base 2 where they
 // are natural (each scaled by log2 e before weighing), as a merge written against a kernel
-// that reports log2 does. FAULT_SKIP_LAST_HEAD (skip-padded-rows): the merge counts the head
-// group's padding one row too many and leaves the last real head of every sequence unwritten.
+// that reports log2 does. FAULT_SKIP_EMPTY_ROWS (skip-padded-rows): the merge returns without
+// writing a row whose splits all hold no keys (LSE -inf), such as the zero-length sequences that
+// pad a CUDA-graph batch, which then keep whatever the buffer held.
 #define FAULT_LSE_BASE 1
-#define FAULT_SKIP_LAST_HEAD 2
+#define FAULT_SKIP_EMPTY_ROWS 2
 __device__ __forceinline__ float merge_lse(float l, int faults) {
     return (faults & FAULT_LSE_BASE) ? l * 1.4426950408889634f : l;
 }
@@ -411,10 +412,10 @@ extern "C" __global__ void mla_decode_combine(const float* part_o, const float* 
     __shared__ float4 partial[COMBINE_WARPS][32];
     const int b = blockIdx.x, h = blockIdx.y, d0 = blockIdx.z * 128;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    if ((faults & FAULT_SKIP_LAST_HEAD) && h == heads - 1) return;  // the whole block: h is uniform
     float top = -INFINITY;
     for (int s = threadIdx.x; s < splits; s += blockDim.x) top = fmaxf(top, merge_lse(part_lse[((u64)b * splits + s) * heads + h], faults));
     top = block_max(top, scratch);
+    if ((faults & FAULT_SKIP_EMPTY_ROWS) && top == -INFINITY) return;  // the whole block: top is uniform
     float total = 0.0f;
     for (int s = threadIdx.x; s < splits; s += blockDim.x) {
         float l = merge_lse(part_lse[((u64)b * splits + s) * heads + h], faults);
@@ -465,11 +466,11 @@ extern "C" __global__ void __launch_bounds__(256) mla_decode_combine_rows(const 
     const int row = blockIdx.x * 8 + warp;  // b · heads + h
     if (row >= rows) return;
     const int b = row / heads, h = row % heads;
-    if ((faults & FAULT_SKIP_LAST_HEAD) && h == heads - 1) return;  // the whole warp
     const float l = lane < splits ? merge_lse(part_lse[((u64)b * splits + lane) * heads + h], faults) : -INFINITY;
     float top = l;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+    if ((faults & FAULT_SKIP_EMPTY_ROWS) && top == -INFINITY) return;  // the whole warp: top is uniform
     const float w = l > -INFINITY ? expf(l - top) : 0.0f;
     float total = w;
 #pragma unroll

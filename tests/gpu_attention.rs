@@ -252,10 +252,64 @@ fn faults_in_the_fast_kernels_are_caught_where_they_act() {
                 "{fault}: the merge ran: {ran_fast}"
             );
         }
+        // The decode step's batch of 1 padded to 2 under it: the padded row left unwritten,
+        // the real one whole.
+        if fault.starts_with("skip") {
+            let e = &report.run.events[found.index];
+            assert!(e.name.ends_with("self_attn.attn_padding"), "{found:?}");
+            assert_eq!(e.shape, vec![1, 8, 512]);
+            assert_eq!(e.stats.unwritten, e.stats.count, "{found:?}");
+            let latent = event(&report.run, Phase::Decode(0), "attn_latent");
+            assert_eq!(latent.stats.unwritten, 0);
+        }
         eprintln!(
             "{fault}: {kind} at {} {} ({ran_fast})",
             found.phase, found.op
         );
+    }
+}
+
+/// An absorbed prefill of 3 tokens runs as a CUDA-graph batch of 4 (one padded sequence of no
+/// keys): its row is reported as `attn_padding`, all zeros, and `check` stays clean; likewise
+/// over an FP8 cache and through the sparse decode (300 queries padded to 304). Decode steps
+/// (a batch of 1) pad nothing.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn a_padded_batch_reports_its_zero_rows_and_check_is_clean() {
+    let gpu = cuda_backend(StorageDtype::Bf16);
+    let mut sparse = synthetic("glm5-rank8", 12);
+    sparse.layout.indexer.as_mut().unwrap().topk = 100;
+    let cases = [
+        (Case::new(synthetic("glm5-rank8", 12), 3, 2), false, 1),
+        (Case::new(synthetic("glm5-rank8", 12), 3, 2), true, 1),
+        (Case::new(sparse, 300, 1), false, 4),
+    ];
+    for (case, fp8, pad) in cases {
+        let j = case.job(&gpu);
+        let mut flags = gpu_flags();
+        flags.prefill_path = mladb::engine::MlaPath::Absorbed;
+        if fp8 {
+            flags.kv_cache = mladb::ops::KvCacheDtype::Fp8DsMla;
+        }
+        let what = format!("{} tokens, fp8 {fp8}", case.schedule.prompt.len());
+        let report = check_clean(&j, flags, &what);
+        let padding = event(&report.run, Phase::Prefill, "attn_padding");
+        assert_eq!(padding.shape, vec![pad, 8, 512], "{what}");
+        assert_eq!(padding.stats.zeros, padding.stats.count, "{what}");
+        let info = padding.kernel.clone().unwrap();
+        assert!(
+            info.launches[0].kernel.starts_with("mla_"),
+            "{what}: {info}"
+        );
+        assert!(
+            !report
+                .run
+                .events
+                .iter()
+                .any(|e| e.kind == OpKind::AttentionPadding && e.phase != Phase::Prefill),
+            "{what}: a decode batch of 1 pads nothing"
+        );
+        eprintln!("{what}: {pad} padded rows of zeros; {info}");
     }
 }
 

@@ -105,6 +105,9 @@ pub struct FastAttention {
     /// The split-KV partials before the merge, when the kernel split the keys: each split's
     /// normalised output [n, splits, heads, width] and its log-sum-exp [n, splits, heads].
     pub partials: Option<(Tensor, Tensor)>,
+    /// The rows of a padded batch (CUDA-graph capture size) past the real ones, as the kernel
+    /// wrote them: [pad, heads, width], zeros when correct; `None` when nothing was padded.
+    pub padding: Option<Tensor>,
     /// The launches, in order (the split kernel, then the merge).
     pub launches: Vec<KernelLaunch>,
     /// Device buffers read beyond the inputs.

@@ -52,8 +52,8 @@ pub struct Ceilings {
 fn ceilings(gpu: &Gpu) -> Result<Ceilings> {
     let len = 1usize << 30; // bf16 elements: 2 GiB
     let src = random(gpu, len, Elem::Bf16, 1, 1.0)?;
-    let mut dst = gpu.alloc(len, Elem::Bf16)?;
-    let ms = median(gpu.time_ms(3, 20, 1, || gpu.copy(&src, 0, &mut dst, 0, len))?);
+    let dst = gpu.alloc(len, Elem::Bf16)?;
+    let ms = median(gpu.time_ms(3, 20, 1, || gpu.copy(&src, 0, &dst, 0, len))?);
     let copy_gbs = 2.0 * (len * 2) as f64 / (ms * 1e-3) / 1e9;
     drop((src, dst));
     let n = 8192;

@@ -163,6 +163,13 @@ pub fn prefill_vs_decode(
             index: i,
             diff: Err(why),
         };
+        // A padded batch's rows belong to no token.
+        if e.kind == OpKind::AttentionPadding {
+            out.push(failed(
+                "a padded batch's rows belong to no token".to_string(),
+            ));
+            continue;
+        }
         // A token's row cannot be cut from a sample of the prefill's output.
         if is_sampled(e, &stepped.outputs[i]) || is_sampled(we, w) {
             out.push(failed(NEEDS_TENSORS.to_string()));

@@ -252,13 +252,14 @@ pub fn latent_write(e: &OpEvent) -> bool {
 }
 
 /// Whether `e` is written by an attention kernel (the reference's probabilities, the fast
-/// kernels' log-sum-exps and split partials, the output of either).
+/// kernels' log-sum-exps, split partials and padded rows, the output of either).
 pub fn attention_kernel(e: &OpEvent) -> bool {
     matches!(
         e.kind,
         OpKind::AttentionProbs
             | OpKind::AttentionLse
             | OpKind::AttentionPartials
+            | OpKind::AttentionPadding
             | OpKind::Attention
             | OpKind::AttentionLatent
     )

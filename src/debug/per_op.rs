@@ -52,8 +52,10 @@ pub fn per_op_findings(run: &RunRecord) -> Vec<Finding> {
                 )
             });
         }
-        // Index listings (chosen experts, kept keys) may well be all zero: expert 0, key 0.
-        if s.all_zero() && e.dtype != crate::tensor::DType::I32 {
+        // Index listings (chosen experts, kept keys) may well be all zero: expert 0, key 0; a
+        // padded batch's rows (no keys) must be.
+        let zero_ok = e.dtype == crate::tensor::DType::I32 || e.kind == OpKind::AttentionPadding;
+        if s.all_zero() && !zero_ok {
             note_first(&mut zero_seen, &mut findings, e.phase, || {
                 f(
                     FindingKind::AllZero,

@@ -447,7 +447,7 @@ enum KernelOutput {
     /// why the reference ran.
     Reference { probs: Tensor, why: Option<String> },
     /// A production kernel.
-    Fast(FastAttention),
+    Fast(Box<FastAttention>),
 }
 
 impl KernelOutput {
@@ -465,7 +465,7 @@ impl KernelOutput {
             Some("--attn-kernel reference".to_string())
         } else {
             match fast(out)? {
-                FastOutcome::Ran(f) => return Ok(KernelOutput::Fast(*f)),
+                FastOutcome::Ran(f) => return Ok(KernelOutput::Fast(f)),
                 FastOutcome::Declined(why) => Some(why),
             }
         };
@@ -479,7 +479,8 @@ const PROBS: (&str, OpKind) = ("attn_probs", OpKind::AttentionProbs);
 const PARTIALS: (&str, OpKind) = ("attn_partials", OpKind::AttentionPartials);
 const PARTIALS_LSE: (&str, OpKind) = ("attn_partials_lse", OpKind::AttentionPartials);
 const LSE: (&str, OpKind) = ("attn_lse", OpKind::AttentionLse);
-const SIDE_OPS: [(&str, OpKind); 4] = [PROBS, PARTIALS, PARTIALS_LSE, LSE];
+const PADDING: (&str, OpKind) = ("attn_padding", OpKind::AttentionPadding);
+const SIDE_OPS: [(&str, OpKind); 5] = [PROBS, PARTIALS, PARTIALS_LSE, LSE, PADDING];
 
 /// One event of an attention kernel call, before the output's.
 struct Side {
@@ -488,8 +489,8 @@ struct Side {
     kernel: Option<KernelInfo>,
 }
 
-/// The events before the output (probabilities; or partials and log-sum-exps), the kernel
-/// information of the output op, and extra device reads.
+/// The events before the output (probabilities; or partials, log-sum-exps and a padded
+/// batch's extra rows), the kernel information of the output op, and extra device reads.
 fn sides(output: KernelOutput) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>) {
     match output {
         KernelOutput::Reference { probs, why } => {
@@ -505,6 +506,7 @@ fn sides(output: KernelOutput) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>
             (vec![side], info, Vec::new())
         }
         KernelOutput::Fast(f) => {
+            let f = *f;
             let info = KernelInfo {
                 launches: f.launches,
                 reference: None,
@@ -531,6 +533,13 @@ fn sides(output: KernelOutput) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>
                 tensor: f.lse,
                 kernel: Some(info.clone()),
             });
+            if let Some(padding) = f.padding {
+                sides.push(Side {
+                    op: PADDING,
+                    tensor: padding,
+                    kernel: Some(info.clone()),
+                });
+            }
             let reads = f
                 .reads
                 .iter()

@@ -91,6 +91,9 @@ pub enum OpKind {
     /// output [tokens, splits, heads, L] (`attn_partials`), or its log-sum-exp [tokens, splits,
     /// heads] (`attn_partials_lse`).
     AttentionPartials,
+    /// The rows past the real ones of a fast decode batch padded to a CUDA-graph capture size
+    /// (sequences of no keys), [pad, heads, L]: zeros when written (`attn_padding`).
+    AttentionPadding,
     Residual,
     Activation,
     /// MoE router: chosen experts' weights and ids.

@@ -121,11 +121,11 @@ impl CudaBackend {
             Some(m) if m.rows >= needed => m,
             old => {
                 let rows = needed.max(old.as_ref().map_or(0, |m| m.rows * 2));
-                let mut buf = self.gpu.alloc(rows * width, self.elem)?;
+                let buf = self.gpu.alloc(rows * width, self.elem)?;
                 self.gpu.fill(&buf, src.poisoned())?;
                 let applied = match &old {
                     Some(m) => {
-                        self.gpu.copy(&m.buf, 0, &mut buf, 0, m.rows * width)?;
+                        self.gpu.copy(&m.buf, 0, &buf, 0, m.rows * width)?;
                         m.applied
                     }
                     None => 0,

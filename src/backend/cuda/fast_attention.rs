@@ -1,11 +1,12 @@
 //! The production attention kernels ([`super::fast`]) in the traced path: the absorbed attention
 //! of a chunk runs the tensor-core decode over the paged latent cache (each query token a
-//! sequence of its own length over the same pages, as a serving batch is; with a sparse DSA
-//! selection, the sparse decode over each query's own key list), and a whole-sequence naive
-//! prefill runs the flash prefill. Each says what it launched, returns its log-sum-exps and
-//! split partials for the trace, or declines with the reason when the op is one it does not take
-//! (head dims it is not built for, f32 storage, a sparse selection on the naive path, a fault
-//! planted in the reference kernel), and the engine runs the reference instead.
+//! sequence of its own length over the same pages, as a serving batch is, padded to a CUDA-graph
+//! capture size with sequences of no keys; with a sparse DSA selection, the sparse decode over
+//! each query's own key list), and a whole-sequence naive prefill runs the flash prefill. Each
+//! says what it launched, returns its log-sum-exps, split partials and padded rows for the trace,
+//! or declines with the reason when the op is one it does not take (head dims it is not built
+//! for, f32 storage, a sparse selection on the naive path, a fault planted in the reference
+//! kernel), and the engine runs the reference instead.
 
 use super::attention::mirror_buf;
 use super::device::{DevBuf, Elem};
@@ -60,6 +61,26 @@ fn kernel_scale(scale: f32, faults: KernelFaults) -> f32 {
 /// Tokens per split when a fault planted in the decode's merge needs the merge to run.
 const FAULT_SPLIT_TOKENS: usize = 64;
 
+/// The batch size a CUDA-graph server (vLLM) captures for a decode batch of `n`: 1, 2, 4, then
+/// multiples of 8 up to 512; a larger batch runs eagerly, unpadded.
+fn capture_size(n: usize) -> usize {
+    match n {
+        0..=2 => n,
+        3..=4 => 4,
+        5..=512 => n.div_ceil(8) * 8,
+        _ => n,
+    }
+}
+
+/// The batch the fast decode launches for `n` queries: padded to its capture size, and under
+/// skip-padded-rows to the next one where that pads nothing, so that the fault has a row.
+fn padded_batch(n: usize, skip_padded_rows: bool) -> usize {
+    match capture_size(n) {
+        c if c == n && skip_padded_rows => capture_size(n + 1),
+        c => c,
+    }
+}
+
 impl CudaBackend {
     /// FAULT page-index-overflow: the cache's pages copied past the first 4 GiB of a zeroed
     /// pool larger than that (page p at [`fast::OVERFLOW_PAGE`] + p), as the pages of a busy
@@ -67,17 +88,27 @@ impl CudaBackend {
     /// early.
     fn overflow_pool(&self, pages: &DevBuf) -> Result<DevBuf> {
         let at = fast::OVERFLOW_PAGE * fast::PAGE * (LATENT + ROPE);
-        let mut pool = self.gpu().alloc(at + pages.len(), pages.elem())?;
+        let pool = self.gpu().alloc(at + pages.len(), pages.elem())?;
         self.gpu().fill(&pool, false)?;
-        self.gpu().copy(pages, 0, &mut pool, at, pages.len())?;
+        self.gpu().copy(pages, 0, &pool, at, pages.len())?;
         Ok(pool)
     }
 
-    /// A fast kernel's log-sum-exp output, poisoned so that a row the kernel skips shows.
-    fn lse_buffer(&self, rows: usize) -> Result<DevBuf> {
-        let lse = self.gpu().alloc(rows, Elem::F32)?;
-        self.gpu().fill(&lse, true)?;
-        Ok(lse)
+    /// A fast kernel's output buffer, poisoned so that what the kernel skips shows.
+    fn poisoned(&self, len: usize, elem: Elem) -> Result<DevBuf> {
+        let buf = self.gpu().alloc(len, elem)?;
+        self.gpu().fill(&buf, true)?;
+        Ok(buf)
+    }
+
+    /// Elements `from..from + len` of `src` in a buffer of their own (`src` itself when whole).
+    fn part(&self, src: DevBuf, from: usize, len: usize) -> Result<DevBuf> {
+        if from == 0 && len == src.len() {
+            return Ok(src);
+        }
+        let dst = self.gpu().alloc(len, src.elem())?;
+        self.gpu().copy(&src, from, &dst, 0, len)?;
+        Ok(dst)
     }
 
     /// See [`crate::backend::Backend::fast_attention_latent`].
@@ -141,10 +172,16 @@ impl CudaBackend {
             return Ok(FastOutcome::Declined("a latent cache without pages".into()));
         };
         let heads = dims.heads;
-        let qd = self.concat_on_device(q_lat, q_pe, heads)?;
-        let lens: Vec<usize> = mask.positions.iter().map(|&p| p + 1).collect();
+        // The padded rows: sequences of length 0 (no keys) with zero queries.
+        let padded = padded_batch(n, faults.skip_padded_rows);
+        let pad = padded - n;
+        let lists = lists.map(|l| l.padded(pad));
+        let qd = self.concat_on_device(q_lat, q_pe, heads, pad * q_lat.rows() / n)?;
+        let lens: Vec<usize> = (mask.positions.iter().map(|&p| p + 1))
+            .chain(std::iter::repeat_n(0, pad))
+            .collect();
         let shape = DecodeShape {
-            batch: n,
+            batch: padded,
             heads,
             max_pages: table.len().max(1),
             max_len: match &lists {
@@ -155,7 +192,7 @@ impl CudaBackend {
         // Every query reads the same pages: one table row per query, as a batch would hold. FAULT
         // page-index-overflow: the pages sit past the first 4 GiB of the pool (`overflow_pool`).
         let shift = if overflow { fast::OVERFLOW_PAGE } else { 0 };
-        let rows: Vec<usize> = (0..n)
+        let rows: Vec<usize> = (0..padded)
             .flat_map(|_| table.iter().copied().chain((table.is_empty()).then_some(0)))
             .map(|page| page + shift)
             .collect();
@@ -176,10 +213,16 @@ impl CudaBackend {
             (false, Err(_)) => None,
         };
         let od = self.dev(out)?;
-        let lse = self.lse_buffer(n * heads)?;
+        // A padded batch is written to a buffer of its own, whose first n rows go to `out`.
+        let row = heads * LATENT;
+        let padded_out = match pad {
+            0 => None,
+            _ => Some(self.poisoned(padded * row, Elem::Bf16)?),
+        };
+        let lse = self.poisoned(padded * heads, Elem::F32)?;
         let merge_faults = MergeFaults {
             lse_base: faults.lse_base_mismatch,
-            skip_last_head: faults.skip_padded_rows,
+            skip_empty_rows: faults.skip_padded_rows,
         };
         // With a fault planted in the merge, split so that it runs (every 64 tokens, at least 2).
         let fault_splits = merge_faults.any().then(|| {
@@ -214,7 +257,7 @@ impl CudaBackend {
             },
         };
         work.merge_faults = merge_faults;
-        let (q, lens, o) = (&qd, &seq_lens, buf(&od));
+        let (q, lens, o) = (&qd, &seq_lens, padded_out.as_ref().unwrap_or(buf(&od)));
         let (mirror, pool, launches, address, bytes) = if fp8 {
             let mirror = self.sync_fp8_cache(cache)?;
             let pages = fp8_bytes(&mirror);
@@ -288,6 +331,14 @@ impl CudaBackend {
             });
         }
         drop(mirror);
+        let padding = match padded_out {
+            Some(po) => {
+                self.gpu().copy(&po, 0, buf(&od), 0, n * row)?;
+                let rows = self.part(po, n * row, pad * row)?;
+                Some(self.finish(rows, &[pad, heads, LATENT])?)
+            }
+            None => None,
+        };
         self.refresh_host(out, &od)?;
         drop(pool); // after the launches are done with it
         let splits = work.splits;
@@ -295,16 +346,21 @@ impl CudaBackend {
             1 => None,
             _ => {
                 // Left on the device beside their host copies: statistics run there.
-                let (o, l) = work.into_partials();
+                let (po, pl) = work.into_partials();
+                let (po, pl) = (
+                    self.part(po, 0, n * splits * row)?,
+                    self.part(pl, 0, n * splits * heads)?,
+                );
                 Some((
-                    self.finish(o, &[n, splits, heads, LATENT])?,
-                    self.finish(l, &[n, splits, heads])?,
+                    self.finish(po, &[n, splits, heads, LATENT])?,
+                    self.finish(pl, &[n, splits, heads])?,
                 ))
             }
         };
         Ok(FastOutcome::Ran(Box::new(FastAttention {
-            lse: self.finish(lse, &[n, heads])?,
+            lse: self.finish(self.part(lse, 0, n * heads)?, &[n, heads])?,
             partials,
+            padding,
             launches,
             reads,
         })))
@@ -355,7 +411,7 @@ impl CudaBackend {
         let heads = dims.heads;
         let qd = self.dev(q)?;
         let od = self.dev(out)?;
-        let lse = self.lse_buffer(n * heads)?;
+        let lse = self.poisoned(n * heads, Elem::F32)?;
         let (km, vm) = (self.sync_cache(k)?, self.sync_cache(v)?);
         let (kd, vd): (&DevBuf, &DevBuf) = (mirror_buf(&km), mirror_buf(&vm));
         let variant = kernels.prefill.map(|p| p.tag());
@@ -381,8 +437,29 @@ impl CudaBackend {
         Ok(FastOutcome::Ran(Box::new(FastAttention {
             lse: self.finish(lse, &[n, heads])?,
             partials: None,
+            padding: None,
             launches: launch.into_iter().collect(),
             reads,
         })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_pad_to_cuda_graph_capture_sizes() {
+        let sizes: Vec<usize> = [1, 2, 3, 4, 5, 8, 9, 17, 24, 505, 512, 513, 1000]
+            .map(capture_size)
+            .to_vec();
+        assert_eq!(sizes, [1, 2, 4, 4, 8, 8, 16, 24, 24, 512, 512, 513, 1000]);
+        // The fault always gets a padded row: the next capture size, or one row past 512.
+        assert_eq!(padded_batch(1, false), 1);
+        assert_eq!(padded_batch(1, true), 2);
+        assert_eq!(padded_batch(3, true), 4);
+        assert_eq!(padded_batch(8, true), 16);
+        assert_eq!(padded_batch(512, true), 513);
+        assert_eq!(padded_batch(600, true), 601);
     }
 }

@@ -113,6 +113,16 @@ pub struct KeyLists {
     pub lens: Vec<i32>,
 }
 
+impl KeyLists {
+    /// The lists followed by `empty` lists of no keys (all -1): a padded batch's rows.
+    pub fn padded(mut self, empty: usize) -> KeyLists {
+        self.indices
+            .resize(self.indices.len() + empty * self.topk, -1);
+        self.lens.resize(self.lens.len() + empty, 0);
+        self
+    }
+}
+
 /// Each query's selected key positions as one padded [n, topk] array with its lengths.
 pub fn key_lists(selected: &[Vec<usize>]) -> Result<KeyLists> {
     let topk = selected.iter().map(Vec::len).max().unwrap_or(0).max(1);
@@ -145,6 +155,9 @@ mod tests {
         assert_eq!(lists.topk, 3);
         assert_eq!(lists.indices, [0, 3, 9, -1, -1, -1, 5, -1, -1]);
         assert_eq!(lists.lens, [3, 0, 1]);
+        let padded = lists.padded(1);
+        assert_eq!(padded.indices[9..], [-1, -1, -1]);
+        assert_eq!((padded.topk, padded.lens), (3, vec![3, 0, 1, 0]));
         let none = key_lists(&[vec![], vec![]]).unwrap();
         assert_eq!(
             (none.topk, none.indices, none.lens),

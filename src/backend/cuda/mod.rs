@@ -134,13 +134,23 @@ impl CudaBackend {
     }
 
     /// [`Backend::concat_groups`] left on the device (no host copy): for a kernel's input that
-    /// is no op's output, such as the fast decode's query.
-    fn concat_on_device(&self, a: &Tensor, b: &Tensor, groups: usize) -> Result<DevBuf> {
+    /// is no op's output, such as the fast decode's query, followed by `zero_rows` rows of zeros
+    /// (a padded batch's queries).
+    fn concat_on_device(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        groups: usize,
+        zero_rows: usize,
+    ) -> Result<DevBuf> {
         let (wa, wb) = (a.cols(), b.cols());
         let rows = a.rows();
         checks::concat_groups(a, b, groups)?;
         let (ad, bd) = (self.dev(a)?, self.dev(b)?);
-        let out = self.out(rows * (wa + wb))?;
+        let out = self.out((rows + zero_rows) * (wa + wb))?;
+        if zero_rows > 0 {
+            self.gpu.fill(&out, false)?;
+        }
         self.gpu
             .concat_groups(buf(&ad), buf(&bd), &out, rows, wa, wb)?;
         Ok(out)
@@ -320,7 +330,7 @@ impl Backend for CudaBackend {
     }
 
     fn concat_groups(&self, a: &Tensor, b: &Tensor, groups: usize) -> Result<Tensor> {
-        let out = self.concat_on_device(a, b, groups)?;
+        let out = self.concat_on_device(a, b, groups, 0)?;
         let (rows, width) = (a.rows(), a.cols() + b.cols());
         self.finish(out, &[rows / groups, groups, width])
     }

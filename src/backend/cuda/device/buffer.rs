@@ -370,25 +370,40 @@ impl Gpu {
         Ok(out)
     }
 
-    /// Copies `len` elements from `src` at `from` to `dst` at `to` (same storage type).
+    /// Copies `len` elements from `src` at `from` to `dst` at `to` (same storage type), bit for
+    /// bit (poison stays poison). Like a kernel, it writes through `dst`'s pointer, so `dst` may
+    /// be a tensor's shared device mirror.
     pub fn copy(
         &self,
         src: &DevBuf,
         from: usize,
-        dst: &mut DevBuf,
+        dst: &DevBuf,
         to: usize,
         len: usize,
     ) -> Result<()> {
-        if src.elem != dst.elem || from + len > src.len || to + len > dst.len {
+        let overlap = src.serial == dst.serial && from < to + len && to < from + len;
+        if src.elem != dst.elem || from + len > src.len || to + len > dst.len || overlap {
             return Err(Error::invalid(
-                "device copy between buffers of other types or past an end",
+                "device copy between buffers of other types, past an end, or onto itself",
             ));
         }
+        if len == 0 {
+            return Ok(());
+        }
         let s = src.elem.size();
-        let view = src.slice.slice(from * s..(from + len) * s);
-        let mut out = dst.slice.slice_mut(to * s..(to + len) * s);
-        self.stream
-            .memcpy_dtod(&view, &mut out)
-            .map_err(CudaError::driver("copy"))
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("copy"))?;
+        // SAFETY: both ranges lie within live allocations of this context and do not overlap
+        // (checked above); the copy is queued on the one stream every kernel uses.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                dst.ptr + (to * s) as u64,
+                src.ptr + (from * s) as u64,
+                len * s,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(CudaError::driver("copy"))
     }
 }

@@ -137,17 +137,18 @@ pub struct Merge<'a> {
 pub struct MergeFaults {
     /// lse-base-mismatch: the splits' natural-log LSEs weighed as base 2.
     pub lse_base: bool,
-    /// skip-padded-rows: the last real head of each sequence counted as padding, unwritten.
-    pub skip_last_head: bool,
+    /// skip-padded-rows: rows with no keys in any split (a batch's zero-length padding)
+    /// left unwritten.
+    pub skip_empty_rows: bool,
 }
 
 impl MergeFaults {
     pub fn any(self) -> bool {
-        self.lse_base || self.skip_last_head
+        self.lse_base || self.skip_empty_rows
     }
 
     fn bits(self) -> Arg {
-        Arg::I32(i32::from(self.lse_base) | (i32::from(self.skip_last_head) << 1))
+        Arg::I32(i32::from(self.lse_base) | (i32::from(self.skip_empty_rows) << 1))
     }
 }
 
