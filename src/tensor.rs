@@ -253,6 +253,23 @@ impl Tensor {
     }
 
     /// Same buffer, another shape with the same element count (a view, keeps the identity).
+    /// A second handle on this buffer: the same identity and device memory, a copy of the host
+    /// values. For a trace that reports one buffer as the output of two ops (a kernel's and its
+    /// wrapper's), so that both name the buffer that was really written.
+    pub fn alias(&self) -> Tensor {
+        let device = OnceLock::new();
+        if let Some(d) = self.device.get() {
+            let _ = device.set(Arc::clone(d));
+        }
+        Tensor {
+            shape: self.shape.clone(),
+            data: self.data.clone(),
+            dtype: self.dtype,
+            id: self.id,
+            device,
+        }
+    }
+
     pub fn reshaped(mut self, shape: &[usize]) -> Tensor {
         let numel: usize = shape.iter().product();
         assert_eq!(

@@ -133,6 +133,14 @@ fn the_fast_kernels_run_the_traced_attention_and_say_so() {
     assert_eq!(partial_lse.stats.unwritten + partial_lse.stats.nan, 0);
     assert_eq!(partials.stats.unwritten, 0);
     assert_eq!(partials.stats.nan + partials.stats.pos_inf, 0);
+    // The merge: its own launch, and the buffer it wrote is the one the wrapper returns.
+    let merge = event(&fast, Phase::Decode(0), "attn_merge");
+    let merge_info = merge.kernel.as_ref().unwrap();
+    assert_eq!(merge_info.launches.len(), 1, "{merge_info}");
+    assert!(merge_info.launches[0].kernel.starts_with("mla_decode_combine"));
+    assert_eq!(merge.shape, decode.shape);
+    assert_eq!(merge.output.id, decode.output.id);
+    assert_eq!(merge.stats.unwritten, 0);
     // The kernel read the device copy of the latent cache and the block table.
     assert!(
         decode
@@ -153,6 +161,25 @@ fn the_fast_kernels_run_the_traced_attention_and_say_so() {
     {
         assert_eq!(e.stats.unwritten, 0, "{} {}", e.phase, e.name);
     }
+
+    // The seed's bug in the fast decode: the merge writes a phantom buffer, fully and right;
+    // the wrapper returns its own, unwritten, and that is what the next op reads.
+    let mut disconnected = gpu_flags();
+    disconnected
+        .set("inject", "output-buffer-disconnect@decode")
+        .unwrap();
+    let broken = j.run(disconnected, None).unwrap();
+    let merge = event(&broken, Phase::Decode(0), "attn_merge");
+    let latent = event(&broken, Phase::Decode(0), "attn_latent");
+    assert_eq!(merge.stats.unwritten, 0);
+    assert_eq!(latent.stats.unwritten, latent.stats.count);
+    assert_eq!(latent.kernel_wrote.unwrap().id, merge.output.id);
+    assert_ne!(latent.output.id, merge.output.id);
+    let merged = |run: &RunRecord| {
+        let name = "model.layers.0.self_attn.attn_merge";
+        run.output(Phase::Decode(0), name).unwrap().data().to_vec()
+    };
+    assert_eq!(merged(&broken), merged(&fast), "the phantom holds the right answer");
 
     // The reference kernels on the same run say why they ran.
     let mut reference = gpu_flags();

@@ -172,7 +172,11 @@ pub fn heads_of(event: &OpEvent, num_heads: usize) -> Option<Heads> {
     let s = &event.shape;
     match event.kind {
         OpKind::AttentionProbs => Some(Heads::Axis(0)),
-        OpKind::AttentionLatent | OpKind::AttentionPadding | OpKind::AbsorbQuery | OpKind::Rope
+        OpKind::AttentionLatent
+        | OpKind::AttentionPadding
+        | OpKind::AttentionMerge
+        | OpKind::AbsorbQuery
+        | OpKind::Rope
             if s.len() == 3 && s[1] == num_heads =>
         {
             Some(Heads::Axis(1))

@@ -252,7 +252,7 @@ pub fn latent_write(e: &OpEvent) -> bool {
 }
 
 /// Whether `e` is written by an attention kernel (the reference's probabilities, the fast
-/// kernels' log-sum-exps, split partials and padded rows, the output of either).
+/// kernels' log-sum-exps, split partials, merge and padded rows, the output of either).
 pub fn attention_kernel(e: &OpEvent) -> bool {
     matches!(
         e.kind,
@@ -260,6 +260,7 @@ pub fn attention_kernel(e: &OpEvent) -> bool {
             | OpKind::AttentionLse
             | OpKind::AttentionPartials
             | OpKind::AttentionPadding
+            | OpKind::AttentionMerge
             | OpKind::Attention
             | OpKind::AttentionLatent
     )

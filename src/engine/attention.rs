@@ -478,9 +478,10 @@ impl KernelOutput {
 const PROBS: (&str, OpKind) = ("attn_probs", OpKind::AttentionProbs);
 const PARTIALS: (&str, OpKind) = ("attn_partials", OpKind::AttentionPartials);
 const PARTIALS_LSE: (&str, OpKind) = ("attn_partials_lse", OpKind::AttentionPartials);
+const MERGE: (&str, OpKind) = ("attn_merge", OpKind::AttentionMerge);
 const LSE: (&str, OpKind) = ("attn_lse", OpKind::AttentionLse);
 const PADDING: (&str, OpKind) = ("attn_padding", OpKind::AttentionPadding);
-const SIDE_OPS: [(&str, OpKind); 5] = [PROBS, PARTIALS, PARTIALS_LSE, LSE, PADDING];
+const SIDE_OPS: [(&str, OpKind); 6] = [PROBS, PARTIALS, PARTIALS_LSE, MERGE, LSE, PADDING];
 
 /// One event of an attention kernel call, before the output's.
 struct Side {
@@ -489,9 +490,10 @@ struct Side {
     kernel: Option<KernelInfo>,
 }
 
-/// The events before the output (probabilities; or partials, log-sum-exps and a padded
-/// batch's extra rows), the kernel information of the output op, and extra device reads.
-fn sides(output: KernelOutput) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>) {
+/// The events before the output (probabilities; or partials, the merge of a split decode,
+/// log-sum-exps and a padded batch's extra rows), the kernel information of the output op, and
+/// extra device reads. `wrote` is the buffer the kernel wrote, which the merge op reports.
+fn sides(output: KernelOutput, wrote: Tensor) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>) {
     match output {
         KernelOutput::Reference { probs, why } => {
             let info = why.map(|why| KernelInfo {
@@ -526,6 +528,16 @@ fn sides(output: KernelOutput) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>
                     op: PARTIALS_LSE,
                     tensor: lse,
                     kernel: Some(first),
+                });
+                // The merge's launch and what it wrote (the wrapper's output, or under the
+                // disconnect fault the phantom buffer the wrapper never returns).
+                sides.push(Side {
+                    op: MERGE,
+                    tensor: wrote,
+                    kernel: Some(KernelInfo {
+                        launches: info.launches.iter().skip(1).cloned().collect(),
+                        reference: None,
+                    }),
                 });
             }
             sides.push(Side {
@@ -588,13 +600,14 @@ fn run_attention(
         });
     }
     let mut out = b.alloc(out_shape, ctx.poison)?;
-    let (output, wrote) = if disconnect {
+    let (output, written) = if disconnect {
         let mut phantom = b.alloc(out_shape, ctx.poison)?;
-        (kernel(&mut phantom)?, BufferRef::of(&phantom))
+        (kernel(&mut phantom)?, phantom)
     } else {
-        (kernel(&mut out)?, BufferRef::of(&out))
+        (kernel(&mut out)?, out.alias())
     };
-    let (sides, info, device_reads) = sides(output);
+    let wrote = BufferRef::of(&written);
+    let (sides, info, device_reads) = sides(output, written);
     let reads: Vec<BufferRef> = std::iter::once(cache_read).chain(device_reads).collect();
     for side in sides {
         let (op, kind) = side.op;

@@ -94,6 +94,9 @@ pub enum OpKind {
     /// The rows past the real ones of a fast decode batch padded to a CUDA-graph capture size
     /// (sequences of no keys), [pad, heads, L]: zeros when written (`attn_padding`).
     AttentionPadding,
+    /// A split-KV decode's merge: what the merge kernel wrote, [tokens, heads, L], in the buffer
+    /// it was handed (`attn_merge`; the wrapper's output unless the two are disconnected).
+    AttentionMerge,
     Residual,
     Activation,
     /// MoE router: chosen experts' weights and ids.
