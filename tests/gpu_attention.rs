@@ -137,7 +137,9 @@ fn the_fast_kernels_run_the_traced_attention_and_say_so() {
     let merge = event(&fast, Phase::Decode(0), "attn_merge");
     let merge_info = merge.kernel.as_ref().unwrap();
     assert_eq!(merge_info.launches.len(), 1, "{merge_info}");
-    assert!(merge_info.launches[0].kernel.starts_with("mla_decode_combine"));
+    assert!(merge_info.launches[0]
+        .kernel
+        .starts_with("mla_decode_combine"));
     assert_eq!(merge.shape, decode.shape);
     assert_eq!(merge.output.id, decode.output.id);
     assert_eq!(merge.stats.unwritten, 0);
@@ -179,7 +181,11 @@ fn the_fast_kernels_run_the_traced_attention_and_say_so() {
         let name = "model.layers.0.self_attn.attn_merge";
         run.output(Phase::Decode(0), name).unwrap().data().to_vec()
     };
-    assert_eq!(merged(&broken), merged(&fast), "the phantom holds the right answer");
+    assert_eq!(
+        merged(&broken),
+        merged(&fast),
+        "the phantom holds the right answer"
+    );
 
     // The reference kernels on the same run say why they ran.
     let mut reference = gpu_flags();

@@ -133,24 +133,19 @@ impl CudaBackend {
                 CacheMirror::new(self.id, buf, rows, applied)
             }
         };
-        // Replay the new writes, uploading runs of consecutive slots at once.
-        let writes = &src.writes()[mirror.applied..];
-        let mut i = 0;
-        while i < writes.len() {
-            let mut j = i + 1;
-            while j < writes.len()
-                && writes[j] == writes[j - 1] + 1
-                && physical(writes[j]) == physical(writes[j - 1]) + 1
-            {
-                j += 1;
-            }
-            let rows: Vec<f32> = writes[i..j]
-                .iter()
-                .flat_map(|&s| src.row(s).to_vec())
-                .collect();
+        // The writes since the last sync, by the cache-write kernel: each slot's latest row,
+        // scattered to the physical row the slot mapping gives (a slot written twice is sent
+        // once).
+        let mut fresh: Vec<usize> = src.writes()[mirror.applied..].to_vec();
+        fresh.sort_unstable();
+        fresh.dedup();
+        if !fresh.is_empty() {
+            let rows: Vec<f32> = fresh.iter().flat_map(|&s| src.row(s).to_vec()).collect();
+            let rows = self.gpu.upload(&rows, self.elem)?;
+            let physical: Vec<usize> = fresh.iter().map(|&s| physical(s)).collect();
+            let slots = self.indices(&physical)?;
             self.gpu
-                .write(&mut mirror.buf, physical(writes[i]) * width, &rows)?;
-            i = j;
+                .kv_cache_write(&rows, &slots, &mirror.buf, fresh.len(), width)?;
         }
         mirror.applied = src.writes().len();
         mirrors.rows = Some(mirror);

@@ -44,6 +44,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../../../../kernels/flash_prefill.cu"),
     ),
     ("kv_fp8.cu", include_str!("../../../../kernels/kv_fp8.cu")),
+    (
+        "cache_write.cu",
+        include_str!("../../../../kernels/cache_write.cu"),
+    ),
 ];
 
 /// Kernel files for Hopper alone (compute capability 9.0, compiled for `sm_90a`: wgmma has no

@@ -1,5 +1,7 @@
-//! Typed launchers of the fp8_ds_mla latent cache's kernels: the write kernel (kernels/kv_fp8.cu),
-//! which quantizes rows into the 656-byte slots of a paged byte cache, and the tensor-core decode
+//! Typed launchers of the KV cache writes and the fp8_ds_mla latent cache's kernels: the plain
+//! write (kernels/cache_write.cu: rows scattered to the slot mapping's rows), the FP8 write
+//! (kernels/kv_fp8.cu), which quantizes rows into the 656-byte slots of a paged byte cache, and
+//! the tensor-core decode
 //! reading such a cache (`mla_decode_fp8_*` in mla_decode.cu and mla_decode_splitk.cu), whose
 //! splits the one merge of every decode joins (`Gpu::mla_decode_merge`). What a launch may touch
 //! is checked here; the variant and split count are `cuda::fast_fp8`'s.
@@ -12,6 +14,8 @@ use crate::error::{Error, Result};
 use crate::ops::kv_fp8::TOKEN_BYTES;
 
 pub const KV_FP8_WRITE: Sig = Sig::new("kv_fp8_write_{e}", &[Storage, I32Ptr, U8Ptr, Int, Int]);
+pub const KV_CACHE_WRITE: Sig =
+    Sig::new("kv_cache_write_{e}", &[Storage, I32Ptr, Storage, Int, Int]);
 pub const MLA_DECODE_FP8: Sig = Sig::new(
     "mla_decode_fp8_*",
     &[
@@ -20,7 +24,7 @@ pub const MLA_DECODE_FP8: Sig = Sig::new(
 );
 
 /// Every launcher's declaration here (compared with the `.cu` signatures by a test).
-pub const SIGNATURES: &[&Sig] = &[&KV_FP8_WRITE, &MLA_DECODE_FP8];
+pub const SIGNATURES: &[&Sig] = &[&KV_FP8_WRITE, &KV_CACHE_WRITE, &MLA_DECODE_FP8];
 
 impl Gpu {
     /// Fills a byte buffer with `byte` (its length a multiple of 4, as a byte cache's is).
@@ -38,6 +42,43 @@ impl Gpu {
         ];
         // SAFETY: the kernel writes words 0..len/4 of the buffer, which holds len bytes.
         unsafe { self.launch(&FILL_U32, FILL_U32.pattern, grid_1d(words), &args) }
+    }
+
+    /// Writes rows 0..n of `rows` ([n, width]) into the cache ([slots, width], same storage) at
+    /// rows `slots[0..n]`: the slot mapping's scatter (kernels/cache_write.cu).
+    pub fn kv_cache_write(
+        &self,
+        rows: &DevBuf,
+        slots: &DevI32,
+        cache: &DevBuf,
+        n: usize,
+        width: usize,
+    ) -> Result<Launched> {
+        let elem = cache.elem();
+        if width == 0 || !cache.len().is_multiple_of(width) {
+            return Err(Error::invalid(format!(
+                "cache write: a cache of {} values is no whole number of rows of {width}",
+                cache.len()
+            )));
+        }
+        let slot_count = (cache.len() / width) as i64;
+        let args = [
+            need("cache write rows", rows, prod(&[n, width])?, elem)?,
+            need_i32("cache write slots", slots, n, Some((0, slot_count)))?,
+            need("cache write cache", cache, 0, elem)?,
+            int("rows", n)?,
+            int("width", width)?,
+        ];
+        let cfg = Launch {
+            grid: (blocks("cache write", n.min(65_535))?, 1, 1),
+            block: 128,
+            shared: 0,
+        };
+        let name = format!("kv_cache_write_{}", elem.suffix());
+        // SAFETY: block b reads rows b, b + grid, … < n of `rows` (n · width values of the cache's
+        // storage, checked) and slots[row] (n values, each in 0..rows of the cache: the uploaded
+        // range), and writes values slot·width .. slot·width + width of the cache.
+        unsafe { self.launch_traced(&KV_CACHE_WRITE, &name, cfg, &args) }
     }
 
     /// Quantizes rows 0..n of `rows` ([n, 576], f32 or bf16) into slots `slots[0..n]` of the
