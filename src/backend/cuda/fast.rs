@@ -152,14 +152,18 @@ pub fn planted_decode_work(
 ) -> Result<DecodeWork> {
     let planted = PLANTED_DECODE.map(|kernel| (kernel, variants::shared_bytes(kernel)));
     let (kernel, shared) = pick_variant(gpu, &planted, None)?;
-    let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, shared));
+    let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, (kernel, shared)));
     DecodeWork::scratch(gpu, shape, splits, (kernel, shared))
 }
 
 /// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
-/// walks (plus a fixed cost per split for its start and the merge), at no fewer than 64 tokens
-/// per split.
-pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, shared: u32) -> usize {
+/// walks (plus a fixed cost per split for its start), plus the partials every split of every
+/// head group writes and the merge reads back (64 heads × 512 f32, twice), at no fewer than 64
+/// tokens per split. The partials are weighed for the TMA-fed kernels only, whose blocks walk
+/// their tokens fast enough that they matter: on the H200 about four tokens of a block's time
+/// per split and group (B1 × 8k: 27.6 → 22.0 µs); the cp.async kernels (FP8 among them) went
+/// slower with fewer splits (FP8 B1 × 8k: 25.5 → 34.5 µs), so they keep the plain count.
+pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&str, u32)) -> usize {
     // Blocks per multiprocessor: its shared memory over the block's (plus the 1 KB the driver
     // reserves per block).
     let per_sm = (gpu.max_shared_per_multiprocessor() / (shared as usize + 1024)).max(1);
@@ -170,10 +174,24 @@ pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, shared: u32) -> usize
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(192);
+    // The partials' cost per split and head group, in tokens; `MLADB_DECODE_MERGE_COST` sets
+    // another, for experiments.
+    let merge = std::env::var("MLADB_DECODE_MERGE_COST")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(4)
+        * usize::from(reads_cache_by_tma(kernel));
     let mut best = (usize::MAX, 1);
     for s in 1..=shape.max_len.div_ceil(64).clamp(1, MAX_SPLITS) {
+        // The kernels round a split's tokens up to whole 32-token tiles; a count whose last
+        // splits would be left empty by that is a smaller count with the same work.
+        let chunk = shape.max_len.div_ceil(s).div_ceil(32) * 32;
+        if shape.max_len.div_ceil(chunk) < s {
+            continue;
+        }
         let waves = (base * s).div_ceil(slots);
-        let cost = waves * (shape.max_len.div_ceil(s) + fixed);
+        let partials = if s > 1 { merge * s * base } else { 0 };
+        let cost = waves * (shape.max_len.div_ceil(s) + fixed) + partials;
         if cost < best.0 {
             best = (cost, s);
         }
@@ -201,8 +219,8 @@ impl DecodeWork {
     /// The plan for a forced variant (a kernel name; `None`: the device's first), with the
     /// split count chosen for the shape.
     pub fn for_variant(gpu: &Gpu, shape: DecodeShape, variant: Option<&str>) -> Result<DecodeWork> {
-        let (_, shared) = decode_variant(gpu, variant)?;
-        DecodeWork::with_variant(gpu, shape, decode_splits(gpu, shape, shared), variant)
+        let chosen = decode_variant(gpu, variant)?;
+        DecodeWork::with_variant(gpu, shape, decode_splits(gpu, shape, chosen), variant)
     }
 
     /// The split partials the launch left, as device buffers: outputs [batch, splits, heads,

@@ -66,7 +66,7 @@ impl DecodeWork {
     ) -> Result<DecodeWork> {
         let forced = forced.map(fp8_kernel_of).transpose()?;
         let variant = pick_variant(gpu, &fp8_variants(), forced)?;
-        let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant.1));
+        let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
         DecodeWork::scratch(gpu, shape, splits, variant)
     }
 }

@@ -63,7 +63,7 @@ impl DecodeWork {
             None => None,
         };
         let variant = pick_variant(gpu, &sparse_variants(), forced)?;
-        let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant.1));
+        let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
         DecodeWork::scratch(gpu, shape, splits, variant)
     }
 }
