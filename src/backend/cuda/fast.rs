@@ -527,7 +527,7 @@ pub fn flash_prefill_planted(
         return Ok(None);
     }
     let launched = gpu.flash_prefill(
-        &name,
+        name,
         (rows, tile, smem),
         (n, heads, dqk, dv),
         q,
