@@ -18,6 +18,7 @@ pub mod device;
 pub mod fast;
 mod fast_attention;
 mod fast_fp8;
+mod fast_prefill;
 mod fast_sparse;
 mod fp8_cache;
 mod stats;
