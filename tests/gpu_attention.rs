@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use mladb::debug::detect::{check, CheckOptions};
+use mladb::debug::detect::{check, CheckOptions, CheckReport};
 use mladb::debug::flags::DeviceFlag;
 use mladb::debug::record::RunRecord;
 use mladb::debug::runner::Job;
@@ -59,14 +59,26 @@ impl Case {
     }
 }
 
-/// `check` on `flags`, which must find nothing and must have compared the fast kernels with the
-/// reference (no note says that comparison was skipped).
-fn check_clean(j: &Job, flags: Flags, what: &str) -> mladb::debug::detect::CheckReport {
+/// `check` on `flags` with the default options.
+fn check_default(j: &Job, flags: Flags) -> CheckReport {
     let options = CheckOptions {
         tolerance: None,
         reference: None,
     };
-    let report = check(j, flags, &options).unwrap();
+    check(j, flags, &options).unwrap()
+}
+
+/// `check` with one fault injected (a spec such as `skip-padded-rows@decode`).
+fn check_injected(j: &Job, fault: &str) -> CheckReport {
+    let mut flags = gpu_flags();
+    flags.set("inject", fault).unwrap();
+    check_default(j, flags)
+}
+
+/// `check` on `flags`, which must find nothing and must have compared the fast kernels with the
+/// reference (no note says that comparison was skipped).
+fn check_clean(j: &Job, flags: Flags, what: &str) -> CheckReport {
+    let report = check_default(j, flags);
     assert!(
         report.findings.is_empty(),
         "{what}: a clean bf16 run has findings: {:#?}\nnotes: {:#?}",
@@ -255,13 +267,7 @@ fn faults_in_the_fast_kernels_are_caught_where_they_act() {
         ("skip-padded-rows", "unwritten", Phase::Decode(0)),
         ("exp2-scale", "kernel-mismatch", Phase::Prefill),
     ] {
-        let mut flags = gpu_flags();
-        flags.set("inject", fault).unwrap();
-        let options = CheckOptions {
-            tolerance: None,
-            reference: None,
-        };
-        let report = check(&j, flags, &options).unwrap();
+        let report = check_injected(&j, fault);
         let found = report
             .findings
             .iter()
@@ -361,13 +367,7 @@ fn deepseek_dims_are_clean_and_a_value_stride_drift_is_caught() {
     let info = prefill.kernel.clone().unwrap();
     assert!(info.launches[0].kernel.ends_with("_d192"), "{info}");
 
-    let mut flags = gpu_flags();
-    flags.set("inject", "kv-stride-mismatch").unwrap();
-    let options = CheckOptions {
-        tolerance: None,
-        reference: None,
-    };
-    let report = check(&j, flags, &options).unwrap();
+    let report = check_injected(&j, "kv-stride-mismatch");
     let first = report
         .findings
         .first()
@@ -387,7 +387,7 @@ fn deepseek_dims_are_clean_and_a_value_stride_drift_is_caught() {
 
     let case = Case::new(synthetic("glm5-rank8", 6), 150, 2);
     let j = case.job(&gpu);
-    let report = check(&j, flags, &options).unwrap();
+    let report = check_injected(&j, "kv-stride-mismatch");
     assert!(report.findings.is_empty(), "{:#?}", report.findings);
     assert!(
         report
@@ -419,11 +419,7 @@ fn check_is_clean_on_an_fp8_cache_with_every_fp8_decode_variant() {
         flags.kernels.decode = variant
             .as_deref()
             .map(|v| v.parse::<DecodeVariant>().unwrap());
-        let options = CheckOptions {
-            tolerance: None,
-            reference: None,
-        };
-        let report = check(&j, flags, &options).unwrap();
+        let report = check_default(&j, flags);
         assert!(
             report.findings.is_empty(),
             "{variant:?}: a clean fp8 run has findings: {:#?}\nnotes: {:#?}",
@@ -597,13 +593,7 @@ fn page_index_overflow_is_caught_by_the_fast_vs_reference_comparison() {
     let gpu = cuda_backend(StorageDtype::Bf16);
     let case = Case::new(synthetic("glm5-rank8", 4), 100, 2);
     let j = case.job(&gpu);
-    let mut flags = gpu_flags();
-    flags.set("inject", "page-index-overflow").unwrap();
-    let options = CheckOptions {
-        tolerance: None,
-        reference: None,
-    };
-    let report = check(&j, flags, &options).unwrap();
+    let report = check_injected(&j, "page-index-overflow");
     let found = report
         .findings
         .iter()

@@ -295,6 +295,14 @@ impl Run<'_> {
 
     /// Why every attention op of the run takes the reference kernels, where the faults that live
     /// in the fast ones have nothing to act on; `None` on the GPU with the fast kernels asked.
+    /// Why the first attention op that ran a reference kernel did, as ` (why)`, or nothing.
+    fn first_reference_reason(&self) -> String {
+        self.events
+            .iter()
+            .find_map(|e| e.reference_reason())
+            .map_or(String::new(), |w| format!(" ({w})"))
+    }
+
     fn reference_kernels_only(&self) -> Option<&'static str> {
         if self.flags.device == super::flags::DeviceFlag::Cpu {
             Some("the CPU runs the reference kernels")
@@ -451,11 +459,7 @@ impl Run<'_> {
             }
             Fault::Exp2Scale => {
                 (!self.any_in_scope(fault, |_, e| e.ran_fast_kernel())).then(|| {
-                    let why = self
-                        .events
-                        .iter()
-                        .find_map(|e| e.reference_reason())
-                        .map_or(String::new(), |w| format!(" ({w})"));
+                    let why = self.first_reference_reason();
                     format!(
                     "no attention op in its phases ran a fast kernel{why}; the reference kernels \
                      compute in exp"
@@ -482,11 +486,7 @@ impl Run<'_> {
                     })
                 };
                 (!self.any_in_scope(fault, |_, e| planted(e))).then(|| {
-                    let why = self
-                        .events
-                        .iter()
-                        .find_map(|e| e.reference_reason())
-                        .map_or(String::new(), |w| format!(" ({w})"));
+                    let why = self.first_reference_reason();
                     format!(
                         "no attention op in its phases ran the fast dense bf16 decode, where it \
                          is planted{why}"
