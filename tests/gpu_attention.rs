@@ -507,9 +507,10 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
 }
 
 /// page-index-overflow, at the kernel: every decode variant reads pages placed past the first
-/// 4 GiB of a pool exactly as it reads them at the bottom (its offsets are 64-bit); the planted
-/// kernel wraps there and gives another answer; and the planted kernel is refused a pool of at
-/// most 4 GiB, where its wrapped offsets could fall outside.
+/// 4 GiB of a pool exactly as it reads them at the bottom (its offsets are 64-bit); each planted
+/// kernel reads the bottom pages exactly as its unplanted twin, wraps past 4 GiB and gives
+/// another answer there, and is refused a pool of at most 4 GiB, where its wrapped offsets could
+/// fall outside.
 #[test]
 #[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
 fn decode_pages_past_4_gib_read_alike_and_the_planted_wrap_differs() {
@@ -539,6 +540,8 @@ fn decode_pages_past_4_gib_read_alike_and_the_planted_wrap_differs() {
     let mut high = gpu.alloc(at + cache.len(), Elem::Bf16).unwrap();
     gpu.fill(&high, false).unwrap();
     gpu.write(&mut high, at, &cache).unwrap();
+    // The same pages also at the bottom of the big pool, where nothing wraps.
+    gpu.write(&mut high, 0, &cache).unwrap();
     let q = gpu.upload(&q, Elem::Bf16).unwrap();
     let lens_dev = gpu.upload_i32(&lens.map(|l| l as i32)).unwrap();
     let table_at = |shift: usize| {
@@ -565,24 +568,28 @@ fn decode_pages_past_4_gib_read_alike_and_the_planted_wrap_differs() {
         reference.get_or_insert(below);
     }
     let reference = reference.expect("no decode variant runs on this GPU");
-    let planted = fast::planted_decode_work(gpu, shape, Some(3)).unwrap();
-    let wrapped = run(&high, &table_high, &planted).unwrap();
-    let diff = wrapped
-        .iter()
-        .zip(&reference)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
-    assert!(
-        diff > 0.05,
-        "{}: the wrap changed nothing ({diff})",
-        planted.kernel
-    );
-    let refused = run(&low, &table_low, &planted).unwrap_err().to_string();
-    assert!(refused.contains("page-index-overflow"), "{refused}");
-    eprintln!(
-        "{}: wrapped past 4 GiB, off by up to {diff}",
-        planted.kernel
-    );
+    // Every planted kernel (ks3's, and t16's that 99 KB devices get), forced: below 4 GiB it is
+    // its unplanted twin exactly, past 4 GiB it reads elsewhere, and a small pool is refused.
+    for kernel in fast::PLANTED_DECODE {
+        let planted = fast::planted_decode_work(gpu, shape, Some(3), Some(kernel)).unwrap();
+        let twin = kernel.trim_end_matches("_o32");
+        let unplanted = DecodeWork::with_variant(gpu, shape, 3, Some(twin)).unwrap();
+        assert_eq!(
+            run(&high, &table_low, &planted).unwrap(),
+            run(&low, &table_low, &unplanted).unwrap(),
+            "{kernel}: pages below 4 GiB read differently from {twin}"
+        );
+        let wrapped = run(&high, &table_high, &planted).unwrap();
+        let diff = wrapped
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(diff > 0.05, "{kernel}: the wrap changed nothing ({diff})");
+        let refused = run(&low, &table_low, &planted).unwrap_err().to_string();
+        assert!(refused.contains("page-index-overflow"), "{refused}");
+        eprintln!("{kernel}: wrapped past 4 GiB, off by up to {diff}");
+    }
 }
 
 /// page-index-overflow in the traced path: `check` catches it at the decode's attention by the

@@ -141,21 +141,23 @@ pub fn decode_kernel(gpu: &Gpu, forced: Option<&str>) -> Result<&'static str> {
 
 /// The decode kernels with page-index-overflow planted, in order of preference: the dense
 /// variants `ks3` and `t16` with their page offsets in 32 bits (kernels/common.cuh `paged_row`).
-const PLANTED_DECODE: [&str; 2] = ["mla_decode_ks3_o32", "mla_decode_t16_o32"];
+pub const PLANTED_DECODE: [&str; 2] = ["mla_decode_ks3_o32", "mla_decode_t16_o32"];
 
 /// The first page past 4 GiB of a bf16 pool: pages from here on are where 32-bit byte offsets
 /// wrap (58 255 pages of 64 rows of 576).
 pub const OVERFLOW_PAGE: usize = (1usize << 32).div_ceil(PAGE * (LATENT + ROPE) * 2);
 
-/// The plan of a decode with page-index-overflow planted: the first planted kernel the device
-/// runs, `splits` or the count chosen for the shape.
+/// The plan of a decode with page-index-overflow planted: the planted kernel `forced` (one of
+/// [`PLANTED_DECODE`], for tests) or the first the device runs, `splits` or the count chosen for
+/// the shape.
 pub fn planted_decode_work(
     gpu: &Gpu,
     shape: DecodeShape,
     splits: Option<usize>,
+    forced: Option<&str>,
 ) -> Result<DecodeWork> {
     let planted = PLANTED_DECODE.map(|kernel| (kernel, variants::shared_bytes(kernel)));
-    let (kernel, shared) = pick_variant(gpu, &planted, None)?;
+    let (kernel, shared) = pick_variant(gpu, &planted, forced)?;
     let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, (kernel, shared)));
     DecodeWork::scratch(gpu, shape, splits, (kernel, shared))
 }

@@ -249,7 +249,7 @@ impl CudaBackend {
             (true, _) => DecodeWork::for_fp8(self.gpu(), shape, fp8_kernel, fault_splits)?,
             (false, Some(_)) => DecodeWork::sparse(self.gpu(), shape, fault_splits, forced)?,
             (false, None) if overflow => {
-                fast::planted_decode_work(self.gpu(), shape, fault_splits)?
+                fast::planted_decode_work(self.gpu(), shape, fault_splits, None)?
             }
             (false, None) => match fault_splits {
                 Some(splits) => DecodeWork::with_variant(self.gpu(), shape, splits, forced)?,
