@@ -174,7 +174,6 @@ pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&s
     // reserves per block).
     let per_sm = (gpu.max_shared_per_multiprocessor() / (shared as usize + 1024)).max(1);
     let slots = gpu.multiprocessors() * per_sm;
-    let base = shape.batch * shape.heads.div_ceil(HEAD_GROUP);
     // The fixed cost in tokens; `MLADB_DECODE_SPLIT_COST` sets another, for experiments.
     let fixed = std::env::var("MLADB_DECODE_SPLIT_COST")
         .ok()
@@ -187,17 +186,38 @@ pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&s
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(4)
         * usize::from(reads_cache_by_tma(kernel));
+    split_count(SplitCosts {
+        slots,
+        groups: shape.batch * shape.heads.div_ceil(HEAD_GROUP),
+        max_len: shape.max_len,
+        fixed,
+        merge,
+    })
+}
+
+/// What [`decode_splits`] weighs: block slots on the device, blocks per split (sequences × head
+/// groups), the longest sequence, and the per-split costs in tokens of a block's time.
+struct SplitCosts {
+    slots: usize,
+    groups: usize,
+    max_len: usize,
+    fixed: usize,
+    merge: usize,
+}
+
+/// The split count of least cost (see [`decode_splits`]).
+fn split_count(c: SplitCosts) -> usize {
     let mut best = (usize::MAX, 1);
-    for s in 1..=shape.max_len.div_ceil(64).clamp(1, MAX_SPLITS) {
+    for s in 1..=c.max_len.div_ceil(64).clamp(1, MAX_SPLITS) {
         // The kernels round a split's tokens up to whole 32-token tiles; a count whose last
         // splits would be left empty by that is a smaller count with the same work.
-        let chunk = shape.max_len.div_ceil(s).div_ceil(32) * 32;
-        if shape.max_len.div_ceil(chunk) < s {
+        let chunk = c.max_len.div_ceil(s).div_ceil(32) * 32;
+        if c.max_len.div_ceil(chunk) < s {
             continue;
         }
-        let waves = (base * s).div_ceil(slots);
-        let partials = if s > 1 { merge * s * base } else { 0 };
-        let cost = waves * (shape.max_len.div_ceil(s) + fixed) + partials;
+        let waves = (c.groups * s).div_ceil(c.slots);
+        let partials = if s > 1 { c.merge * s * c.groups } else { 0 };
+        let cost = waves * (c.max_len.div_ceil(s) + c.fixed) + partials;
         if cost < best.0 {
             best = (cost, s);
         }
@@ -431,6 +451,42 @@ pub fn relative_error(a: &[f32], b: &[f64]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The H200's 132 multiprocessors, one 222 KB block each.
+    fn h200(groups: usize, max_len: usize, merge: usize) -> usize {
+        split_count(SplitCosts {
+            slots: 132,
+            groups,
+            max_len,
+            fixed: 192,
+            merge,
+        })
+    }
+
+    #[test]
+    fn split_counts_weigh_the_partials_and_leave_no_split_empty() {
+        // One sequence of 8k: 128 splits of 64 tokens without the partials' cost, 43 of 192
+        // with it (the counts the H200 benchmarks of 2026-12-01 ran).
+        assert_eq!(h200(1, 8192, 0), 128);
+        assert_eq!(h200(1, 8192, 4), 43);
+        // 64 sequences fill a wave with two splits either way.
+        assert_eq!(h200(64, 8192, 0), 2);
+        assert_eq!(h200(64, 8192, 4), 2);
+        // A long batch needs no split at all.
+        assert_eq!(h200(128, 4096, 4), 1);
+        // No count leaves a split empty after the rounding to 32-token tiles.
+        for len in [100, 1000, 4096, 5000, 8192, 32768] {
+            for merge in [0, 4] {
+                let s = h200(1, len, merge);
+                let chunk = len.div_ceil(s).div_ceil(32) * 32;
+                assert_eq!(
+                    len.div_ceil(chunk),
+                    s,
+                    "{len} tokens, merge {merge}: {s} splits"
+                );
+            }
+        }
+    }
 
     #[test]
     fn every_decode_variant_the_launchers_pick_from_is_described() {
