@@ -293,8 +293,6 @@ impl Run<'_> {
             .unwrap_or(0)
     }
 
-    /// Why every attention op of the run takes the reference kernels, where the faults that live
-    /// in the fast ones have nothing to act on; `None` on the GPU with the fast kernels asked.
     /// Why the first attention op that ran a reference kernel did, as ` (why)`, or nothing.
     fn first_reference_reason(&self) -> String {
         self.events
@@ -303,6 +301,8 @@ impl Run<'_> {
             .map_or(String::new(), |w| format!(" ({w})"))
     }
 
+    /// Why every attention op of the run takes the reference kernels, where the faults that live
+    /// in the fast ones have nothing to act on; `None` on the GPU with the fast kernels asked.
     fn reference_kernels_only(&self) -> Option<&'static str> {
         if self.flags.device == super::flags::DeviceFlag::Cpu {
             Some("the CPU runs the reference kernels")

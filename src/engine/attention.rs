@@ -451,6 +451,12 @@ enum KernelOutput {
 }
 
 impl KernelOutput {
+    /// Whether a merge joined split partials (a split fast decode), so that the buffer it wrote
+    /// is reported as an op of its own.
+    fn merged(&self) -> bool {
+        matches!(self, KernelOutput::Fast(f) if f.partials.is_some())
+    }
+
     /// The fast kernel where the run asks for it and the backend has one, else (or when it
     /// declines) the reference.
     fn run(
@@ -492,8 +498,12 @@ struct Side {
 
 /// The events before the output (probabilities; or partials, the merge of a split decode,
 /// log-sum-exps and a padded batch's extra rows), the kernel information of the output op, and
-/// extra device reads. `wrote` is the buffer the kernel wrote, which the merge op reports.
-fn sides(output: KernelOutput, wrote: Tensor) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>) {
+/// extra device reads. `merged` is the buffer the kernel wrote, which the merge op reports (given
+/// where the kernel split: see [`KernelOutput::merged`]).
+fn sides(
+    output: KernelOutput,
+    merged: Option<Tensor>,
+) -> (Vec<Side>, Option<KernelInfo>, Vec<BufferRef>) {
     match output {
         KernelOutput::Reference { probs, why } => {
             let info = why.map(|why| KernelInfo {
@@ -529,11 +539,13 @@ fn sides(output: KernelOutput, wrote: Tensor) -> (Vec<Side>, Option<KernelInfo>,
                     tensor: lse,
                     kernel: Some(first),
                 });
-                // The merge's launch and what it wrote (the wrapper's output, or under the
-                // disconnect fault the phantom buffer the wrapper never returns).
+            }
+            // The merge's launch and what it wrote (the wrapper's output, or under the
+            // disconnect fault the phantom buffer the wrapper never returns).
+            if let Some(tensor) = merged {
                 sides.push(Side {
                     op: MERGE,
-                    tensor: wrote,
+                    tensor,
                     kernel: Some(KernelInfo {
                         launches: info.launches.iter().skip(1).cloned().collect(),
                         reference: None,
@@ -600,14 +612,17 @@ fn run_attention(
         });
     }
     let mut out = b.alloc(out_shape, ctx.poison)?;
-    let (output, written) = if disconnect {
+    let (output, phantom) = if disconnect {
         let mut phantom = b.alloc(out_shape, ctx.poison)?;
-        (kernel(&mut phantom)?, phantom)
+        (kernel(&mut phantom)?, Some(phantom))
     } else {
-        (kernel(&mut out)?, out.alias())
+        (kernel(&mut out)?, None)
     };
-    let wrote = BufferRef::of(&written);
-    let (sides, info, device_reads) = sides(output, written);
+    let wrote = BufferRef::of(phantom.as_ref().unwrap_or(&out));
+    let merged = output
+        .merged()
+        .then(|| phantom.unwrap_or_else(|| out.alias()));
+    let (sides, info, device_reads) = sides(output, merged);
     let reads: Vec<BufferRef> = std::iter::once(cache_read).chain(device_reads).collect();
     for side in sides {
         let (op, kind) = side.op;

@@ -11,8 +11,8 @@ pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{variants, DevBuf, DevI32, Elem, Gpu, Launched};
 pub use super::fast_fp8::{fp8_decode_variants_for, mla_decode_fp8};
 pub use super::fast_prefill::{
-    flash_prefill, flash_prefill_planted, flash_prefill_variant, prefill_shared_bytes,
-    prefill_variants_for, PREFILL_DIMS, PREFILL_VARIANTS,
+    flash_prefill_planted, flash_prefill_variant, prefill_shared_bytes, prefill_variants_for,
+    PREFILL_DIMS, PREFILL_VARIANTS,
 };
 pub use super::fast_sparse::{
     key_lists, mla_decode_sparse, sparse_decode_variants_for, sparse_twin, KeyLists,

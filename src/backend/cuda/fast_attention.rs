@@ -147,7 +147,8 @@ impl CudaBackend {
         let forced = kernels.decode.map(|v| v.kernel());
         let overflow = faults.page_index_overflow;
         let fp8 = cache.kv_cache_dtype() == KvCacheDtype::Fp8DsMla;
-        if overflow && (fp8 || sparse_queries(mask) > 0) {
+        let sparse_selection = sparse_queries(mask) > 0;
+        if overflow && (fp8 || sparse_selection) {
             return Ok(FastOutcome::Declined(format!(
                 "page-index-overflow is planted in the dense bf16 decode, and this op reads {}",
                 if fp8 {
@@ -158,7 +159,7 @@ impl CudaBackend {
             )));
         }
         let lists = match &mask.selected {
-            Some(sel) if sparse_queries(mask) > 0 => {
+            Some(sel) if sparse_selection => {
                 if let Some(f) = forced.filter(|f| fast::sparse_twin(f).is_none()) {
                     return Ok(FastOutcome::Declined(format!(
                         "a sparse DSA selection, and the forced decode variant {f} has no sparse twin"

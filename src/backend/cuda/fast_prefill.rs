@@ -94,26 +94,8 @@ pub fn prefill_variants_for(gpu: &Gpu, dqk: usize, dv: usize) -> Vec<&'static st
 }
 
 /// Causal prefill of one sequence: `q`, `k` [n, heads, dqk] bf16, `v` [n, heads, dv] bf16;
-/// writes `out` [n, heads, dv] bf16 and, if given, `lse` [n, heads] f32, on the first variant
-/// the device runs.
-#[allow(clippy::too_many_arguments)]
-pub fn flash_prefill(
-    gpu: &Gpu,
-    n: usize,
-    heads: usize,
-    dims: (usize, usize),
-    q: &DevBuf,
-    k: &DevBuf,
-    v: &DevBuf,
-    scale: f32,
-    out: &DevBuf,
-    lse: Option<&DevBuf>,
-) -> Result<()> {
-    flash_prefill_variant(gpu, None, n, heads, dims, q, k, v, scale, out, lse).map(|_| ())
-}
-
-/// [`flash_prefill`] with the variant given (a tag; `None`: the first that fits). Returns the
-/// launch (none for an empty sequence).
+/// writes `out` [n, heads, dv] bf16 and, if given, `lse` [n, heads] f32, on the variant given (a
+/// tag; `None`: the first the device runs). Returns the launch (none for an empty sequence).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_prefill_variant(
     gpu: &Gpu,
@@ -150,7 +132,7 @@ pub fn flash_prefill_planted(
         None => prefill_variants_for(gpu, dqk, dv).first().copied(),
     };
     if variant == Some("wgmma") {
-        return hopper_prefill(gpu, n, heads, (dqk, dv), q, k, v, scale, out, lse);
+        return hopper_prefill(gpu, n, heads, (dqk, dv), (q, k, v, out, lse), scale);
     }
     let (name, rows, tile, smem, _) = prefill_variant(gpu, dqk, dv, variant)?;
     if n == 0 {
@@ -171,19 +153,15 @@ pub fn flash_prefill_planted(
     Ok(Some(traced(launched, 1)))
 }
 
-/// [`flash_prefill`] on the Hopper kernel (buffers already checked by the caller).
-#[allow(clippy::too_many_arguments)]
+/// [`flash_prefill_variant`] on the Hopper kernel (buffers already checked by the caller).
+#[allow(clippy::type_complexity)]
 fn hopper_prefill(
     gpu: &Gpu,
     n: usize,
     heads: usize,
     (dqk, dv): (usize, usize),
-    q: &DevBuf,
-    k: &DevBuf,
-    v: &DevBuf,
+    (q, k, v, out, lse): (&DevBuf, &DevBuf, &DevBuf, &DevBuf, Option<&DevBuf>),
     scale: f32,
-    out: &DevBuf,
-    lse: Option<&DevBuf>,
 ) -> Result<Option<KernelLaunch>> {
     if (dqk, dv) != (256, 256) || !gpu.has_kernel(HOPPER_PREFILL) {
         return Err(Error::invalid(
