@@ -64,6 +64,12 @@ template <typename T> __device__ void gather_rows_k(const T* x, const int* rows,
 extern "C" __global__ void gather_rows_f32(const float* x, const int* r, float* o, u64 n, u64 c) { gather_rows_k(x, r, o, n, c); }
 extern "C" __global__ void gather_rows_bf16(const bf16_t* x, const int* r, bf16_t* o, u64 n, u64 c) { gather_rows_k(x, r, o, n, c); }
 
+// `total / width` copies of one i32 row one after another (the block table of a batch whose
+// sequences share their pages).
+extern "C" __global__ void repeat_rows_i32(const int* row, int* out, u64 width, u64 total) {
+    GRID_STRIDE(i, total) out[i] = row[i % width];
+}
+
 // acc[rows[i]] += w[i] * y[i]; the rows of one call are distinct (one expert's tokens).
 template <typename T> __device__ void scatter_add_rows_k(T* acc, const int* rows, const T* y, const float* w, u64 n, u64 cols) {
     GRID_STRIDE(i, n * cols) {

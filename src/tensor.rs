@@ -82,16 +82,21 @@ pub trait DeviceBuffer: Send + Sync {
     fn address(&self) -> u64;
     fn bytes(&self) -> usize;
     fn as_any(&self) -> &dyn Any;
+    /// The values as f32, copied to the host (for a tensor whose host copy is made on demand).
+    fn download(&self) -> Result<Vec<f32>>;
 }
 
 /// A row-major f32 tensor that owns its buffer, with an optional device mirror.
 ///
-/// The host copy is always there (the trace and the debugger read it). A device backend attaches
-/// the device buffer the values came from, or were uploaded to, so that the next op finds them
-/// resident; the mirror is dropped with the tensor, and dropped when the host data is changed.
+/// A device backend attaches the device buffer the values came from, or were uploaded to, so
+/// that the next op finds them resident; the mirror is dropped with the tensor, and dropped when
+/// the host data is changed. A tensor a device op computed has no host copy until something
+/// reads its values ([`Tensor::data`]): statistics run on the device, so a traced run copies
+/// back only what is looked at.
 pub struct Tensor {
     shape: Vec<usize>,
-    data: Vec<f32>,
+    /// The host copy; empty only while a device buffer holds the values.
+    data: OnceLock<Vec<f32>>,
     dtype: DType,
     id: BufferId,
     device: OnceLock<Arc<dyn DeviceBuffer>>,
@@ -109,11 +114,11 @@ impl std::fmt::Debug for Tensor {
 }
 
 impl Clone for Tensor {
-    /// A clone is a new buffer, so it gets a new identity.
+    /// A clone is a new buffer on the host, so it gets a new identity.
     fn clone(&self) -> Self {
         Tensor {
             shape: self.shape.clone(),
-            data: self.data.clone(),
+            data: OnceLock::from(self.data().to_vec()),
             dtype: self.dtype,
             id: BufferId::fresh(),
             device: OnceLock::new(),
@@ -171,10 +176,22 @@ impl Tensor {
         );
         Tensor {
             shape,
-            data,
+            data: OnceLock::from(data),
             dtype,
             id: BufferId::fresh(),
             device: OnceLock::new(),
+        }
+    }
+
+    /// A tensor whose values are in `buffer` (f32 values of `shape`); the host copy is made
+    /// when something reads them.
+    pub fn from_device(shape: &[usize], buffer: Arc<dyn DeviceBuffer>) -> Tensor {
+        Tensor {
+            shape: shape.to_vec(),
+            data: OnceLock::new(),
+            dtype: DType::F32,
+            id: BufferId::fresh(),
+            device: OnceLock::from(buffer),
         }
     }
 
@@ -188,9 +205,17 @@ impl Tensor {
         self.device.set(buffer).is_ok()
     }
 
-    /// The host data for a device backend that updates both copies itself (the mirror stays).
-    pub fn data_mut_keeping_device(&mut self) -> &mut [f32] {
-        &mut self.data
+    /// After a device op wrote the mirror in place: the host copy is dropped, to be copied
+    /// again from the mirror when read. Without a mirror there is nothing to drop.
+    pub fn host_stale(&mut self) {
+        if self.device.get().is_some() {
+            self.data = OnceLock::new();
+        }
+    }
+
+    /// Whether the host copy has been made (a device op's output has none until it is read).
+    pub fn on_host(&self) -> bool {
+        self.data.get().is_some()
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -207,29 +232,62 @@ impl Tensor {
 
     /// Address of the first element: the "device pointer" of a host buffer.
     pub fn address(&self) -> u64 {
-        self.data.as_ptr() as u64
+        self.data().as_ptr() as u64
     }
 
     pub fn numel(&self) -> usize {
-        self.data.len()
+        self.shape.iter().product()
     }
 
     pub fn size_bytes(&self) -> usize {
-        self.data.len() * std::mem::size_of::<f32>()
+        self.numel() * std::mem::size_of::<f32>()
     }
 
+    /// The values, copied from the device mirror first if the host copy is not made yet.
     pub fn data(&self) -> &[f32] {
-        &self.data
+        match self.try_data() {
+            Ok(d) => d,
+            Err(e) => {
+                // Only a failed device (its context lost) fails here, and its next op reports
+                // the failure as the run's error; meanwhile the values read as NaN, never zero.
+                tracing::error!("copying a tensor from the device failed: {e}");
+                self.data.get_or_init(|| vec![f32::NAN; self.numel()])
+            }
+        }
+    }
+
+    /// [`Tensor::data`], with the error of a failed copy from the device.
+    pub fn try_data(&self) -> Result<&[f32]> {
+        if let Some(d) = self.data.get() {
+            return Ok(d);
+        }
+        let device = self
+            .device
+            .get()
+            .expect("a tensor without a host copy has a device buffer");
+        let values = device.download()?;
+        if values.len() != self.numel() {
+            return Err(Error::invalid(format!(
+                "a device buffer of {} values holds a tensor of shape {:?}",
+                values.len(),
+                self.shape
+            )));
+        }
+        Ok(self.data.get_or_init(|| values))
     }
 
     /// Mutable host data; the device mirror (if any) no longer matches and is dropped.
     pub fn data_mut(&mut self) -> &mut [f32] {
+        self.data();
         self.device = OnceLock::new();
-        &mut self.data
+        self.data.get_mut().expect("the host copy was made above")
     }
 
     pub fn into_data(self) -> Vec<f32> {
+        self.data();
         self.data
+            .into_inner()
+            .expect("the host copy was made above")
     }
 
     /// Number of rows when viewed as a matrix [rows, last dim].
@@ -249,13 +307,13 @@ impl Tensor {
     /// Row `r` of the matrix view.
     pub fn row(&self, r: usize) -> &[f32] {
         let c = self.cols();
-        &self.data[r * c..(r + 1) * c]
+        &self.data()[r * c..(r + 1) * c]
     }
 
     /// Same buffer, another shape with the same element count (a view, keeps the identity).
     /// A second handle on this buffer: the same identity and device memory, a copy of the host
-    /// values. For a trace that reports one buffer as the output of two ops (a kernel's and its
-    /// wrapper's), so that both name the buffer that was really written.
+    /// values (or none yet, as the original). For a trace that reports one buffer as the output
+    /// of two ops (a kernel's and its wrapper's), so that both name the buffer really written.
     pub fn alias(&self) -> Tensor {
         let device = OnceLock::new();
         if let Some(d) = self.device.get() {
@@ -274,10 +332,98 @@ impl Tensor {
         let numel: usize = shape.iter().product();
         assert_eq!(
             numel,
-            self.data.len(),
+            self.numel(),
             "reshape to {shape:?} changes the element count"
         );
         self.shape = shape.to_vec();
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Mutex;
+
+    /// A device buffer in host memory that counts its copies to the host.
+    struct FakeDevice {
+        values: Mutex<Vec<f32>>,
+        downloads: AtomicUsize,
+    }
+
+    impl DeviceBuffer for FakeDevice {
+        fn address(&self) -> u64 {
+            0xD000
+        }
+        fn bytes(&self) -> usize {
+            self.values.lock().unwrap().len() * 4
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+        fn download(&self) -> Result<Vec<f32>> {
+            self.downloads.fetch_add(1, Ordering::Relaxed);
+            Ok(self.values.lock().unwrap().clone())
+        }
+    }
+
+    fn device(values: &[f32]) -> Arc<FakeDevice> {
+        Arc::new(FakeDevice {
+            values: Mutex::new(values.to_vec()),
+            downloads: AtomicUsize::new(0),
+        })
+    }
+
+    #[test]
+    fn a_device_tensor_is_copied_to_the_host_once_and_only_when_read() {
+        let d = device(&[1.0, 2.0, 3.0, 4.0]);
+        let t = Tensor::from_device(&[2, 2], d.clone());
+        assert_eq!((t.numel(), t.size_bytes(), t.on_host()), (4, 16, false));
+        assert_eq!(d.downloads.load(Ordering::Relaxed), 0, "nothing read yet");
+        assert_eq!(t.row(1), &[3.0, 4.0]);
+        assert_eq!(t.data(), &[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(d.downloads.load(Ordering::Relaxed), 1, "copied once");
+        // An alias shares the identity and device buffer, and the copy made so far.
+        let a = t.alias();
+        assert_eq!((a.id(), a.data()), (t.id(), t.data()));
+        assert_eq!(d.downloads.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_kernel_write_in_place_makes_the_host_copy_stale() {
+        let d = device(&[1.0, 2.0]);
+        let mut t = Tensor::from_device(&[2], d.clone());
+        assert_eq!(t.data(), &[1.0, 2.0]);
+        *d.values.lock().unwrap() = vec![5.0, 6.0];
+        t.host_stale();
+        assert_eq!(t.data(), &[5.0, 6.0], "read again from the device");
+        // Writing the host copy drops the mirror, which no longer matches.
+        t.data_mut()[0] = 9.0;
+        assert!(t.device().is_none());
+        assert_eq!(t.into_data(), vec![9.0, 6.0]);
+        // A host tensor has no mirror to go stale: its values stay.
+        let mut h = Tensor::from_vec(&[1], vec![7.0]);
+        h.host_stale();
+        assert_eq!(h.data(), &[7.0]);
+    }
+
+    #[test]
+    fn a_clone_is_a_host_copy_with_its_own_identity() {
+        let d = device(&[1.0, 2.0]);
+        let t = Tensor::from_device(&[2], d.clone());
+        let c = t.clone();
+        assert_ne!(c.id(), t.id());
+        assert!(c.device().is_none() && c.on_host());
+        assert_eq!(c.data(), &[1.0, 2.0]);
+    }
+
+    #[test]
+    fn a_device_buffer_of_the_wrong_size_is_an_error_not_a_short_tensor() {
+        let t = Tensor::from_device(&[3], device(&[1.0, 2.0]));
+        assert!(t.try_data().is_err());
+        // `data` never hands out a short or zeroed tensor: the values read as NaN.
+        assert_eq!(t.data().len(), 3);
+        assert!(t.data().iter().all(|v| v.is_nan()));
     }
 }

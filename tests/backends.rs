@@ -217,6 +217,51 @@ fn statistics_count_everything_on_every_backend(gpu: bool) {
     }
 }
 
+/// The statistics of an attention call's outputs come back together (`stats_many`): more tensors
+/// than one copy brings back, of every size, on the device only or on the host too, poisoned
+/// and not, asked twice (the device pass's block counters start again from zero) — each as
+/// `stats` alone and as the host computes them.
+fn statistics_of_many_tensors_come_back_together(gpu: bool) {
+    let sizes = [1usize, 7, 300, 4096, 20_000, 70_000, 1 << 20];
+    for u in backends(gpu) {
+        let b = &u.backend;
+        let mut tensors = Vec::new();
+        for (i, &n) in sizes.iter().cycle().take(23).enumerate() {
+            let mut t = random(&[n], &format!("m{i}"), 1.0 + i as f32);
+            t.data_mut()[n / 2] = f32::from_bits(mladb::tensor::POISON_BITS);
+            let on = b.scale(&t, 1.0).unwrap();
+            if i % 3 == 0 {
+                on.data(); // a host copy made: small ones are summed on the host
+            }
+            tensors.push(on);
+        }
+        tensors.push(b.alloc(&[5000], true).unwrap());
+        let refs: Vec<&Tensor> = tensors.iter().collect();
+        for round in 0..2 {
+            let many = b.stats_many(&refs);
+            assert_eq!(many.len(), refs.len(), "{}", u.name);
+            for (i, (t, s)) in refs.iter().zip(&many).enumerate() {
+                let want = mladb::stats::TensorStats::of(t.data());
+                let one = b.stats(t);
+                let what = format!("{} round {round} tensor {i} of {}", u.name, t.numel());
+                assert_eq!(
+                    (s.count, s.nan, s.unwritten, s.zeros),
+                    (want.count, want.nan, want.unwritten, want.zeros),
+                    "{what}"
+                );
+                assert_eq!((one.count, one.unwritten), (s.count, s.unwritten), "{what}");
+                for (a, b) in [(s.mean, want.mean), (s.l2, want.l2), (s.max, want.max)] {
+                    // No finite element (the one-element tensor is poison): NaN on both sides.
+                    assert!(
+                        (a - b).abs() <= 1e-6 * b.abs().max(1.0) || (a.is_nan() && b.is_nan()),
+                        "{what}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 fn routing_picks_the_same_experts(gpu: bool) {
     let moe = MoeLayout {
         n_routed_experts: 32,
@@ -577,6 +622,7 @@ fn norms_refuse_a_weight_of_the_wrong_length(gpu: bool) {
 cpu_and_gpu!(
     linear_norms_rope_and_elementwise_ops,
     statistics_count_everything_on_every_backend,
+    statistics_of_many_tensors_come_back_together,
     routing_picks_the_same_experts,
     mla_projections,
     attention_both_paths_with_causal_and_sparse_masks,

@@ -327,6 +327,12 @@ pub trait Backend: Send + Sync {
 
     /// Statistics of a tensor (one pass).
     fn stats(&self, t: &Tensor) -> TensorStats;
+
+    /// Statistics of several tensors (a kernel call's outputs); a device backend brings them
+    /// back together, with one wait instead of one per tensor.
+    fn stats_many(&self, ts: &[&Tensor]) -> Vec<TensorStats> {
+        ts.iter().map(|t| self.stats(t)).collect()
+    }
 }
 
 /// The reference quantized linear (see `Backend::linear_quant`).

@@ -6,7 +6,9 @@
 //!
 //! The traced time is wall time per call (what the user waits for, host work included); the bare
 //! time is event-timed on the device, as the kernel grid above. The engine decodes one sequence
-//! at a time, so this is batch 1 (a serving batch of many sequences is the kernel grid's).
+//! at a time, so a batch here is the last `batch` tokens of one sequence attending at once (a
+//! chunk of a chunked prefill over the cache, or a speculative step): to the kernel, a batch of
+//! that many sequences of neighbouring lengths over the same pages.
 
 use super::bench_gpu::median;
 use super::Out;
@@ -26,8 +28,40 @@ fn random(shape: &[usize], seed: u64) -> Tensor {
     Tensor::from_vec(shape, (0..n as u64).map(|i| normalish(seed, i)).collect())
 }
 
-/// (traced ms, bare ms, splits) of one decode step over `context` tokens with `heads` heads.
-fn traced_step(backend: &CudaBackend, context: usize, heads: usize) -> Result<(f64, f64, usize)> {
+/// The times of one decode step, in ms.
+struct StepTimes {
+    /// The engine's call with the statistics of its ops (wall).
+    traced: f64,
+    /// The engine's call alone (wall).
+    call: f64,
+    /// The bare kernel, one call and a wait for it (wall).
+    bare_wall: f64,
+    /// The bare kernel (device time, calls back to back).
+    bare: f64,
+    splits: usize,
+}
+
+/// The median wall time of `f` over 15 calls after 3, in ms.
+fn wall_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..3 {
+        f()?;
+    }
+    let times = (0..15)
+        .map(|_| {
+            let t = Instant::now();
+            f().map(|()| t.elapsed().as_secs_f64() * 1e3)
+        })
+        .collect::<Result<_>>()?;
+    Ok(median(times))
+}
+
+/// The times of one decode step of `batch` queries over `context` tokens with `heads` heads.
+fn traced_step(
+    backend: &CudaBackend,
+    batch: usize,
+    context: usize,
+    heads: usize,
+) -> Result<StepTimes> {
     let width = LATENT + ROPE;
     let mut cache = LatentCache::new(width, false);
     for t in 0..context {
@@ -43,13 +77,14 @@ fn traced_step(backend: &CudaBackend, context: usize, heads: usize) -> Result<(f
         v: 256,
         latent: LATENT,
     };
-    let q_lat = random(&[1, heads, LATENT], 1);
-    let q_pe = random(&[1, heads, ROPE], 2);
-    let mask = AttnMask::causal(vec![context - 1]);
+    let q_lat = random(&[batch, heads, LATENT], 1);
+    let q_pe = random(&[batch, heads, ROPE], 2);
+    let positions: Vec<usize> = (context - batch..context).collect();
+    let mask = AttnMask::causal(positions.clone());
     let scale = 1.0 / 256f32.sqrt();
     let mut splits = 0;
-    let mut call = || -> Result<()> {
-        let mut out = backend.alloc(&[1, heads, LATENT], false)?;
+    let mut call = |with_stats: bool| -> Result<()> {
+        let mut out = backend.alloc(&[batch, heads, LATENT], false)?;
         let outcome = backend.fast_attention_latent(
             &q_lat,
             &q_pe,
@@ -67,27 +102,22 @@ fn traced_step(backend: &CudaBackend, context: usize, heads: usize) -> Result<(f
             ));
         };
         splits = f.launches[0].splits as usize;
-        // The statistics the trace computes for the op's three events.
-        std::hint::black_box((
-            backend.stats(&f.lse),
-            f.partials
-                .as_ref()
-                .map(|(o, l)| (backend.stats(o), backend.stats(l))),
-            backend.stats(&out),
-        ));
+        if !with_stats {
+            // The wait the statistics would have done.
+            std::hint::black_box(backend.stats(&f.lse));
+            return Ok(());
+        }
+        // The statistics the trace computes for the op's events, together (as the engine does).
+        let mut events = vec![&f.lse, &out];
+        if let Some((o, l)) = &f.partials {
+            events.extend([o, l]);
+        }
+        std::hint::black_box(backend.stats_many(&events));
         Ok(())
     };
-    for _ in 0..3 {
-        call()?; // the first also uploads the cache
-    }
-    let traced = median(
-        (0..15)
-            .map(|_| {
-                let t = Instant::now();
-                call().map(|()| t.elapsed().as_secs_f64() * 1e3)
-            })
-            .collect::<Result<_>>()?,
-    );
+    // The first call also uploads the cache.
+    let traced = wall_ms(|| call(true))?;
+    let call = wall_ms(|| call(false))?;
 
     // The bare kernel: the same shape on device buffers made once.
     let gpu = backend.gpu();
@@ -104,13 +134,14 @@ fn traced_step(backend: &CudaBackend, context: usize, heads: usize) -> Result<(f
         })
         .collect();
     let cache_dev = gpu.upload(&rows, backend.elem())?;
-    let table: Vec<i32> = (0..pages.len() as i32).collect();
+    let table: Vec<i32> = (0..batch).flat_map(|_| 0..pages.len() as i32).collect();
     let table = gpu.upload_i32(&table)?;
-    let lens = gpu.upload_i32(&[context as i32])?;
-    let out = gpu.alloc(heads * LATENT, backend.elem())?;
-    let lse = gpu.alloc(heads, crate::backend::cuda::device::Elem::F32)?;
+    let lens: Vec<i32> = positions.iter().map(|&p| p as i32 + 1).collect();
+    let lens = gpu.upload_i32(&lens)?;
+    let out = gpu.alloc(batch * heads * LATENT, backend.elem())?;
+    let lse = gpu.alloc(batch * heads, crate::backend::cuda::device::Elem::F32)?;
     let shape = DecodeShape {
-        batch: 1,
+        batch,
         heads,
         max_pages: pages.len(),
         max_len: context,
@@ -123,31 +154,53 @@ fn traced_step(backend: &CudaBackend, context: usize, heads: usize) -> Result<(f
         .map(|_| ())
     };
     let bare = median(gpu.time_ms(3, 15, 20, run)?);
-    Ok((traced, bare, splits))
+    let bare_wall = wall_ms(|| run().and_then(|()| gpu.synchronize()))?;
+    Ok(StepTimes {
+        traced,
+        call,
+        bare_wall,
+        bare,
+        splits,
+    })
 }
 
-/// The traced-vs-bare table, for contexts 1k, 8k and 32k at 64 heads (and 8, a TP=8 rank).
+/// The traced-vs-bare table: batches 1 and 64 over contexts 1k, 8k and 32k at 64 heads (and 8,
+/// a TP=8 rank).
 pub fn traced_decode(backend: &CudaBackend, quick: bool) -> Result<()> {
     writeln!(
         Out,
-        "\ntraced decode attention (one sequence, latent 512+64, bf16): the engine's call with \
-         statistics of its three ops, wall time, vs the bare kernel, device time"
+        "\ntraced decode attention (latent 512+64, bf16): the engine's call with statistics of \
+         its ops, wall time, vs the bare kernel, device time"
     )?;
     writeln!(
         Out,
-        "{:>6} {:>8} {:>7} {:>11} {:>9} {:>7}",
-        "heads", "context", "splits", "traced us", "bare us", "ratio"
+        "{:>6} {:>6} {:>8} {:>7} {:>10} {:>8} {:>10} {:>8} {:>7}",
+        "heads",
+        "batch",
+        "context",
+        "splits",
+        "traced us",
+        "call us",
+        "bare wall",
+        "bare us",
+        "ratio"
     )?;
     let contexts: &[usize] = if quick { &[8192] } else { &[1024, 8192, 32768] };
     for heads in [64, 8] {
-        for &context in contexts {
-            let (traced, bare, splits) = traced_step(backend, context, heads)?;
+        for (batch, &context) in [1, 64]
+            .into_iter()
+            .flat_map(|b| contexts.iter().map(move |c| (b, c)))
+        {
+            let t = traced_step(backend, batch, context, heads)?;
             writeln!(
                 Out,
-                "{heads:>6} {context:>8} {splits:>7} {:>11.1} {:>9.1} {:>6.1}×",
-                traced * 1e3,
-                bare * 1e3,
-                traced / bare
+                "{heads:>6} {batch:>6} {context:>8} {:>7} {:>10.1} {:>8.1} {:>10.1} {:>8.1} {:>6.2}×",
+                t.splits,
+                t.traced * 1e3,
+                t.call * 1e3,
+                t.bare_wall * 1e3,
+                t.bare * 1e3,
+                t.traced / t.bare
             )?;
         }
     }

@@ -30,6 +30,9 @@ pub struct Computed {
     pub extra_reads: Vec<BufferRef>,
     /// Which kernels ran the op (attention on the GPU).
     pub kernel: Option<crate::ops::KernelInfo>,
+    /// Statistics computed beforehand with the other outputs of the same kernel call (see
+    /// [`Backend::stats_many`]); `None`: the sink computes them.
+    pub stats: Option<TensorStats>,
 }
 
 impl From<Tensor> for Computed {
@@ -39,6 +42,7 @@ impl From<Tensor> for Computed {
             kernel_wrote: None,
             extra_reads: Vec::new(),
             kernel: None,
+            stats: None,
         }
     }
 }
@@ -71,6 +75,11 @@ pub struct Sink<'a> {
 }
 
 impl Sink<'_> {
+    /// Whether the events carry statistics (the observer asks for them).
+    pub fn wants_stats(&self) -> bool {
+        self.observer.wants_stats()
+    }
+
     /// Whether the op `offset` places ahead, named `name`, would be taken from the earlier run.
     /// An op that reports several events from one kernel call asks this first, so that it
     /// replays the earlier run's events as they were instead of calling the kernel.
@@ -107,7 +116,7 @@ impl Sink<'_> {
     ) -> Result<Tensor> {
         let index = *self.next_index;
         let activations = inputs.iter().map(|t| BufferRef::of(t));
-        let (tensor, kernel_wrote, reads, replayed, kernel) =
+        let (tensor, kernel_wrote, reads, replayed, kernel, stats) =
             match self.replay.and_then(|r| r.lookup(index, self.phase, name)) {
                 Some((old, old_output)) => {
                     let tensor = old_output.clone();
@@ -126,7 +135,7 @@ impl Sink<'_> {
                         }
                     });
                     self.counts.replayed += 1;
-                    (tensor, kernel_wrote, reads, true, old.kernel.clone())
+                    (tensor, kernel_wrote, reads, true, old.kernel.clone(), None)
                 }
                 None => {
                     let mut r = Reads {
@@ -135,16 +144,18 @@ impl Sink<'_> {
                     };
                     let mut c = compute(&mut r)?;
                     // Device outputs are already stored in the run's dtype (the device backend
-                    // was made for it); host outputs are rounded here.
+                    // was made for it); host outputs are rounded here (and their statistics
+                    // computed after).
                     if self.storage == StorageDtype::Bf16
                         && c.tensor.dtype() == DType::F32
                         && c.tensor.device().is_none()
                     {
                         round_to_bf16(&mut c.tensor);
+                        c.stats = None;
                     }
                     let reads = activations.chain(c.extra_reads).chain(r.refs).collect();
                     self.counts.executed += 1;
-                    (c.tensor, c.kernel_wrote, reads, false, c.kernel)
+                    (c.tensor, c.kernel_wrote, reads, false, c.kernel, c.stats)
                 }
             };
         self.emit(
@@ -157,6 +168,7 @@ impl Sink<'_> {
             reads,
             replayed,
             kernel,
+            stats,
         )?;
         Ok(tensor)
     }
@@ -181,7 +193,7 @@ impl Sink<'_> {
             self.counts.executed += 1;
         }
         self.emit(
-            layer, name, kind, values, buffer, None, reads, replayed, None,
+            layer, name, kind, values, buffer, None, reads, replayed, None, None,
         )
     }
 
@@ -197,6 +209,7 @@ impl Sink<'_> {
         inputs: Vec<BufferRef>,
         replayed: bool,
         kernel: Option<crate::ops::KernelInfo>,
+        stats: Option<TensorStats>,
     ) -> Result<()> {
         let event = OpEvent {
             index: *self.next_index,
@@ -206,10 +219,10 @@ impl Sink<'_> {
             kind,
             shape: values.shape().to_vec(),
             dtype: values.dtype(),
-            stats: if self.observer.wants_stats() {
-                self.backend.stats(values)
-            } else {
-                TensorStats::of(&[])
+            stats: match stats {
+                _ if !self.observer.wants_stats() => TensorStats::of(&[]),
+                Some(s) => s,
+                None => self.backend.stats(values),
             },
             output,
             kernel_wrote,

@@ -47,7 +47,7 @@ pub struct CudaBackend {
     id: u64,
     poison_outputs: AtomicBool,
     /// The statistics kernels' per-block partials, allocated once (stats run on every op).
-    stats_scratch: Mutex<Option<device::DevF64>>,
+    stats_scratch: Mutex<Option<stats::StatsScratch>>,
 }
 
 /// Whether a CUDA device can be used, and if not, why.
@@ -108,12 +108,16 @@ impl CudaBackend {
         Ok(buf)
     }
 
-    /// A tensor for a computed device buffer: copies it back and attaches it.
+    /// A tensor for a computed device buffer, which stays on the device: its host copy is made
+    /// when something reads it.
     fn finish(&self, buf: DevBuf, shape: &[usize]) -> Result<Tensor> {
-        let data = self.gpu.download(&buf)?;
-        let t = Tensor::from_vec(shape, data);
-        t.attach_device(Arc::new(buf));
-        Ok(t)
+        if buf.len() != crate::tensor::checked_numel(shape, "device tensor")? {
+            return Err(Error::invalid(format!(
+                "a device buffer of {} values for a tensor of shape {shape:?}",
+                buf.len()
+            )));
+        }
+        Ok(Tensor::from_device(shape, Arc::new(buf)))
     }
 
     /// An output buffer of `numel` values, poisoned first when asked.
@@ -126,11 +130,16 @@ impl CudaBackend {
         Ok(buf)
     }
 
-    /// After a kernel wrote `t`'s device buffer in place: copies it back into the host copy,
-    /// keeping the device buffer attached.
+    /// After a kernel wrote `t`'s device buffer `dev` in place: the host copy is out of date and
+    /// is made again from the device when read. A buffer `t` does not hold (its mirror was of
+    /// another storage type) is copied back now, and the old mirror dropped.
     fn refresh_host(&self, t: &mut Tensor, dev: &Arc<dyn DeviceBuffer>) -> Result<()> {
-        let data = self.gpu.download(buf(dev))?;
-        t.data_mut_keeping_device().copy_from_slice(&data);
+        if t.device().is_some_and(|d| Arc::ptr_eq(d, dev)) {
+            t.host_stale();
+        } else {
+            let data = self.gpu.download(buf(dev))?;
+            t.data_mut().copy_from_slice(&data);
+        }
         Ok(())
     }
 
@@ -148,7 +157,10 @@ impl CudaBackend {
         let rows = a.rows();
         checks::concat_groups(a, b, groups)?;
         let (ad, bd) = (self.dev(a)?, self.dev(b)?);
-        let out = self.out((rows + zero_rows) * (wa + wb))?;
+        // Every element is written below: no poison (this is no op's output).
+        let numel = (rows + zero_rows) * (wa + wb);
+        crate::tensor::checked_numel(&[numel], "device tensor")?;
+        let out = self.gpu.alloc(numel, self.elem)?;
         if zero_rows > 0 {
             self.gpu.fill(&out, false)?;
         }
@@ -220,9 +232,7 @@ impl Backend for CudaBackend {
         let n = crate::tensor::checked_numel(shape, "device tensor")?;
         let buf = self.gpu.alloc(n, self.elem)?;
         self.gpu.fill(&buf, poison)?;
-        let host = Tensor::alloc(shape, poison)?;
-        host.attach_device(Arc::new(buf));
-        Ok(host)
+        Ok(Tensor::from_device(shape, Arc::new(buf)))
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
@@ -512,6 +522,10 @@ impl Backend for CudaBackend {
 
     fn stats(&self, t: &Tensor) -> TensorStats {
         self.tensor_stats(t)
+    }
+
+    fn stats_many(&self, ts: &[&Tensor]) -> Vec<TensorStats> {
+        self.tensors_stats(ts)
     }
 }
 

@@ -120,6 +120,7 @@ pub(super) fn dsa_selection(
                 kernel_wrote: None,
                 extra_reads: vec![keys_ref],
                 kernel: None,
+                stats: None,
             })
         },
     )?;

@@ -9,10 +9,11 @@
 use super::{Allocation, Gpu};
 use crate::error::{CudaError, Error, Result};
 use crate::tensor::{DeviceBuffer, POISON_BITS};
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::any::Any;
 use std::marker::PhantomData;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// How values are stored on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,6 +110,44 @@ impl DeviceBuffer for DevBuf {
     fn as_any(&self) -> &dyn Any {
         self
     }
+    /// On the stream the buffer was made on (the backend's one stream), after its kernels.
+    fn download(&self) -> Result<Vec<f32>> {
+        let bytes = read_bytes(self.slice.stream(), &self.slice, 0, self.bytes())?;
+        Ok(values_of(self.elem, &bytes))
+    }
+}
+
+/// `len` bytes from byte `from` of `slice`, once `stream` has done its work (so a kernel's
+/// error surfaces here).
+fn read_bytes(
+    stream: &Arc<CudaStream>,
+    slice: &CudaSlice<u8>,
+    from: usize,
+    len: usize,
+) -> Result<Vec<u8>> {
+    let mut out = vec![0u8; len];
+    if len > 0 {
+        let view = slice.slice(from..from + len);
+        stream
+            .memcpy_dtoh(&view, &mut out)
+            .map_err(CudaError::driver("download"))?;
+    }
+    stream.synchronize().map_err(CudaError::driver("kernel"))?;
+    Ok(out)
+}
+
+/// Storage values (little-endian bytes) as f32; bf16 poison reads as the f32 poison.
+fn values_of(elem: Elem, bytes: &[u8]) -> Vec<f32> {
+    match elem {
+        Elem::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Elem::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|b| from_bf16(u16::from_le_bytes([b[0], b[1]])))
+            .collect(),
+    }
 }
 
 /// A plain value type a [`DevVec`] holds.
@@ -202,6 +241,13 @@ impl<T: Plain> DevVec<T> {
 
     pub(super) fn ptr(&self) -> u64 {
         self.ptr
+    }
+
+    /// This buffer, known to hold values in the range `other` was known to hold (a kernel
+    /// filled it with copies of `other`'s values).
+    pub(super) fn with_range_of(mut self, other: &DevVec<T>) -> DevVec<T> {
+        self.range = other.range;
+        self
     }
 
     /// Whether the first `count` values are known to lie in lo..hi (true for `count` = 0).
@@ -336,17 +382,8 @@ impl Gpu {
             return Err(Error::invalid("device read past the end of a buffer"));
         }
         let s = buf.elem.size();
-        let bytes = self.read_bytes(&buf.slice, from * s, len * s)?;
-        Ok(match buf.elem {
-            Elem::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Elem::Bf16 => bytes
-                .chunks_exact(2)
-                .map(|b| from_bf16(u16::from_le_bytes([b[0], b[1]])))
-                .collect(),
-        })
+        let bytes = read_bytes(&self.stream, &buf.slice, from * s, len * s)?;
+        Ok(values_of(buf.elem, &bytes))
     }
 
     /// The first `count` values of a plain buffer.
@@ -354,20 +391,8 @@ impl Gpu {
         if count > buf.len {
             return Err(Error::invalid("device read past the end of a buffer"));
         }
-        let bytes = self.read_bytes(&buf.slice, 0, count * T::SIZE)?;
+        let bytes = read_bytes(&self.stream, &buf.slice, 0, count * T::SIZE)?;
         Ok(bytes.chunks_exact(T::SIZE).map(T::from_le).collect())
-    }
-
-    fn read_bytes(&self, slice: &CudaSlice<u8>, from: usize, len: usize) -> Result<Vec<u8>> {
-        let mut out = vec![0u8; len];
-        if len > 0 {
-            let view = slice.slice(from..from + len);
-            self.stream
-                .memcpy_dtoh(&view, &mut out)
-                .map_err(CudaError::driver("download"))?;
-        }
-        self.synchronize()?;
-        Ok(out)
     }
 
     /// Copies `len` elements from `src` at `from` to `dst` at `to` (same storage type), bit for

@@ -24,6 +24,7 @@ pub const CONCAT_GROUPS: Sig = Sig::new(
     &[Storage, Storage, Storage, U64, U64, U64],
 );
 pub const GATHER_ROWS: Sig = Sig::new("gather_rows_{e}", &[Storage, I32Ptr, Storage, U64, U64]);
+pub const REPEAT_ROWS_I32: Sig = Sig::new("repeat_rows_i32", &[I32Ptr, I32Ptr, U64, U64]);
 pub const SCATTER_ADD_ROWS: Sig = Sig::new(
     "scatter_add_rows_{e}",
     &[Storage, I32Ptr, Storage, F32Ptr, U64, U64],
@@ -80,8 +81,7 @@ pub const ROUTE: Sig = Sig::new(
         F32Ptr, F32Ptr, U64, Int, Int, Int, Int, Int, Float, I32Ptr, F32Ptr, F32Ptr,
     ],
 );
-pub const STATS: Sig = Sig::new("stats_{e}", &[Storage, U64, F64Ptr]);
-pub const STATS_MERGE: Sig = Sig::new("stats_merge", &[F64Ptr, Int]);
+pub const STATS: Sig = Sig::new("stats_{e}", &[Storage, U64, F64Ptr, F64Ptr]);
 pub const DEQUANT: Sig = Sig::new("dequant_*", &[U8Ptr, Storage, U64, Int]);
 pub const LINEAR_QUANT: Sig = Sig::new(
     "linear_*",
@@ -100,6 +100,7 @@ pub const SIGNATURES: &[&Sig] = &[
     &SLICE_GROUPS,
     &CONCAT_GROUPS,
     &GATHER_ROWS,
+    &REPEAT_ROWS_I32,
     &SCATTER_ADD_ROWS,
     &RMSNORM,
     &LAYERNORM,
@@ -114,13 +115,16 @@ pub const SIGNATURES: &[&Sig] = &[
     &TOPK_SELECT,
     &ROUTE,
     &STATS,
-    &STATS_MERGE,
     &DEQUANT,
     &LINEAR_QUANT,
 ];
 
 /// Values per row of the statistics partials (stats.cu's STATS).
 pub const STATS_WIDTH: usize = 11;
+
+/// Doubles per result of the statistics pass: the statistics, then the kernel's block counter
+/// (zero between launches).
+pub const STATS_RESULT_WIDTH: usize = STATS_WIDTH + 1;
 
 /// a · b · …, or an error when it overflows.
 pub(super) fn prod(factors: &[usize]) -> Result<usize> {
@@ -383,6 +387,33 @@ impl Gpu {
         // SAFETY: every row index read is in 0..x_rows (the uploaded range), so x is read within
         // x_rows·cols ≤ its length; out within n·cols.
         unsafe { self.launch(&GATHER_ROWS, &name("gather_rows", e), grid_1d(total), &args) }
+    }
+
+    /// `times` copies of the i32 buffer `row`, one after another, known to hold the values `row`
+    /// was known to hold (the block table of a batch whose sequences share their pages).
+    pub fn repeat_rows_i32(&self, row: &DevI32, times: usize) -> Result<DevI32> {
+        let width = row.len();
+        if width == 0 {
+            return Err(Error::invalid("repeat: an empty row"));
+        }
+        let total = prod(&[width, times])?;
+        let out = self.alloc_vec::<i32>(total)?;
+        let args = [
+            need_i32("repeat", row, width, None)?,
+            need_i32("repeat", &out, total, None)?,
+            size(width),
+            size(total),
+        ];
+        // SAFETY: reads row[0..width) and writes out[0..total) (both checked above).
+        unsafe {
+            self.launch(
+                &REPEAT_ROWS_I32,
+                REPEAT_ROWS_I32.pattern,
+                grid_1d(total),
+                &args,
+            )?
+        };
+        Ok(out.with_range_of(row))
     }
 
     /// acc[rows[i]] += w[i] · y[i] for `n` rows of `cols` elements.

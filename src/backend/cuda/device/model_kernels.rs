@@ -4,7 +4,7 @@
 
 use super::kernels::{
     blocks, blocks_yz, int, name, need, need_bytes, need_i32, prod, size, DEQUANT, LINEAR_QUANT,
-    ROUTE, STATS, STATS_MERGE, STATS_WIDTH,
+    ROUTE, STATS, STATS_RESULT_WIDTH, STATS_WIDTH,
 };
 use super::signature::Param::*;
 use super::{grid_1d, Arg, DevBuf, DevBytes, DevF64, DevI32, Elem, Gpu, Launch};
@@ -52,39 +52,43 @@ impl Gpu {
         unsafe { self.launch(&ROUTE, ROUTE.pattern, grid_1d(tokens), &args) }
     }
 
-    /// Statistics partials of `buf` (one row of [`STATS_WIDTH`] per block), merged into the
-    /// first row of `partials`. Returns the number of blocks.
-    pub fn stats(&self, buf: &DevBuf, partials: &DevF64) -> Result<()> {
+    /// Statistics of `buf` into result `slot` of `results` (rows of [`STATS_RESULT_WIDTH`],
+    /// their counters zero), with `partials` as scratch (one row of [`STATS_WIDTH`] per
+    /// block). One launch: its last block merges the others' rows.
+    pub fn stats(
+        &self,
+        buf: &DevBuf,
+        partials: &DevF64,
+        results: &DevF64,
+        slot: usize,
+    ) -> Result<()> {
         let n = buf.len();
         let rows = partials.len() / STATS_WIDTH;
-        let count = n.div_ceil(256).clamp(1, rows.max(1));
+        // At least 8 elements per thread: fewer blocks for the last one to merge.
+        let count = n.div_ceil(256 * 8).clamp(1, rows.max(1));
         if rows == 0 {
             return Err(Error::invalid("statistics: no room for partials"));
         }
+        if (slot + 1) * STATS_RESULT_WIDTH > results.len() {
+            return Err(Error::invalid("statistics: no room for the result"));
+        }
         let e = buf.elem();
-        let p = Arg::Ptr(F64Ptr, partials.ptr());
-        let args = [need("statistics", buf, n, e)?, size(n), p];
+        let result = results.ptr() + (slot * STATS_RESULT_WIDTH * 8) as u64;
+        let args = [
+            need("statistics", buf, n, e)?,
+            size(n),
+            Arg::Ptr(F64Ptr, partials.ptr()),
+            Arg::Ptr(F64Ptr, result),
+        ];
         let cfg = Launch {
             grid: (blocks("statistics", count)?, 1, 1),
             block: 256,
             shared: 0,
         };
-        // SAFETY: block b writes partial row b < rows; the tensor is read over n.
-        unsafe { self.launch(&STATS, &name("stats", e), cfg, &args)? };
-        let cfg = Launch {
-            grid: (1, 1, 1),
-            block: 256,
-            shared: 0,
-        };
-        // SAFETY: reads the `count` rows written above and writes row 0.
-        unsafe {
-            self.launch(
-                &STATS_MERGE,
-                STATS_MERGE.pattern,
-                cfg,
-                &[p, int("rows", count)?],
-            )
-        }
+        // SAFETY: block b writes partial row b < rows; the last block reads rows < count and
+        // writes the result row `slot` and its counter, inside `results` (checked above); the
+        // tensor is read over n.
+        unsafe { self.launch(&STATS, &name("stats", e), cfg, &args) }
     }
 
     /// Decodes the blocks of a quantized weight of type `ty` into `n` values of `out`.
