@@ -3,6 +3,7 @@
 //! (an attention call's outputs) come back in one copy, with one wait. Small tensors already on
 //! the host are summed there.
 
+use super::device::buffer::PinnedBytes;
 use super::device::kernels::{STATS_RESULT_WIDTH, STATS_WIDTH};
 use super::device::{DevBuf, DevF64};
 use super::CudaBackend;
@@ -22,6 +23,8 @@ pub(super) struct StatsScratch {
     partials: DevF64,
     /// One result row per tensor of a batch, each with its block counter (zeroed once).
     results: DevF64,
+    /// Where the result rows are copied back.
+    host: PinnedBytes,
 }
 
 /// The device buffer to compute `t`'s statistics on, or none to sum its host copy.
@@ -63,18 +66,21 @@ impl CudaBackend {
             *scratch = Some(StatsScratch {
                 partials: self.gpu.alloc_vec::<f64>(MAX_BLOCKS * STATS_WIDTH)?,
                 results: self.gpu.upload_vec(&[0.0f64; SLOTS * STATS_RESULT_WIDTH])?,
+                host: self.gpu.alloc_pinned(SLOTS * STATS_RESULT_WIDTH * 8)?,
             });
         }
-        let scratch = scratch.as_ref().expect("allocated above");
+        let scratch = scratch.as_mut().expect("allocated above");
         let mut out = Vec::with_capacity(bufs.len());
         for chunk in bufs.chunks(SLOTS) {
             for (slot, buf) in chunk.iter().enumerate() {
                 self.gpu
                     .stats(buf, &scratch.partials, &scratch.results, slot)?;
             }
-            let rows = self
-                .gpu
-                .download_vec(&scratch.results, chunk.len() * STATS_RESULT_WIDTH)?;
+            let rows = self.gpu.download_vec_pinned(
+                &scratch.results,
+                chunk.len() * STATS_RESULT_WIDTH,
+                &mut scratch.host,
+            )?;
             out.extend(
                 chunk
                     .iter()

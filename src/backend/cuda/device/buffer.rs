@@ -9,7 +9,7 @@
 use super::{Allocation, Gpu};
 use crate::error::{CudaError, Error, Result};
 use crate::tensor::{DeviceBuffer, POISON_BITS};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 use std::any::Any;
 use std::marker::PhantomData;
 use std::sync::atomic::Ordering;
@@ -257,6 +257,11 @@ impl<T: Plain> DevVec<T> {
     }
 }
 
+/// Page-locked host memory for small results copied back after every op (the statistics): a
+/// copy into it is one DMA, without the staging through the driver's own page-locked buffer
+/// that a copy into ordinary memory takes.
+pub struct PinnedBytes(PinnedHostSlice<u8>);
+
 fn byte_count(len: usize, size: usize) -> Result<usize> {
     len.checked_mul(size).ok_or_else(|| Error::Allocation {
         what: "device buffer".into(),
@@ -369,6 +374,41 @@ impl Gpu {
     /// A buffer of bytes (masks, quantized blocks).
     pub fn upload_bytes(&self, data: &[u8]) -> Result<DevBytes> {
         self.upload_vec(data)
+    }
+
+    /// `bytes` of page-locked host memory for [`Gpu::download_vec_pinned`].
+    pub fn alloc_pinned(&self, bytes: usize) -> Result<PinnedBytes> {
+        // SAFETY: the memory starts undefined, and is only read through `download_vec_pinned`
+        // after a copy into it has completed, and only as far as that copy wrote. Flags 0: plain
+        // cached page-locked memory (not write-combined, which the host reads slowly).
+        let slice = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), 0) }
+            .map_err(CudaError::driver("page-locked allocation"))?;
+        Ok(PinnedBytes(slice))
+    }
+
+    /// [`Gpu::download_vec`] through page-locked memory (as large as the copy, at least).
+    pub fn download_vec_pinned<T: Plain>(
+        &self,
+        buf: &DevVec<T>,
+        count: usize,
+        pinned: &mut PinnedBytes,
+    ) -> Result<Vec<T>> {
+        let bytes = byte_count(count, T::SIZE)?;
+        if count > buf.len || bytes > pinned.0.len() {
+            return Err(Error::invalid("device read past the end of a buffer"));
+        }
+        if bytes > 0 {
+            let view = buf.slice.slice(0..bytes);
+            self.stream
+                .memcpy_dtoh(&view, &mut pinned.0)
+                .map_err(CudaError::driver("download"))?;
+        }
+        self.synchronize()?;
+        let host = pinned.0.as_slice().map_err(CudaError::driver("download"))?;
+        Ok(host[..bytes]
+            .chunks_exact(T::SIZE)
+            .map(T::from_le)
+            .collect())
     }
 
     /// Copies a buffer back as f32 (waits for the stream, so kernel errors surface here).
