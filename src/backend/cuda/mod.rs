@@ -157,10 +157,7 @@ impl CudaBackend {
         let rows = a.rows();
         checks::concat_groups(a, b, groups)?;
         let (ad, bd) = (self.dev(a)?, self.dev(b)?);
-        // Every element is written below: no poison (this is no op's output).
-        let numel = (rows + zero_rows) * (wa + wb);
-        crate::tensor::checked_numel(&[numel], "device tensor")?;
-        let out = self.gpu.alloc(numel, self.elem)?;
+        let out = self.out((rows + zero_rows) * (wa + wb))?;
         if zero_rows > 0 {
             self.gpu.fill(&out, false)?;
         }

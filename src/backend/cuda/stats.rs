@@ -49,11 +49,23 @@ impl CudaBackend {
     /// computed there, all in one copy back; the others on the host. Device runs are checked
     /// within a tolerance, so the faster, reordered host pass will do.
     pub(super) fn tensors_stats(&self, ts: &[&Tensor]) -> Vec<TensorStats> {
-        let bufs: Vec<&DevBuf> = ts.iter().filter_map(|t| on_device(t)).collect();
-        let mut device = self.device_stats(&bufs).ok().map(Vec::into_iter);
+        let bufs: Vec<Option<&DevBuf>> = ts.iter().map(|t| on_device(t)).collect();
+        // One pass per distinct buffer: an alias (a split decode's merge op reports the output's
+        // buffer) is summed once.
+        let mut distinct: Vec<&DevBuf> = Vec::new();
+        for b in bufs.iter().flatten() {
+            if !distinct.iter().any(|d| d.serial() == b.serial()) {
+                distinct.push(b);
+            }
+        }
+        let device = self.device_stats(&distinct).ok();
         ts.iter()
-            .map(|t| match (on_device(t), device.as_mut()) {
-                (Some(_), Some(d)) => d.next().expect("one result per device tensor"),
+            .zip(&bufs)
+            .map(|(t, b)| match (b, &device) {
+                (Some(b), Some(stats)) => {
+                    let i = distinct.iter().position(|d| d.serial() == b.serial());
+                    stats[i.expect("every device buffer is among the distinct ones")].clone()
+                }
                 _ => TensorStats::of_unordered(t.data()),
             })
             .collect()

@@ -196,17 +196,16 @@ pub(super) fn run_attention(
     let (sides, info, device_reads) = sides(output, merged);
     let reads: Vec<BufferRef> = std::iter::once(cache_read).chain(device_reads).collect();
     // On a device, the statistics of every event of the call at once, with one wait for all.
-    let mut stats = match sink.wants_stats() && out.device().is_some() {
-        true => {
-            let all: Vec<&Tensor> = sides.iter().map(|s| &s.tensor).chain([&out]).collect();
-            b.stats_many(&all).into_iter().map(Some).collect()
-        }
-        false => Vec::new(),
+    let mut stats = if sink.wants_stats() && out.device().is_some() {
+        let all: Vec<&Tensor> = sides.iter().map(|s| &s.tensor).chain([&out]).collect();
+        b.stats_many(&all)
+    } else {
+        Vec::new()
     }
     .into_iter();
     for side in sides {
         let (op, kind) = side.op;
-        let stats = stats.next().flatten();
+        let stats = stats.next();
         sink.op_with(l, &side_name(op), kind, inputs, |_| {
             Ok(Computed {
                 tensor: side.tensor,
@@ -217,7 +216,7 @@ pub(super) fn run_attention(
             })
         })?;
     }
-    let stats = stats.next().flatten();
+    let stats = stats.next();
     sink.op_with(l, &name, output_kind, inputs, |_| {
         Ok(Computed {
             tensor: out,
