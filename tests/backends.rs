@@ -262,6 +262,44 @@ fn statistics_of_many_tensors_come_back_together(gpu: bool) {
     }
 }
 
+/// A statistics batch (started op by op, brought back together) gives each tensor the
+/// statistics it had when started, though its buffer is freed and reused at once (the device's
+/// pool hands the next output the same memory), and over more tensors than one copy brings back.
+fn a_statistics_batch_keeps_each_tensor_as_it_was_when_started(gpu: bool) {
+    let sizes = [3usize, 300, 5000, 20_000, 70_000];
+    for u in backends(gpu) {
+        let b = &u.backend;
+        let mut batch = b.stats_batch();
+        let mut want = Vec::new();
+        for i in 0..1100 {
+            let n = sizes[i % sizes.len()];
+            let t = b
+                .scale(&random(&[n], &format!("b{}", i % 7), 1.0), 1.0 + i as f32)
+                .unwrap();
+            want.push(b.stats(&t));
+            batch.start(&t).unwrap();
+        }
+        let got = batch.collect().unwrap();
+        assert_eq!(got.len(), want.len(), "{}", u.name);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let bits = |s: &mladb::stats::TensorStats| {
+                [s.mean, s.l2, s.min, s.max, s.std].map(f64::to_bits)
+            };
+            assert_eq!(
+                (g.count, g.nan, g.unwritten, bits(g)),
+                (w.count, w.nan, w.unwritten, bits(w)),
+                "{} tensor {i}",
+                u.name
+            );
+        }
+        assert!(
+            batch.collect().unwrap().is_empty(),
+            "{}: collected twice",
+            u.name
+        );
+    }
+}
+
 fn routing_picks_the_same_experts(gpu: bool) {
     let moe = MoeLayout {
         n_routed_experts: 32,
@@ -623,6 +661,7 @@ cpu_and_gpu!(
     linear_norms_rope_and_elementwise_ops,
     statistics_count_everything_on_every_backend,
     statistics_of_many_tensors_come_back_together,
+    a_statistics_batch_keeps_each_tensor_as_it_was_when_started,
     routing_picks_the_same_experts,
     mla_projections,
     attention_both_paths_with_causal_and_sparse_masks,

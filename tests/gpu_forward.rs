@@ -309,3 +309,77 @@ fn the_fault_catalogue_is_caught_on_the_gpu() {
         );
     }
 }
+
+/// Keeps each event, handed over late (statistics brought back many ops at a time).
+#[derive(Default)]
+struct LateEvents(Vec<mladb::engine::trace::OpEvent>);
+
+impl mladb::engine::trace::Observer for LateEvents {
+    fn on_op(
+        &mut self,
+        event: &mladb::engine::trace::OpEvent,
+        _: &mladb::tensor::Tensor,
+    ) -> mladb::Result<()> {
+        self.0.push(event.clone());
+        Ok(())
+    }
+
+    fn takes_late_events(&self) -> bool {
+        true
+    }
+}
+
+/// A pass whose observer takes late events gets every op, in order, with the statistics an
+/// observer handed each event at once gets (within the run-to-run noise of the device's
+/// atomics), on both storage dtypes and on the fast and reference kernels.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn late_events_carry_the_statistics_of_their_own_op() {
+    use mladb::engine::{generate, Engine, EngineOptions, Recorder};
+    for (name, gpu, tol) in gpu_backends() {
+        let model = synthetic("glm5-tiny", 5);
+        let schedule = Schedule {
+            prompt: prompt(model.layout.vocab_size, 40),
+            prefill_len: 33,
+            decode_steps: 3,
+        };
+        let options = || EngineOptions::all_layers(&model, MlaPaths::production());
+        let mut now = Recorder::default();
+        generate::run(
+            &mut Engine::new(&model, gpu.as_ref(), options()).unwrap(),
+            &schedule,
+            &mut now,
+        )
+        .unwrap();
+        let mut late = LateEvents::default();
+        generate::run(
+            &mut Engine::new(&model, gpu.as_ref(), options()).unwrap(),
+            &schedule,
+            &mut late,
+        )
+        .unwrap();
+        assert_eq!(late.0.len(), now.events.len(), "{name}: op count");
+        let device_ops = now.events.iter().filter(|e| e.kernel.is_some()).count();
+        assert!(device_ops > 0, "{name}: no attention op ran on the device");
+        for (a, b) in late.0.iter().zip(&now.events) {
+            let what = format!("{name} op {} {} {}", b.index, b.phase, b.name);
+            assert_eq!(
+                (a.index, a.phase, &a.name),
+                (b.index, b.phase, &b.name),
+                "{what}"
+            );
+            let (s, w) = (&a.stats, &b.stats);
+            assert_eq!(
+                (s.count, s.nan, s.unwritten, s.pos_inf, s.neg_inf),
+                (w.count, w.nan, w.unwritten, w.pos_inf, w.neg_inf),
+                "{what}"
+            );
+            assert!(
+                (s.l2 - w.l2).abs() <= tol * w.l2.max(1e-6),
+                "{what}: l2 {} late vs {} at once",
+                s.l2,
+                w.l2
+            );
+        }
+    }
+}

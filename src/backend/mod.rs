@@ -333,6 +333,42 @@ pub trait Backend: Send + Sync {
     fn stats_many(&self, ts: &[&Tensor]) -> Vec<TensorStats> {
         ts.iter().map(|t| self.stats(t)).collect()
     }
+
+    /// A batch of statistics started as ops finish and collected many at a time (a device
+    /// backend waits once for the lot instead of once per op); a host backend computes them at
+    /// once.
+    fn stats_batch(&self) -> Box<dyn StatsBatch + '_> {
+        Box::new(ImmediateStats {
+            backend: self,
+            done: Vec::new(),
+        })
+    }
+}
+
+/// Statistics started as ops finish (see [`Backend::stats_batch`]).
+pub trait StatsBatch {
+    /// Starts the statistics of `t` as it is now: later writes to its buffer do not change them.
+    fn start(&mut self, t: &Tensor) -> Result<()>;
+
+    /// The statistics of every tensor started since the last collect, in the order started.
+    fn collect(&mut self) -> Result<Vec<TensorStats>>;
+}
+
+/// A batch whose statistics are computed when started.
+struct ImmediateStats<'a, B: ?Sized> {
+    backend: &'a B,
+    done: Vec<TensorStats>,
+}
+
+impl<B: Backend + ?Sized> StatsBatch for ImmediateStats<'_, B> {
+    fn start(&mut self, t: &Tensor) -> Result<()> {
+        self.done.push(self.backend.stats(t));
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<TensorStats>> {
+        Ok(std::mem::take(&mut self.done))
+    }
 }
 
 /// The reference quantized linear (see `Backend::linear_quant`).

@@ -4,8 +4,10 @@
 //! output, log-sum-exps and split partials copied back, statistics of the three ops) against the
 //! bare kernel on the same buffers.
 //!
-//! The traced time is wall time per call (what the user waits for, host work included); the bare
-//! time is event-timed on the device, as the kernel grid above. The engine decodes one sequence
+//! The traced times are wall time per call (host work included): calls back to back whose
+//! statistics are started on the device and brought back once (a traced `run` or `bench`, whose
+//! observer takes late events), and one call with its wait (a debugger stepping op by op); the
+//! bare time is event-timed on the device, calls back to back, as the kernel grid above. The engine decodes one sequence
 //! at a time, so a batch here is the last `batch` tokens of one sequence attending at once (a
 //! chunk of a chunked prefill over the cache, or a speculative step): to the kernel, a batch of
 //! that many sequences of neighbouring lengths over the same pages.
@@ -14,7 +16,7 @@ use super::bench_gpu::median;
 use super::Out;
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, ROPE};
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{AttnMask, Backend, FastOutcome, MlaDims};
+use crate::backend::{AttnMask, Backend, FastOutcome, MlaDims, StatsBatch};
 use crate::engine::cache::LatentCache;
 use crate::error::{Error, Result};
 use crate::model::weights::synthetic::normalish;
@@ -30,7 +32,12 @@ fn random(shape: &[usize], seed: u64) -> Tensor {
 
 /// The times of one decode step, in ms.
 struct StepTimes {
-    /// The engine's call with the statistics of its ops (wall).
+    /// The engine's call with the statistics of its ops started on the device and brought back
+    /// once for many calls, as a pass for an observer that takes late events runs (wall per
+    /// call over calls back to back).
+    stream: f64,
+    /// The engine's call with the statistics of its ops, one call and its wait (wall), as a
+    /// debugger stepping op by op runs it.
     traced: f64,
     /// The engine's call alone (wall).
     call: f64,
@@ -40,6 +47,9 @@ struct StepTimes {
     bare: f64,
     splits: usize,
 }
+
+/// Calls back to back whose statistics come back together in the streamed figure.
+const STREAM_CALLS: usize = 16;
 
 /// The median wall time of `f` over 15 calls after 3, in ms.
 fn wall_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
@@ -83,7 +93,8 @@ fn traced_step(
     let mask = AttnMask::causal(positions.clone());
     let scale = 1.0 / 256f32.sqrt();
     let mut splits = 0;
-    let mut call = |with_stats: bool| -> Result<()> {
+    // `Some`: the statistics are started into this batch, not waited for.
+    let mut call = |with_stats: bool, late: Option<&mut dyn StatsBatch>| -> Result<()> {
         let mut out = backend.alloc(&[batch, heads, LATENT], false)?;
         let outcome = backend.fast_attention_latent(
             &q_lat,
@@ -112,12 +123,23 @@ fn traced_step(
         if let Some((o, l)) = &f.partials {
             events.extend([o, l]);
         }
-        std::hint::black_box(backend.stats_many(&events));
+        match late {
+            Some(b) => events.into_iter().try_for_each(|t| b.start(t))?,
+            None => _ = std::hint::black_box(backend.stats_many(&events)),
+        }
         Ok(())
     };
     // The first call also uploads the cache.
-    let traced = wall_ms(|| call(true))?;
-    let call = wall_ms(|| call(false))?;
+    let traced = wall_ms(|| call(true, None))?;
+    let call_alone = wall_ms(|| call(false, None))?;
+    let stream = wall_ms(|| {
+        let mut late = backend.stats_batch();
+        for _ in 0..STREAM_CALLS {
+            call(true, Some(&mut *late))?;
+        }
+        std::hint::black_box(late.collect()?);
+        Ok(())
+    })? / STREAM_CALLS as f64;
 
     // The bare kernel: the same shape on device buffers made once.
     let gpu = backend.gpu();
@@ -156,8 +178,9 @@ fn traced_step(
     let bare = median(gpu.time_ms(3, 15, 20, run)?);
     let bare_wall = wall_ms(|| run().and_then(|()| gpu.synchronize()))?;
     Ok(StepTimes {
+        stream,
         traced,
-        call,
+        call: call_alone,
         bare_wall,
         bare,
         splits,
@@ -170,20 +193,24 @@ pub fn traced_decode(backend: &CudaBackend, quick: bool) -> Result<()> {
     writeln!(
         Out,
         "\ntraced decode attention (latent 512+64, bf16): the engine's call with statistics of \
-         its ops, wall time, vs the bare kernel, device time"
+         its ops, wall time per call ({STREAM_CALLS} calls back to back, statistics brought back \
+         once, as `run` and `bench` trace; and one call with its wait, as a debugger stepping \
+         op by op), vs the bare kernel, device time"
     )?;
     writeln!(
         Out,
-        "{:>6} {:>6} {:>8} {:>7} {:>10} {:>8} {:>10} {:>8} {:>7}",
+        "{:>6} {:>6} {:>8} {:>7} {:>10} {:>9} {:>8} {:>10} {:>8} {:>7} {:>7}",
         "heads",
         "batch",
         "context",
         "splits",
-        "traced us",
+        "stream us",
+        "alone us",
         "call us",
         "bare wall",
         "bare us",
-        "ratio"
+        "stream",
+        "alone"
     )?;
     let contexts: &[usize] = if quick { &[8192] } else { &[1024, 8192, 32768] };
     for heads in [64, 8] {
@@ -194,12 +221,14 @@ pub fn traced_decode(backend: &CudaBackend, quick: bool) -> Result<()> {
             let t = traced_step(backend, batch, context, heads)?;
             writeln!(
                 Out,
-                "{heads:>6} {batch:>6} {context:>8} {:>7} {:>10.1} {:>8.1} {:>10.1} {:>8.1} {:>6.2}×",
+                "{heads:>6} {batch:>6} {context:>8} {:>7} {:>10.1} {:>9.1} {:>8.1} {:>10.1} {:>8.1} {:>6.2}× {:>6.2}×",
                 t.splits,
+                t.stream * 1e3,
                 t.traced * 1e3,
                 t.call * 1e3,
                 t.bare_wall * 1e3,
                 t.bare * 1e3,
+                t.stream / t.bare,
                 t.traced / t.bare
             )?;
         }

@@ -93,6 +93,11 @@ impl Observer for RunObserver<'_> {
         }
         Ok(())
     }
+
+    /// Lines may come a few hundred ops late unless the outputs are read (`--dump`, `--record`).
+    fn takes_late_events(&self) -> bool {
+        self.dump.is_none() && self.record.is_none() && self.record_outputs.is_none()
+    }
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {

@@ -256,17 +256,17 @@ impl<'m> Engine<'m> {
         let start = self.position;
         let positions: Vec<usize> = (start..start + tokens.len()).collect();
         let options = &self.options;
-        let mut sink = Sink {
-            backend: b,
-            weights: &model.weights,
+        let mut sink = Sink::new(
+            b,
+            &model.weights,
             observer,
-            replay: self.replay,
-            storage: options.storage,
+            self.replay,
+            options.storage,
             phase,
-            positions: (start, start + tokens.len()),
-            next_index: &mut self.next_event,
-            counts: &mut self.counts,
-        };
+            (start, start + tokens.len()),
+            &mut self.next_event,
+            &mut self.counts,
+        );
 
         let mut h = sink.op(None, "model.embed_tokens", OpKind::Embedding, &[], |_| {
             let mut rows = Vec::with_capacity(tokens.len() * layout.hidden_size);
@@ -361,6 +361,7 @@ impl<'m> Engine<'m> {
         let logits = sink.op(None, "logits", OpKind::Logits, &[&normed], |_| {
             lm_head(model, b, &normed)
         })?;
+        sink.flush()?;
         self.position += tokens.len();
         Ok(logits)
     }

@@ -1,10 +1,11 @@
 //! Every op of the forward pass runs through [`Sink::op`]: it takes the output from an earlier
 //! run when one may be replayed, else computes it; applies the storage dtype; computes
 //! statistics; records which buffers were read and written; numbers the event and hands it to
-//! the observer.
+//! the observer (at once, or for an observer that takes late events, with the statistics of
+//! many ops brought back together: see [`Observer::takes_late_events`]).
 
-use super::trace::{BufferRef, Observer, OpEvent, OpKind, Phase, Replay};
-use crate::backend::Backend;
+use super::trace::{BufferRef, Observer, OpEvent, OpKind, Phase, Replay, LATE_EVENTS};
+use crate::backend::{Backend, StatsBatch};
 use crate::error::Result;
 use crate::model::WeightStore;
 use crate::stats::TensorStats;
@@ -72,12 +73,74 @@ pub struct Sink<'a> {
     pub positions: (usize, usize),
     pub next_index: &'a mut usize,
     pub counts: &'a mut OpCounts,
+    /// Events waiting for their statistics, for an observer that takes late events.
+    late: Option<LateEvents<'a>>,
+}
+
+/// Events whose statistics were started on the device, in order, with their outputs.
+struct LateEvents<'a> {
+    stats: Box<dyn StatsBatch + 'a>,
+    events: Vec<(OpEvent, Tensor)>,
+}
+
+impl<'a> Sink<'a> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        backend: &'a dyn Backend,
+        weights: &'a WeightStore,
+        observer: &'a mut dyn Observer,
+        replay: Option<&'a dyn Replay>,
+        storage: StorageDtype,
+        phase: Phase,
+        positions: (usize, usize),
+        next_index: &'a mut usize,
+        counts: &'a mut OpCounts,
+    ) -> Sink<'a> {
+        let late = (observer.wants_stats() && observer.takes_late_events()).then(|| LateEvents {
+            stats: backend.stats_batch(),
+            events: Vec::new(),
+        });
+        Sink {
+            backend,
+            weights,
+            observer,
+            replay,
+            storage,
+            phase,
+            positions,
+            next_index,
+            counts,
+            late,
+        }
+    }
 }
 
 impl Sink<'_> {
     /// Whether the events carry statistics (the observer asks for them).
     pub fn wants_stats(&self) -> bool {
         self.observer.wants_stats()
+    }
+
+    /// Whether the statistics of device outputs are started as each op ends and brought back
+    /// later, many at once (so that an op need not compute its own at once).
+    pub fn defers_stats(&self) -> bool {
+        self.late.is_some()
+    }
+
+    /// Hands every waiting event to the observer, with its statistics (one wait for all).
+    pub fn flush(&mut self) -> Result<()> {
+        let Some(late) = &mut self.late else {
+            return Ok(());
+        };
+        if late.events.is_empty() {
+            return Ok(());
+        }
+        let stats = late.stats.collect()?;
+        for ((mut event, output), stats) in late.events.drain(..).zip(stats) {
+            event.stats = stats;
+            self.observer.on_op(&event, &output)?;
+        }
+        Ok(())
     }
 
     /// Whether the op `offset` places ahead, named `name`, would be taken from the earlier run.
@@ -211,6 +274,15 @@ impl Sink<'_> {
         kernel: Option<crate::ops::KernelInfo>,
         stats: Option<TensorStats>,
     ) -> Result<()> {
+        // A device output waits for its statistics with the events before it; anything else
+        // is handed over now, after them.
+        let deferred = self.late.is_some()
+            && stats.is_none()
+            && values.device().is_some()
+            && !values.on_host();
+        if !deferred {
+            self.flush()?;
+        }
         let event = OpEvent {
             index: *self.next_index,
             phase: self.phase,
@@ -220,7 +292,7 @@ impl Sink<'_> {
             shape: values.shape().to_vec(),
             dtype: values.dtype(),
             stats: match stats {
-                _ if !self.observer.wants_stats() => TensorStats::of(&[]),
+                _ if !self.observer.wants_stats() || deferred => TensorStats::of(&[]),
                 Some(s) => s,
                 None => self.backend.stats(values),
             },
@@ -232,7 +304,25 @@ impl Sink<'_> {
             kernel,
         };
         *self.next_index += 1;
-        self.observer.on_op(&event, values)
+        match &mut self.late {
+            Some(late) if deferred => {
+                late.stats.start(values)?;
+                late.events.push((event, values.alias()));
+                if late.events.len() >= LATE_EVENTS {
+                    self.flush()?;
+                }
+                Ok(())
+            }
+            _ => self.observer.on_op(&event, values),
+        }
+    }
+}
+
+impl Drop for Sink<'_> {
+    /// A pass that stopped on an error still hands over the events before it (an error in
+    /// doing so is lost behind the first).
+    fn drop(&mut self) {
+        let _ = self.flush();
     }
 }
 
@@ -241,6 +331,97 @@ fn round_to_bf16(t: &mut Tensor) {
     for v in t.data_mut() {
         if !v.is_nan() {
             *v = half::bf16::from_f32(*v).to_f32();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::model::{layout::Layout, Model};
+    use crate::tensor::DeviceBuffer;
+    use std::any::Any;
+
+    /// A device buffer holding its values on the host.
+    struct Fake(Vec<f32>);
+
+    impl DeviceBuffer for Fake {
+        fn address(&self) -> u64 {
+            0xD000
+        }
+        fn bytes(&self) -> usize {
+            self.0.len() * 4
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+        fn download(&self) -> Result<Vec<f32>> {
+            Ok(self.0.clone())
+        }
+    }
+
+    /// Notes which ops it was handed, and when (after how many ops had been emitted).
+    struct Late {
+        seen: Vec<(usize, String, TensorStats)>,
+        emitted: std::rc::Rc<std::cell::Cell<usize>>,
+    }
+
+    impl Observer for Late {
+        fn on_op(&mut self, event: &OpEvent, _: &Tensor) -> Result<()> {
+            self.seen
+                .push((self.emitted.get(), event.name.clone(), event.stats.clone()));
+            Ok(())
+        }
+        fn takes_late_events(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn late_events_come_in_order_with_their_statistics_when_flushed() {
+        let model = Model::synthetic(Layout::resolve("glm5-tiny").unwrap(), 1, 1 << 20).unwrap();
+        let emitted = std::rc::Rc::new(std::cell::Cell::new(0));
+        let mut late = Late {
+            seen: Vec::new(),
+            emitted: emitted.clone(),
+        };
+        let (mut next, mut counts) = (0, OpCounts::default());
+        let device = |v: &[f32]| Tensor::from_device(&[v.len()], Arc::new(Fake(v.to_vec())));
+        let values = [vec![1.0, 2.0], vec![f32::NAN, 4.0], vec![-3.0, 0.0]];
+        {
+            let mut sink = Sink::new(
+                &CpuBackend,
+                &model.weights,
+                &mut late,
+                None,
+                StorageDtype::F32,
+                Phase::Prefill,
+                (0, 1),
+                &mut next,
+                &mut counts,
+            );
+            assert!(sink.defers_stats());
+            let op = |sink: &mut Sink, name: &str, t: Tensor| {
+                sink.op(None, name, OpKind::Residual, &[], |_| Ok(t))
+                    .unwrap();
+                emitted.set(emitted.get() + 1);
+            };
+            op(&mut sink, "a", device(&values[0]));
+            op(&mut sink, "b", device(&values[1]));
+            // A host output is handed over at once, after the device outputs before it.
+            op(&mut sink, "c", Tensor::from_vec(&[2], values[2].clone()));
+            op(&mut sink, "d", device(&values[0]));
+            sink.flush().unwrap();
+            op(&mut sink, "e", device(&values[1]));
+            // "e" is handed over when the sink is dropped (a pass that stopped early).
+        }
+        let got: Vec<(usize, &str)> = late.seen.iter().map(|(n, s, _)| (*n, s.as_str())).collect();
+        assert_eq!(got, [(2, "a"), (2, "b"), (2, "c"), (4, "d"), (5, "e")]);
+        for ((_, _, stats), v) in late.seen.iter().zip(values.iter().cycle()) {
+            assert_eq!(stats.count, 2);
+            assert_eq!(stats.nan, v.iter().filter(|x| x.is_nan()).count());
+            assert_eq!(stats.l2.to_bits(), TensorStats::of(v).l2.to_bits());
         }
     }
 }

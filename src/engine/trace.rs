@@ -260,7 +260,19 @@ pub trait Observer {
     fn wants_stats(&self) -> bool {
         true
     }
+
+    /// Whether events may reach the observer late: in order, at most [`LATE_EVENTS`] ops or the
+    /// end of the forward pass after their op ran, with statistics computed on the device as
+    /// the op ran and brought back many at a time (one wait for many ops instead of one each).
+    /// The output then passed is the op's buffer as it is at delivery, so an observer that
+    /// reads or keeps outputs says no (the default).
+    fn takes_late_events(&self) -> bool {
+        false
+    }
 }
+
+/// Events that an observer taking late events may wait for at most.
+pub const LATE_EVENTS: usize = 256;
 
 /// Ignores everything (events come without statistics).
 pub struct NullObserver;
@@ -285,6 +297,10 @@ impl Observer for StatsObserver {
         self.events += 1;
         std::hint::black_box(&event.stats);
         Ok(())
+    }
+
+    fn takes_late_events(&self) -> bool {
+        true
     }
 }
 

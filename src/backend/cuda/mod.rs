@@ -48,6 +48,8 @@ pub struct CudaBackend {
     poison_outputs: AtomicBool,
     /// The statistics kernels' per-block partials, allocated once (stats run on every op).
     stats_scratch: Mutex<Option<stats::StatsScratch>>,
+    /// The same for statistics batches, taken by one batch at a time.
+    batch_scratch: Mutex<Option<stats::StatsScratch>>,
 }
 
 /// Whether a CUDA device can be used, and if not, why.
@@ -79,6 +81,7 @@ impl CudaBackend {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             poison_outputs: AtomicBool::new(false),
             stats_scratch: Mutex::new(None),
+            batch_scratch: Mutex::new(None),
         })
     }
 
@@ -523,6 +526,10 @@ impl Backend for CudaBackend {
 
     fn stats_many(&self, ts: &[&Tensor]) -> Vec<TensorStats> {
         self.tensors_stats(ts)
+    }
+
+    fn stats_batch(&self) -> Box<dyn crate::backend::StatsBatch + '_> {
+        Box::new(stats::DeviceStatsBatch::new(self))
     }
 }
 

@@ -1,31 +1,56 @@
 //! Tensor statistics of device outputs: one pass on the device whose last block merges the
 //! others' partials, so that one row of doubles comes back; the statistics of several tensors
-//! (an attention call's outputs) come back in one copy, with one wait. Small tensors already on
-//! the host are summed there.
+//! (an attention call's outputs) come back in one copy, with one wait, and a batch of them
+//! started op by op comes back with one wait for the lot ([`DeviceStatsBatch`]). Small tensors
+//! already on the host are summed there.
 
 use super::device::buffer::PinnedBytes;
-use super::device::kernels::{STATS_RESULT_WIDTH, STATS_WIDTH};
+use super::device::kernels::{STATS_JOBS, STATS_RESULT_WIDTH, STATS_WIDTH};
 use super::device::{DevBuf, DevF64};
 use super::CudaBackend;
+use crate::backend::StatsBatch;
 use crate::error::Result;
 use crate::stats::TensorStats;
 use crate::tensor::{DType, Tensor};
 
-/// Blocks of the statistics pass at most (rows of partials).
+/// Blocks of one tensor's statistics at most (its rows of partials).
 const MAX_BLOCKS: usize = 512;
 
-/// Tensors whose statistics one copy brings back at most.
-const SLOTS: usize = 16;
+/// Tensors whose statistics one launch computes and one copy brings back at most.
+const SLOTS: usize = STATS_JOBS;
 
-/// The device buffers of the statistics pass, made once per backend.
+/// The device buffers of the statistics pass, made once per backend (and once for batches).
 pub(super) struct StatsScratch {
     /// One row per block of a launch; launches on the one stream reuse it in turn.
     partials: DevF64,
-    /// One result row per tensor of a batch, each with its block counter (zeroed once).
+    /// One result row per tensor, each with its block counter (zeroed once; the kernel leaves
+    /// it zero).
     results: DevF64,
     /// Where the result rows are copied back.
     host: PinnedBytes,
 }
+
+impl StatsScratch {
+    fn new(backend: &CudaBackend, rows: usize) -> Result<StatsScratch> {
+        let gpu = backend.gpu();
+        Ok(StatsScratch {
+            partials: gpu.alloc_vec::<f64>(SLOTS * MAX_BLOCKS * STATS_WIDTH)?,
+            results: gpu.upload_vec(&vec![0.0f64; rows * STATS_RESULT_WIDTH])?,
+            host: gpu.alloc_pinned(rows * STATS_RESULT_WIDTH * 8)?,
+        })
+    }
+
+    /// Result rows `0..count` copied back (one wait).
+    fn download(&mut self, backend: &CudaBackend, count: usize) -> Result<Vec<f64>> {
+        backend
+            .gpu()
+            .download_vec_pinned(&self.results, count * STATS_RESULT_WIDTH, &mut self.host)
+    }
+}
+
+/// Result rows of a batch's scratch: the statistics of this many device tensors wait for one
+/// copy back (a batch that fills it copies back and starts again).
+const BATCH_ROWS: usize = 1024;
 
 /// The device buffer to compute `t`'s statistics on, or none to sum its host copy.
 fn on_device(t: &Tensor) -> Option<&DevBuf> {
@@ -71,28 +96,18 @@ impl CudaBackend {
             .collect()
     }
 
-    /// Statistics of buffers computed on the device, one launch each, brought back together.
+    /// Statistics of buffers computed on the device, [`SLOTS`] to a launch, brought back together.
     pub fn device_stats(&self, bufs: &[&DevBuf]) -> Result<Vec<TensorStats>> {
         let mut scratch = self.stats_scratch.lock().unwrap_or_else(|e| e.into_inner());
         if scratch.is_none() {
-            *scratch = Some(StatsScratch {
-                partials: self.gpu.alloc_vec::<f64>(MAX_BLOCKS * STATS_WIDTH)?,
-                results: self.gpu.upload_vec(&[0.0f64; SLOTS * STATS_RESULT_WIDTH])?,
-                host: self.gpu.alloc_pinned(SLOTS * STATS_RESULT_WIDTH * 8)?,
-            });
+            *scratch = Some(StatsScratch::new(self, SLOTS)?);
         }
         let scratch = scratch.as_mut().expect("allocated above");
         let mut out = Vec::with_capacity(bufs.len());
         for chunk in bufs.chunks(SLOTS) {
-            for (slot, buf) in chunk.iter().enumerate() {
-                self.gpu
-                    .stats(buf, &scratch.partials, &scratch.results, slot)?;
-            }
-            let rows = self.gpu.download_vec_pinned(
-                &scratch.results,
-                chunk.len() * STATS_RESULT_WIDTH,
-                &mut scratch.host,
-            )?;
+            self.gpu
+                .stats_many(chunk, &scratch.partials, &scratch.results, 0)?;
+            let rows = scratch.download(self, chunk.len())?;
             out.extend(
                 chunk
                     .iter()
@@ -101,6 +116,104 @@ impl CudaBackend {
             );
         }
         Ok(out)
+    }
+}
+
+/// A tensor's statistics in a batch: computed, or waiting in a result row on the device.
+enum Part {
+    Ready(TensorStats),
+    /// Result row, elements.
+    Row(usize, usize),
+}
+
+/// [`StatsBatch`] on the device: each tensor's pass is launched when started (so that later
+/// writes to its buffer do not reach it) into a result row of its own, and the rows come back in
+/// one copy when collected.
+pub struct DeviceStatsBatch<'a> {
+    backend: &'a CudaBackend,
+    scratch: Option<StatsScratch>,
+    parts: Vec<Part>,
+    /// Result rows in use.
+    used: usize,
+}
+
+impl<'a> DeviceStatsBatch<'a> {
+    pub(super) fn new(backend: &'a CudaBackend) -> DeviceStatsBatch<'a> {
+        let kept = backend
+            .batch_scratch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        DeviceStatsBatch {
+            backend,
+            scratch: kept,
+            parts: Vec::new(),
+            used: 0,
+        }
+    }
+
+    /// The rows in use copied back: every waiting part made ready, the rows free again.
+    fn drain(&mut self) -> Result<()> {
+        let (Some(scratch), true) = (&mut self.scratch, self.used > 0) else {
+            return Ok(());
+        };
+        let rows = scratch.download(self.backend, self.used)?;
+        for part in &mut self.parts {
+            if let Part::Row(r, count) = *part {
+                let row = &rows[r * STATS_RESULT_WIDTH..(r + 1) * STATS_RESULT_WIDTH];
+                *part = Part::Ready(stats_of(count, row));
+            }
+        }
+        self.used = 0;
+        Ok(())
+    }
+}
+
+impl StatsBatch for DeviceStatsBatch<'_> {
+    fn start(&mut self, t: &Tensor) -> Result<()> {
+        let Some(buf) = on_device(t) else {
+            self.parts
+                .push(Part::Ready(TensorStats::of_unordered(t.data())));
+            return Ok(());
+        };
+        if self.scratch.is_none() {
+            self.scratch = Some(StatsScratch::new(self.backend, BATCH_ROWS)?);
+        }
+        if self.used == BATCH_ROWS {
+            self.drain()?;
+        }
+        let scratch = self.scratch.as_ref().expect("made above");
+        self.backend
+            .gpu
+            .stats_many(&[buf], &scratch.partials, &scratch.results, self.used)?;
+        self.parts.push(Part::Row(self.used, buf.len()));
+        self.used += 1;
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<TensorStats>> {
+        self.drain()?;
+        Ok(std::mem::take(&mut self.parts)
+            .into_iter()
+            .map(|p| match p {
+                Part::Ready(s) => s,
+                Part::Row(..) => unreachable!("drained above"),
+            })
+            .collect())
+    }
+}
+
+impl Drop for DeviceStatsBatch<'_> {
+    /// Gives the scratch back for the next batch (the launches that leave its rows' counters
+    /// zero come before the next batch's in the stream).
+    fn drop(&mut self) {
+        if let Some(scratch) = self.scratch.take() {
+            *self
+                .backend
+                .batch_scratch
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Some(scratch);
+        }
     }
 }
 

@@ -195,8 +195,9 @@ pub(super) fn run_attention(
         .then(|| phantom.unwrap_or_else(|| out.alias()));
     let (sides, info, device_reads) = sides(output, merged);
     let reads: Vec<BufferRef> = std::iter::once(cache_read).chain(device_reads).collect();
-    // On a device, the statistics of every event of the call at once, with one wait for all.
-    let mut stats = if sink.wants_stats() && out.device().is_some() {
+    // On a device, the statistics of every event of the call at once, with one wait for all
+    // (unless the sink brings back those of many ops together).
+    let mut stats = if sink.wants_stats() && !sink.defers_stats() && out.device().is_some() {
         let all: Vec<&Tensor> = sides.iter().map(|s| &s.tensor).chain([&out]).collect();
         b.stats_many(&all)
     } else {

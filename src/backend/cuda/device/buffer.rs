@@ -276,8 +276,17 @@ impl Gpu {
         // SAFETY: device memory is only ever copied as plain bytes (every bit pattern is a valid
         // f32, bf16, i32, byte or f64), so memory no kernel has written yet reads as garbage,
         // never as undefined behaviour; every caller fills what it reads.
-        let slice = unsafe { self.stream.alloc::<u8>(bytes) }
-            .map_err(CudaError::driver(format!("alloc of {bytes} bytes")))?;
+        let slice = match unsafe { self.stream.alloc::<u8>(bytes) } {
+            Ok(slice) => slice,
+            // The pool keeps freed memory (`keep_freed_memory`): a full device gets it back and
+            // the allocation is tried once more.
+            Err(_) => {
+                self.release_kept_memory()?;
+                // SAFETY: as above.
+                unsafe { self.stream.alloc::<u8>(bytes) }
+                    .map_err(CudaError::driver(format!("alloc of {bytes} bytes")))?
+            }
+        };
         let ptr = {
             let (p, _sync) = slice.device_ptr(&self.stream);
             p

@@ -81,7 +81,7 @@ pub const ROUTE: Sig = Sig::new(
         F32Ptr, F32Ptr, U64, Int, Int, Int, Int, Int, Float, I32Ptr, F32Ptr, F32Ptr,
     ],
 );
-pub const STATS: Sig = Sig::new("stats_{e}", &[Storage, U64, F64Ptr, F64Ptr]);
+pub const STATS: Sig = Sig::new("stats_many", &[Jobs, F64Ptr, F64Ptr]);
 pub const DEQUANT: Sig = Sig::new("dequant_*", &[U8Ptr, Storage, U64, Int]);
 pub const LINEAR_QUANT: Sig = Sig::new(
     "linear_*",
@@ -118,6 +118,9 @@ pub const SIGNATURES: &[&Sig] = &[
     &DEQUANT,
     &LINEAR_QUANT,
 ];
+
+/// Tensors of one statistics launch at most (stats.cu's STATS_JOBS).
+pub const STATS_JOBS: usize = 16;
 
 /// Values per row of the statistics partials (stats.cu's STATS).
 pub const STATS_WIDTH: usize = 11;

@@ -35,6 +35,8 @@ use std::sync::{Arc, Mutex};
 
 /// A kernel argument as the raw launch passes it. Pointers carry the C type of the parameter they
 /// are for, so that the launch can compare the list with the kernel's declared signature.
+// The argument list lives on the stack for one launch: the size of its largest kind costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, Copy)]
 enum Arg {
     /// A device pointer (0 for a null one) for a parameter of this pointer type.
@@ -45,7 +47,25 @@ enum Arg {
     F32(f32),
     /// A TMA tensor map, passed by value (a `__grid_constant__` parameter).
     Map(TensorMap),
+    /// The statistics pass's tensors, passed by value.
+    StatsJobs(StatsJobs),
 }
+
+/// stats.cu's `StatsJobs`, field for field: tensor j (of `count`) is `n[j]` values at `ptr[j]`,
+/// bf16 where bit j of `bf16_mask` is set, and owns blocks `first_block[j]..first_block[j + 1]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct StatsJobs {
+    ptr: [u64; kernels::STATS_JOBS],
+    n: [u64; kernels::STATS_JOBS],
+    first_block: [u32; kernels::STATS_JOBS + 1],
+    bf16_mask: u32,
+    count: u32,
+}
+
+// SAFETY: plain integers laid out as the C struct (no padding before the end), copied into the
+// kernel's parameter space as they are.
+unsafe impl cudarc::driver::DeviceRepr for StatsJobs {}
 
 impl Arg {
     /// The parameter type this argument fills.
@@ -57,6 +77,7 @@ impl Arg {
             Arg::I32(_) => Param::Int,
             Arg::F32(_) => Param::Float,
             Arg::Map(_) => Param::Map,
+            Arg::StatsJobs(_) => Param::Jobs,
         }
     }
 }
@@ -119,6 +140,38 @@ pub struct Gpu {
     pub unavailable: Vec<String>,
 }
 
+/// The device's default memory pool, from which the stream-ordered allocator (every buffer of a
+/// [`Gpu`]) takes memory.
+fn default_pool(ctx: &CudaContext) -> Result<cudarc::driver::sys::CUmemoryPool> {
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: writes one pool handle for a device of a live context.
+    unsafe { cudarc::driver::sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
+        .result()
+        .map_err(CudaError::driver("default memory pool"))?;
+    Ok(pool)
+}
+
+/// Makes the default pool keep the memory of freed buffers for the next allocations instead of
+/// giving it back to the driver at every wait (its default): a traced op allocates and frees its
+/// outputs and scratch between waits, and mapping that memory again cost every call tens of
+/// microseconds. An allocation that finds the device full gives the kept memory back first
+/// ([`Gpu::alloc_bytes`]).
+fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
+    use cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+    let pool = default_pool(ctx)?;
+    let mut keep = u64::MAX;
+    // SAFETY: the release threshold is a u64, passed by pointer, on a live pool.
+    unsafe {
+        cudarc::driver::sys::cuMemPoolSetAttribute(
+            pool,
+            CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut keep as *mut u64).cast(),
+        )
+    }
+    .result()
+    .map_err(CudaError::driver("memory pool threshold"))
+}
+
 /// Whether the CUDA driver library can be loaded (cudarc panics on its first call without it).
 pub fn driver_present() -> bool {
     // SAFETY: only tries to open libcuda.
@@ -153,6 +206,7 @@ impl Gpu {
         // SAFETY: no other stream is ever made on this context (`stream` below is the only
         // one), so no buffer is used on a stream other than the one that made it.
         unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory(&ctx)?;
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(CudaError::blas("handle"))?;
         let (major, minor) = ctx
@@ -288,6 +342,7 @@ impl Gpu {
                 Arg::F32(v) => b.arg(v),
                 Arg::I32(v) => b.arg(v),
                 Arg::Map(v) => b.arg(v),
+                Arg::StatsJobs(v) => b.arg(v),
             };
         }
         let config = LaunchConfig {
@@ -362,11 +417,31 @@ impl Gpu {
         self.ctx.attribute(SMS).map_or(1, |v| v.max(1) as usize)
     }
 
-    /// Memory in use and in all, in bytes.
-    pub fn memory(&self) -> (usize, usize) {
-        self.ctx
-            .mem_get_info()
-            .map(|(free, total)| (total - free, total))
-            .unwrap_or((0, 0))
+    /// Bytes of the buffers alive now (the pool's memory in use, without what it keeps).
+    pub fn buffers_in_use(&self) -> Result<usize> {
+        use cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT;
+        let pool = default_pool(&self.ctx)?;
+        let mut used = 0u64;
+        // SAFETY: the attribute is a u64, written through the pointer, of a live pool.
+        unsafe {
+            cudarc::driver::sys::cuMemPoolGetAttribute(
+                pool,
+                CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                (&mut used as *mut u64).cast(),
+            )
+        }
+        .result()
+        .map_err(CudaError::driver("memory pool use"))?;
+        Ok(used as usize)
+    }
+
+    /// Gives the memory the pool keeps for later allocations back to the driver.
+    fn release_kept_memory(&self) -> Result<()> {
+        let pool = default_pool(&self.ctx)?;
+        self.synchronize()?;
+        // SAFETY: trims a live pool; memory of live buffers is never released.
+        unsafe { cudarc::driver::sys::cuMemPoolTrimTo(pool, 0) }
+            .result()
+            .map_err(CudaError::driver("memory pool trim"))
     }
 }

@@ -3,11 +3,11 @@
 //! kernel will touch first.
 
 use super::kernels::{
-    blocks, blocks_yz, int, name, need, need_bytes, need_i32, prod, size, DEQUANT, LINEAR_QUANT,
-    ROUTE, STATS, STATS_RESULT_WIDTH, STATS_WIDTH,
+    blocks, blocks_yz, int, need, need_bytes, need_i32, prod, size, DEQUANT, LINEAR_QUANT, ROUTE,
+    STATS, STATS_JOBS, STATS_RESULT_WIDTH, STATS_WIDTH,
 };
 use super::signature::Param::*;
-use super::{grid_1d, Arg, DevBuf, DevBytes, DevF64, DevI32, Elem, Gpu, Launch};
+use super::{grid_1d, Arg, DevBuf, DevBytes, DevF64, DevI32, Elem, Gpu, Launch, StatsJobs};
 use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
 
@@ -52,43 +52,64 @@ impl Gpu {
         unsafe { self.launch(&ROUTE, ROUTE.pattern, grid_1d(tokens), &args) }
     }
 
-    /// Statistics of `buf` into result `slot` of `results` (rows of [`STATS_RESULT_WIDTH`],
-    /// their counters zero), with `partials` as scratch (one row of [`STATS_WIDTH`] per
-    /// block). One launch: its last block merges the others' rows.
-    pub fn stats(
+    /// Statistics of each of `bufs` (at most [`STATS_JOBS`]) into result row `first_row + i` of
+    /// `results` (rows of [`STATS_RESULT_WIDTH`], their counters zero), with `partials` as
+    /// scratch (one row of [`STATS_WIDTH`] per block). One launch: the blocks are shared out
+    /// among the buffers, and each buffer's last block merges its rows.
+    pub fn stats_many(
         &self,
-        buf: &DevBuf,
+        bufs: &[&DevBuf],
         partials: &DevF64,
         results: &DevF64,
-        slot: usize,
+        first_row: usize,
     ) -> Result<()> {
-        let n = buf.len();
+        if bufs.is_empty() || bufs.len() > STATS_JOBS {
+            return Err(Error::invalid(format!(
+                "statistics: {} tensors in one launch (1 to {STATS_JOBS})",
+                bufs.len()
+            )));
+        }
+        if (first_row + bufs.len()) * STATS_RESULT_WIDTH > results.len() {
+            return Err(Error::invalid("statistics: no room for the results"));
+        }
         let rows = partials.len() / STATS_WIDTH;
-        // At least 8 elements per thread: fewer blocks for the last one to merge.
-        let count = n.div_ceil(256 * 8).clamp(1, rows.max(1));
-        if rows == 0 {
+        let mut jobs = StatsJobs::default();
+        let mut first = 0usize;
+        for (j, buf) in bufs.iter().enumerate() {
+            let n = buf.len();
+            // At least 16 elements per thread (fewer rows for the last block to merge), and
+            // an equal share of the partials' rows at most.
+            let count = n.div_ceil(256 * 16).clamp(1, (rows / STATS_JOBS).max(1));
+            jobs.ptr[j] = buf.ptr();
+            jobs.n[j] = n as u64;
+            jobs.first_block[j] = first as u32;
+            if buf.elem() == Elem::Bf16 {
+                jobs.bf16_mask |= 1 << j;
+            }
+            first += count;
+        }
+        if first > rows {
             return Err(Error::invalid("statistics: no room for partials"));
         }
-        if (slot + 1) * STATS_RESULT_WIDTH > results.len() {
-            return Err(Error::invalid("statistics: no room for the result"));
-        }
-        let e = buf.elem();
-        let result = results.ptr() + (slot * STATS_RESULT_WIDTH * 8) as u64;
+        jobs.first_block[bufs.len()] = first as u32;
+        jobs.count = bufs.len() as u32;
         let args = [
-            need("statistics", buf, n, e)?,
-            size(n),
+            Arg::StatsJobs(jobs),
             Arg::Ptr(F64Ptr, partials.ptr()),
-            Arg::Ptr(F64Ptr, result),
+            Arg::Ptr(
+                F64Ptr,
+                results.ptr() + (first_row * STATS_RESULT_WIDTH * 8) as u64,
+            ),
         ];
         let cfg = Launch {
-            grid: (blocks("statistics", count)?, 1, 1),
+            grid: (blocks("statistics", first)?, 1, 1),
             block: 256,
             shared: 0,
         };
-        // SAFETY: block b writes partial row b < rows; the last block reads rows < count and
-        // writes the result row `slot` and its counter, inside `results` (checked above); the
-        // tensor is read over n.
-        unsafe { self.launch(&STATS, &name("stats", e), cfg, &args) }
+        // SAFETY: block b writes partial row b < first <= rows; buffer j's last block reads its
+        // rows and writes result row first_row + j and its counter, inside `results` (checked above); each
+        // buffer is read over its own length.
+        unsafe { self.launch(&STATS, STATS.pattern, cfg, &args) }
     }
 
     /// Decodes the blocks of a quantized weight of type `ty` into `n` values of `out`.

@@ -21,6 +21,8 @@ pub enum Param {
     Float,
     /// A TMA tensor map passed by value.
     Map,
+    /// The statistics pass's table of tensors, passed by value (stats.cu's `StatsJobs`).
+    Jobs,
 }
 
 impl Param {
@@ -58,6 +60,7 @@ impl Param {
             "int" => Param::Int,
             "float" => Param::Float,
             "TmaMap" => Param::Map,
+            "StatsJobs" => Param::Jobs,
             _ => return None,
         })
     }
