@@ -1,18 +1,23 @@
 // One pass over up to STATS_JOBS tensors for every statistic of the trace, in one launch: the
-// grid's blocks are shared out among the tensors (a range of blocks each), each block reduces a
-// strided share of its tensor into 11 doubles (sum, sum of squares, min, max, abs-max over the
-// finite elements, then the counts of finite, NaN, +Inf, -Inf, zero and still-poisoned
-// (unwritten) elements), and the last block of a tensor to finish merges its blocks' rows into
-// the tensor's result row. The statistics of an attention call's outputs so cost one launch and
-// one copy back.
+// grid's blocks are shared out among the tensors (a range of blocks each). Each block reduces a
+// strided share of its tensor; the order-free statistics (min, max and abs-max as ordered
+// integers, and the counts of finite, NaN, +Inf, -Inf, zero and still-poisoned (unwritten)
+// elements) go into the tensor's accumulator by integer atomics, the two sums (of the values and
+// of their squares, in f64) into a row per block, and the last block of the tensor to finish
+// adds those rows in a fixed order (so that a tensor's statistics are the same every time) and
+// writes the tensor's result: 11 doubles (sum, sum of squares, min, max, abs-max over the finite
+// elements, then the six counts), leaving the accumulator as it found it.
 #include "common.cuh"
 
 #define STATS 11
 #define STATS_THREADS 256
+#define STATS_WARPS (STATS_THREADS / 32)
 #define STATS_JOBS 16
+#define INT_MAX_ 0x7fffffff
+#define INT_MIN_ (-INT_MAX_ - 1)
 
 // The tensors of one launch, passed by value. Tensor j owns blocks
-// [first_block[j], first_block[j + 1]) and result row j (STATS values, then its block counter).
+// [first_block[j], first_block[j + 1]) and result row j.
 struct StatsJobs {
     u64 ptr[STATS_JOBS];
     u64 n[STATS_JOBS];
@@ -21,102 +26,114 @@ struct StatsJobs {
     unsigned int count;
 };
 
-// How two partial values of statistic k combine: min for k = 2, max for max and abs-max, else a sum.
-__device__ __forceinline__ double combine(int k, double a, double b) {
-    return k == 2 ? fmin(a, b) : (k == 3 || k == 4) ? fmax(a, b) : a + b;
-}
+// A result row: the statistics, then the accumulator of the launch in flight (identity between
+// launches: min_key INT_MAX, max_key INT_MIN, the rest zero).
+struct StatsRow {
+    double stats[STATS];
+    int min_key, max_key;
+    unsigned int abs_max_bits, unused;
+    unsigned long long counts[6];  // finite, NaN, +Inf, -Inf, zero, unwritten
+    unsigned long long blocks_done;
+};
 
-// What combining with changes nothing: +Inf for min, -Inf for max, else 0.
-__device__ __forceinline__ double identity(int k) { return k == 2 ? INFINITY : k == 3 ? -INFINITY : 0.0; }
+// f32 bits as an int whose signed order is the floats' order (finite values), and back.
+__device__ __forceinline__ int order_key(unsigned int bits) { return (int)(bits ^ ((unsigned int)((int)bits >> 31) & 0x7fffffffu)); }
+__device__ __forceinline__ float key_value(int key) { return __uint_as_float((unsigned int)(key ^ ((key >> 31) & 0x7fffffff))); }
 
 // One thread's running statistics.
 struct Acc {
-    double v[STATS];
-    __device__ Acc() {
-#pragma unroll
-        for (int k = 0; k < STATS; k++) v[k] = identity(k);
-    }
-    // Adds value x, whose storage bits are the poison pattern when `poison`.
-    __device__ __forceinline__ void add(float x, bool poison) {
-        if (isnan(x)) {
-            v[6] += 1;
-            if (poison) v[10] += 1;
-        } else if (isinf(x)) {
-            if (x > 0) v[7] += 1;  // (constant indices keep v in registers)
-            else v[8] += 1;
+    double sum = 0, sum_sq = 0;
+    int min_key = INT_MAX_, max_key = INT_MIN_;
+    unsigned int abs_max = 0, counts[6] = {0, 0, 0, 0, 0, 0};
+    // Adds the value whose f32 bits are `bits` (poisoned: its storage bits were the poison).
+    __device__ __forceinline__ void add(unsigned int bits, bool poison) {
+        const unsigned int mag = bits & 0x7fffffffu;
+        if (mag > 0x7f800000u) {
+            counts[1] += 1;
+            counts[5] += poison;
+        } else if (mag == 0x7f800000u) {
+            if (bits >> 31) counts[3] += 1;
+            else counts[2] += 1;
         } else {
-            double d = x;
-            v[5] += 1;
-            v[0] += d;
-            v[1] = fma(d, d, v[1]);
-            v[2] = fmin(v[2], d);
-            v[3] = fmax(v[3], d);
-            v[4] = fmax(v[4], fabs(d));
-            if (x == 0.0f) v[9] += 1;
+            const double d = __uint_as_float(bits);
+            counts[0] += 1;
+            counts[4] += mag == 0;
+            sum += d;
+            sum_sq = fma(d, d, sum_sq);
+            const int key = order_key(bits);
+            min_key = min(min_key, key);
+            max_key = max(max_key, key);
+            abs_max = max(abs_max, mag);
         }
     }
-    __device__ __forceinline__ void add_bf16(unsigned int bits) {
-        add(__uint_as_float(bits << 16), bits == POISON_BF16);
-    }
-    __device__ __forceinline__ void add_f32(unsigned int bits) { add(__uint_as_float(bits), bits == POISON_F32); }
+    __device__ __forceinline__ void add_bf16(unsigned int raw) { add(raw << 16, raw == POISON_BF16); }
+    __device__ __forceinline__ void add_f32(unsigned int bits) { add(bits, bits == POISON_F32); }
 };
-
-// The block's rows `mine` reduced over its threads into `out` (by thread 0): each warp by
-// shuffles, then the warps' rows by the first warp.
-__device__ __forceinline__ void block_reduce_to(const double* mine, double* out) {
-    __shared__ double warps[STATS][STATS_THREADS / 32];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
-    double v[STATS];
-#pragma unroll
-    for (int k = 0; k < STATS; k++) {
-        v[k] = mine[k];
-        for (int d = 16; d > 0; d /= 2) v[k] = combine(k, v[k], __shfl_down_sync(0xffffffffu, v[k], d));
-    }
-    __syncthreads();  // a previous call's reads of `warps` are done
-    if (lane == 0)
-#pragma unroll
-        for (int k = 0; k < STATS; k++) warps[k][warp] = v[k];
-    __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-        for (int k = 0; k < STATS; k++) {
-            v[k] = lane < nwarps ? warps[k][lane] : identity(k);
-            for (int d = 16; d > 0; d /= 2) v[k] = combine(k, v[k], __shfl_down_sync(0xffffffffu, v[k], d));
-        }
-        if (lane == 0)
-#pragma unroll
-            for (int k = 0; k < STATS; k++) out[k] = v[k];
-    }
-}
 
 // This thread's share of tensor `x` (n values) when it is thread t of `threads` over it: whole
 // 16-byte vectors first (buffers are allocation-aligned), then the tail one by one.
+__device__ __forceinline__ void add_words(Acc& acc, uint4 w, bool bf16) {
+    const unsigned int words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        if (bf16) {
+            acc.add_bf16(words[k] & 0xffffu);
+            acc.add_bf16(words[k] >> 16);
+        } else {
+            acc.add_f32(words[k]);
+        }
+    }
+}
+
+// Vectors loaded this many at a time before any is added (loads in flight, not one at a time).
+#define STATS_UNROLL 4
+
 __device__ __forceinline__ void accumulate(Acc& acc, u64 x, u64 n, bool bf16, u64 t, u64 threads) {
     const u64 per_vec = bf16 ? 8 : 4, vecs = n / per_vec;
     const uint4* v = reinterpret_cast<const uint4*>(x);
-    for (u64 i = t; i < vecs; i += threads) {
-        const uint4 w = __ldcs(v + i);
-        const unsigned int words[4] = {w.x, w.y, w.z, w.w};
+    u64 i = t;
+    for (; i + (STATS_UNROLL - 1) * threads < vecs; i += STATS_UNROLL * threads) {
+        uint4 w[STATS_UNROLL];
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            if (bf16) {
-                acc.add_bf16(words[k] & 0xffffu);
-                acc.add_bf16(words[k] >> 16);
-            } else {
-                acc.add_f32(words[k]);
-            }
-        }
+        for (int u = 0; u < STATS_UNROLL; u++) w[u] = __ldcs(v + i + u * threads);
+#pragma unroll
+        for (int u = 0; u < STATS_UNROLL; u++) add_words(acc, w[u], bf16);
     }
+    for (; i < vecs; i += threads) add_words(acc, __ldcs(v + i), bf16);
     for (u64 i = vecs * per_vec + t; i < n; i += threads) {
         if (bf16) acc.add_bf16(reinterpret_cast<const unsigned short*>(x)[i]);
         else acc.add_f32(reinterpret_cast<const unsigned int*>(x)[i]);
     }
 }
 
-// partials: one row of STATS per block of the grid; results: one row of STATS + 1 per tensor,
-// the last value its block counter (zero between launches: the last block resets it).
+// The two sums over the block, in a fixed order, into (*sum, *sum_sq) of thread 0.
+__device__ __forceinline__ void block_sums(double& sum, double& sum_sq) {
+    __shared__ double warps[2][STATS_WARPS];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int d = 16; d > 0; d /= 2) {
+        sum += __shfl_down_sync(0xffffffffu, sum, d);
+        sum_sq += __shfl_down_sync(0xffffffffu, sum_sq, d);
+    }
+    __syncthreads();  // a previous call's reads of `warps` are done
+    if (lane == 0) {
+        warps[0][warp] = sum;
+        warps[1][warp] = sum_sq;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        sum = 0;
+        sum_sq = 0;
+        for (int w = 0; w < STATS_WARPS; w++) {
+            sum += warps[0][w];
+            sum_sq += warps[1][w];
+        }
+    }
+}
+
+// partials: two doubles (the sums) per block of the grid; rows: one StatsRow per tensor.
 extern "C" __global__ void __launch_bounds__(STATS_THREADS) stats_many(const __grid_constant__ StatsJobs jobs,
-                                                                         double* partials, double* results) {
+                                                                         double* partials, double* rows) {
     // This block's tensor, read with constant indices (a computed index into the parameter
     // would copy the table to local memory).
     unsigned int j = 0, first = 0, blocks = 1;
@@ -131,27 +148,78 @@ extern "C" __global__ void __launch_bounds__(STATS_THREADS) stats_many(const __g
             n = jobs.n[k];
         }
     const bool bf16 = (jobs.bf16_mask >> j) & 1u;
+    StatsRow* row = reinterpret_cast<StatsRow*>(rows) + j;
     Acc acc;
     accumulate(acc, x, n, bf16, (u64)(blockIdx.x - first) * blockDim.x + threadIdx.x, (u64)blocks * blockDim.x);
-    block_reduce_to(acc.v, partials + (u64)blockIdx.x * STATS);
-    // The last block of the tensor to arrive merges its rows (their writes made visible by the
-    // fences).
-    double* result = results + (u64)j * (STATS + 1);
-    unsigned long long* done = reinterpret_cast<unsigned long long*>(result + STATS);
+
+    // The order-free statistics: each warp's in one instruction each, the block's in shared
+    // memory, then one atomic per block.
+    __shared__ int keys[2];
+    __shared__ unsigned int block_abs_max, block_counts[6];
+    if (threadIdx.x == 0) {
+        keys[0] = INT_MAX_;
+        keys[1] = INT_MIN_;
+        block_abs_max = 0;
+        for (int c = 0; c < 6; c++) block_counts[c] = 0;
+    }
+    __syncthreads();
+    const int min_key = __reduce_min_sync(0xffffffffu, acc.min_key), max_key = __reduce_max_sync(0xffffffffu, acc.max_key);
+    const unsigned int abs_max = __reduce_max_sync(0xffffffffu, acc.abs_max);
+    unsigned int counts[6];
+#pragma unroll
+    for (int c = 0; c < 6; c++) counts[c] = __reduce_add_sync(0xffffffffu, acc.counts[c]);
+    if (threadIdx.x % 32 == 0) {
+        atomicMin(&keys[0], min_key);
+        atomicMax(&keys[1], max_key);
+        atomicMax(&block_abs_max, abs_max);
+#pragma unroll
+        for (int c = 0; c < 6; c++) atomicAdd(&block_counts[c], counts[c]);
+    }
+    double sum = acc.sum, sum_sq = acc.sum_sq;
+    block_sums(sum, sum_sq);  // (its barriers also make the shared values whole)
+    if (threadIdx.x == 0) {
+        if (keys[0] != INT_MAX_) atomicMin(&row->min_key, keys[0]);
+        if (keys[1] != INT_MIN_) atomicMax(&row->max_key, keys[1]);
+        if (block_abs_max != 0) atomicMax(&row->abs_max_bits, block_abs_max);
+        for (int c = 0; c < 6; c++)
+            if (block_counts[c] != 0) atomicAdd(&row->counts[c], (unsigned long long)block_counts[c]);
+    }
+
+    // The last block of the tensor to arrive adds the blocks' sums in order and writes the
+    // result (the others' writes and atomics made visible by the fences).
     __shared__ bool last;
     if (threadIdx.x == 0) {
+        partials[2 * (u64)blockIdx.x] = sum;
+        partials[2 * (u64)blockIdx.x + 1] = sum_sq;
         __threadfence();
-        last = atomicAdd(done, 1ull) == blocks - 1;
+        last = atomicAdd(&row->blocks_done, 1ull) == blocks - 1;
     }
     __syncthreads();
     if (!last) return;
     __threadfence();
-    double merged[STATS];
-#pragma unroll
-    for (int k = 0; k < STATS; k++) merged[k] = identity(k);
-    for (unsigned int r = threadIdx.x; r < blocks; r += blockDim.x)
-#pragma unroll
-        for (int k = 0; k < STATS; k++) merged[k] = combine(k, merged[k], __ldcg(partials + (u64)(first + r) * STATS + k));
-    block_reduce_to(merged, result);
-    if (threadIdx.x == 0) *done = 0;
+    sum = 0;
+    sum_sq = 0;
+    for (unsigned int r = threadIdx.x; r < blocks; r += blockDim.x) {
+        sum += __ldcg(partials + 2 * (u64)(first + r));
+        sum_sq += __ldcg(partials + 2 * (u64)(first + r) + 1);
+    }
+    block_sums(sum, sum_sq);
+    if (threadIdx.x == 0) {
+        const unsigned long long fin = __ldcg(&row->counts[0]);
+        const int lo = __ldcg(&row->min_key), hi = __ldcg(&row->max_key);
+        double* out = row->stats;
+        out[0] = sum;
+        out[1] = sum_sq;
+        out[2] = fin ? (double)key_value(lo) : (double)INFINITY;
+        out[3] = fin ? (double)key_value(hi) : -(double)INFINITY;
+        out[4] = (double)__uint_as_float(__ldcg(&row->abs_max_bits));
+        for (int c = 0; c < 6; c++) {
+            out[5 + c] = (double)__ldcg(&row->counts[c]);
+            row->counts[c] = 0;
+        }
+        row->min_key = INT_MAX_;
+        row->max_key = INT_MIN_;
+        row->abs_max_bits = 0;
+        row->blocks_done = 0;
+    }
 }

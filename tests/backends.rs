@@ -277,7 +277,14 @@ fn a_statistics_batch_keeps_each_tensor_as_it_was_when_started(gpu: bool) {
                 .scale(&random(&[n], &format!("b{}", i % 7), 1.0), 1.0 + i as f32)
                 .unwrap();
             want.push(b.stats(&t));
-            batch.start(&t).unwrap();
+            if i % 10 == 9 {
+                // Several at once, one of them twice (an alias: summed once).
+                let u = b.scale(&t, -2.0).unwrap();
+                want.extend([b.stats(&t), b.stats(&u)]);
+                batch.start(&[&t, &t.alias(), &u]).unwrap();
+            } else {
+                batch.start(&[&t]).unwrap();
+            }
         }
         let got = batch.collect().unwrap();
         assert_eq!(got.len(), want.len(), "{}", u.name);

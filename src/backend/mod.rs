@@ -347,8 +347,9 @@ pub trait Backend: Send + Sync {
 
 /// Statistics started as ops finish (see [`Backend::stats_batch`]).
 pub trait StatsBatch {
-    /// Starts the statistics of `t` as it is now: later writes to its buffer do not change them.
-    fn start(&mut self, t: &Tensor) -> Result<()>;
+    /// Starts the statistics of each of `ts` as it is now (later writes to its buffer do not
+    /// change them); a device backend launches one pass for several tensors.
+    fn start(&mut self, ts: &[&Tensor]) -> Result<()>;
 
     /// The statistics of every tensor started since the last collect, in the order started.
     fn collect(&mut self) -> Result<Vec<TensorStats>>;
@@ -361,8 +362,8 @@ struct ImmediateStats<'a, B: ?Sized> {
 }
 
 impl<B: Backend + ?Sized> StatsBatch for ImmediateStats<'_, B> {
-    fn start(&mut self, t: &Tensor) -> Result<()> {
-        self.done.push(self.backend.stats(t));
+    fn start(&mut self, ts: &[&Tensor]) -> Result<()> {
+        self.done.extend(self.backend.stats_many(ts));
         Ok(())
     }
 

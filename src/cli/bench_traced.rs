@@ -124,7 +124,7 @@ fn traced_step(
             events.extend([o, l]);
         }
         match late {
-            Some(b) => events.into_iter().try_for_each(|t| b.start(t))?,
+            Some(b) => b.start(&events)?,
             None => _ = std::hint::black_box(backend.stats_many(&events)),
         }
         Ok(())

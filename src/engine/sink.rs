@@ -81,6 +81,20 @@ pub struct Sink<'a> {
 struct LateEvents<'a> {
     stats: Box<dyn StatsBatch + 'a>,
     events: Vec<(OpEvent, Tensor)>,
+    /// Inside [`Sink::together`]: the outputs whose statistics start together at its end.
+    holding: bool,
+    held: Vec<Tensor>,
+}
+
+impl LateEvents<'_> {
+    /// Starts the statistics of the held outputs, in one go.
+    fn start_held(&mut self) -> Result<()> {
+        let held = std::mem::take(&mut self.held);
+        match held.is_empty() {
+            true => Ok(()),
+            false => self.stats.start(&held.iter().collect::<Vec<_>>()),
+        }
+    }
 }
 
 impl<'a> Sink<'a> {
@@ -99,6 +113,8 @@ impl<'a> Sink<'a> {
         let late = (observer.wants_stats() && observer.takes_late_events()).then(|| LateEvents {
             stats: backend.stats_batch(),
             events: Vec::new(),
+            holding: false,
+            held: Vec::new(),
         });
         Sink {
             backend,
@@ -127,6 +143,21 @@ impl Sink<'_> {
         self.late.is_some()
     }
 
+    /// Runs `emit`, which reports the events of one kernel call and runs no device work of its
+    /// own: the statistics of their outputs start together at its end (one launch for the
+    /// call's outputs, for late events).
+    pub fn together<T>(&mut self, emit: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if let Some(late) = &mut self.late {
+            late.holding = true;
+        }
+        let result = emit(self);
+        if let Some(late) = &mut self.late {
+            late.holding = false;
+            late.start_held()?;
+        }
+        result
+    }
+
     /// Hands every waiting event to the observer, with its statistics (one wait for all).
     pub fn flush(&mut self) -> Result<()> {
         let Some(late) = &mut self.late else {
@@ -135,6 +166,7 @@ impl Sink<'_> {
         if late.events.is_empty() {
             return Ok(());
         }
+        late.start_held()?;
         let stats = late.stats.collect()?;
         for ((mut event, output), stats) in late.events.drain(..).zip(stats) {
             event.stats = stats;
@@ -306,7 +338,10 @@ impl Sink<'_> {
         *self.next_index += 1;
         match &mut self.late {
             Some(late) if deferred => {
-                late.stats.start(values)?;
+                match late.holding {
+                    true => late.held.push(values.alias()),
+                    false => late.stats.start(&[values])?,
+                }
                 late.events.push((event, values.alias()));
                 if late.events.len() >= LATE_EVENTS {
                     self.flush()?;
@@ -411,13 +446,22 @@ mod tests {
             op(&mut sink, "b", device(&values[1]));
             // A host output is handed over at once, after the device outputs before it.
             op(&mut sink, "c", Tensor::from_vec(&[2], values[2].clone()));
-            op(&mut sink, "d", device(&values[0]));
+            // Outputs of one kernel call start together, at the end of `together`.
+            sink.together(|sink| {
+                op(sink, "d", device(&values[0]));
+                op(sink, "e", device(&values[1]));
+                Ok(())
+            })
+            .unwrap();
             sink.flush().unwrap();
-            op(&mut sink, "e", device(&values[1]));
-            // "e" is handed over when the sink is dropped (a pass that stopped early).
+            op(&mut sink, "f", device(&values[2]));
+            // "f" is handed over when the sink is dropped (a pass that stopped early).
         }
         let got: Vec<(usize, &str)> = late.seen.iter().map(|(n, s, _)| (*n, s.as_str())).collect();
-        assert_eq!(got, [(2, "a"), (2, "b"), (2, "c"), (4, "d"), (5, "e")]);
+        assert_eq!(
+            got,
+            [(2, "a"), (2, "b"), (2, "c"), (5, "d"), (5, "e"), (6, "f")]
+        );
         for ((_, _, stats), v) in late.seen.iter().zip(values.iter().cycle()) {
             assert_eq!(stats.count, 2);
             assert_eq!(stats.nan, v.iter().filter(|x| x.is_nan()).count());

@@ -6,7 +6,7 @@
 //! memory behind.
 
 use super::device::mla_kernels::{LatentAttention, NaiveAttention};
-use super::device::{DevBuf, DevBytes, Elem};
+use super::device::{DevBuf, DevBytes, DevI32, Elem};
 use super::{buf, CudaBackend};
 use crate::backend::{checks, AttnMask, MlaDims};
 use crate::error::Result;
@@ -35,6 +35,16 @@ pub fn live_cache_mirrors() -> (usize, usize) {
 pub(super) struct Mirrors {
     rows: Option<CacheMirror>,
     pub(super) fp8: Option<super::fp8_cache::Fp8Mirror>,
+    /// The fast decode's last block table (see [`CudaBackend::batch_block_table`]).
+    table: Option<BatchTable>,
+}
+
+/// A decode batch's block table on the device: `row` (the cache's pages) repeated for each of
+/// `batch` queries.
+struct BatchTable {
+    row: Vec<usize>,
+    batch: usize,
+    table: Arc<DevI32>,
 }
 
 /// The mirrors in a slot, taken out of it (empty when it held none, or another kind).
@@ -98,6 +108,35 @@ pub(super) fn mirror_buf<'a>(slot: &'a Mirror) -> &'a DevBuf {
 }
 
 impl CudaBackend {
+    /// The block table of a decode batch of `batch` queries that all read the pages `row` of
+    /// `cache`: kept with the cache's mirrors and made again only when the pages or the batch
+    /// change (a new page every 64 tokens), so that a decode step uploads nothing for it.
+    pub(super) fn batch_block_table(
+        &self,
+        cache: &dyn RowSource,
+        row: &[usize],
+        batch: usize,
+    ) -> Result<Arc<DevI32>> {
+        let mut slot = cache.mirror().lock();
+        let mut mirrors = take_mirrors(&mut slot);
+        let kept = mirrors
+            .table
+            .take()
+            .filter(|t| t.batch == batch && t.row == row);
+        let kept = match kept {
+            Some(kept) => kept,
+            None => BatchTable {
+                row: row.to_vec(),
+                batch,
+                table: Arc::new(self.gpu.repeat_rows_i32(&self.indices(row)?, batch)?),
+            },
+        };
+        let table = kept.table.clone();
+        mirrors.table = Some(kept);
+        *slot = Some(Box::new(mirrors));
+        Ok(table)
+    }
+
     /// Brings a cache's device mirror up to date and returns its slot, locked (the mirror stays
     /// put while a kernel is queued on it).
     pub(super) fn sync_cache<'a>(&self, src: &'a dyn RowSource) -> Result<Mirror<'a>> {

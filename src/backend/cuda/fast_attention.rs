@@ -191,13 +191,14 @@ impl CudaBackend {
             },
         };
         // Every query reads the same pages: one table row per query, as a batch would hold (the
-        // row uploaded once and repeated on the device). FAULT page-index-overflow: the pages
-        // sit past the first 4 GiB of the pool (`overflow_pool`).
+        // row repeated on the device, and kept with the cache for the next step). FAULT
+        // page-index-overflow: the pages sit past the first 4 GiB of the pool (`overflow_pool`).
         let shift = if overflow { fast::OVERFLOW_PAGE } else { 0 };
         let row: Vec<usize> = (table.iter().copied().chain((table.is_empty()).then_some(0)))
             .map(|page| page + shift)
             .collect();
-        let block_table = self.gpu().repeat_rows_i32(&self.indices(&row)?, padded)?;
+        let block_table = self.batch_block_table(cache, &row, padded)?;
+        let block_table = &*block_table;
         let seq_lens = self.indices(&lens)?;
         // An fp8_ds_mla cache is read by the FP8-cache variants from its byte cache; the sparse
         // kernels read bf16 pages.

@@ -5,7 +5,9 @@
 //! already on the host are summed there.
 
 use super::device::buffer::PinnedBytes;
-use super::device::kernels::{STATS_JOBS, STATS_RESULT_WIDTH, STATS_WIDTH};
+use super::device::kernels::{
+    fresh_stats_rows, STATS_JOBS, STATS_PARTIAL_WIDTH, STATS_RESULT_WIDTH,
+};
 use super::device::{DevBuf, DevF64};
 use super::CudaBackend;
 use crate::backend::StatsBatch;
@@ -23,8 +25,8 @@ const SLOTS: usize = STATS_JOBS;
 pub(super) struct StatsScratch {
     /// One row per block of a launch; launches on the one stream reuse it in turn.
     partials: DevF64,
-    /// One result row per tensor, each with its block counter (zeroed once; the kernel leaves
-    /// it zero).
+    /// One result row per tensor, each with its accumulator (made at identity; each launch
+    /// leaves it so).
     results: DevF64,
     /// Where the result rows are copied back.
     host: PinnedBytes,
@@ -34,8 +36,8 @@ impl StatsScratch {
     fn new(backend: &CudaBackend, rows: usize) -> Result<StatsScratch> {
         let gpu = backend.gpu();
         Ok(StatsScratch {
-            partials: gpu.alloc_vec::<f64>(SLOTS * MAX_BLOCKS * STATS_WIDTH)?,
-            results: gpu.upload_vec(&vec![0.0f64; rows * STATS_RESULT_WIDTH])?,
+            partials: gpu.alloc_vec::<f64>(SLOTS * MAX_BLOCKS * STATS_PARTIAL_WIDTH)?,
+            results: gpu.upload_vec(&fresh_stats_rows(rows))?,
             host: gpu.alloc_pinned(rows * STATS_RESULT_WIDTH * 8)?,
         })
     }
@@ -170,24 +172,44 @@ impl<'a> DeviceStatsBatch<'a> {
 }
 
 impl StatsBatch for DeviceStatsBatch<'_> {
-    fn start(&mut self, t: &Tensor) -> Result<()> {
-        let Some(buf) = on_device(t) else {
-            self.parts
-                .push(Part::Ready(TensorStats::of_unordered(t.data())));
-            return Ok(());
-        };
+    fn start(&mut self, ts: &[&Tensor]) -> Result<()> {
+        if ts.len() > BATCH_ROWS {
+            return ts.chunks(BATCH_ROWS).try_for_each(|c| self.start(c));
+        }
         if self.scratch.is_none() {
             self.scratch = Some(StatsScratch::new(self.backend, BATCH_ROWS)?);
         }
-        if self.used == BATCH_ROWS {
+        // One pass per distinct buffer (an alias is summed once), SLOTS to a launch.
+        let mut distinct: Vec<&DevBuf> = Vec::new();
+        let mut rows = Vec::with_capacity(ts.len());
+        for t in ts {
+            rows.push(on_device(t).map(|b| {
+                distinct
+                    .iter()
+                    .position(|d| d.serial() == b.serial())
+                    .unwrap_or_else(|| {
+                        distinct.push(b);
+                        distinct.len() - 1
+                    })
+            }));
+        }
+        if self.used + distinct.len() > BATCH_ROWS {
             self.drain()?;
         }
         let scratch = self.scratch.as_ref().expect("made above");
-        self.backend
-            .gpu
-            .stats_many(&[buf], &scratch.partials, &scratch.results, self.used)?;
-        self.parts.push(Part::Row(self.used, buf.len()));
-        self.used += 1;
+        for (i, chunk) in distinct.chunks(SLOTS).enumerate() {
+            let first = self.used + i * SLOTS;
+            self.backend
+                .gpu
+                .stats_many(chunk, &scratch.partials, &scratch.results, first)?;
+        }
+        for (t, row) in ts.iter().zip(rows) {
+            self.parts.push(match row {
+                Some(r) => Part::Row(self.used + r, distinct[r].len()),
+                None => Part::Ready(TensorStats::of_unordered(t.data())),
+            });
+        }
+        self.used += distinct.len();
         Ok(())
     }
 

@@ -204,27 +204,29 @@ pub(super) fn run_attention(
         Vec::new()
     }
     .into_iter();
-    for side in sides {
-        let (op, kind) = side.op;
+    sink.together(|sink| {
+        for side in sides {
+            let (op, kind) = side.op;
+            let stats = stats.next();
+            sink.op_with(l, &side_name(op), kind, inputs, |_| {
+                Ok(Computed {
+                    tensor: side.tensor,
+                    kernel_wrote: None,
+                    extra_reads: reads.clone(),
+                    kernel: side.kernel,
+                    stats,
+                })
+            })?;
+        }
         let stats = stats.next();
-        sink.op_with(l, &side_name(op), kind, inputs, |_| {
+        sink.op_with(l, &name, output_kind, inputs, |_| {
             Ok(Computed {
-                tensor: side.tensor,
-                kernel_wrote: None,
-                extra_reads: reads.clone(),
-                kernel: side.kernel,
+                tensor: out,
+                kernel_wrote: Some(wrote),
+                extra_reads: reads,
+                kernel: info,
                 stats,
             })
-        })?;
-    }
-    let stats = stats.next();
-    sink.op_with(l, &name, output_kind, inputs, |_| {
-        Ok(Computed {
-            tensor: out,
-            kernel_wrote: Some(wrote),
-            extra_reads: reads,
-            kernel: info,
-            stats,
         })
     })
 }

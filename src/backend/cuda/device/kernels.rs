@@ -125,9 +125,21 @@ pub const STATS_JOBS: usize = 16;
 /// Values per row of the statistics partials (stats.cu's STATS).
 pub const STATS_WIDTH: usize = 11;
 
-/// Doubles per result of the statistics pass: the statistics, then the kernel's block counter
-/// (zero between launches).
-pub const STATS_RESULT_WIDTH: usize = STATS_WIDTH + 1;
+/// Doubles per result row of the statistics pass (stats.cu's StatsRow): the statistics, then the
+/// accumulator of the launch in flight (9 doubles' room; identity between launches).
+pub const STATS_RESULT_WIDTH: usize = STATS_WIDTH + 9;
+
+/// Doubles per block of the statistics pass's partials (its two sums).
+pub const STATS_PARTIAL_WIDTH: usize = 2;
+
+/// A result row as the kernel expects it between launches: its accumulator at identity (the
+/// minimum's key at i32::MAX, the maximum's at i32::MIN, both in the first double after the
+/// statistics; everything else zero).
+pub fn fresh_stats_rows(rows: usize) -> Vec<f64> {
+    let mut row = [0.0f64; STATS_RESULT_WIDTH];
+    row[STATS_WIDTH] = f64::from_bits((i32::MIN as u32 as u64) << 32 | i32::MAX as u32 as u64);
+    row.repeat(rows)
+}
 
 /// a · b · …, or an error when it overflows.
 pub(super) fn prod(factors: &[usize]) -> Result<usize> {

@@ -4,7 +4,7 @@
 
 use super::kernels::{
     blocks, blocks_yz, int, need, need_bytes, need_i32, prod, size, DEQUANT, LINEAR_QUANT, ROUTE,
-    STATS, STATS_JOBS, STATS_RESULT_WIDTH, STATS_WIDTH,
+    STATS, STATS_JOBS, STATS_PARTIAL_WIDTH, STATS_RESULT_WIDTH,
 };
 use super::signature::Param::*;
 use super::{grid_1d, Arg, DevBuf, DevBytes, DevF64, DevI32, Elem, Gpu, Launch, StatsJobs};
@@ -53,9 +53,10 @@ impl Gpu {
     }
 
     /// Statistics of each of `bufs` (at most [`STATS_JOBS`]) into result row `first_row + i` of
-    /// `results` (rows of [`STATS_RESULT_WIDTH`], their counters zero), with `partials` as
-    /// scratch (one row of [`STATS_WIDTH`] per block). One launch: the blocks are shared out
-    /// among the buffers, and each buffer's last block merges its rows.
+    /// `results` (rows of [`STATS_RESULT_WIDTH`], as [`super::kernels::fresh_stats_rows`] made
+    /// them or a launch left them), with `partials` as scratch (one row of
+    /// [`STATS_PARTIAL_WIDTH`] per block). One launch: the blocks are shared out among the
+    /// buffers, and each buffer's last block merges its rows.
     pub fn stats_many(
         &self,
         bufs: &[&DevBuf],
@@ -72,7 +73,7 @@ impl Gpu {
         if (first_row + bufs.len()) * STATS_RESULT_WIDTH > results.len() {
             return Err(Error::invalid("statistics: no room for the results"));
         }
-        let rows = partials.len() / STATS_WIDTH;
+        let rows = partials.len() / STATS_PARTIAL_WIDTH;
         let mut jobs = StatsJobs::default();
         let mut first = 0usize;
         for (j, buf) in bufs.iter().enumerate() {
