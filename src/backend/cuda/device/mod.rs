@@ -17,6 +17,7 @@ pub mod fp8_kernels;
 pub mod kernels;
 pub mod mla_kernels;
 pub mod model_kernels;
+mod pool;
 pub mod signature;
 pub mod variants;
 
@@ -140,38 +141,6 @@ pub struct Gpu {
     pub unavailable: Vec<String>,
 }
 
-/// The device's default memory pool, from which the stream-ordered allocator (every buffer of a
-/// [`Gpu`]) takes memory.
-fn default_pool(ctx: &CudaContext) -> Result<cudarc::driver::sys::CUmemoryPool> {
-    let mut pool = std::ptr::null_mut();
-    // SAFETY: writes one pool handle for a device of a live context.
-    unsafe { cudarc::driver::sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
-        .result()
-        .map_err(CudaError::driver("default memory pool"))?;
-    Ok(pool)
-}
-
-/// Makes the default pool keep the memory of freed buffers for the next allocations instead of
-/// giving it back to the driver at every wait (its default): a traced op allocates and frees its
-/// outputs and scratch between waits, and mapping that memory again cost every call tens of
-/// microseconds. An allocation that finds the device full gives the kept memory back first
-/// ([`Gpu::alloc_bytes`]).
-fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
-    use cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
-    let pool = default_pool(ctx)?;
-    let mut keep = u64::MAX;
-    // SAFETY: the release threshold is a u64, passed by pointer, on a live pool.
-    unsafe {
-        cudarc::driver::sys::cuMemPoolSetAttribute(
-            pool,
-            CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            (&mut keep as *mut u64).cast(),
-        )
-    }
-    .result()
-    .map_err(CudaError::driver("memory pool threshold"))
-}
-
 /// Whether the CUDA driver library can be loaded (cudarc panics on its first call without it).
 pub fn driver_present() -> bool {
     // SAFETY: only tries to open libcuda.
@@ -206,7 +175,7 @@ impl Gpu {
         // SAFETY: no other stream is ever made on this context (`stream` below is the only
         // one), so no buffer is used on a stream other than the one that made it.
         unsafe { ctx.disable_event_tracking() };
-        keep_freed_memory(&ctx)?;
+        pool::keep_freed_memory(&ctx)?;
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(CudaError::blas("handle"))?;
         let (major, minor) = ctx
@@ -415,33 +384,5 @@ impl Gpu {
     pub fn multiprocessors(&self) -> usize {
         use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
         self.ctx.attribute(SMS).map_or(1, |v| v.max(1) as usize)
-    }
-
-    /// Bytes of the buffers alive now (the pool's memory in use, without what it keeps).
-    pub fn buffers_in_use(&self) -> Result<usize> {
-        use cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT;
-        let pool = default_pool(&self.ctx)?;
-        let mut used = 0u64;
-        // SAFETY: the attribute is a u64, written through the pointer, of a live pool.
-        unsafe {
-            cudarc::driver::sys::cuMemPoolGetAttribute(
-                pool,
-                CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-                (&mut used as *mut u64).cast(),
-            )
-        }
-        .result()
-        .map_err(CudaError::driver("memory pool use"))?;
-        Ok(used as usize)
-    }
-
-    /// Gives the memory the pool keeps for later allocations back to the driver.
-    fn release_kept_memory(&self) -> Result<()> {
-        let pool = default_pool(&self.ctx)?;
-        self.synchronize()?;
-        // SAFETY: trims a live pool; memory of live buffers is never released.
-        unsafe { cudarc::driver::sys::cuMemPoolTrimTo(pool, 0) }
-            .result()
-            .map_err(CudaError::driver("memory pool trim"))
     }
 }
