@@ -168,6 +168,14 @@ impl Sink<'_> {
         }
         late.start_held()?;
         let stats = late.stats.collect()?;
+        if stats.len() != late.events.len() {
+            // Never hand an event another op's statistics, nor drop one.
+            return Err(crate::Error::invalid(format!(
+                "statistics of {} outputs came back for {} waiting events",
+                stats.len(),
+                late.events.len()
+            )));
+        }
         for ((mut event, output), stats) in late.events.drain(..).zip(stats) {
             event.stats = stats;
             self.observer.on_op(&event, &output)?;

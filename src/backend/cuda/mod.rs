@@ -46,9 +46,9 @@ pub struct CudaBackend {
     /// backend after a device or dtype change; that one makes its own mirror).
     id: u64,
     poison_outputs: AtomicBool,
-    /// The statistics kernels' per-block partials, allocated once (stats run on every op).
+    /// The statistics pass's buffers, allocated once (stats run on every op): for the
+    /// backend's own statistics calls, and for the batches it lends the sink.
     stats_scratch: Mutex<Option<stats::StatsScratch>>,
-    /// The same for statistics batches, taken by one batch at a time.
     batch_scratch: Mutex<Option<stats::StatsScratch>>,
 }
 
@@ -529,7 +529,7 @@ impl Backend for CudaBackend {
     }
 
     fn stats_batch(&self) -> Box<dyn crate::backend::StatsBatch + '_> {
-        Box::new(stats::DeviceStatsBatch::new(self))
+        Box::new(stats::DeviceStatsBatch::new(self, &self.batch_scratch))
     }
 }
 

@@ -1,8 +1,7 @@
-//! Tensor statistics of device outputs: one pass on the device whose last block merges the
-//! others' partials, so that one row of doubles comes back; the statistics of several tensors
-//! (an attention call's outputs) come back in one copy, with one wait, and a batch of them
-//! started op by op comes back with one wait for the lot ([`DeviceStatsBatch`]). Small tensors
-//! already on the host are summed there.
+//! Tensor statistics of device outputs: one launch for up to 16 tensors, each tensor's last
+//! block writing its row of results; a batch of them, started op by op (a traced pass) or all at
+//! once (an attention call's outputs), comes back in one copy with one wait
+//! ([`DeviceStatsBatch`]). Small tensors already on the host are summed there.
 
 use super::device::buffer::PinnedBytes;
 use super::device::kernels::{
@@ -14,14 +13,16 @@ use crate::backend::StatsBatch;
 use crate::error::Result;
 use crate::stats::TensorStats;
 use crate::tensor::{DType, Tensor};
+use std::sync::Mutex;
 
 /// Blocks of one tensor's statistics at most (its rows of partials).
 const MAX_BLOCKS: usize = 512;
 
-/// Tensors whose statistics one launch computes and one copy brings back at most.
+/// Tensors whose statistics one launch computes at most.
 const SLOTS: usize = STATS_JOBS;
 
-/// The device buffers of the statistics pass, made once per backend (and once for batches).
+/// The device buffers of the statistics pass, made once per backend (one for its own calls, one
+/// for the sink's batches).
 pub(super) struct StatsScratch {
     /// One row per block of a launch; launches on the one stream reuse it in turn.
     partials: DevF64,
@@ -33,12 +34,12 @@ pub(super) struct StatsScratch {
 }
 
 impl StatsScratch {
-    fn new(backend: &CudaBackend, rows: usize) -> Result<StatsScratch> {
+    fn new(backend: &CudaBackend) -> Result<StatsScratch> {
         let gpu = backend.gpu();
         Ok(StatsScratch {
             partials: gpu.alloc_vec::<f64>(SLOTS * MAX_BLOCKS * STATS_PARTIAL_WIDTH)?,
-            results: gpu.upload_vec(&fresh_stats_rows(rows))?,
-            host: gpu.alloc_pinned(rows * STATS_RESULT_WIDTH * 8)?,
+            results: gpu.upload_vec(&fresh_stats_rows(BATCH_ROWS))?,
+            host: gpu.alloc_pinned(BATCH_ROWS * STATS_RESULT_WIDTH * 8)?,
         })
     }
 
@@ -50,8 +51,8 @@ impl StatsScratch {
     }
 }
 
-/// Result rows of a batch's scratch: the statistics of this many device tensors wait for one
-/// copy back (a batch that fills it copies back and starts again).
+/// Result rows of a scratch: the statistics of this many device tensors wait for one copy back
+/// (a batch that fills it copies back and starts again).
 const BATCH_ROWS: usize = 1024;
 
 /// The device buffer to compute `t`'s statistics on, or none to sum its host copy.
@@ -73,51 +74,19 @@ impl CudaBackend {
     }
 
     /// Statistics of each tensor: those on the device (large ones, and any without a host copy)
-    /// computed there, all in one copy back; the others on the host. Device runs are checked
-    /// within a tolerance, so the faster, reordered host pass will do.
+    /// computed there, in one batch over the backend's own scratch (one copy back); the others
+    /// on the host. Device runs are checked within a tolerance, so the faster, reordered host
+    /// pass will do, and it is what a failed device pass falls back to.
     pub(super) fn tensors_stats(&self, ts: &[&Tensor]) -> Vec<TensorStats> {
-        let bufs: Vec<Option<&DevBuf>> = ts.iter().map(|t| on_device(t)).collect();
-        // One pass per distinct buffer: an alias (a split decode's merge op reports the output's
-        // buffer) is summed once.
-        let mut distinct: Vec<&DevBuf> = Vec::new();
-        for b in bufs.iter().flatten() {
-            if !distinct.iter().any(|d| d.serial() == b.serial()) {
-                distinct.push(b);
-            }
-        }
-        let device = self.device_stats(&distinct).ok();
-        ts.iter()
-            .zip(&bufs)
-            .map(|(t, b)| match (b, &device) {
-                (Some(b), Some(stats)) => {
-                    let i = distinct.iter().position(|d| d.serial() == b.serial());
-                    stats[i.expect("every device buffer is among the distinct ones")].clone()
-                }
-                _ => TensorStats::of_unordered(t.data()),
+        let mut batch = DeviceStatsBatch::new(self, &self.stats_scratch);
+        batch
+            .start(ts)
+            .and_then(|()| batch.collect())
+            .unwrap_or_else(|_| {
+                ts.iter()
+                    .map(|t| TensorStats::of_unordered(t.data()))
+                    .collect()
             })
-            .collect()
-    }
-
-    /// Statistics of buffers computed on the device, [`SLOTS`] to a launch, brought back together.
-    pub fn device_stats(&self, bufs: &[&DevBuf]) -> Result<Vec<TensorStats>> {
-        let mut scratch = self.stats_scratch.lock().unwrap_or_else(|e| e.into_inner());
-        if scratch.is_none() {
-            *scratch = Some(StatsScratch::new(self, SLOTS)?);
-        }
-        let scratch = scratch.as_mut().expect("allocated above");
-        let mut out = Vec::with_capacity(bufs.len());
-        for chunk in bufs.chunks(SLOTS) {
-            self.gpu
-                .stats_many(chunk, &scratch.partials, &scratch.results, 0)?;
-            let rows = scratch.download(self, chunk.len())?;
-            out.extend(
-                chunk
-                    .iter()
-                    .zip(rows.chunks_exact(STATS_RESULT_WIDTH))
-                    .map(|(buf, row)| stats_of(buf.len(), row)),
-            );
-        }
-        Ok(out)
     }
 }
 
@@ -133,6 +102,8 @@ enum Part {
 /// one copy when collected.
 pub struct DeviceStatsBatch<'a> {
     backend: &'a CudaBackend,
+    /// Where the scratch is kept between batches.
+    slot: &'a Mutex<Option<StatsScratch>>,
     scratch: Option<StatsScratch>,
     parts: Vec<Part>,
     /// Result rows in use.
@@ -140,14 +111,16 @@ pub struct DeviceStatsBatch<'a> {
 }
 
 impl<'a> DeviceStatsBatch<'a> {
-    pub(super) fn new(backend: &'a CudaBackend) -> DeviceStatsBatch<'a> {
-        let kept = backend
-            .batch_scratch
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+    /// A batch over the scratch kept in `slot` (made on first use; one batch holds it at a
+    /// time, another meanwhile makes its own).
+    pub(super) fn new(
+        backend: &'a CudaBackend,
+        slot: &'a Mutex<Option<StatsScratch>>,
+    ) -> DeviceStatsBatch<'a> {
+        let kept = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
         DeviceStatsBatch {
             backend,
+            slot,
             scratch: kept,
             parts: Vec::new(),
             used: 0,
@@ -177,7 +150,7 @@ impl StatsBatch for DeviceStatsBatch<'_> {
             return ts.chunks(BATCH_ROWS).try_for_each(|c| self.start(c));
         }
         if self.scratch.is_none() {
-            self.scratch = Some(StatsScratch::new(self.backend, BATCH_ROWS)?);
+            self.scratch = Some(StatsScratch::new(self.backend)?);
         }
         // One pass per distinct buffer (an alias is summed once), SLOTS to a launch.
         let mut distinct: Vec<&DevBuf> = Vec::new();
@@ -230,11 +203,7 @@ impl Drop for DeviceStatsBatch<'_> {
     /// zero come before the next batch's in the stream).
     fn drop(&mut self) {
         if let Some(scratch) = self.scratch.take() {
-            *self
-                .backend
-                .batch_scratch
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()) = Some(scratch);
+            *self.slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(scratch);
         }
     }
 }
