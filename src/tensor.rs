@@ -340,16 +340,26 @@ impl Tensor {
     }
 }
 
+/// A device buffer in host memory, for tests of what lies above the backends.
 #[cfg(test)]
-mod tests {
+pub(crate) mod test_device {
     use super::*;
     use std::sync::atomic::AtomicUsize;
     use std::sync::Mutex;
 
-    /// A device buffer in host memory that counts its copies to the host.
-    struct FakeDevice {
-        values: Mutex<Vec<f32>>,
-        downloads: AtomicUsize,
+    /// Holds its values on the host and counts their copies "to the host".
+    pub(crate) struct FakeDevice {
+        pub(crate) values: Mutex<Vec<f32>>,
+        pub(crate) downloads: AtomicUsize,
+    }
+
+    impl FakeDevice {
+        pub(crate) fn holding(values: &[f32]) -> Arc<FakeDevice> {
+            Arc::new(FakeDevice {
+                values: Mutex::new(values.to_vec()),
+                downloads: AtomicUsize::new(0),
+            })
+        }
     }
 
     impl DeviceBuffer for FakeDevice {
@@ -367,17 +377,16 @@ mod tests {
             Ok(self.values.lock().unwrap().clone())
         }
     }
+}
 
-    fn device(values: &[f32]) -> Arc<FakeDevice> {
-        Arc::new(FakeDevice {
-            values: Mutex::new(values.to_vec()),
-            downloads: AtomicUsize::new(0),
-        })
-    }
+#[cfg(test)]
+mod tests {
+    use super::test_device::FakeDevice;
+    use super::*;
 
     #[test]
     fn a_device_tensor_is_copied_to_the_host_once_and_only_when_read() {
-        let d = device(&[1.0, 2.0, 3.0, 4.0]);
+        let d = FakeDevice::holding(&[1.0, 2.0, 3.0, 4.0]);
         let t = Tensor::from_device(&[2, 2], d.clone());
         assert_eq!((t.numel(), t.size_bytes(), t.on_host()), (4, 16, false));
         assert_eq!(d.downloads.load(Ordering::Relaxed), 0, "nothing read yet");
@@ -392,7 +401,7 @@ mod tests {
 
     #[test]
     fn a_kernel_write_in_place_makes_the_host_copy_stale() {
-        let d = device(&[1.0, 2.0]);
+        let d = FakeDevice::holding(&[1.0, 2.0]);
         let mut t = Tensor::from_device(&[2], d.clone());
         assert_eq!(t.data(), &[1.0, 2.0]);
         *d.values.lock().unwrap() = vec![5.0, 6.0];
@@ -410,7 +419,7 @@ mod tests {
 
     #[test]
     fn a_clone_is_a_host_copy_with_its_own_identity() {
-        let d = device(&[1.0, 2.0]);
+        let d = FakeDevice::holding(&[1.0, 2.0]);
         let t = Tensor::from_device(&[2], d.clone());
         let c = t.clone();
         assert_ne!(c.id(), t.id());
@@ -420,7 +429,7 @@ mod tests {
 
     #[test]
     fn a_device_buffer_of_the_wrong_size_is_an_error_not_a_short_tensor() {
-        let t = Tensor::from_device(&[3], device(&[1.0, 2.0]));
+        let t = Tensor::from_device(&[3], FakeDevice::holding(&[1.0, 2.0]));
         assert!(t.try_data().is_err());
         // `data` never hands out a short or zeroed tensor: the values read as NaN.
         assert_eq!(t.data().len(), 3);

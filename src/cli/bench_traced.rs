@@ -1,16 +1,17 @@
-//! `mladb bench --device cuda`: what tracing costs the fast decode. One decode step of one
-//! sequence at GLM-5's latent dims, run the way the engine runs it (the backend's
-//! `fast_attention_latent`: the query assembled on the device, the block table uploaded, the
-//! output, log-sum-exps and split partials copied back, statistics of the three ops) against the
-//! bare kernel on the same buffers.
+//! `mladb bench --device cuda`: what tracing costs the fast decode. One decode step at GLM-5's
+//! latent dims, run the way the engine runs it (the backend's `fast_attention_latent`: the query
+//! assembled on the device, the block table kept with the cache, the output, log-sum-exps and
+//! split partials left on the device, statistics of the call's events) against the bare kernel
+//! on the same buffers.
 //!
 //! The traced times are wall time per call (host work included): calls back to back whose
 //! statistics are started on the device and brought back once (a traced `run` or `bench`, whose
 //! observer takes late events), and one call with its wait (a debugger stepping op by op); the
-//! bare time is event-timed on the device, calls back to back, as the kernel grid above. The engine decodes one sequence
-//! at a time, so a batch here is the last `batch` tokens of one sequence attending at once (a
-//! chunk of a chunked prefill over the cache, or a speculative step): to the kernel, a batch of
-//! that many sequences of neighbouring lengths over the same pages.
+//! bare time is event-timed on the device, calls back to back, as the kernel grid above. The
+//! engine decodes one sequence at a time, so a batch here is the last `batch` tokens of one
+//! sequence attending at once (a chunk of a chunked prefill over the cache, or a speculative
+//! step): to the kernel, a batch of that many sequences of neighbouring lengths over the same
+//! pages.
 
 use super::bench_gpu::median;
 use super::Out;

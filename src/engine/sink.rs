@@ -81,18 +81,26 @@ pub struct Sink<'a> {
 struct LateEvents<'a> {
     stats: Box<dyn StatsBatch + 'a>,
     events: Vec<(OpEvent, Tensor)>,
-    /// Inside [`Sink::together`]: the outputs whose statistics start together at its end.
-    holding: bool,
-    held: Vec<Tensor>,
+    /// Inside [`Sink::together`]: the events from this one on have not started their
+    /// statistics yet (they start together at its end).
+    unstarted: Option<usize>,
 }
 
 impl LateEvents<'_> {
-    /// Starts the statistics of the held outputs, in one go.
-    fn start_held(&mut self) -> Result<()> {
-        let held = std::mem::take(&mut self.held);
-        match held.is_empty() {
-            true => Ok(()),
-            false => self.stats.start(&held.iter().collect::<Vec<_>>()),
+    /// Starts the statistics of the events [`Sink::together`] holds back, in one go.
+    fn start_unstarted(&mut self) -> Result<()> {
+        let Some(from) = self.unstarted else {
+            return Ok(());
+        };
+        self.unstarted = Some(self.events.len());
+        match from < self.events.len() {
+            true => self.stats.start(
+                &self.events[from..]
+                    .iter()
+                    .map(|(_, t)| t)
+                    .collect::<Vec<_>>(),
+            ),
+            false => Ok(()),
         }
     }
 }
@@ -113,8 +121,7 @@ impl<'a> Sink<'a> {
         let late = (observer.wants_stats() && observer.takes_late_events()).then(|| LateEvents {
             stats: backend.stats_batch(),
             events: Vec::new(),
-            holding: false,
-            held: Vec::new(),
+            unstarted: None,
         });
         Sink {
             backend,
@@ -148,12 +155,12 @@ impl Sink<'_> {
     /// call's outputs, for late events).
     pub fn together<T>(&mut self, emit: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         if let Some(late) = &mut self.late {
-            late.holding = true;
+            late.unstarted = Some(late.events.len());
         }
         let result = emit(self);
         if let Some(late) = &mut self.late {
-            late.holding = false;
-            late.start_held()?;
+            late.start_unstarted()?;
+            late.unstarted = None;
         }
         result
     }
@@ -166,7 +173,7 @@ impl Sink<'_> {
         if late.events.is_empty() {
             return Ok(());
         }
-        late.start_held()?;
+        late.start_unstarted()?;
         let stats = late.stats.collect()?;
         if stats.len() != late.events.len() {
             // Never hand an event another op's statistics, nor drop one.
@@ -175,6 +182,9 @@ impl Sink<'_> {
                 stats.len(),
                 late.events.len()
             )));
+        }
+        if late.unstarted.is_some() {
+            late.unstarted = Some(0); // (the events are handed over below)
         }
         for ((mut event, output), stats) in late.events.drain(..).zip(stats) {
             event.stats = stats;
@@ -346,9 +356,8 @@ impl Sink<'_> {
         *self.next_index += 1;
         match &mut self.late {
             Some(late) if deferred => {
-                match late.holding {
-                    true => late.held.push(values.alias()),
-                    false => late.stats.start(&[values])?,
+                if late.unstarted.is_none() {
+                    late.stats.start(&[values])?;
                 }
                 late.events.push((event, values.alias()));
                 if late.events.len() >= LATE_EVENTS {
@@ -383,26 +392,7 @@ mod tests {
     use super::*;
     use crate::backend::cpu::CpuBackend;
     use crate::model::{layout::Layout, Model};
-    use crate::tensor::DeviceBuffer;
-    use std::any::Any;
-
-    /// A device buffer holding its values on the host.
-    struct Fake(Vec<f32>);
-
-    impl DeviceBuffer for Fake {
-        fn address(&self) -> u64 {
-            0xD000
-        }
-        fn bytes(&self) -> usize {
-            self.0.len() * 4
-        }
-        fn as_any(&self) -> &dyn Any {
-            self
-        }
-        fn download(&self) -> Result<Vec<f32>> {
-            Ok(self.0.clone())
-        }
-    }
+    use crate::tensor::test_device::FakeDevice;
 
     /// Notes which ops it was handed, and when (after how many ops had been emitted).
     struct Late {
@@ -430,7 +420,7 @@ mod tests {
             emitted: emitted.clone(),
         };
         let (mut next, mut counts) = (0, OpCounts::default());
-        let device = |v: &[f32]| Tensor::from_device(&[v.len()], Arc::new(Fake(v.to_vec())));
+        let device = |v: &[f32]| Tensor::from_device(&[v.len()], FakeDevice::holding(v));
         let values = [vec![1.0, 2.0], vec![f32::NAN, 4.0], vec![-3.0, 0.0]];
         {
             let mut sink = Sink::new(
