@@ -145,53 +145,64 @@ fn the_write_kernel_writes_the_codec_bytes() {
     assert!(gpu.kv_fp8_write(&d_rows, &one, &d_cache, 1, 4).is_err());
 }
 
-/// Decodes `bytes` (a whole byte cache) to rows, each value rounded to bf16: what the decode's
-/// shared tiles hold.
-fn decoded_bf16(bytes: &[u8]) -> Vec<f32> {
+/// Decodes `bytes` (a whole byte cache) to rows: exactly, or each value rounded to bf16 (what
+/// the converting variants' shared tiles hold).
+fn decoded(bytes: &[u8], to_bf16: bool) -> Vec<f32> {
     let mut out = Vec::with_capacity(bytes.len() / TOKEN_BYTES * WIDTH);
     for slot in bytes.chunks(TOKEN_BYTES) {
         let (mut l, mut r) = (vec![0f32; LATENT], vec![0f32; ROPE]);
         kv_fp8::decode_token(slot, &mut l, &mut r).unwrap();
-        out.extend(
-            l.iter()
-                .chain(&r)
-                .map(|&v| half::bf16::from_f32(v).to_f32()),
-        );
+        out.extend(l.iter().chain(&r).map(|&v| match to_bf16 {
+            true => half::bf16::from_f32(v).to_f32(),
+            false => v,
+        }));
     }
     out
 }
 
-#[test]
-#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
-fn every_fp8_decode_variant_matches_the_reference_and_its_bf16_twin() {
-    let backend = common::cuda_backend(StorageDtype::Bf16);
-    let gpu: &Gpu = backend.gpu();
+/// Every FP8-cache decode variant the device runs, at `heads` heads (`all`: every variant, else
+/// the few-heads kernel only), over sequences of `lens` tokens and 1, 4 and 40 splits: against
+/// the f64 reference over the decoded rows, and (the converting variants) bit for bit against
+/// the bf16 twin over a bf16 copy of them.
+fn fp8_decode_case(gpu: &Gpu, heads: usize, lens: &[usize], all: bool) {
     let seed = common::seed();
-    let mut rng = common::Lcg::new(seed ^ 0xdec8);
-    let lens = [1usize, 77, 0, 300, 130];
-    let heads = 16;
+    let mut rng = common::Lcg::new(seed ^ 0xdec8 ^ heads as u64);
     let batch = lens.len();
-    // Pages in order, three spare; every slot written (rows of varied tile magnitudes).
-    let max_pages = lens.iter().map(|l| l.div_ceil(PAGE)).max().unwrap();
+    let longest = lens.iter().copied().max().unwrap();
+    // Pages in order, three spare; every slot written: rows of varied tile magnitudes, each row
+    // scaled by its own power of ten (so the scales grow and shrink along a sequence), some rows
+    // all zero (scales at their floor).
+    let max_pages = longest.div_ceil(PAGE);
     let total_pages = batch * max_pages + 3;
     let table: Vec<i32> = (0..batch * max_pages).map(|p| (p + 3) as i32).collect();
     let rows: Vec<Vec<f32>> = (0..total_pages * PAGE)
-        .map(|_| {
+        .map(|slot| {
+            let row_mag = 10f32.powi((rng.next_u64() % 5) as i32 - 2);
             (0..WIDTH)
-                .map(|i| (rng.next_f32() * 2.0 - 1.0) * [1.0, 8.0, 0.05, 0.5, 1.0][i / TILE])
+                .map(|i| match slot % 37 == 5 {
+                    true => 0.0,
+                    false => {
+                        let tile = [1.0, 8.0, 0.05, 0.5, 1.0][i / TILE];
+                        (rng.next_f32() * 2.0 - 1.0) * tile * if i < LATENT { row_mag } else { 1.0 }
+                    }
+                })
                 .collect()
         })
         .collect();
     let at: Vec<usize> = (0..rows.len()).collect();
     let bytes = host_cache(&rows, &at, rows.len(), Fp8Faults::default());
-    let cache = decoded_bf16(&bytes);
+    let (exact, rounded) = (decoded(&bytes, false), decoded(&bytes, true));
+    // Queries of varied magnitudes per head (the few-heads kernel scales each row into f16).
     let q: Vec<f32> = (0..batch * heads * WIDTH)
-        .map(|_| half::bf16::from_f32(rng.next_f32() * 2.0 - 1.0).to_f32())
+        .map(|i| {
+            let mag = 10f32.powi(((i / WIDTH) % 4) as i32 - 2);
+            half::bf16::from_f32((rng.next_f32() * 2.0 - 1.0) * mag).to_f32()
+        })
         .collect();
     let scale = 1.0 / 192f32.sqrt();
     let d_q = gpu.upload(&q, Elem::Bf16).unwrap();
     let d_bytes = gpu.upload_bytes(&bytes).unwrap();
-    let d_cache = gpu.upload(&cache, Elem::Bf16).unwrap();
+    let d_rounded = gpu.upload(&rounded, Elem::Bf16).unwrap();
     let d_table = gpu.upload_i32(&table).unwrap();
     let d_lens = gpu
         .upload_i32(&lens.iter().map(|&l| l as i32).collect::<Vec<_>>())
@@ -200,9 +211,12 @@ fn every_fp8_decode_variant_matches_the_reference_and_its_bf16_twin() {
         batch,
         heads,
         max_pages,
-        max_len: 300,
+        max_len: longest,
     };
-    let variants = fast::fp8_decode_variants_for(gpu);
+    let variants: Vec<&str> = fast::fp8_decode_variants_for(gpu)
+        .into_iter()
+        .filter(|v| all || fast::fp8_twin(v).is_none())
+        .collect();
     assert!(
         !variants.is_empty(),
         "no FP8-cache decode variant runs here"
@@ -217,7 +231,6 @@ fn every_fp8_decode_variant_matches_the_reference_and_its_bf16_twin() {
     let read =
         |gpu: &Gpu, (o, l): &(DevBuf, DevBuf)| (gpu.download(o).unwrap(), gpu.download(l).unwrap());
     for variant in variants {
-        let twin = variant.replace("fp8_", "");
         for splits in [1, 4, 40] {
             let work = DecodeWork::for_fp8(gpu, shape, Some(variant), Some(splits)).unwrap();
             assert_eq!(work.kernel, variant);
@@ -227,31 +240,38 @@ fn every_fp8_decode_variant_matches_the_reference_and_its_bf16_twin() {
             )
             .unwrap();
             let (out, lse) = read(gpu, &got);
-            let bf16_work = DecodeWork::with_variant(gpu, shape, splits, Some(&twin)).unwrap();
-            let want = outputs(gpu);
-            fast::mla_decode(
-                gpu, shape, &d_q, &d_cache, &d_table, &d_lens, scale, &want.0, &want.1, &bf16_work,
-            )
-            .unwrap();
-            let (twin_out, twin_lse) = read(gpu, &want);
-            let what = format!("{variant}, {splits} splits (seed {seed})");
-            // The same tiles in shared memory, the same MMAs: the same bits.
-            assert!(
-                out.iter()
-                    .zip(&twin_out)
-                    .all(|(a, b)| a.to_bits() == b.to_bits())
-                    && lse
-                        .iter()
-                        .zip(&twin_lse)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{what}: differs from {twin} over the decoded rows"
-            );
-            let mut worst: f64 = 0.0;
+            let what = format!("{variant}, {heads} heads, {splits} splits (seed {seed})");
+            // The converting variants: the same tiles in shared memory, the same MMAs as their
+            // twin over the bf16 copy: the same bits. Their reference is that copy.
+            let twin = fast::fp8_twin(variant);
+            if let Some(twin) = twin {
+                let bf16_work = DecodeWork::with_variant(gpu, shape, splits, Some(twin)).unwrap();
+                let want = outputs(gpu);
+                fast::mla_decode(
+                    gpu, shape, &d_q, &d_rounded, &d_table, &d_lens, scale, &want.0, &want.1,
+                    &bf16_work,
+                )
+                .unwrap();
+                let (twin_out, twin_lse) = read(gpu, &want);
+                assert!(
+                    out.iter()
+                        .zip(&twin_out)
+                        .all(|(a, b)| a.to_bits() == b.to_bits())
+                        && lse
+                            .iter()
+                            .zip(&twin_lse)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: differs from {twin} over the decoded rows"
+                );
+            }
+            let cache = if twin.is_some() { &rounded } else { &exact };
+            let (mut worst, mut worst_lse): (f64, f64) = (0.0, 0.0);
             for (b, &len) in lens.iter().enumerate() {
                 for h in 0..heads {
                     let row = (b * heads + h) * LATENT;
                     if len == 0 {
                         assert!(out[row..row + LATENT].iter().all(|&x| x == 0.0), "{what}");
+                        assert_eq!(lse[b * heads + h], f32::NEG_INFINITY, "{what}");
                         continue;
                     }
                     let qv = &q[(b * heads + h) * WIDTH..][..WIDTH];
@@ -265,12 +285,45 @@ fn every_fp8_decode_variant_matches_the_reference_and_its_bf16_twin() {
                         scale as f64,
                     );
                     worst = worst.max(fast::relative_error(&out[row..row + LATENT], &reference));
+                    // The log-sum-exp of the scores, in f64.
+                    let scores: Vec<f64> = (0..len)
+                        .map(|t| {
+                            qv.iter()
+                                .zip(key(t))
+                                .map(|(&a, &b)| a as f64 * b as f64)
+                                .sum::<f64>()
+                                * scale as f64
+                        })
+                        .collect();
+                    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let want = m + scores.iter().map(|s| (s - m).exp()).sum::<f64>().ln();
+                    worst_lse = worst_lse
+                        .max((lse[b * heads + h] as f64 - want).abs() / want.abs().max(1.0));
                 }
             }
-            eprintln!("{what}: worst relative error {worst:.2e}");
+            eprintln!("{what}: worst relative error {worst:.2e}, lse {worst_lse:.2e}");
             assert!(worst < 1e-2, "{what}: relative error {worst}");
+            assert!(worst_lse < 1e-3, "{what}: lse error {worst_lse}");
         }
     }
+}
+
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn every_fp8_decode_variant_matches_the_reference_and_its_bf16_twin() {
+    let backend = common::cuda_backend(StorageDtype::Bf16);
+    let gpu: &Gpu = backend.gpu();
+    fp8_decode_case(gpu, 16, &[1, 77, 0, 300, 130], true);
+    // The few-heads kernel at a rank's head counts, and over two groups (the last padded).
+    for heads in [1, 8, 19] {
+        fp8_decode_case(gpu, heads, &[33, 0, 700, 64, 5], false);
+    }
     // A variant without an FP8 form is refused by name.
+    let shape = DecodeShape {
+        batch: 1,
+        heads: 8,
+        max_pages: 1,
+        max_len: 64,
+    };
     assert!(DecodeWork::for_fp8(gpu, shape, Some("mla_decode_kt3"), None).is_err());
 }

@@ -11,9 +11,25 @@ use crate::error::Result;
 /// Bytes of one token in the fp8_ds_mla cache.
 const FP8_TOKEN: usize = 656;
 
-/// (bf16 µs, fp8 µs, fp8 kernel) of one shape at 64 heads.
-fn fp8_vs_bf16(gpu: &Gpu, batch: usize, context: usize, seed: u64) -> Result<(f64, f64, String)> {
-    let (width, heads) = (LATENT + ROPE, 64);
+/// One shape's times: the bf16 decode, the FP8-cache decode the device chooses (and its
+/// kernel), and the few-heads FP8 kernel forced where it is not the choice (`None` where it
+/// does not run).
+struct Fp8Times {
+    bf16: f64,
+    fp8: f64,
+    kernel: &'static str,
+    few_heads: Option<f64>,
+}
+
+/// [`Fp8Times`] of one shape, in µs.
+fn fp8_vs_bf16(
+    gpu: &Gpu,
+    batch: usize,
+    context: usize,
+    heads: usize,
+    seed: u64,
+) -> Result<Fp8Times> {
+    let width = LATENT + ROPE;
     let pages_per_seq = context.div_ceil(PAGE);
     let slots = batch * pages_per_seq * PAGE;
     let rows = random(gpu, slots * width, Elem::Bf16, seed, 1.0)?;
@@ -40,33 +56,63 @@ fn fp8_vs_bf16(gpu: &Gpu, batch: usize, context: usize, seed: u64) -> Result<(f6
         )
         .map(|_| ())
     })?;
+    let fp8_time = |work: &DecodeWork| {
+        time(gpu, 15, || {
+            fast::mla_decode_fp8(
+                gpu, shape, &q, &cache, &table, &lens, scale, &out, &lse, work,
+            )
+            .map(|_| ())
+        })
+    };
     let fp8_work = DecodeWork::for_fp8(gpu, shape, None, None)?;
-    let fp8 = time(gpu, 15, || {
-        fast::mla_decode_fp8(
-            gpu, shape, &q, &cache, &table, &lens, scale, &out, &lse, &fp8_work,
-        )
-        .map(|_| ())
-    })?;
-    Ok((bf16 * 1e3, fp8 * 1e3, fp8_work.kernel.to_string()))
+    let fp8 = fp8_time(&fp8_work)?;
+    let few_heads = match fast::fp8_decode_variants_for(gpu).contains(&FEW_HEADS) {
+        true if fp8_work.kernel != FEW_HEADS => {
+            Some(fp8_time(&DecodeWork::for_fp8(gpu, shape, Some(FEW_HEADS), None)?)? * 1e3)
+        }
+        _ => None,
+    };
+    Ok(Fp8Times {
+        bf16: bf16 * 1e3,
+        fp8: fp8 * 1e3,
+        kernel: fp8_work.kernel,
+        few_heads,
+    })
 }
 
-/// The FP8-cache decode beside the bf16 one: batch 64 and 1 at 8k, 64 heads.
+/// The FP8-cache kernel for a rank's few heads.
+const FEW_HEADS: &str = "mla_decode_fp8_h16";
+
+/// The FP8-cache decode beside the bf16 one: batch 64 and 1 at 8k, at 64 heads (a whole GLM-5
+/// layer) and at a tensor-parallel rank's 8 and 16 heads.
 pub fn fp8_decode(gpu: &Gpu) -> Result<()> {
     writeln!(
         Out,
-        "\nMLA decode over the FP8 latent cache (fp8_ds_mla) vs the bf16 cache, 64 heads"
+        "\nMLA decode over the FP8 latent cache (fp8_ds_mla) vs the bf16 cache (h16 forced: the \
+         few-heads kernel where it is not the choice)"
     )?;
     writeln!(
         Out,
-        "{:>6} {:>8} {:>10} {:>10} {:>14} {:>16}",
-        "batch", "context", "bf16 us", "fp8 us", "fp8 seq/s ×", "fp8 kernel"
+        "{:>6} {:>8} {:>6} {:>10} {:>10} {:>12} {:>20} {:>10}",
+        "batch", "context", "heads", "bf16 us", "fp8 us", "fp8 seq/s ×", "fp8 kernel", "h16 us"
     )?;
-    for (batch, context) in [(64, 8192), (1, 8192)] {
-        let (bf16, fp8, kernel) = fp8_vs_bf16(gpu, batch, context, (batch + context) as u64)?;
+    for (batch, context, heads) in [
+        (64, 8192, 8),
+        (64, 8192, 16),
+        (64, 8192, 32),
+        (64, 8192, 64),
+        (1, 8192, 8),
+        (1, 8192, 64),
+    ] {
+        let t = fp8_vs_bf16(gpu, batch, context, heads, (batch + context + heads) as u64)?;
+        let few = t.few_heads.map_or("-".to_string(), |f| format!("{f:.1}"));
         writeln!(
             Out,
-            "{batch:>6} {context:>8} {bf16:>10.1} {fp8:>10.1} {:>13.2}× {kernel:>16}",
-            bf16 / fp8
+            "{batch:>6} {context:>8} {heads:>6} {:>10.1} {:>10.1} {:>11.2}× {:>20} {few:>10}",
+            t.bf16,
+            t.fp8,
+            t.bf16 / t.fp8,
+            t.kernel
         )?;
     }
     Ok(())

@@ -9,7 +9,7 @@ use super::device::fast_kernels::{Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
 pub use super::device::fast_kernels::{MergeFaults, MAX_SPLITS};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{variants, DevBuf, DevI32, Elem, Gpu, Launched};
-pub use super::fast_fp8::{fp8_decode_variants_for, mla_decode_fp8};
+pub use super::fast_fp8::{fp8_decode_variants_for, fp8_twin, mla_decode_fp8};
 pub use super::fast_prefill::{
     flash_prefill_planted, flash_prefill_variant, prefill_shared_bytes, prefill_variants_for,
     PREFILL_DIMS, PREFILL_VARIANTS,
@@ -77,13 +77,19 @@ pub fn decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
 /// Hopper alone), the device has TMA if the kernel uses it, and its shared memory fits.
 pub(super) fn runs_on(gpu: &Gpu, name: &str, shared: u32) -> bool {
     gpu.has_kernel(name)
-        && (!reads_cache_by_tma(name) || has_tma(gpu))
+        && (!needs_sm90(name) || has_tma(gpu))
         && shared as usize <= gpu.max_shared_per_block()
 }
 
 /// The decode kernels that read the cache through a TMA tensor map (their first argument).
 fn reads_cache_by_tma(kernel: &str) -> bool {
     matches!(kernel, "mla_decode_wgmma" | "mla_decode_kt3")
+}
+
+/// The decode kernels that need sm_90 or later: those fed by TMA, and the FP8-cache kernel fed
+/// by bulk copies (with the E4M3 conversion instruction).
+fn needs_sm90(kernel: &str) -> bool {
+    reads_cache_by_tma(kernel) || kernel == "mla_decode_fp8_h16"
 }
 
 /// TMA exists from compute capability 9.0 on (Hopper, B200, sm_120).
@@ -110,7 +116,7 @@ pub(super) fn pick_variant(
             .iter()
             .find(|(name, _)| *name == want)
             .ok_or_else(|| Error::invalid(format!("no MLA decode kernel variant {want}")))?;
-        if !gpu.has_kernel(name) || (reads_cache_by_tma(name) && !has_tma(gpu)) {
+        if !gpu.has_kernel(name) || (needs_sm90(name) && !has_tma(gpu)) {
             return Err(Error::invalid(format!(
                 "{name} does not run on this device (it needs TMA, or Hopper's wgmma)"
             )));
@@ -188,11 +194,17 @@ pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&s
         * usize::from(reads_cache_by_tma(kernel));
     split_count(SplitCosts {
         slots,
-        groups: shape.batch * shape.heads.div_ceil(HEAD_GROUP),
+        groups: shape.batch * shape.heads.div_ceil(head_group(kernel)),
         max_len: shape.max_len,
         fixed,
         merge,
     })
+}
+
+/// The heads a block of a decode kernel takes: its variant's rows ([`HEAD_GROUP`] for the
+/// dense decodes, fewer for a rank's kernels).
+pub(super) fn head_group(kernel: &str) -> usize {
+    variants::variant(kernel).map_or(HEAD_GROUP, |v| v.rows)
 }
 
 /// What [`decode_splits`] weighs: block slots on the device, blocks per split (sequences × head

@@ -1,9 +1,14 @@
 //! The tensor-core MLA decode over an fp8_ds_mla latent cache (656-byte rows: E4M3 latent values
-//! in four scaled tiles, bf16 RoPE values), as production serves GLM-5. Each variant is a bf16
-//! decode variant whose tile loader dequantizes the rows into the same shared-memory bf16 tiles
-//! (kernels/kv_fp8.cuh), so it takes that variant's shared memory and split choice. The TMA
-//! and wgmma variants have no FP8 form: TMA copies bytes as they are, and the tiles need
-//! converting on the way in.
+//! in four scaled tiles, bf16 RoPE values), as production serves GLM-5. Two kinds of kernel:
+//! - `mla_decode_fp8_h16` (sm_90 and later; kernels/mla_decode_fp8.cu): 16 heads a block, f16
+//!   MMAs on operands converted straight from the raw rows, the scales applied outside the MMAs.
+//!   Made for a tensor-parallel rank's few heads (GLM-5 at TP 8: 8, DeepSeek-V3: 16), where the
+//!   64-row kernels are mostly padding, and the first choice at every head count: on the H200 it
+//!   beats the converting kernels even at 64 heads, reading the cache once per 16 heads.
+//! - The bf16 decode variants whose tile loader dequantizes the rows into the same shared bf16
+//!   tiles (kernels/kv_fp8.cuh), taking their twin's shared memory and split choice. The TMA and
+//!   wgmma variants have no such form: TMA copies bytes as they are, and those tiles need
+//!   converting on the way in.
 
 use super::device::fp8_kernels::Fp8Decode;
 use super::device::{variants, DevBuf, DevBytes, DevI32, Gpu};
@@ -13,16 +18,20 @@ use super::fast::{
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
 
-/// The FP8-cache variants, in order of preference, each with the bf16 variant it mirrors.
-const VARIANTS: [(&str, &str); 4] = [
-    ("mla_decode_fp8_ks3", "mla_decode_ks3"),
-    ("mla_decode_fp8_ks2", "mla_decode_ks2"),
-    ("mla_decode_fp8_t32", "mla_decode_t32"),
-    ("mla_decode_fp8_t16", "mla_decode_t16"),
+/// The FP8-cache kernel for a rank's few heads.
+const FEW_HEADS: &str = "mla_decode_fp8_h16";
+
+/// The FP8-cache variants, in order of preference, each with the bf16 variant it mirrors (the
+/// few-heads kernel has none).
+const VARIANTS: [(&str, Option<&str>); 5] = [
+    (FEW_HEADS, None),
+    ("mla_decode_fp8_ks3", Some("mla_decode_ks3")),
+    ("mla_decode_fp8_ks2", Some("mla_decode_ks2")),
+    ("mla_decode_fp8_t32", Some("mla_decode_t32")),
+    ("mla_decode_fp8_t16", Some("mla_decode_t16")),
 ];
 
-/// The FP8-cache variants with their shared bytes (kernels/variants.cuh: their bf16 twins'
-/// layouts).
+/// The FP8-cache variants with their shared bytes (kernels/variants.cuh).
 fn fp8_variants() -> Vec<(&'static str, u32)> {
     VARIANTS
         .iter()
@@ -39,18 +48,27 @@ pub fn fp8_decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
         .collect()
 }
 
+/// The bf16 decode variant an FP8-cache variant mirrors (`None` for the few-heads kernel).
+pub fn fp8_twin(variant: &str) -> Option<&'static str> {
+    VARIANTS
+        .iter()
+        .find(|(fp8, _)| *fp8 == variant)
+        .and_then(|&(_, twin)| twin)
+}
+
 /// The FP8-cache kernel for a forced variant, given as the bf16 kernel's name
 /// (`mla_decode_ks3`, from `--decode-variant`) or its own; `Err` with the reason when it has
 /// none (the TMA and wgmma variants).
 pub fn fp8_kernel_of(variant: &str) -> Result<&'static str> {
     VARIANTS
         .iter()
-        .find(|(fp8, twin)| *fp8 == variant || *twin == variant)
+        .find(|(fp8, twin)| *fp8 == variant || *twin == Some(variant))
         .map(|&(fp8, _)| fp8)
         .ok_or_else(|| {
             Error::invalid(format!(
-                "{variant} has no form that reads an fp8_ds_mla cache (those are ks3, ks2, t32, \
-                 t16: TMA copies the bytes as they are, and the tiles need converting)"
+                "{variant} has no form that reads an fp8_ds_mla cache (those are \
+                 mla_decode_fp8_h16, ks3, ks2, t32, t16: TMA copies the bytes as they are, and \
+                 the tiles need converting)"
             ))
         })
 }
@@ -118,13 +136,23 @@ pub fn mla_decode_fp8(
 
 #[cfg(test)]
 mod tests {
+    use super::super::fast::head_group;
     use super::*;
 
     #[test]
-    fn fp8_variants_are_described_with_their_twins_layouts() {
+    fn fp8_variants_are_described_with_their_twins_layouts_and_found_by_name() {
         for (&(fp8, twin), (_, bytes)) in VARIANTS.iter().zip(fp8_variants()) {
             assert_ne!(bytes, u32::MAX, "{fp8} has no row in kernels/variants.cuh");
-            assert_eq!(bytes, variants::shared_bytes(twin), "{fp8}");
+            if let Some(twin) = twin {
+                assert_eq!(bytes, variants::shared_bytes(twin), "{fp8}");
+            }
         }
+        assert_eq!(head_group(FEW_HEADS), 16);
+        assert_eq!(
+            fp8_kernel_of("mla_decode_ks3").unwrap(),
+            "mla_decode_fp8_ks3"
+        );
+        assert_eq!(fp8_kernel_of(FEW_HEADS).unwrap(), FEW_HEADS);
+        assert!(fp8_kernel_of("mla_decode_wgmma").is_err());
     }
 }

@@ -45,6 +45,10 @@ pub const SOURCES: &[(&str, &str)] = &[
     ),
     ("kv_fp8.cu", include_str!("../../../../kernels/kv_fp8.cu")),
     (
+        "mla_decode_fp8.cu",
+        include_str!("../../../../kernels/mla_decode_fp8.cu"),
+    ),
+    (
         "cache_write.cu",
         include_str!("../../../../kernels/cache_write.cu"),
     ),

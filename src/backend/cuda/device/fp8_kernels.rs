@@ -2,7 +2,8 @@
 //! write (kernels/cache_write.cu: rows scattered to the slot mapping's rows), the FP8 write
 //! (kernels/kv_fp8.cu), which quantizes rows into the 656-byte slots of a paged byte cache, and
 //! the tensor-core decode
-//! reading such a cache (`mla_decode_fp8_*` in mla_decode.cu and mla_decode_splitk.cu), whose
+//! reading such a cache (`mla_decode_fp8_*` in mla_decode.cu, mla_decode_splitk.cu and
+//! mla_decode_fp8.cu), whose
 //! splits the one merge of every decode joins (`Gpu::mla_decode_merge`). What a launch may touch
 //! is checked here; the variant and split count are `cuda::fast_fp8`'s.
 
@@ -131,7 +132,8 @@ pub struct Fp8Decode<'a> {
     pub kernel: &'a str,
     pub shared: u32,
     pub batch: usize,
-    /// At least 1: the grid has ⌈heads / 64⌉ groups, as the bf16 decode's.
+    /// At least 1: the grid has ⌈heads / 64⌉ groups, as the bf16 decode's (⌈heads / 16⌉ for
+    /// `mla_decode_fp8_h16`).
     pub heads: usize,
     pub max_pages: usize,
     pub splits: usize,
@@ -227,13 +229,19 @@ impl Gpu {
             out,
             lse,
         ];
+        // The few-heads kernel: 16 heads and four warps a block; the others 64 and eight.
+        let (group, threads) = if d.kernel == "mla_decode_fp8_h16" {
+            (16, 128)
+        } else {
+            (64, 256)
+        };
         let cfg = Launch {
             grid: (
                 blocks("MLA decode", d.splits)?,
                 blocks_yz("MLA decode", d.batch)?,
-                blocks_yz("MLA decode", d.heads.div_ceil(64))?,
+                blocks_yz("MLA decode", d.heads.div_ceil(group))?,
             ),
-            block: 256,
+            block: threads,
             shared: d.shared,
         };
         // SAFETY: as the bf16 decode's: block (split, b, group) reads its heads of q, the slots

@@ -1,0 +1,415 @@
+// MLA decode over an fp8_ds_mla cache for the head counts of a tensor-parallel rank (up to 16
+// heads per block: GLM-5 at TP 8 holds 8, DeepSeek-V3 16), sm_90 and later (bulk copies and the
+// hardware E4M3 conversion). Same work and outputs as the other decode kernels: one query token
+// per sequence, split-KV partials and LSEs merged by mla_decode_combine(_rows).
+//
+// Why its own kernel: the other FP8 variants turn each tile into a bf16 copy in shared memory
+// and then run their bf16 twin's 64-row MMAs. At 8 heads, 56 of those 64 rows are padding, and
+// the copy costs a barrier and a second pass over shared memory per tile. Here the raw 656-byte
+// rows stay as they came, and each warp builds its MMA operands straight from them:
+// - A tile (32 tokens, half a page, contiguous in the cache) comes by one bulk copy of
+//   valid·656 bytes, which completes a shared-memory barrier; four stages in flight.
+// - Warp w owns latent tile w (dims 128w..128w+127, one E4M3 scale per token) and RoPE dims
+//   16w..16w+15. S = Q·Kᵀ is summed over the four warps' dims through shared memory (one
+//   barrier per tile, which also frees the stage read two tiles ago), then every warp holds
+//   the whole S of its 16 rows and runs the same online softmax.
+// - MMAs in f16 (m16n8k16), which holds every E4M3 value exactly (the conversion is one
+//   instruction per pair): K and V enter unscaled, and the scales are applied outside the
+//   MMAs, in f32: S_w = scale_w(token) · (q_w · k̂_w) + q_rope · k_rope (the RoPE part in bf16,
+//   as the cache stores it), and O_w += (P · scale_w(token) / σ_w) · v̂_w, σ_w a power of two
+//   at least the largest scale seen so far (so the f16 operand stays ≤ 1; O is rescaled when
+//   σ_w grows, with the softmax's own rescale). The query's latent part is scaled by a power of
+//   two per row (its largest value to about 2^14) to use f16's range, and unscaled in S.
+// - Operand layout: the dims inside an MMA's k are permuted so that a lane loads 16 bytes of one
+//   token row for four k-steps of S (dims 16·qd.. of a 64-dim span: k-step i takes bytes
+//   4i..4i+3), and the output dims inside the 16 n-blocks of P·V are permuted so that a lane
+//   loads 16 bytes of each of its four token rows (n-block j, column n is dim 16n + j of the
+//   warp's tile). Q is loaded in the matching order; O is put back in order through shared
+//   memory at the end, then written out coalesced.
+// Rows past a split's end: S is -inf there, and their V bytes and scales are taken as zero
+// (the stage may hold anything there, and 0 · NaN is NaN). Padding heads (rows ≥ the heads that
+// exist) have zero queries and are never written.
+#include "common.cuh"
+#include "mma.cuh"
+#include "tma.cuh"
+#include "kv_fp8.cuh"
+#include "variants.cuh"
+
+#define H_ROWS (mla_decode_fp8_h16_v.rows)      // query rows (heads) of a block
+#define H_TILE (mla_decode_fp8_h16_v.tile)      // tokens per tile
+#define H_STAGES (mla_decode_fp8_h16_v.stages)  // tiles in flight
+#define H_THREADS 128                           // a warp per latent tile
+#define H_PAGE 64
+#define H_STAGE_BYTES (H_TILE * FP8_TOKEN_BYTES)
+#define H_XCHG_BYTES (4 * 16 * 32 * 4)  // four warps' partial S: 16 floats per lane
+#define H_O_STRIDE 532                  // floats per row of O put back in order (+1 per 32 dims)
+
+static_assert(H_ROWS == 16 && H_TILE == 32 && FP8_LATENT == 4 * FP8_TILE, "a warp per latent tile, 16-row MMAs");
+static_assert(H_STAGES * H_STAGE_BYTES + 2 * H_XCHG_BYTES + 8 * H_STAGES == mla_decode_fp8_h16_v.shared,
+              "mla_decode_fp8_h16: variants.cuh and the layout differ");
+static_assert(H_ROWS * H_O_STRIDE * 4 <= H_STAGES * H_STAGE_BYTES, "O fits in the stages");
+
+// D = A·B + D, 16×16 by 16×8 in f16, f32 accumulators.
+__device__ __forceinline__ void mma_f16(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two floats as f16 (round to nearest even) in one register: low half = a.
+__device__ __forceinline__ unsigned pack_f16(float a, float b) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+}
+
+// The two E4M3 bytes in the low (HI = 0) or high half of v as f16x2, exactly (byte 0 of the
+// half to the low f16). sm_89 and later.
+template <int HI> __device__ __forceinline__ unsigned e4m3x2_f16x2(unsigned v) {
+    unsigned r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (HI)
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, h;\n}\n" : "=r"(r) : "r"(v));
+    else
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, l;\n}\n" : "=r"(r) : "r"(v));
+#else
+    r = 0;
+    __trap();
+#endif
+    return r;
+}
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+    unsigned r;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+__device__ __forceinline__ uint4 lds128(unsigned addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ uint2 lds64(unsigned addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ float ldsf(unsigned addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+    return v;
+}
+
+// The power of two that brings a row's largest |q| to about 2^14 (1 for 0, infinity or NaN).
+__device__ __forceinline__ float f16_row_factor(float amax) {
+    const int e = (int)((__float_as_uint(amax) >> 23) & 0xffu);
+    if (amax == 0.0f || e == 0xff) return 1.0f;
+    return fp8_pow2(max(-126, min(127, 141 - e)));
+}
+
+// The smallest power of two ≥ x > 0 (x itself when it is one).
+__device__ __forceinline__ float pow2_at_least(float x) {
+    const u32 bits = __float_as_uint(x);
+    const u32 up = (bits & 0x7fffffu) ? ((bits >> 23) + 1) << 23 : bits & 0x7f800000u;
+    return __uint_as_float(min(up, 0x7f000000u));
+}
+
+extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(const bf16_t* q, const unsigned char* cache, const int* block_table,
+                                                                          int max_pages, const int* seq_lens, float scale_log2, float* part_o,
+                                                                          float* part_lse, int splits, int total_heads, bf16_t* out,
+                                                                          float* lse_out) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const unsigned sKV = smem_addr(smem), sX = sKV + H_STAGES * H_STAGE_BYTES, mbar = sX + 2 * H_XCHG_BYTES;
+
+    const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * H_ROWS;
+    const int heads_here = min(H_ROWS, total_heads - head0);  // the rest of the rows are padding
+    const DecodeSplit range = decode_split(seq_lens[b], splits, split, H_TILE);
+    const int t_begin = range.begin, t_end = range.end;
+    const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
+    if (t_begin >= t_end) {
+        decode_empty_split(heads_here, FP8_LATENT, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
+        return;
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qd = lane % 4;
+    const int n_tiles = (t_end - t_begin + H_TILE - 1) / H_TILE;
+    const int* bt = block_table + (u64)b * max_pages;
+
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < H_STAGES; st++) mbar_init(mbar + 8 * st, 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    // Tile j: its valid rows, one bulk copy (a tile never crosses a page: it starts at a
+    // multiple of 32 tokens).
+    auto issue_tile = [&](int j) {
+        const int t0 = t_begin + j * H_TILE;
+        const unsigned bytes = min(H_TILE, t_end - t0) * FP8_TOKEN_BYTES, mb = mbar + 8 * (j % H_STAGES);
+        const u64 row = (u64)bt[t0 / H_PAGE] * H_PAGE + t0 % H_PAGE;
+        mbar_expect_bytes(mb, bytes);
+        TMA_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                    sKV + (j % H_STAGES) * H_STAGE_BYTES),
+                "l"(cache + row * FP8_TOKEN_BYTES), "r"(bytes), "r"(mb)
+                : "memory");
+    };
+    if (threadIdx.x == 0)
+        for (int j = 0; j < H_STAGES && j < n_tiles; j++) issue_tile(j);
+
+    // Q as A fragments: latent dims 128·warp + 64·span + 16·qd + 4i.. for k-step 4·span + i
+    // (rows g and g + 8, each times its power of two), RoPE dims 16·warp + 4·qd.. in bf16.
+    unsigned qa[8][4], qr[4];
+    float unscale[2];
+    {
+        float v[2][32];
+        uint2 rope[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int row = g + 8 * r;
+            const bf16_t* src = q + ((u64)b * total_heads + head0 + row) * (FP8_LATENT + FP8_ROPE);
+#pragma unroll
+            for (int span = 0; span < 2; span++) {
+                uint4 w[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+                if (row < heads_here) {
+                    const uint4* p = (const uint4*)(src + 128 * warp + 64 * span + 16 * qd);
+                    w[0] = p[0];
+                    w[1] = p[1];
+                }
+                const u32 words[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    v[r][16 * span + 2 * k] = bf16_to_f32((bf16_t)(words[k] & 0xffffu));
+                    v[r][16 * span + 2 * k + 1] = bf16_to_f32((bf16_t)(words[k] >> 16));
+                }
+            }
+            rope[r] = row < heads_here ? *(const uint2*)(src + FP8_LATENT + 16 * warp + 4 * qd) : make_uint2(0, 0);
+        }
+        float f[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float amax = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[r][k]));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+            f[r] = f16_row_factor(amax);
+            unscale[r] = 1.0f / f[r];
+        }
+#pragma unroll
+        for (int ks = 0; ks < 8; ks++) {
+            const int at = 16 * (ks / 4) + 4 * (ks % 4);
+            qa[ks][0] = pack_f16(v[0][at] * f[0], v[0][at + 1] * f[0]);
+            qa[ks][1] = pack_f16(v[1][at] * f[1], v[1][at + 1] * f[1]);
+            qa[ks][2] = pack_f16(v[0][at + 2] * f[0], v[0][at + 3] * f[0]);
+            qa[ks][3] = pack_f16(v[1][at + 2] * f[1], v[1][at + 3] * f[1]);
+        }
+        qr[0] = rope[0].x;
+        qr[1] = rope[1].x;
+        qr[2] = rope[0].y;
+        qr[3] = rope[1].y;
+    }
+
+    // O of rows g, g + 8: n-block j, columns 2qd, 2qd + 1 (dims 128·warp + 16·n + j).
+    float o[16][4];
+#pragma unroll
+    for (int j = 0; j < 16; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f}, sigma = 0.0f;
+
+    for (int j = 0; j < n_tiles; j++) {
+        const int t0 = t_begin + j * H_TILE, valid = min(H_TILE, t_end - t0);
+        const unsigned kv = sKV + (j % H_STAGES) * H_STAGE_BYTES;
+        mbar_wait(mbar + 8 * (j % H_STAGES), (j / H_STAGES) & 1);
+
+        // This warp's part of S for the tile: n-block nb is tokens 8nb.., lane's B column g.
+        float sc[4][4], ts[4][2];
+#pragma unroll
+        for (int nb = 0; nb < 4; nb++) {
+            const unsigned row = kv + (8 * nb + g) * FP8_TOKEN_BYTES;
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, accr[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int span = 0; span < 2; span++) {
+                const uint4 kb = lds128(row + FP8_TILE * warp + 64 * span + 16 * qd);
+                const u32 w[4] = {kb.x, kb.y, kb.z, kb.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const unsigned bfr[2] = {e4m3x2_f16x2<0>(w[i]), e4m3x2_f16x2<1>(w[i])};
+                    mma_f16(acc, qa[4 * span + i], bfr);
+                }
+            }
+            const uint2 kr = lds64(row + FP8_ROPE_AT + 2 * (16 * warp + 4 * qd));
+            const unsigned br[2] = {kr.x, kr.y};
+            mma_bf16(accr, qr, br);
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const int tok = 8 * nb + 2 * qd + c;
+                ts[nb][c] = tok < valid ? ldsf(kv + tok * FP8_TOKEN_BYTES + FP8_SCALES_AT + 4 * warp) : 0.0f;
+                sc[nb][c] = acc[c] * unscale[0] * ts[nb][c] + accr[c];
+                sc[nb][2 + c] = acc[2 + c] * unscale[1] * ts[nb][c] + accr[2 + c];
+            }
+        }
+        // The four warps' parts summed in one order (every warp gets the same S): n-block nb of
+        // warp w's lane l as a float4 at ((w·4 + nb)·32 + l)·16 (conflict-free).
+        const unsigned x = sX + (j & 1) * H_XCHG_BYTES;
+#pragma unroll
+        for (int nb = 0; nb < 4; nb++)
+            asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(x + ((warp * 4 + nb) * 32 + lane) * 16), "f"(sc[nb][0]),
+                         "f"(sc[nb][1]), "f"(sc[nb][2]), "f"(sc[nb][3]));
+        __syncthreads();
+        // Everyone is done with tile j − 1: its stage takes tile j − 1 + H_STAGES.
+        if (threadIdx.x == 0 && j > 0 && j - 1 + H_STAGES < n_tiles) {
+            fence_proxy_async();
+            issue_tile(j - 1 + H_STAGES);
+        }
+#pragma unroll
+        for (int nb = 0; nb < 4; nb++) {
+            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                float4 p;
+                asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                             : "=f"(p.x), "=f"(p.y), "=f"(p.z), "=f"(p.w)
+                             : "r"(x + ((w * 4 + nb) * 32 + lane) * 16));
+                sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
+            }
+            const int tok = 8 * nb + 2 * qd;
+            sc[nb][0] = tok < valid ? sum.x * scale_log2 : -INFINITY;
+            sc[nb][1] = tok + 1 < valid ? sum.y * scale_log2 : -INFINITY;
+            sc[nb][2] = tok < valid ? sum.z * scale_log2 : -INFINITY;
+            sc[nb][3] = tok + 1 < valid ? sum.w * scale_log2 : -INFINITY;
+        }
+
+        // Online softmax in base 2; σ grows to cover this tile's scales.
+        float mx[2] = {-INFINITY, -INFINITY}, alpha[2], m_use[2];
+        float smax = 0.0f;
+#pragma unroll
+        for (int nb = 0; nb < 4; nb++) {
+            mx[0] = fmaxf(mx[0], fmaxf(sc[nb][0], sc[nb][1]));
+            mx[1] = fmaxf(mx[1], fmaxf(sc[nb][2], sc[nb][3]));
+            smax = fmaxf(smax, fmaxf(ts[nb][0], ts[nb][1]));
+        }
+#pragma unroll
+        for (int sh = 1; sh <= 2; sh <<= 1) {
+            mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], sh));
+            mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], sh));
+            smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, sh));
+        }
+        float grow = 1.0f;
+        if (smax > sigma) {
+            const float next = pow2_at_least(smax);
+            grow = sigma / next;
+            sigma = next;
+        }
+        const float inv_sigma = sigma > 0.0f ? 1.0f / sigma : 0.0f;  // 0: all scales 0 so far
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const float m_new = fmaxf(m_run[r], mx[r]);
+            alpha[r] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[r] - m_new);
+            m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
+            m_run[r] = m_new;
+        }
+        float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int nb = 0; nb < 4; nb++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                sc[nb][c] = fast_exp2(sc[nb][c] - m_use[c / 2]);
+                sum[c / 2] += sc[nb][c];
+            }
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            l_run[r] = l_run[r] * alpha[r] + sum[r];
+            alpha[r] *= grow;  // O is also in units of σ
+        }
+        // Most tiles change neither the maxima nor σ: then O stays as it is.
+        if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f))
+#pragma unroll
+            for (int n = 0; n < 16; n++) {
+                o[n][0] *= alpha[0];
+                o[n][1] *= alpha[0];
+                o[n][2] *= alpha[1];
+                o[n][3] *= alpha[1];
+            }
+
+        // O += (P · scale / σ) · v̂ over two k-steps of 16 tokens.
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            unsigned pa[4];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int nb = 2 * kk + h;
+                const float s0 = ts[nb][0] * inv_sigma, s1 = ts[nb][1] * inv_sigma;
+                pa[2 * h] = pack_f16(sc[nb][0] * s0, sc[nb][1] * s1);
+                pa[2 * h + 1] = pack_f16(sc[nb][2] * s0, sc[nb][3] * s1);
+            }
+            // Rows 2qd, 2qd + 1, 2qd + 8, 2qd + 9 of the k-step: 16 bytes each (zero past the end).
+            uint4 vr[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int tok = 16 * kk + 2 * qd + (k & 1) + 8 * (k >> 1);
+                vr[k] = tok < valid ? lds128(kv + tok * FP8_TOKEN_BYTES + FP8_TILE * warp + 16 * g) : make_uint4(0, 0, 0, 0);
+            }
+            const u32 v0[4] = {vr[0].x, vr[0].y, vr[0].z, vr[0].w}, v1[4] = {vr[1].x, vr[1].y, vr[1].z, vr[1].w};
+            const u32 v8[4] = {vr[2].x, vr[2].y, vr[2].z, vr[2].w}, v9[4] = {vr[3].x, vr[3].y, vr[3].z, vr[3].w};
+#pragma unroll
+            for (int a = 0; a < 4; a++) {
+                // Byte e of a row's word a is n-block 4a + e: pair it with the next row's.
+                const u32 lo01 = prmt(v0[a], v1[a], 0x5140), hi01 = prmt(v0[a], v1[a], 0x7362);
+                const u32 lo89 = prmt(v8[a], v9[a], 0x5140), hi89 = prmt(v8[a], v9[a], 0x7362);
+                unsigned bv[2];
+                bv[0] = e4m3x2_f16x2<0>(lo01), bv[1] = e4m3x2_f16x2<0>(lo89);
+                mma_f16(o[4 * a], pa, bv);
+                bv[0] = e4m3x2_f16x2<1>(lo01), bv[1] = e4m3x2_f16x2<1>(lo89);
+                mma_f16(o[4 * a + 1], pa, bv);
+                bv[0] = e4m3x2_f16x2<0>(hi01), bv[1] = e4m3x2_f16x2<0>(hi89);
+                mma_f16(o[4 * a + 2], pa, bv);
+                bv[0] = e4m3x2_f16x2<1>(hi01), bv[1] = e4m3x2_f16x2<1>(hi89);
+                mma_f16(o[4 * a + 3], pa, bv);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    }
+    const float ln2 = 0.6931471805599453f;
+    if (warp == 0 && qd == 0)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int row = g + 8 * r;
+            if (row >= heads_here) continue;  // padding: not written
+            const float lse = l_run[r] > 0.0f ? (m_run[r] + log2f(l_run[r])) * ln2 : -INFINITY;
+            if (splits == 1)
+                lse_out[(u64)b * total_heads + head0 + row] = lse;
+            else
+                part_lse[out_row + row] = lse;
+        }
+
+    // O in dim order through shared memory (the stages are free: every copy issued has landed
+    // and been read), then out row by row.
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const float k = l_run[r] > 0.0f ? sigma / l_run[r] : 0.0f;
+        const int row = g + 8 * r;
+#pragma unroll
+        for (int j = 0; j < 16; j++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const int dim = FP8_TILE * warp + 16 * (2 * qd + c) + j;
+                asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sKV + (row * H_O_STRIDE + dim + dim / 32) * 4), "f"(o[j][2 * r + c] * k));
+            }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < heads_here * FP8_LATENT / 2; i += H_THREADS) {
+        const int row = i / (FP8_LATENT / 2), dim = 2 * (i % (FP8_LATENT / 2));
+        const unsigned at = sKV + (row * H_O_STRIDE + dim + dim / 32) * 4;
+        const float x = ldsf(at), y = ldsf(at + 4);
+        if (splits == 1)
+            *(unsigned*)(out + ((u64)b * total_heads + head0 + row) * FP8_LATENT + dim) = pack_bf16(x, y);
+        else
+            *(float2*)(part_o + (out_row + row) * FP8_LATENT + dim) = make_float2(x, y);
+    }
+}
