@@ -128,3 +128,47 @@ __device__ __forceinline__ void fp8_expand_tile(unsigned dst, int valid) {
                          : "memory");
     }
 }
+
+// ---- The FP8-cache decode's own operands (mla_decode_fp8*.cu: f16 MMAs on the raw rows).
+
+// The two E4M3 bytes in the low (HI = 0) or high half of v as f16x2, exactly (byte 0 of the
+// half to the low f16). sm_89 and later; the kernels using it run from sm_90 on.
+template <int HI> __device__ __forceinline__ unsigned e4m3x2_f16x2(unsigned v) {
+    unsigned r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (HI)
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, h;\n}\n" : "=r"(r) : "r"(v));
+    else
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, l;\n}\n" : "=r"(r) : "r"(v));
+#else
+    r = 0;
+    __trap();
+#endif
+    return r;
+}
+
+__device__ __forceinline__ uint2 fp8_ld_shared8(unsigned addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ float fp8_ld_shared_f32(unsigned addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+    return v;
+}
+
+// The power of two that brings a query row's largest |value| to about 2^14, so that the row
+// uses f16's range (1 for 0, infinity or NaN).
+__device__ __forceinline__ float f16_row_factor(float amax) {
+    const int e = (int)((__float_as_uint(amax) >> 23) & 0xffu);
+    if (amax == 0.0f || e == 0xff) return 1.0f;
+    return fp8_pow2(max(-126, min(127, 141 - e)));
+}
+
+// The smallest power of two ≥ x > 0 (x itself when it is one; at most 2^127).
+__device__ __forceinline__ float pow2_at_least(float x) {
+    const u32 bits = __float_as_uint(x);
+    const u32 up = (bits & 0x7fffffu) ? ((bits >> 23) + 1) << 23 : bits & 0x7f800000u;
+    return __uint_as_float(min(up, 0x7f000000u));
+}

@@ -49,74 +49,6 @@ static_assert(H_STAGES * H_STAGE_BYTES + 2 * H_XCHG_BYTES + 8 * H_STAGES == mla_
               "mla_decode_fp8_h16: variants.cuh and the layout differ");
 static_assert(H_ROWS * H_O_STRIDE * 4 <= H_STAGES * H_STAGE_BYTES, "O fits in the stages");
 
-// D = A·B + D, 16×16 by 16×8 in f16, f32 accumulators.
-__device__ __forceinline__ void mma_f16(float* d, const unsigned* a, const unsigned* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// Two floats as f16 (round to nearest even) in one register: low half = a.
-__device__ __forceinline__ unsigned pack_f16(float a, float b) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(b), "f"(a));
-    return r;
-}
-
-// The two E4M3 bytes in the low (HI = 0) or high half of v as f16x2, exactly (byte 0 of the
-// half to the low f16). sm_89 and later.
-template <int HI> __device__ __forceinline__ unsigned e4m3x2_f16x2(unsigned v) {
-    unsigned r;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (HI)
-        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, h;\n}\n" : "=r"(r) : "r"(v));
-    else
-        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\ncvt.rn.f16x2.e4m3x2 %0, l;\n}\n" : "=r"(r) : "r"(v));
-#else
-    r = 0;
-    __trap();
-#endif
-    return r;
-}
-
-__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
-    unsigned r;
-    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-    return r;
-}
-
-__device__ __forceinline__ uint4 lds128(unsigned addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ uint2 lds64(unsigned addr) {
-    uint2 v;
-    asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-    return v;
-}
-__device__ __forceinline__ float ldsf(unsigned addr) {
-    float v;
-    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
-    return v;
-}
-
-// The power of two that brings a row's largest |q| to about 2^14 (1 for 0, infinity or NaN).
-__device__ __forceinline__ float f16_row_factor(float amax) {
-    const int e = (int)((__float_as_uint(amax) >> 23) & 0xffu);
-    if (amax == 0.0f || e == 0xff) return 1.0f;
-    return fp8_pow2(max(-126, min(127, 141 - e)));
-}
-
-// The smallest power of two ≥ x > 0 (x itself when it is one).
-__device__ __forceinline__ float pow2_at_least(float x) {
-    const u32 bits = __float_as_uint(x);
-    const u32 up = (bits & 0x7fffffu) ? ((bits >> 23) + 1) << 23 : bits & 0x7f800000u;
-    return __uint_as_float(min(up, 0x7f000000u));
-}
-
 extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(const bf16_t* q, const unsigned char* cache, const int* block_table,
                                                                           int max_pages, const int* seq_lens, float scale_log2, float* part_o,
                                                                           float* part_lse, int splits, int total_heads, bf16_t* out,
@@ -149,10 +81,7 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(co
         const unsigned bytes = min(H_TILE, t_end - t0) * FP8_TOKEN_BYTES, mb = mbar + 8 * (j % H_STAGES);
         const u64 row = (u64)bt[t0 / H_PAGE] * H_PAGE + t0 % H_PAGE;
         mbar_expect_bytes(mb, bytes);
-        TMA_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                    sKV + (j % H_STAGES) * H_STAGE_BYTES),
-                "l"(cache + row * FP8_TOKEN_BYTES), "r"(bytes), "r"(mb)
-                : "memory");
+        bulk_load(sKV + (j % H_STAGES) * H_STAGE_BYTES, cache + row * FP8_TOKEN_BYTES, bytes, mb);
     };
     if (threadIdx.x == 0)
         for (int j = 0; j < H_STAGES && j < n_tiles; j++) issue_tile(j);
@@ -229,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(co
             float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, accr[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int span = 0; span < 2; span++) {
-                const uint4 kb = lds128(row + FP8_TILE * warp + 64 * span + 16 * qd);
+                const uint4 kb = fp8_ld_shared16(row + FP8_TILE * warp + 64 * span + 16 * qd);
                 const u32 w[4] = {kb.x, kb.y, kb.z, kb.w};
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
@@ -237,13 +166,13 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(co
                     mma_f16(acc, qa[4 * span + i], bfr);
                 }
             }
-            const uint2 kr = lds64(row + FP8_ROPE_AT + 2 * (16 * warp + 4 * qd));
+            const uint2 kr = fp8_ld_shared8(row + FP8_ROPE_AT + 2 * (16 * warp + 4 * qd));
             const unsigned br[2] = {kr.x, kr.y};
             mma_bf16(accr, qr, br);
 #pragma unroll
             for (int c = 0; c < 2; c++) {
                 const int tok = 8 * nb + 2 * qd + c;
-                ts[nb][c] = tok < valid ? ldsf(kv + tok * FP8_TOKEN_BYTES + FP8_SCALES_AT + 4 * warp) : 0.0f;
+                ts[nb][c] = tok < valid ? fp8_ld_shared_f32(kv + tok * FP8_TOKEN_BYTES + FP8_SCALES_AT + 4 * warp) : 0.0f;
                 sc[nb][c] = acc[c] * unscale[0] * ts[nb][c] + accr[c];
                 sc[nb][2 + c] = acc[2 + c] * unscale[1] * ts[nb][c] + accr[2 + c];
             }
@@ -347,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(co
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 const int tok = 16 * kk + 2 * qd + (k & 1) + 8 * (k >> 1);
-                vr[k] = tok < valid ? lds128(kv + tok * FP8_TOKEN_BYTES + FP8_TILE * warp + 16 * g) : make_uint4(0, 0, 0, 0);
+                vr[k] = tok < valid ? fp8_ld_shared16(kv + tok * FP8_TOKEN_BYTES + FP8_TILE * warp + 16 * g) : make_uint4(0, 0, 0, 0);
             }
             const u32 v0[4] = {vr[0].x, vr[0].y, vr[0].z, vr[0].w}, v1[4] = {vr[1].x, vr[1].y, vr[1].z, vr[1].w};
             const u32 v8[4] = {vr[2].x, vr[2].y, vr[2].z, vr[2].w}, v9[4] = {vr[3].x, vr[3].y, vr[3].z, vr[3].w};
@@ -406,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(co
     for (int i = threadIdx.x; i < heads_here * FP8_LATENT / 2; i += H_THREADS) {
         const int row = i / (FP8_LATENT / 2), dim = 2 * (i % (FP8_LATENT / 2));
         const unsigned at = sKV + (row * H_O_STRIDE + dim + dim / 32) * 4;
-        const float x = ldsf(at), y = ldsf(at + 4);
+        const float x = fp8_ld_shared_f32(at), y = fp8_ld_shared_f32(at + 4);
         if (splits == 1)
             *(unsigned*)(out + ((u64)b * total_heads + head0 + row) * FP8_LATENT + dim) = pack_bf16(x, y);
         else

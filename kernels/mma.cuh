@@ -19,6 +19,38 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 
+// D = A·B + D for a 16×16 by 16×8 f16 tile, f32 accumulators (f16 holds every E4M3 value
+// exactly: the FP8-cache decode's operands).
+__device__ __forceinline__ void mma_f16(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two floats as f16 (round to nearest even) in one register: low half = a.
+__device__ __forceinline__ unsigned pack_f16(float a, float b) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+}
+
+// The 8×8 b16 matrix whose fragments the warp holds (lane l: row l/4, columns 2(l%4)..), transposed.
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned a) {
+    unsigned r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(a));
+    return r;
+}
+
+// Bytes of a and b picked by `sel` (PTX prmt: nibble i of sel names byte i of the result, 0–3
+// from a, 4–7 from b).
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+    unsigned r;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
 // Four 8×8 b16 matrices; lane l gives the row address of matrix l/8, row l%8.
 __device__ __forceinline__ void ldsm_x4(unsigned* r, unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

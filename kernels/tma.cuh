@@ -54,3 +54,10 @@ __device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap* map, uns
         : "memory");
 }
 
+// `bytes` (a multiple of 16) of contiguous global memory at src (16-byte aligned) into shared
+// memory at dst, completing `bytes` on the barrier at mbar: a bulk copy without a tensor map.
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned mbar) {
+    TMA_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst), "l"((u64)src),
+            "r"(bytes), "r"(mbar)
+            : "memory");
+}

@@ -12,13 +12,13 @@ use crate::error::Result;
 const FP8_TOKEN: usize = 656;
 
 /// One shape's times: the bf16 decode, the FP8-cache decode the device chooses (and its
-/// kernel), and the few-heads FP8 kernel forced where it is not the choice (`None` where it
-/// does not run).
+/// kernel), and each few-heads FP8 kernel ([`FEW_HEADS`]) forced where it is not the choice
+/// (`None` where it is, or does not run).
 struct Fp8Times {
     bf16: f64,
     fp8: f64,
     kernel: &'static str,
-    few_heads: Option<f64>,
+    few_heads: [Option<f64>; 2],
 }
 
 /// [`Fp8Times`] of one shape, in µs.
@@ -66,12 +66,13 @@ fn fp8_vs_bf16(
     };
     let fp8_work = DecodeWork::for_fp8(gpu, shape, None, None)?;
     let fp8 = fp8_time(&fp8_work)?;
-    let few_heads = match fast::fp8_decode_variants_for(gpu).contains(&FEW_HEADS) {
-        true if fp8_work.kernel != FEW_HEADS => {
-            Some(fp8_time(&DecodeWork::for_fp8(gpu, shape, Some(FEW_HEADS), None)?)? * 1e3)
+    let runs = fast::fp8_decode_variants_for(gpu);
+    let mut few_heads = [None; 2];
+    for (time, kernel) in few_heads.iter_mut().zip(FEW_HEADS) {
+        if runs.contains(&kernel) && fp8_work.kernel != kernel {
+            *time = Some(fp8_time(&DecodeWork::for_fp8(gpu, shape, Some(kernel), None)?)? * 1e3);
         }
-        _ => None,
-    };
+    }
     Ok(Fp8Times {
         bf16: bf16 * 1e3,
         fp8: fp8 * 1e3,
@@ -80,21 +81,29 @@ fn fp8_vs_bf16(
     })
 }
 
-/// The FP8-cache kernel for a rank's few heads.
-const FEW_HEADS: &str = "mla_decode_fp8_h16";
+/// The FP8-cache kernels for a rank's few heads (8 and 16 heads a block).
+const FEW_HEADS: [&str; 2] = ["mla_decode_fp8_h8", "mla_decode_fp8_h16"];
 
 /// The FP8-cache decode beside the bf16 one: batch 64 and 1 at 8k, at 64 heads (a whole GLM-5
 /// layer) and at a tensor-parallel rank's 8 and 16 heads.
 pub fn fp8_decode(gpu: &Gpu) -> Result<()> {
     writeln!(
         Out,
-        "\nMLA decode over the FP8 latent cache (fp8_ds_mla) vs the bf16 cache (h16 forced: the \
-         few-heads kernel where it is not the choice)"
+        "\nMLA decode over the FP8 latent cache (fp8_ds_mla) vs the bf16 cache (h8, h16: those \
+         kernels forced where they are not the choice)"
     )?;
     writeln!(
         Out,
-        "{:>6} {:>8} {:>6} {:>10} {:>10} {:>12} {:>20} {:>10}",
-        "batch", "context", "heads", "bf16 us", "fp8 us", "fp8 seq/s ×", "fp8 kernel", "h16 us"
+        "{:>6} {:>8} {:>6} {:>10} {:>10} {:>12} {:>20} {:>10} {:>10}",
+        "batch",
+        "context",
+        "heads",
+        "bf16 us",
+        "fp8 us",
+        "fp8 seq/s ×",
+        "fp8 kernel",
+        "h8 us",
+        "h16 us"
     )?;
     for (batch, context, heads) in [
         (64, 8192, 8),
@@ -105,10 +114,12 @@ pub fn fp8_decode(gpu: &Gpu) -> Result<()> {
         (1, 8192, 64),
     ] {
         let t = fp8_vs_bf16(gpu, batch, context, heads, (batch + context + heads) as u64)?;
-        let few = t.few_heads.map_or("-".to_string(), |f| format!("{f:.1}"));
+        let [h8, h16] = t
+            .few_heads
+            .map(|f| f.map_or("-".to_string(), |f| format!("{f:.1}")));
         writeln!(
             Out,
-            "{batch:>6} {context:>8} {heads:>6} {:>10.1} {:>10.1} {:>11.2}× {:>20} {few:>10}",
+            "{batch:>6} {context:>8} {heads:>6} {:>10.1} {:>10.1} {:>11.2}× {:>20} {h8:>10} {h16:>10}",
             t.bf16,
             t.fp8,
             t.bf16 / t.fp8,

@@ -86,10 +86,10 @@ fn reads_cache_by_tma(kernel: &str) -> bool {
     matches!(kernel, "mla_decode_wgmma" | "mla_decode_kt3")
 }
 
-/// The decode kernels that need sm_90 or later: those fed by TMA, and the FP8-cache kernel fed
+/// The decode kernels that need sm_90 or later: those fed by TMA, and the FP8-cache kernels fed
 /// by bulk copies (with the E4M3 conversion instruction).
 fn needs_sm90(kernel: &str) -> bool {
-    reads_cache_by_tma(kernel) || kernel == "mla_decode_fp8_h16"
+    reads_cache_by_tma(kernel) || matches!(kernel, "mla_decode_fp8_h8" | "mla_decode_fp8_h16")
 }
 
 /// TMA exists from compute capability 9.0 on (Hopper, B200, sm_120).

@@ -1,10 +1,11 @@
 //! The tensor-core MLA decode over an fp8_ds_mla latent cache (656-byte rows: E4M3 latent values
 //! in four scaled tiles, bf16 RoPE values), as production serves GLM-5. Two kinds of kernel:
-//! - `mla_decode_fp8_h16` (sm_90 and later; kernels/mla_decode_fp8.cu): 16 heads a block, f16
-//!   MMAs on operands converted straight from the raw rows, the scales applied outside the MMAs.
-//!   Made for a tensor-parallel rank's few heads (GLM-5 at TP 8: 8, DeepSeek-V3: 16), where the
-//!   64-row kernels are mostly padding, and the first choice at every head count: on the H200 it
-//!   beats the converting kernels even at 64 heads, reading the cache once per 16 heads.
+//! - The few-heads kernels (sm_90 and later; kernels/mla_decode_fp8*.cu): f16 MMAs on operands
+//!   converted straight from the raw rows, the scales applied outside the MMAs.
+//!   `mla_decode_fp8_h8` takes up to 8 heads a block as the MMAs' columns (GLM-5 at TP 8),
+//!   `mla_decode_fp8_h16` 16 as rows (DeepSeek-V3 at TP 8). Made for a tensor-parallel rank,
+//!   where the 64-row kernels are mostly padding, and the first choice at every head count: on
+//!   the H200 h16 beats the converting kernels even at 64 heads, reading the cache once per 16.
 //! - The bf16 decode variants whose tile loader dequantizes the rows into the same shared bf16
 //!   tiles (kernels/kv_fp8.cuh), taking their twin's shared memory and split choice. The TMA and
 //!   wgmma variants have no such form: TMA copies bytes as they are, and those tiles need
@@ -18,12 +19,14 @@ use super::fast::{
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
 
-/// The FP8-cache kernel for a rank's few heads.
+/// The FP8-cache kernels for a rank's few heads: up to 8 heads a block, and 16.
+const EIGHT_HEADS: &str = "mla_decode_fp8_h8";
 const FEW_HEADS: &str = "mla_decode_fp8_h16";
 
 /// The FP8-cache variants, in order of preference, each with the bf16 variant it mirrors (the
-/// few-heads kernel has none).
-const VARIANTS: [(&str, Option<&str>); 5] = [
+/// few-heads kernels have none).
+const VARIANTS: [(&str, Option<&str>); 6] = [
+    (EIGHT_HEADS, None),
     (FEW_HEADS, None),
     ("mla_decode_fp8_ks3", Some("mla_decode_ks3")),
     ("mla_decode_fp8_ks2", Some("mla_decode_ks2")),
@@ -67,7 +70,7 @@ pub fn fp8_kernel_of(variant: &str) -> Result<&'static str> {
         .ok_or_else(|| {
             Error::invalid(format!(
                 "{variant} has no form that reads an fp8_ds_mla cache (those are \
-                 mla_decode_fp8_h16, ks3, ks2, t32, t16: TMA copies the bytes as they are, and \
+                 mla_decode_fp8_h8, mla_decode_fp8_h16, ks3, ks2, t32, t16: TMA copies the bytes as they are, and \
                  the tiles need converting)"
             ))
         })
@@ -83,7 +86,13 @@ impl DecodeWork {
         splits: Option<usize>,
     ) -> Result<DecodeWork> {
         let forced = forced.map(fp8_kernel_of).transpose()?;
-        let variant = pick_variant(gpu, &fp8_variants(), forced)?;
+        // The 8-head kernel where a group of 8 holds every head (more would read the cache
+        // once per 8 heads instead of once per 16).
+        let candidates: Vec<_> = fp8_variants()
+            .into_iter()
+            .filter(|&(name, _)| forced.is_some() || name != EIGHT_HEADS || shape.heads <= 8)
+            .collect();
+        let variant = pick_variant(gpu, &candidates, forced)?;
         let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
         DecodeWork::scratch(gpu, shape, splits, variant)
     }
@@ -148,6 +157,7 @@ mod tests {
             }
         }
         assert_eq!(head_group(FEW_HEADS), 16);
+        assert_eq!(head_group(EIGHT_HEADS), 8);
         assert_eq!(
             fp8_kernel_of("mla_decode_ks3").unwrap(),
             "mla_decode_fp8_ks3"

@@ -3,14 +3,14 @@
 //! (kernels/kv_fp8.cu), which quantizes rows into the 656-byte slots of a paged byte cache, and
 //! the tensor-core decode
 //! reading such a cache (`mla_decode_fp8_*` in mla_decode.cu, mla_decode_splitk.cu and
-//! mla_decode_fp8.cu), whose
+//! mla_decode_fp8*.cu), whose
 //! splits the one merge of every decode joins (`Gpu::mla_decode_merge`). What a launch may touch
 //! is checked here; the variant and split count are `cuda::fast_fp8`'s.
 
 use super::fast_kernels::{LATENT, MAX_SPLITS, PAGE, ROPE};
 use super::kernels::{blocks, blocks_yz, int, need, need_bytes, need_i32, prod, FILL_U32};
 use super::signature::{Param::*, Sig};
-use super::{grid_1d, Arg, DevBuf, DevBytes, DevI32, Elem, Gpu, Launch, Launched};
+use super::{grid_1d, variants, Arg, DevBuf, DevBytes, DevI32, Elem, Gpu, Launch, Launched};
 use crate::error::{Error, Result};
 use crate::ops::kv_fp8::TOKEN_BYTES;
 
@@ -132,8 +132,8 @@ pub struct Fp8Decode<'a> {
     pub kernel: &'a str,
     pub shared: u32,
     pub batch: usize,
-    /// At least 1: the grid has ⌈heads / 64⌉ groups, as the bf16 decode's (⌈heads / 16⌉ for
-    /// `mla_decode_fp8_h16`).
+    /// At least 1: the grid has ⌈heads / rows⌉ groups, the rows of the kernel's variant (64 as
+    /// the bf16 decode's; 16 or 8 for the few-heads kernels).
     pub heads: usize,
     pub max_pages: usize,
     pub splits: usize,
@@ -229,12 +229,10 @@ impl Gpu {
             out,
             lse,
         ];
-        // The few-heads kernel: 16 heads and four warps a block; the others 64 and eight.
-        let (group, threads) = if d.kernel == "mla_decode_fp8_h16" {
-            (16, 128)
-        } else {
-            (64, 256)
-        };
+        // Heads per block from the variant's row; the few-heads kernels (8 or 16) run four
+        // warps, the 64-head ones eight.
+        let group = variants::variant(d.kernel).map_or(64, |v| v.rows);
+        let threads = if group < 64 { 128 } else { 256 };
         let cfg = Launch {
             grid: (
                 blocks("MLA decode", d.splits)?,
