@@ -60,17 +60,24 @@ pub enum DecodeVariant {
     T32,
     /// 16-token tiles, one stage: fits 99 KB of shared memory (sm_86/89, sm_120).
     T16,
+    /// FP8 cache only (sm_90 and later): up to 8 heads a block as the MMAs' columns, f16 MMAs
+    /// on the raw E4M3 rows (mla_decode_fp8_h8.cu).
+    H8,
+    /// FP8 cache only (sm_90 and later): 16 heads a block as rows (mla_decode_fp8.cu).
+    H16,
 }
 
 impl DecodeVariant {
     /// Every variant, in order of preference.
-    pub const ALL: [DecodeVariant; 6] = [
+    pub const ALL: [DecodeVariant; 8] = [
         DecodeVariant::Wgmma,
         DecodeVariant::Kt3,
         DecodeVariant::Ks3,
         DecodeVariant::Ks2,
         DecodeVariant::T32,
         DecodeVariant::T16,
+        DecodeVariant::H8,
+        DecodeVariant::H16,
     ];
 
     /// The short name (`ks3`), as flags take it.
@@ -82,10 +89,13 @@ impl DecodeVariant {
             DecodeVariant::Ks2 => "ks2",
             DecodeVariant::T32 => "t32",
             DecodeVariant::T16 => "t16",
+            DecodeVariant::H8 => "h8",
+            DecodeVariant::H16 => "h16",
         }
     }
 
-    /// The kernel's name in the CUDA sources (`mla_decode_ks3`).
+    /// The kernel's name in the CUDA sources (`mla_decode_ks3`; the FP8-only variants' one
+    /// form, `mla_decode_fp8_h8`).
     pub fn kernel(self) -> &'static str {
         match self {
             DecodeVariant::Wgmma => "mla_decode_wgmma",
@@ -94,6 +104,8 @@ impl DecodeVariant {
             DecodeVariant::Ks2 => "mla_decode_ks2",
             DecodeVariant::T32 => "mla_decode_t32",
             DecodeVariant::T16 => "mla_decode_t16",
+            DecodeVariant::H8 => "mla_decode_fp8_h8",
+            DecodeVariant::H16 => "mla_decode_fp8_h16",
         }
     }
 }
@@ -101,7 +113,9 @@ impl DecodeVariant {
 impl std::str::FromStr for DecodeVariant {
     type Err = crate::Error;
     fn from_str(s: &str) -> crate::error::Result<DecodeVariant> {
+        // A kernel's name: its variant (`mla_decode_fp8_ks3` is the FP8 form of ks3).
         let tag = s.strip_prefix("mla_decode_").unwrap_or(s);
+        let tag = tag.strip_prefix("fp8_").unwrap_or(tag);
         DecodeVariant::ALL
             .into_iter()
             .find(|v| v.tag() == tag)

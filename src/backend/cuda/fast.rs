@@ -9,7 +9,7 @@ use super::device::fast_kernels::{Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
 pub use super::device::fast_kernels::{MergeFaults, MAX_SPLITS};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{variants, DevBuf, DevI32, Elem, Gpu, Launched};
-pub use super::fast_fp8::{fp8_decode_variants_for, fp8_twin, mla_decode_fp8};
+pub use super::fast_fp8::{fp8_decode_variants_for, fp8_only, fp8_twin, mla_decode_fp8};
 pub use super::fast_prefill::{
     flash_prefill_planted, flash_prefill_variant, prefill_shared_bytes, prefill_variants_for,
     PREFILL_DIMS, PREFILL_VARIANTS,

@@ -214,6 +214,11 @@ impl CudaBackend {
             (_, Ok(kernel)) => kernel,
             (false, Err(_)) => None,
         };
+        if let Some(f) = forced.filter(|f| !fp8 && fast::fp8_only(f)) {
+            return Ok(FastOutcome::Declined(format!(
+                "the forced decode variant {f} reads only an fp8_ds_mla cache"
+            )));
+        }
         let od = self.dev(out)?;
         // A padded batch is written to a buffer of its own, whose first n rows go to `out`.
         let row = heads * LATENT;

@@ -51,6 +51,13 @@ pub fn fp8_decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
         .collect()
 }
 
+/// Whether a decode kernel reads only an fp8_ds_mla cache (the few-heads kernels).
+pub fn fp8_only(kernel: &str) -> bool {
+    VARIANTS
+        .iter()
+        .any(|&(fp8, twin)| fp8 == kernel && twin.is_none())
+}
+
 /// The bf16 decode variant an FP8-cache variant mirrors (`None` for the few-heads kernel).
 pub fn fp8_twin(variant: &str) -> Option<&'static str> {
     VARIANTS
@@ -164,5 +171,6 @@ mod tests {
         );
         assert_eq!(fp8_kernel_of(FEW_HEADS).unwrap(), FEW_HEADS);
         assert!(fp8_kernel_of("mla_decode_wgmma").is_err());
+        assert!(fp8_only(EIGHT_HEADS) && fp8_only(FEW_HEADS) && !fp8_only("mla_decode_fp8_ks3"));
     }
 }
