@@ -5,6 +5,7 @@
 // shuffles), warps 0 and 1 the RoPE values. `faults` plants the codec's scale faults.
 #include "common.cuh"
 #include "mma.cuh"
+#include "tma.cuh"
 #include "kv_fp8.cuh"
 
 template <typename T>

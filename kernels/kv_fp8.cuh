@@ -3,7 +3,7 @@
 // (four tiles of 128; the scales at bytes 512..528), then the 64 RoPE values in bf16
 // (528..656). The conversions are written out in integer and exact float steps rather than
 // taken from cuda_fp8.h, so that rounding (to nearest, ties to even), saturation (±448) and NaN
-// are those of the codec on every architecture. Needs common.cuh and mma.cuh before it.
+// are those of the codec on every architecture. Needs common.cuh, mma.cuh and tma.cuh before it.
 #pragma once
 
 #define FP8_TOKEN_BYTES 656
@@ -172,3 +172,55 @@ __device__ __forceinline__ float pow2_at_least(float x) {
     const u32 up = (bits & 0x7fffffu) ? ((bits >> 23) + 1) << 23 : bits & 0x7f800000u;
     return __uint_as_float(min(up, 0x7f000000u));
 }
+
+// A tile's rows into a stage for the few-heads kernels, by warp 0, with the tile's key bits
+// (bit r: row r holds a key) stored at `keys_at` before the copies are armed, so that a thread
+// that saw the stage's barrier complete reads them too. Rows that hold no key are not copied:
+// the kernels take their bytes as zero and their scores as -inf.
+// - Dense: the tile's valid rows are consecutive in one page: one bulk copy by lane 0.
+// - Sparse: row r is list entry t0 + r; lane r copies its 656 bytes, found through the block
+//   table. The two dependent loads are pipelined in the lanes' registers: issuing tile k uses the
+//   position and page loaded with earlier issues, loads the page of tile k + 1 and the position
+//   of tile k + 2, so no issue waits on its own lookups (the first tiles' issues once do).
+template <bool SPARSE, int TILE> struct Fp8TileIssuer {
+    const unsigned char* cache;
+    const int* bt;    // the sequence's block table row
+    const int* list;  // its key list (sparse)
+    int t_begin, t_end;
+    int pos, page, next_pos;  // sparse: this lane's entry of the next tile to issue, its page, the entry after
+
+    __device__ __forceinline__ int entry(int i) const { return i < t_end ? list[i] : -1; }
+
+    __device__ __forceinline__ void start(int lane) {
+        if (!SPARSE) return;
+        pos = entry(t_begin + lane);
+        page = pos >= 0 ? bt[pos / 64] : 0;
+        next_pos = entry(t_begin + TILE + lane);
+    }
+
+    __device__ __forceinline__ void issue(int j, unsigned dst, unsigned mb, unsigned keys_at, int lane) {
+        const int t0 = t_begin + j * TILE;
+        if (!SPARSE) {
+            if (lane != 0) return;
+            const int valid = min(TILE, t_end - t0);
+            const u64 row = (u64)bt[t0 / 64] * 64 + t0 % 64;
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(keys_at), "r"(valid == 32 ? 0xffffffffu : (1u << valid) - 1u) : "memory");
+            mbar_expect_bytes(mb, valid * FP8_TOKEN_BYTES);
+            bulk_load(dst, cache + row * FP8_TOKEN_BYTES, valid * FP8_TOKEN_BYTES, mb);
+            return;
+        }
+        static_assert(TILE == 32, "a lane per row");
+        const bool key = pos >= 0;  // entries past the end read as -1
+        const u64 row = (u64)page * 64 + pos % 64;
+        const unsigned keys = __ballot_sync(0xffffffffu, key);
+        if (lane == 0) {
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(keys_at), "r"(keys) : "memory");
+            mbar_expect_bytes(mb, __popc(keys) * FP8_TOKEN_BYTES);
+        }
+        __syncwarp();
+        if (key) bulk_load(dst + lane * FP8_TOKEN_BYTES, cache + row * FP8_TOKEN_BYTES, FP8_TOKEN_BYTES, mb);
+        pos = next_pos;
+        page = pos >= 0 ? bt[pos / 64] : 0;
+        next_pos = entry(t0 + 2 * TILE + lane);
+    }
+};

@@ -8,7 +8,8 @@
 // the copy costs a barrier and a second pass over shared memory per tile. Here the raw 656-byte
 // rows stay as they came, and each warp builds its MMA operands straight from them:
 // - A tile (32 tokens, half a page, contiguous in the cache) comes by one bulk copy of
-//   valid·656 bytes, which completes a shared-memory barrier; four stages in flight.
+//   valid·656 bytes (sparse: a copy per list entry), which completes a shared-memory barrier;
+//   four stages in flight.
 // - Warp w owns latent tile w (dims 128w..128w+127, one E4M3 scale per token) and RoPE dims
 //   16w..16w+15. S = Q·Kᵀ is summed over the four warps' dims through shared memory (one
 //   barrier per tile, which also frees the stage read two tiles ago), then every warp holds
@@ -26,9 +27,11 @@
 //   loads 16 bytes of each of its four token rows (n-block j, column n is dim 16n + j of the
 //   warp's tile). Q is loaded in the matching order; O is put back in order through shared
 //   memory at the end, then written out coalesced.
-// Rows past a split's end: S is -inf there, and their V bytes and scales are taken as zero
-// (the stage may hold anything there, and 0 · NaN is NaN). Padding heads (rows ≥ the heads that
-// exist) have zero queries and are never written.
+// Rows past a split's end (and, sparse, list entries of padding) hold no key: S is -inf there,
+// and their V bytes and scales are taken as zero (the stage may hold anything there, and
+// 0 · NaN is NaN). Padding heads (rows ≥ the heads that exist) have zero queries and are never
+// written. mla_sparse_fp8_h16 is the sparse form: sequence b attends to the positions its key
+// list names (the DSA indexer's top-k), a tile's rows gathered by one copy per entry.
 #include "common.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
@@ -45,16 +48,20 @@
 #define H_O_STRIDE 532                  // floats per row of O put back in order (+1 per 32 dims)
 
 static_assert(H_ROWS == 16 && H_TILE == 32 && FP8_LATENT == 4 * FP8_TILE, "a warp per latent tile, 16-row MMAs");
-static_assert(H_STAGES * H_STAGE_BYTES + 2 * H_XCHG_BYTES + 8 * H_STAGES == mla_decode_fp8_h16_v.shared,
+static_assert(H_STAGES * H_STAGE_BYTES + 2 * H_XCHG_BYTES + 12 * H_STAGES == mla_decode_fp8_h16_v.shared,
               "mla_decode_fp8_h16: variants.cuh and the layout differ");
+static_assert(mla_sparse_fp8_h16_v.shared == mla_decode_fp8_h16_v.shared && mla_sparse_fp8_h16_v.rows == H_ROWS &&
+                  mla_sparse_fp8_h16_v.stages == H_STAGES,
+              "the sparse form has the dense one's layout");
 static_assert(H_ROWS * H_O_STRIDE * 4 <= H_STAGES * H_STAGE_BYTES, "O fits in the stages");
 
-extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(const bf16_t* q, const unsigned char* cache, const int* block_table,
-                                                                          int max_pages, const int* seq_lens, float scale_log2, float* part_o,
-                                                                          float* part_lse, int splits, int total_heads, bf16_t* out,
-                                                                          float* lse_out) {
+template <bool SPARSE>
+__device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* cache, const int* block_table, int max_pages, const int* indices,
+                                        int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse, int splits,
+                                        int total_heads, bf16_t* out, float* lse_out) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned sKV = smem_addr(smem), sX = sKV + H_STAGES * H_STAGE_BYTES, mbar = sX + 2 * H_XCHG_BYTES;
+    const unsigned sKeys = mbar + 8 * H_STAGES;  // [stages] the key bits of the tile in each
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * H_ROWS;
     const int heads_here = min(H_ROWS, total_heads - head0);  // the rest of the rows are padding
@@ -74,17 +81,17 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(co
         mbar_init_fence();
     }
     __syncthreads();
-    // Tile j: its valid rows, one bulk copy (a tile never crosses a page: it starts at a
-    // multiple of 32 tokens).
+    // Tile j's rows by warp 0 (kv_fp8.cuh: one bulk copy of a page's consecutive rows, or a
+    // copy per list entry), its key bits beside.
+    Fp8TileIssuer<SPARSE, H_TILE> issuer{cache, bt, indices + (u64)b * topk, t_begin, t_end};
     auto issue_tile = [&](int j) {
-        const int t0 = t_begin + j * H_TILE;
-        const unsigned bytes = min(H_TILE, t_end - t0) * FP8_TOKEN_BYTES, mb = mbar + 8 * (j % H_STAGES);
-        const u64 row = (u64)bt[t0 / H_PAGE] * H_PAGE + t0 % H_PAGE;
-        mbar_expect_bytes(mb, bytes);
-        bulk_load(sKV + (j % H_STAGES) * H_STAGE_BYTES, cache + row * FP8_TOKEN_BYTES, bytes, mb);
+        const int st = j % H_STAGES;
+        issuer.issue(j, sKV + st * H_STAGE_BYTES, mbar + 8 * st, sKeys + 4 * st, lane);
     };
-    if (threadIdx.x == 0)
+    if (warp == 0) {
+        issuer.start(lane);
         for (int j = 0; j < H_STAGES && j < n_tiles; j++) issue_tile(j);
+    }
 
     // Q as A fragments: latent dims 128·warp + 64·span + 16·qd + 4i.. for k-step 4·span + i
     // (rows g and g + 8, each times its power of two), RoPE dims 16·warp + 4·qd.. in bf16.
@@ -146,9 +153,11 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(co
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f}, sigma = 0.0f;
 
     for (int j = 0; j < n_tiles; j++) {
-        const int t0 = t_begin + j * H_TILE, valid = min(H_TILE, t_end - t0);
         const unsigned kv = sKV + (j % H_STAGES) * H_STAGE_BYTES;
         mbar_wait(mbar + 8 * (j % H_STAGES), (j / H_STAGES) & 1);
+        unsigned keys;  // bit r: row r of the tile holds a key
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(keys) : "r"(sKeys + 4 * (j % H_STAGES)));
+        auto is_key = [&](int r) { return (keys >> r) & 1u; };
 
         // This warp's part of S for the tile: n-block nb is tokens 8nb.., lane's B column g.
         float sc[4][4], ts[4][2];
@@ -172,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(co
 #pragma unroll
             for (int c = 0; c < 2; c++) {
                 const int tok = 8 * nb + 2 * qd + c;
-                ts[nb][c] = tok < valid ? fp8_ld_shared_f32(kv + tok * FP8_TOKEN_BYTES + FP8_SCALES_AT + 4 * warp) : 0.0f;
+                ts[nb][c] = is_key(tok) ? fp8_ld_shared_f32(kv + tok * FP8_TOKEN_BYTES + FP8_SCALES_AT + 4 * warp) : 0.0f;
                 sc[nb][c] = acc[c] * unscale[0] * ts[nb][c] + accr[c];
                 sc[nb][2 + c] = acc[2 + c] * unscale[1] * ts[nb][c] + accr[2 + c];
             }
@@ -186,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(co
                          "f"(sc[nb][1]), "f"(sc[nb][2]), "f"(sc[nb][3]));
         __syncthreads();
         // Everyone is done with tile j − 1: its stage takes tile j − 1 + H_STAGES.
-        if (threadIdx.x == 0 && j > 0 && j - 1 + H_STAGES < n_tiles) {
+        if (warp == 0 && j > 0 && j - 1 + H_STAGES < n_tiles) {
             fence_proxy_async();
             issue_tile(j - 1 + H_STAGES);
         }
@@ -202,10 +211,10 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(co
                 sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
             }
             const int tok = 8 * nb + 2 * qd;
-            sc[nb][0] = tok < valid ? sum.x * scale_log2 : -INFINITY;
-            sc[nb][1] = tok + 1 < valid ? sum.y * scale_log2 : -INFINITY;
-            sc[nb][2] = tok < valid ? sum.z * scale_log2 : -INFINITY;
-            sc[nb][3] = tok + 1 < valid ? sum.w * scale_log2 : -INFINITY;
+            sc[nb][0] = is_key(tok) ? sum.x * scale_log2 : -INFINITY;
+            sc[nb][1] = is_key(tok + 1) ? sum.y * scale_log2 : -INFINITY;
+            sc[nb][2] = is_key(tok) ? sum.z * scale_log2 : -INFINITY;
+            sc[nb][3] = is_key(tok + 1) ? sum.w * scale_log2 : -INFINITY;
         }
 
         // Online softmax in base 2; σ grows to cover this tile's scales.
@@ -276,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(co
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 const int tok = 16 * kk + 2 * qd + (k & 1) + 8 * (k >> 1);
-                vr[k] = tok < valid ? fp8_ld_shared16(kv + tok * FP8_TOKEN_BYTES + FP8_TILE * warp + 16 * g) : make_uint4(0, 0, 0, 0);
+                vr[k] = is_key(tok) ? fp8_ld_shared16(kv + tok * FP8_TOKEN_BYTES + FP8_TILE * warp + 16 * g) : make_uint4(0, 0, 0, 0);
             }
             const u32 v0[4] = {vr[0].x, vr[0].y, vr[0].z, vr[0].w}, v1[4] = {vr[1].x, vr[1].y, vr[1].z, vr[1].w};
             const u32 v8[4] = {vr[2].x, vr[2].y, vr[2].z, vr[2].w}, v9[4] = {vr[3].x, vr[3].y, vr[3].z, vr[3].w};
@@ -341,4 +350,20 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(co
         else
             *(float2*)(part_o + (out_row + row) * FP8_LATENT + dim) = make_float2(x, y);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(const bf16_t* q, const unsigned char* cache, const int* block_table,
+                                                                          int max_pages, const int* seq_lens, float scale_log2, float* part_o,
+                                                                          float* part_lse, int splits, int total_heads, bf16_t* out,
+                                                                          float* lse_out) {
+    fp8_h16<false>(q, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out, lse_out);
+}
+
+// The sparse form: sequence b attends to the entries 0..seq_lens[b] of row b of `indices`
+// ([batch, topk] token positions, -1 padding), the splits and tiles running over the entries.
+extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_sparse_fp8_h16(const bf16_t* q, const unsigned char* cache, const int* block_table,
+                                                                          int max_pages, const int* indices, int topk, const int* seq_lens,
+                                                                          float scale_log2, float* part_o, float* part_lse, int splits,
+                                                                          int total_heads, bf16_t* out, float* lse_out) {
+    fp8_h16<true>(q, cache, block_table, max_pages, indices, topk, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out, lse_out);
 }

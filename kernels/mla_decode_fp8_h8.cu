@@ -14,7 +14,8 @@
 //   transposed within the warp by movmatrix.
 // Sᵀ lanes hold tokens g, g + 8 (of each 16) and heads 2qd, 2qd + 1: the softmax reduces over
 // the eight lanes of a quad position (shuffles by 4, 8, 16). Three stages and 8 KB of exchange
-// (70 KB) leave room for three blocks per multiprocessor.
+// (70 KB) leave room for three blocks per multiprocessor. mla_sparse_fp8_h8 is the sparse form
+// (see mla_decode_fp8.cu).
 #include "common.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
@@ -31,16 +32,20 @@
 #define E_O_STRIDE 532                  // floats per head of O put back in order (+1 per 32 dims)
 
 static_assert(E_HEADS == 8 && E_TILE == 32 && FP8_LATENT == 4 * FP8_TILE, "a warp per latent tile, 8-head MMA columns");
-static_assert(E_STAGES * E_STAGE_BYTES + 2 * E_XCHG_BYTES + 8 * E_STAGES == mla_decode_fp8_h8_v.shared,
+static_assert(E_STAGES * E_STAGE_BYTES + 2 * E_XCHG_BYTES + 12 * E_STAGES == mla_decode_fp8_h8_v.shared,
               "mla_decode_fp8_h8: variants.cuh and the layout differ");
+static_assert(mla_sparse_fp8_h8_v.shared == mla_decode_fp8_h8_v.shared && mla_sparse_fp8_h8_v.rows == E_HEADS &&
+                  mla_sparse_fp8_h8_v.stages == E_STAGES,
+              "the sparse form has the dense one's layout");
 static_assert(E_HEADS * E_O_STRIDE * 4 <= E_STAGES * E_STAGE_BYTES, "O fits in the stages");
 
-extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_decode_fp8_h8(const bf16_t* q, const unsigned char* cache, const int* block_table,
-                                                                         int max_pages, const int* seq_lens, float scale_log2, float* part_o,
-                                                                         float* part_lse, int splits, int total_heads, bf16_t* out,
-                                                                         float* lse_out) {
+template <bool SPARSE>
+__device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cache, const int* block_table, int max_pages, const int* indices,
+                                        int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse, int splits,
+                                        int total_heads, bf16_t* out, float* lse_out) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned sKV = smem_addr(smem), sX = sKV + E_STAGES * E_STAGE_BYTES, mbar = sX + 2 * E_XCHG_BYTES;
+    const unsigned sKeys = mbar + 8 * E_STAGES;  // [stages] the key bits of the tile in each
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * E_HEADS;
     const int heads_here = min(E_HEADS, total_heads - head0);  // the rest of the columns are padding
@@ -60,15 +65,15 @@ extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_decode_fp8_h8(con
         mbar_init_fence();
     }
     __syncthreads();
-    auto issue_tile = [&](int j) {  // its valid rows, one bulk copy (never across a page)
-        const int t0 = t_begin + j * E_TILE;
-        const unsigned bytes = min(E_TILE, t_end - t0) * FP8_TOKEN_BYTES, mb = mbar + 8 * (j % E_STAGES);
-        const u64 row = (u64)bt[t0 / E_PAGE] * E_PAGE + t0 % E_PAGE;
-        mbar_expect_bytes(mb, bytes);
-        bulk_load(sKV + (j % E_STAGES) * E_STAGE_BYTES, cache + row * FP8_TOKEN_BYTES, bytes, mb);
+    Fp8TileIssuer<SPARSE, E_TILE> issuer{cache, bt, indices + (u64)b * topk, t_begin, t_end};
+    auto issue_tile = [&](int j) {
+        const int st = j % E_STAGES;
+        issuer.issue(j, sKV + st * E_STAGE_BYTES, mbar + 8 * st, sKeys + 4 * st, lane);
     };
-    if (threadIdx.x == 0)
+    if (warp == 0) {
+        issuer.start(lane);
         for (int j = 0; j < E_STAGES && j < n_tiles; j++) issue_tile(j);
+    }
 
     // Qᵀ as B fragments (column g = head g): latent dims 128·warp + 64·span + 16·qd + 4i.. for
     // k-step 4·span + i, times the head's power of two; RoPE dims 16·warp + 4·qd.. in bf16.
@@ -119,9 +124,11 @@ extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_decode_fp8_h8(con
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f}, sigma = 0.0f;
 
     for (int j = 0; j < n_tiles; j++) {
-        const int t0 = t_begin + j * E_TILE, valid = min(E_TILE, t_end - t0);
         const unsigned kv = sKV + (j % E_STAGES) * E_STAGE_BYTES;
         mbar_wait(mbar + 8 * (j % E_STAGES), (j / E_STAGES) & 1);
+        unsigned keys;  // bit r: row r of the tile holds a key
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(keys) : "r"(sKeys + 4 * (j % E_STAGES)));
+        auto is_key = [&](int r) { return (keys >> r) & 1u; };
 
         // This warp's part of Sᵀ: M-tile mt is tokens 16mt.., the lane's rows g and g + 8.
         float sc[2][4], ts[2][2];
@@ -145,8 +152,8 @@ extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_decode_fp8_h8(con
             const uint2 pa = fp8_ld_shared8(ra + roff), pb = fp8_ld_shared8(rb + roff);
             const unsigned ar[4] = {pa.x, pb.x, pa.y, pb.y};
             mma_bf16(accr, ar, qrb);
-            ts[mt][0] = ta < valid ? fp8_ld_shared_f32(ra + FP8_SCALES_AT + 4 * warp) : 0.0f;
-            ts[mt][1] = tb < valid ? fp8_ld_shared_f32(rb + FP8_SCALES_AT + 4 * warp) : 0.0f;
+            ts[mt][0] = is_key(ta) ? fp8_ld_shared_f32(ra + FP8_SCALES_AT + 4 * warp) : 0.0f;
+            ts[mt][1] = is_key(tb) ? fp8_ld_shared_f32(rb + FP8_SCALES_AT + 4 * warp) : 0.0f;
             sc[mt][0] = acc[0] * unscale[0] * ts[mt][0] + accr[0];
             sc[mt][1] = acc[1] * unscale[1] * ts[mt][0] + accr[1];
             sc[mt][2] = acc[2] * unscale[0] * ts[mt][1] + accr[2];
@@ -161,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_decode_fp8_h8(con
                          "f"(sc[mt][1]), "f"(sc[mt][2]), "f"(sc[mt][3]));
         __syncthreads();
         // Everyone is done with tile j − 1: its stage takes tile j − 1 + E_STAGES.
-        if (threadIdx.x == 0 && j > 0 && j - 1 + E_STAGES < n_tiles) {
+        if (warp == 0 && j > 0 && j - 1 + E_STAGES < n_tiles) {
             fence_proxy_async();
             issue_tile(j - 1 + E_STAGES);
         }
@@ -177,10 +184,10 @@ extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_decode_fp8_h8(con
                 sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
             }
             const int ta = 16 * mt + g;
-            sc[mt][0] = ta < valid ? sum.x * scale_log2 : -INFINITY;
-            sc[mt][1] = ta < valid ? sum.y * scale_log2 : -INFINITY;
-            sc[mt][2] = ta + 8 < valid ? sum.z * scale_log2 : -INFINITY;
-            sc[mt][3] = ta + 8 < valid ? sum.w * scale_log2 : -INFINITY;
+            sc[mt][0] = is_key(ta) ? sum.x * scale_log2 : -INFINITY;
+            sc[mt][1] = is_key(ta) ? sum.y * scale_log2 : -INFINITY;
+            sc[mt][2] = is_key(ta + 8) ? sum.z * scale_log2 : -INFINITY;
+            sc[mt][3] = is_key(ta + 8) ? sum.w * scale_log2 : -INFINITY;
         }
 
         // Online softmax per head (column) in base 2; σ grows to cover this tile's scales.
@@ -240,7 +247,7 @@ extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_decode_fp8_h8(con
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 const int tok = 16 * kk + 2 * qd + (k & 1) + 8 * (k >> 1);
-                vr[k] = tok < valid ? fp8_ld_shared16(kv + tok * FP8_TOKEN_BYTES + FP8_TILE * warp + 16 * g) : make_uint4(0, 0, 0, 0);
+                vr[k] = is_key(tok) ? fp8_ld_shared16(kv + tok * FP8_TOKEN_BYTES + FP8_TILE * warp + 16 * g) : make_uint4(0, 0, 0, 0);
             }
             const u32 v0[4] = {vr[0].x, vr[0].y, vr[0].z, vr[0].w}, v1[4] = {vr[1].x, vr[1].y, vr[1].z, vr[1].w};
             const u32 v8[4] = {vr[2].x, vr[2].y, vr[2].z, vr[2].w}, v9[4] = {vr[3].x, vr[3].y, vr[3].z, vr[3].w};
@@ -306,4 +313,20 @@ extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_decode_fp8_h8(con
         else
             *(float2*)(part_o + (out_row + head) * FP8_LATENT + dim) = make_float2(x, y);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_decode_fp8_h8(const bf16_t* q, const unsigned char* cache, const int* block_table,
+                                                                         int max_pages, const int* seq_lens, float scale_log2, float* part_o,
+                                                                         float* part_lse, int splits, int total_heads, bf16_t* out,
+                                                                         float* lse_out) {
+    fp8_h8<false>(q, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out, lse_out);
+}
+
+// The sparse form: sequence b attends to the entries 0..seq_lens[b] of row b of `indices`
+// ([batch, topk] token positions, -1 padding), the splits and tiles running over the entries.
+extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_sparse_fp8_h8(const bf16_t* q, const unsigned char* cache, const int* block_table,
+                                                                          int max_pages, const int* indices, int topk, const int* seq_lens,
+                                                                          float scale_log2, float* part_o, float* part_lse, int splits,
+                                                                          int total_heads, bf16_t* out, float* lse_out) {
+    fp8_h8<true>(q, cache, block_table, max_pages, indices, topk, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out, lse_out);
 }

@@ -40,11 +40,15 @@ KERNEL_VARIANT(mla_decode_fp8_ks2, 64, 32, 2, 189440)
 KERNEL_VARIANT(mla_decode_fp8_t32, 64, 32, 2, 155904)
 KERNEL_VARIANT(mla_decode_fp8_t16, 64, 16, 1, 97792)
 // The FP8-cache decode for a rank's few heads (mla_decode_fp8.cu): 16 rows, raw 656-byte rows in
-// four stages, the four warps' partial S exchanged through two buffers.
-KERNEL_VARIANT(mla_decode_fp8_h16, 16, 32, 4, 100384)
+// four stages, the four warps' partial S exchanged through two buffers, a barrier and the key
+// bits per stage.
+KERNEL_VARIANT(mla_decode_fp8_h16, 16, 32, 4, 100400)
 // The same for up to 8 heads with the heads as the MMAs' columns (mla_decode_fp8_h8.cu): three
 // stages, two exchange buffers of 4 KB.
-KERNEL_VARIANT(mla_decode_fp8_h8, 8, 32, 3, 71192)
+KERNEL_VARIANT(mla_decode_fp8_h8, 8, 32, 3, 71204)
+// Their sparse forms (the rows of a tile gathered by list entry): the same layouts.
+KERNEL_VARIANT(mla_sparse_fp8_h16, 16, 32, 4, 100400)
+KERNEL_VARIANT(mla_sparse_fp8_h8, 8, 32, 3, 71204)
 // The flash prefill (flash_prefill_sm90.cu, flash_prefill.cu), per head dims: d256 is
 // 256/256 (GLM-5), d192 is 192/128 (DeepSeek-V3). k*: tiles by TMA; r*: by cp.async.
 KERNEL_VARIANT(flash_prefill_wgmma_d256, 128, 64, 2, 197656)

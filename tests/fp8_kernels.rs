@@ -327,3 +327,151 @@ fn every_fp8_decode_variant_matches_the_reference_and_its_bf16_twin() {
     };
     assert!(DecodeWork::for_fp8(gpu, shape, Some("mla_decode_kt3"), None).is_err());
 }
+
+/// The sparse forms of the few-heads kernels at `heads` heads: each sequence attends to its own
+/// list of positions (ragged, with -1 padding inside and after, one list of padding alone, one
+/// empty, lists shorter and longer than the context they pick from), against the f64 reference
+/// over the exactly decoded rows of the listed positions.
+fn sparse_fp8_case(gpu: &Gpu, heads: usize) {
+    let seed = common::seed();
+    let mut rng = common::Lcg::new(seed ^ 0x5fa8 ^ heads as u64);
+    // (context, list length); the lists pick positions < context with repeats allowed.
+    let seqs = [
+        (300usize, 200usize),
+        (90, 3),
+        (2048, 700),
+        (64, 0),
+        (130, 40),
+    ];
+    let topk = seqs.iter().map(|s| s.1).max().unwrap();
+    let batch = seqs.len();
+    let max_pages = seqs.iter().map(|s| s.0.div_ceil(PAGE)).max().unwrap();
+    let total_pages = batch * max_pages + 2;
+    // Pages shuffled through the table, so a list's rows come from scattered pages.
+    let mut pages: Vec<i32> = (0..total_pages as i32).collect();
+    for i in (1..pages.len()).rev() {
+        pages.swap(i, rng.next_u64() as usize % (i + 1));
+    }
+    let table: Vec<i32> = pages[..batch * max_pages].to_vec();
+    let rows: Vec<Vec<f32>> = (0..total_pages * PAGE)
+        .map(|_| {
+            let mag = 10f32.powi((rng.next_u64() % 5) as i32 - 2);
+            (0..WIDTH)
+                .map(|i| (rng.next_f32() * 2.0 - 1.0) * if i < LATENT { mag } else { 1.0 })
+                .collect()
+        })
+        .collect();
+    let at: Vec<usize> = (0..rows.len()).collect();
+    let bytes = host_cache(&rows, &at, rows.len(), Fp8Faults::default());
+    let exact = decoded(&bytes, false);
+    let mut indices = vec![-1i32; batch * topk];
+    for (b, &(context, len)) in seqs.iter().enumerate() {
+        for e in 0..len {
+            // Every seventh entry padding; the second list all padding.
+            let pad = e % 7 == 3 || b == 1;
+            indices[b * topk + e] = if pad {
+                -1
+            } else {
+                (rng.next_u64() % context as u64) as i32
+            };
+        }
+    }
+    let q: Vec<f32> = (0..batch * heads * WIDTH)
+        .map(|_| half::bf16::from_f32(rng.next_f32() * 2.0 - 1.0).to_f32())
+        .collect();
+    let scale = 1.0 / 192f32.sqrt();
+    let d_q = gpu.upload(&q, Elem::Bf16).unwrap();
+    let d_bytes = gpu.upload_bytes(&bytes).unwrap();
+    let d_table = gpu.upload_i32(&table).unwrap();
+    let d_indices = gpu.upload_i32(&indices).unwrap();
+    let d_lens = gpu
+        .upload_i32(&seqs.iter().map(|s| s.1 as i32).collect::<Vec<_>>())
+        .unwrap();
+    let shape = DecodeShape {
+        batch,
+        heads,
+        max_pages,
+        max_len: topk,
+    };
+    let variants = fast::sparse_fp8_decode_variants_for(gpu);
+    assert!(
+        !variants.is_empty(),
+        "no sparse FP8-cache decode variant runs here"
+    );
+    for variant in variants {
+        for splits in [1, 3, 40] {
+            let work = DecodeWork::for_fp8_sparse(gpu, shape, Some(variant), Some(splits)).unwrap();
+            assert_eq!(work.kernel, variant);
+            let out = gpu.alloc(batch * heads * LATENT, Elem::Bf16).unwrap();
+            let lse = gpu.alloc(batch * heads, Elem::F32).unwrap();
+            gpu.fill(&out, true).unwrap();
+            gpu.fill(&lse, true).unwrap();
+            fast::mla_decode_fp8_sparse(
+                gpu,
+                shape,
+                &d_q,
+                &d_bytes,
+                &d_table,
+                (&d_indices, topk),
+                &d_lens,
+                scale,
+                &out,
+                &lse,
+                &work,
+            )
+            .unwrap();
+            let (out, lse) = (gpu.download(&out).unwrap(), gpu.download(&lse).unwrap());
+            let what = format!("{variant}, {heads} heads, {splits} splits (seed {seed})");
+            let mut worst: f64 = 0.0;
+            for (b, &(_, len)) in seqs.iter().enumerate() {
+                let keys: Vec<usize> = indices[b * topk..b * topk + len]
+                    .iter()
+                    .filter(|&&p| p >= 0)
+                    .map(|&p| p as usize)
+                    .collect();
+                for h in 0..heads {
+                    let row = (b * heads + h) * LATENT;
+                    if keys.is_empty() {
+                        assert!(
+                            out[row..row + LATENT].iter().all(|&x| x == 0.0),
+                            "{what}: b {b}"
+                        );
+                        assert_eq!(lse[b * heads + h], f32::NEG_INFINITY, "{what}: b {b}");
+                        continue;
+                    }
+                    let qv = &q[(b * heads + h) * WIDTH..][..WIDTH];
+                    let key = |t: usize| {
+                        let page = table[b * max_pages + t / PAGE] as usize;
+                        &exact[(page * PAGE + t % PAGE) * WIDTH..][..WIDTH]
+                    };
+                    let reference = fast::reference_attention(
+                        qv,
+                        keys.iter().map(|&t| (key(t), &key(t)[..LATENT])),
+                        scale as f64,
+                    );
+                    worst = worst.max(fast::relative_error(&out[row..row + LATENT], &reference));
+                }
+            }
+            eprintln!("{what}: worst relative error {worst:.2e}");
+            assert!(worst < 1e-2, "{what}: relative error {worst}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn the_sparse_fp8_decode_matches_the_reference() {
+    let backend = common::cuda_backend(StorageDtype::Bf16);
+    let gpu: &Gpu = backend.gpu();
+    for heads in [1, 8, 16, 19] {
+        sparse_fp8_case(gpu, heads);
+    }
+    // A converting variant has no sparse form.
+    let shape = DecodeShape {
+        batch: 1,
+        heads: 8,
+        max_pages: 1,
+        max_len: 64,
+    };
+    assert!(DecodeWork::for_fp8_sparse(gpu, shape, Some("mla_decode_fp8_ks3"), None).is_err());
+}

@@ -504,6 +504,38 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
         );
         eprintln!("{sparse}: clean; {decoded}");
     }
+    // Over an fp8_ds_mla cache the sparse selection runs the few-heads kernels' sparse forms
+    // (the device's choice, then each forced by its dense name).
+    let fp8 = mladb::backend::cuda::fast::sparse_fp8_decode_variants_for(gpu.gpu());
+    assert!(
+        !fp8.is_empty(),
+        "no sparse FP8-cache decode variant runs here"
+    );
+    let forced = fp8.iter().map(|v| Some(v.replace("mla_sparse_fp8_", "")));
+    for variant in std::iter::once(None).chain(forced) {
+        let mut flags = gpu_flags();
+        flags.kv_cache = mladb::ops::KvCacheDtype::Fp8DsMla;
+        flags.kernels.decode = variant.as_deref().map(|v| v.parse().unwrap());
+        let report = check_default(&j, flags);
+        assert!(
+            report.findings.is_empty(),
+            "{variant:?}: a clean sparse fp8 run has findings: {:#?}",
+            report.findings
+        );
+        let decoded = report
+            .run
+            .events
+            .iter()
+            .find(|e| e.kind == OpKind::AttentionLatent && e.phase == Phase::Decode(0))
+            .and_then(|e| e.kernel.clone())
+            .unwrap();
+        let kernel = &decoded.launches[0].kernel;
+        assert!(kernel.starts_with("mla_sparse_fp8_h"), "{decoded}");
+        if let Some(v) = &variant {
+            assert!(kernel.ends_with(&format!("_{v}")), "{decoded}");
+        }
+        eprintln!("fp8 {variant:?}: clean; {decoded}");
+    }
 }
 
 /// page-index-overflow, at the kernel: every decode variant reads pages placed past the first

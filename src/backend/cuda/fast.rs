@@ -9,7 +9,10 @@ use super::device::fast_kernels::{Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
 pub use super::device::fast_kernels::{MergeFaults, MAX_SPLITS};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{variants, DevBuf, DevI32, Elem, Gpu, Launched};
-pub use super::fast_fp8::{fp8_decode_variants_for, fp8_only, fp8_twin, mla_decode_fp8};
+pub use super::fast_fp8::{
+    fp8_decode_variants_for, fp8_only, fp8_twin, mla_decode_fp8, mla_decode_fp8_sparse,
+    sparse_fp8_decode_variants_for, sparse_fp8_form,
+};
 pub use super::fast_prefill::{
     flash_prefill_planted, flash_prefill_variant, prefill_shared_bytes, prefill_variants_for,
     PREFILL_DIMS, PREFILL_VARIANTS,
@@ -89,7 +92,11 @@ fn reads_cache_by_tma(kernel: &str) -> bool {
 /// The decode kernels that need sm_90 or later: those fed by TMA, and the FP8-cache kernels fed
 /// by bulk copies (with the E4M3 conversion instruction).
 fn needs_sm90(kernel: &str) -> bool {
-    reads_cache_by_tma(kernel) || matches!(kernel, "mla_decode_fp8_h8" | "mla_decode_fp8_h16")
+    reads_cache_by_tma(kernel)
+        || matches!(
+            kernel,
+            "mla_decode_fp8_h8" | "mla_decode_fp8_h16" | "mla_sparse_fp8_h8" | "mla_sparse_fp8_h16"
+        )
 }
 
 /// TMA exists from compute capability 9.0 on (Hopper, B200, sm_120).

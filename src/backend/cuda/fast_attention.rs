@@ -160,9 +160,15 @@ impl CudaBackend {
         }
         let lists = match &mask.selected {
             Some(sel) if sparse_selection => {
-                if let Some(f) = forced.filter(|f| fast::sparse_twin(f).is_none()) {
+                let no_sparse_form = |f: &&str| match fp8 {
+                    true => fast::sparse_fp8_form(f).is_none(),
+                    false => fast::sparse_twin(f).is_none(),
+                };
+                if let Some(f) = forced.filter(no_sparse_form) {
                     return Ok(FastOutcome::Declined(format!(
-                        "a sparse DSA selection, and the forced decode variant {f} has no sparse twin"
+                        "a sparse DSA selection, and the forced decode variant {f} has no sparse \
+                         form{}",
+                        if fp8 { " over an fp8_ds_mla cache" } else { "" }
                     )));
                 }
                 Some(fast::key_lists(sel)?)
@@ -200,15 +206,8 @@ impl CudaBackend {
         let block_table = self.batch_block_table(cache, &row, padded)?;
         let block_table = &*block_table;
         let seq_lens = self.indices(&lens)?;
-        // An fp8_ds_mla cache is read by the FP8-cache variants from its byte cache; the sparse
-        // kernels read bf16 pages.
-        if fp8 && lists.is_some() {
-            return Ok(FastOutcome::Declined(
-                "a sparse DSA selection over an fp8_ds_mla cache (the sparse kernels read bf16 \
-                 pages)"
-                    .into(),
-            ));
-        }
+        // An fp8_ds_mla cache is read by the FP8-cache variants from its byte cache (a sparse
+        // selection by the few-heads kernels' sparse forms).
         let fp8_kernel = match (fp8, forced.map(fp8_kernel_of).transpose()) {
             (true, Err(why)) => return Ok(FastOutcome::Declined(why.to_string())),
             (_, Ok(kernel)) => kernel,
@@ -253,7 +252,10 @@ impl CudaBackend {
             None => None,
         };
         let mut work = match (fp8, &sparse) {
-            (true, _) => DecodeWork::for_fp8(self.gpu(), shape, fp8_kernel, fault_splits)?,
+            (true, None) => DecodeWork::for_fp8(self.gpu(), shape, fp8_kernel, fault_splits)?,
+            (true, Some(_)) => {
+                DecodeWork::for_fp8_sparse(self.gpu(), shape, fp8_kernel, fault_splits)?
+            }
             (false, Some(_)) => DecodeWork::sparse(self.gpu(), shape, fault_splits, forced)?,
             (false, None) if overflow => {
                 fast::planted_decode_work(self.gpu(), shape, fault_splits, None)?
@@ -268,18 +270,33 @@ impl CudaBackend {
         let (mirror, pool, launches, address, bytes) = if fp8 {
             let mirror = self.sync_fp8_cache(cache)?;
             let pages = fp8_bytes(&mirror);
-            let launches = fast::mla_decode_fp8(
-                self.gpu(),
-                shape,
-                q,
-                pages,
-                block_table,
-                lens,
-                scale,
-                o,
-                &lse,
-                &work,
-            )?;
+            let launches = match &sparse {
+                None => fast::mla_decode_fp8(
+                    self.gpu(),
+                    shape,
+                    q,
+                    pages,
+                    block_table,
+                    lens,
+                    scale,
+                    o,
+                    &lse,
+                    &work,
+                )?,
+                Some((indices, topk, key_counts)) => fast::mla_decode_fp8_sparse(
+                    self.gpu(),
+                    shape,
+                    q,
+                    pages,
+                    block_table,
+                    (indices, *topk),
+                    key_counts,
+                    scale,
+                    o,
+                    &lse,
+                    &work,
+                )?,
+            };
             let (address, bytes) = (pages.address(), pages.bytes());
             (mirror, None, launches, address, bytes)
         } else {

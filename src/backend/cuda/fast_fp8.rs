@@ -11,6 +11,7 @@
 //!   wgmma variants have no such form: TMA copies bytes as they are, and those tiles need
 //!   converting on the way in.
 
+use super::device::fast_kernels::SparseKeys;
 use super::device::fp8_kernels::Fp8Decode;
 use super::device::{variants, DevBuf, DevBytes, DevI32, Gpu};
 use super::fast::{
@@ -49,6 +50,31 @@ pub fn fp8_decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
         .filter(|&(name, bytes)| runs_on(gpu, name, bytes))
         .map(|(name, _)| name)
         .collect()
+}
+
+/// The sparse FP8-cache kernels (the few-heads kernels' sparse forms), in order of preference,
+/// each with its dense form. The converting kernels have none.
+const SPARSE_VARIANTS: [(&str, &str); 2] = [
+    ("mla_sparse_fp8_h8", EIGHT_HEADS),
+    ("mla_sparse_fp8_h16", FEW_HEADS),
+];
+
+/// The sparse FP8-cache variants this device runs, in order of preference.
+pub fn sparse_fp8_decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
+    SPARSE_VARIANTS
+        .iter()
+        .map(|&(sparse, _)| sparse)
+        .filter(|name| runs_on(gpu, name, variants::shared_bytes(name)))
+        .collect()
+}
+
+/// The sparse FP8-cache kernel of a few-heads kernel (named densely or sparsely); `None` for
+/// the others.
+pub fn sparse_fp8_form(kernel: &str) -> Option<&'static str> {
+    SPARSE_VARIANTS
+        .iter()
+        .find(|&&(sparse, dense)| kernel == sparse || kernel == dense)
+        .map(|&(sparse, _)| sparse)
 }
 
 /// Whether a decode kernel reads only an fp8_ds_mla cache (the few-heads kernels).
@@ -103,6 +129,34 @@ impl DecodeWork {
         let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
         DecodeWork::scratch(gpu, shape, splits, variant)
     }
+
+    /// The plan of a sparse decode over an FP8 cache: `forced` (a few-heads kernel, by its
+    /// dense or sparse name) or the device's first, `splits` or the count chosen for the shape
+    /// (`max_len`: the longest list).
+    pub fn for_fp8_sparse(
+        gpu: &Gpu,
+        shape: DecodeShape,
+        forced: Option<&str>,
+        splits: Option<usize>,
+    ) -> Result<DecodeWork> {
+        let forced = match forced {
+            Some(f) => Some(sparse_fp8_form(f).ok_or_else(|| {
+                Error::invalid(format!(
+                    "{f} has no sparse form over an fp8_ds_mla cache (those are \
+                     mla_decode_fp8_h8 and mla_decode_fp8_h16)"
+                ))
+            })?),
+            None => None,
+        };
+        let candidates: Vec<_> = SPARSE_VARIANTS
+            .iter()
+            .filter(|&&(_, dense)| forced.is_some() || dense != EIGHT_HEADS || shape.heads <= 8)
+            .map(|&(sparse, _)| (sparse, variants::shared_bytes(sparse)))
+            .collect();
+        let variant = pick_variant(gpu, &candidates, forced)?;
+        let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
+        DecodeWork::scratch(gpu, shape, splits, variant)
+    }
 }
 
 /// Absorbed MLA decode over an fp8_ds_mla cache: `q` [batch, heads, 576] bf16, `cache` the paged
@@ -123,10 +177,73 @@ pub fn mla_decode_fp8(
     lse: &DevBuf,
     work: &DecodeWork,
 ) -> Result<Vec<KernelLaunch>> {
-    if !VARIANTS.iter().any(|(k, _)| *k == work.kernel) {
+    fp8_launches(
+        gpu,
+        shape,
+        (q, cache, block_table, seq_lens, None),
+        scale,
+        (out, lse),
+        work,
+    )
+}
+
+/// Sparse absorbed MLA decode over an fp8_ds_mla cache: as [`mla_decode_fp8`], but sequence b
+/// attends to the keys `indices[b, 0..seq_lens[b]]` ([batch, topk] token positions, -1 padding),
+/// as [`super::fast::mla_decode_sparse`] does over a bf16 cache; `work` from
+/// [`DecodeWork::for_fp8_sparse`].
+#[allow(clippy::too_many_arguments)]
+pub fn mla_decode_fp8_sparse(
+    gpu: &Gpu,
+    shape: DecodeShape,
+    q: &DevBuf,
+    cache: &DevBytes,
+    block_table: &DevI32,
+    (indices, topk): (&DevI32, usize),
+    seq_lens: &DevI32,
+    scale: f32,
+    out: &DevBuf,
+    lse: &DevBuf,
+    work: &DecodeWork,
+) -> Result<Vec<KernelLaunch>> {
+    let keys = SparseKeys { indices, topk };
+    fp8_launches(
+        gpu,
+        shape,
+        (q, cache, block_table, seq_lens, Some(keys)),
+        scale,
+        (out, lse),
+        work,
+    )
+}
+
+/// The inputs of an FP8-cache decode: q, the byte cache, the block table, the lengths, and the
+/// key lists when sparse.
+type Fp8Inputs<'a> = (
+    &'a DevBuf,
+    &'a DevBytes,
+    &'a DevI32,
+    &'a DevI32,
+    Option<SparseKeys<'a>>,
+);
+
+/// The split kernel of an FP8-cache decode (dense or sparse), then the merge when it split.
+fn fp8_launches(
+    gpu: &Gpu,
+    shape: DecodeShape,
+    (q, cache, block_table, seq_lens, sparse): Fp8Inputs,
+    scale: f32,
+    (out, lse): (&DevBuf, &DevBuf),
+    work: &DecodeWork,
+) -> Result<Vec<KernelLaunch>> {
+    let known = match sparse {
+        None => VARIANTS.iter().any(|(k, _)| *k == work.kernel),
+        Some(_) => SPARSE_VARIANTS.iter().any(|(k, _)| *k == work.kernel),
+    };
+    if !known {
         return Err(Error::invalid(format!(
-            "{} does not read an fp8_ds_mla cache",
-            work.kernel
+            "{} is no {}decode over an fp8_ds_mla cache",
+            work.kernel,
+            if sparse.is_some() { "sparse " } else { "" }
         )));
     }
     let launch = Fp8Decode {
@@ -140,6 +257,7 @@ pub fn mla_decode_fp8(
         cache,
         block_table,
         seq_lens,
+        sparse,
         scale_log2: scale * std::f32::consts::LOG2_E,
         part_o: &work.part_o,
         part_lse: &work.part_lse,
@@ -165,6 +283,13 @@ mod tests {
         }
         assert_eq!(head_group(FEW_HEADS), 16);
         assert_eq!(head_group(EIGHT_HEADS), 8);
+        for (sparse, dense) in SPARSE_VARIANTS {
+            assert_eq!(
+                variants::shared_bytes(sparse),
+                variants::shared_bytes(dense)
+            );
+            assert_eq!(head_group(sparse), head_group(dense));
+        }
         assert_eq!(
             fp8_kernel_of("mla_decode_ks3").unwrap(),
             "mla_decode_fp8_ks3"

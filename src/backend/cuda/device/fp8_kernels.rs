@@ -7,7 +7,7 @@
 //! splits the one merge of every decode joins (`Gpu::mla_decode_merge`). What a launch may touch
 //! is checked here; the variant and split count are `cuda::fast_fp8`'s.
 
-use super::fast_kernels::{LATENT, MAX_SPLITS, PAGE, ROPE};
+use super::fast_kernels::{SparseKeys, LATENT, MAX_SPLITS, PAGE, ROPE};
 use super::kernels::{blocks, blocks_yz, int, need, need_bytes, need_i32, prod, FILL_U32};
 use super::signature::{Param::*, Sig};
 use super::{grid_1d, variants, Arg, DevBuf, DevBytes, DevI32, Elem, Gpu, Launch, Launched};
@@ -24,8 +24,22 @@ pub const MLA_DECODE_FP8: Sig = Sig::new(
     ],
 );
 
+/// The sparse forms of the few-heads kernels: the key lists (indices, topk) after the table.
+pub const MLA_SPARSE_FP8: Sig = Sig::new(
+    "mla_sparse_fp8_*",
+    &[
+        Bf16Ptr, U8Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr,
+        F32Ptr,
+    ],
+);
+
 /// Every launcher's declaration here (compared with the `.cu` signatures by a test).
-pub const SIGNATURES: &[&Sig] = &[&KV_FP8_WRITE, &KV_CACHE_WRITE, &MLA_DECODE_FP8];
+pub const SIGNATURES: &[&Sig] = &[
+    &KV_FP8_WRITE,
+    &KV_CACHE_WRITE,
+    &MLA_DECODE_FP8,
+    &MLA_SPARSE_FP8,
+];
 
 impl Gpu {
     /// Fills a byte buffer with `byte` (its length a multiple of 4, as a byte cache's is).
@@ -128,7 +142,7 @@ impl Gpu {
 
 /// One decode launch over an fp8_ds_mla cache: `batch` sequences of one query token each.
 pub struct Fp8Decode<'a> {
-    /// A kernel of [`MLA_DECODE_FP8`].
+    /// A kernel of [`MLA_DECODE_FP8`], or with `sparse` of [`MLA_SPARSE_FP8`].
     pub kernel: &'a str,
     pub shared: u32,
     pub batch: usize,
@@ -141,9 +155,11 @@ pub struct Fp8Decode<'a> {
     pub q: &'a DevBuf,
     /// [pages·64 · 656] bytes.
     pub cache: &'a DevBytes,
-    /// [batch, max_pages] page numbers and [batch] lengths.
+    /// [batch, max_pages] page numbers and [batch] lengths (with `sparse`: of the key lists).
     pub block_table: &'a DevI32,
     pub seq_lens: &'a DevI32,
+    /// The key lists of a sparse kernel ([`MLA_SPARSE_FP8`]); `None` for the dense ones.
+    pub sparse: Option<SparseKeys<'a>>,
     pub scale_log2: f32,
     /// [batch, splits, heads, 512] f32 and [batch, splits, heads] f32.
     pub part_o: &'a DevBuf,
@@ -153,8 +169,9 @@ pub struct Fp8Decode<'a> {
     pub lse: &'a DevBuf,
 }
 
-/// The checked pointers of a launch: q, cache, table, lens, part_o, part_lse, out, lse.
-type Fp8Args = [Arg; 8];
+/// The checked pointers of a launch: q, cache, table, lens, part_o, part_lse, out, lse, and
+/// the key lists with their row length when sparse.
+type Fp8Args = ([Arg; 8], Option<[Arg; 2]>);
 
 impl Fp8Decode<'_> {
     fn check(&self) -> Result<Fp8Args> {
@@ -171,8 +188,31 @@ impl Fp8Decode<'_> {
         }
         let pages = (self.cache.len() / (PAGE * TOKEN_BYTES)) as i64;
         let table = prod(&[b, self.max_pages])?;
-        let longest = (self.max_pages * PAGE) as i64 + 1;
-        Ok([
+        let positions = (self.max_pages * PAGE) as i64;
+        // Dense: lengths are token counts within the table; sparse: list lengths ≤ topk, whose
+        // entries are positions within the table or -1.
+        let longest = self.sparse.map_or(positions, |k| k.topk as i64) + 1;
+        let sparse = match self.sparse {
+            None => None,
+            Some(k) => {
+                let entries = prod(&[b, k.topk])?;
+                if !k.indices.values_within(entries, -1, positions) || k.indices.len() < entries {
+                    return Err(Error::invalid(
+                        "MLA sparse decode (fp8 cache): the key lists are short, or not known to \
+                         lie in -1..max_pages·64",
+                    ));
+                }
+                Some([Arg::Ptr(I32Ptr, k.indices.ptr()), int("topk", k.topk)?])
+            }
+        };
+        if sparse.is_some() != self.kernel.starts_with("mla_sparse_fp8_") {
+            return Err(Error::invalid(format!(
+                "{} takes {}key lists",
+                self.kernel,
+                if sparse.is_some() { "no " } else { "" }
+            )));
+        }
+        let dense = [
             need(
                 "MLA decode q",
                 self.q,
@@ -206,7 +246,8 @@ impl Fp8Decode<'_> {
                 Elem::Bf16,
             )?,
             need("MLA decode lse", self.lse, prod(&[b, h])?, Elem::F32)?,
-        ])
+        ];
+        Ok((dense, sparse))
     }
 }
 
@@ -214,12 +255,10 @@ impl Gpu {
     /// The decode kernel over every split of an fp8_ds_mla cache (one split: it writes `out` and
     /// `lse` itself).
     pub fn mla_decode_fp8_splits(&self, d: &Fp8Decode) -> Result<Launched> {
-        let [q, cache, table, lens, part_o, part_lse, out, lse] = d.check()?;
-        let args = [
-            q,
-            cache,
-            table,
-            int("pages", d.max_pages)?,
+        let ([q, cache, table, lens, part_o, part_lse, out, lse], sparse) = d.check()?;
+        let mut args = vec![q, cache, table, int("pages", d.max_pages)?];
+        args.extend(sparse.into_iter().flatten());
+        args.extend([
             lens,
             Arg::F32(d.scale_log2),
             part_o,
@@ -228,7 +267,7 @@ impl Gpu {
             int("heads", d.heads)?,
             out,
             lse,
-        ];
+        ]);
         // Heads per block from the variant's row; the few-heads kernels (8 or 16) run four
         // warps, the 64-head ones eight.
         let group = variants::variant(d.kernel).map_or(64, |v| v.rows);
@@ -244,8 +283,15 @@ impl Gpu {
         };
         // SAFETY: as the bf16 decode's: block (split, b, group) reads its heads of q, the slots
         // of pages bt[b][0..⌈len_b/64⌉] (table entries in 0..pages, lengths ≤ max_pages·64: the
-        // uploaded ranges), 656 bytes each, and writes its split's partials (or out and lse) for
-        // those heads only; every extent checked in `check`.
-        unsafe { self.launch_traced(&MLA_DECODE_FP8, d.kernel, cfg, &args) }
+        // uploaded ranges) or, sparse, entries 0..len_b ≤ topk of row b of the key lists and the
+        // slots bt[b][pos/64]·64 + pos%64 of their positions pos ≥ 0 (< max_pages·64), 656
+        // bytes each, and writes its split's partials (or out and lse) for those heads only;
+        // every extent checked in `check`.
+        let sig = if d.sparse.is_some() {
+            &MLA_SPARSE_FP8
+        } else {
+            &MLA_DECODE_FP8
+        };
+        unsafe { self.launch_traced(sig, d.kernel, cfg, &args) }
     }
 }
