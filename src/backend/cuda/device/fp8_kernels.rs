@@ -281,17 +281,17 @@ impl Gpu {
             block: threads,
             shared: d.shared,
         };
+        let sig = if d.sparse.is_some() {
+            &MLA_SPARSE_FP8
+        } else {
+            &MLA_DECODE_FP8
+        };
         // SAFETY: as the bf16 decode's: block (split, b, group) reads its heads of q, the slots
         // of pages bt[b][0..⌈len_b/64⌉] (table entries in 0..pages, lengths ≤ max_pages·64: the
         // uploaded ranges) or, sparse, entries 0..len_b ≤ topk of row b of the key lists and the
         // slots bt[b][pos/64]·64 + pos%64 of their positions pos ≥ 0 (< max_pages·64), 656
         // bytes each, and writes its split's partials (or out and lse) for those heads only;
         // every extent checked in `check`.
-        let sig = if d.sparse.is_some() {
-            &MLA_SPARSE_FP8
-        } else {
-            &MLA_DECODE_FP8
-        };
         unsafe { self.launch_traced(sig, d.kernel, cfg, &args) }
     }
 }
