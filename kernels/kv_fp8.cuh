@@ -224,3 +224,46 @@ template <bool SPARSE, int TILE> struct Fp8TileIssuer {
         next_pos = entry(t0 + 2 * TILE + lane);
     }
 };
+
+// σ, the power of two the few-heads kernels divide the probabilities by (scale / σ ≤ 1 keeps
+// the f16 operand of P·V in range), grown to cover a tile whose largest scale is smax. Returns
+// the factor O (kept in units of σ) must be multiplied by: 1 when σ stays, 0 the first time.
+__device__ __forceinline__ float fp8_sigma_grow(float smax, float& sigma) {
+    if (!(smax > sigma)) return 1.0f;
+    const float next = pow2_at_least(smax);
+    const float grow = sigma / next;
+    sigma = next;
+    return grow;
+}
+
+// Sixteen bf16 query values at src (32 bytes, 16-byte aligned) as floats into v, zeros for a
+// padding row.
+__device__ __forceinline__ void fp8_query16(const bf16_t* src, bool real, float* v) {
+    uint4 w[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+    if (real) {
+        w[0] = ((const uint4*)src)[0];
+        w[1] = ((const uint4*)src)[1];
+    }
+    const u32 words[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        v[2 * k] = bf16_to_f32((bf16_t)(words[k] & 0xffffu));
+        v[2 * k + 1] = bf16_to_f32((bf16_t)(words[k] >> 16));
+    }
+}
+
+// The end of a few-heads kernel: the block's O, already put in dim order in shared memory at
+// `rows_at` (row r, dim d at float r·stride + d + d/32), out for its `rows` real heads: bf16
+// into out when the decode did not split, else f32 into the split's partials.
+__device__ __forceinline__ void fp8_store_o(unsigned rows_at, int stride, int rows, int splits, bf16_t* out, u64 out_head,
+                                            float* part_o, u64 part_head) {
+    for (int i = threadIdx.x; i < rows * FP8_LATENT / 2; i += blockDim.x) {
+        const int row = i / (FP8_LATENT / 2), dim = 2 * (i % (FP8_LATENT / 2));
+        const unsigned at = rows_at + (row * stride + dim + dim / 32) * 4;
+        const float x = fp8_ld_shared_f32(at), y = fp8_ld_shared_f32(at + 4);
+        if (splits == 1)
+            *(unsigned*)(out + (out_head + row) * FP8_LATENT + dim) = pack_bf16(x, y);
+        else
+            *(float2*)(part_o + (part_head + row) * FP8_LATENT + dim) = make_float2(x, y);
+    }
+}

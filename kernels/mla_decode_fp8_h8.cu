@@ -83,20 +83,7 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
         float v[32];
         const bf16_t* src = q + ((u64)b * total_heads + head0 + g) * (FP8_LATENT + FP8_ROPE);
 #pragma unroll
-        for (int span = 0; span < 2; span++) {
-            uint4 w[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-            if (g < heads_here) {
-                const uint4* p = (const uint4*)(src + FP8_TILE * warp + 64 * span + 16 * qd);
-                w[0] = p[0];
-                w[1] = p[1];
-            }
-            const u32 words[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                v[16 * span + 2 * k] = bf16_to_f32((bf16_t)(words[k] & 0xffffu));
-                v[16 * span + 2 * k + 1] = bf16_to_f32((bf16_t)(words[k] >> 16));
-            }
-        }
+        for (int span = 0; span < 2; span++) fp8_query16(src + FP8_TILE * warp + 64 * span + 16 * qd, g < heads_here, v + 16 * span);
         const uint2 rope = g < heads_here ? *(const uint2*)(src + FP8_LATENT + 16 * warp + 4 * qd) : make_uint2(0, 0);
         float amax = 0.0f;
 #pragma unroll
@@ -200,12 +187,7 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
             mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], sh));
             smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, sh));
         }
-        float grow = 1.0f;
-        if (smax > sigma) {
-            const float next = pow2_at_least(smax);
-            grow = sigma / next;
-            sigma = next;
-        }
+        const float grow = fp8_sigma_grow(smax, sigma);
         const float inv_sigma = sigma > 0.0f ? 1.0f / sigma : 0.0f;  // 0: all scales 0 so far
         float alpha[2], m_use[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -304,15 +286,7 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
             }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < heads_here * FP8_LATENT / 2; i += E_THREADS) {
-        const int head = i / (FP8_LATENT / 2), dim = 2 * (i % (FP8_LATENT / 2));
-        const unsigned at = sKV + (head * E_O_STRIDE + dim + dim / 32) * 4;
-        const float x = fp8_ld_shared_f32(at), y = fp8_ld_shared_f32(at + 4);
-        if (splits == 1)
-            *(unsigned*)(out + ((u64)b * total_heads + head0 + head) * FP8_LATENT + dim) = pack_bf16(x, y);
-        else
-            *(float2*)(part_o + (out_row + head) * FP8_LATENT + dim) = make_float2(x, y);
-    }
+    fp8_store_o(sKV, E_O_STRIDE, heads_here, splits, out, (u64)b * total_heads + head0, part_o, out_row);
 }
 
 extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_decode_fp8_h8(const bf16_t* q, const unsigned char* cache, const int* block_table,

@@ -93,6 +93,15 @@ fn check_clean(j: &Job, flags: Flags, what: &str) -> CheckReport {
     report
 }
 
+/// What ran the first decode step's latent attention.
+fn first_decode_kernel(run: &RunRecord) -> mladb::ops::KernelInfo {
+    run.events
+        .iter()
+        .find(|e| e.kind == OpKind::AttentionLatent && e.phase == Phase::Decode(0))
+        .and_then(|e| e.kernel.clone())
+        .expect("the first decode step's attn_latent ran a kernel")
+}
+
 fn event<'a>(run: &'a RunRecord, phase: Phase, suffix: &str) -> &'a mladb::engine::OpEvent {
     run.events
         .iter()
@@ -224,13 +233,7 @@ fn check_is_clean_on_the_fast_kernels_of_every_decode_variant() {
         let mut flags = gpu_flags();
         flags.kernels.decode = Some(kernel.parse::<DecodeVariant>().unwrap());
         let report = check_clean(&j, flags, kernel);
-        let decoded = report
-            .run
-            .events
-            .iter()
-            .find(|e| e.kind == OpKind::AttentionLatent && e.phase == Phase::Decode(0))
-            .and_then(|e| e.kernel.clone())
-            .unwrap();
+        let decoded = first_decode_kernel(&report.run);
         assert_eq!(decoded.launches[0].kernel, kernel, "{decoded}");
         eprintln!("{kernel}: clean; {decoded}");
     }
@@ -426,13 +429,7 @@ fn check_is_clean_on_an_fp8_cache_with_every_fp8_decode_variant() {
             report.findings,
             report.notes
         );
-        let decoded = report
-            .run
-            .events
-            .iter()
-            .find(|e| e.kind == OpKind::AttentionLatent && e.phase == Phase::Decode(0))
-            .and_then(|e| e.kernel.clone())
-            .unwrap();
+        let decoded = first_decode_kernel(&report.run);
         let kernel = &decoded.launches[0].kernel;
         assert!(kernel.starts_with("mla_decode_fp8_"), "{decoded}");
         if let Some(v) = &variant {
@@ -522,13 +519,7 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
             "{variant:?}: a clean sparse fp8 run has findings: {:#?}",
             report.findings
         );
-        let decoded = report
-            .run
-            .events
-            .iter()
-            .find(|e| e.kind == OpKind::AttentionLatent && e.phase == Phase::Decode(0))
-            .and_then(|e| e.kernel.clone())
-            .unwrap();
+        let decoded = first_decode_kernel(&report.run);
         let kernel = &decoded.launches[0].kernel;
         assert!(kernel.starts_with("mla_sparse_fp8_h"), "{decoded}");
         if let Some(v) = &variant {

@@ -15,7 +15,7 @@ use super::device::fast_kernels::SparseKeys;
 use super::device::fp8_kernels::Fp8Decode;
 use super::device::{variants, DevBuf, DevBytes, DevI32, Gpu};
 use super::fast::{
-    decode_splits, pick_variant, runs_on, traced, with_merge, DecodeShape, DecodeWork,
+    decode_splits, head_group, pick_variant, runs_on, traced, with_merge, DecodeShape, DecodeWork,
 };
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
@@ -110,8 +110,9 @@ pub fn fp8_kernel_of(variant: &str) -> Result<&'static str> {
 }
 
 impl DecodeWork {
-    /// The plan of an FP8-cache decode: the variant (`forced`, or the device's first) and the
-    /// split count its bf16 twin would take for the shape (`splits` overrides it, for tests).
+    /// The plan of an FP8-cache decode: the variant (`forced`, by its own name or its bf16
+    /// twin's, or the device's first) and the split count chosen for the shape (`splits`
+    /// overrides it, for tests).
     pub fn for_fp8(
         gpu: &Gpu,
         shape: DecodeShape,
@@ -119,15 +120,7 @@ impl DecodeWork {
         splits: Option<usize>,
     ) -> Result<DecodeWork> {
         let forced = forced.map(fp8_kernel_of).transpose()?;
-        // The 8-head kernel where a group of 8 holds every head (more would read the cache
-        // once per 8 heads instead of once per 16).
-        let candidates: Vec<_> = fp8_variants()
-            .into_iter()
-            .filter(|&(name, _)| forced.is_some() || name != EIGHT_HEADS || shape.heads <= 8)
-            .collect();
-        let variant = pick_variant(gpu, &candidates, forced)?;
-        let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
-        DecodeWork::scratch(gpu, shape, splits, variant)
+        fp8_plan(gpu, shape, fp8_variants(), forced, splits)
     }
 
     /// The plan of a sparse decode over an FP8 cache: `forced` (a few-heads kernel, by its
@@ -148,15 +141,32 @@ impl DecodeWork {
             })?),
             None => None,
         };
-        let candidates: Vec<_> = SPARSE_VARIANTS
+        let sparse = SPARSE_VARIANTS
             .iter()
-            .filter(|&&(_, dense)| forced.is_some() || dense != EIGHT_HEADS || shape.heads <= 8)
-            .map(|&(sparse, _)| (sparse, variants::shared_bytes(sparse)))
+            .map(|&(name, _)| (name, variants::shared_bytes(name)))
             .collect();
-        let variant = pick_variant(gpu, &candidates, forced)?;
-        let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
-        DecodeWork::scratch(gpu, shape, splits, variant)
+        fp8_plan(gpu, shape, sparse, forced, splits)
     }
+}
+
+/// The plan of one of `variants` (in order of preference): `forced`, or the device's first,
+/// passing over the 8-head kernels where a group of 8 does not hold every head (more would read
+/// the cache once per 8 heads instead of once per 16); `splits`, or the count chosen for the
+/// shape.
+fn fp8_plan(
+    gpu: &Gpu,
+    shape: DecodeShape,
+    variants: Vec<(&'static str, u32)>,
+    forced: Option<&str>,
+    splits: Option<usize>,
+) -> Result<DecodeWork> {
+    let candidates: Vec<_> = variants
+        .into_iter()
+        .filter(|&(name, _)| forced.is_some() || head_group(name) > 8 || shape.heads <= 8)
+        .collect();
+    let variant = pick_variant(gpu, &candidates, forced)?;
+    let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
+    DecodeWork::scratch(gpu, shape, splits, variant)
 }
 
 /// Absorbed MLA decode over an fp8_ds_mla cache: `q` [batch, heads, 576] bf16, `cache` the paged
@@ -270,7 +280,6 @@ fn fp8_launches(
 
 #[cfg(test)]
 mod tests {
-    use super::super::fast::head_group;
     use super::*;
 
     #[test]
