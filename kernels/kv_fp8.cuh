@@ -173,7 +173,7 @@ __device__ __forceinline__ float pow2_at_least(float x) {
     return __uint_as_float(min(up, 0x7f000000u));
 }
 
-// A tile's rows into a stage for the few-heads kernels, by warp 0, with the tile's key bits
+// A tile's rows into a stage for the few-heads kernels (FP8, and the bf16 sparse one), by warp 0, with the tile's key bits
 // (bit r: row r holds a key) stored at `keys_at` before the copies are armed, so that a thread
 // that saw the stage's barrier complete reads them too. Rows that hold no key are not copied:
 // the kernels take their bytes as zero and their scores as -inf.
@@ -182,7 +182,11 @@ __device__ __forceinline__ float pow2_at_least(float x) {
 //   table. The two dependent loads are pipelined in the lanes' registers: issuing tile k uses the
 //   position and page loaded with earlier issues, loads the page of tile k + 1 and the position
 //   of tile k + 2, so no issue waits on its own lookups (the first tiles' issues once do).
-template <bool SPARSE, int TILE> struct Fp8TileIssuer {
+// ROW bytes of a cache row (an fp8_ds_mla row by default; a bf16 row for mla_sparse_h8), DST
+// bytes between rows in the stage (a dense tile needs them packed: one copy).
+template <bool SPARSE, int TILE, int ROW = FP8_TOKEN_BYTES, int DST = ROW> struct TileIssuer {
+    static_assert(SPARSE || ROW == DST, "a dense tile is one copy of packed rows");
+    static_assert(ROW % 16 == 0 && DST % 16 == 0, "bulk copies move 16-byte units");
     const unsigned char* cache;
     const int* bt;    // the sequence's block table row
     const int* list;  // its key list (sparse)
@@ -205,8 +209,8 @@ template <bool SPARSE, int TILE> struct Fp8TileIssuer {
             const int valid = min(TILE, t_end - t0);
             const u64 row = (u64)bt[t0 / 64] * 64 + t0 % 64;
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(keys_at), "r"(valid == 32 ? 0xffffffffu : (1u << valid) - 1u) : "memory");
-            mbar_expect_bytes(mb, valid * FP8_TOKEN_BYTES);
-            bulk_load(dst, cache + row * FP8_TOKEN_BYTES, valid * FP8_TOKEN_BYTES, mb);
+            mbar_expect_bytes(mb, valid * ROW);
+            bulk_load(dst, cache + row * ROW, valid * ROW, mb);
             return;
         }
         static_assert(TILE == 32, "a lane per row");
@@ -215,10 +219,10 @@ template <bool SPARSE, int TILE> struct Fp8TileIssuer {
         const unsigned keys = __ballot_sync(0xffffffffu, key);
         if (lane == 0) {
             asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(keys_at), "r"(keys) : "memory");
-            mbar_expect_bytes(mb, __popc(keys) * FP8_TOKEN_BYTES);
+            mbar_expect_bytes(mb, __popc(keys) * ROW);
         }
         __syncwarp();
-        if (key) bulk_load(dst + lane * FP8_TOKEN_BYTES, cache + row * FP8_TOKEN_BYTES, FP8_TOKEN_BYTES, mb);
+        if (key) bulk_load(dst + lane * DST, cache + row * ROW, ROW, mb);
         pos = next_pos;
         page = pos >= 0 ? bt[pos / 64] : 0;
         next_pos = entry(t0 + 2 * TILE + lane);

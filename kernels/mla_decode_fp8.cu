@@ -83,7 +83,7 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
     __syncthreads();
     // Tile j's rows by warp 0 (kv_fp8.cuh: one bulk copy of a page's consecutive rows, or a
     // copy per list entry), its key bits beside.
-    Fp8TileIssuer<SPARSE, H_TILE> issuer{cache, bt, indices + (u64)b * topk, t_begin, t_end};
+    TileIssuer<SPARSE, H_TILE> issuer{cache, bt, indices + (u64)b * topk, t_begin, t_end};
     auto issue_tile = [&](int j) {
         const int st = j % H_STAGES;
         issuer.issue(j, sKV + st * H_STAGE_BYTES, mbar + 8 * st, sKeys + 4 * st, lane);

@@ -65,7 +65,7 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
         mbar_init_fence();
     }
     __syncthreads();
-    Fp8TileIssuer<SPARSE, E_TILE> issuer{cache, bt, indices + (u64)b * topk, t_begin, t_end};
+    TileIssuer<SPARSE, E_TILE> issuer{cache, bt, indices + (u64)b * topk, t_begin, t_end};
     auto issue_tile = [&](int j) {
         const int st = j % E_STAGES;
         issuer.issue(j, sKV + st * E_STAGE_BYTES, mbar + 8 * st, sKeys + 4 * st, lane);

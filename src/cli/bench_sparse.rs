@@ -25,12 +25,12 @@ fn selection(context: usize, count: usize, seed: u64) -> Vec<i32> {
     chosen
 }
 
-/// (µs, GB/s gathered, worst error, splits) of one sparse decode shape.
+/// (µs, GB/s gathered, worst error, splits, kernel) of one sparse decode shape.
 fn sparse_shape(
     gpu: &Gpu,
     (batch, context, topk, heads): (usize, usize, usize, usize),
     seed: u64,
-) -> Result<(f64, f64, f64, usize)> {
+) -> Result<(f64, f64, f64, usize, &'static str)> {
     let width = LATENT + ROPE;
     let pages_per_seq = context.div_ceil(PAGE);
     let cache = random(
@@ -89,24 +89,35 @@ fn sparse_shape(
         }
     }
     let bytes = (batch * topk * width * 2 + batch * heads * (width + LATENT) * 2) as f64;
-    Ok((ms * 1e3, bytes / (ms * 1e-3) / 1e9, worst, work.splits))
+    Ok((
+        ms * 1e3,
+        bytes / (ms * 1e-3) / 1e9,
+        worst,
+        work.splits,
+        work.kernel,
+    ))
 }
 
 /// The sparse decode table: top-k 2048 over 8k and 32k contexts, batch 1 and 64, 64 and 8 heads.
 pub fn sparse_decode(gpu: &Gpu, copy_gbs: f64, quick: bool) -> Result<()> {
     writeln!(
         Out,
-        "\nsparse MLA decode (top-k key lists, paged latent cache 512+64, bf16), kernel {}; \
-         GB/s of the rows gathered",
-        fast::sparse_decode_variants_for(gpu)
-            .first()
-            .copied()
-            .unwrap_or("none")
+        "\nsparse MLA decode (top-k key lists, paged latent cache 512+64, bf16); GB/s of the \
+         rows gathered"
     )?;
     writeln!(
         Out,
-        "{:>6} {:>6} {:>8} {:>6} {:>10} {:>9} {:>8} {:>7} {:>10}",
-        "heads", "batch", "context", "topk", "time us", "GB/s", "of copy", "splits", "rel err"
+        "{:>6} {:>6} {:>8} {:>6} {:>10} {:>9} {:>8} {:>7} {:>10} {:>16}",
+        "heads",
+        "batch",
+        "context",
+        "topk",
+        "time us",
+        "GB/s",
+        "of copy",
+        "splits",
+        "rel err",
+        "kernel"
     )?;
     let shapes: &[(usize, usize)] = if quick {
         &[(64, 32768)]
@@ -116,10 +127,11 @@ pub fn sparse_decode(gpu: &Gpu, copy_gbs: f64, quick: bool) -> Result<()> {
     for heads in [64, 8] {
         for &(batch, context) in shapes {
             let seed = (batch * 1000 + context + heads) as u64;
-            let (us, gbs, err, splits) = sparse_shape(gpu, (batch, context, 2048, heads), seed)?;
+            let (us, gbs, err, splits, kernel) =
+                sparse_shape(gpu, (batch, context, 2048, heads), seed)?;
             writeln!(
                 Out,
-                "{heads:>6} {batch:>6} {context:>8} {:>6} {us:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e}",
+                "{heads:>6} {batch:>6} {context:>8} {:>6} {us:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e} {kernel:>16}",
                 2048,
                 100.0 * gbs / copy_gbs
             )?;

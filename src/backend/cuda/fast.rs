@@ -95,7 +95,11 @@ fn needs_sm90(kernel: &str) -> bool {
     reads_cache_by_tma(kernel)
         || matches!(
             kernel,
-            "mla_decode_fp8_h8" | "mla_decode_fp8_h16" | "mla_sparse_fp8_h8" | "mla_sparse_fp8_h16"
+            "mla_decode_fp8_h8"
+                | "mla_decode_fp8_h16"
+                | "mla_sparse_fp8_h8"
+                | "mla_sparse_fp8_h16"
+                | "mla_sparse_h8"
         )
 }
 

@@ -213,9 +213,11 @@ impl CudaBackend {
             (_, Ok(kernel)) => kernel,
             (false, Err(_)) => None,
         };
-        if let Some(f) = forced.filter(|f| !fp8 && fast::fp8_only(f)) {
+        // A few-heads variant forced over a bf16 cache: only its sparse form reads bf16 pages.
+        if let Some(f) = forced.filter(|f| !fp8 && lists.is_none() && fast::fp8_only(f)) {
             return Ok(FastOutcome::Declined(format!(
-                "the forced decode variant {f} reads only an fp8_ds_mla cache"
+                "the forced decode variant {f} has no dense form over a bf16 cache (h8 reads one \
+                 only through a sparse selection)"
             )));
         }
         let od = self.dev(out)?;

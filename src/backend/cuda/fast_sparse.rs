@@ -10,11 +10,16 @@ use super::fast::{decode_launches, decode_splits, pick_variant, runs_on, DecodeS
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
 
+/// The sparse kernel for up to 8 heads a block (sm_90 on; kernels/mla_sparse_h8.cu: rows
+/// gathered by bulk copies, the heads as the MMAs' columns), the first choice up to 8 heads.
+const EIGHT_HEADS: &str = "mla_sparse_h8";
+
 /// The sparse variants, in order of preference, with their shared bytes (kernels/variants.cuh:
-/// their dense twins' layouts and a ring of row lookups). The TMA and wgmma kernels have none:
-/// their copies cannot gather rows.
-fn sparse_variants() -> [(&'static str, u32); 4] {
+/// the 64-head ones their dense twins' layouts and a ring of row lookups). The TMA and wgmma
+/// kernels have none: their tensor-map copies cannot gather rows.
+fn sparse_variants() -> [(&'static str, u32); 5] {
     [
+        EIGHT_HEADS,
         "mla_sparse_ks3",
         "mla_sparse_ks2",
         "mla_sparse_t32",
@@ -38,6 +43,8 @@ pub fn sparse_twin(kernel: &str) -> Option<&'static str> {
     let tag = kernel
         .strip_prefix("mla_decode_")
         .or_else(|| kernel.strip_prefix("mla_sparse_"))?;
+    // `--decode-variant h8` names the 8-head family (mla_decode_fp8_h8 is its dense form).
+    let tag = tag.strip_prefix("fp8_").unwrap_or(tag);
     sparse_variants()
         .into_iter()
         .map(|(name, _)| name)
@@ -62,7 +69,13 @@ impl DecodeWork {
             })?),
             None => None,
         };
-        let variant = pick_variant(gpu, &sparse_variants(), forced)?;
+        // The 8-head kernel where a group of 8 holds every head (more would gather the rows
+        // once per 8 heads instead of once per 64).
+        let candidates: Vec<_> = sparse_variants()
+            .into_iter()
+            .filter(|&(name, _)| forced.is_some() || name != EIGHT_HEADS || shape.heads <= 8)
+            .collect();
+        let variant = pick_variant(gpu, &candidates, forced)?;
         let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
         DecodeWork::scratch(gpu, shape, splits, variant)
     }

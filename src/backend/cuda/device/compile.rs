@@ -53,6 +53,10 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../../../../kernels/mla_decode_fp8_h8.cu"),
     ),
     (
+        "mla_sparse_h8.cu",
+        include_str!("../../../../kernels/mla_sparse_h8.cu"),
+    ),
+    (
         "cache_write.cu",
         include_str!("../../../../kernels/cache_write.cu"),
     ),

@@ -25,6 +25,7 @@ pub const MLA_DECODE_KT3: Sig = Sig::new("mla_decode_kt3", &DECODE_TMA);
 pub const MLA_DECODE_WGMMA: Sig = Sig::new("mla_decode_wgmma", &DECODE_TMA);
 pub const MLA_SPARSE_TILED: Sig = Sig::new("mla_sparse_t*", &SPARSE);
 pub const MLA_SPARSE_SPLIT_K: Sig = Sig::new("mla_sparse_ks*", &SPARSE);
+pub const MLA_SPARSE_FEW_HEADS: Sig = Sig::new("mla_sparse_h*", &SPARSE);
 pub const MLA_DECODE_COMBINE: Sig = Sig::new(
     "mla_decode_combine",
     &[F32Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int],
@@ -58,6 +59,7 @@ pub const SIGNATURES: &[&Sig] = &[
     &MLA_DECODE_WGMMA,
     &MLA_SPARSE_TILED,
     &MLA_SPARSE_SPLIT_K,
+    &MLA_SPARSE_FEW_HEADS,
     &MLA_DECODE_COMBINE,
     &MLA_DECODE_COMBINE_ROWS,
     &FLASH_PREFILL,
@@ -267,6 +269,7 @@ impl Gpu {
             (&MLA_DECODE_TILED, false, false),
             (&MLA_SPARSE_SPLIT_K, false, true),
             (&MLA_SPARSE_TILED, false, true),
+            (&MLA_SPARSE_FEW_HEADS, false, true),
         ]
         .into_iter()
         .find(|(s, _, _)| s.matches(d.kernel))
@@ -302,13 +305,16 @@ impl Gpu {
             a.out,
             a.lse,
         ]);
+        // Heads per block from the variant's row ([`HEAD_GROUP`], or 8 for the few-heads
+        // kernel, which runs four warps instead of eight).
+        let group = super::variants::variant(d.kernel).map_or(HEAD_GROUP, |v| v.rows);
         let cfg = Launch {
             grid: (
                 blocks("MLA decode", d.splits)?,
                 blocks_yz("MLA decode", d.batch)?,
-                blocks_yz("MLA decode", d.heads.div_ceil(HEAD_GROUP))?,
+                blocks_yz("MLA decode", d.heads.div_ceil(group))?,
             ),
-            block: 256,
+            block: if group < HEAD_GROUP { 128 } else { 256 },
             shared: d.shared,
         };
         // SAFETY: block (split, b, group) reads the group's heads of q of sequence b (the last
