@@ -206,8 +206,9 @@ pub struct FlagArgs {
     /// kernels that also write the probabilities). The CPU has the reference alone.
     #[arg(long)]
     pub attn_kernel: Option<String>,
-    /// Force a decode kernel variant (wgmma, kt3, ks3, ks2, t32, t16; with an fp8_ds_mla cache
-    /// also h8, h16) instead of the first the device runs.
+    /// Force a decode kernel variant (wgmma, kt3, ks3, ks2, t32, t16; h8 over an fp8_ds_mla
+    /// cache or a sparse selection, h16 over an fp8_ds_mla cache) instead of the first the
+    /// device runs.
     #[arg(long)]
     pub decode_variant: Option<String>,
     /// Force a prefill kernel variant (wgmma, k128t64, r128t64, k64t32, r64t64, r128t32,

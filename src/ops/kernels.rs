@@ -60,10 +60,12 @@ pub enum DecodeVariant {
     T32,
     /// 16-token tiles, one stage: fits 99 KB of shared memory (sm_86/89, sm_120).
     T16,
-    /// FP8 cache only (sm_90 and later): up to 8 heads a block as the MMAs' columns, f16 MMAs
-    /// on the raw E4M3 rows (mla_decode_fp8_h8.cu).
+    /// The 8-head kernels (sm_90 and later): up to 8 heads a block as the MMAs' columns, over an
+    /// FP8 cache dense or sparse (mla_decode_fp8_h8.cu), over a bf16 cache sparse only
+    /// (mla_sparse_h8.cu).
     H8,
-    /// FP8 cache only (sm_90 and later): 16 heads a block as rows (mla_decode_fp8.cu).
+    /// FP8 cache only (sm_90 and later): 16 heads a block as rows, dense or sparse
+    /// (mla_decode_fp8.cu).
     H16,
 }
 
