@@ -192,11 +192,19 @@ mod tests {
     #[test]
     fn sparse_variants_are_described_and_fit_hopper() {
         for (name, bytes) in sparse_variants() {
-            // Their twin's layout and the ring: more than the twin, never another layout.
-            let dense = name.replace("mla_sparse_", "mla_decode_");
-            assert!(bytes > variants::shared_bytes(&dense), "{name}");
+            assert_ne!(bytes, u32::MAX, "{name} has no row in kernels/variants.cuh");
+            // The 64-head ones: their twin's layout and the ring, more than the twin, never
+            // another layout. (The 8-head kernel has no dense twin.)
+            if name != EIGHT_HEADS {
+                let dense = name.replace("mla_sparse_", "mla_decode_");
+                assert!(bytes > variants::shared_bytes(&dense), "{name}");
+            }
             // The largest still fits Hopper's and B200's 227 KB per block.
             assert!(bytes <= 232_448, "{name}: {bytes}");
         }
+        // The 8-head kernel fits sm_120's 99 KB, and `--decode-variant h8` names it.
+        assert!(variants::shared_bytes(EIGHT_HEADS) <= 101_376);
+        assert_eq!(sparse_twin("mla_decode_fp8_h8"), Some(EIGHT_HEADS));
+        assert_eq!(sparse_twin("mla_decode_fp8_h16"), None);
     }
 }
