@@ -271,3 +271,62 @@ __device__ __forceinline__ void fp8_store_o(unsigned rows_at, int stride, int ro
             *(float2*)(part_o + (part_head + row) * FP8_LATENT + dim) = make_float2(x, y);
     }
 }
+
+// ---- The block of a few-heads kernel (mla_decode_fp8*.cu, mla_sparse_h8.cu).
+
+// Block (split, sequence b, group of ROWS heads): its split's entries [t_begin, t_end) in tiles
+// of TILE, the heads that exist, the first row of its partials.
+struct FewHeadsBlock {
+    int b, head0, heads_here, t_begin, t_end;
+    u64 out_row;
+};
+template <int ROWS, int TILE> __device__ __forceinline__ FewHeadsBlock few_heads_block(const int* seq_lens, int splits, int total_heads) {
+    const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * ROWS;
+    const DecodeSplit range = decode_split(seq_lens[b], splits, split, TILE);
+    return {b, head0, min(ROWS, total_heads - head0), range.begin, range.end, ((u64)b * splits + split) * total_heads + head0};
+}
+
+// The stages' copy barriers, set up by thread 0 before anyone waits on them.
+__device__ __forceinline__ void init_stage_barriers(unsigned mbar, int stages) {
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < stages; st++) mbar_init(mbar + 8 * st, 1);
+        mbar_init_fence();
+    }
+    __syncthreads();
+}
+
+// The partial-S exchange of four warps: N float4 per lane, item i of warp w's lane l at
+// ((w·N + i)·32 + l)·16 (conflict-free). Store, then (after a barrier) the four warps' sum of
+// item i, added in warp order so that every warp gets the same bits.
+template <int N> __device__ __forceinline__ void xchg_store(unsigned x, int warp, int lane, int i, const float* v) {
+    asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(x + ((warp * N + i) * 32 + lane) * 16), "f"(v[0]), "f"(v[1]), "f"(v[2]),
+                 "f"(v[3]));
+}
+template <int N> __device__ __forceinline__ float4 xchg_sum(unsigned x, int lane, int i) {
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        float4 p;
+        asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(p.x), "=f"(p.y), "=f"(p.z), "=f"(p.w) : "r"(x + ((w * N + i) * 32 + lane) * 16));
+        sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
+    }
+    return sum;
+}
+
+// The log-sum-exps of a kernel whose heads are the MMAs' columns (lanes 0–3 of warp 0 hold
+// heads 2qd, 2qd + 1): into lse_out when the decode did not split, else the split's partials.
+__device__ __forceinline__ void column_lse_store(const float* m_run, const float* l_run, int heads_here, int splits, float* lse_out,
+                                                 u64 out_head, float* part_lse, u64 part_head) {
+    const int qd = threadIdx.x % 4;
+    if (threadIdx.x >= 4) return;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int head = 2 * qd + h;
+        if (head >= heads_here) continue;  // padding: not written
+        const float lse = l_run[h] > 0.0f ? (m_run[h] + log2f(l_run[h])) * 0.6931471805599453f : -INFINITY;
+        if (splits == 1)
+            lse_out[out_head + head] = lse;
+        else
+            part_lse[part_head + head] = lse;
+    }
+}

@@ -63,11 +63,9 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
     const unsigned sKV = smem_addr(smem), sX = sKV + H_STAGES * H_STAGE_BYTES, mbar = sX + 2 * H_XCHG_BYTES;
     const unsigned sKeys = mbar + 8 * H_STAGES;  // [stages] the key bits of the tile in each
 
-    const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * H_ROWS;
-    const int heads_here = min(H_ROWS, total_heads - head0);  // the rest of the rows are padding
-    const DecodeSplit range = decode_split(seq_lens[b], splits, split, H_TILE);
-    const int t_begin = range.begin, t_end = range.end;
-    const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
+    const FewHeadsBlock blk = few_heads_block<H_ROWS, H_TILE>(seq_lens, splits, total_heads);
+    const int b = blk.b, head0 = blk.head0, heads_here = blk.heads_here, t_begin = blk.t_begin, t_end = blk.t_end;
+    const u64 out_row = blk.out_row;
     if (t_begin >= t_end) {
         decode_empty_split(heads_here, FP8_LATENT, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
         return;
@@ -76,11 +74,7 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
     const int n_tiles = (t_end - t_begin + H_TILE - 1) / H_TILE;
     const int* bt = block_table + (u64)b * max_pages;
 
-    if (threadIdx.x == 0) {
-        for (int st = 0; st < H_STAGES; st++) mbar_init(mbar + 8 * st, 1);
-        mbar_init_fence();
-    }
-    __syncthreads();
+    init_stage_barriers(mbar, H_STAGES);
     // Tile j's rows by warp 0 (kv_fp8.cuh: one bulk copy of a page's consecutive rows, or a
     // copy per list entry), its key bits beside.
     TileIssuer<SPARSE, H_TILE> issuer{cache, bt, indices + (u64)b * topk, t_begin, t_end};
@@ -177,9 +171,7 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
         // warp w's lane l as a float4 at ((w·4 + nb)·32 + l)·16 (conflict-free).
         const unsigned x = sX + (j & 1) * H_XCHG_BYTES;
 #pragma unroll
-        for (int nb = 0; nb < 4; nb++)
-            asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(x + ((warp * 4 + nb) * 32 + lane) * 16), "f"(sc[nb][0]),
-                         "f"(sc[nb][1]), "f"(sc[nb][2]), "f"(sc[nb][3]));
+        for (int nb = 0; nb < 4; nb++) xchg_store<4>(x, warp, lane, nb, sc[nb]);
         __syncthreads();
         // Everyone is done with tile j − 1: its stage takes tile j − 1 + H_STAGES.
         if (warp == 0 && j > 0 && j - 1 + H_STAGES < n_tiles) {
@@ -188,15 +180,7 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
         }
 #pragma unroll
         for (int nb = 0; nb < 4; nb++) {
-            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-            for (int w = 0; w < 4; w++) {
-                float4 p;
-                asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                             : "=f"(p.x), "=f"(p.y), "=f"(p.z), "=f"(p.w)
-                             : "r"(x + ((w * 4 + nb) * 32 + lane) * 16));
-                sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
-            }
+            const float4 sum = xchg_sum<4>(x, lane, nb);
             const int tok = 8 * nb + 2 * qd;
             sc[nb][0] = is_key(tok) ? sum.x * scale_log2 : -INFINITY;
             sc[nb][1] = is_key(tok + 1) ? sum.y * scale_log2 : -INFINITY;

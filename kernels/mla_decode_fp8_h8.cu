@@ -47,11 +47,9 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
     const unsigned sKV = smem_addr(smem), sX = sKV + E_STAGES * E_STAGE_BYTES, mbar = sX + 2 * E_XCHG_BYTES;
     const unsigned sKeys = mbar + 8 * E_STAGES;  // [stages] the key bits of the tile in each
 
-    const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * E_HEADS;
-    const int heads_here = min(E_HEADS, total_heads - head0);  // the rest of the columns are padding
-    const DecodeSplit range = decode_split(seq_lens[b], splits, split, E_TILE);
-    const int t_begin = range.begin, t_end = range.end;
-    const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
+    const FewHeadsBlock blk = few_heads_block<E_HEADS, E_TILE>(seq_lens, splits, total_heads);
+    const int b = blk.b, head0 = blk.head0, heads_here = blk.heads_here, t_begin = blk.t_begin, t_end = blk.t_end;
+    const u64 out_row = blk.out_row;
     if (t_begin >= t_end) {
         decode_empty_split(heads_here, FP8_LATENT, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
         return;
@@ -60,11 +58,7 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
     const int n_tiles = (t_end - t_begin + E_TILE - 1) / E_TILE;
     const int* bt = block_table + (u64)b * max_pages;
 
-    if (threadIdx.x == 0) {
-        for (int st = 0; st < E_STAGES; st++) mbar_init(mbar + 8 * st, 1);
-        mbar_init_fence();
-    }
-    __syncthreads();
+    init_stage_barriers(mbar, E_STAGES);
     TileIssuer<SPARSE, E_TILE> issuer{cache, bt, indices + (u64)b * topk, t_begin, t_end};
     auto issue_tile = [&](int j) {
         const int st = j % E_STAGES;
@@ -150,9 +144,7 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
         // ((w·2 + mt)·32 + l)·16.
         const unsigned x = sX + (j & 1) * E_XCHG_BYTES;
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-            asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(x + ((warp * 2 + mt) * 32 + lane) * 16), "f"(sc[mt][0]),
-                         "f"(sc[mt][1]), "f"(sc[mt][2]), "f"(sc[mt][3]));
+        for (int mt = 0; mt < 2; mt++) xchg_store<2>(x, warp, lane, mt, sc[mt]);
         __syncthreads();
         // Everyone is done with tile j − 1: its stage takes tile j − 1 + E_STAGES.
         if (warp == 0 && j > 0 && j - 1 + E_STAGES < n_tiles) {
@@ -161,15 +153,7 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
         }
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
-            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-            for (int w = 0; w < 4; w++) {
-                float4 p;
-                asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                             : "=f"(p.x), "=f"(p.y), "=f"(p.z), "=f"(p.w)
-                             : "r"(x + ((w * 2 + mt) * 32 + lane) * 16));
-                sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
-            }
+            const float4 sum = xchg_sum<2>(x, lane, mt);
             const int ta = 16 * mt + g;
             sc[mt][0] = is_key(ta) ? sum.x * scale_log2 : -INFINITY;
             sc[mt][1] = is_key(ta) ? sum.y * scale_log2 : -INFINITY;
@@ -257,18 +241,7 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
     for (int h = 0; h < 2; h++)
 #pragma unroll
         for (int sh = 4; sh <= 16; sh <<= 1) l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], sh);
-    const float ln2 = 0.6931471805599453f;
-    if (warp == 0 && g == 0)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int head = 2 * qd + h;
-            if (head >= heads_here) continue;  // padding: not written
-            const float lse = l_run[h] > 0.0f ? (m_run[h] + log2f(l_run[h])) * ln2 : -INFINITY;
-            if (splits == 1)
-                lse_out[(u64)b * total_heads + head0 + head] = lse;
-            else
-                part_lse[out_row + head] = lse;
-        }
+    column_lse_store(m_run, l_run, heads_here, splits, lse_out, (u64)b * total_heads + head0, part_lse, out_row);
 
     // O in dim order through shared memory (the stages are free: every copy issued has landed
     // and been read), then out head by head.

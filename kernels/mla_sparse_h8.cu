@@ -45,11 +45,9 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
     const unsigned sKV = smem_addr(smem), sX = sKV + S_STAGES * S_STAGE_BYTES, mbar = sX + 2 * S_XCHG_BYTES;
     const unsigned sKeys = mbar + 8 * S_STAGES;  // [stages] the key bits of the tile in each
 
-    const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * S_HEADS;
-    const int heads_here = min(S_HEADS, total_heads - head0);
-    const DecodeSplit range = decode_split(seq_lens[b], splits, split, S_TILE);
-    const int t_begin = range.begin, t_end = range.end;
-    const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
+    const FewHeadsBlock blk = few_heads_block<S_HEADS, S_TILE>(seq_lens, splits, total_heads);
+    const int b = blk.b, head0 = blk.head0, heads_here = blk.heads_here, t_begin = blk.t_begin, t_end = blk.t_end;
+    const u64 out_row = blk.out_row;
     if (t_begin >= t_end) {
         decode_empty_split(heads_here, S_DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
         return;
@@ -58,11 +56,7 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
     const int n_tiles = (t_end - t_begin + S_TILE - 1) / S_TILE;
     const int* bt = block_table + (u64)b * max_pages;
 
-    if (threadIdx.x == 0) {
-        for (int st = 0; st < S_STAGES; st++) mbar_init(mbar + 8 * st, 1);
-        mbar_init_fence();
-    }
-    __syncthreads();
+    init_stage_barriers(mbar, S_STAGES);
     TileIssuer<true, S_TILE, S_ROW_BYTES, S_STRIDE> issuer{(const unsigned char*)cache, bt, indices + (u64)b * topk, t_begin, t_end};
     auto issue_tile = [&](int j) {
         const int st = j % S_STAGES;
@@ -125,9 +119,7 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
         }
         const unsigned x = sX + (j & 1) * S_XCHG_BYTES;
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-            asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(x + ((warp * 2 + mt) * 32 + lane) * 16), "f"(sc[mt][0]),
-                         "f"(sc[mt][1]), "f"(sc[mt][2]), "f"(sc[mt][3]));
+        for (int mt = 0; mt < 2; mt++) xchg_store<2>(x, warp, lane, mt, sc[mt]);
         fence_proxy_async();  // this warp's zeroing, before the stage is copied into again
         __syncthreads();
         if (warp == 0 && j > 0 && j - 1 + S_STAGES < n_tiles) {
@@ -136,15 +128,7 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
         }
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
-            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-            for (int w = 0; w < 4; w++) {
-                float4 p;
-                asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                             : "=f"(p.x), "=f"(p.y), "=f"(p.z), "=f"(p.w)
-                             : "r"(x + ((w * 2 + mt) * 32 + lane) * 16));
-                sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
-            }
+            const float4 sum = xchg_sum<2>(x, lane, mt);
             const int ta = 16 * mt + g;
             sc[mt][0] = is_key(ta) ? sum.x * scale_log2 : -INFINITY;
             sc[mt][1] = is_key(ta) ? sum.y * scale_log2 : -INFINITY;
@@ -205,18 +189,7 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
     for (int h = 0; h < 2; h++)
 #pragma unroll
         for (int sh = 4; sh <= 16; sh <<= 1) l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], sh);
-    const float ln2 = 0.6931471805599453f;
-    if (warp == 0 && g == 0)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int head = 2 * qd + h;
-            if (head >= heads_here) continue;  // padding: not written
-            const float lse = l_run[h] > 0.0f ? (m_run[h] + log2f(l_run[h])) * ln2 : -INFINITY;
-            if (splits == 1)
-                lse_out[(u64)b * total_heads + head0 + head] = lse;
-            else
-                part_lse[out_row + head] = lse;
-        }
+    column_lse_store(m_run, l_run, heads_here, splits, lse_out, (u64)b * total_heads + head0, part_lse, out_row);
 
     // O through shared memory (the stages are free: every copy issued has landed and been
     // read), then out head by head.

@@ -5,6 +5,7 @@
 //! The debugger's own attention kernels (attention.cu) also write the attention probabilities
 //! and take fault injections; these do neither, and are built for speed.
 
+use super::device::fast_kernels::decode_block;
 use super::device::fast_kernels::{Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
 pub use super::device::fast_kernels::{MergeFaults, MAX_SPLITS};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
@@ -89,18 +90,10 @@ fn reads_cache_by_tma(kernel: &str) -> bool {
     matches!(kernel, "mla_decode_wgmma" | "mla_decode_kt3")
 }
 
-/// The decode kernels that need sm_90 or later: those fed by TMA, and the FP8-cache kernels fed
-/// by bulk copies (with the E4M3 conversion instruction).
+/// The decode kernels that need sm_90 or later: those fed by TMA, and the few-heads kernels
+/// (fewer rows than [`HEAD_GROUP`]), fed by bulk copies.
 fn needs_sm90(kernel: &str) -> bool {
-    reads_cache_by_tma(kernel)
-        || matches!(
-            kernel,
-            "mla_decode_fp8_h8"
-                | "mla_decode_fp8_h16"
-                | "mla_sparse_fp8_h8"
-                | "mla_sparse_fp8_h16"
-                | "mla_sparse_h8"
-        )
+    reads_cache_by_tma(kernel) || head_group(kernel) < HEAD_GROUP
 }
 
 /// TMA exists from compute capability 9.0 on (Hopper, B200, sm_120).
@@ -215,7 +208,20 @@ pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&s
 /// The heads a block of a decode kernel takes: its variant's rows ([`HEAD_GROUP`] for the
 /// dense decodes, fewer for a rank's kernels).
 pub(super) fn head_group(kernel: &str) -> usize {
-    variants::variant(kernel).map_or(HEAD_GROUP, |v| v.rows)
+    decode_block(kernel).0
+}
+
+/// `variants` without the 8-head kernels when a group of 8 does not hold every head (they would
+/// read the cache once per 8 heads instead of once per 16 or 64), unless one is `forced`.
+pub(super) fn for_heads(
+    variants: Vec<(&'static str, u32)>,
+    heads: usize,
+    forced: Option<&str>,
+) -> Vec<(&'static str, u32)> {
+    variants
+        .into_iter()
+        .filter(|&(name, _)| forced.is_some() || head_group(name) > 8 || heads <= 8)
+        .collect()
 }
 
 /// What [`decode_splits`] weighs: block slots on the device, blocks per split (sequences × head

@@ -15,7 +15,7 @@ use super::device::fast_kernels::SparseKeys;
 use super::device::fp8_kernels::Fp8Decode;
 use super::device::{variants, DevBuf, DevBytes, DevI32, Gpu};
 use super::fast::{
-    decode_splits, head_group, pick_variant, runs_on, traced, with_merge, DecodeShape, DecodeWork,
+    decode_splits, for_heads, pick_variant, runs_on, traced, with_merge, DecodeShape, DecodeWork,
 };
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
@@ -149,10 +149,8 @@ impl DecodeWork {
     }
 }
 
-/// The plan of one of `variants` (in order of preference): `forced`, or the device's first,
-/// passing over the 8-head kernels where a group of 8 does not hold every head (more would read
-/// the cache once per 8 heads instead of once per 16); `splits`, or the count chosen for the
-/// shape.
+/// The plan of one of `variants` (in order of preference): `forced`, or the device's first
+/// for the head count ([`super::fast::for_heads`]); `splits`, or the count chosen for the shape.
 fn fp8_plan(
     gpu: &Gpu,
     shape: DecodeShape,
@@ -160,10 +158,7 @@ fn fp8_plan(
     forced: Option<&str>,
     splits: Option<usize>,
 ) -> Result<DecodeWork> {
-    let candidates: Vec<_> = variants
-        .into_iter()
-        .filter(|&(name, _)| forced.is_some() || head_group(name) > 8 || shape.heads <= 8)
-        .collect();
+    let candidates = for_heads(variants, shape.heads, forced);
     let variant = pick_variant(gpu, &candidates, forced)?;
     let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
     DecodeWork::scratch(gpu, shape, splits, variant)
@@ -280,6 +275,7 @@ fn fp8_launches(
 
 #[cfg(test)]
 mod tests {
+    use super::super::fast::head_group;
     use super::*;
 
     #[test]

@@ -6,7 +6,9 @@
 
 use super::device::fast_kernels::SparseKeys;
 use super::device::{variants, DevBuf, DevI32, Gpu};
-use super::fast::{decode_launches, decode_splits, pick_variant, runs_on, DecodeShape, DecodeWork};
+use super::fast::{
+    decode_launches, decode_splits, for_heads, pick_variant, runs_on, DecodeShape, DecodeWork,
+};
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
 
@@ -69,12 +71,7 @@ impl DecodeWork {
             })?),
             None => None,
         };
-        // The 8-head kernel where a group of 8 holds every head (more would gather the rows
-        // once per 8 heads instead of once per 64).
-        let candidates: Vec<_> = sparse_variants()
-            .into_iter()
-            .filter(|&(name, _)| forced.is_some() || name != EIGHT_HEADS || shape.heads <= 8)
-            .collect();
+        let candidates = for_heads(sparse_variants().to_vec(), shape.heads, forced);
         let variant = pick_variant(gpu, &candidates, forced)?;
         let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
         DecodeWork::scratch(gpu, shape, splits, variant)

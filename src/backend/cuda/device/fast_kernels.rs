@@ -80,6 +80,29 @@ pub const MAX_SPLITS: usize = 256;
 /// The most splits the per-row merge takes (a split per lane).
 pub const COMBINE_ROWS_MAX: usize = 32;
 
+/// The heads one block of a decode kernel takes and its threads: [`HEAD_GROUP`] and eight
+/// warps for the 64-row kernels; the few-heads kernels' rows (8 or 16, kernels/variants.cuh)
+/// and four warps.
+pub fn decode_block(kernel: &str) -> (usize, u32) {
+    let heads = super::variants::variant(kernel).map_or(HEAD_GROUP, |v| v.rows);
+    (heads, if heads < HEAD_GROUP { 128 } else { 256 })
+}
+
+/// The key lists of a sparse decode, checked: every row's `topk` entries within -1..positions.
+/// Returns the kernel arguments (the lists, topk).
+pub(super) fn key_list_args(keys: SparseKeys, batch: usize, positions: i64) -> Result<[Arg; 2]> {
+    let entries = prod(&[batch, keys.topk])?;
+    if !keys.indices.values_within(entries, -1, positions) || keys.indices.len() < entries {
+        return Err(Error::invalid(
+            "MLA sparse decode: the key lists are short, or not known to lie in -1..max_pages·64",
+        ));
+    }
+    Ok([
+        Arg::Ptr(I32Ptr, keys.indices.ptr()),
+        int(keys.topk, "topk")?,
+    ])
+}
+
 /// The key lists of a sparse decode: sequence b attends to the token positions
 /// `indices[b, 0..seq_lens[b]]` (-1: padding, masked), not to its first `seq_lens[b]` tokens.
 #[derive(Clone, Copy)]
@@ -161,7 +184,7 @@ struct DecodeArgs {
     table: Arg,
     lens: Arg,
     /// The key lists and their row length (sparse kernels only).
-    sparse: Option<(Arg, Arg)>,
+    sparse: Option<[Arg; 2]>,
     part_o: Arg,
     part_lse: Arg,
     out: Arg,
@@ -202,16 +225,7 @@ impl Decode<'_> {
         let len_limit = self.sparse.map_or(positions, |k| k.topk as i64);
         let sparse = match self.sparse {
             None => None,
-            Some(k) => {
-                let entries = prod(&[b, k.topk])?;
-                if !k.indices.values_within(entries, -1, positions) || k.indices.len() < entries {
-                    return Err(Error::invalid(
-                        "MLA sparse decode: the key lists are short, or not known to lie in \
-                         -1..max_pages·64",
-                    ));
-                }
-                Some((Arg::Ptr(I32Ptr, k.indices.ptr()), int(k.topk, "topk")?))
-            }
+            Some(k) => Some(key_list_args(k, b, positions)?),
         };
         if !self.block_table.values_within(table, 0, pages)
             || self.block_table.len() < table
@@ -292,9 +306,7 @@ impl Gpu {
             )?));
         }
         args.extend([a.q, a.cache, a.table, int(d.max_pages, "pages")?]);
-        if let Some((indices, topk)) = a.sparse {
-            args.extend([indices, topk]);
-        }
+        args.extend(a.sparse.into_iter().flatten());
         args.extend([
             a.lens,
             Arg::F32(d.scale_log2),
@@ -305,16 +317,14 @@ impl Gpu {
             a.out,
             a.lse,
         ]);
-        // Heads per block from the variant's row ([`HEAD_GROUP`], or 8 for the few-heads
-        // kernel, which runs four warps instead of eight).
-        let group = super::variants::variant(d.kernel).map_or(HEAD_GROUP, |v| v.rows);
+        let (group, threads) = decode_block(d.kernel);
         let cfg = Launch {
             grid: (
                 blocks("MLA decode", d.splits)?,
                 blocks_yz("MLA decode", d.batch)?,
                 blocks_yz("MLA decode", d.heads.div_ceil(group))?,
             ),
-            block: if group < HEAD_GROUP { 128 } else { 256 },
+            block: threads,
             shared: d.shared,
         };
         // SAFETY: block (split, b, group) reads the group's heads of q of sequence b (the last

@@ -7,10 +7,12 @@
 //! splits the one merge of every decode joins (`Gpu::mla_decode_merge`). What a launch may touch
 //! is checked here; the variant and split count are `cuda::fast_fp8`'s.
 
-use super::fast_kernels::{SparseKeys, LATENT, MAX_SPLITS, PAGE, ROPE};
+use super::fast_kernels::{
+    decode_block, key_list_args, SparseKeys, LATENT, MAX_SPLITS, PAGE, ROPE,
+};
 use super::kernels::{blocks, blocks_yz, int, need, need_bytes, need_i32, prod, FILL_U32};
 use super::signature::{Param::*, Sig};
-use super::{grid_1d, variants, Arg, DevBuf, DevBytes, DevI32, Elem, Gpu, Launch, Launched};
+use super::{grid_1d, Arg, DevBuf, DevBytes, DevI32, Elem, Gpu, Launch, Launched};
 use crate::error::{Error, Result};
 use crate::ops::kv_fp8::TOKEN_BYTES;
 
@@ -194,16 +196,7 @@ impl Fp8Decode<'_> {
         let longest = self.sparse.map_or(positions, |k| k.topk as i64) + 1;
         let sparse = match self.sparse {
             None => None,
-            Some(k) => {
-                let entries = prod(&[b, k.topk])?;
-                if !k.indices.values_within(entries, -1, positions) || k.indices.len() < entries {
-                    return Err(Error::invalid(
-                        "MLA sparse decode (fp8 cache): the key lists are short, or not known to \
-                         lie in -1..max_pages·64",
-                    ));
-                }
-                Some([Arg::Ptr(I32Ptr, k.indices.ptr()), int("topk", k.topk)?])
-            }
+            Some(k) => Some(key_list_args(k, b, positions)?),
         };
         if sparse.is_some() != self.kernel.starts_with("mla_sparse_fp8_") {
             return Err(Error::invalid(format!(
@@ -268,10 +261,7 @@ impl Gpu {
             out,
             lse,
         ]);
-        // Heads per block from the variant's row; the few-heads kernels (8 or 16) run four
-        // warps, the 64-head ones eight.
-        let group = variants::variant(d.kernel).map_or(64, |v| v.rows);
-        let threads = if group < 64 { 128 } else { 256 };
+        let (group, threads) = decode_block(d.kernel);
         let cfg = Launch {
             grid: (
                 blocks("MLA decode", d.splits)?,
