@@ -98,6 +98,24 @@ template <bool WRAP32> __device__ __forceinline__ u64 paged_row(int page, int ro
     return (WRAP32 ? (u64)(unsigned)bytes : bytes) / 2;
 }
 
+// Programmatic dependent launch (sm_90 on; nothing before): a kernel lets the next kernel on
+// its stream, launched as a dependent, place its blocks now; that kernel waits for this one's
+// end (and its memory) before reading what it wrote.
+__device__ __forceinline__ void let_dependents_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prior_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Named barriers: `bar_sync` waits, `bar_arrive` only counts; `n` threads in all complete it.
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+
 __device__ __forceinline__ void decode_empty_split(int rows, int dv, int splits, u64 row, u64 part_row, bf16_t* out,
                                                    float* lse_out, float* part_o, float* part_lse) {
     if (splits == 1) {

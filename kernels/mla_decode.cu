@@ -70,6 +70,7 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int mt = warp % 4, half = warp / 4;
     const int g = lane / 4, qd = lane % 4, mi = lane / 8;
+    let_dependents_launch();  // the merge may take its place now; it waits for our end
     const DecodeSplit range = decode_split(seq_lens[b], splits, split, TILE);
     const int t_begin = range.begin, t_end = range.end;
     const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
@@ -412,6 +413,7 @@ extern "C" __global__ void mla_decode_combine(const float* part_o, const float* 
     __shared__ float4 partial[COMBINE_WARPS][32];
     const int b = blockIdx.x, h = blockIdx.y, d0 = blockIdx.z * 128;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    wait_for_prior_kernel();  // launched as a dependent of the split kernel
     float top = -INFINITY;
     for (int s = threadIdx.x; s < splits; s += blockDim.x) top = fmaxf(top, merge_lse(part_lse[((u64)b * splits + s) * heads + h], faults));
     top = block_max(top, scratch);
@@ -466,6 +468,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_decode_combine_rows(const 
     const int row = blockIdx.x * 8 + warp;  // b · heads + h
     if (row >= rows) return;
     const int b = row / heads, h = row % heads;
+    wait_for_prior_kernel();  // launched as a dependent of the split kernel
     const float l = lane < splits ? merge_lse(part_lse[((u64)b * splits + lane) * heads + h], faults) : -INFINITY;
     float top = l;
 #pragma unroll

@@ -63,6 +63,8 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
     const unsigned sKV = smem_addr(smem), sX = sKV + H_STAGES * H_STAGE_BYTES, mbar = sX + 2 * H_XCHG_BYTES;
     const unsigned sKeys = mbar + 8 * H_STAGES;  // [stages] the key bits of the tile in each
 
+    let_dependents_launch();  // the merge may take its place now; it waits for our end
+
     const FewHeadsBlock blk = few_heads_block<H_ROWS, H_TILE>(seq_lens, splits, total_heads);
     const int b = blk.b, head0 = blk.head0, heads_here = blk.heads_here, t_begin = blk.t_begin, t_end = blk.t_end;
     const u64 out_row = blk.out_row;

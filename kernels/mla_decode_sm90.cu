@@ -101,6 +101,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * W_HEADS;
     const int heads_here = min(W_HEADS, total_heads - head0);  // the rest of the group is padding
+    let_dependents_launch();  // the merge may take its place now; it waits for our end
     const DecodeSplit range = decode_split(seq_lens[b], splits, split, W_TILE);
     const int t_begin = range.begin, t_end = range.end;
     const u64 out_row = ((u64)b * splits + split) * total_heads + head0;

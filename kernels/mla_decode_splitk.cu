@@ -99,6 +99,7 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int mh = warp & 1, kq = warp >> 1;
     const int g = lane / 4, qd = lane % 4, mi = lane / 8;
+    let_dependents_launch();  // the merge may take its place now; it waits for our end
     const DecodeSplit range = decode_split(seq_lens[b], splits, split, TILE);
     const int t_begin = range.begin, t_end = range.end;
     const u64 out_row = ((u64)b * splits + split) * total_heads + head0;

@@ -3,17 +3,23 @@
 // on bf16 rows. The 64-row sparse kernels (mla_sparse_ks3…) gather rows by cp.async, whose
 // copies share the load/store pipe with ldmatrix, and at 8 heads 56 of their 64 MMA rows are
 // padding. Here:
-// - warp 0 gathers a tile's 32 list entries with one bulk copy each (1152 bytes: the row's 576
-//   bf16 values) into rows 1168 bytes apart (ldmatrix rows of 8 then fall in 8 different bank
-//   groups), the lookups pipelined in its lanes' registers (TileIssuer in kv_fp8.cuh);
-// - warp w owns latent dims 128w.. and RoPE dims 16w..: Sᵀ = K·Qᵀ (M = 16 tokens by ldmatrix,
+// - a fifth warp, the producer, gathers a tile's 32 list entries with one bulk copy each (1152
+//   bytes: the row's 576 bf16 values) into rows 1168 bytes apart (ldmatrix rows of 8 then fall
+//   in 8 different bank groups), the lookups pipelined in its lanes' registers (TileIssuer in
+//   kv_fp8.cuh), into a stage as soon as the four compute warps have each released it (an
+//   `empty` barrier per stage). When warp 0 issued the copies between its own tiles, the other
+//   warps waited for it at every tile's barrier: the producer took the decode at batch 64,
+//   top-k 2048 from 54.5 to 53 µs on the H200 (more stages, tiles of 16 keys, or a quarter of
+//   the rows by cp.async were all slower);
+// - compute warp w owns latent dims 128w.. and RoPE dims 16w..: Sᵀ = K·Qᵀ (M = 16 tokens by ldmatrix,
 //   N = the 8 heads from registers, K = its 144 dims), the four partial Sᵀ summed through
 //   shared memory, then Oᵀ += Vᵀ·Pᵀ (M = 16 of its output dims by ldmatrix.trans, N = 8 heads,
 //   K = 16 tokens; Pᵀ from the Sᵀ accumulators by movmatrix), all in bf16 MMAs with f32
 //   accumulators;
 // - entries of padding (and past the list's end) are not copied: their scores are -inf, and
 //   each warp zeroes its own dims of those rows before reading them, since 0 · NaN is NaN.
-// Two stages of 36.5 KB and 8 KB of exchange (81 KB): two blocks per multiprocessor.
+// Two stages of 36.5 KB and 8 KB of exchange (81 KB): two blocks per multiprocessor. The split
+// partials' merge is launched as a dependent (let_dependents_launch).
 #include "common.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
@@ -23,7 +29,8 @@
 #define S_HEADS (mla_sparse_h8_v.rows)
 #define S_TILE (mla_sparse_h8_v.tile)
 #define S_STAGES (mla_sparse_h8_v.stages)
-#define S_THREADS 128
+#define S_CONSUMERS 4  // warps that compute; warp 4 only copies
+#define S_THREADS (32 * S_CONSUMERS + 32)
 #define S_DQK 576
 #define S_DV 512
 #define S_ROW_BYTES (S_DQK * 2)
@@ -33,7 +40,7 @@
 #define S_O_STRIDE 532
 
 static_assert(S_HEADS == 8 && S_TILE == 32, "8-head MMA columns, a lane per row");
-static_assert(S_STAGES * S_STAGE_BYTES + 2 * S_XCHG_BYTES + 12 * S_STAGES == mla_sparse_h8_v.shared,
+static_assert(S_STAGES * S_STAGE_BYTES + 2 * S_XCHG_BYTES + 20 * S_STAGES == mla_sparse_h8_v.shared,
               "mla_sparse_h8: variants.cuh and the layout differ");
 static_assert(S_HEADS * S_O_STRIDE * 4 <= S_STAGES * S_STAGE_BYTES, "O fits in the stages");
 
@@ -43,7 +50,11 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
                                                                      float* lse_out) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned sKV = smem_addr(smem), sX = sKV + S_STAGES * S_STAGE_BYTES, mbar = sX + 2 * S_XCHG_BYTES;
-    const unsigned sKeys = mbar + 8 * S_STAGES;  // [stages] the key bits of the tile in each
+    const unsigned empty = mbar + 8 * S_STAGES;  // [stages] the consumer warps are done with it
+    const unsigned sKeys = empty + 8 * S_STAGES;  // [stages] the key bits of the tile in each
+
+    if (blockDim.x != S_THREADS) __trap();  // the launcher's block size (PRODUCER_WARP) is ours
+    let_dependents_launch();  // the merge may take its place now; it waits for our end
 
     const FewHeadsBlock blk = few_heads_block<S_HEADS, S_TILE>(seq_lens, splits, total_heads);
     const int b = blk.b, head0 = blk.head0, heads_here = blk.heads_here, t_begin = blk.t_begin, t_end = blk.t_end;
@@ -57,15 +68,25 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
     const int* bt = block_table + (u64)b * max_pages;
 
     init_stage_barriers(mbar, S_STAGES);
+    if (threadIdx.x == 0)
+        for (int st = 0; st < S_STAGES; st++) mbar_init(empty + 8 * st, S_CONSUMERS);
     TileIssuer<true, S_TILE, S_ROW_BYTES, S_STRIDE> issuer{(const unsigned char*)cache, bt, indices + (u64)b * topk, t_begin, t_end};
     auto issue_tile = [&](int j) {
         const int st = j % S_STAGES;
         issuer.issue(j, sKV + st * S_STAGE_BYTES, mbar + 8 * st, sKeys + 4 * st, lane);
     };
-    if (warp == 0) {
+    __syncthreads();  // the empty barriers set up
+    float o[8][4];    // Oᵀ: M-tile mt rows g, g + 8 are dims 128·warp + 16mt + g (+ 8); heads 2qd..
+    float l_run[2] = {0.0f, 0.0f};
+    if (warp == S_CONSUMERS) {
+        // The producer: each tile into its stage once the consumers are done with the stage's
+        // previous tile.
         issuer.start(lane);
-        for (int j = 0; j < S_STAGES && j < n_tiles; j++) issue_tile(j);
-    }
+        for (int j = 0; j < n_tiles; j++) {
+            if (j >= S_STAGES) mbar_wait(empty + 8 * (j % S_STAGES), (j / S_STAGES - 1) & 1);
+            issue_tile(j);
+        }
+    } else {
 
     // Qᵀ as B fragments (column g = head g): latent k-step ks covers dims 128·warp + 16ks..,
     // k-step 8 the RoPE dims 512 + 16·warp..; zeros for padding heads.
@@ -81,10 +102,9 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
         }
     }
 
-    float o[8][4];  // Oᵀ: M-tile mt rows g, g + 8 are dims 128·warp + 16mt + g (+ 8); heads 2qd..
 #pragma unroll
     for (int mt = 0; mt < 8; mt++) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+    float m_run[2] = {-INFINITY, -INFINITY};
 
     for (int j = 0; j < n_tiles; j++) {
         const unsigned kv = sKV + (j % S_STAGES) * S_STAGE_BYTES;
@@ -121,11 +141,7 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) xchg_store<2>(x, warp, lane, mt, sc[mt]);
         fence_proxy_async();  // this warp's zeroing, before the stage is copied into again
-        __syncthreads();
-        if (warp == 0 && j > 0 && j - 1 + S_STAGES < n_tiles) {
-            fence_proxy_async();
-            issue_tile(j - 1 + S_STAGES);
-        }
+        bar_sync(1, 32 * S_CONSUMERS);
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
             const float4 sum = xchg_sum<2>(x, lane, mt);
@@ -183,6 +199,8 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
                 mma_bf16(o[mt], a, pb);
             }
         }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + 8 * (j % S_STAGES));
     }
 
 #pragma unroll
@@ -193,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
 
     // O through shared memory (the stages are free: every copy issued has landed and been
     // read), then out head by head.
-    __syncthreads();
+    bar_sync(1, 32 * S_CONSUMERS);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const float k = l_run[h] > 0.0f ? 1.0f / l_run[h] : 0.0f;
@@ -206,6 +224,7 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
                 asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sKV + (head * S_O_STRIDE + dim + dim / 32) * 4), "f"(o[mt][2 * r + h] * k));
             }
     }
+    }  // the consumers
     __syncthreads();
     fp8_store_o(sKV, S_O_STRIDE, heads_here, splits, out, (u64)b * total_heads + head0, part_o, out_row);
 }

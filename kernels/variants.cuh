@@ -35,8 +35,9 @@ KERNEL_VARIANT(mla_sparse_ks2, 64, 32, 2, 191488)
 KERNEL_VARIANT(mla_sparse_t32, 64, 32, 2, 157952)
 KERNEL_VARIANT(mla_sparse_t16, 64, 16, 1, 98816)
 // The sparse decode for up to 8 heads (mla_sparse_h8.cu): bf16 rows gathered by bulk copies
-// into 1168-byte rows, two stages, two exchange buffers, a barrier and the key bits per stage.
-KERNEL_VARIANT(mla_sparse_h8, 8, 32, 2, 82968)
+// into 1168-byte rows, two stages, two exchange buffers, two barriers (full, empty) and the key
+// bits per stage.
+KERNEL_VARIANT(mla_sparse_h8, 8, 32, 2, 82984)
 // The decode over an fp8_ds_mla cache: its bf16 twin's layout (rows converted in place).
 KERNEL_VARIANT(mla_decode_fp8_ks3, 64, 32, 3, 226816)
 KERNEL_VARIANT(mla_decode_fp8_ks2, 64, 32, 2, 189440)

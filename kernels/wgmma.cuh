@@ -29,9 +29,6 @@ __device__ __forceinline__ u64 wg_desc_sw128(unsigned addr, unsigned lbo, unsign
     return wg_desc(addr, lbo, sbo) | (1ull << 62);
 }
 
-// Named barriers: `bar_sync` waits, `bar_arrive` only counts; `n` threads in all complete it.
-__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 
 // One online-softmax step (base 2) for the two rows of a thread in a warpgroup's 64-row MMA
 // tile, over NB·8 scores of a KV tile already scaled and masked (-inf) in `sc`, in the

@@ -203,5 +203,10 @@ mod tests {
         assert!(variants::shared_bytes(EIGHT_HEADS) <= 101_376);
         assert_eq!(sparse_twin("mla_decode_fp8_h8"), Some(EIGHT_HEADS));
         assert_eq!(sparse_twin("mla_decode_fp8_h16"), None);
+        // Its block is four compute warps and the producer warp (the kernel traps otherwise).
+        assert_eq!(
+            crate::backend::cuda::device::fast_kernels::decode_block(EIGHT_HEADS),
+            (8, 160)
+        );
     }
 }

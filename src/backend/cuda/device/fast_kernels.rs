@@ -80,12 +80,23 @@ pub const MAX_SPLITS: usize = 256;
 /// The most splits the per-row merge takes (a split per lane).
 pub const COMBINE_ROWS_MAX: usize = 32;
 
+/// Few-heads kernels with a fifth warp that only issues the copies (4 compute warps + 1; the
+/// kernel traps on another block size rather than wait for a producer that is not there).
+const PRODUCER_WARP: [&str; 1] = ["mla_sparse_h8"];
+
 /// The heads one block of a decode kernel takes and its threads: [`HEAD_GROUP`] and eight
 /// warps for the 64-row kernels; the few-heads kernels' rows (8 or 16, kernels/variants.cuh)
 /// and four warps.
 pub fn decode_block(kernel: &str) -> (usize, u32) {
     let heads = super::variants::variant(kernel).map_or(HEAD_GROUP, |v| v.rows);
-    (heads, if heads < HEAD_GROUP { 128 } else { 256 })
+    let threads = if PRODUCER_WARP.contains(&kernel) {
+        160
+    } else if heads < HEAD_GROUP {
+        128
+    } else {
+        256
+    };
+    (heads, threads)
 }
 
 /// The key lists of a sparse decode, checked: every row's `topk` entries within -1..positions.
@@ -383,7 +394,7 @@ impl Gpu {
             let sig = &MLA_DECODE_COMBINE_ROWS;
             // SAFETY: warp w of block x merges row 8x + w < rows (the kernel returns past it),
             // reading its ≤ 32 splits; extents checked above.
-            return unsafe { self.launch_traced(sig, sig.pattern, cfg, &args) };
+            return unsafe { self.launch_dependent(sig, sig.pattern, cfg, &args) };
         }
         args.push(m.faults.bits());
         let cfg = Launch {
@@ -397,8 +408,9 @@ impl Gpu {
         };
         let sig = &MLA_DECODE_COMBINE;
         // SAFETY: block (b, h, quarter) reads the ≤ 256 splits of (b, h) (the kernel's shared
-        // array holds 256) and writes a quarter of out row (b, h); extents checked above.
-        unsafe { self.launch_traced(sig, sig.pattern, cfg, &args) }
+        // array holds 256) and writes a quarter of out row (b, h); extents checked above. Both
+        // merges wait for the split kernel before they read its partials.
+        unsafe { self.launch_dependent(sig, sig.pattern, cfg, &args) }
     }
 
     /// Causal prefill of one sequence with a portable kernel (`flash_prefill_r…`, or `…k…` with

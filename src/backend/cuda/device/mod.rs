@@ -273,6 +273,45 @@ impl Gpu {
     }
 
     unsafe fn launch(&self, sig: &Sig, name: &str, cfg: Launch, args: &[Arg]) -> Result<()> {
+        // SAFETY: the caller upholds this function's contract.
+        unsafe { self.launch_with(sig, name, cfg, args, false) }
+    }
+
+    /// [`Gpu::launch`] of a kernel that waits (`griddepcontrol.wait`) for the kernel before it
+    /// on the stream before reading what that kernel wrote: on sm_90 and later it is launched
+    /// as a programmatic dependent, so its blocks are placed and started while the kernel
+    /// before it finishes (that kernel lets them, `griddepcontrol.launch_dependents`), instead
+    /// of after. Elsewhere a plain launch (the wait is compiled out).
+    ///
+    /// # Safety
+    /// As [`Gpu::launch`]; and the kernel must not read memory the previous kernel writes
+    /// before its wait.
+    unsafe fn launch_dependent(
+        &self,
+        sig: &Sig,
+        name: &str,
+        cfg: Launch,
+        args: &[Arg],
+    ) -> Result<Launched> {
+        let early = self.arch.parse::<u32>().is_ok_and(|cc| cc >= 90);
+        // SAFETY: the caller upholds this function's contract.
+        unsafe { self.launch_with(sig, name, cfg, args, early) }?;
+        Ok(Launched {
+            kernel: name.to_string(),
+            grid: cfg.grid,
+            block: cfg.block,
+            shared: cfg.shared,
+        })
+    }
+
+    unsafe fn launch_with(
+        &self,
+        sig: &Sig,
+        name: &str,
+        cfg: Launch,
+        args: &[Arg],
+        early: bool,
+    ) -> Result<()> {
         if !sig.matches(name) {
             return Err(Error::invalid(format!(
                 "kernel {name} is not one of {}",
@@ -303,6 +342,12 @@ impl Gpu {
                 .shared_allowed
                 .fetch_max(cfg.shared, Ordering::Relaxed);
         }
+        if early {
+            // SAFETY: as below; the values behind the parameter pointers live until the call
+            // returns, and the driver copies them.
+            return unsafe { self.launch_early(&kernel.function, cfg, args) }
+                .map_err(CudaError::driver(format!("launch of {name}")));
+        }
         let mut b = self.stream.launch_builder(&kernel.function);
         for a in args {
             match a {
@@ -324,6 +369,59 @@ impl Gpu {
         // copies the values.
         unsafe { b.launch(config) }.map_err(CudaError::driver(format!("launch of {name}")))?;
         Ok(())
+    }
+
+    /// cuLaunchKernelEx with programmatic stream serialization allowed.
+    ///
+    /// # Safety
+    /// `args` match the kernel's parameters in count and type.
+    unsafe fn launch_early(
+        &self,
+        function: &cudarc::driver::CudaFunction,
+        cfg: Launch,
+        args: &[Arg],
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        use cudarc::driver::sys;
+        use std::ffi::c_void;
+        let mut params: Vec<*mut c_void> = args
+            .iter()
+            .map(|a| match a {
+                Arg::Ptr(_, v) | Arg::U64(v) => v as *const u64 as *mut c_void,
+                Arg::U32(v) => v as *const u32 as *mut c_void,
+                Arg::F32(v) => v as *const f32 as *mut c_void,
+                Arg::I32(v) => v as *const i32 as *mut c_void,
+                Arg::Map(v) => v as *const _ as *mut c_void,
+                Arg::StatsJobs(v) => v as *const _ as *mut c_void,
+            })
+            .collect();
+        // SAFETY: zero is a valid bit pattern for the attribute (a C struct and union).
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid.0,
+            gridDimY: cfg.grid.1,
+            gridDimZ: cfg.grid.2,
+            blockDimX: cfg.block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: cfg.shared,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the function belongs to this context, the stream too; `params` holds one
+        // pointer per kernel parameter, each to a value of the parameter's type.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                function.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()
+        }
     }
 
     /// Times `work` with device events: `reps` samples, each of `inner` back-to-back calls,
