@@ -1,13 +1,18 @@
 //! `mladb bench --device cuda`: the sparse MLA decode (attention over the DSA indexer's top-k
-//! keys, as GLM-5 decodes) at GLM-5's latent dims, in GB/s of the bytes it gathers (the listed
-//! cache rows, the query and the output) against the device's copy bandwidth, each shape checked
-//! against the f64 reference.
+//! keys, as GLM-5 decodes) at GLM-5's latent dims, over the bf16 cache and the fp8_ds_mla one,
+//! in GB/s of the bytes it gathers (the listed cache rows, the query and the output) against the
+//! device's copy bandwidth, each shape checked against the f64 reference (over the FP8 cache:
+//! the rows as the CPU codec decodes them).
 
 use super::bench_gpu::{random, time};
 use super::Out;
 use crate::backend::cuda::device::{Elem, Gpu};
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
 use crate::error::{Error, Result};
+use crate::ops::kv_fp8::{self, Fp8Faults};
+
+/// Bytes of one token in the fp8_ds_mla cache.
+const FP8_TOKEN: usize = 656;
 
 /// `count` distinct positions below `context`, sorted (a DSA selection), from `seed`.
 fn selection(context: usize, count: usize, seed: u64) -> Vec<i32> {
@@ -25,14 +30,17 @@ fn selection(context: usize, count: usize, seed: u64) -> Vec<i32> {
     chosen
 }
 
-/// (µs, GB/s gathered, worst error, splits, kernel) of one sparse decode shape.
+/// (µs, GB/s gathered, worst error, splits, kernel) of one sparse decode shape, over an
+/// fp8_ds_mla cache written from the same random rows when `fp8`.
 fn sparse_shape(
     gpu: &Gpu,
     (batch, context, topk, heads): (usize, usize, usize, usize),
+    fp8: bool,
     seed: u64,
 ) -> Result<(f64, f64, f64, usize, &'static str)> {
     let width = LATENT + ROPE;
     let pages_per_seq = context.div_ceil(PAGE);
+    let slots = batch * pages_per_seq * PAGE;
     let cache = random(
         gpu,
         batch * pages_per_seq * PAGE * width,
@@ -58,23 +66,42 @@ fn sparse_shape(
         max_pages: pages_per_seq,
         max_len: topk,
     };
-    let work = DecodeWork::sparse(gpu, shape, None, None)?;
     let scale = 1.0 / 256f32.sqrt();
-    let run = || {
-        let keys = (&indices_dev, topk);
-        fast::mla_decode_sparse(
-            gpu, shape, &q, &cache, &table, keys, &lens, scale, &out, &lse, &work,
-        )
-        .map(|_| ())
+    let keys = (&indices_dev, topk);
+    let (ms, work) = if fp8 {
+        let bytes = gpu.alloc_vec::<u8>(slots * FP8_TOKEN)?;
+        let all: Vec<i32> = (0..slots as i32).collect();
+        gpu.kv_fp8_write(&cache, &gpu.upload_i32(&all)?, &bytes, slots, 0)?;
+        let work = DecodeWork::for_fp8_sparse(gpu, shape, None, None)?;
+        let run = || {
+            fast::mla_decode_fp8_sparse(
+                gpu, shape, &q, &bytes, &table, keys, &lens, scale, &out, &lse, &work,
+            )
+            .map(|_| ())
+        };
+        (time(gpu, 15, run)?, work)
+    } else {
+        let work = DecodeWork::sparse(gpu, shape, None, None)?;
+        let run = || {
+            fast::mla_decode_sparse(
+                gpu, shape, &q, &cache, &table, keys, &lens, scale, &out, &lse, &work,
+            )
+            .map(|_| ())
+        };
+        (time(gpu, 15, run)?, work)
     };
-    let ms = time(gpu, 15, run)?;
     let mut worst: f64 = 0.0;
     for b in [0, batch - 1] {
         let rows: Vec<Vec<f32>> = lists[b]
             .iter()
             .map(|&p| {
                 let row = b * pages_per_seq * PAGE + p as usize;
-                gpu.download_range(&cache, row * width, width)
+                let row = gpu.download_range(&cache, row * width, width)?;
+                if fp8 {
+                    kv_fp8::round_trip(&row, Fp8Faults::default())
+                } else {
+                    Ok(row)
+                }
             })
             .collect::<Result<_>>()?;
         for h in [0, heads - 1] {
@@ -88,7 +115,8 @@ fn sparse_shape(
             worst = worst.max(fast::relative_error(&got, &want));
         }
     }
-    let bytes = (batch * topk * width * 2 + batch * heads * (width + LATENT) * 2) as f64;
+    let row_bytes = if fp8 { FP8_TOKEN } else { width * 2 };
+    let bytes = (batch * topk * row_bytes + batch * heads * (width + LATENT) * 2) as f64;
     Ok((
         ms * 1e3,
         bytes / (ms * 1e-3) / 1e9,
@@ -98,16 +126,19 @@ fn sparse_shape(
     ))
 }
 
-/// The sparse decode table: top-k 2048 over 8k and 32k contexts, batch 1 and 64, 64 and 8 heads.
+/// The sparse decode table: top-k 2048 over 8k and 32k contexts, batch 1 and 64; over the
+/// bf16 cache at 64 and 8 heads, over the fp8_ds_mla cache at 64, 16 and 8 heads (where the
+/// device runs its sparse kernels: sm_90 on).
 pub fn sparse_decode(gpu: &Gpu, copy_gbs: f64, quick: bool) -> Result<()> {
     writeln!(
         Out,
-        "\nsparse MLA decode (top-k key lists, paged latent cache 512+64, bf16); GB/s of the \
-         rows gathered"
+        "\nsparse MLA decode (top-k key lists, paged latent cache 512+64, bf16 or fp8_ds_mla); \
+         GB/s of the rows gathered"
     )?;
     writeln!(
         Out,
-        "{:>6} {:>6} {:>8} {:>6} {:>10} {:>9} {:>8} {:>7} {:>10} {:>16}",
+        "{:>10} {:>6} {:>6} {:>8} {:>6} {:>10} {:>9} {:>8} {:>7} {:>10} {:>18}",
+        "cache",
         "heads",
         "batch",
         "context",
@@ -124,22 +155,37 @@ pub fn sparse_decode(gpu: &Gpu, copy_gbs: f64, quick: bool) -> Result<()> {
     } else {
         &[(1, 32768), (64, 8192), (64, 32768)]
     };
-    for heads in [64, 8] {
-        for &(batch, context) in shapes {
-            let seed = (batch * 1000 + context + heads) as u64;
-            let (us, gbs, err, splits, kernel) =
-                sparse_shape(gpu, (batch, context, 2048, heads), seed)?;
+    let fp8_runs = !fast::sparse_fp8_decode_variants_for(gpu).is_empty();
+    let caches: [(&str, bool, &[usize]); 2] = [
+        ("bf16", false, &[64, 8]),
+        ("fp8_ds_mla", true, &[64, 16, 8]),
+    ];
+    for (cache, fp8, heads_list) in caches {
+        if fp8 && !fp8_runs {
             writeln!(
                 Out,
-                "{heads:>6} {batch:>6} {context:>8} {:>6} {us:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e} {kernel:>16}",
-                2048,
-                100.0 * gbs / copy_gbs
+                "{cache:>10}: no sparse kernel over this cache on this device (sm_90 on)"
             )?;
-            if err.is_nan() || err >= 1e-2 {
-                return Err(Error::invalid(format!(
-                    "sparse MLA decode at batch {batch}, context {context} disagrees with the \
-                     reference (relative error {err:.2e})"
-                )));
+            continue;
+        }
+        for &heads in heads_list {
+            for &(batch, context) in shapes {
+                let seed = (batch * 1000 + context + heads) as u64;
+                let (us, gbs, err, splits, kernel) =
+                    sparse_shape(gpu, (batch, context, 2048, heads), fp8, seed)?;
+                writeln!(
+                    Out,
+                    "{cache:>10} {heads:>6} {batch:>6} {context:>8} {:>6} {us:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e} {kernel:>18}",
+                    2048,
+                    100.0 * gbs / copy_gbs
+                )?;
+                if err.is_nan() || err >= 1e-2 {
+                    return Err(Error::invalid(format!(
+                        "sparse MLA decode over the {cache} cache at batch {batch}, context \
+                         {context}, {heads} heads disagrees with the reference (relative error \
+                         {err:.2e})"
+                    )));
+                }
             }
         }
     }
