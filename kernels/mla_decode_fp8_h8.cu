@@ -15,7 +15,8 @@
 // Sᵀ lanes hold tokens g, g + 8 (of each 16) and heads 2qd, 2qd + 1: the softmax reduces over
 // the eight lanes of a quad position (shuffles by 4, 8, 16). Three stages and 8 KB of exchange
 // (70 KB) leave room for three blocks per multiprocessor. mla_sparse_fp8_h8 is the sparse form
-// (see mla_decode_fp8.cu).
+// (see mla_decode_fp8.cu), with a fifth warp that only issues the copies (32 per tile, one per
+// list entry, as mla_sparse_h8 does): each stage once the four compute warps released it.
 #include "common.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
@@ -26,13 +27,14 @@
 #define E_TILE (mla_decode_fp8_h8_v.tile)       // tokens per tile
 #define E_STAGES (mla_decode_fp8_h8_v.stages)   // tiles in flight
 #define E_THREADS 128                           // a warp per latent tile
+#define E_SPARSE_THREADS (E_THREADS + 32)       // and the sparse form's producer warp
 #define E_PAGE 64
 #define E_STAGE_BYTES (E_TILE * FP8_TOKEN_BYTES)
 #define E_XCHG_BYTES (4 * 2 * 32 * 16)  // four warps' partial Sᵀ: two float4 per lane
 #define E_O_STRIDE 532                  // floats per head of O put back in order (+1 per 32 dims)
 
 static_assert(E_HEADS == 8 && E_TILE == 32 && FP8_LATENT == 4 * FP8_TILE, "a warp per latent tile, 8-head MMA columns");
-static_assert(E_STAGES * E_STAGE_BYTES + 2 * E_XCHG_BYTES + 12 * E_STAGES == mla_decode_fp8_h8_v.shared,
+static_assert(E_STAGES * E_STAGE_BYTES + 2 * E_XCHG_BYTES + 20 * E_STAGES == mla_decode_fp8_h8_v.shared,
               "mla_decode_fp8_h8: variants.cuh and the layout differ");
 static_assert(mla_sparse_fp8_h8_v.shared == mla_decode_fp8_h8_v.shared && mla_sparse_fp8_h8_v.rows == E_HEADS &&
                   mla_sparse_fp8_h8_v.stages == E_STAGES,
@@ -45,7 +47,10 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
                                         int total_heads, bf16_t* out, float* lse_out) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned sKV = smem_addr(smem), sX = sKV + E_STAGES * E_STAGE_BYTES, mbar = sX + 2 * E_XCHG_BYTES;
-    const unsigned sKeys = mbar + 8 * E_STAGES;  // [stages] the key bits of the tile in each
+    const unsigned empty = mbar + 8 * E_STAGES;  // [stages] released by the compute warps (sparse)
+    const unsigned sKeys = empty + 8 * E_STAGES;  // [stages] the key bits of the tile in each
+    constexpr bool PRODUCER = SPARSE;             // a fifth warp issues the copies
+    if (blockDim.x != (PRODUCER ? E_SPARSE_THREADS : E_THREADS)) __trap();  // as the launcher's PRODUCER_WARP
 
     let_dependents_launch();  // the merge may take its place now; it waits for our end
 
@@ -60,16 +65,25 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
     const int n_tiles = (t_end - t_begin + E_TILE - 1) / E_TILE;
     const int* bt = block_table + (u64)b * max_pages;
 
+    if (PRODUCER && threadIdx.x == 0)
+        for (int st = 0; st < E_STAGES; st++) mbar_init(empty + 8 * st, 4);
     init_stage_barriers(mbar, E_STAGES);
     TileIssuer<SPARSE, E_TILE> issuer{cache, bt, indices + (u64)b * topk, t_begin, t_end};
     auto issue_tile = [&](int j) {
         const int st = j % E_STAGES;
         issuer.issue(j, sKV + st * E_STAGE_BYTES, mbar + 8 * st, sKeys + 4 * st, lane);
     };
-    if (warp == 0) {
+    if (PRODUCER && warp == 4) {
+        issuer.start(lane);
+        for (int j = 0; j < n_tiles; j++) {
+            if (j >= E_STAGES) mbar_wait(empty + 8 * (j % E_STAGES), (j / E_STAGES - 1) & 1);
+            issue_tile(j);
+        }
+    } else if (!PRODUCER && warp == 0) {
         issuer.start(lane);
         for (int j = 0; j < E_STAGES && j < n_tiles; j++) issue_tile(j);
     }
+    if (!PRODUCER || warp < 4) {  // the compute warps
 
     // Qᵀ as B fragments (column g = head g): latent dims 128·warp + 64·span + 16·qd + 4i.. for
     // k-step 4·span + i, times the head's power of two; RoPE dims 16·warp + 4·qd.. in bf16.
@@ -147,9 +161,12 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
         const unsigned x = sX + (j & 1) * E_XCHG_BYTES;
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) xchg_store<2>(x, warp, lane, mt, sc[mt]);
-        __syncthreads();
+        if (PRODUCER)
+            bar_sync(1, E_THREADS);
+        else
+            __syncthreads();
         // Everyone is done with tile j − 1: its stage takes tile j − 1 + E_STAGES.
-        if (warp == 0 && j > 0 && j - 1 + E_STAGES < n_tiles) {
+        if (!PRODUCER && warp == 0 && j > 0 && j - 1 + E_STAGES < n_tiles) {
             fence_proxy_async();
             issue_tile(j - 1 + E_STAGES);
         }
@@ -237,6 +254,10 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
                 mma_f16(o[mt], afr, pb);
             }
         }
+        if (PRODUCER) {  // this warp is done with the stage
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + 8 * (j % E_STAGES));
+        }
     }
 
 #pragma unroll
@@ -247,7 +268,10 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
 
     // O in dim order through shared memory (the stages are free: every copy issued has landed
     // and been read), then out head by head.
-    __syncthreads();
+    if (PRODUCER)
+        bar_sync(1, E_THREADS);
+    else
+        __syncthreads();
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const float k = l_run[h] > 0.0f ? sigma / l_run[h] : 0.0f;
@@ -260,6 +284,7 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
                 asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sKV + (head * E_O_STRIDE + dim + dim / 32) * 4), "f"(o[mt][2 * r + h] * k));
             }
     }
+    }  // the compute warps
     __syncthreads();
     fp8_store_o(sKV, E_O_STRIDE, heads_here, splits, out, (u64)b * total_heads + head0, part_o, out_row);
 }
@@ -273,7 +298,7 @@ extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_decode_fp8_h8(con
 
 // The sparse form: sequence b attends to the entries 0..seq_lens[b] of row b of `indices`
 // ([batch, topk] token positions, -1 padding), the splits and tiles running over the entries.
-extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_sparse_fp8_h8(const bf16_t* q, const unsigned char* cache, const int* block_table,
+extern "C" __global__ void __launch_bounds__(E_SPARSE_THREADS, 3) mla_sparse_fp8_h8(const bf16_t* q, const unsigned char* cache, const int* block_table,
                                                                           int max_pages, const int* indices, int topk, const int* seq_lens,
                                                                           float scale_log2, float* part_o, float* part_lse, int splits,
                                                                           int total_heads, bf16_t* out, float* lse_out) {

@@ -48,11 +48,11 @@ KERNEL_VARIANT(mla_decode_fp8_t16, 64, 16, 1, 97792)
 // bits per stage.
 KERNEL_VARIANT(mla_decode_fp8_h16, 16, 32, 4, 100400)
 // The same for up to 8 heads with the heads as the MMAs' columns (mla_decode_fp8_h8.cu): three
-// stages, two exchange buffers of 4 KB.
-KERNEL_VARIANT(mla_decode_fp8_h8, 8, 32, 3, 71204)
+// stages, two exchange buffers of 4 KB, full and empty barriers (the sparse form's producer).
+KERNEL_VARIANT(mla_decode_fp8_h8, 8, 32, 3, 71228)
 // Their sparse forms (the rows of a tile gathered by list entry): the same layouts.
 KERNEL_VARIANT(mla_sparse_fp8_h16, 16, 32, 4, 100400)
-KERNEL_VARIANT(mla_sparse_fp8_h8, 8, 32, 3, 71204)
+KERNEL_VARIANT(mla_sparse_fp8_h8, 8, 32, 3, 71228)
 // The flash prefill (flash_prefill_sm90.cu, flash_prefill.cu), per head dims: d256 is
 // 256/256 (GLM-5), d192 is 192/128 (DeepSeek-V3). k*: tiles by TMA; r*: by cp.async.
 KERNEL_VARIANT(flash_prefill_wgmma_d256, 128, 64, 2, 197656)

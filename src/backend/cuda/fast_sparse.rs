@@ -204,9 +204,10 @@ mod tests {
         assert_eq!(sparse_twin("mla_decode_fp8_h8"), Some(EIGHT_HEADS));
         assert_eq!(sparse_twin("mla_decode_fp8_h16"), None);
         // Its block is four compute warps and the producer warp (the kernel traps otherwise).
-        assert_eq!(
-            crate::backend::cuda::device::fast_kernels::decode_block(EIGHT_HEADS),
-            (8, 160)
-        );
+        use crate::backend::cuda::device::fast_kernels::decode_block;
+        assert_eq!(decode_block(EIGHT_HEADS), (8, 160));
+        // So is the sparse FP8 8-head kernel's; its dense form keeps four warps.
+        assert_eq!(decode_block("mla_sparse_fp8_h8"), (8, 160));
+        assert_eq!(decode_block("mla_decode_fp8_h8"), (8, 128));
     }
 }

@@ -82,7 +82,7 @@ pub const COMBINE_ROWS_MAX: usize = 32;
 
 /// Few-heads kernels with a fifth warp that only issues the copies (4 compute warps + 1; the
 /// kernel traps on another block size rather than wait for a producer that is not there).
-const PRODUCER_WARP: [&str; 1] = ["mla_sparse_h8"];
+const PRODUCER_WARP: [&str; 2] = ["mla_sparse_h8", "mla_sparse_fp8_h8"];
 
 /// The heads one block of a decode kernel takes and its threads: [`HEAD_GROUP`] and eight
 /// warps for the 64-row kernels; the few-heads kernels' rows (8 or 16, kernels/variants.cuh)
