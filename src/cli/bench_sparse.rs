@@ -68,28 +68,30 @@ fn sparse_shape(
     };
     let scale = 1.0 / 256f32.sqrt();
     let keys = (&indices_dev, topk);
-    let (ms, work) = if fp8 {
+    let fp8_cache = if fp8 {
         let bytes = gpu.alloc_vec::<u8>(slots * FP8_TOKEN)?;
         let all: Vec<i32> = (0..slots as i32).collect();
         gpu.kv_fp8_write(&cache, &gpu.upload_i32(&all)?, &bytes, slots, 0)?;
-        let work = DecodeWork::for_fp8_sparse(gpu, shape, None, None)?;
-        let run = || {
-            fast::mla_decode_fp8_sparse(
-                gpu, shape, &q, &bytes, &table, keys, &lens, scale, &out, &lse, &work,
-            )
-            .map(|_| ())
-        };
-        (time(gpu, 15, run)?, work)
+        Some(bytes)
     } else {
-        let work = DecodeWork::sparse(gpu, shape, None, None)?;
-        let run = || {
-            fast::mla_decode_sparse(
-                gpu, shape, &q, &cache, &table, keys, &lens, scale, &out, &lse, &work,
-            )
-            .map(|_| ())
-        };
-        (time(gpu, 15, run)?, work)
+        None
     };
+    let work = match fp8_cache {
+        Some(_) => DecodeWork::for_fp8_sparse(gpu, shape, None, None)?,
+        None => DecodeWork::sparse(gpu, shape, None, None)?,
+    };
+    let run = || {
+        match &fp8_cache {
+            Some(bytes) => fast::mla_decode_fp8_sparse(
+                gpu, shape, &q, bytes, &table, keys, &lens, scale, &out, &lse, &work,
+            ),
+            None => fast::mla_decode_sparse(
+                gpu, shape, &q, &cache, &table, keys, &lens, scale, &out, &lse, &work,
+            ),
+        }
+        .map(|_| ())
+    };
+    let ms = time(gpu, 15, run)?;
     let mut worst: f64 = 0.0;
     for b in [0, batch - 1] {
         let rows: Vec<Vec<f32>> = lists[b]

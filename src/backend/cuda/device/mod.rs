@@ -91,6 +91,18 @@ struct Launch {
     shared: u32,
 }
 
+impl Launch {
+    /// This launch of `kernel`, as the trace records it.
+    fn launched(self, kernel: &str) -> Launched {
+        Launched {
+            kernel: kernel.to_string(),
+            grid: self.grid,
+            block: self.block,
+            shared: self.shared,
+        }
+    }
+}
+
 /// A launch as it went to the driver, for the trace: the kernel, grid, threads per block and
 /// dynamic shared memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -243,14 +255,6 @@ impl Gpu {
         self.functions.contains_key(name)
     }
 
-    /// Launches kernel `name`, declared by `sig`, with `args`.
-    ///
-    /// # Safety
-    /// Every pointer in `args` must be a live device allocation (or null where the kernel accepts
-    /// null) large enough for every index the kernel computes from the other arguments and the
-    /// launch shape, and any index the kernel reads from device memory must be in bounds too.
-    /// The argument kinds are checked here against `sig`, and `sig` against the `.cu` source by
-    /// a test, so a mismatch in count or type is an error, not a launch.
     /// [`Gpu::launch`], returning what was launched.
     ///
     /// # Safety
@@ -264,14 +268,17 @@ impl Gpu {
     ) -> Result<Launched> {
         // SAFETY: the caller upholds `launch`'s contract.
         unsafe { self.launch(sig, name, cfg, args) }?;
-        Ok(Launched {
-            kernel: name.to_string(),
-            grid: cfg.grid,
-            block: cfg.block,
-            shared: cfg.shared,
-        })
+        Ok(cfg.launched(name))
     }
 
+    /// Launches kernel `name`, declared by `sig`, with `args`.
+    ///
+    /// # Safety
+    /// Every pointer in `args` must be a live device allocation (or null where the kernel accepts
+    /// null) large enough for every index the kernel computes from the other arguments and the
+    /// launch shape, and any index the kernel reads from device memory must be in bounds too.
+    /// The argument kinds are checked here against `sig`, and `sig` against the `.cu` source by
+    /// a test, so a mismatch in count or type is an error, not a launch.
     unsafe fn launch(&self, sig: &Sig, name: &str, cfg: Launch, args: &[Arg]) -> Result<()> {
         // SAFETY: the caller upholds this function's contract.
         unsafe { self.launch_with(sig, name, cfg, args, false) }
@@ -296,12 +303,7 @@ impl Gpu {
         let early = self.arch.parse::<u32>().is_ok_and(|cc| cc >= 90);
         // SAFETY: the caller upholds this function's contract.
         unsafe { self.launch_with(sig, name, cfg, args, early) }?;
-        Ok(Launched {
-            kernel: name.to_string(),
-            grid: cfg.grid,
-            block: cfg.block,
-            shared: cfg.shared,
-        })
+        Ok(cfg.launched(name))
     }
 
     unsafe fn launch_with(
