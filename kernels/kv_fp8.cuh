@@ -313,6 +313,53 @@ template <int N> __device__ __forceinline__ float4 xchg_sum(unsigned x, int lane
     return sum;
 }
 
+// One tile's online softmax in base 2 for the kernels whose heads are the MMAs' columns (the Sᵀ
+// accumulators of two 16-token M-tiles: lanes hold tokens g, g + 8 and heads 2qd, 2qd + 1, so a
+// head's maximum is over the eight lanes of a quad position). sc becomes the unnormalised P;
+// m_run and l_run advance; alpha is what O must be multiplied by. With EXTRA, `extra` is
+// maximised over the same lanes alongside (the FP8 kernel's largest token scale).
+template <bool EXTRA = false>
+__device__ __forceinline__ void column_softmax(float (&sc)[2][4], float* m_run, float* l_run, float* alpha, float* extra = nullptr) {
+    float mx[2] = {fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2])),
+                   fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3]))};
+#pragma unroll
+    for (int sh = 4; sh <= 16; sh <<= 1) {
+        mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], sh));
+        mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], sh));
+        if (EXTRA) *extra = fmaxf(*extra, __shfl_xor_sync(0xffffffffu, *extra, sh));
+    }
+    float m_use[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float m_new = fmaxf(m_run[h], mx[h]);
+        alpha[h] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[h] - m_new);
+        m_use[h] = m_new == -INFINITY ? 0.0f : m_new;
+        m_run[h] = m_new;
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            sc[mt][c] = fast_exp2(sc[mt][c] - m_use[c & 1]);
+            sum[c & 1] += sc[mt][c];
+        }
+#pragma unroll
+    for (int h = 0; h < 2; h++) l_run[h] = l_run[h] * alpha[h] + sum[h];
+}
+
+// Oᵀ (eight M-tiles, columns heads 2qd, 2qd + 1) times alpha per column, skipped when no lane
+// of the warp changed (most tiles change no maximum).
+__device__ __forceinline__ void column_rescale(float (&o)[8][4], const float* alpha) {
+    if (__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) return;
+#pragma unroll
+    for (int mt = 0; mt < 8; mt++) {
+        o[mt][0] *= alpha[0];
+        o[mt][1] *= alpha[1];
+        o[mt][2] *= alpha[0];
+        o[mt][3] *= alpha[1];
+    }
+}
+
 // The log-sum-exps of a kernel whose heads are the MMAs' columns (lanes 0–3 of warp 0 hold
 // heads 2qd, 2qd + 1): into lse_out when the decode did not split, else the split's partials.
 __device__ __forceinline__ void column_lse_store(const float* m_run, const float* l_run, int heads_here, int splits, float* lse_out,

@@ -153,38 +153,9 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
         }
 
         // Online softmax per head (column) in base 2.
-        float mx[2] = {fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2])),
-                       fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3]))};
-#pragma unroll
-        for (int sh = 4; sh <= 16; sh <<= 1) {
-            mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], sh));
-            mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], sh));
-        }
-        float alpha[2], m_use[2], sum[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const float m_new = fmaxf(m_run[h], mx[h]);
-            alpha[h] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[h] - m_new);
-            m_use[h] = m_new == -INFINITY ? 0.0f : m_new;
-            m_run[h] = m_new;
-        }
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                sc[mt][c] = fast_exp2(sc[mt][c] - m_use[c & 1]);
-                sum[c & 1] += sc[mt][c];
-            }
-#pragma unroll
-        for (int h = 0; h < 2; h++) l_run[h] = l_run[h] * alpha[h] + sum[h];
-        if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f))
-#pragma unroll
-            for (int mt = 0; mt < 8; mt++) {
-                o[mt][0] *= alpha[0];
-                o[mt][1] *= alpha[1];
-                o[mt][2] *= alpha[0];
-                o[mt][3] *= alpha[1];
-            }
+        float alpha[2];
+        column_softmax(sc, m_run, l_run, alpha);
+        column_rescale(o, alpha);
 
         // Oᵀ += Vᵀ · Pᵀ over two k-steps of 16 tokens (k-step kk is Sᵀ's M-tile kk). ldmatrix.trans
         // of V: lanes 0–7 token rows 0–7 at dims +0, 8–15 the same rows at +8, 16–31 rows 8–15.

@@ -9,11 +9,12 @@
 //! kernel), and the engine runs the reference instead.
 
 use super::attention::mirror_buf;
+use super::device::fast_kernels::SparseKeys;
 use super::device::{DevBuf, Elem};
 use super::fast::{
     self, DecodeShape, DecodeWork, KeyLists, MergeFaults, LATENT, MAX_SPLITS, PREFILL_DIMS, ROPE,
 };
-use super::fast_fp8::fp8_kernel_of;
+use super::fast_fp8::{fp8_kernel_of, fp8_launches};
 use super::fp8_cache::fp8_bytes;
 use super::{buf, CudaBackend};
 use crate::backend::{checks, AttnMask, DeviceRead, FastAttention, FastOutcome, MlaDims};
@@ -268,37 +269,18 @@ impl CudaBackend {
             },
         };
         work.merge_faults = merge_faults;
-        let (q, lens, o) = (&qd, &seq_lens, padded_out.as_ref().unwrap_or(buf(&od)));
+        let (q, o) = (&qd, padded_out.as_ref().unwrap_or(buf(&od)));
+        // A sparse selection: each sequence's key list, and its length in place of the context.
+        let keys = sparse.as_ref().map(|(indices, topk, _)| SparseKeys {
+            indices,
+            topk: *topk,
+        });
+        let lens = sparse.as_ref().map_or(&seq_lens, |(_, _, counts)| counts);
         let (mirror, pool, launches, address, bytes) = if fp8 {
             let mirror = self.sync_fp8_cache(cache)?;
             let pages = fp8_bytes(&mirror);
-            let launches = match &sparse {
-                None => fast::mla_decode_fp8(
-                    self.gpu(),
-                    shape,
-                    q,
-                    pages,
-                    block_table,
-                    lens,
-                    scale,
-                    o,
-                    &lse,
-                    &work,
-                )?,
-                Some((indices, topk, key_counts)) => fast::mla_decode_fp8_sparse(
-                    self.gpu(),
-                    shape,
-                    q,
-                    pages,
-                    block_table,
-                    (indices, *topk),
-                    key_counts,
-                    scale,
-                    o,
-                    &lse,
-                    &work,
-                )?,
-            };
+            let inputs = (q, pages, block_table, lens, keys);
+            let launches = fp8_launches(self.gpu(), shape, inputs, scale, (o, &lse), &work)?;
             let (address, bytes) = (pages.address(), pages.bytes());
             (mirror, None, launches, address, bytes)
         } else {
@@ -307,33 +289,19 @@ impl CudaBackend {
                 .then(|| self.overflow_pool(mirror_buf(&mirror)))
                 .transpose()?;
             let pages = pool.as_ref().unwrap_or_else(|| mirror_buf(&mirror));
-            let launches = match &sparse {
-                None => fast::mla_decode(
-                    self.gpu(),
-                    shape,
-                    q,
-                    pages,
-                    block_table,
-                    lens,
-                    scale,
-                    o,
-                    &lse,
-                    &work,
-                )?,
-                Some((indices, topk, key_counts)) => fast::mla_decode_sparse(
-                    self.gpu(),
-                    shape,
-                    q,
-                    pages,
-                    block_table,
-                    (indices, *topk),
-                    key_counts,
-                    scale,
-                    o,
-                    &lse,
-                    &work,
-                )?,
-            };
+            let launches = fast::decode_launches(
+                self.gpu(),
+                shape,
+                q,
+                pages,
+                block_table,
+                lens,
+                keys,
+                scale,
+                o,
+                &lse,
+                &work,
+            )?;
             let (address, bytes) = (pages.address(), pages.bytes());
             (mirror, pool, launches, address, bytes)
         };

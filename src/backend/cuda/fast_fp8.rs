@@ -223,7 +223,7 @@ pub fn mla_decode_fp8_sparse(
 
 /// The inputs of an FP8-cache decode: q, the byte cache, the block table, the lengths, and the
 /// key lists when sparse.
-type Fp8Inputs<'a> = (
+pub(super) type Fp8Inputs<'a> = (
     &'a DevBuf,
     &'a DevBytes,
     &'a DevI32,
@@ -232,7 +232,7 @@ type Fp8Inputs<'a> = (
 );
 
 /// The split kernel of an FP8-cache decode (dense or sparse), then the merge when it split.
-fn fp8_launches(
+pub(super) fn fp8_launches(
     gpu: &Gpu,
     shape: DecodeShape,
     (q, cache, block_table, seq_lens, sparse): Fp8Inputs,
