@@ -286,6 +286,26 @@ template <int ROWS, int TILE> __device__ __forceinline__ FewHeadsBlock few_heads
     return {b, head0, min(ROWS, total_heads - head0), range.begin, range.end, ((u64)b * splits + split) * total_heads + head0};
 }
 
+// A producer warp beside the compute warps (the sparse 8-head kernels): `empty` holds a barrier
+// per stage on which each compute warp arrives once it is done with the stage's tile
+// (release_stage); the producer puts every tile j into its stage (issue(j)) once the stage's
+// previous tile was released. init_empty_barriers goes before init_stage_barriers, whose block
+// barrier publishes both.
+__device__ __forceinline__ void init_empty_barriers(unsigned empty, int stages, unsigned compute_warps) {
+    if (threadIdx.x == 0)
+        for (int st = 0; st < stages; st++) mbar_init(empty + 8 * st, compute_warps);
+}
+template <class Issue> __device__ __forceinline__ void produce_tiles(int n_tiles, int stages, unsigned empty, Issue issue) {
+    for (int j = 0; j < n_tiles; j++) {
+        if (j >= stages) mbar_wait(empty + 8 * (j % stages), (j / stages - 1) & 1);
+        issue(j);
+    }
+}
+__device__ __forceinline__ void release_stage(unsigned empty_at) {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(empty_at);
+}
+
 // The stages' copy barriers, set up by thread 0 before anyone waits on them.
 __device__ __forceinline__ void init_stage_barriers(unsigned mbar, int stages) {
     if (threadIdx.x == 0) {

@@ -65,8 +65,7 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
     const int n_tiles = (t_end - t_begin + E_TILE - 1) / E_TILE;
     const int* bt = block_table + (u64)b * max_pages;
 
-    if (PRODUCER && threadIdx.x == 0)
-        for (int st = 0; st < E_STAGES; st++) mbar_init(empty + 8 * st, 4);
+    if (PRODUCER) init_empty_barriers(empty, E_STAGES, 4);
     init_stage_barriers(mbar, E_STAGES);
     TileIssuer<SPARSE, E_TILE> issuer{cache, bt, indices + (u64)b * topk, t_begin, t_end};
     auto issue_tile = [&](int j) {
@@ -75,10 +74,7 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
     };
     if (PRODUCER && warp == 4) {
         issuer.start(lane);
-        for (int j = 0; j < n_tiles; j++) {
-            if (j >= E_STAGES) mbar_wait(empty + 8 * (j % E_STAGES), (j / E_STAGES - 1) & 1);
-            issue_tile(j);
-        }
+        produce_tiles(n_tiles, E_STAGES, empty, issue_tile);
     } else if (!PRODUCER && warp == 0) {
         issuer.start(lane);
         for (int j = 0; j < E_STAGES && j < n_tiles; j++) issue_tile(j);
@@ -222,10 +218,7 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
                 mma_f16(o[mt], afr, pb);
             }
         }
-        if (PRODUCER) {  // this warp is done with the stage
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty + 8 * (j % E_STAGES));
-        }
+        if (PRODUCER) release_stage(empty + 8 * (j % E_STAGES));  // this warp is done with the stage
     }
 
 #pragma unroll

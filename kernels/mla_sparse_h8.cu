@@ -67,25 +67,20 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
     const int n_tiles = (t_end - t_begin + S_TILE - 1) / S_TILE;
     const int* bt = block_table + (u64)b * max_pages;
 
+    init_empty_barriers(empty, S_STAGES, S_CONSUMERS);
     init_stage_barriers(mbar, S_STAGES);
-    if (threadIdx.x == 0)
-        for (int st = 0; st < S_STAGES; st++) mbar_init(empty + 8 * st, S_CONSUMERS);
     TileIssuer<true, S_TILE, S_ROW_BYTES, S_STRIDE> issuer{(const unsigned char*)cache, bt, indices + (u64)b * topk, t_begin, t_end};
     auto issue_tile = [&](int j) {
         const int st = j % S_STAGES;
         issuer.issue(j, sKV + st * S_STAGE_BYTES, mbar + 8 * st, sKeys + 4 * st, lane);
     };
-    __syncthreads();  // the empty barriers set up
-    float o[8][4];    // Oᵀ: M-tile mt rows g, g + 8 are dims 128·warp + 16mt + g (+ 8); heads 2qd..
+    float o[8][4];  // Oᵀ: M-tile mt rows g, g + 8 are dims 128·warp + 16mt + g (+ 8); heads 2qd..
     float l_run[2] = {0.0f, 0.0f};
     if (warp == S_CONSUMERS) {
         // The producer: each tile into its stage once the consumers are done with the stage's
         // previous tile.
         issuer.start(lane);
-        for (int j = 0; j < n_tiles; j++) {
-            if (j >= S_STAGES) mbar_wait(empty + 8 * (j % S_STAGES), (j / S_STAGES - 1) & 1);
-            issue_tile(j);
-        }
+        produce_tiles(n_tiles, S_STAGES, empty, issue_tile);
     } else {
 
     // Qᵀ as B fragments (column g = head g): latent k-step ks covers dims 128·warp + 16ks..,
@@ -170,8 +165,7 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const b
                 mma_bf16(o[mt], a, pb);
             }
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty + 8 * (j % S_STAGES));
+        release_stage(empty + 8 * (j % S_STAGES));
     }
 
 #pragma unroll
