@@ -55,7 +55,7 @@ KERNEL_VARIANT(mla_sparse_fp8_h16, 16, 32, 4, 100400)
 KERNEL_VARIANT(mla_sparse_fp8_h8, 8, 32, 3, 71228)
 // The flash prefill (flash_prefill_sm90.cu, flash_prefill.cu), per head dims: d256 is
 // 256/256 (GLM-5), d192 is 192/128 (DeepSeek-V3). k*: tiles by TMA; r*: by cp.async.
-KERNEL_VARIANT(flash_prefill_wgmma_d256, 128, 64, 2, 197656)
+KERNEL_VARIANT(flash_prefill_wgmma_d256, 128, 64, 2, 197664)
 KERNEL_VARIANT(flash_prefill_k128t64_d256, 128, 64, 2, 199712)
 KERNEL_VARIANT(flash_prefill_k128t64_d192, 128, 64, 2, 134176)
 KERNEL_VARIANT(flash_prefill_r128t64_d256, 128, 64, 2, 202752)
