@@ -7,7 +7,7 @@ decode: absorbed MLA over a dense latent cache [B, ctx, 512+64] (torch gets a co
 prefill: causal scaled_dot_product_attention, 64 heads, head dims 256/256 (torch picks its
         flash/cuDNN kernels).
 Times are medians of CUDA-event samples after a warm-up; inputs are random bf16.
-Usage: python3 tools/torch_mla_bench.py [--quick]
+Usage: python3 tools/torch_mla_bench.py [--quick] [--prefill-only]
 """
 import sys
 import torch
@@ -55,7 +55,8 @@ def main():
     print("\ntorch MLA decode (bmm, f32 softmax, bmm; dense cache)")
     print(f"{'batch':>6} {'context':>8} {'time us':>10} {'GB/s':>9} {'of copy':>8}")
     scale = (192 + 64) ** -0.5
-    for bsz in ([1, 64] if quick else [1, 16, 64, 128]):
+    batches = [] if "--prefill-only" in sys.argv else [1, 64] if quick else [1, 16, 64, 128]
+    for bsz in batches:
         for ctx in ([1024, 8192] if quick else [1024, 2048, 4096, 8192, 16384, 32768]):
             q = torch.empty(bsz, HEADS, LATENT + ROPE, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
             cache = torch.empty(bsz, ctx, LATENT + ROPE, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
