@@ -98,8 +98,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_prefill_wgmma_d256(co
             if (j >= 1 && j + 1 < n_tiles) {
                 __syncwarp();
                 if (lane == 0) {
-                    __threadfence_block();
-                    if ((atomicAdd(&done[(j - 1) % 2], 1) & 7) == 7) issue_kv(j + 1);
+                    unsigned before;  // acquire-release at the block's scope, no full fence
+                    asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;\n"
+                                 : "=r"(before)
+                                 : "r"(smem_addr(&done[(j - 1) % 2]))
+                                 : "memory");
+                    if ((before & 7) == 7) issue_kv(j + 1);
                 }
             }
         };
