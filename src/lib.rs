@@ -6,8 +6,10 @@
 //! [`engine::Engine`], which reports every op to an [`engine::Observer`]; the debugger core
 //! ([`debug`]) and sessions consume those events; [`setup`] loads models and prepares runs for
 //! every front end; [`service`] serves the debugger to the UI ([`tui`]); the commands in [`cli`]
-//! sit on top.
+//! sit on top. An engine of the user's own (vLLM, SGLang, transformers) reaches mladb through
+//! [`attach`], whose frames carry its tensors in.
 
+pub mod attach;
 pub mod backend;
 pub mod cli;
 pub mod debug;
