@@ -117,6 +117,17 @@ pub enum Dtype {
 }
 
 impl Dtype {
+    /// The name on the wire (`f32`, `bf16`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+            Dtype::I32 => "i32",
+            Dtype::I64 => "i64",
+        }
+    }
+
     /// Bytes per element.
     pub fn size(self) -> u64 {
         match self {
@@ -215,7 +226,10 @@ fn check_payload(body: &Body, payload_len: u64) -> Result<()> {
                 dtype,
                 ..
             } => {
-                format!("tensor {module} ({dtype:?} {shape:?}) needs {expected} bytes")
+                format!(
+                    "tensor {module} ({} {shape:?}) needs {expected} bytes",
+                    dtype.name()
+                )
             }
             _ => "a frame other than a tensor carries no payload".to_string(),
         };

@@ -8,6 +8,7 @@
 //! `println!` would panic.
 
 pub mod args;
+pub mod attach;
 pub mod bench;
 pub mod bench_fp8;
 pub mod bench_gpu;
@@ -63,6 +64,9 @@ pub enum Command {
     /// Open a recorded session in the debugger without recomputation (no model, no GPU);
     /// --verify recomputes and compares every recorded op; --json / --dump export it.
     Replay(replay::ReplayArgs),
+    /// Listen for a running engine's hook (python/mladb_hook) and report the tensors it sends,
+    /// from every rank at once.
+    Attach(attach::AttachArgs),
     /// Inspect a GGUF file: metadata, tensors, statistics; dump a tensor dequantized to
     /// safetensors; or time dequantization on this CPU (--bench-dequant).
     Gguf(gguf_cmd::GgufArgs),
@@ -88,6 +92,7 @@ pub fn main(cli: Cli) -> Result<u8> {
         Some(Command::Layout(args)) => layout_cmd::layout(&args).map(|_| false),
         Some(Command::Kernels(args)) => kernels::run(&args),
         Some(Command::Gguf(args)) => gguf_cmd::run(&args).map(|_| false),
+        Some(Command::Attach(args)) => attach::run(&args).map(|_| false),
         Some(Command::Replay(args)) => replay::run(&args),
     }?;
     Ok(found as u8)
