@@ -1,12 +1,13 @@
-//! The Python hook's sender (python/mladb_hook/hook.py, standard library only) against
-//! `mladb attach` and mladb's frame reader: frames in order from a background thread, the
-//! `drop` policy counting what a full queue turned away, a file of frames. Needs python3.
+//! The Python hook (python/mladb_hook, standard library only) against mladb: the frame writer
+//! (wire.py) against the reader, read back exactly and refusing what the reader would; the
+//! sender (hook.py) against `mladb attach`, with frames in order from a background thread, the
+//! `drop` policy counting what a full queue turned away, and a file of frames. Needs python3.
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
 
-use mladb::attach::wire::{read_frame, Body, Limits};
+use mladb::attach::wire::{read_frame, Body, Dtype, Limits};
 
 fn python(script: &str) -> Command {
     let mut cmd = Command::new("python3");
@@ -17,7 +18,8 @@ fn python(script: &str) -> Command {
     cmd
 }
 
-fn run_python(script: &str) -> String {
+/// Runs `script` with python/ on the path and returns its stdout.
+fn run_python(script: &str) -> Vec<u8> {
     let out = python(script)
         .output()
         .expect("python3 must be on the path for this test (CI has it)");
@@ -26,7 +28,7 @@ fn run_python(script: &str) -> String {
         "python3 failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8(out.stdout).unwrap()
+    out.stdout
 }
 
 #[test]
@@ -174,4 +176,89 @@ with Sender("file:{}", "hf", "m") as s:
         });
     }
     assert_eq!(kinds, ["hello", "tensor", "bye"]);
+}
+
+#[test]
+fn frames_written_by_the_python_hook_are_read_back_exactly() {
+    let stream = run_python(
+        r#"
+import struct, sys
+from mladb_hook import wire
+out = sys.stdout.buffer
+out.write(wire.hello("hf", "glm5-tiny", rank=1, world_size=2))
+out.write(wire.step("decode", 3, [7, 8], [12, 13]))
+out.write(wire.tensor("model.layers.0.self_attn.o_proj", "f32", [2, 3], struct.pack("<6f", *range(6)), ptr=0x7f0000001000))
+out.write(wire.tensor("model.layers.0.self_attn.attn", "bf16", [4], struct.pack("<4H", 0x3f80, 0x4000, 0xbf80, 0), ptr=16, kernel_out_ptr=32))
+out.write(wire.bye(dropped=5))
+"#,
+    );
+    let mut reader = stream.as_slice();
+    let mut frames = Vec::new();
+    while let Some(frame) = read_frame(&mut reader, Limits::default()).unwrap() {
+        frames.push(frame);
+    }
+    assert_eq!(frames.len(), 5);
+    assert!(matches!(
+        &frames[0].header.body,
+        Body::Hello { engine, model, rank: 1, world_size: 2 } if engine == "hf" && model == "glm5-tiny"
+    ));
+    assert!(matches!(
+        &frames[1].header.body,
+        Body::Step { phase, step: 3, tokens, positions }
+            if phase == "decode" && tokens == &[7, 8] && positions == &[12, 13]
+    ));
+    match &frames[2].header.body {
+        Body::Tensor {
+            module,
+            dtype: Dtype::F32,
+            shape,
+            ptr: Some(0x7f00_0000_1000),
+            kernel_out_ptr: None,
+        } => {
+            assert_eq!(module, "model.layers.0.self_attn.o_proj");
+            assert_eq!(shape, &[2, 3]);
+        }
+        other => panic!("not the f32 tensor: {other:?}"),
+    }
+    let values: Vec<f32> = frames[2]
+        .payload
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(values, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    assert!(matches!(
+        &frames[3].header.body,
+        Body::Tensor {
+            dtype: Dtype::Bf16,
+            ptr: Some(16),
+            kernel_out_ptr: Some(32),
+            ..
+        }
+    ));
+    let bf16: Vec<f32> = frames[3]
+        .payload
+        .chunks_exact(2)
+        .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect();
+    assert_eq!(bf16, [1.0, 2.0, -1.0, 0.0]);
+    assert!(matches!(frames[4].header.body, Body::Bye { dropped: 5 }));
+}
+
+#[test]
+fn the_python_writer_refuses_what_the_reader_would() {
+    let text = String::from_utf8(run_python(
+        r#"
+from mladb_hook import wire
+for args in [("m", "f32", [3], b"\0" * 8), ("m", "f64", [1], b"\0" * 8), ("m", "i64", [2, 2], b"\0" * 31)]:
+    try:
+        wire.tensor(*args)
+        print("accepted", args[:3])
+    except ValueError as e:
+        print("refused:", e)
+"#,
+    ))
+    .unwrap();
+    assert_eq!(text.lines().count(), 3, "{text}");
+    assert!(text.lines().all(|l| l.starts_with("refused:")), "{text}");
+    assert!(text.contains("needs 12 bytes, got 8"), "{text}");
 }
