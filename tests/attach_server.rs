@@ -325,3 +325,58 @@ fn the_command_refuses_bad_flags_with_one_error_line() {
         assert_eq!(errors.len(), 1, "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn a_unix_socket_serves_and_is_removed_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mladb.sock");
+    let listen = Listen::parse(&format!("unix:{}", path.display()), false).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let events = runtime.block_on(async {
+        let bound = Bound::bind(&listen).await.unwrap();
+        assert!(
+            Bound::bind(&listen).await.is_err(),
+            "a second bind on a live path"
+        );
+        let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+        let client_path = path.clone();
+        let client = std::thread::spawn(move || {
+            let mut s = std::os::unix::net::UnixStream::connect(client_path).unwrap();
+            s.write_all(&[hello(0), tensor("t", &[1.0, 2.0]), bye()].concat())
+                .unwrap();
+        });
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = serve(&bound, ServerConfig::default(), tx, async {
+            let _ = stop_rx.await;
+        });
+        let collect = async {
+            let mut events = Vec::new();
+            while let Some(event) = rx.recv().await {
+                let closed = matches!(event, Event::Closed { .. });
+                events.push(event);
+                if closed {
+                    break;
+                }
+            }
+            events
+        };
+        tokio::pin!(server);
+        let events = tokio::select! {
+            served = &mut server => panic!("the server stopped: {served:?}"),
+            events = collect => events,
+        };
+        let _ = stop_tx.send(());
+        server.await.unwrap();
+        client.join().unwrap();
+        events
+    });
+    assert_eq!(events.len(), 5, "{events:#?}"); // connected, three frames, closed
+    assert!(matches!(
+        events.last(),
+        Some(Event::Closed { error: None, .. })
+    ));
+    assert!(!path.exists(), "the socket file outlived the server");
+}
