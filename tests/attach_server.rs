@@ -380,3 +380,29 @@ fn a_unix_socket_serves_and_is_removed_after() {
     ));
     assert!(!path.exists(), "the socket file outlived the server");
 }
+
+#[test]
+fn the_ingest_benchmark_runs_every_shape() {
+    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args(["bench", "--attach-ingest", "--quick"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.contains("glm5")).collect();
+    assert_eq!(rows.len(), 4, "{stdout}");
+    for row in rows {
+        let gbs: f64 = row
+            .split_whitespace()
+            .rev()
+            .nth(2)
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(gbs > 0.0, "{row}");
+    }
+}

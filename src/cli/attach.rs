@@ -226,44 +226,30 @@ impl Report {
 }
 
 /// Statistics of a received tensor (its payload already checked to be its shape's size).
-struct Stats {
-    mean: f64,
-    max_abs: f64,
-    nan: u64,
-    inf: u64,
+pub(crate) struct Stats {
+    pub(crate) mean: f64,
+    pub(crate) max_abs: f64,
+    pub(crate) nan: u64,
+    pub(crate) inf: u64,
 }
 
 impl Stats {
-    fn of(dtype: Dtype, payload: &[u8]) -> Stats {
-        let values: Box<dyn Iterator<Item = f64> + '_> = match dtype {
-            Dtype::F32 => Box::new(
-                payload
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64),
-            ),
-            Dtype::Bf16 => Box::new(
-                payload
-                    .chunks_exact(2)
-                    .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f64()),
-            ),
-            Dtype::F16 => Box::new(
-                payload
-                    .chunks_exact(2)
-                    .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64()),
-            ),
-            Dtype::I32 => Box::new(
-                payload
-                    .chunks_exact(4)
-                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64),
-            ),
-            Dtype::I64 => Box::new(
-                payload
-                    .chunks_exact(8)
-                    .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")) as f64),
-            ),
-        };
+    pub(crate) fn of(dtype: Dtype, payload: &[u8]) -> Stats {
+        match dtype {
+            Dtype::F32 => Stats::over(payload, |c: [u8; 4]| f32::from_le_bytes(c) as f64),
+            Dtype::Bf16 => Stats::over(payload, |c: [u8; 2]| bf16::from_le_bytes(c).to_f64()),
+            Dtype::F16 => Stats::over(payload, |c: [u8; 2]| f16::from_le_bytes(c).to_f64()),
+            Dtype::I32 => Stats::over(payload, |c: [u8; 4]| i32::from_le_bytes(c) as f64),
+            Dtype::I64 => Stats::over(payload, |c: [u8; 8]| i64::from_le_bytes(c) as f64),
+        }
+    }
+
+    /// One pass over the elements of `N` bytes each (monomorphised per dtype: this runs on
+    /// every tensor an engine sends).
+    fn over<const N: usize>(payload: &[u8], value: impl Fn([u8; N]) -> f64) -> Stats {
         let (mut sum, mut finite, mut max_abs, mut nan, mut inf) = (0.0, 0u64, 0.0f64, 0, 0);
-        for v in values {
+        for chunk in payload.chunks_exact(N) {
+            let v = value(chunk.try_into().expect("N bytes"));
             if v.is_nan() {
                 nan += 1;
             } else if v.is_infinite() {

@@ -59,6 +59,9 @@ pub struct BenchArgs {
     /// r64t64, r128t32, r64t32).
     #[arg(long)]
     pub prefill_variant: Option<String>,
+    /// Measure how fast `mladb attach` takes a hook's frames over loopback instead (no model).
+    #[arg(long)]
+    pub attach_ingest: bool,
 }
 
 /// Peak resident memory of this process in bytes, where the OS tells it.
@@ -70,6 +73,9 @@ pub fn peak_rss_bytes() -> Option<u64> {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
+    if args.attach_ingest {
+        return super::bench_attach::run(args.quick);
+    }
     if args.device == "cuda" {
         return super::bench_gpu::bench_gpu(args);
     }

@@ -10,6 +10,7 @@
 pub mod args;
 pub mod attach;
 pub mod bench;
+pub mod bench_attach;
 pub mod bench_fp8;
 pub mod bench_gpu;
 pub mod bench_sparse;
