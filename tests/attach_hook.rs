@@ -99,10 +99,11 @@ with Sender("{address}", "hf", "glm5-tiny", rank=1, world_size=2) as s:
     assert_eq!(events[2]["tokens"], serde_json::json!([1, 2, 3]));
     assert_eq!(events[3]["rank"], 1);
     assert_eq!(events[3]["ptr"], "0x1000");
-    assert_eq!(events[3]["stats"]["inf"], 1);
+    assert_eq!(events[3]["stats"]["pos_inf"], 1);
     assert_eq!(events[3]["stats"]["mean"], 2.0);
+    assert_eq!(events[3]["stats"]["count"], 4);
     assert_eq!(events[4]["dtype"], "bf16");
-    assert_eq!(events[4]["stats"]["max_abs"], 3.0);
+    assert_eq!(events[4]["stats"]["abs_max"], 3.0);
     assert_eq!(events[5]["dropped"], 0);
     assert!(events[6]["error"].is_null(), "{stdout}");
 }

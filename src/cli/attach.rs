@@ -15,6 +15,7 @@ use super::Out;
 use crate::attach::server::{serve, Bound, Event, Listen, ServerConfig};
 use crate::attach::wire::{Body, Dtype, Limits};
 use crate::error::{Error, Result};
+use crate::stats::TensorStats;
 
 #[derive(Args, Debug, Clone)]
 pub struct AttachArgs {
@@ -175,13 +176,15 @@ impl Report {
                         ptr,
                         kernel_out_ptr,
                     } => {
-                        let stats = Stats::of(*dtype, &frame.payload);
+                        let stats = stats_of(*dtype, &frame.payload);
                         let hex = |p: &Option<u64>| p.map(|p| format!("{p:#x}"));
-                        let mut line =
-                            format!(
+                        let mut line = format!(
                             "tensor {module} {} {shape:?}: mean {:.6e} max|x| {:.6e} nan {} inf {}",
                             dtype.name(),
-                            stats.mean, stats.max_abs, stats.nan, stats.inf
+                            stats.mean,
+                            stats.abs_max,
+                            stats.nan,
+                            stats.pos_inf + stats.neg_inf
                         );
                         if let Some(p) = ptr {
                             line += &format!(" at {p:#x}");
@@ -197,8 +200,7 @@ impl Report {
                             json!({"event": "tensor", "conn": conn, "rank": rank, "module": module,
                                    "dtype": dtype, "shape": shape, "ptr": hex(ptr),
                                    "kernel_out_ptr": hex(kernel_out_ptr),
-                                   "stats": {"mean": stats.mean, "max_abs": stats.max_abs,
-                                             "nan": stats.nan, "inf": stats.inf}}),
+                                   "stats": stats}),
                         )
                     }
                     Body::Bye { dropped } => (
@@ -225,46 +227,22 @@ impl Report {
     }
 }
 
-/// Statistics of a received tensor (its payload already checked to be its shape's size).
-pub(crate) struct Stats {
-    pub(crate) mean: f64,
-    pub(crate) max_abs: f64,
-    pub(crate) nan: u64,
-    pub(crate) inf: u64,
-}
-
-impl Stats {
-    pub(crate) fn of(dtype: Dtype, payload: &[u8]) -> Stats {
-        match dtype {
-            Dtype::F32 => Stats::over(payload, |c: [u8; 4]| f32::from_le_bytes(c) as f64),
-            Dtype::Bf16 => Stats::over(payload, |c: [u8; 2]| bf16::from_le_bytes(c).to_f64()),
-            Dtype::F16 => Stats::over(payload, |c: [u8; 2]| f16::from_le_bytes(c).to_f64()),
-            Dtype::I32 => Stats::over(payload, |c: [u8; 4]| i32::from_le_bytes(c) as f64),
-            Dtype::I64 => Stats::over(payload, |c: [u8; 8]| i64::from_le_bytes(c) as f64),
-        }
+/// The statistics of a received tensor, as the trace has them for mladb's device ops (the
+/// eight-lane pass; its payload is already checked to be its shape's size; integers are taken
+/// as f32).
+pub(crate) fn stats_of(dtype: Dtype, payload: &[u8]) -> TensorStats {
+    fn values<const N: usize>(payload: &[u8], value: impl Fn([u8; N]) -> f32) -> Vec<f32> {
+        payload
+            .chunks_exact(N)
+            .map(|c| value(c.try_into().expect("N bytes")))
+            .collect()
     }
-
-    /// One pass over the elements of `N` bytes each (monomorphised per dtype: this runs on
-    /// every tensor an engine sends).
-    fn over<const N: usize>(payload: &[u8], value: impl Fn([u8; N]) -> f64) -> Stats {
-        let (mut sum, mut finite, mut max_abs, mut nan, mut inf) = (0.0, 0u64, 0.0f64, 0, 0);
-        for chunk in payload.chunks_exact(N) {
-            let v = value(chunk.try_into().expect("N bytes"));
-            if v.is_nan() {
-                nan += 1;
-            } else if v.is_infinite() {
-                inf += 1;
-            } else {
-                sum += v;
-                finite += 1;
-                max_abs = max_abs.max(v.abs());
-            }
-        }
-        Stats {
-            mean: if finite > 0 { sum / finite as f64 } else { 0.0 },
-            max_abs,
-            nan,
-            inf,
-        }
-    }
+    let values = match dtype {
+        Dtype::F32 => values(payload, f32::from_le_bytes),
+        Dtype::Bf16 => values(payload, |c| bf16::from_le_bytes(c).to_f32()),
+        Dtype::F16 => values(payload, |c| f16::from_le_bytes(c).to_f32()),
+        Dtype::I32 => values(payload, |c| i32::from_le_bytes(c) as f32),
+        Dtype::I64 => values(payload, |c| i64::from_le_bytes(c) as f32),
+    };
+    TensorStats::of_unordered(&values)
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use super::attach::Stats;
+use super::attach::stats_of;
 use super::Out;
 use crate::attach::server::{serve, Bound, Event, Listen, ServerConfig};
 use crate::attach::wire::{encode, Body, Dtype, Header, WIRE_VERSION};
@@ -56,17 +56,17 @@ pub fn run(quick: bool) -> Result<()> {
     )?;
     writeln!(
         Out,
-        "{:>24} {:>10} {:>9} {:>11} {:>9} {:>13} {:>13}",
-        "shape", "bytes", "frames", "frames/s", "GB/s", "latency µs", "p99 µs"
+        "{:>24} {:>10} {:>9} {:>11} {:>9} {:>13} {:>13} {:>13}",
+        "shape", "bytes", "frames", "frames/s", "GB/s", "latency µs", "p99 µs", "of it stats µs"
     )?;
     let budget = if quick { 64u64 << 20 } else { 512 << 20 };
     for shape in &SHAPES {
         let bytes = shape.tokens * shape.hidden * 2;
         let frames = (budget / bytes).clamp(200, 200_000);
-        let (seconds, _) = runtime.block_on(ingest(bytes, frames, None))?;
+        let (seconds, _, _) = runtime.block_on(ingest(bytes, frames, None))?;
         // Latency without a queue: frames twice as far apart as the throughput run took each.
         let gap = Duration::from_secs_f64((2.0 * seconds / frames as f64).max(500e-6));
-        let (_, mut latencies) =
+        let (_, mut latencies, stats_us) =
             runtime.block_on(ingest(bytes, if quick { 50 } else { 200 }, Some(gap)))?;
         latencies.sort_by(f64::total_cmp);
         let median = latencies[latencies.len() / 2];
@@ -74,23 +74,24 @@ pub fn run(quick: bool) -> Result<()> {
         let total = (bytes + 200) * frames; // ~200 bytes of prefix and header per frame
         writeln!(
             Out,
-            "{:>24} {:>10} {:>9} {:>11.0} {:>9.2} {:>13.1} {:>13.1}",
+            "{:>24} {:>10} {:>9} {:>11.0} {:>9.2} {:>13.1} {:>13.1} {:>13.1}",
             shape.what,
             bytes,
             frames,
             frames as f64 / seconds,
             total as f64 / seconds / 1e9,
             median,
-            p99
+            p99,
+            stats_us
         )?;
     }
     Ok(())
 }
 
 /// Sends `frames` tensor frames of `bytes` bytes (one every `gap`, or back to back) and returns
-/// the seconds from the first write to the last frame's statistics, and each frame's latency
-/// from its write to its statistics in µs.
-async fn ingest(bytes: u64, frames: u64, gap: Option<Duration>) -> Result<(f64, Vec<f64>)> {
+/// the seconds from the first write to the last frame's statistics, each frame's latency from
+/// its write to its statistics in µs, and the statistics' mean share of that in µs.
+async fn ingest(bytes: u64, frames: u64, gap: Option<Duration>) -> Result<(f64, Vec<f64>, f64)> {
     let bound = Bound::bind(&Listen::parse("127.0.0.1:0", false)?).await?;
     let addr: SocketAddr = bound
         .address()
@@ -142,11 +143,14 @@ async fn ingest(bytes: u64, frames: u64, gap: Option<Duration>) -> Result<(f64, 
         let mut latencies = Vec::new();
         let mut first = None;
         let mut checksum = 0.0;
+        let mut stats_time = 0.0;
         while seen < frames {
             match rx.recv().await {
                 Some(Event::Frame { frame, .. }) => {
                     if let Body::Tensor { module, dtype, .. } = &frame.header.body {
-                        checksum += Stats::of(*dtype, &frame.payload).mean;
+                        let started = Instant::now();
+                        checksum += stats_of(*dtype, &frame.payload).mean;
+                        stats_time += started.elapsed().as_secs_f64();
                         let sent: u128 = module.parse().unwrap_or(0);
                         let now = epoch.elapsed().as_nanos();
                         first.get_or_insert(sent);
@@ -163,7 +167,11 @@ async fn ingest(bytes: u64, frames: u64, gap: Option<Duration>) -> Result<(f64, 
         }
         let start = first.unwrap_or(0) as f64 / 1e9;
         std::hint::black_box(checksum);
-        Ok((epoch.elapsed().as_secs_f64() - start, latencies))
+        Ok((
+            epoch.elapsed().as_secs_f64() - start,
+            latencies,
+            stats_time / frames as f64 * 1e6,
+        ))
     };
     tokio::pin!(server);
     let measured = tokio::select! {
