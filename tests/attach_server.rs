@@ -50,18 +50,30 @@ fn serve_and_collect(
     ends: usize,
     clients: impl FnOnce(SocketAddr) + Send + 'static,
 ) -> Vec<Event> {
+    let listen = Listen::parse("127.0.0.1:0", false).unwrap();
+    serve_and_collect_on(&listen, config, ends, |address| {
+        clients(address.parse().unwrap())
+    })
+}
+
+/// The same on any listen address; `clients` gets the bound one, in --listen's form.
+fn serve_and_collect_on(
+    listen: &Listen,
+    config: ServerConfig,
+    ends: usize,
+    clients: impl FnOnce(String) + Send + 'static,
+) -> Vec<Event> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     runtime.block_on(async move {
-        let bound = Bound::bind(&Listen::parse("127.0.0.1:0", false).unwrap())
-            .await
-            .unwrap();
-        let addr: SocketAddr = bound.address().parse().unwrap();
+        let bound = Bound::bind(listen).await.unwrap();
+        assert!(Bound::bind(listen).await.is_err() || matches!(listen, Listen::Tcp(_)));
+        let address = bound.address();
         let (tx, mut rx) = tokio::sync::mpsc::channel(16);
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let client_thread = std::thread::spawn(move || clients(addr));
+        let client_thread = std::thread::spawn(move || clients(address));
         let server = serve(&bound, config, tx, async {
             let _ = stop_rx.await;
         });
@@ -331,47 +343,12 @@ fn a_unix_socket_serves_and_is_removed_after() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("mladb.sock");
     let listen = Listen::parse(&format!("unix:{}", path.display()), false).unwrap();
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let events = runtime.block_on(async {
-        let bound = Bound::bind(&listen).await.unwrap();
-        assert!(
-            Bound::bind(&listen).await.is_err(),
-            "a second bind on a live path"
-        );
-        let (tx, mut rx) = tokio::sync::mpsc::channel(16);
-        let client_path = path.clone();
-        let client = std::thread::spawn(move || {
-            let mut s = std::os::unix::net::UnixStream::connect(client_path).unwrap();
-            s.write_all(&[hello(0), tensor("t", &[1.0, 2.0]), bye()].concat())
-                .unwrap();
-        });
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let server = serve(&bound, ServerConfig::default(), tx, async {
-            let _ = stop_rx.await;
-        });
-        let collect = async {
-            let mut events = Vec::new();
-            while let Some(event) = rx.recv().await {
-                let closed = matches!(event, Event::Closed { .. });
-                events.push(event);
-                if closed {
-                    break;
-                }
-            }
-            events
-        };
-        tokio::pin!(server);
-        let events = tokio::select! {
-            served = &mut server => panic!("the server stopped: {served:?}"),
-            events = collect => events,
-        };
-        let _ = stop_tx.send(());
-        server.await.unwrap();
-        client.join().unwrap();
-        events
+    // (serve_and_collect_on also checks that a second bind on the live path is refused.)
+    let events = serve_and_collect_on(&listen, ServerConfig::default(), 1, |address| {
+        let path = address.strip_prefix("unix:").unwrap();
+        let mut s = std::os::unix::net::UnixStream::connect(path).unwrap();
+        s.write_all(&[hello(0), tensor("t", &[1.0, 2.0]), bye()].concat())
+            .unwrap();
     });
     assert_eq!(events.len(), 5, "{events:#?}"); // connected, three frames, closed
     assert!(matches!(
