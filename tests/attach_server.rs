@@ -120,7 +120,7 @@ fn closes(events: &[Event]) -> Vec<(u64, Option<String>)> {
 #[test]
 fn a_good_client_is_served_while_hostile_ones_are_closed_with_the_reason() {
     let config = ServerConfig {
-        idle: Duration::from_millis(500),
+        stall: Duration::from_millis(500),
         limits: Limits {
             max_header: 1 << 16,
             max_payload: 1 << 20,
@@ -317,6 +317,7 @@ fn the_command_refuses_bad_flags_with_one_error_line() {
         &["attach", "--listen", "nowhere"],
         &["attach", "--max-frame-mb", "0"],
         &["attach", "--idle-secs", "0"],
+        &["attach", "--stall-secs", "0"],
         &[
             "attach",
             "--listen",
@@ -382,4 +383,24 @@ fn the_ingest_benchmark_runs_every_shape() {
             .unwrap();
         assert!(gbs > 0.0, "{row}");
     }
+}
+
+#[test]
+fn a_connection_silent_between_frames_is_closed_after_the_idle_time() {
+    let config = ServerConfig {
+        idle: Duration::from_millis(300),
+        ..ServerConfig::default()
+    };
+    let events = serve_and_collect(config, 1, |addr| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(&hello(0)).unwrap();
+        std::thread::sleep(Duration::from_millis(1000));
+    });
+    let errors: Vec<Option<String>> = closes(&events).into_iter().map(|(_, e)| e).collect();
+    assert_eq!(errors.len(), 1);
+    let error = errors[0].as_deref().unwrap_or("closed cleanly");
+    assert!(
+        error.contains("no data for 0.3 s between frames"),
+        "{error}"
+    );
 }

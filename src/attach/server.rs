@@ -6,7 +6,9 @@
 //! Memory is bounded on this side whatever the clients do: every length is checked before it is
 //! allocated ([`Limits`]), the payloads alive at once share one byte budget (a frame holds its
 //! share until the consumer drops it), the number of connections is capped, and a connection
-//! that stays silent inside a frame, or before its first frame, is closed after the idle time.
+//! that stalls inside a frame (a half-open one, or a client that died mid-write) is closed after
+//! the stall time; one silent between frames (an engine waiting for requests) only after the
+//! much longer idle time.
 //! A connection that breaks a rule is closed with an [`Event::Closed`] that says why; the others
 //! go on.
 
@@ -58,7 +60,9 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// Bytes of payload alive at once, over all connections.
     pub memory_budget: u64,
-    /// A connection silent this long (inside a frame, or between frames) is closed.
+    /// A connection silent this long inside a frame is closed.
+    pub stall: Duration,
+    /// A connection silent this long between frames is closed.
     pub idle: Duration,
     pub max_connections: usize,
 }
@@ -68,7 +72,8 @@ impl Default for ServerConfig {
         ServerConfig {
             limits: Limits::default(),
             memory_budget: 4 << 30,
-            idle: Duration::from_secs(300),
+            stall: Duration::from_secs(30),
+            idle: Duration::from_secs(3600),
             max_connections: 64,
         }
     }
@@ -271,31 +276,31 @@ async fn read_connection(
 }
 
 /// The next frame with its share of the budget, `None` at a clean end; every read inside a
-/// frame, and the wait for a frame, bounded by the idle time.
+/// frame bounded by the stall time, and the wait for a frame by the idle time.
 async fn read_frame(
     stream: &mut (impl AsyncRead + Unpin),
     config: &ServerConfig,
     budget: &Arc<Semaphore>,
 ) -> Result<Option<(Frame, Option<OwnedSemaphorePermit>)>> {
-    let idle = config.idle;
-    let timed = |what: &'static str| {
+    let timed = |limit: Duration, what: &'static str| {
         move |_| {
             Error::invalid(format!(
                 "wire: no data for {:.1} s {what}; closing",
-                idle.as_secs_f64()
+                limit.as_secs_f64()
             ))
         }
     };
     let mut prefix = [0u8; PREFIX_BYTES];
     let mut got = 0;
     while got < PREFIX_BYTES {
-        let n = tokio::time::timeout(idle, stream.read(&mut prefix[got..]))
+        let (limit, what) = if got == 0 {
+            (config.idle, "between frames")
+        } else {
+            (config.stall, "inside a frame")
+        };
+        let n = tokio::time::timeout(limit, stream.read(&mut prefix[got..]))
             .await
-            .map_err(timed(if got == 0 {
-                "between frames"
-            } else {
-                "inside a frame"
-            }))?
+            .map_err(timed(limit, what))?
             .map_err(|e| Error::invalid(format!("wire: read failed: {e}")))?;
         if n == 0 {
             if got == 0 {
@@ -308,7 +313,7 @@ async fn read_frame(
         got += n;
     }
     let (header_len, payload_len) = parse_prefix(&prefix, config.limits)?;
-    let json = read_exact(stream, header_len as u64, "header", idle).await?;
+    let json = read_exact(stream, header_len as u64, "header", config.stall).await?;
     let header = parse_header(&json, payload_len)?;
     // Wait for room in the budget before allocating the payload: this is where a consumer that
     // falls behind slows the engines down.
@@ -324,26 +329,26 @@ async fn read_frame(
     } else {
         None
     };
-    let payload = read_exact(stream, payload_len, "payload", idle).await?;
+    let payload = read_exact(stream, payload_len, "payload", config.stall).await?;
     Ok(Some((Frame { header, payload }, share)))
 }
 
-/// `len` bytes (checked against the limits already), each read bounded by the idle time.
+/// `len` bytes (checked against the limits already), each read bounded by the stall time.
 async fn read_exact(
     stream: &mut (impl AsyncRead + Unpin),
     len: u64,
     what: &str,
-    idle: Duration,
+    stall: Duration,
 ) -> Result<Vec<u8>> {
     let mut buf = vec![0u8; len as usize];
     let mut got = 0;
     while got < buf.len() {
-        let n = tokio::time::timeout(idle, stream.read(&mut buf[got..]))
+        let n = tokio::time::timeout(stall, stream.read(&mut buf[got..]))
             .await
             .map_err(|_| {
                 Error::invalid(format!(
                     "wire: no data for {:.1} s inside a frame's {what} ({got} of {len} bytes); closing",
-                    idle.as_secs_f64()
+                    stall.as_secs_f64()
                 ))
             })?
             .map_err(|e| Error::invalid(format!("wire: read failed in the {what}: {e}")))?;

@@ -35,8 +35,11 @@ pub struct AttachArgs {
     /// Payload bytes held at once over all connections, in MiB (engines wait beyond it).
     #[arg(long, default_value_t = 4096)]
     pub memory_mb: u64,
-    /// Seconds a connection may stay silent before it is closed.
-    #[arg(long, default_value_t = 300)]
+    /// Seconds a connection may stall inside a frame before it is closed.
+    #[arg(long, default_value_t = 30)]
+    pub stall_secs: u64,
+    /// Seconds a connection may stay silent between frames before it is closed.
+    #[arg(long, default_value_t = 3600)]
     pub idle_secs: u64,
     /// Connections open at once; more are turned away.
     #[arg(long, default_value_t = 64)]
@@ -53,9 +56,9 @@ pub fn run(args: &AttachArgs) -> Result<()> {
             .filter(|&b| b > 0)
             .ok_or_else(|| Error::invalid(format!("{flag}: {v} MiB is out of range")))
     };
-    if args.idle_secs == 0 || args.max_connections == 0 {
+    if args.stall_secs == 0 || args.idle_secs == 0 || args.max_connections == 0 {
         return Err(Error::invalid(
-            "--idle-secs and --max-connections must be at least 1",
+            "--stall-secs, --idle-secs and --max-connections must be at least 1",
         ));
     }
     let config = ServerConfig {
@@ -64,6 +67,7 @@ pub fn run(args: &AttachArgs) -> Result<()> {
             ..Limits::default()
         },
         memory_budget: mib(args.memory_mb, "--memory-mb")?,
+        stall: Duration::from_secs(args.stall_secs),
         idle: Duration::from_secs(args.idle_secs),
         max_connections: args.max_connections,
     };
