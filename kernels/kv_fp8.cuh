@@ -351,10 +351,8 @@ __device__ __forceinline__ void column_softmax(float (&sc)[2][4], float* m_run, 
     float m_use[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const float m_new = fmaxf(m_run[h], mx[h]);
-        alpha[h] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[h] - m_new);
-        m_use[h] = m_new == -INFINITY ? 0.0f : m_new;
-        m_run[h] = m_new;
+        alpha[h] = raise_max(m_run[h], mx[h]);
+        m_use[h] = exp_base(m_run[h]);
     }
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)

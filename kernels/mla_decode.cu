@@ -240,10 +240,8 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
         if (__any_sync(0xffffffffu, grow)) {
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                float m_new = fmaxf(m_run[r], m_tile[r]);
-                float alpha = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[r] - m_new);
+                const float alpha = raise_max(m_run[r], m_tile[r]);
                 l_run[r] *= alpha;
-                m_run[r] = m_new;
 #pragma unroll
                 for (int nt = 0; nt < DV / 2 / 8; nt++) {
                     o[nt][r * 2] *= alpha;

@@ -209,10 +209,8 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
         const float inv_sigma = sigma > 0.0f ? 1.0f / sigma : 0.0f;  // 0: all scales 0 so far
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            const float m_new = fmaxf(m_run[r], mx[r]);
-            alpha[r] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[r] - m_new);
-            m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
-            m_run[r] = m_new;
+            alpha[r] = raise_max(m_run[r], mx[r]);
+            m_use[r] = exp_base(m_run[r]);
         }
         float sum[2] = {0.0f, 0.0f};
 #pragma unroll

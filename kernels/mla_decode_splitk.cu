@@ -358,9 +358,7 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
                 for (int r = 0; r < 2; r++) {
                     const int row = i * 16 + g + 8 * r;
                     float m_tile = fmaxf(fmaxf(sMax[row], sMax[HEADS + row]), fmaxf(sMax[2 * HEADS + row], sMax[3 * HEADS + row]));
-                    float m_new = fmaxf(m_run[i][r], m_tile);
-                    float alpha = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[i][r] - m_new);
-                    m_run[i][r] = m_new;
+                    const float alpha = raise_max(m_run[i][r], m_tile);
 #pragma unroll
                     for (int nt = 0; nt < 8; nt++) {
                         o[i][nt][2 * r] *= alpha;

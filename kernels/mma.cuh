@@ -99,3 +99,16 @@ __device__ __forceinline__ float fast_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+
+// The online softmax's running maximum of a row (base 2) raised to cover a tile's maximum `mx`:
+// returns what the row's running sum and O must be multiplied by (1 while the row has seen no
+// finite score, whose maximum stays -inf).
+__device__ __forceinline__ float raise_max(float& m_run, float mx) {
+    const float m_new = fmaxf(m_run, mx);
+    const float alpha = m_new == -INFINITY ? 1.0f : fast_exp2(m_run - m_new);
+    m_run = m_new;
+    return alpha;
+}
+// The maximum a row's scores are exponentiated against: 0 while it is -inf, so that a masked
+// score gives 2^-inf = 0 rather than NaN.
+__device__ __forceinline__ float exp_base(float m_run) { return m_run == -INFINITY ? 0.0f : m_run; }

@@ -46,10 +46,8 @@ __device__ __forceinline__ void wg_online_softmax(float* sc, float* m_run, float
     for (int r = 0; r < 2; r++) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float m_new = fmaxf(m_run[r], mx[r]);
-        alpha[r] = m_new == -INFINITY ? 1.0f : fast_exp2(m_run[r] - m_new);
-        m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
-        m_run[r] = m_new;
+        alpha[r] = raise_max(m_run[r], mx[r]);
+        m_use[r] = exp_base(m_run[r]);
     }
 #pragma unroll
     for (int i = 0; i < 4 * NB; i++) {

@@ -20,7 +20,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
-use super::wire::{parse_header, parse_prefix, Body, Frame, Limits, PREFIX_BYTES};
+use super::wire::{parse_header, parse_prefix, truncated, Body, Frame, Limits, PREFIX_BYTES};
 use crate::{Error, Result};
 
 /// Where to listen: a TCP address or a Unix socket.
@@ -306,9 +306,7 @@ async fn read_frame(
             if got == 0 {
                 return Ok(None);
             }
-            return Err(Error::invalid(format!(
-                "wire: the stream ended inside a frame's prefix ({got} of {PREFIX_BYTES} bytes)"
-            )));
+            return Err(truncated("prefix", got, PREFIX_BYTES as u64));
         }
         got += n;
     }
@@ -353,9 +351,7 @@ async fn read_exact(
             })?
             .map_err(|e| Error::invalid(format!("wire: read failed in the {what}: {e}")))?;
         if n == 0 {
-            return Err(Error::invalid(format!(
-                "wire: the stream ended inside a frame's {what} ({got} of {len} bytes)"
-            )));
+            return Err(truncated(what, got, len));
         }
         got += n;
     }

@@ -275,7 +275,9 @@ fn read_exact(reader: &mut impl Read, len: u64, what: &str) -> Result<Vec<u8>> {
     Ok(buf)
 }
 
-fn truncated(what: &str, got: usize, len: u64) -> Error {
+/// The error of a stream that ended inside a frame (the sync reader here, the server's async
+/// one).
+pub(crate) fn truncated(what: &str, got: usize, len: u64) -> Error {
     Error::Invalid(format!(
         "wire: the stream ended inside a frame's {what} ({got} of {len} bytes)"
     ))

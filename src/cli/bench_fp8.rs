@@ -8,9 +8,6 @@ use crate::backend::cuda::device::{Elem, Gpu};
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
 use crate::error::Result;
 
-/// Bytes of one token in the fp8_ds_mla cache.
-const FP8_TOKEN: usize = 656;
-
 /// One shape's times: the bf16 decode, the FP8-cache decode the device chooses (and its
 /// kernel), and each few-heads FP8 kernel ([`FEW_HEADS`]) forced where it is not the choice
 /// (`None` where it is, or does not run).
@@ -33,7 +30,7 @@ fn fp8_vs_bf16(
     let pages_per_seq = context.div_ceil(PAGE);
     let slots = batch * pages_per_seq * PAGE;
     let rows = random(gpu, slots * width, Elem::Bf16, seed, 1.0)?;
-    let cache = gpu.alloc_vec::<u8>(slots * FP8_TOKEN)?;
+    let cache = gpu.alloc_vec::<u8>(slots * crate::ops::kv_fp8::TOKEN_BYTES)?;
     let all: Vec<i32> = (0..slots as i32).collect();
     gpu.kv_fp8_write(&rows, &gpu.upload_i32(&all)?, &cache, slots, 0)?;
     let q = random(gpu, batch * heads * width, Elem::Bf16, seed + 1, 1.0)?;

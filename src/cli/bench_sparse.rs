@@ -11,9 +11,6 @@ use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, RO
 use crate::error::{Error, Result};
 use crate::ops::kv_fp8::{self, Fp8Faults};
 
-/// Bytes of one token in the fp8_ds_mla cache.
-const FP8_TOKEN: usize = 656;
-
 /// `count` distinct positions below `context`, sorted (a DSA selection), from `seed`.
 fn selection(context: usize, count: usize, seed: u64) -> Vec<i32> {
     let mut x = seed | 1;
@@ -69,7 +66,7 @@ fn sparse_shape(
     let scale = 1.0 / 256f32.sqrt();
     let keys = (&indices_dev, topk);
     let fp8_cache = if fp8 {
-        let bytes = gpu.alloc_vec::<u8>(slots * FP8_TOKEN)?;
+        let bytes = gpu.alloc_vec::<u8>(slots * kv_fp8::TOKEN_BYTES)?;
         let all: Vec<i32> = (0..slots as i32).collect();
         gpu.kv_fp8_write(&cache, &gpu.upload_i32(&all)?, &bytes, slots, 0)?;
         Some(bytes)
@@ -117,7 +114,7 @@ fn sparse_shape(
             worst = worst.max(fast::relative_error(&got, &want));
         }
     }
-    let row_bytes = if fp8 { FP8_TOKEN } else { width * 2 };
+    let row_bytes = if fp8 { kv_fp8::TOKEN_BYTES } else { width * 2 };
     let bytes = (batch * topk * row_bytes + batch * heads * (width + LATENT) * 2) as f64;
     Ok((
         ms * 1e3,

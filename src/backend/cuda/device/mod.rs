@@ -145,6 +145,8 @@ pub struct Gpu {
     pub name: String,
     /// compute capability, e.g. "90".
     pub arch: String,
+    /// Whether the device takes programmatic dependent launches (sm_90 and later).
+    dependent_launches: bool,
     next_serial: AtomicU64,
     /// The most recent allocations (a bounded log), for the buffers view and tests.
     pub registry: Mutex<Vec<Allocation>>,
@@ -244,6 +246,7 @@ impl Gpu {
             functions,
             name,
             arch,
+            dependent_launches: major >= 9,
             next_serial: AtomicU64::new(1),
             registry: Mutex::new(Vec::new()),
             unavailable,
@@ -300,9 +303,8 @@ impl Gpu {
         cfg: Launch,
         args: &[Arg],
     ) -> Result<Launched> {
-        let early = self.arch.parse::<u32>().is_ok_and(|cc| cc >= 90);
         // SAFETY: the caller upholds this function's contract.
-        unsafe { self.launch_with(sig, name, cfg, args, early) }?;
+        unsafe { self.launch_with(sig, name, cfg, args, self.dependent_launches) }?;
         Ok(cfg.launched(name))
     }
 
