@@ -6,5 +6,7 @@
 //! maps that put engine module names and tensor-parallel shards back into mladb's ops, and the
 //! live comparison, come next.
 
+pub mod live;
 pub mod server;
+pub mod shards;
 pub mod wire;

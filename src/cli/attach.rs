@@ -2,7 +2,9 @@
 //! ([`crate::attach`]), from every rank at once, and reports what arrives: each connection's
 //! hello, each step's batch, each tensor with its statistics and device pointers (for an
 //! attention wrapper, the buffer its kernel wrote beside the tensor it returned), as text or as
-//! JSON lines. Comparing them with mladb's own reference comes with the name maps.
+//! JSON lines. With `--layout` or `--model`, mladb runs its own reference on the engine's
+//! tokens and compares every tensor as it arrives ([`crate::attach::live`]), in a worker thread
+//! of its own fed through a bounded channel (an engine that outruns it waits).
 
 use std::time::Duration;
 
@@ -11,7 +13,9 @@ use half::{bf16, f16};
 use serde_json::json;
 use tokio::sync::mpsc;
 
+use super::args::{DeviceArg, FlagArgs, ModelArgs, RunSetup};
 use super::Out;
+use crate::attach::live::{Comparator, Input, Live};
 use crate::attach::server::{serve, Bound, Event, Listen, ServerConfig};
 use crate::attach::wire::{Body, Dtype, Limits};
 use crate::error::{Error, Result};
@@ -47,10 +51,44 @@ pub struct AttachArgs {
     /// Stop once this many connections have ended (default: run until Ctrl-C).
     #[arg(long)]
     pub connections: Option<u64>,
+    /// The model the engine runs, for the comparison (without --layout or --model, attach only
+    /// reports what arrives).
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// mladb's reference runs only these decoder layers: A..B, A..=B or A.
+    #[arg(long)]
+    pub layers: Option<String>,
+    /// Where mladb's reference runs: cpu, cuda or auto.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+    #[command(flatten)]
+    pub flags: FlagArgs,
+    /// How the engine's module names map to mladb's: hf, vllm, sglang, llamacpp (built in) or a
+    /// RON file (default: the map of the engine each hook names in its hello).
+    #[arg(long)]
+    pub name_map: Option<String>,
+    /// One relative L2 tolerance for every comparison (default: the table `check` uses, bf16's
+    /// when the engine sends bf16 or f16 tensors).
+    #[arg(long)]
+    pub tolerance: Option<f64>,
 }
 
-pub fn run(args: &AttachArgs) -> Result<()> {
+/// Runs the server (and the comparison); returns whether the comparison found anything.
+pub fn run(args: &AttachArgs) -> Result<bool> {
     let listen = Listen::parse(&args.listen, args.allow_remote)?;
+    if let Some(t) = args.tolerance {
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(Error::invalid(format!(
+                "--tolerance {t} is not a non-negative number"
+            )));
+        }
+    }
+    let comparing = args.model.layout.is_some() || args.model.model.is_some();
+    let worker = if comparing {
+        Some(start_worker(args)?)
+    } else {
+        None
+    };
     let mib = |v: u64, flag: &str| {
         v.checked_mul(1 << 20)
             .filter(|&b| b > 0)
@@ -90,12 +128,20 @@ pub fn run(args: &AttachArgs) -> Result<()> {
         let mut report = Report {
             json: args.json,
             ranks: Default::default(),
+            comparing,
         };
+        let to_worker = worker.as_ref().map(|w| w.inputs.clone());
         let consumer = async {
             let mut ended = 0u64;
             while let Some(event) = rx.recv().await {
                 let closed = matches!(event, Event::Closed { .. });
                 report.event(&event)?;
+                if let (Some(tx), Some(input)) = (&to_worker, input_of(&event)) {
+                    // Waits when the comparison is behind: the engines wait with it.
+                    if tx.send(input).await.is_err() {
+                        return Err(Error::invalid("attach: the comparison stopped"));
+                    }
+                }
                 ended += closed as u64;
                 if args.connections.is_some_and(|n| ended >= n) {
                     break;
@@ -112,13 +158,211 @@ pub fn run(args: &AttachArgs) -> Result<()> {
                 server.await
             }
         }
-    })
+    })?;
+    match worker {
+        None => Ok(false),
+        Some(w) => {
+            drop(w.inputs);
+            w.thread
+                .join()
+                .unwrap_or_else(|_| Err(Error::invalid("attach: the comparison panicked")))
+        }
+    }
+}
+
+/// The comparison's thread and the channel that feeds it.
+struct Worker {
+    inputs: mpsc::Sender<Input>,
+    thread: std::thread::JoinHandle<Result<bool>>,
+}
+
+/// Loads the model and starts the comparison in a thread of its own (the backend stays in the
+/// thread that made it); returns once the model is loaded, or with the error that stopped it.
+fn start_worker(args: &AttachArgs) -> Result<Worker> {
+    let flags = args.flags.flags(args.device)?;
+    let map = args
+        .name_map
+        .as_deref()
+        .map(crate::debug::name_map::NameMap::resolve)
+        .transpose()?;
+    let setup = RunSetup {
+        model: args.model.clone(),
+        tokens: None,
+        prefill: None,
+        decode: None,
+        layers: args.layers.clone(),
+        device: args.device,
+        max_memory_gb: None,
+    };
+    let (tolerance, json) = (args.tolerance, args.json);
+    let (inputs, mut rx) = mpsc::channel::<Input>(64);
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
+    let thread = std::thread::spawn(move || -> Result<bool> {
+        let p = match setup.prepare(&flags) {
+            Ok(p) => {
+                let _ = ready_tx.send(Ok(()));
+                p
+            }
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+                return Ok(false);
+            }
+        };
+        let mut comparator = Comparator::new(
+            &p.model,
+            p.backend.as_ref(),
+            flags,
+            p.layers.clone(),
+            map,
+            tolerance,
+        );
+        while let Some(input) = rx.blocking_recv() {
+            for live in comparator.take(input) {
+                print_live(&live, json)?;
+            }
+        }
+        for live in comparator.finish() {
+            print_live(&live, json)?;
+        }
+        let t = &comparator.totals;
+        let not_in_run: Vec<&String> = t.not_in_run.iter().take(6).collect();
+        let text = format!(
+            "compared {} tensors over {} steps: {} beyond tolerance, {} finding(s); {} left out by the name map; {} op names not in mladb's run{}",
+            t.compared,
+            t.steps,
+            t.divergent,
+            t.findings,
+            t.left_out,
+            t.not_in_run.len(),
+            if not_in_run.is_empty() {
+                String::new()
+            } else {
+                format!(" ({:?}{})", not_in_run, if t.not_in_run.len() > 6 { ", …" } else { "" })
+            }
+        );
+        let value = json!({"event": "summary", "totals": t});
+        if json {
+            writeln!(Out, "{value}")?;
+        } else {
+            writeln!(Out, "{text}")?;
+        }
+        Ok(t.findings > 0)
+    });
+    match ready_rx.recv() {
+        Ok(Ok(())) => Ok(Worker { inputs, thread }),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(Error::invalid("attach: the comparison did not start")),
+    }
+}
+
+/// A server event as the comparison takes it (tensor payloads in f32).
+fn input_of(event: &Event) -> Option<Input> {
+    match event {
+        Event::Closed { conn, .. } => Some(Input::Closed { conn: *conn }),
+        Event::Frame { conn, frame, .. } => Some(match &frame.header.body {
+            Body::Hello {
+                engine,
+                rank,
+                world_size,
+                ..
+            } => Input::Hello {
+                conn: *conn,
+                engine: engine.clone(),
+                rank: *rank,
+                world_size: *world_size,
+            },
+            Body::Step {
+                step,
+                tokens,
+                positions,
+                ..
+            } => Input::Step {
+                conn: *conn,
+                step: *step,
+                tokens: tokens.clone(),
+                positions: positions.clone(),
+            },
+            Body::Tensor {
+                module,
+                dtype,
+                ptr,
+                kernel_out_ptr,
+                ..
+            } => Input::Tensor {
+                conn: *conn,
+                module: module.clone(),
+                dtype: *dtype,
+                data: values_of(*dtype, &frame.payload),
+                ptr: *ptr,
+                kernel_out_ptr: *kernel_out_ptr,
+            },
+            Body::Bye { .. } => return None,
+        }),
+        _ => None,
+    }
+}
+
+/// One comparison event: a line of text, or its JSON object.
+fn print_live(live: &Live, json: bool) -> Result<()> {
+    if json {
+        let value = serde_json::to_value(live).map_err(|e| Error::invalid(e.to_string()))?;
+        return writeln!(Out, "{value}");
+    }
+    let line = match live {
+        Live::Reference {
+            step,
+            phase,
+            tokens,
+            ops,
+        } => format!("step {step}: mladb ran its reference ({phase}, {tokens} tokens, {ops} ops)"),
+        Live::Compared {
+            step,
+            module,
+            op,
+            rank,
+            error,
+            tolerance,
+            diverges,
+            worst_rank,
+            ..
+        } => {
+            let who = rank.map_or("ranks together".to_string(), |r| format!("rank {r}"));
+            let mut s = format!(
+                "step {step} {who} {module} = {op}: {error:.3e} (tolerance {tolerance:.1e}){}",
+                if *diverges { " DIVERGES" } else { "" }
+            );
+            if let (true, Some((r, e))) = (*diverges, worst_rank) {
+                s += &format!("; rank {r}'s shard differs most ({e:.3e})");
+            }
+            s
+        }
+        Live::Finding {
+            step,
+            rank,
+            finding,
+        } => format!(
+            "finding step {step}{}: {} {} {}: {}",
+            rank.map_or(String::new(), |r| format!(" rank {r}")),
+            finding.kind,
+            finding.phase,
+            finding.op,
+            finding.detail
+        ),
+        Live::Note { step, rank, text } => format!(
+            "note{}{}: {text}",
+            step.map_or(String::new(), |s| format!(" step {s}")),
+            rank.map_or(String::new(), |r| format!(" rank {r}"))
+        ),
+    };
+    writeln!(Out, "{line}")
 }
 
 /// Prints events; remembers each connection's rank for the lines after its hello.
 struct Report {
     json: bool,
     ranks: std::collections::HashMap<u64, u32>,
+    /// The comparison reports tensors (and disconnects) itself.
+    comparing: bool,
 }
 
 impl Report {
@@ -173,6 +417,7 @@ impl Report {
                         json!({"event": "step", "conn": conn, "rank": rank, "phase": phase,
                                "step": step, "tokens": tokens, "positions": positions}),
                     ),
+                    Body::Tensor { .. } if self.comparing => return Ok(()),
                     Body::Tensor {
                         module,
                         dtype,
@@ -235,18 +480,22 @@ impl Report {
 /// eight-lane pass; its payload is already checked to be its shape's size; integers are taken
 /// as f32).
 pub(crate) fn stats_of(dtype: Dtype, payload: &[u8]) -> TensorStats {
+    TensorStats::of_unordered(&values_of(dtype, payload))
+}
+
+/// A payload's values in f32 (integers converted).
+fn values_of(dtype: Dtype, payload: &[u8]) -> Vec<f32> {
     fn values<const N: usize>(payload: &[u8], value: impl Fn([u8; N]) -> f32) -> Vec<f32> {
         payload
             .chunks_exact(N)
             .map(|c| value(c.try_into().expect("N bytes")))
             .collect()
     }
-    let values = match dtype {
+    match dtype {
         Dtype::F32 => values(payload, f32::from_le_bytes),
         Dtype::Bf16 => values(payload, |c| bf16::from_le_bytes(c).to_f32()),
         Dtype::F16 => values(payload, |c| f16::from_le_bytes(c).to_f32()),
         Dtype::I32 => values(payload, |c| i32::from_le_bytes(c) as f32),
         Dtype::I64 => values(payload, |c| i64::from_le_bytes(c) as f32),
-    };
-    TensorStats::of_unordered(&values)
+    }
 }

@@ -93,7 +93,7 @@ pub fn main(cli: Cli) -> Result<u8> {
         Some(Command::Layout(args)) => layout_cmd::layout(&args).map(|_| false),
         Some(Command::Kernels(args)) => kernels::run(&args),
         Some(Command::Gguf(args)) => gguf_cmd::run(&args).map(|_| false),
-        Some(Command::Attach(args)) => attach::run(&args).map(|_| false),
+        Some(Command::Attach(args)) => attach::run(&args),
         Some(Command::Replay(args)) => replay::run(&args),
     }?;
     Ok(found as u8)

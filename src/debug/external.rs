@@ -9,90 +9,10 @@ use super::record::RunRecord;
 use crate::engine::trace::Phase;
 use crate::error::{Error, Result};
 use safetensors::{Dtype, SafeTensors};
-use serde::Deserialize;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-/// Rules turning another engine's names into mladb op names.
-#[derive(Debug, Clone, Deserialize)]
-pub struct NameMap {
-    rules: Vec<Rule>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct Rule {
-    from: String,
-    to: Option<String>,
-}
-
-const HF_MAP: &str = include_str!("../../tools/name-maps/hf.ron");
-
-impl NameMap {
-    /// The map for HF transformers module names.
-    pub fn hf() -> NameMap {
-        ron::from_str(HF_MAP).expect("the built-in HF name map parses")
-    }
-
-    /// No rules: every name is taken as an mladb op name (mladb's own dumps).
-    pub fn identity() -> NameMap {
-        NameMap { rules: Vec::new() }
-    }
-
-    /// `hf` (built in), or a RON file of rules.
-    pub fn resolve(name_or_path: &str) -> Result<NameMap> {
-        if name_or_path == "hf" {
-            return Ok(NameMap::hf());
-        }
-        let path = Path::new(name_or_path);
-        let text = crate::input::read_text_capped(path, crate::input::MAX_LAYOUT_BYTES)?;
-        ron::from_str(&text).map_err(|e| {
-            Error::parse(
-                path,
-                format!(
-                    "line {}, column {}: {}",
-                    e.span.start.line, e.span.start.col, e.code
-                ),
-            )
-        })
-    }
-
-    /// The mladb op name for an external name, or `None` when the map leaves it out.
-    pub fn map(&self, name: &str) -> Option<String> {
-        for rule in &self.rules {
-            if let Some(parts) = glob(&rule.from, name) {
-                let to = rule.to.as_ref()?;
-                let mut out = String::new();
-                let mut parts = parts.into_iter();
-                for (i, piece) in to.split('*').enumerate() {
-                    if i > 0 {
-                        out.push_str(parts.next().unwrap_or("*"));
-                    }
-                    out.push_str(piece);
-                }
-                return Some(out);
-            }
-        }
-        Some(name.to_string())
-    }
-}
-
-/// Matches `pattern` (with `*` = one dot-free part) against `name`, returning the parts.
-fn glob<'a>(pattern: &str, name: &'a str) -> Option<Vec<&'a str>> {
-    let p: Vec<&str> = pattern.split('.').collect();
-    let n: Vec<&str> = name.split('.').collect();
-    if p.len() != n.len() {
-        return None;
-    }
-    let mut parts = Vec::new();
-    for (a, b) in p.iter().zip(&n) {
-        if *a == "*" {
-            parts.push(*b);
-        } else if a != b {
-            return None;
-        }
-    }
-    Some(parts)
-}
+pub use super::name_map::NameMap;
 
 /// The metadata keys of a dump (safetensors `__metadata__`, every value a string), written by
 /// `mladb run --dump`, `mladb replay --dump`, tools/hf_dump.py and tools/make_hf_fixtures.py.
@@ -526,27 +446,6 @@ fn squeezed(shape: &[usize]) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hf_map_rules() {
-        let m = NameMap::hf();
-        assert_eq!(m.map("lm_head").as_deref(), Some("logits"));
-        assert_eq!(
-            m.map("model.layers.12.self_attn").as_deref(),
-            Some("model.layers.12.self_attn.o_proj")
-        );
-        assert_eq!(m.map("model.layers.3.mlp.act_fn"), None);
-        assert_eq!(
-            m.map("model.layers.3.self_attn.kv_a_proj_with_mqa")
-                .as_deref(),
-            Some("model.layers.3.self_attn.kv_a_proj_with_mqa")
-        );
-        assert_eq!(m.map("model.layers.3.self_attn.indexer"), None);
-        assert_eq!(
-            m.map("model.layers.3.self_attn.indexer.wk").as_deref(),
-            Some("model.layers.3.self_attn.indexer.wk")
-        );
-    }
 
     #[test]
     fn dump_metadata_round_trips_and_bad_values_are_named() {

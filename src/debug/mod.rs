@@ -23,6 +23,7 @@ pub mod flags;
 pub mod forensics;
 pub mod idle;
 pub mod kv_quant;
+pub mod name_map;
 pub mod paired;
 pub mod per_op;
 pub mod quant;

@@ -163,12 +163,7 @@ impl Judge {
     /// Takes the run's next op and, when it was compared, its comparison, whose input error and
     /// tolerance are set.
     pub fn next(&mut self, e: &OpEvent, comparison: Option<&mut OpComparison>) {
-        let input_error = e
-            .inputs
-            .iter()
-            .filter(|b| b.role != BufferRole::Weight)
-            .filter_map(|b| self.carried.get(&b.id))
-            .fold(0.0, |a: f64, &b| a.max(b));
+        let input_error = self.input_error(e);
         let error = match comparison {
             Some(c) => {
                 c.input_error = input_error;
@@ -193,6 +188,25 @@ impl Judge {
         } else {
             error
         };
+    }
+}
+
+impl Judge {
+    /// The largest error carried by what `e` read (weights aside).
+    fn input_error(&self, e: &OpEvent) -> f64 {
+        e.inputs
+            .iter()
+            .filter(|b| b.role != BufferRole::Weight)
+            .filter_map(|b| self.carried.get(&b.id))
+            .fold(0.0, |a: f64, &b| a.max(b))
+    }
+
+    /// Judges a comparison of an op the judge has passed already (a tensor that came late):
+    /// by the errors carried now, without carrying its own.
+    pub fn late(&self, e: &OpEvent, comparison: &mut OpComparison) {
+        let input_error = self.input_error(e);
+        comparison.input_error = input_error;
+        comparison.tolerance = self.tolerances.of(comparison.kind, input_error);
     }
 }
 

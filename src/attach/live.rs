@@ -1,0 +1,615 @@
+//! The live comparison behind `mladb attach --layout/--model`: for each forward pass an engine
+//! announces (a `step` frame: its token ids and positions), mladb runs its own reference on the
+//! same tokens, then compares every tensor the engine sends, as it arrives, with mladb's op of
+//! the same meaning: the engine's module name through the name map, tensor-parallel shards put
+//! back together by the map's shard rule, each comparison judged by the tolerances `check`
+//! uses (input errors carried op to op). It reports what it finds on the engine's process:
+//! `reference-mismatch` at the first op of a step beyond its tolerance, naming the rank whose
+//! shard holds the difference, and `buffer-disconnect` where an attention wrapper handed on a
+//! buffer other than the one its kernel wrote.
+//!
+//! One sequence at a time: a step at position 0 starts a new one; a step whose positions do not
+//! continue the sequence (several sequences batched, a chunked prefill) is reported and not
+//! compared.
+
+use super::shards::{assemble, columns, Pending, Piece};
+use super::wire::Dtype;
+use crate::backend::Backend;
+use crate::debug::compare::{compare_outputs, OpComparison};
+use crate::debug::detect::{Finding, FindingKind};
+use crate::debug::flags::Flags;
+use crate::debug::name_map::{NameMap, Shard, Target};
+use crate::debug::record::RunRecord;
+use crate::debug::tolerance::{Judge, Tolerances};
+use crate::engine::trace::Phase;
+use crate::engine::{Engine, StorageDtype};
+use crate::error::Result;
+use crate::model::Model;
+use serde::Serialize;
+use std::collections::{BTreeSet, HashMap};
+use std::ops::Range;
+
+/// What the comparison takes: the server's events, payloads already in f32.
+#[derive(Debug, Clone)]
+pub enum Input {
+    Hello {
+        conn: u64,
+        engine: String,
+        rank: u32,
+        world_size: u32,
+    },
+    Step {
+        conn: u64,
+        step: u64,
+        tokens: Vec<u32>,
+        positions: Vec<u32>,
+    },
+    Tensor {
+        conn: u64,
+        module: String,
+        dtype: Dtype,
+        data: Vec<f32>,
+        ptr: Option<u64>,
+        kernel_out_ptr: Option<u64>,
+    },
+    Closed {
+        conn: u64,
+    },
+}
+
+/// What the comparison reports, as it happens.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "event", rename_all = "kebab-case")]
+pub enum Live {
+    /// mladb ran its reference for an engine step.
+    Reference {
+        step: u64,
+        phase: String,
+        tokens: usize,
+        ops: usize,
+    },
+    /// One engine tensor (or its ranks' shards together) against mladb's op.
+    Compared {
+        step: u64,
+        phase: String,
+        module: String,
+        op: String,
+        /// The rank that sent it; `None` when the ranks' shards were put together.
+        rank: Option<u32>,
+        error: f64,
+        tolerance: f64,
+        diverges: bool,
+        /// With shards put together: the rank whose piece differs most, and its error.
+        worst_rank: Option<(u32, f64)>,
+        detail: String,
+    },
+    Finding {
+        step: u64,
+        rank: Option<u32>,
+        #[serde(flatten)]
+        finding: Finding,
+    },
+    Note {
+        step: Option<u64>,
+        rank: Option<u32>,
+        text: String,
+    },
+}
+
+/// What the comparison saw over the whole attachment.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Totals {
+    pub steps: u64,
+    pub compared: u64,
+    pub divergent: u64,
+    pub findings: u64,
+    /// mladb op names the engine sent that mladb's run of that step does not have.
+    pub not_in_run: BTreeSet<String>,
+    /// Engine tensors the name map leaves out.
+    pub left_out: u64,
+}
+
+struct Conn {
+    engine: String,
+    rank: u32,
+    world: u32,
+    map: NameMap,
+    step: Option<u64>,
+    /// Times each module has sent a tensor in the current step.
+    seen: HashMap<String, u32>,
+}
+
+struct StepRun {
+    tokens: Vec<u32>,
+    /// mladb's events of this step, or why it was not run.
+    events: std::result::Result<Range<usize>, String>,
+    phase: Phase,
+    reported: bool,
+}
+
+struct Sequence<'m> {
+    engine: Engine<'m>,
+    record: RunRecord,
+    judge: Option<Judge>,
+    judged: usize,
+}
+
+/// The comparison of one attachment (every rank of one engine).
+pub struct Comparator<'m> {
+    model: &'m Model,
+    backend: &'m dyn Backend,
+    flags: Flags,
+    layers: Range<usize>,
+    map: Option<NameMap>,
+    tolerance: Option<f64>,
+    conns: HashMap<u64, Conn>,
+    seq: Option<Sequence<'m>>,
+    steps: HashMap<u64, StepRun>,
+    pending: Pending,
+    pub totals: Totals,
+}
+
+impl<'m> Comparator<'m> {
+    /// `map`: the name map for every engine (default: the map of each connection's engine).
+    pub fn new(
+        model: &'m Model,
+        backend: &'m dyn Backend,
+        flags: Flags,
+        layers: Range<usize>,
+        map: Option<NameMap>,
+        tolerance: Option<f64>,
+    ) -> Comparator<'m> {
+        Comparator {
+            model,
+            backend,
+            flags,
+            layers,
+            map,
+            tolerance,
+            conns: HashMap::new(),
+            seq: None,
+            steps: HashMap::new(),
+            pending: Pending::default(),
+            totals: Totals::default(),
+        }
+    }
+
+    pub fn take(&mut self, input: Input) -> Vec<Live> {
+        match input {
+            Input::Hello {
+                conn,
+                engine,
+                rank,
+                world_size,
+            } => {
+                let map = self
+                    .map
+                    .clone()
+                    .unwrap_or_else(|| NameMap::for_engine(&engine));
+                self.conns.insert(
+                    conn,
+                    Conn {
+                        engine,
+                        rank,
+                        world: world_size.max(1),
+                        map,
+                        step: None,
+                        seen: HashMap::new(),
+                    },
+                );
+                Vec::new()
+            }
+            Input::Step {
+                conn,
+                step,
+                tokens,
+                positions,
+            } => self.step(conn, step, tokens, positions),
+            Input::Tensor {
+                conn,
+                module,
+                dtype,
+                data,
+                ptr,
+                kernel_out_ptr,
+            } => self.tensor(conn, &module, dtype, data, ptr, kernel_out_ptr),
+            Input::Closed { conn } => {
+                self.conns.remove(&conn);
+                Vec::new()
+            }
+        }
+    }
+
+    /// Shards still waiting for ranks that never sent theirs.
+    pub fn finish(&mut self) -> Vec<Live> {
+        self.pending
+            .drain()
+            .into_iter()
+            .map(|(step, op, ranks)| Live::Note {
+                step: Some(step),
+                rank: None,
+                text: format!("{op}: only ranks {ranks:?} sent their shards; not compared"),
+            })
+            .collect()
+    }
+
+    fn step(&mut self, conn: u64, step: u64, tokens: Vec<u32>, positions: Vec<u32>) -> Vec<Live> {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return Vec::new();
+        };
+        c.step = Some(step);
+        c.seen.clear();
+        let rank = c.rank;
+        if let Some(run) = self.steps.get(&step) {
+            // Another rank of a step mladb has run: it must have been fed the same tokens.
+            if run.tokens != tokens {
+                return vec![Live::Note {
+                    step: Some(step),
+                    rank: Some(rank),
+                    text: format!(
+                        "rank {rank} ran step {step} on other tokens than the rank before it ({} vs {} tokens)",
+                        tokens.len(),
+                        run.tokens.len()
+                    ),
+                }];
+            }
+            return Vec::new();
+        }
+        self.totals.steps += 1;
+        let (events, phase) = match self.run_reference(&tokens, &positions) {
+            Ok((range, phase)) => (Ok(range), phase),
+            Err(why) => (Err(why), Phase::Prefill),
+        };
+        let mut out = Vec::new();
+        match &events {
+            Ok(range) => out.push(Live::Reference {
+                step,
+                phase: phase.to_string(),
+                tokens: tokens.len(),
+                ops: range.len(),
+            }),
+            Err(why) => out.push(Live::Note {
+                step: Some(step),
+                rank: Some(rank),
+                text: format!("step {step} is not compared: {why}"),
+            }),
+        }
+        self.steps.insert(
+            step,
+            StepRun {
+                tokens,
+                events,
+                phase,
+                reported: false,
+            },
+        );
+        out
+    }
+
+    /// Runs mladb's reference for one engine step; returns its events and phase.
+    fn run_reference(
+        &mut self,
+        tokens: &[u32],
+        positions: &[u32],
+    ) -> std::result::Result<(Range<usize>, Phase), String> {
+        let Some(&p0) = positions.first() else {
+            return Err("the step holds no tokens".into());
+        };
+        if positions.len() != tokens.len()
+            || positions
+                .iter()
+                .enumerate()
+                .any(|(i, &p)| p as usize != p0 as usize + i)
+        {
+            return Err(format!(
+                "its positions {} do not run on from {p0} (several sequences in one batch?); mladb compares one sequence at a time",
+                short_list(positions)
+            ));
+        }
+        let vocab = self.model.layout.vocab_size;
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(format!(
+                "token {t} is outside the model's vocabulary of {vocab}"
+            ));
+        }
+        if p0 == 0 {
+            let options = self
+                .flags
+                .engine_options(self.layers.clone(), true)
+                .map_err(|e| e.to_string())?;
+            let engine =
+                Engine::new(self.model, self.backend, options).map_err(|e| e.to_string())?;
+            self.seq = Some(Sequence {
+                engine,
+                record: RunRecord::new(self.flags),
+                judge: None,
+                judged: 0,
+            });
+        }
+        let Some(seq) = self.seq.as_mut() else {
+            return Err(format!(
+                "it starts at position {p0}, and mladb saw no step at position 0"
+            ));
+        };
+        if seq.engine.position() != p0 as usize {
+            return Err(format!(
+                "it starts at position {p0}; mladb's sequence is at {}",
+                seq.engine.position()
+            ));
+        }
+        let start = seq.record.len();
+        let ran: Result<_> = if tokens.len() > 1 && p0 == 0 {
+            seq.engine.prefill(tokens, &mut seq.record)
+        } else if tokens.len() == 1 {
+            seq.engine.decode(tokens[0], &mut seq.record)
+        } else {
+            return Err(format!(
+                "{} tokens after position 0 (a chunked prefill) are not compared yet",
+                tokens.len()
+            ));
+        };
+        if let Err(e) = ran {
+            self.seq = None;
+            return Err(format!("mladb's reference failed: {e}"));
+        }
+        let range = start..seq.record.len();
+        let phase = seq
+            .record
+            .events
+            .get(start)
+            .map_or(Phase::Prefill, |e| e.phase);
+        Ok((range, phase))
+    }
+
+    fn tensor(
+        &mut self,
+        conn: u64,
+        module: &str,
+        dtype: Dtype,
+        data: Vec<f32>,
+        ptr: Option<u64>,
+        kernel_out_ptr: Option<u64>,
+    ) -> Vec<Live> {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return Vec::new();
+        };
+        let (rank, world) = (c.rank, c.world);
+        let Some(step) = c.step else {
+            return vec![Live::Note {
+                step: None,
+                rank: Some(rank),
+                text: format!("{module} came before any step; not compared"),
+            }];
+        };
+        let occurrence = {
+            let n = c.seen.entry(module.to_string()).or_insert(0);
+            *n += 1;
+            *n - 1
+        };
+        let targets = match c.map.targets(module, &self.model.layout) {
+            Ok(t) => t,
+            Err(e) => {
+                return vec![Live::Note {
+                    step: Some(step),
+                    rank: Some(rank),
+                    text: format!("{module}: {e}"),
+                }]
+            }
+        };
+        let engine = c.engine.clone();
+        let mut out = Vec::new();
+        if targets.is_empty() {
+            self.totals.left_out += 1;
+        }
+        let Some(run) = self.steps.get(&step) else {
+            return out;
+        };
+        let phase = run.phase;
+        let rows = run.tokens.len();
+        let comparable = run.events.is_ok();
+        if let (Some(k), Some(p)) = (kernel_out_ptr, ptr) {
+            if k != p {
+                let op = targets.first().map_or(module.to_string(), |t| t.op.clone());
+                let index = self.op_index(step, &op).unwrap_or(0);
+                self.totals.findings += 1;
+                out.push(Live::Finding {
+                    step,
+                    rank: Some(rank),
+                    finding: Finding {
+                        kind: FindingKind::BufferDisconnect,
+                        phase,
+                        op,
+                        index,
+                        detail: format!(
+                            "{engine} rank {rank}, {module}: the kernel wrote buffer @{k:#x}, the wrapper handed on @{p:#x}"
+                        ),
+                    },
+                });
+            }
+        }
+        if !comparable || occurrence > 0 {
+            return out;
+        }
+        for target in targets {
+            let piece = Piece {
+                rank,
+                rows,
+                data: data.clone(),
+            };
+            if world == 1 || target.shard == Shard::Replicated {
+                out.extend(self.compare(step, module, &target, vec![piece], Some(rank), dtype));
+            } else {
+                let key = (step, target.op.clone(), 0);
+                if let Some(pieces) = self.pending.add(key, piece, world) {
+                    out.extend(self.compare(step, module, &target, pieces, None, dtype));
+                }
+            }
+        }
+        out
+    }
+
+    /// Where mladb's run of `step` has op `op`.
+    fn op_index(&self, step: u64, op: &str) -> Option<usize> {
+        let range = self.steps.get(&step)?.events.as_ref().ok()?.clone();
+        let seq = self.seq.as_ref()?;
+        range.into_iter().find(|&i| seq.record.events[i].name == op)
+    }
+
+    fn compare(
+        &mut self,
+        step: u64,
+        module: &str,
+        target: &Target,
+        pieces: Vec<Piece>,
+        rank: Option<u32>,
+        dtype: Dtype,
+    ) -> Vec<Live> {
+        let note = |text: String| {
+            vec![Live::Note {
+                step: Some(step),
+                rank,
+                text,
+            }]
+        };
+        let Some(index) = self.op_index(step, &target.op) else {
+            self.totals.not_in_run.insert(target.op.clone());
+            return Vec::new();
+        };
+        let whole = match assemble(target.shard, pieces) {
+            Ok(w) => w,
+            Err(e) => return note(format!("{module}: {e}")),
+        };
+        let (data, rank_columns) = match &target.columns {
+            None => (whole.data, whole.rank_columns),
+            Some(r) => match columns(&whole.data, whole.rows, r.clone()) {
+                Ok(d) => {
+                    let within = whole
+                        .rank_columns
+                        .iter()
+                        .filter_map(|(k, c)| {
+                            let (s, e) = (c.start.max(r.start), c.end.min(r.end));
+                            (s < e).then(|| (*k, s - r.start..e - r.start))
+                        })
+                        .collect();
+                    (d, within)
+                }
+                Err(e) => return note(format!("{module} as {}: {e}", target.op)),
+            },
+        };
+        let tolerance = self.tolerance;
+        let flags_dtype = self.flags.dtype;
+        let num_heads = self.model.layout.num_heads;
+        let seq = self.seq.as_mut().expect("a compared step has a sequence");
+        let e = &seq.record.events[index];
+        let reference = seq.record.outputs[index].data();
+        if data.len() != reference.len() {
+            return note(format!(
+                "{module} has {} values; mladb's {} {:?} has {}",
+                data.len(),
+                target.op,
+                e.shape,
+                reference.len()
+            ));
+        }
+        let mut c: OpComparison = compare_outputs(e, index, &data, &e.shape, reference, num_heads);
+        let judge = seq.judge.get_or_insert_with(|| {
+            let noisy =
+                flags_dtype == StorageDtype::Bf16 || matches!(dtype, Dtype::Bf16 | Dtype::F16);
+            Judge::new(match tolerance {
+                Some(t) => Tolerances::Uniform(t),
+                None if noisy => Tolerances::Table(StorageDtype::Bf16),
+                None => Tolerances::Table(StorageDtype::F32),
+            })
+            .with_kv_cache(seq.record.flags.kv_cache)
+        });
+        if index >= seq.judged {
+            for i in seq.judged..index {
+                judge.next(&seq.record.events[i], None);
+            }
+            judge.next(e, Some(&mut c));
+            seq.judged = index + 1;
+        } else {
+            judge.late(e, &mut c);
+        }
+        let diverges = c.exceeds_its();
+        let error = c.diff.as_ref().map_or(f64::NAN, |d| d.error());
+        let worst_rank = rank_columns
+            .iter()
+            .map(|(k, cols)| {
+                let a = columns(&data, whole.rows, cols.clone()).unwrap_or_default();
+                let b = columns(reference, whole.rows, cols.clone()).unwrap_or_default();
+                (*k, rel_l2(&a, &b))
+            })
+            .max_by(|x, y| x.1.total_cmp(&y.1));
+        let detail = match &c.diff {
+            Ok(d) => d.summary(),
+            Err(e) => e.clone(),
+        };
+        self.totals.compared += 1;
+        let run = self.steps.get_mut(&step).expect("the step was run");
+        let mut out = vec![Live::Compared {
+            step,
+            phase: run.phase.to_string(),
+            module: module.to_string(),
+            op: target.op.clone(),
+            rank,
+            error,
+            tolerance: c.tolerance,
+            diverges,
+            worst_rank,
+            detail: detail.clone(),
+        }];
+        if diverges {
+            self.totals.divergent += 1;
+            if !run.reported {
+                run.reported = true;
+                self.totals.findings += 1;
+                let who = match (rank, worst_rank) {
+                    (Some(r), _) => format!("rank {r}'s"),
+                    (None, Some((r, _))) if rank_columns.len() > 1 => {
+                        format!("the ranks' shards put together; rank {r}'s columns differ most")
+                    }
+                    _ => "the ranks' partial sums added".to_string(),
+                };
+                out.push(Live::Finding {
+                    step,
+                    rank: rank.or(worst_rank.map(|w| w.0).filter(|_| rank_columns.len() > 1)),
+                    finding: Finding {
+                        kind: FindingKind::ReferenceMismatch,
+                        phase: run.phase,
+                        op: target.op.clone(),
+                        index,
+                        detail: format!(
+                            "{module} ({who}) against mladb: {detail} ({})",
+                            c.tolerance_text()
+                        ),
+                    },
+                });
+            }
+        }
+        out
+    }
+}
+
+/// ‖a − b‖ / ‖b‖ (0 for two empty slices).
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let (mut d, mut n) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        d += (*x as f64 - *y as f64).powi(2);
+        n += (*y as f64).powi(2);
+    }
+    if n > 0.0 {
+        (d / n).sqrt()
+    } else {
+        d.sqrt()
+    }
+}
+
+fn short_list(v: &[u32]) -> String {
+    let shown: Vec<String> = v.iter().take(8).map(u32::to_string).collect();
+    format!(
+        "[{}{}]",
+        shown.join(", "),
+        if v.len() > 8 { ", …" } else { "" }
+    )
+}

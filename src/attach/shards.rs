@@ -1,0 +1,231 @@
+//! Putting a tensor-parallel engine's shards back together: each rank sends its own piece of a
+//! module's output, and the name map's shard rule says how the pieces make the whole tensor
+//! mladb computes (see [`Shard`]). Pieces wait here, keyed by step, op and occurrence, until
+//! every rank's has come.
+
+use crate::debug::name_map::Shard;
+use std::collections::HashMap;
+
+/// One rank's piece: `rows` tokens × `data.len() / rows` features, row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Piece {
+    pub rank: u32,
+    pub rows: usize,
+    pub data: Vec<f32>,
+}
+
+/// The whole tensor, and which features each rank held (for [`Shard::Columns`]: the rank a
+/// difference lies in).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Whole {
+    pub rows: usize,
+    pub data: Vec<f32>,
+    /// Per rank, in rank order: the range of features (per row) it held; empty unless the rule
+    /// is `Columns`.
+    pub rank_columns: Vec<(u32, std::ops::Range<usize>)>,
+}
+
+/// Puts `pieces` (one per rank, any order) together by `shard`; an error says what does not fit.
+pub fn assemble(shard: Shard, mut pieces: Vec<Piece>) -> Result<Whole, String> {
+    pieces.sort_by_key(|p| p.rank);
+    let first = pieces.first().ok_or("no pieces")?;
+    let rows = first.rows;
+    if rows == 0 {
+        return Err("a piece has no rows".into());
+    }
+    for p in &pieces {
+        if p.rows != rows || p.data.len() % rows != 0 {
+            return Err(format!(
+                "rank {} sent {} values for {} tokens; rank {} sent {} for {rows}",
+                p.rank,
+                p.data.len(),
+                p.rows,
+                first.rank,
+                first.data.len()
+            ));
+        }
+    }
+    match shard {
+        Shard::Replicated => Ok(Whole {
+            rows,
+            data: first.data.clone(),
+            rank_columns: Vec::new(),
+        }),
+        Shard::RowSum => {
+            let n = first.data.len();
+            if let Some(p) = pieces.iter().find(|p| p.data.len() != n) {
+                return Err(format!(
+                    "partial sums differ in size: rank {} has {}, rank {} {n}",
+                    p.rank,
+                    p.data.len(),
+                    first.rank
+                ));
+            }
+            let mut data = vec![0f32; n];
+            for p in &pieces {
+                for (d, x) in data.iter_mut().zip(&p.data) {
+                    *d += x;
+                }
+            }
+            Ok(Whole {
+                rows,
+                data,
+                rank_columns: Vec::new(),
+            })
+        }
+        Shard::Columns => {
+            let widths: Vec<usize> = pieces.iter().map(|p| p.data.len() / rows).collect();
+            let total: usize = widths.iter().sum();
+            let mut data = Vec::with_capacity(total * rows);
+            for r in 0..rows {
+                for (p, w) in pieces.iter().zip(&widths) {
+                    data.extend_from_slice(&p.data[r * w..(r + 1) * w]);
+                }
+            }
+            let mut start = 0;
+            let rank_columns = pieces
+                .iter()
+                .zip(&widths)
+                .map(|(p, w)| {
+                    start += w;
+                    (p.rank, start - w..start)
+                })
+                .collect();
+            Ok(Whole {
+                rows,
+                data,
+                rank_columns,
+            })
+        }
+    }
+}
+
+/// The columns `range` of every row of a `rows`-row tensor (a fused output's piece).
+pub fn columns(
+    data: &[f32],
+    rows: usize,
+    range: std::ops::Range<usize>,
+) -> Result<Vec<f32>, String> {
+    let width = data.len() / rows.max(1);
+    if rows == 0 || data.len() % rows != 0 || range.end > width {
+        return Err(format!(
+            "columns {}..{} of a tensor of {rows} rows × {width} features",
+            range.start, range.end
+        ));
+    }
+    Ok((0..rows)
+        .flat_map(|r| {
+            data[r * width + range.start..r * width + range.end]
+                .iter()
+                .copied()
+        })
+        .collect())
+}
+
+/// Pieces waiting for the other ranks, keyed by (step, op, occurrence in the step).
+#[derive(Default)]
+pub struct Pending {
+    waiting: HashMap<(u64, String, u32), Vec<Piece>>,
+}
+
+impl Pending {
+    /// Adds a rank's piece; once `world` ranks have sent theirs, returns them all.
+    pub fn add(&mut self, key: (u64, String, u32), piece: Piece, world: u32) -> Option<Vec<Piece>> {
+        let entry = self.waiting.entry(key.clone()).or_default();
+        entry.retain(|p| p.rank != piece.rank);
+        entry.push(piece);
+        if entry.len() as u32 >= world {
+            return self.waiting.remove(&key);
+        }
+        None
+    }
+
+    /// Drops what waits for steps before `step` (their other ranks will not come now); returns
+    /// the ops dropped, with the ranks that had sent theirs.
+    pub fn expire_before(&mut self, step: u64) -> Vec<(u64, String, Vec<u32>)> {
+        let old: Vec<_> = self
+            .waiting
+            .keys()
+            .filter(|k| k.0 < step)
+            .cloned()
+            .collect();
+        let mut out: Vec<_> = old
+            .into_iter()
+            .map(|k| {
+                let ranks = self.waiting.remove(&k).unwrap_or_default();
+                (k.0, k.1, ranks.iter().map(|p| p.rank).collect())
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Everything still waiting (at the end of a run).
+    pub fn drain(&mut self) -> Vec<(u64, String, Vec<u32>)> {
+        self.expire_before(u64::MAX)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn piece(rank: u32, rows: usize, data: &[f32]) -> Piece {
+        Piece {
+            rank,
+            rows,
+            data: data.to_vec(),
+        }
+    }
+
+    #[test]
+    fn columns_rows_and_replicas_go_back_together() {
+        // Two tokens; rank 0 holds features 0..2, rank 1 features 2..3; sent out of order.
+        let w = assemble(
+            Shard::Columns,
+            vec![piece(1, 2, &[3.0, 6.0]), piece(0, 2, &[1.0, 2.0, 4.0, 5.0])],
+        )
+        .unwrap();
+        assert_eq!(w.data, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        assert_eq!(w.rank_columns, vec![(0, 0..2), (1, 2..3)]);
+        let s = assemble(
+            Shard::RowSum,
+            vec![piece(0, 1, &[1.0, 2.0]), piece(1, 1, &[0.5, -2.0])],
+        )
+        .unwrap();
+        assert_eq!(s.data, vec![1.5, 0.0]);
+        let r = assemble(Shard::Replicated, vec![piece(0, 1, &[7.0])]).unwrap();
+        assert_eq!(r.data, vec![7.0]);
+        assert!(assemble(
+            Shard::RowSum,
+            vec![piece(0, 1, &[1.0]), piece(1, 1, &[1.0, 2.0])]
+        )
+        .unwrap_err()
+        .contains("differ in size"));
+        assert!(
+            assemble(Shard::Columns, vec![piece(0, 2, &[1.0, 2.0, 3.0])])
+                .unwrap_err()
+                .contains("for 2 tokens")
+        );
+        assert_eq!(
+            columns(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 2, 1..3).unwrap(),
+            vec![2.0, 3.0, 5.0, 6.0]
+        );
+        assert!(columns(&[1.0, 2.0], 1, 1..3).is_err());
+    }
+
+    #[test]
+    fn pieces_wait_for_every_rank_and_expire_with_their_step() {
+        let mut p = Pending::default();
+        let key = |s: u64| (s, "op".to_string(), 0);
+        assert!(p.add(key(0), piece(1, 1, &[1.0]), 2).is_none());
+        // A rank sending twice replaces its piece.
+        assert!(p.add(key(0), piece(1, 1, &[2.0]), 2).is_none());
+        let all = p.add(key(0), piece(0, 1, &[3.0]), 2).unwrap();
+        assert_eq!(all.len(), 2);
+        assert!(p.add(key(1), piece(0, 1, &[1.0]), 2).is_none());
+        assert_eq!(p.expire_before(1), vec![]);
+        assert_eq!(p.expire_before(2), vec![(1, "op".to_string(), vec![0])]);
+        assert!(p.drain().is_empty());
+    }
+}
