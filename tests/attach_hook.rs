@@ -263,3 +263,97 @@ for args in [("m", "f32", [3], b"\0" * 8), ("m", "f64", [1], b"\0" * 8), ("m", "
     assert!(text.lines().all(|l| l.starts_with("refused:")), "{text}");
     assert!(text.contains("needs 12 bytes, got 8"), "{text}");
 }
+
+/// `mladb attach --model DIR --json` against tools/replay_dump.py replaying `dump` (with
+/// `extra` arguments); returns the JSON lines and the exit code.
+fn attach_replay(model: &str, dump: &str, extra: &[&str]) -> (Vec<serde_json::Value>, i32) {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let mut server = Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args([
+            "attach",
+            "--listen",
+            "127.0.0.1:0",
+            "--json",
+            "--connections",
+            "1",
+            "--model",
+        ])
+        .arg(format!("{root}/{model}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(server.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    let address = line
+        .trim()
+        .strip_prefix("mladb attach: listening on ")
+        .unwrap_or_else(|| panic!("no address in '{line}'"))
+        .to_string();
+    let replay = Command::new("python3")
+        .arg(format!("{root}/tools/replay_dump.py"))
+        .arg(format!("{root}/{dump}"))
+        .args(["--address", &address])
+        .args(extra)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .output()
+        .expect("python3 must be on the path for this test (CI has it)");
+    assert!(
+        replay.status.success(),
+        "{}",
+        String::from_utf8_lossy(&replay.stderr)
+    );
+    let out = server.wait_with_output().unwrap();
+    let lines = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (lines, out.status.code().unwrap_or(-1))
+}
+
+const GLM5_DUMP: &str = "tests/fixtures/hf/glm5-sparse/hf-dump.safetensors";
+
+fn findings(lines: &[serde_json::Value]) -> Vec<&serde_json::Value> {
+    lines.iter().filter(|v| v["event"] == "finding").collect()
+}
+
+#[test]
+fn transformers_outputs_replayed_live_agree_with_mladb_at_every_mapped_op() {
+    // Every module output transformers wrote for the GLM-5 fixture (prefill and seven decode
+    // steps), sent as the hook would have sent it, against mladb's reference of the checkpoint.
+    let (lines, code) = attach_replay("tests/fixtures/hf/glm5-sparse", GLM5_DUMP, &[]);
+    assert!(findings(&lines).is_empty(), "{:#?}", findings(&lines));
+    let summary = lines.iter().find(|v| v["event"] == "summary").unwrap();
+    assert_eq!(summary["totals"]["steps"], 8, "{summary}");
+    assert!(
+        summary["totals"]["compared"].as_u64().unwrap() >= 500,
+        "{summary}"
+    );
+    assert_eq!(summary["totals"]["divergent"], 0);
+    assert_eq!(code, 0);
+}
+
+#[test]
+fn a_divergence_planted_in_a_transformers_tensor_is_found_at_its_op() {
+    let (lines, code) = attach_replay(
+        "tests/fixtures/hf/glm5-sparse",
+        GLM5_DUMP,
+        &["--scale", "decode.2/model.layers.1.self_attn.q_b_proj=1.5"],
+    );
+    let f = findings(&lines);
+    assert_eq!(f.len(), 1, "{f:#?}");
+    assert_eq!(f[0]["kind"], "reference-mismatch");
+    assert_eq!(f[0]["op"], "model.layers.1.self_attn.q_b_proj");
+    assert_eq!(f[0]["phase"], "decode.2");
+    assert_eq!(code, 1);
+}
+
+#[test]
+fn an_engine_running_another_model_is_never_an_all_clear() {
+    // The GLM-5 fixture's tensors against a DeepSeek-V3 checkpoint: other sizes, other numbers.
+    let (lines, code) = attach_replay("tests/fixtures/hf/deepseek-v3-plain", GLM5_DUMP, &[]);
+    assert!(!findings(&lines).is_empty(), "{lines:#?}");
+    assert_eq!(code, 1);
+}

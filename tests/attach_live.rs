@@ -39,10 +39,15 @@ const MAP: &str = r#"(
 
 /// The reference run the client replays: glm5-tiny, a prefill of 5 tokens and 2 decode steps.
 fn recorded() -> (RunRecord, Vec<u32>, usize) {
+    recorded_with(vec![3, 14, 15, 92, 65])
+}
+
+/// The same with another prompt, all of it prefilled.
+fn recorded_with(prompt: Vec<u32>) -> (RunRecord, Vec<u32>, usize) {
     let model = common::synthetic("glm5-tiny", SEED);
     let schedule = Schedule {
-        prompt: vec![3, 14, 15, 92, 65],
-        prefill_len: 5,
+        prefill_len: prompt.len(),
+        prompt,
         decode_steps: 2,
     };
     let layers = 0..model.layout.num_layers;
@@ -338,4 +343,379 @@ fn a_planted_divergence_and_disconnect_are_reported_at_their_op_and_rank() {
         .unwrap()
         .contains("the kernel wrote buffer"));
     assert_eq!(code, 1, "findings make attach exit 1");
+}
+
+/// One rank's frames of the recorded run, each tensor passed through `edit` first.
+fn engine_frames(
+    run: &RunRecord,
+    tokens: &[u32],
+    edit: &dyn Fn(Phase, &str, &mut Vec<f32>),
+) -> Vec<Vec<u8>> {
+    let hello = Body::Hello {
+        engine: "mladb-names".into(),
+        model: "glm5-tiny".into(),
+        rank: 0,
+        world_size: 1,
+    };
+    let mut out = vec![frame(hello, &[])];
+    let prefill = tokens.len() - run.outcome.as_ref().unwrap().generated.len();
+    for (step, phase) in run.phases().iter().enumerate() {
+        let (toks, start) = match phase {
+            Phase::Prefill => (tokens[..prefill].to_vec(), 0),
+            Phase::Decode(k) => (vec![tokens[prefill + k]], prefill + k),
+        };
+        let positions = (start as u32..(start + toks.len()) as u32).collect();
+        out.push(frame(
+            Body::Step {
+                phase: "x".into(),
+                step: step as u64,
+                tokens: toks,
+                positions,
+            },
+            &[],
+        ));
+        for (i, e) in run
+            .events
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.phase == *phase)
+        {
+            let mut v = run.outputs[i].data().to_vec();
+            edit(*phase, &e.name, &mut v);
+            out.push(tensor(&e.name, &v, 0x1000, None));
+        }
+    }
+    out.push(frame(Body::Bye { dropped: 0 }, &[]));
+    out
+}
+
+/// `mladb attach --layout glm5-tiny` (identity names) against `frames`, with `extra` flags.
+fn attach_frames(frames: Vec<Vec<u8>>, extra: &[&str]) -> (Vec<Value>, i32) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args([
+            "attach",
+            "--listen",
+            "127.0.0.1:0",
+            "--json",
+            "--connections",
+            "1",
+        ])
+        .args([
+            "--layout",
+            "glm5-tiny",
+            "--seed",
+            &SEED.to_string(),
+            "--name-map",
+            "hf",
+        ])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    let address = line
+        .trim()
+        .strip_prefix("mladb attach: listening on ")
+        .unwrap()
+        .to_string();
+    let mut stream = TcpStream::connect(&address).unwrap();
+    for f in &frames {
+        stream.write_all(f).unwrap();
+    }
+    drop(stream);
+    let output = child.wait_with_output().unwrap();
+    let lines = String::from_utf8(output.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (lines, output.status.code().unwrap_or(-1))
+}
+
+#[test]
+fn experts_chosen_otherwise_from_agreeing_router_logits_are_a_flip_not_a_finding() {
+    use mladb::model::layout::Layout;
+    use mladb::ops::moe::route;
+    use mladb::tensor::Tensor;
+    let (run, tokens, _) = recorded();
+    let model = common::synthetic("glm5-tiny", SEED);
+    let moe = model.layout.moe.clone().unwrap();
+    let e = moe.n_routed_experts;
+    // Over the prefill rows of the MoE layers: a chosen expert and a passed-over one whose
+    // logits are the closest among the pairs whose swap changes the choice (the least change to
+    // the logits that flips it).
+    let mut pairs: Vec<(f32, String, usize, usize, usize)> = Vec::new();
+    for (i, ev) in run.events.iter().enumerate() {
+        if ev.phase != Phase::Prefill || !ev.name.ends_with(".mlp.gate") {
+            continue;
+        }
+        let logits = run.outputs[i].data();
+        let rows = logits.len() / e;
+        let bias = model
+            .weights
+            .get(&format!("{}.e_score_correction_bias", ev.name))
+            .unwrap();
+        let chosen = route(
+            &Tensor::from_vec(&[rows, e], logits.to_vec()),
+            bias.data(),
+            &moe,
+        )
+        .experts;
+        for (r, c) in chosen.iter().enumerate() {
+            for &a in c {
+                for b in (0..e).filter(|j| !c.contains(j)) {
+                    let mut v = logits.to_vec();
+                    v.swap(r * e + a, r * e + b);
+                    let now = route(&Tensor::from_vec(&[rows, e], v), bias.data(), &moe).experts;
+                    let (mut x, mut y) = (now[r].clone(), c.clone());
+                    x.sort_unstable();
+                    y.sort_unstable();
+                    if x != y {
+                        pairs.push((
+                            (logits[r * e + a] - logits[r * e + b]).abs(),
+                            ev.name.clone(),
+                            r,
+                            a,
+                            b,
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    pairs.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let (_, gate, row, a, b) = pairs.first().cloned().expect("some swap flips a choice");
+    let layer = gate.trim_end_matches(".mlp.gate").to_string();
+    let swap = |phase: Phase, name: &str, v: &mut Vec<f32>| {
+        if phase == Phase::Prefill && name == gate {
+            v.swap(row * e + a, row * e + b);
+        }
+    };
+    // The experts' output after the flip differs (here: planted, threefold).
+    let experts = format!("{layer}.mlp.experts");
+    let off = |phase: Phase, name: &str, v: &mut Vec<f32>| {
+        if phase == Phase::Prefill && name == experts {
+            v.iter_mut().for_each(|x| *x *= 3.0);
+        }
+    };
+    // The swap's own error sets the tolerance: the logits agree within it.
+    let original = run.output(Phase::Prefill, &gate).unwrap().data().to_vec();
+    let mut swapped = original.clone();
+    swap(Phase::Prefill, &gate, &mut swapped);
+    let d2: f64 = original
+        .iter()
+        .zip(&swapped)
+        .map(|(x, y)| ((x - y) as f64).powi(2))
+        .sum();
+    let n2: f64 = original.iter().map(|x| (*x as f64).powi(2)).sum();
+    let tolerance = format!("{:.6e}", 2.0 * (d2 / n2).sqrt() + 1e-6);
+    assert!(
+        2.0 * (d2 / n2).sqrt() < 0.5,
+        "the closest pair is too far apart to call a tie"
+    );
+    let bias = model
+        .weights
+        .get(&format!("{gate}.e_score_correction_bias"))
+        .unwrap();
+    let flipped = route(
+        &Tensor::from_vec(&[swapped.len() / e, e], swapped.clone()),
+        bias.data(),
+        &moe,
+    );
+    let kept = route(
+        &Tensor::from_vec(&[original.len() / e, e], original),
+        bias.data(),
+        &moe,
+    );
+    let sorted = |mut v: Vec<usize>| {
+        v.sort_unstable();
+        v
+    };
+    assert_ne!(
+        sorted(flipped.experts[row].clone()),
+        sorted(kept.experts[row].clone()),
+        "the swap flips the choice"
+    );
+    let _ = Layout::builtin_names();
+
+    let (lines, code) = attach_frames(
+        engine_frames(&run, &tokens, &|p, n, v| {
+            swap(p, n, v);
+            off(p, n, v)
+        }),
+        &["--tolerance", &tolerance],
+    );
+    let findings = of_event(&lines, "finding");
+    assert!(findings.is_empty(), "{findings:#?}");
+    let notes: Vec<&str> = of_event(&lines, "note")
+        .iter()
+        .map(|n| n["text"].as_str().unwrap())
+        .collect();
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.starts_with("selection-flip at") && n.contains(&gate)),
+        "{notes:#?}"
+    );
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains(&experts) && n.contains("a selection flip, not a finding")),
+        "{notes:#?}"
+    );
+    assert_eq!(code, 0);
+
+    // The same divergence without the flip is a finding.
+    let (lines, code) = attach_frames(
+        engine_frames(&run, &tokens, &off),
+        &["--tolerance", &tolerance],
+    );
+    let findings = of_event(&lines, "finding");
+    assert_eq!(findings.len(), 1, "{findings:#?}");
+    assert_eq!(findings[0]["op"], experts.as_str());
+    assert_eq!(code, 1);
+}
+
+#[test]
+fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_finding() {
+    // A prompt longer than the indexer keeps, so that rows pass keys over.
+    let (run, tokens, _) = recorded_with((0..24).map(|i| (i * 37 + 5) % 200).collect());
+    // Each row (query) of each DSA layer and phase that had more keys than it kept: its last
+    // kept key by score, its best and worst passed-over keys.
+    struct Row {
+        phase: Phase,
+        topk: String,
+        row: usize,
+        slot: usize,
+        best: usize,
+        worst: usize,
+        gap: f32,
+        worst_gap: f32,
+        rms: f32,
+    }
+    let mut rows = Vec::new();
+    for (i, ev) in run.events.iter().enumerate() {
+        if !ev.name.ends_with("indexer.topk") {
+            continue;
+        }
+        let kept = run.outputs[i].data();
+        let scores = run
+            .output(ev.phase, &ev.name.replace(".topk", ".scores"))
+            .unwrap()
+            .data();
+        let n = ev.shape[0];
+        let (k, ctx) = (kept.len() / n, scores.len() / n);
+        for r in 0..n {
+            let row = &scores[r * ctx..(r + 1) * ctx];
+            let ks = &kept[r * k..(r + 1) * k];
+            let (slot, last) = ks
+                .iter()
+                .enumerate()
+                .filter(|(_, &j)| j >= 0.0)
+                .min_by(|a, b| row[*a.1 as usize].total_cmp(&row[*b.1 as usize]))
+                .map(|(s, &j)| (s, j as usize))
+                .unwrap();
+            let passed: Vec<usize> = (0..ctx)
+                .filter(|j| row[*j].is_finite() && !ks.contains(&(*j as f32)))
+                .collect();
+            if passed.len() < 2 {
+                continue;
+            }
+            let best = *passed
+                .iter()
+                .max_by(|a, b| row[**a].total_cmp(&row[**b]))
+                .unwrap();
+            let worst = *passed
+                .iter()
+                .min_by(|a, b| row[**a].total_cmp(&row[**b]))
+                .unwrap();
+            let finite: Vec<f32> = row.iter().copied().filter(|x| x.is_finite()).collect();
+            let rms = (finite.iter().map(|x| x * x).sum::<f32>() / finite.len() as f32).sqrt();
+            rows.push(Row {
+                phase: ev.phase,
+                topk: ev.name.clone(),
+                row: r,
+                slot,
+                best,
+                worst,
+                gap: row[last] - row[best],
+                worst_gap: row[last] - row[worst],
+                rms,
+            });
+        }
+    }
+    let near = rows
+        .iter()
+        .min_by(|a, b| (a.gap / a.rms).total_cmp(&(b.gap / b.rms)))
+        .expect("a row with keys passed over");
+    // A uniform tolerance that puts the closest passed-over key within noise (3 × tolerance ×
+    // the row's scale), and the worst one far outside it.
+    let tolerance = (near.gap / near.rms / 3.0 * 1.5).max(1e-6);
+    assert!(
+        near.worst_gap / near.rms / 3.0 > 2.0 * tolerance,
+        "the row has no key far below"
+    );
+    assert!(
+        tolerance < 0.5,
+        "the closest key is too far apart to call a tie"
+    );
+    let k = run.output(near.phase, &near.topk).unwrap().data().len()
+        / run.output(near.phase, &near.topk).unwrap().shape()[0];
+    let layer = near
+        .topk
+        .trim_end_matches(".self_attn.indexer.topk")
+        .to_string();
+    let attn_output = format!("{layer}.self_attn.attn_output");
+    let keep = |key: usize| {
+        let (phase, topk, slot) = (near.phase, near.topk.clone(), near.row * k + near.slot);
+        let attn_output = attn_output.clone();
+        move |p: Phase, n: &str, v: &mut Vec<f32>| {
+            if p == phase && n == topk {
+                v[slot] = key as f32;
+            }
+            if p == phase && n == attn_output {
+                v.iter_mut().for_each(|x| *x *= 3.0);
+            }
+        }
+    };
+    let tol = format!("{tolerance:.6e}");
+    let (lines, code) = attach_frames(
+        engine_frames(&run, &tokens, &keep(near.best)),
+        &["--tolerance", &tol],
+    );
+    let findings = of_event(&lines, "finding");
+    assert!(findings.is_empty(), "{findings:#?}");
+    let notes: Vec<&str> = of_event(&lines, "note")
+        .iter()
+        .map(|n| n["text"].as_str().unwrap())
+        .collect();
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.starts_with(&format!("selection-flip at {}", near.topk))),
+        "{notes:#?}"
+    );
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.starts_with(&attn_output) && n.contains("a selection flip, not a finding")),
+        "{notes:#?}"
+    );
+    assert_eq!(code, 0);
+
+    let (lines, code) = attach_frames(
+        engine_frames(&run, &tokens, &keep(near.worst)),
+        &["--tolerance", &tol],
+    );
+    let findings = of_event(&lines, "finding");
+    assert_eq!(findings.len(), 1, "{findings:#?}");
+    assert_eq!(findings[0]["op"], near.topk.as_str());
+    assert!(findings[0]["detail"]
+        .as_str()
+        .unwrap()
+        .contains("below mladb's last kept key"));
+    assert_eq!(code, 1);
 }

@@ -210,13 +210,88 @@ def attach(model, address, engine="hf", rank=None, world_size=None, queue_size=6
 
     handles = [model.register_forward_pre_hook(on_step, with_kwargs=True)]
     handles += [m.register_forward_hook(on_output(n)) for n, m in model.named_modules() if n]
+    restore = _watch_attention_kernels(torch, model, sender) if engine == "hf" else []
     close = sender.close
 
     def close_and_detach():
         for h in handles:
             h.remove()
+        for undo in restore:
+            undo()
         close()
 
     sender.close = close_and_detach
     return sender
 
+
+def _watch_attention_kernels(torch, model, sender):
+    """transformers: the buffer each attention kernel wrote, beside the buffer o_proj read.
+
+    Every attention function transformers dispatches to (its AttentionInterface, and the
+    modeling file's eager function) is wrapped: the output of the innermost call during an
+    attention module's forward is the kernel's, sent as `NAME.attn_kernel`. A pre-hook on the
+    module's o_proj sends o_proj's input as `NAME.o_proj.input`, with the kernel's buffer as its
+    `kernel_out_ptr`: a wrapper between them that hands on another buffer (the seed bug: the
+    kernel wrote a tensor the caller never read) shows as two pointers that differ. A copy that
+    holds exactly the kernel's values (a reshape that had to copy) counts as the same buffer.
+    Returns the undo functions.
+    """
+    try:
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError:
+        return []
+    names = {id(m): n for n, m in model.named_modules() if n}
+    kernel_out = {}  # id(attention module) -> its kernel's output, this forward (until o_proj reads)
+    undo = []
+
+    def wrap(fn):
+        def kernel(module, *args, **kwargs):
+            out = fn(module, *args, **kwargs)
+            t = _first_tensor(torch, out)
+            name = names.get(id(module))
+            if t is not None and name is not None and id(module) not in kernel_out:
+                kernel_out[id(module)] = t  # the innermost call returns first
+                dtype = _wire_dtype(torch, t)
+                if dtype is not None:
+                    sender.tensor(name + ".attn_kernel", dtype, list(t.shape), _tensor_bytes(t), ptr=t.data_ptr())
+            return out
+
+        kernel.__wrapped__ = fn
+        return kernel
+
+    mapping = AttentionInterface._global_mapping
+    for key, fn in list(mapping.items()):
+        mapping[key] = wrap(fn)
+        undo.append(lambda key=key, fn=fn: mapping.__setitem__(key, fn))
+    import sys
+
+    for module in {type(m).__module__ for m in model.modules()}:
+        mod = sys.modules.get(module)
+        fn = getattr(mod, "eager_attention_forward", None)
+        if callable(fn):
+            setattr(mod, "eager_attention_forward", wrap(fn))
+            undo.append(lambda mod=mod, fn=fn: setattr(mod, "eager_attention_forward", fn))
+
+    for name, attn in model.named_modules():
+        o_proj = getattr(attn, "o_proj", None)
+        if not name or not isinstance(o_proj, torch.nn.Module):
+            continue
+
+        def starts(module, args, key=id(attn)):
+            kernel_out.pop(key, None)
+
+        def reads(module, args, key=id(attn), name=name):
+            t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            dtype = None if t is None else _wire_dtype(torch, t)
+            k = kernel_out.pop(key, None)
+            if dtype is None:
+                return
+            wrote = None if k is None else k.data_ptr()
+            if k is not None and wrote != t.data_ptr() and k.numel() == t.numel() and torch.equal(k.reshape(-1), t.reshape(-1)):
+                wrote = t.data_ptr()  # a copy of exactly what the kernel wrote (a reshape), not another buffer
+            sender.tensor(name + ".o_proj.input", dtype, list(t.shape), _tensor_bytes(t), ptr=t.data_ptr(),
+                          kernel_out_ptr=wrote)
+
+        handles = [attn.register_forward_pre_hook(starts), o_proj.register_forward_pre_hook(reads)]
+        undo += [h.remove for h in handles]
+    return undo

@@ -21,7 +21,7 @@ use crate::debug::flags::Flags;
 use crate::debug::name_map::{NameMap, Shard, Target};
 use crate::debug::record::RunRecord;
 use crate::debug::tolerance::{Judge, Tolerances};
-use crate::engine::trace::Phase;
+use crate::engine::trace::{OpKind, Phase};
 use crate::engine::{Engine, StorageDtype};
 use crate::error::Result;
 use crate::model::Model;
@@ -107,6 +107,9 @@ pub struct Totals {
     pub not_in_run: BTreeSet<String>,
     /// Engine tensors the name map leaves out.
     pub left_out: u64,
+    /// Divergences after an MoE router that chose other experts than mladb from logits that
+    /// agree within their tolerance: the engine's choice explains them (reported as notes).
+    pub after_selection_flip: u64,
 }
 
 struct Conn {
@@ -121,10 +124,16 @@ struct Conn {
 
 struct StepRun {
     tokens: Vec<u32>,
+    /// The position of the step's first token.
+    start: usize,
     /// mladb's events of this step, or why it was not run.
     events: std::result::Result<Range<usize>, String>,
     phase: Phase,
-    reported: bool,
+    /// The op of the step's finding: the earliest divergent op in mladb's order so far.
+    reported: Option<usize>,
+    /// MoE layers whose experts the engine chose otherwise than mladb from router logits that
+    /// agree within their tolerance: (the layer's op prefix, the index of mladb's choice).
+    flips: Vec<(String, usize)>,
 }
 
 struct Sequence<'m> {
@@ -277,10 +286,12 @@ impl<'m> Comparator<'m> {
         self.steps.insert(
             step,
             StepRun {
+                start: positions.first().map_or(0, |&p| p as usize),
                 tokens,
                 events,
                 phase,
-                reported: false,
+                reported: None,
+                flips: Vec::new(),
             },
         );
         out
@@ -502,14 +513,32 @@ impl<'m> Comparator<'m> {
         let seq = self.seq.as_mut().expect("a compared step has a sequence");
         let e = &seq.record.events[index];
         let reference = seq.record.outputs[index].data();
-        if data.len() != reference.len() {
-            return note(format!(
-                "{module} has {} values; mladb's {} {:?} has {}",
+        if data.len() != reference.len() && e.kind != OpKind::IndexTopK {
+            // The map says this is the op, and it has another size: nothing to pass.
+            let detail = format!(
+                "{} values where mladb's {:?} has {}",
                 data.len(),
-                target.op,
                 e.shape,
                 reference.len()
-            ));
+            );
+            let phase = e.phase;
+            return self.report(
+                step,
+                phase,
+                module,
+                &target.op,
+                index,
+                rank,
+                None,
+                f64::NAN,
+                f64::NAN,
+                detail,
+                true,
+                String::new(),
+            );
+        }
+        if e.kind == OpKind::IndexTopK {
+            return self.compare_choice(step, module, &target.op, index, &data, rank);
         }
         let mut c: OpComparison = compare_outputs(e, index, &data, &e.shape, reference, num_heads);
         let judge = seq.judge.get_or_insert_with(|| {
@@ -545,47 +574,366 @@ impl<'m> Comparator<'m> {
             Ok(d) => d.summary(),
             Err(e) => e.clone(),
         };
+        let phase = e.phase;
+        let mut notes = Vec::new();
+        if target.op.ends_with(".mlp.gate") && !diverges {
+            notes.extend(self.selection_flip(step, &target.op, &data, whole.rows));
+        }
+        if diverges {
+            if let Some(router) = self.explained_by_flip(step, &target.op, index) {
+                self.totals.compared += 1;
+                self.totals.after_selection_flip += 1;
+                notes.push(Live::Note {
+                    step: Some(step),
+                    rank,
+                    text: format!(
+                        "{} differs by {error:.3e} (tolerance {:.1e}) after {router}, where the engine chose otherwise than mladb (a selection flip, not a finding)",
+                        target.op, c.tolerance
+                    ),
+                });
+                return notes;
+            }
+        }
+        let who = match (rank, worst_rank) {
+            (Some(r), _) => format!("rank {r}'s"),
+            (None, Some((r, _))) if rank_columns.len() > 1 => {
+                format!("the ranks' shards put together; rank {r}'s columns differ most")
+            }
+            _ => "the ranks' partial sums added".to_string(),
+        };
+        let blamed = rank.or(worst_rank.map(|w| w.0).filter(|_| rank_columns.len() > 1));
+        let (tolerance, tolerance_text) = (c.tolerance, c.tolerance_text());
+        let mut out = self.report(
+            step, phase, module, &target.op, index, rank, worst_rank, error, tolerance, detail,
+            diverges, who,
+        );
+        if let Some(Live::Finding { rank, finding, .. }) = out.last_mut() {
+            *rank = blamed;
+            finding.detail += &format!(" ({tolerance_text})");
+        }
+        out.extend(notes);
+        out
+    }
+
+    /// The DSA indexer's choice of keys, compared as a choice: per query row, the set of keys
+    /// the engine kept (its list may be sorted by score, padded, or hold masked future keys)
+    /// against mladb's. Keys the engine kept where mladb kept others are judged by mladb's
+    /// scores: within the scores' noise of mladb's last kept key, a selection flip (a note; the
+    /// attention after it follows the engine's choice); further below, a finding.
+    fn compare_choice(
+        &mut self,
+        step: u64,
+        module: &str,
+        op: &str,
+        index: usize,
+        data: &[f32],
+        rank: Option<u32>,
+    ) -> Vec<Live> {
+        let scores_op = op.replace(".topk", ".scores");
+        let (Some(run), Some(scores_index)) =
+            (self.steps.get(&step), self.op_index(step, &scores_op))
+        else {
+            return Vec::new();
+        };
+        let (rows, start, phase) = (run.tokens.len(), run.start, run.phase);
+        let seq = self.seq.as_ref().expect("a compared step has a sequence");
+        let mine = seq.record.outputs[index].data();
+        let scores = seq.record.outputs[scores_index].data();
+        if rows == 0
+            || !data.len().is_multiple_of(rows)
+            || !mine.len().is_multiple_of(rows)
+            || !scores.len().is_multiple_of(rows)
+        {
+            return Vec::new();
+        }
+        // The noise of a score: the tolerance the judge would give mladb's scores op, as a
+        // share of each row's scale.
+        let mut probe = compare_outputs(
+            &seq.record.events[scores_index],
+            scores_index,
+            scores,
+            &[scores.len()],
+            scores,
+            1,
+        );
+        if let Some(judge) = &seq.judge {
+            judge.late(&seq.record.events[scores_index], &mut probe);
+        }
+        let relative = if probe.tolerance.is_nan() {
+            0.0
+        } else {
+            probe.tolerance
+        };
+        let (ke, km, ctx) = (data.len() / rows, mine.len() / rows, scores.len() / rows);
+        let (mut worst_gap, mut worst_noise) = (0f64, 0f64);
+        let mut differ = Vec::new();
+        for r in 0..rows {
+            let last = start + r; // the newest key this row may see
+            let set = |v: &[f32]| {
+                let mut s: Vec<usize> = v
+                    .iter()
+                    .filter(|&&x| x >= 0.0 && x as usize <= last)
+                    .map(|&x| x as usize)
+                    .collect();
+                s.sort_unstable();
+                s.dedup();
+                s
+            };
+            let (engine, ours) = (
+                set(&data[r * ke..(r + 1) * ke]),
+                set(&mine[r * km..(r + 1) * km]),
+            );
+            if engine == ours {
+                continue;
+            }
+            let row = &scores[r * ctx..(r + 1) * ctx];
+            let finite: Vec<f64> = row
+                .iter()
+                .filter(|x| x.is_finite())
+                .map(|&x| x as f64)
+                .collect();
+            let rms =
+                (finite.iter().map(|x| x * x).sum::<f64>() / finite.len().max(1) as f64).sqrt();
+            let threshold = ours
+                .iter()
+                .filter_map(|&j| row.get(j))
+                .fold(f64::INFINITY, |a, &x| a.min(x as f64));
+            let gap = engine
+                .iter()
+                .filter(|j| !ours.contains(j))
+                .map(|&j| row.get(j).map_or(f64::INFINITY, |&x| threshold - x as f64))
+                .fold(0f64, f64::max);
+            let noise = 3.0 * relative * rms;
+            if gap - noise > worst_gap - worst_noise || differ.is_empty() {
+                (worst_gap, worst_noise) = (gap, noise);
+            }
+            differ.push(format!("row {r}: engine {engine:?}, mladb {ours:?}"));
+        }
+        if differ.is_empty() {
+            return self.report(
+                step,
+                phase,
+                module,
+                op,
+                index,
+                rank,
+                None,
+                0.0,
+                0.0,
+                "the same keys in every row".into(),
+                false,
+                String::new(),
+            );
+        }
+        let shown = differ
+            .iter()
+            .take(3)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("; ");
+        let more = if differ.len() > 3 {
+            format!("; … {} rows in all", differ.len())
+        } else {
+            String::new()
+        };
+        if worst_gap <= worst_noise {
+            let mut out = self.report(
+                step,
+                phase,
+                module,
+                op,
+                index,
+                rank,
+                None,
+                0.0,
+                0.0,
+                format!("other keys within noise: {shown}{more}"),
+                false,
+                String::new(),
+            );
+            let layer = op.trim_end_matches("self_attn.indexer.topk").to_string();
+            self.flip_layers(step, &layer, index);
+            out.push(Live::Note {
+                step: Some(step),
+                rank,
+                text: format!(
+                    "selection-flip at {op}: the engine kept other keys, within the scores' noise of mladb's last kept key (gap {worst_gap:.2e}, noise {worst_noise:.2e}): {shown}{more}; the attention after it follows the engine's choice"
+                ),
+            });
+            return out;
+        }
+        self.report(
+            step,
+            phase,
+            module,
+            op,
+            index,
+            rank,
+            None,
+            f64::NAN,
+            f64::NAN,
+            format!("the engine kept keys scored {worst_gap:.2e} below mladb's last kept key (noise {worst_noise:.2e}): {shown}{more}"),
+            true,
+            String::new(),
+        )
+    }
+
+    /// Remembers a flipped choice of `layer` (an op prefix such as `model.layers.3.`) and of the
+    /// later layers that reuse its DSA selection (GLM-5's shared indexer layers).
+    fn flip_layers(&mut self, step: u64, layer: &str, choice_index: usize) {
+        let Some(run) = self.steps.get_mut(&step) else {
+            return;
+        };
+        run.flips.push((layer.to_string(), choice_index));
+        let number = layer
+            .trim_end_matches('.')
+            .rsplit('.')
+            .next()
+            .and_then(|n| n.parse::<usize>().ok());
+        if let Some(n) = number {
+            let layout = &self.model.layout;
+            let prefix = layer
+                .trim_end_matches('.')
+                .trim_end_matches(char::is_numeric);
+            for l in n + 1..layout.num_layers {
+                if layout.indexer_mode(l) != Some(crate::model::layout::IndexerMode::Shared) {
+                    break;
+                }
+                run.flips.push((format!("{prefix}{l}."), 0));
+            }
+        }
+    }
+
+    /// The experts the engine's router logits choose (by mladb's routing), against mladb's
+    /// choice: a note, and the layer remembered, where they differ. Only called when the logits
+    /// agree within their tolerance: the difference is then one of noise near a tie.
+    fn selection_flip(
+        &mut self,
+        step: u64,
+        gate: &str,
+        logits: &[f32],
+        rows: usize,
+    ) -> Option<Live> {
+        let moe = self.model.layout.moe.as_ref()?;
+        let choice_op = format!("{gate}.topk_indices");
+        let choice_index = self.op_index(step, &choice_op)?;
+        let bias = self
+            .model
+            .weights
+            .get(&format!("{gate}.e_score_correction_bias"))
+            .ok()?;
+        let e = moe.n_routed_experts;
+        if rows == 0 || logits.len() != rows * e || bias.data().len() != e {
+            return None;
+        }
+        let engine = crate::ops::moe::route(
+            &crate::tensor::Tensor::from_vec(&[rows, e], logits.to_vec()),
+            bias.data(),
+            moe,
+        );
+        let seq = self.seq.as_ref()?;
+        let mine = seq.record.outputs[choice_index].data();
+        let k = moe.num_experts_per_tok;
+        let mut differ = Vec::new();
+        for (r, chosen) in engine.experts.iter().enumerate() {
+            let mut a: Vec<usize> = chosen.clone();
+            let mut b: Vec<usize> = mine
+                .get(r * k..(r + 1) * k)?
+                .iter()
+                .map(|&x| x as usize)
+                .collect();
+            a.sort_unstable();
+            b.sort_unstable();
+            if a != b {
+                differ.push(format!("row {r}: engine {a:?}, mladb {b:?}"));
+            }
+        }
+        if differ.is_empty() {
+            return None;
+        }
+        let layer = gate.trim_end_matches("mlp.gate").to_string();
+        self.steps.get_mut(&step)?.flips.push((layer, choice_index));
+        Some(Live::Note {
+            step: Some(step),
+            rank: None,
+            text: format!(
+                "selection-flip at {choice_op}: router logits that agree within tolerance choose other experts ({}); the ops of the layer after it follow the engine's choice",
+                differ.join("; ")
+            ),
+        })
+    }
+
+    /// The router op whose flipped choice explains a divergence of `op` (an op of the same
+    /// layer after the choice), if any.
+    fn explained_by_flip(&self, step: u64, op: &str, index: usize) -> Option<String> {
+        let run = self.steps.get(&step)?;
+        run.flips
+            .iter()
+            .find(|(layer, choice)| {
+                // The layer's ops after the choice, and the layer's output (`model.layers.N`).
+                (op.starts_with(layer.as_str()) || op == layer.trim_end_matches('.'))
+                    && index > *choice
+            })
+            .map(|(layer, _)| format!("the choice of layer {}", layer.trim_end_matches('.')))
+    }
+
+    /// The `compared` event of one comparison, and the step's finding when it is the first of
+    /// the step to diverge.
+    #[allow(clippy::too_many_arguments)]
+    fn report(
+        &mut self,
+        step: u64,
+        phase: Phase,
+        module: &str,
+        op: &str,
+        index: usize,
+        rank: Option<u32>,
+        worst_rank: Option<(u32, f64)>,
+        error: f64,
+        tolerance: f64,
+        detail: String,
+        diverges: bool,
+        who: String,
+    ) -> Vec<Live> {
         self.totals.compared += 1;
-        let run = self.steps.get_mut(&step).expect("the step was run");
         let mut out = vec![Live::Compared {
             step,
-            phase: run.phase.to_string(),
+            phase: phase.to_string(),
             module: module.to_string(),
-            op: target.op.clone(),
+            op: op.to_string(),
             rank,
             error,
-            tolerance: c.tolerance,
+            tolerance,
             diverges,
             worst_rank,
             detail: detail.clone(),
         }];
-        if diverges {
-            self.totals.divergent += 1;
-            if !run.reported {
-                run.reported = true;
-                self.totals.findings += 1;
-                let who = match (rank, worst_rank) {
-                    (Some(r), _) => format!("rank {r}'s"),
-                    (None, Some((r, _))) if rank_columns.len() > 1 => {
-                        format!("the ranks' shards put together; rank {r}'s columns differ most")
-                    }
-                    _ => "the ranks' partial sums added".to_string(),
-                };
-                out.push(Live::Finding {
-                    step,
-                    rank: rank.or(worst_rank.map(|w| w.0).filter(|_| rank_columns.len() > 1)),
-                    finding: Finding {
-                        kind: FindingKind::ReferenceMismatch,
-                        phase: run.phase,
-                        op: target.op.clone(),
-                        index,
-                        detail: format!(
-                            "{module} ({who}) against mladb: {detail} ({})",
-                            c.tolerance_text()
-                        ),
-                    },
-                });
-            }
+        if !diverges {
+            return out;
+        }
+        self.totals.divergent += 1;
+        let run = self.steps.get_mut(&step).expect("the step was run");
+        // One finding per step, at its earliest divergent op: tensors that arrive out of
+        // mladb's order (a dump replayed by name) may move it earlier, with a finding each time.
+        if run.reported.is_none_or(|first| index < first) {
+            run.reported = Some(index);
+            self.totals.findings += 1;
+            let who = if who.is_empty() {
+                String::new()
+            } else {
+                format!(" ({who})")
+            };
+            out.push(Live::Finding {
+                step,
+                rank,
+                finding: Finding {
+                    kind: FindingKind::ReferenceMismatch,
+                    phase,
+                    op: op.to_string(),
+                    index,
+                    detail: format!("{module}{who} against mladb: {detail}"),
+                },
+            });
         }
         out
     }

@@ -51,6 +51,16 @@ pub fn assemble(shard: Shard, mut pieces: Vec<Piece>) -> Result<Whole, String> {
             data: first.data.clone(),
             rank_columns: Vec::new(),
         }),
+        // Partial sums that are all the same are already reduced (an engine that all-reduces
+        // this output after all, as vLLM's DeepSeek-V3 path does where its GLM-5 path does not):
+        // adding them would count the sum once per rank.
+        Shard::RowSum if pieces.len() > 1 && pieces.iter().all(|p| p.data == first.data) => {
+            Ok(Whole {
+                rows,
+                data: first.data.clone(),
+                rank_columns: Vec::new(),
+            })
+        }
         Shard::RowSum => {
             let n = first.data.len();
             if let Some(p) = pieces.iter().find(|p| p.data.len() != n) {
@@ -107,7 +117,7 @@ pub fn columns(
     range: std::ops::Range<usize>,
 ) -> Result<Vec<f32>, String> {
     let width = data.len() / rows.max(1);
-    if rows == 0 || data.len() % rows != 0 || range.end > width {
+    if rows == 0 || !data.len().is_multiple_of(rows) || range.end > width {
         return Err(format!(
             "columns {}..{} of a tensor of {rows} rows × {width} features",
             range.start, range.end
@@ -194,6 +204,16 @@ mod tests {
         )
         .unwrap();
         assert_eq!(s.data, vec![1.5, 0.0]);
+        let reduced = assemble(
+            Shard::RowSum,
+            vec![piece(0, 1, &[1.0, 2.0]), piece(1, 1, &[1.0, 2.0])],
+        )
+        .unwrap();
+        assert_eq!(
+            reduced.data,
+            vec![1.0, 2.0],
+            "already all-reduced: not added again"
+        );
         let r = assemble(Shard::Replicated, vec![piece(0, 1, &[7.0])]).unwrap();
         assert_eq!(r.data, vec![7.0]);
         assert!(assemble(

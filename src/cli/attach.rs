@@ -240,13 +240,20 @@ fn start_worker(args: &AttachArgs) -> Result<Worker> {
                 format!(" ({:?}{})", not_in_run, if t.not_in_run.len() > 6 { ", …" } else { "" })
             }
         );
-        let value = json!({"event": "summary", "totals": t});
+        // A comparison that compared nothing must not read as an all-clear.
+        let nothing = t.compared == 0;
+        let text = if nothing {
+            format!("nothing was compared: {text} (check the name map and that the engine runs this model)")
+        } else {
+            text
+        };
+        let value = json!({"event": "summary", "totals": t, "nothing_compared": nothing});
         if json {
             writeln!(Out, "{value}")?;
         } else {
             writeln!(Out, "{text}")?;
         }
-        Ok(t.findings > 0)
+        Ok(t.findings > 0 || nothing)
     });
     match ready_rx.recv() {
         Ok(Ok(())) => Ok(Worker { inputs, thread }),

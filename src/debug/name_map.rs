@@ -50,6 +50,10 @@ struct Rule {
     /// The module is an attention wrapper whose kernel writes a buffer the wrapper allocated.
     #[serde(default)]
     kernel_output: bool,
+    /// A choice listed in another order than mladb's (top-k indices sorted by score): compared
+    /// live as sets; a dump, compared element by element, leaves it out.
+    #[serde(default)]
+    choice: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -139,7 +143,7 @@ impl NameMap {
     /// into several ops (a dump's tensors are compared whole; see [`NameMap::targets`]).
     pub fn map(&self, name: &str) -> Option<String> {
         match self.rule_for(name) {
-            Some((rule, parts)) if rule.split.is_empty() => {
+            Some((rule, parts)) if rule.split.is_empty() && !rule.choice => {
                 rule.to.as_ref().map(|to| substitute(to, &parts))
             }
             Some(_) => None,
@@ -310,7 +314,18 @@ mod tests {
                 .as_deref(),
             Some("model.layers.3.self_attn.kv_a_proj_with_mqa")
         );
-        assert_eq!(m.map("model.layers.3.self_attn.indexer"), None);
+        assert_eq!(
+            m.map("model.layers.3.self_attn.indexer"),
+            None,
+            "a choice: not in dumps"
+        );
+        let layout = Layout::resolve("glm5-tiny").unwrap();
+        assert_eq!(
+            m.targets("model.layers.3.self_attn.indexer", &layout)
+                .unwrap()[0]
+                .op,
+            "model.layers.3.self_attn.indexer.topk"
+        );
         assert_eq!(
             m.map("model.layers.3.self_attn.indexer.wk").as_deref(),
             Some("model.layers.3.self_attn.indexer.wk")
