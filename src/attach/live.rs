@@ -14,6 +14,7 @@
 
 use super::shards::{assemble, columns, Pending, Piece};
 use super::wire::Dtype;
+
 use crate::backend::Backend;
 use crate::debug::compare::{compare_outputs, OpComparison};
 use crate::debug::detect::{Finding, FindingKind};
@@ -25,94 +26,12 @@ use crate::engine::trace::{OpKind, Phase};
 use crate::engine::{Engine, StorageDtype};
 use crate::error::Result;
 use crate::model::Model;
-use serde::Serialize;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::ops::Range;
 
-/// What the comparison takes: the server's events, payloads already in f32.
-#[derive(Debug, Clone)]
-pub enum Input {
-    Hello {
-        conn: u64,
-        engine: String,
-        rank: u32,
-        world_size: u32,
-    },
-    Step {
-        conn: u64,
-        step: u64,
-        tokens: Vec<u32>,
-        positions: Vec<u32>,
-    },
-    Tensor {
-        conn: u64,
-        module: String,
-        dtype: Dtype,
-        data: Vec<f32>,
-        ptr: Option<u64>,
-        kernel_out_ptr: Option<u64>,
-    },
-    Closed {
-        conn: u64,
-    },
-}
+pub use super::events::{Input, Live, Totals};
 
-/// What the comparison reports, as it happens.
-#[derive(Debug, Clone, Serialize)]
-#[serde(tag = "event", rename_all = "kebab-case")]
-pub enum Live {
-    /// mladb ran its reference for an engine step.
-    Reference {
-        step: u64,
-        phase: String,
-        tokens: usize,
-        ops: usize,
-    },
-    /// One engine tensor (or its ranks' shards together) against mladb's op.
-    Compared {
-        step: u64,
-        phase: String,
-        module: String,
-        op: String,
-        /// The rank that sent it; `None` when the ranks' shards were put together.
-        rank: Option<u32>,
-        error: f64,
-        tolerance: f64,
-        diverges: bool,
-        /// With shards put together: the rank whose piece differs most, and its error.
-        worst_rank: Option<(u32, f64)>,
-        detail: String,
-    },
-    Finding {
-        step: u64,
-        rank: Option<u32>,
-        #[serde(flatten)]
-        finding: Finding,
-    },
-    Note {
-        step: Option<u64>,
-        rank: Option<u32>,
-        text: String,
-    },
-}
-
-/// What the comparison saw over the whole attachment.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Totals {
-    pub steps: u64,
-    pub compared: u64,
-    pub divergent: u64,
-    pub findings: u64,
-    /// mladb op names the engine sent that mladb's run of that step does not have.
-    pub not_in_run: BTreeSet<String>,
-    /// Engine tensors the name map leaves out.
-    pub left_out: u64,
-    /// Divergences after an MoE router that chose other experts than mladb from logits that
-    /// agree within their tolerance: the engine's choice explains them (reported as notes).
-    pub after_selection_flip: u64,
-}
-
-struct Conn {
+pub(super) struct Conn {
     engine: String,
     rank: u32,
     world: u32,
@@ -122,38 +41,38 @@ struct Conn {
     seen: HashMap<String, u32>,
 }
 
-struct StepRun {
-    tokens: Vec<u32>,
+pub(super) struct StepRun {
+    pub(super) tokens: Vec<u32>,
     /// The position of the step's first token.
-    start: usize,
+    pub(super) start: usize,
     /// mladb's events of this step, or why it was not run.
-    events: std::result::Result<Range<usize>, String>,
-    phase: Phase,
+    pub(super) events: std::result::Result<Range<usize>, String>,
+    pub(super) phase: Phase,
     /// The op of the step's finding: the earliest divergent op in mladb's order so far.
-    reported: Option<usize>,
+    pub(super) reported: Option<usize>,
     /// MoE layers whose experts the engine chose otherwise than mladb from router logits that
     /// agree within their tolerance: (the layer's op prefix, the index of mladb's choice).
-    flips: Vec<(String, usize)>,
+    pub(super) flips: Vec<(String, usize)>,
 }
 
-struct Sequence<'m> {
+pub(super) struct Sequence<'m> {
     engine: Engine<'m>,
-    record: RunRecord,
-    judge: Option<Judge>,
+    pub(super) record: RunRecord,
+    pub(super) judge: Option<Judge>,
     judged: usize,
 }
 
 /// The comparison of one attachment (every rank of one engine).
 pub struct Comparator<'m> {
-    model: &'m Model,
+    pub(super) model: &'m Model,
     backend: &'m dyn Backend,
     flags: Flags,
     layers: Range<usize>,
     map: Option<NameMap>,
     tolerance: Option<f64>,
     conns: HashMap<u64, Conn>,
-    seq: Option<Sequence<'m>>,
-    steps: HashMap<u64, StepRun>,
+    pub(super) seq: Option<Sequence<'m>>,
+    pub(super) steps: HashMap<u64, StepRun>,
     pending: Pending,
     pub totals: Totals,
 }
@@ -460,7 +379,7 @@ impl<'m> Comparator<'m> {
     }
 
     /// Where mladb's run of `step` has op `op`.
-    fn op_index(&self, step: u64, op: &str) -> Option<usize> {
+    pub(super) fn op_index(&self, step: u64, op: &str) -> Option<usize> {
         let range = self.steps.get(&step)?.events.as_ref().ok()?.clone();
         let seq = self.seq.as_ref()?;
         range.into_iter().find(|&i| seq.record.events[i].name == op)
@@ -615,272 +534,10 @@ impl<'m> Comparator<'m> {
         out
     }
 
-    /// The DSA indexer's choice of keys, compared as a choice: per query row, the set of keys
-    /// the engine kept (its list may be sorted by score, padded, or hold masked future keys)
-    /// against mladb's. Keys the engine kept where mladb kept others are judged by mladb's
-    /// scores: within the scores' noise of mladb's last kept key, a selection flip (a note; the
-    /// attention after it follows the engine's choice); further below, a finding.
-    fn compare_choice(
-        &mut self,
-        step: u64,
-        module: &str,
-        op: &str,
-        index: usize,
-        data: &[f32],
-        rank: Option<u32>,
-    ) -> Vec<Live> {
-        let scores_op = op.replace(".topk", ".scores");
-        let (Some(run), Some(scores_index)) =
-            (self.steps.get(&step), self.op_index(step, &scores_op))
-        else {
-            return Vec::new();
-        };
-        let (rows, start, phase) = (run.tokens.len(), run.start, run.phase);
-        let seq = self.seq.as_ref().expect("a compared step has a sequence");
-        let mine = seq.record.outputs[index].data();
-        let scores = seq.record.outputs[scores_index].data();
-        if rows == 0
-            || !data.len().is_multiple_of(rows)
-            || !mine.len().is_multiple_of(rows)
-            || !scores.len().is_multiple_of(rows)
-        {
-            return Vec::new();
-        }
-        // The noise of a score: the tolerance the judge would give mladb's scores op, as a
-        // share of each row's scale.
-        let mut probe = compare_outputs(
-            &seq.record.events[scores_index],
-            scores_index,
-            scores,
-            &[scores.len()],
-            scores,
-            1,
-        );
-        if let Some(judge) = &seq.judge {
-            judge.late(&seq.record.events[scores_index], &mut probe);
-        }
-        let relative = if probe.tolerance.is_nan() {
-            0.0
-        } else {
-            probe.tolerance
-        };
-        let (ke, km, ctx) = (data.len() / rows, mine.len() / rows, scores.len() / rows);
-        let (mut worst_gap, mut worst_noise) = (0f64, 0f64);
-        let mut differ = Vec::new();
-        for r in 0..rows {
-            let last = start + r; // the newest key this row may see
-            let set = |v: &[f32]| {
-                let mut s: Vec<usize> = v
-                    .iter()
-                    .filter(|&&x| x >= 0.0 && x as usize <= last)
-                    .map(|&x| x as usize)
-                    .collect();
-                s.sort_unstable();
-                s.dedup();
-                s
-            };
-            let (engine, ours) = (
-                set(&data[r * ke..(r + 1) * ke]),
-                set(&mine[r * km..(r + 1) * km]),
-            );
-            if engine == ours {
-                continue;
-            }
-            let row = &scores[r * ctx..(r + 1) * ctx];
-            let finite: Vec<f64> = row
-                .iter()
-                .filter(|x| x.is_finite())
-                .map(|&x| x as f64)
-                .collect();
-            let rms =
-                (finite.iter().map(|x| x * x).sum::<f64>() / finite.len().max(1) as f64).sqrt();
-            let threshold = ours
-                .iter()
-                .filter_map(|&j| row.get(j))
-                .fold(f64::INFINITY, |a, &x| a.min(x as f64));
-            let gap = engine
-                .iter()
-                .filter(|j| !ours.contains(j))
-                .map(|&j| row.get(j).map_or(f64::INFINITY, |&x| threshold - x as f64))
-                .fold(0f64, f64::max);
-            let noise = 3.0 * relative * rms;
-            if gap - noise > worst_gap - worst_noise || differ.is_empty() {
-                (worst_gap, worst_noise) = (gap, noise);
-            }
-            differ.push(format!("row {r}: engine {engine:?}, mladb {ours:?}"));
-        }
-        if differ.is_empty() {
-            return self.report(
-                step,
-                phase,
-                module,
-                op,
-                index,
-                rank,
-                None,
-                0.0,
-                0.0,
-                "the same keys in every row".into(),
-                false,
-                String::new(),
-            );
-        }
-        let shown = differ
-            .iter()
-            .take(3)
-            .cloned()
-            .collect::<Vec<_>>()
-            .join("; ");
-        let more = if differ.len() > 3 {
-            format!("; … {} rows in all", differ.len())
-        } else {
-            String::new()
-        };
-        if worst_gap <= worst_noise {
-            let mut out = self.report(
-                step,
-                phase,
-                module,
-                op,
-                index,
-                rank,
-                None,
-                0.0,
-                0.0,
-                format!("other keys within noise: {shown}{more}"),
-                false,
-                String::new(),
-            );
-            let layer = op.trim_end_matches("self_attn.indexer.topk").to_string();
-            self.flip_layers(step, &layer, index);
-            out.push(Live::Note {
-                step: Some(step),
-                rank,
-                text: format!(
-                    "selection-flip at {op}: the engine kept other keys, within the scores' noise of mladb's last kept key (gap {worst_gap:.2e}, noise {worst_noise:.2e}): {shown}{more}; the attention after it follows the engine's choice"
-                ),
-            });
-            return out;
-        }
-        self.report(
-            step,
-            phase,
-            module,
-            op,
-            index,
-            rank,
-            None,
-            f64::NAN,
-            f64::NAN,
-            format!("the engine kept keys scored {worst_gap:.2e} below mladb's last kept key (noise {worst_noise:.2e}): {shown}{more}"),
-            true,
-            String::new(),
-        )
-    }
-
-    /// Remembers a flipped choice of `layer` (an op prefix such as `model.layers.3.`) and of the
-    /// later layers that reuse its DSA selection (GLM-5's shared indexer layers).
-    fn flip_layers(&mut self, step: u64, layer: &str, choice_index: usize) {
-        let Some(run) = self.steps.get_mut(&step) else {
-            return;
-        };
-        run.flips.push((layer.to_string(), choice_index));
-        let number = layer
-            .trim_end_matches('.')
-            .rsplit('.')
-            .next()
-            .and_then(|n| n.parse::<usize>().ok());
-        if let Some(n) = number {
-            let layout = &self.model.layout;
-            let prefix = layer
-                .trim_end_matches('.')
-                .trim_end_matches(char::is_numeric);
-            for l in n + 1..layout.num_layers {
-                if layout.indexer_mode(l) != Some(crate::model::layout::IndexerMode::Shared) {
-                    break;
-                }
-                run.flips.push((format!("{prefix}{l}."), 0));
-            }
-        }
-    }
-
-    /// The experts the engine's router logits choose (by mladb's routing), against mladb's
-    /// choice: a note, and the layer remembered, where they differ. Only called when the logits
-    /// agree within their tolerance: the difference is then one of noise near a tie.
-    fn selection_flip(
-        &mut self,
-        step: u64,
-        gate: &str,
-        logits: &[f32],
-        rows: usize,
-    ) -> Option<Live> {
-        let moe = self.model.layout.moe.as_ref()?;
-        let choice_op = format!("{gate}.topk_indices");
-        let choice_index = self.op_index(step, &choice_op)?;
-        let bias = self
-            .model
-            .weights
-            .get(&format!("{gate}.e_score_correction_bias"))
-            .ok()?;
-        let e = moe.n_routed_experts;
-        if rows == 0 || logits.len() != rows * e || bias.data().len() != e {
-            return None;
-        }
-        let engine = crate::ops::moe::route(
-            &crate::tensor::Tensor::from_vec(&[rows, e], logits.to_vec()),
-            bias.data(),
-            moe,
-        );
-        let seq = self.seq.as_ref()?;
-        let mine = seq.record.outputs[choice_index].data();
-        let k = moe.num_experts_per_tok;
-        let mut differ = Vec::new();
-        for (r, chosen) in engine.experts.iter().enumerate() {
-            let mut a: Vec<usize> = chosen.clone();
-            let mut b: Vec<usize> = mine
-                .get(r * k..(r + 1) * k)?
-                .iter()
-                .map(|&x| x as usize)
-                .collect();
-            a.sort_unstable();
-            b.sort_unstable();
-            if a != b {
-                differ.push(format!("row {r}: engine {a:?}, mladb {b:?}"));
-            }
-        }
-        if differ.is_empty() {
-            return None;
-        }
-        let layer = gate.trim_end_matches("mlp.gate").to_string();
-        self.steps.get_mut(&step)?.flips.push((layer, choice_index));
-        Some(Live::Note {
-            step: Some(step),
-            rank: None,
-            text: format!(
-                "selection-flip at {choice_op}: router logits that agree within tolerance choose other experts ({}); the ops of the layer after it follow the engine's choice",
-                differ.join("; ")
-            ),
-        })
-    }
-
-    /// The router op whose flipped choice explains a divergence of `op` (an op of the same
-    /// layer after the choice), if any.
-    fn explained_by_flip(&self, step: u64, op: &str, index: usize) -> Option<String> {
-        let run = self.steps.get(&step)?;
-        run.flips
-            .iter()
-            .find(|(layer, choice)| {
-                // The layer's ops after the choice, and the layer's output (`model.layers.N`).
-                (op.starts_with(layer.as_str()) || op == layer.trim_end_matches('.'))
-                    && index > *choice
-            })
-            .map(|(layer, _)| format!("the choice of layer {}", layer.trim_end_matches('.')))
-    }
-
     /// The `compared` event of one comparison, and the step's finding when it is the first of
     /// the step to diverge.
     #[allow(clippy::too_many_arguments)]
-    fn report(
+    pub(super) fn report(
         &mut self,
         step: u64,
         phase: Phase,

@@ -1,11 +1,13 @@
 //! Attaching to the user's own engine: a hook in a running vLLM, SGLang or transformers process
-//! (`python/mladb_hook`) streams its tensors to mladb in the frames of [`wire`].
-//!
-//! So far this holds the wire format ([`wire`]) with the Python hook's writer, and the server
-//! that takes frames from several ranks at once ([`server`], behind `mladb attach`); the name
-//! maps that put engine module names and tensor-parallel shards back into mladb's ops, and the
-//! live comparison, come next.
+//! (`python/mladb_hook`) streams its tensors to mladb in the frames of [`wire`]; the server
+//! ([`server`], behind `mladb attach`) takes them from several ranks at once; the live comparison
+//! ([`live`]) runs mladb's reference on the same tokens and compares each tensor as it arrives,
+//! through the name maps ([`crate::debug::name_map`]), with tensor-parallel shards put back
+//! together ([`shards`]) and choices compared as choices ([`choices`]). What it reports is in
+//! [`events`].
 
+mod choices;
+pub mod events;
 pub mod live;
 pub mod server;
 pub mod shards;

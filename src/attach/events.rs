@@ -1,0 +1,91 @@
+//! What goes into the live comparison (the server's events, payloads in f32) and what comes
+//! out of it (comparisons, findings, notes, and the totals of a whole attachment), as `mladb
+//! attach` prints them: text lines, or JSON objects with `--json`.
+
+use super::wire::Dtype;
+use crate::debug::detect::Finding;
+use serde::Serialize;
+use std::collections::BTreeSet;
+
+/// What the comparison takes: the server's events, payloads already in f32.
+#[derive(Debug, Clone)]
+pub enum Input {
+    Hello {
+        conn: u64,
+        engine: String,
+        rank: u32,
+        world_size: u32,
+    },
+    Step {
+        conn: u64,
+        step: u64,
+        tokens: Vec<u32>,
+        positions: Vec<u32>,
+    },
+    Tensor {
+        conn: u64,
+        module: String,
+        dtype: Dtype,
+        data: Vec<f32>,
+        ptr: Option<u64>,
+        kernel_out_ptr: Option<u64>,
+    },
+    Closed {
+        conn: u64,
+    },
+}
+
+/// What the comparison reports, as it happens.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "event", rename_all = "kebab-case")]
+pub enum Live {
+    /// mladb ran its reference for an engine step.
+    Reference {
+        step: u64,
+        phase: String,
+        tokens: usize,
+        ops: usize,
+    },
+    /// One engine tensor (or its ranks' shards together) against mladb's op.
+    Compared {
+        step: u64,
+        phase: String,
+        module: String,
+        op: String,
+        /// The rank that sent it; `None` when the ranks' shards were put together.
+        rank: Option<u32>,
+        error: f64,
+        tolerance: f64,
+        diverges: bool,
+        /// With shards put together: the rank whose piece differs most, and its error.
+        worst_rank: Option<(u32, f64)>,
+        detail: String,
+    },
+    Finding {
+        step: u64,
+        rank: Option<u32>,
+        #[serde(flatten)]
+        finding: Finding,
+    },
+    Note {
+        step: Option<u64>,
+        rank: Option<u32>,
+        text: String,
+    },
+}
+
+/// What the comparison saw over the whole attachment.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Totals {
+    pub steps: u64,
+    pub compared: u64,
+    pub divergent: u64,
+    pub findings: u64,
+    /// mladb op names the engine sent that mladb's run of that step does not have.
+    pub not_in_run: BTreeSet<String>,
+    /// Engine tensors the name map leaves out.
+    pub left_out: u64,
+    /// Divergences after an MoE router that chose other experts than mladb from logits that
+    /// agree within their tolerance: the engine's choice explains them (reported as notes).
+    pub after_selection_flip: u64,
+}
