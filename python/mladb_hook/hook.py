@@ -185,7 +185,11 @@ def attach(model, address, engine="hf", rank=None, world_size=None, queue_size=6
         if not isinstance(ids, torch.Tensor):
             return
         flat = ids.reshape(-1).tolist()
-        positions = kwargs.get("position_ids")
+        # transformers passes position_ids; vLLM and SGLang pass positions (vLLM: the second
+        # positional argument of the model's forward).
+        positions = kwargs.get("position_ids", kwargs.get("positions"))
+        if positions is None and engine != "hf" and len(args) > 1:
+            positions = args[1]
         if isinstance(positions, torch.Tensor):
             pos = positions.reshape(-1).tolist()
         else:

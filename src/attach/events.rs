@@ -8,7 +8,7 @@ use serde::Serialize;
 use std::collections::BTreeSet;
 
 /// What the comparison takes: the server's events, payloads already in f32.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub enum Input {
     Hello {
         conn: u64,
@@ -29,6 +29,9 @@ pub enum Input {
         data: Vec<f32>,
         ptr: Option<u64>,
         kernel_out_ptr: Option<u64>,
+        /// The frame's share of the server's memory budget, held until the comparison has
+        /// taken the tensor: an engine that outruns the comparison waits at the server.
+        budget: Option<super::server::Budget>,
     },
     Closed {
         conn: u64,

@@ -140,6 +140,7 @@ impl<'m> Comparator<'m> {
                 data,
                 ptr,
                 kernel_out_ptr,
+                budget: _held,
             } => self.tensor(conn, &module, dtype, data, ptr, kernel_out_ptr),
             Input::Closed { conn } => {
                 self.conns.remove(&conn);
@@ -360,12 +361,16 @@ impl<'m> Comparator<'m> {
         if !comparable || occurrence > 0 {
             return out;
         }
-        for target in targets {
-            let piece = Piece {
-                rank,
-                rows,
-                data: data.clone(),
+        // The tensor moves into its last target's piece; the others take copies.
+        let mut data = Some(data);
+        let count = targets.len();
+        for (i, target) in targets.into_iter().enumerate() {
+            let data = if i + 1 == count {
+                data.take().expect("moved once")
+            } else {
+                data.clone().expect("not moved yet")
             };
+            let piece = Piece { rank, rows, data };
             if world == 1 || target.shard == Shard::Replicated {
                 out.extend(self.compare(step, module, &target, vec![piece], Some(rank), dtype));
             } else {

@@ -48,7 +48,7 @@ pub fn assemble(shard: Shard, mut pieces: Vec<Piece>) -> Result<Whole, String> {
     match shard {
         Shard::Replicated => Ok(Whole {
             rows,
-            data: first.data.clone(),
+            data: std::mem::take(&mut pieces[0].data),
             rank_columns: Vec::new(),
         }),
         // Partial sums that are all the same are already reduced (an engine that all-reduces
@@ -57,7 +57,7 @@ pub fn assemble(shard: Shard, mut pieces: Vec<Piece>) -> Result<Whole, String> {
         Shard::RowSum if pieces.len() > 1 && pieces.iter().all(|p| p.data == first.data) => {
             Ok(Whole {
                 rows,
-                data: first.data.clone(),
+                data: std::mem::take(&mut pieces[0].data),
                 rank_columns: Vec::new(),
             })
         }

@@ -136,7 +136,7 @@ pub fn run(args: &AttachArgs) -> Result<bool> {
             while let Some(event) = rx.recv().await {
                 let closed = matches!(event, Event::Closed { .. });
                 report.event(&event)?;
-                if let (Some(tx), Some(input)) = (&to_worker, input_of(&event)) {
+                if let (Some(tx), Some(input)) = (&to_worker, input_of(event)) {
                     // Waits when the comparison is behind: the engines wait with it.
                     if tx.send(input).await.is_err() {
                         return Err(Error::invalid("attach: the comparison stopped"));
@@ -263,17 +263,21 @@ fn start_worker(args: &AttachArgs) -> Result<Worker> {
 }
 
 /// A server event as the comparison takes it (tensor payloads in f32).
-fn input_of(event: &Event) -> Option<Input> {
+fn input_of(event: Event) -> Option<Input> {
     match event {
-        Event::Closed { conn, .. } => Some(Input::Closed { conn: *conn }),
-        Event::Frame { conn, frame, .. } => Some(match &frame.header.body {
+        Event::Closed { conn, .. } => Some(Input::Closed { conn }),
+        Event::Frame {
+            conn,
+            frame,
+            budget,
+        } => Some(match &frame.header.body {
             Body::Hello {
                 engine,
                 rank,
                 world_size,
                 ..
             } => Input::Hello {
-                conn: *conn,
+                conn,
                 engine: engine.clone(),
                 rank: *rank,
                 world_size: *world_size,
@@ -284,7 +288,7 @@ fn input_of(event: &Event) -> Option<Input> {
                 positions,
                 ..
             } => Input::Step {
-                conn: *conn,
+                conn,
                 step: *step,
                 tokens: tokens.clone(),
                 positions: positions.clone(),
@@ -296,12 +300,13 @@ fn input_of(event: &Event) -> Option<Input> {
                 kernel_out_ptr,
                 ..
             } => Input::Tensor {
-                conn: *conn,
+                conn,
                 module: module.clone(),
                 dtype: *dtype,
                 data: values_of(*dtype, &frame.payload),
                 ptr: *ptr,
                 kernel_out_ptr: *kernel_out_ptr,
+                budget: Some(budget),
             },
             Body::Bye { .. } => return None,
         }),

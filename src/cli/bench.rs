@@ -62,6 +62,11 @@ pub struct BenchArgs {
     /// Measure how fast `mladb attach` takes a hook's frames over loopback instead (no model).
     #[arg(long)]
     pub attach_ingest: bool,
+    /// Measure what `mladb attach`'s live comparison costs per step and per tensor, on the CPU,
+    /// for this model, layers, prompt and decode count (mladb's own run stands in for the
+    /// engine).
+    #[arg(long)]
+    pub attach_verdict: bool,
 }
 
 /// Peak resident memory of this process in bytes, where the OS tells it.
@@ -75,6 +80,9 @@ pub fn peak_rss_bytes() -> Option<u64> {
 pub fn bench(args: &BenchArgs) -> Result<()> {
     if args.attach_ingest {
         return super::bench_attach::run(args.quick);
+    }
+    if args.attach_verdict {
+        return super::bench_verdict::run(args);
     }
     if args.device == "cuda" {
         return super::bench_gpu::bench_gpu(args);
