@@ -95,6 +95,17 @@ impl Error {
         }
     }
 
+    /// A RON file that does not parse: where, and what was wrong.
+    pub fn ron(path: impl Into<PathBuf>, e: ron::error::SpannedError) -> Self {
+        Error::parse(
+            path,
+            format!(
+                "line {}, column {}: {}",
+                e.span.start.line, e.span.start.col, e.code
+            ),
+        )
+    }
+
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),

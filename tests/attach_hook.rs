@@ -3,6 +3,8 @@
 //! sender (hook.py) against `mladb attach`, with frames in order from a background thread, the
 //! `drop` policy counting what a full queue turned away, and a file of frames. Needs python3.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
@@ -33,27 +35,7 @@ fn run_python(script: &str) -> Vec<u8> {
 
 #[test]
 fn the_python_sender_talks_to_mladb_attach() {
-    let mut server = Command::new(env!("CARGO_BIN_EXE_mladb"))
-        .args([
-            "attach",
-            "--listen",
-            "127.0.0.1:0",
-            "--json",
-            "--connections",
-            "1",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(server.stderr.take().unwrap());
-    let mut line = String::new();
-    stderr.read_line(&mut line).unwrap();
-    let address = line
-        .trim()
-        .strip_prefix("mladb attach: listening on ")
-        .unwrap_or_else(|| panic!("no address on stderr: {line:?}"))
-        .to_string();
+    let (mut server, address) = common::spawn_attach(&["--json", "--connections", "1"]);
     run_python(&format!(
         r#"
 import struct
@@ -268,29 +250,9 @@ for args in [("m", "f32", [3], b"\0" * 8), ("m", "f64", [1], b"\0" * 8), ("m", "
 /// `extra` arguments); returns the JSON lines and the exit code.
 fn attach_replay(model: &str, dump: &str, extra: &[&str]) -> (Vec<serde_json::Value>, i32) {
     let root = env!("CARGO_MANIFEST_DIR");
-    let mut server = Command::new(env!("CARGO_BIN_EXE_mladb"))
-        .args([
-            "attach",
-            "--listen",
-            "127.0.0.1:0",
-            "--json",
-            "--connections",
-            "1",
-            "--model",
-        ])
-        .arg(format!("{root}/{model}"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(server.stderr.take().unwrap());
-    let mut line = String::new();
-    stderr.read_line(&mut line).unwrap();
-    let address = line
-        .trim()
-        .strip_prefix("mladb attach: listening on ")
-        .unwrap_or_else(|| panic!("no address in '{line}'"))
-        .to_string();
+    let model = format!("{root}/{model}");
+    let (server, address) =
+        common::spawn_attach(&["--json", "--connections", "1", "--model", &model]);
     let replay = Command::new("python3")
         .arg(format!("{root}/tools/replay_dump.py"))
         .arg(format!("{root}/{dump}"))

@@ -7,9 +7,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
 
 use mladb::attach::wire::{encode, Body, Dtype, Header, WIRE_VERSION};
 use mladb::backend::cpu::CpuBackend;
@@ -218,35 +217,18 @@ fn attach(plants: &[Plant]) -> (Vec<Value>, i32) {
     let dir = tempfile::tempdir().unwrap();
     let map = dir.path().join("tp-test.ron");
     std::fs::write(&map, MAP).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_mladb"))
-        .args([
-            "attach",
-            "--listen",
-            "127.0.0.1:0",
-            "--json",
-            "--connections",
-            "2",
-        ])
-        .args([
-            "--layout",
-            "glm5-tiny",
-            "--seed",
-            &SEED.to_string(),
-            "--name-map",
-        ])
-        .arg(&map)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    stderr.read_line(&mut line).unwrap();
-    let address = line
-        .trim()
-        .strip_prefix("mladb attach: listening on ")
-        .unwrap_or_else(|| panic!("no address in '{line}'"))
-        .to_string();
+    let seed = SEED.to_string();
+    let (child, address) = common::spawn_attach(&[
+        "--json",
+        "--connections",
+        "2",
+        "--layout",
+        "glm5-tiny",
+        "--seed",
+        &seed,
+        "--name-map",
+        map.to_str().unwrap(),
+    ]);
     let (run, tokens, q_lora) = recorded();
     let ranks: Vec<Vec<Vec<u8>>> = (0..2)
         .map(|r| rank_frames(&run, &tokens, q_lora, r, plants))
@@ -391,36 +373,19 @@ fn engine_frames(
 
 /// `mladb attach --layout glm5-tiny` (identity names) against `frames`, with `extra` flags.
 fn attach_frames(frames: Vec<Vec<u8>>, extra: &[&str]) -> (Vec<Value>, i32) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_mladb"))
-        .args([
-            "attach",
-            "--listen",
-            "127.0.0.1:0",
-            "--json",
-            "--connections",
-            "1",
-        ])
-        .args([
-            "--layout",
-            "glm5-tiny",
-            "--seed",
-            &SEED.to_string(),
-            "--name-map",
-            "hf",
-        ])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    stderr.read_line(&mut line).unwrap();
-    let address = line
-        .trim()
-        .strip_prefix("mladb attach: listening on ")
-        .unwrap()
-        .to_string();
+    let seed = SEED.to_string();
+    let mut args = vec![
+        "--json",
+        "--connections",
+        "1",
+        "--layout",
+        "glm5-tiny",
+        "--seed",
+        &seed,
+    ];
+    args.extend(["--name-map", "hf"]);
+    args.extend(extra);
+    let (child, address) = common::spawn_attach(&args);
     let mut stream = TcpStream::connect(&address).unwrap();
     for f in &frames {
         stream.write_all(f).unwrap();
@@ -548,25 +513,12 @@ fn experts_chosen_otherwise_from_agreeing_router_logits_are_a_flip_not_a_finding
         }),
         &["--tolerance", &tolerance],
     );
-    let findings = of_event(&lines, "finding");
-    assert!(findings.is_empty(), "{findings:#?}");
-    let notes: Vec<&str> = of_event(&lines, "note")
-        .iter()
-        .map(|n| n["text"].as_str().unwrap())
-        .collect();
-    assert!(
-        notes
-            .iter()
-            .any(|n| n.starts_with("selection-flip at") && n.contains(&gate)),
-        "{notes:#?}"
+    assert_flip_noted(
+        &lines,
+        code,
+        &gate.replace("mlp.gate", "mlp.gate.topk_indices"),
+        &experts,
     );
-    assert!(
-        notes
-            .iter()
-            .any(|n| n.contains(&experts) && n.contains("a selection flip, not a finding")),
-        "{notes:#?}"
-    );
-    assert_eq!(code, 0);
 
     // The same divergence without the flip is a finding.
     let (lines, code) = attach_frames(
@@ -686,25 +638,7 @@ fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_find
         engine_frames(&run, &tokens, &keep(near.best)),
         &["--tolerance", &tol],
     );
-    let findings = of_event(&lines, "finding");
-    assert!(findings.is_empty(), "{findings:#?}");
-    let notes: Vec<&str> = of_event(&lines, "note")
-        .iter()
-        .map(|n| n["text"].as_str().unwrap())
-        .collect();
-    assert!(
-        notes
-            .iter()
-            .any(|n| n.starts_with(&format!("selection-flip at {}", near.topk))),
-        "{notes:#?}"
-    );
-    assert!(
-        notes
-            .iter()
-            .any(|n| n.starts_with(&attn_output) && n.contains("a selection flip, not a finding")),
-        "{notes:#?}"
-    );
-    assert_eq!(code, 0);
+    assert_flip_noted(&lines, code, &near.topk, &attn_output);
 
     let (lines, code) = attach_frames(
         engine_frames(&run, &tokens, &keep(near.worst)),
@@ -718,4 +652,27 @@ fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_find
         .unwrap()
         .contains("below mladb's last kept key"));
     assert_eq!(code, 1);
+}
+
+/// No finding, exit 0, a selection flip noted at `choice`, and `follows` noted as following it.
+#[track_caller]
+fn assert_flip_noted(lines: &[Value], code: i32, choice: &str, follows: &str) {
+    let findings = of_event(lines, "finding");
+    assert!(findings.is_empty(), "{findings:#?}");
+    let notes: Vec<&str> = of_event(lines, "note")
+        .iter()
+        .map(|n| n["text"].as_str().unwrap())
+        .collect();
+    let flip = format!("selection-flip at {choice}");
+    assert!(
+        notes.iter().any(|n| n.starts_with(&flip)),
+        "{flip}: {notes:#?}"
+    );
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.starts_with(follows) && n.contains("a selection flip, not a finding")),
+        "{follows}: {notes:#?}"
+    );
+    assert_eq!(code, 0);
 }

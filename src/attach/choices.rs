@@ -4,7 +4,7 @@
 //! a finding would cry wolf on every clean bf16 run. A different choice is a finding only when
 //! the numbers behind it do not explain it.
 
-use super::live::{Comparator, Live};
+use super::live::{Comparator, Live, Verdict};
 use crate::debug::compare::compare_outputs;
 
 impl Comparator<'_> {
@@ -104,18 +104,8 @@ impl Comparator<'_> {
         }
         if differ.is_empty() {
             return self.report(
-                step,
-                phase,
-                module,
-                op,
-                index,
-                rank,
-                None,
-                0.0,
-                0.0,
-                "the same keys in every row".into(),
-                false,
-                String::new(),
+                Verdict::at(step, phase, module, op, index, rank)
+                    .says("the same keys in every row".into(), false),
             );
         }
         let shown = differ
@@ -131,18 +121,8 @@ impl Comparator<'_> {
         };
         if worst_gap <= worst_noise {
             let mut out = self.report(
-                step,
-                phase,
-                module,
-                op,
-                index,
-                rank,
-                None,
-                0.0,
-                0.0,
-                format!("other keys within noise: {shown}{more}"),
-                false,
-                String::new(),
+                Verdict::at(step, phase, module, op, index, rank)
+                    .says(format!("other keys within noise: {shown}{more}"), false),
             );
             let layer = op.trim_end_matches("self_attn.indexer.topk").to_string();
             self.flip_layers(step, &layer, index);
@@ -155,20 +135,7 @@ impl Comparator<'_> {
             });
             return out;
         }
-        self.report(
-            step,
-            phase,
-            module,
-            op,
-            index,
-            rank,
-            None,
-            f64::NAN,
-            f64::NAN,
-            format!("the engine kept keys scored {worst_gap:.2e} below mladb's last kept key (noise {worst_noise:.2e}): {shown}{more}"),
-            true,
-            String::new(),
-        )
+        self.report(Verdict::at(step, phase, module, op, index, rank).says(format!("the engine kept keys scored {worst_gap:.2e} below mladb's last kept key (noise {worst_noise:.2e}): {shown}{more}"), true))
     }
 
     /// Remembers a flipped choice of `layer` (an op prefix such as `model.layers.3.`) and of the

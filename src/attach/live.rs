@@ -447,18 +447,7 @@ impl<'m> Comparator<'m> {
             );
             let phase = e.phase;
             return self.report(
-                step,
-                phase,
-                module,
-                &target.op,
-                index,
-                rank,
-                None,
-                f64::NAN,
-                f64::NAN,
-                detail,
-                true,
-                String::new(),
+                Verdict::at(step, phase, module, &target.op, index, rank).says(detail, true),
             );
         }
         if e.kind == OpKind::IndexTopK {
@@ -527,10 +516,20 @@ impl<'m> Comparator<'m> {
         };
         let blamed = rank.or(worst_rank.map(|w| w.0).filter(|_| rank_columns.len() > 1));
         let (tolerance, tolerance_text) = (c.tolerance, c.tolerance_text());
-        let mut out = self.report(
-            step, phase, module, &target.op, index, rank, worst_rank, error, tolerance, detail,
-            diverges, who,
-        );
+        let mut out = self.report(Verdict {
+            step,
+            phase,
+            module,
+            op: &target.op,
+            index,
+            rank,
+            worst_rank,
+            error,
+            tolerance,
+            detail,
+            diverges,
+            who,
+        });
         if let Some(Live::Finding { rank, finding, .. }) = out.last_mut() {
             *rank = blamed;
             finding.detail += &format!(" ({tolerance_text})");
@@ -541,22 +540,21 @@ impl<'m> Comparator<'m> {
 
     /// The `compared` event of one comparison, and the step's finding when it is the first of
     /// the step to diverge.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn report(
-        &mut self,
-        step: u64,
-        phase: Phase,
-        module: &str,
-        op: &str,
-        index: usize,
-        rank: Option<u32>,
-        worst_rank: Option<(u32, f64)>,
-        error: f64,
-        tolerance: f64,
-        detail: String,
-        diverges: bool,
-        who: String,
-    ) -> Vec<Live> {
+    pub(super) fn report(&mut self, v: Verdict) -> Vec<Live> {
+        let Verdict {
+            step,
+            phase,
+            module,
+            op,
+            index,
+            rank,
+            worst_rank,
+            error,
+            tolerance,
+            detail,
+            diverges,
+            who,
+        } = v;
         self.totals.compared += 1;
         let mut out = vec![Live::Compared {
             step,
@@ -598,6 +596,63 @@ impl<'m> Comparator<'m> {
             });
         }
         out
+    }
+}
+
+/// One comparison's outcome, as [`Comparator::report`] turns it into events.
+pub(super) struct Verdict<'a> {
+    pub step: u64,
+    pub phase: Phase,
+    /// The engine's module, and the mladb op it was compared with.
+    pub module: &'a str,
+    pub op: &'a str,
+    /// The op's index in mladb's run.
+    pub index: usize,
+    /// The rank that sent it (`None`: the ranks' shards put together).
+    pub rank: Option<u32>,
+    pub worst_rank: Option<(u32, f64)>,
+    pub error: f64,
+    pub tolerance: f64,
+    pub detail: String,
+    pub diverges: bool,
+    /// Whose tensor it was, for the finding's text (empty: the module says it).
+    pub who: String,
+}
+
+impl<'a> Verdict<'a> {
+    /// A verdict on `op` without shards or figures; [`Verdict::says`] gives its text.
+    pub fn at(
+        step: u64,
+        phase: Phase,
+        module: &'a str,
+        op: &'a str,
+        index: usize,
+        rank: Option<u32>,
+    ) -> Verdict<'a> {
+        Verdict {
+            step,
+            phase,
+            module,
+            op,
+            index,
+            rank,
+            worst_rank: None,
+            error: 0.0,
+            tolerance: 0.0,
+            detail: String::new(),
+            diverges: false,
+            who: String::new(),
+        }
+    }
+
+    /// What was found, and whether it diverges (then without figures: NaN).
+    pub fn says(mut self, detail: String, diverges: bool) -> Verdict<'a> {
+        self.detail = detail;
+        self.diverges = diverges;
+        if diverges {
+            (self.error, self.tolerance) = (f64::NAN, f64::NAN);
+        }
+        self
     }
 }
 

@@ -122,15 +122,7 @@ impl NameMap {
         }
         let path = Path::new(name_or_path);
         let text = crate::input::read_text_capped(path, crate::input::MAX_LAYOUT_BYTES)?;
-        let map: NameMap = ron::from_str(&text).map_err(|e| {
-            Error::parse(
-                path,
-                format!(
-                    "line {}, column {}: {}",
-                    e.span.start.line, e.span.start.col, e.code
-                ),
-            )
-        })?;
+        let map: NameMap = ron::from_str(&text).map_err(|e| Error::ron(path, e))?;
         for rule in &map.rules {
             for piece in &rule.split {
                 width_terms(&piece.width).map_err(|e| Error::parse(path, e))?;

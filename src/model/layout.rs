@@ -206,15 +206,7 @@ impl Layout {
 
     /// Parses and validates RON text; `origin` names the file in errors.
     pub fn from_ron_str(text: &str, origin: &Path) -> Result<Layout> {
-        let layout: Layout = ron::from_str(text).map_err(|e| {
-            Error::parse(
-                origin,
-                format!(
-                    "line {}, column {}: {}",
-                    e.span.start.line, e.span.start.col, e.code
-                ),
-            )
-        })?;
+        let layout: Layout = ron::from_str(text).map_err(|e| Error::ron(origin, e))?;
         layout
             .validate()
             .map_err(|e| Error::parse(origin, e.to_string()))?;

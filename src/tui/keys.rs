@@ -282,15 +282,7 @@ impl Keymap {
     /// `{ "step": ["s", "f10"], "next-layer": ["f11"] }`.
     pub fn with_overrides(path: &Path) -> Result<Keymap> {
         let text = crate::input::read_text_capped(path, crate::input::MAX_KEYS_BYTES)?;
-        let overrides: Overrides = ron::from_str(&text).map_err(|e| {
-            Error::parse(
-                path,
-                format!(
-                    "line {}, column {}: {}",
-                    e.span.start.line, e.span.start.col, e.code
-                ),
-            )
-        })?;
+        let overrides: Overrides = ron::from_str(&text).map_err(|e| Error::ron(path, e))?;
         let mut map = Keymap::default();
         for (name, keys) in overrides.0 {
             let action = Action::from_name(&name).ok_or_else(|| {

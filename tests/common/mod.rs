@@ -224,3 +224,26 @@ pub fn command(app: &mut mladb::tui::app::App, line: &str) {
     }
     app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE));
 }
+
+/// Starts `mladb attach --listen 127.0.0.1:0 ARGS` with stdout piped; returns it and the address
+/// it printed on stderr.
+pub fn spawn_attach(args: &[&str]) -> (std::process::Child, String) {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args(["attach", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    let address = line
+        .trim()
+        .strip_prefix("mladb attach: listening on ")
+        .unwrap_or_else(|| panic!("no address on stderr: {line:?}"))
+        .to_string();
+    (child, address)
+}
