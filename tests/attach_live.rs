@@ -214,21 +214,19 @@ fn rank_frames(
 /// Runs `mladb attach` against the two ranks of the recorded run; returns its JSON lines and
 /// its exit code.
 fn attach(plants: &[Plant]) -> (Vec<Value>, i32) {
+    attach_saving(plants, &[])
+}
+
+/// The same with `extra` arguments (`--save DIR`).
+fn attach_saving(plants: &[Plant], extra: &[&str]) -> (Vec<Value>, i32) {
     let dir = tempfile::tempdir().unwrap();
     let map = dir.path().join("tp-test.ron");
     std::fs::write(&map, MAP).unwrap();
     let seed = SEED.to_string();
-    let (child, address) = common::spawn_attach(&[
-        "--json",
-        "--connections",
-        "2",
-        "--layout",
-        "glm5-tiny",
-        "--seed",
-        &seed,
-        "--name-map",
-        map.to_str().unwrap(),
-    ]);
+    let mut args = vec!["--json", "--connections", "2", "--layout", "glm5-tiny"];
+    args.extend(["--seed", &seed, "--name-map", map.to_str().unwrap()]);
+    args.extend(extra);
+    let (child, address) = common::spawn_attach(&args);
     let (run, tokens, q_lora) = recorded();
     let ranks: Vec<Vec<Vec<u8>>> = (0..2)
         .map(|r| rank_frames(&run, &tokens, q_lora, r, plants))
@@ -675,4 +673,75 @@ fn assert_flip_noted(lines: &[Value], code: i32, choice: &str, follows: &str) {
         "{follows}: {notes:#?}"
     );
     assert_eq!(code, 0);
+}
+
+/// The findings' kind, op, phase and rank, in order.
+fn finding_keys(lines: &[Value]) -> Vec<String> {
+    of_event(lines, "finding")
+        .iter()
+        .map(|f| format!("{} {} {} {}", f["kind"], f["op"], f["phase"], f["rank"]))
+        .collect()
+}
+
+#[test]
+fn what_attach_saved_replays_to_the_same_findings() {
+    let saved = tempfile::tempdir().unwrap();
+    let dir = saved.path().join("run");
+    let dir_arg = dir.to_str().unwrap().to_string();
+    let (live, code) = attach_saving(
+        &[Plant::Divergence, Plant::Disconnect],
+        &["--save", &dir_arg],
+    );
+    assert_eq!(code, 1);
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["rank0.frames", "rank1.frames"],
+        "whole files, no partial ones left"
+    );
+    let map = saved.path().join("tp-test.ron");
+    std::fs::write(&map, MAP).unwrap();
+    let replay = std::process::Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args([
+            "attach",
+            "--json",
+            "--layout",
+            "glm5-tiny",
+            "--seed",
+            &SEED.to_string(),
+        ])
+        .args(["--name-map", map.to_str().unwrap(), "--replay", &dir_arg])
+        .output()
+        .unwrap();
+    let lines: Vec<Value> = String::from_utf8(replay.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(finding_keys(&lines), finding_keys(&live));
+    assert_eq!(finding_keys(&lines).len(), 2);
+    assert_eq!(replay.status.code(), Some(1));
+
+    // Saving again into the same directory keeps what is there.
+    let (_, code) = attach_saving(&[Plant::None], &["--save", &dir_arg]);
+    assert_eq!(code, 0);
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        4,
+        "rank0-conn*.frames beside the first"
+    );
+
+    // A file that breaks off inside a frame is one clear error.
+    let cut = saved.path().join("cut.frames");
+    let whole = std::fs::read(dir.join("rank0.frames")).unwrap();
+    std::fs::write(&cut, &whole[..whole.len() - 3]).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args(["attach", "--replay", cut.to_str().unwrap()])
+        .output()
+        .unwrap();
+    common::assert_clean_error(&out, "cut.frames");
 }

@@ -4,6 +4,7 @@
 
 use super::wire::Dtype;
 use crate::debug::detect::Finding;
+use crate::engine::trace::Phase;
 use serde::Serialize;
 use std::collections::BTreeSet;
 
@@ -91,4 +92,61 @@ pub struct Totals {
     /// Divergences after an MoE router that chose other experts than mladb from logits that
     /// agree within their tolerance: the engine's choice explains them (reported as notes).
     pub after_selection_flip: u64,
+}
+
+/// One comparison's outcome, as `Comparator::report` turns it into events.
+pub(crate) struct Verdict<'a> {
+    pub step: u64,
+    pub phase: Phase,
+    /// The engine's module, and the mladb op it was compared with.
+    pub module: &'a str,
+    pub op: &'a str,
+    /// The op's index in mladb's run.
+    pub index: usize,
+    /// The rank that sent it (`None`: the ranks' shards put together).
+    pub rank: Option<u32>,
+    pub worst_rank: Option<(u32, f64)>,
+    pub error: f64,
+    pub tolerance: f64,
+    pub detail: String,
+    pub diverges: bool,
+    /// Whose tensor it was, for the finding's text (empty: the module says it).
+    pub who: String,
+}
+
+impl<'a> Verdict<'a> {
+    /// A verdict on `op` without shards or figures; [`Verdict::says`] gives its text.
+    pub fn at(
+        step: u64,
+        phase: Phase,
+        module: &'a str,
+        op: &'a str,
+        index: usize,
+        rank: Option<u32>,
+    ) -> Verdict<'a> {
+        Verdict {
+            step,
+            phase,
+            module,
+            op,
+            index,
+            rank,
+            worst_rank: None,
+            error: 0.0,
+            tolerance: 0.0,
+            detail: String::new(),
+            diverges: false,
+            who: String::new(),
+        }
+    }
+
+    /// What was found, and whether it diverges (then without figures: NaN).
+    pub fn says(mut self, detail: String, diverges: bool) -> Verdict<'a> {
+        self.detail = detail;
+        self.diverges = diverges;
+        if diverges {
+            (self.error, self.tolerance) = (f64::NAN, f64::NAN);
+        }
+        self
+    }
 }

@@ -9,6 +9,7 @@
 mod choices;
 pub mod events;
 pub mod live;
+pub mod record;
 pub mod server;
 pub mod shards;
 pub mod wire;

@@ -102,6 +102,13 @@ pub enum Event {
 #[derive(Debug)]
 pub struct Budget(#[allow(dead_code)] Option<OwnedSemaphorePermit>);
 
+impl Budget {
+    /// No share: a frame read from a file, outside any server.
+    pub fn none() -> Budget {
+        Budget(None)
+    }
+}
+
 /// A bound listener (the port is known before serving: `127.0.0.1:0` picks one).
 pub enum Bound {
     Tcp(tokio::net::TcpListener),

@@ -16,7 +16,8 @@ use tokio::sync::mpsc;
 use super::args::{DeviceArg, FlagArgs, ModelArgs, RunSetup};
 use super::Out;
 use crate::attach::live::{Comparator, Input, Live};
-use crate::attach::server::{serve, Bound, Event, Listen, ServerConfig};
+use crate::attach::record::{frame_files, Frames, Recorder};
+use crate::attach::server::{serve, Bound, Budget, Event, Listen, ServerConfig};
 use crate::attach::wire::{Body, Dtype, Limits};
 use crate::error::{Error, Result};
 use crate::stats::TensorStats;
@@ -71,6 +72,14 @@ pub struct AttachArgs {
     /// when the engine sends bf16 or f16 tensors).
     #[arg(long)]
     pub tolerance: Option<f64>,
+    /// Keep every connection's frames in DIR (rank0.frames, ...), each file whole once its
+    /// connection ends or attach stops (Ctrl-C included), for --replay.
+    #[arg(long)]
+    pub save: Option<std::path::PathBuf>,
+    /// Instead of listening, read saved frames (files, or directories of .frames files; one
+    /// connection per file): what --save kept, or what the hook wrote to a file: address.
+    #[arg(long, num_args = 1.., conflicts_with_all = ["save", "connections"])]
+    pub replay: Vec<std::path::PathBuf>,
 }
 
 /// Runs the server (and the comparison); returns whether the comparison found anything.
@@ -113,52 +122,30 @@ pub fn run(args: &AttachArgs) -> Result<bool> {
         .enable_all()
         .build()
         .map_err(|e| Error::invalid(format!("attach: cannot start the runtime: {e}")))?;
-    runtime.block_on(async {
-        let bound = Bound::bind(&listen).await?;
-        eprintln!("mladb attach: listening on {}", bound.address());
-        let (tx, mut rx) = mpsc::channel(256);
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let shutdown = async move {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = stop_rx => {}
-            }
-        };
-        let server = serve(&bound, config, tx, shutdown);
-        let mut report = Report {
+    let mut sink = Sink {
+        report: Report {
             json: args.json,
             ranks: Default::default(),
             comparing,
-        };
-        let to_worker = worker.as_ref().map(|w| w.inputs.clone());
-        let consumer = async {
-            let mut ended = 0u64;
-            while let Some(event) = rx.recv().await {
-                let closed = matches!(event, Event::Closed { .. });
-                report.event(&event)?;
-                if let (Some(tx), Some(input)) = (&to_worker, input_of(event)) {
-                    // Waits when the comparison is behind: the engines wait with it.
-                    if tx.send(input).await.is_err() {
-                        return Err(Error::invalid("attach: the comparison stopped"));
-                    }
-                }
-                ended += closed as u64;
-                if args.connections.is_some_and(|n| ended >= n) {
-                    break;
-                }
-            }
-            Ok::<(), Error>(())
-        };
-        tokio::pin!(server);
-        tokio::select! {
-            served = &mut server => served,
-            consumed = consumer => {
-                let _ = stop_tx.send(());
-                consumed?;
-                server.await
-            }
-        }
-    })?;
+        },
+        to_worker: worker.as_ref().map(|w| w.inputs.clone()),
+        recorder: args.save.as_deref().map(Recorder::new).transpose()?,
+    };
+    let served = if args.replay.is_empty() {
+        runtime.block_on(serve_and_forward(args, &listen, config, &mut sink))
+    } else {
+        runtime.block_on(replay(&args.replay, config.limits, &mut sink))
+    };
+    // What was received is saved whatever stopped the server.
+    let saved = match sink.recorder.as_mut() {
+        Some(r) => r.finish().map(|_| r.saved.clone()),
+        None => Ok(Vec::new()),
+    };
+    drop(sink);
+    served?;
+    for path in saved? {
+        eprintln!("mladb attach: saved {}", path.display());
+    }
     match worker {
         None => Ok(false),
         Some(w) => {
@@ -168,6 +155,97 @@ pub fn run(args: &AttachArgs) -> Result<bool> {
                 .unwrap_or_else(|_| Err(Error::invalid("attach: the comparison panicked")))
         }
     }
+}
+
+/// Where each event goes: printed, recorded, handed to the comparison.
+struct Sink {
+    report: Report,
+    to_worker: Option<mpsc::Sender<Input>>,
+    recorder: Option<Recorder>,
+}
+
+impl Sink {
+    async fn take(&mut self, event: Event) -> Result<()> {
+        self.report.event(&event)?;
+        if let Some(r) = self.recorder.as_mut() {
+            match &event {
+                Event::Frame { conn, frame, .. } => r.frame(*conn, frame)?,
+                Event::Closed { conn, .. } => r.close(*conn)?,
+                _ => {}
+            }
+        }
+        if let (Some(tx), Some(input)) = (&self.to_worker, input_of(event)) {
+            // Waits when the comparison is behind: the engines wait with it.
+            if tx.send(input).await.is_err() {
+                return Err(Error::invalid("attach: the comparison stopped"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serves until Ctrl-C or `--connections` ended, every event through `sink` (those still queued
+/// when the server stops included).
+async fn serve_and_forward(
+    args: &AttachArgs,
+    listen: &Listen,
+    config: ServerConfig,
+    sink: &mut Sink,
+) -> Result<()> {
+    let bound = Bound::bind(listen).await?;
+    eprintln!("mladb attach: listening on {}", bound.address());
+    let (tx, mut rx) = mpsc::channel(256);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = stop_rx => {}
+        }
+    };
+    let server = serve(&bound, config, tx, shutdown);
+    let mut ended = 0u64;
+    let consumer = async {
+        while let Some(event) = rx.recv().await {
+            let closed = matches!(event, Event::Closed { .. });
+            sink.take(event).await?;
+            ended += closed as u64;
+            if args.connections.is_some_and(|n| ended >= n) {
+                break;
+            }
+        }
+        Ok::<(), Error>(())
+    };
+    tokio::pin!(server);
+    let served = tokio::select! {
+        served = &mut server => served,
+        consumed = consumer => {
+            let _ = stop_tx.send(());
+            consumed?;
+            server.await
+        }
+    };
+    while let Ok(event) = rx.try_recv() {
+        sink.take(event).await?;
+    }
+    served
+}
+
+/// Feeds saved frame files through `sink`, one connection per file, in order.
+async fn replay(paths: &[std::path::PathBuf], limits: Limits, sink: &mut Sink) -> Result<()> {
+    for (conn, path) in frame_files(paths)?.into_iter().enumerate() {
+        let conn = conn as u64;
+        let mut frames = Frames::open(&path, limits)?;
+        while let Some(frame) = frames.next_frame()? {
+            sink.take(Event::Frame {
+                conn,
+                frame,
+                budget: Budget::none(),
+            })
+            .await?;
+        }
+        sink.take(Event::Closed { conn, error: None }).await?;
+    }
+    Ok(())
 }
 
 /// The comparison's thread and the channel that feeds it.

@@ -245,5 +245,7 @@ pub fn spawn_attach(args: &[&str]) -> (std::process::Child, String) {
         .strip_prefix("mladb attach: listening on ")
         .unwrap_or_else(|| panic!("no address on stderr: {line:?}"))
         .to_string();
+    // The rest of stderr is read too: a closed pipe would fail attach's later lines.
+    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
     (child, address)
 }
