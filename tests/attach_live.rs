@@ -745,3 +745,42 @@ fn what_attach_saved_replays_to_the_same_findings() {
         .unwrap();
     common::assert_clean_error(&out, "cut.frames");
 }
+
+#[test]
+fn ctrl_c_saves_what_was_received() {
+    let saved = tempfile::tempdir().unwrap();
+    let dir = saved.path().join("run");
+    let (mut child, address) = common::spawn_attach(&["--json", "--save", dir.to_str().unwrap()]);
+    let (run, tokens, _) = recorded();
+    let frames = engine_frames(&run, &tokens, &|_, _, _| {});
+    // Everything but the bye, and the connection left open: the engine is still running.
+    let mut stream = TcpStream::connect(&address).unwrap();
+    for f in &frames[..frames.len() - 1] {
+        stream.write_all(f).unwrap();
+    }
+    stream.flush().unwrap();
+    // Once attach has printed every tensor sent, Ctrl-C.
+    let tensors = run.events.len(); // one frame per op of each step
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let (mut seen, mut line) = (0, String::new());
+    while seen < tensors {
+        line.clear();
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "attach ended early"
+        );
+        seen += line.contains("\"event\":\"tensor\"") as usize;
+    }
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    std::io::copy(&mut out, &mut std::io::sink()).unwrap();
+    assert_eq!(child.wait().unwrap().code(), Some(0), "a clean stop");
+    let file = dir.join("rank0.frames");
+    let kept = std::fs::read(&file).unwrap();
+    let sent: usize = frames[..frames.len() - 1].iter().map(Vec::len).sum();
+    assert_eq!(kept.len(), sent, "every frame received was saved, whole");
+    drop(stream);
+}
