@@ -5,7 +5,6 @@
 //! the numbers behind it do not explain it.
 
 use super::live::{Comparator, Live, Verdict};
-use crate::debug::compare::compare_outputs;
 
 impl Comparator<'_> {
     /// The DSA indexer's choice of keys, compared as a choice: per query row, the set of keys
@@ -41,22 +40,11 @@ impl Comparator<'_> {
         }
         // The noise of a score: the tolerance the judge would give mladb's scores op, as a
         // share of each row's scale.
-        let mut probe = compare_outputs(
-            &seq.record.events[scores_index],
-            scores_index,
-            scores,
-            &[scores.len()],
-            scores,
-            1,
-        );
-        if let Some(judge) = &seq.judge {
-            judge.late(&seq.record.events[scores_index], &mut probe);
-        }
-        let relative = if probe.tolerance.is_nan() {
-            0.0
-        } else {
-            probe.tolerance
-        };
+        let relative = seq
+            .judge
+            .as_ref()
+            .map_or(0.0, |j| j.tolerance_of(&seq.record.events[scores_index]));
+        let layer = seq.record.events[index].layer;
         let (ke, km, ctx) = (data.len() / rows, mine.len() / rows, scores.len() / rows);
         let (mut worst_gap, mut worst_noise) = (0f64, 0f64);
         let mut differ = Vec::new();
@@ -124,8 +112,9 @@ impl Comparator<'_> {
                 Verdict::at(step, phase, module, op, index, rank)
                     .says(format!("other keys within noise: {shown}{more}"), false),
             );
-            let layer = op.trim_end_matches("self_attn.indexer.topk").to_string();
-            self.flip_layers(step, &layer, index);
+            if let Some(layer) = layer {
+                self.flip_layers(step, layer, index);
+            }
             out.push(Live::Note {
                 step: Some(step),
                 rank,
@@ -138,29 +127,19 @@ impl Comparator<'_> {
         self.report(Verdict::at(step, phase, module, op, index, rank).says(format!("the engine kept keys scored {worst_gap:.2e} below mladb's last kept key (noise {worst_noise:.2e}): {shown}{more}"), true))
     }
 
-    /// Remembers a flipped choice of `layer` (an op prefix such as `model.layers.3.`) and of the
-    /// later layers that reuse its DSA selection (GLM-5's shared indexer layers).
-    fn flip_layers(&mut self, step: u64, layer: &str, choice_index: usize) {
+    /// Remembers a flipped choice of `layer` and of the later layers that reuse its DSA
+    /// selection (GLM-5's shared indexer layers).
+    fn flip_layers(&mut self, step: u64, layer: usize, choice_index: usize) {
         let Some(run) = self.steps.get_mut(&step) else {
             return;
         };
-        run.flips.push((layer.to_string(), choice_index));
-        let number = layer
-            .trim_end_matches('.')
-            .rsplit('.')
-            .next()
-            .and_then(|n| n.parse::<usize>().ok());
-        if let Some(n) = number {
-            let layout = &self.model.layout;
-            let prefix = layer
-                .trim_end_matches('.')
-                .trim_end_matches(char::is_numeric);
-            for l in n + 1..layout.num_layers {
-                if layout.indexer_mode(l) != Some(crate::model::layout::IndexerMode::Shared) {
-                    break;
-                }
-                run.flips.push((format!("{prefix}{l}."), 0));
+        run.flips.push((layer, choice_index));
+        let layout = &self.model.layout;
+        for l in layer + 1..layout.num_layers {
+            if layout.indexer_mode(l) != Some(crate::model::layout::IndexerMode::Shared) {
+                break;
             }
+            run.flips.push((l, 0));
         }
     }
 
@@ -211,7 +190,7 @@ impl Comparator<'_> {
         if differ.is_empty() {
             return None;
         }
-        let layer = gate.trim_end_matches("mlp.gate").to_string();
+        let layer = seq.record.events[choice_index].layer?;
         self.steps.get_mut(&step)?.flips.push((layer, choice_index));
         Some(Live::Note {
             step: Some(step),
@@ -223,17 +202,14 @@ impl Comparator<'_> {
         })
     }
 
-    /// The router op whose flipped choice explains a divergence of `op` (an op of the same
-    /// layer after the choice), if any.
-    pub(super) fn explained_by_flip(&self, step: u64, op: &str, index: usize) -> Option<String> {
+    /// The layer whose flipped choice explains a divergence of op `index` (an op of that layer
+    /// after the choice, the layer's output included), if any.
+    pub(super) fn explained_by_flip(&self, step: u64, index: usize) -> Option<usize> {
+        let layer = self.seq.as_ref()?.record.events[index].layer?;
         let run = self.steps.get(&step)?;
         run.flips
             .iter()
-            .find(|(layer, choice)| {
-                // The layer's ops after the choice, and the layer's output (`model.layers.N`).
-                (op.starts_with(layer.as_str()) || op == layer.trim_end_matches('.'))
-                    && index > *choice
-            })
-            .map(|(layer, _)| format!("the choice of layer {}", layer.trim_end_matches('.')))
+            .find(|&&(l, choice)| l == layer && index > choice)
+            .map(|&(l, _)| l)
     }
 }

@@ -89,8 +89,9 @@ pub struct Totals {
     pub not_in_run: BTreeSet<String>,
     /// Engine tensors the name map leaves out.
     pub left_out: u64,
-    /// Divergences after an MoE router that chose other experts than mladb from logits that
-    /// agree within their tolerance: the engine's choice explains them (reported as notes).
+    /// Divergences after a choice (an MoE router's experts, the DSA indexer's keys) the engine
+    /// made otherwise than mladb from numbers that agree within their tolerance: the engine's
+    /// choice explains them (reported as notes).
     pub after_selection_flip: u64,
 }
 
@@ -112,6 +113,10 @@ pub(crate) struct Verdict<'a> {
     pub diverges: bool,
     /// Whose tensor it was, for the finding's text (empty: the module says it).
     pub who: String,
+    /// The rank a finding names (the sender, or the rank whose shard differs most).
+    pub blamed: Option<u32>,
+    /// The tolerance as the finding explains it (`tolerance 2.1e-2 (...)`; empty for none).
+    pub tolerance_text: String,
 }
 
 impl<'a> Verdict<'a> {
@@ -137,6 +142,8 @@ impl<'a> Verdict<'a> {
             detail: String::new(),
             diverges: false,
             who: String::new(),
+            blamed: rank,
+            tolerance_text: String::new(),
         }
     }
 

@@ -18,6 +18,7 @@ use super::wire::Dtype;
 use crate::backend::Backend;
 use crate::debug::compare::{compare_outputs, OpComparison};
 use crate::debug::detect::{Finding, FindingKind};
+use crate::debug::diff::diff;
 use crate::debug::flags::Flags;
 use crate::debug::name_map::{NameMap, Shard, Target};
 use crate::debug::record::RunRecord;
@@ -51,9 +52,10 @@ pub(super) struct StepRun {
     pub(super) phase: Phase,
     /// The op of the step's finding: the earliest divergent op in mladb's order so far.
     pub(super) reported: Option<usize>,
-    /// MoE layers whose experts the engine chose otherwise than mladb from router logits that
-    /// agree within their tolerance: (the layer's op prefix, the index of mladb's choice).
-    pub(super) flips: Vec<(String, usize)>,
+    /// Layers whose choice (experts, kept keys) the engine made otherwise than mladb from
+    /// numbers that agree within their tolerance: (the layer, the index of mladb's choice op;
+    /// 0 for a later layer that shares the choice).
+    pub(super) flips: Vec<(usize, usize)>,
 }
 
 pub(super) struct Sequence<'m> {
@@ -235,7 +237,7 @@ impl<'m> Comparator<'m> {
         {
             return Err(format!(
                 "its positions {} do not run on from {p0} (several sequences in one batch?); mladb compares one sequence at a time",
-                short_list(positions)
+                crate::debug::external::token_list(positions)
             ));
         }
         let vocab = self.model.layout.vocab_size;
@@ -328,7 +330,6 @@ impl<'m> Comparator<'m> {
                 }]
             }
         };
-        let engine = c.engine.clone();
         let mut out = Vec::new();
         if targets.is_empty() {
             self.totals.left_out += 1;
@@ -341,6 +342,10 @@ impl<'m> Comparator<'m> {
         let comparable = run.events.is_ok();
         if let (Some(k), Some(p)) = (kernel_out_ptr, ptr) {
             if k != p {
+                let engine = &self.conns[&conn].engine;
+                let detail = format!(
+                    "{engine} rank {rank}, {module}: the kernel wrote buffer @{k:#x}, the wrapper handed on @{p:#x}"
+                );
                 let op = targets.first().map_or(module.to_string(), |t| t.op.clone());
                 let index = self.op_index(step, &op).unwrap_or(0);
                 self.totals.findings += 1;
@@ -352,9 +357,7 @@ impl<'m> Comparator<'m> {
                         phase,
                         op,
                         index,
-                        detail: format!(
-                            "{engine} rank {rank}, {module}: the kernel wrote buffer @{k:#x}, the wrapper handed on @{p:#x}"
-                        ),
+                        detail,
                     },
                 });
             }
@@ -384,11 +387,11 @@ impl<'m> Comparator<'m> {
         out
     }
 
-    /// Where mladb's run of `step` has op `op`.
+    /// Where mladb's run of `step` has op `op` (a step's ops are its phase's).
     pub(super) fn op_index(&self, step: u64, op: &str) -> Option<usize> {
-        let range = self.steps.get(&step)?.events.as_ref().ok()?.clone();
-        let seq = self.seq.as_ref()?;
-        range.into_iter().find(|&i| seq.record.events[i].name == op)
+        let run = self.steps.get(&step)?;
+        run.events.as_ref().ok()?;
+        self.seq.as_ref()?.record.find(run.phase, op)
     }
 
     fn compare(
@@ -481,7 +484,7 @@ impl<'m> Comparator<'m> {
             .map(|(k, cols)| {
                 let a = columns(&data, whole.rows, cols.clone()).unwrap_or_default();
                 let b = columns(reference, whole.rows, cols.clone()).unwrap_or_default();
-                (*k, rel_l2(&a, &b))
+                (*k, diff(&a, &b, &[a.len()], None).rel_l2)
             })
             .max_by(|x, y| x.1.total_cmp(&y.1));
         let detail = match &c.diff {
@@ -494,15 +497,17 @@ impl<'m> Comparator<'m> {
             notes.extend(self.selection_flip(step, &target.op, &data, whole.rows));
         }
         if diverges {
-            if let Some(router) = self.explained_by_flip(step, &target.op, index) {
+            if let Some(layer) = self.explained_by_flip(step, index) {
                 self.totals.compared += 1;
                 self.totals.after_selection_flip += 1;
                 notes.push(Live::Note {
                     step: Some(step),
                     rank,
                     text: format!(
-                        "{} differs by {error:.3e} (tolerance {:.1e}) after {router}, where the engine chose otherwise than mladb (a selection flip, not a finding)",
-                        target.op, c.tolerance
+                        "{} differs by {error:.3e} (tolerance {:.1e}) after the choice of layer {}, where the engine chose otherwise than mladb (a selection flip, not a finding)",
+                        target.op,
+                        c.tolerance,
+                        crate::model::catalog::layer_prefix(layer)
                     ),
                 });
                 return notes;
@@ -516,7 +521,6 @@ impl<'m> Comparator<'m> {
             _ => "the ranks' partial sums added".to_string(),
         };
         let blamed = rank.or(worst_rank.map(|w| w.0).filter(|_| rank_columns.len() > 1));
-        let (tolerance, tolerance_text) = (c.tolerance, c.tolerance_text());
         let mut out = self.report(Verdict {
             step,
             phase,
@@ -526,15 +530,13 @@ impl<'m> Comparator<'m> {
             rank,
             worst_rank,
             error,
-            tolerance,
+            tolerance: c.tolerance,
             detail,
             diverges,
             who,
+            blamed,
+            tolerance_text: c.tolerance_text(),
         });
-        if let Some(Live::Finding { rank, finding, .. }) = out.last_mut() {
-            *rank = blamed;
-            finding.detail += &format!(" ({tolerance_text})");
-        }
         out.extend(notes);
         out
     }
@@ -555,6 +557,8 @@ impl<'m> Comparator<'m> {
             detail,
             diverges,
             who,
+            blamed,
+            tolerance_text,
         } = v;
         self.totals.compared += 1;
         let mut out = vec![Live::Compared {
@@ -579,46 +583,23 @@ impl<'m> Comparator<'m> {
         if run.reported.is_none_or(|first| index < first) {
             run.reported = Some(index);
             self.totals.findings += 1;
-            let who = if who.is_empty() {
-                String::new()
-            } else {
-                format!(" ({who})")
-            };
+            let wrap = |s: String| if s.is_empty() { s } else { format!(" ({s})") };
             out.push(Live::Finding {
                 step,
-                rank,
+                rank: blamed,
                 finding: Finding {
                     kind: FindingKind::ReferenceMismatch,
                     phase,
                     op: op.to_string(),
                     index,
-                    detail: format!("{module}{who} against mladb: {detail}"),
+                    detail: format!(
+                        "{module}{} against mladb: {detail}{}",
+                        wrap(who),
+                        wrap(tolerance_text)
+                    ),
                 },
             });
         }
         out
     }
-}
-
-/// ‖a − b‖ / ‖b‖ (0 for two empty slices).
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let (mut d, mut n) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        d += (*x as f64 - *y as f64).powi(2);
-        n += (*y as f64).powi(2);
-    }
-    if n > 0.0 {
-        (d / n).sqrt()
-    } else {
-        d.sqrt()
-    }
-}
-
-fn short_list(v: &[u32]) -> String {
-    let shown: Vec<String> = v.iter().take(8).map(u32::to_string).collect();
-    format!(
-        "[{}{}]",
-        shown.join(", "),
-        if v.len() > 8 { ", …" } else { "" }
-    )
 }

@@ -156,7 +156,7 @@ pub struct ScheduleArgs {
 }
 
 /// `3,141,59`, the first 16 of a long list.
-fn token_list(tokens: &[u32]) -> String {
+pub(crate) fn token_list(tokens: &[u32]) -> String {
     let shown: Vec<String> = tokens.iter().take(16).map(u32::to_string).collect();
     let more = if tokens.len() > 16 { ",…" } else { "" };
     format!("{}{more} ({} tokens)", shown.join(","), tokens.len())

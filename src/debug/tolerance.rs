@@ -204,9 +204,13 @@ impl Judge {
     /// Judges a comparison of an op the judge has passed already (a tensor that came late):
     /// by the errors carried now, without carrying its own.
     pub fn late(&self, e: &OpEvent, comparison: &mut OpComparison) {
-        let input_error = self.input_error(e);
-        comparison.input_error = input_error;
-        comparison.tolerance = self.tolerances.of(comparison.kind, input_error);
+        comparison.input_error = self.input_error(e);
+        comparison.tolerance = self.tolerance_of(e);
+    }
+
+    /// The tolerance `e` would be judged by now, from the errors its inputs carry.
+    pub fn tolerance_of(&self, e: &OpEvent) -> f64 {
+        self.tolerances.of(e.kind, self.input_error(e))
     }
 }
 
