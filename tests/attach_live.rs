@@ -784,3 +784,97 @@ fn ctrl_c_saves_what_was_received() {
     assert_eq!(kept.len(), sent, "every frame received was saved, whole");
     drop(stream);
 }
+
+/// `mladb import` of the two ranks' frame files (what the hook writes to `file:` addresses),
+/// then `mladb check --reference` of the dump it made: (import's stdout and exit code, check's
+/// stdout and exit code).
+fn import_and_check(plants: &[Plant]) -> ((String, i32), (String, i32)) {
+    let dir = tempfile::tempdir().unwrap();
+    let map = dir.path().join("tp-test.ron");
+    std::fs::write(&map, MAP).unwrap();
+    let frames = dir.path().join("frames");
+    std::fs::create_dir(&frames).unwrap();
+    let (run, tokens, q_lora) = recorded();
+    for rank in 0..2 {
+        let bytes: Vec<u8> = rank_frames(&run, &tokens, q_lora, rank, plants).concat();
+        std::fs::write(frames.join(format!("rank{rank}.frames")), bytes).unwrap();
+    }
+    let dump = dir.path().join("engine.safetensors");
+    let seed = SEED.to_string();
+    let mladb = |args: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_mladb"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            common::stdout(&o) + &common::stderr(&o),
+            o.status.code().unwrap_or(-1),
+        )
+    };
+    let import = mladb(&[
+        "import",
+        frames.to_str().unwrap(),
+        "--layout",
+        "glm5-tiny",
+        "--seed",
+        &seed,
+        "--name-map",
+        map.to_str().unwrap(),
+        "--out",
+        dump.to_str().unwrap(),
+    ]);
+    let check = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--seed",
+        &seed,
+        "--reference",
+        dump.to_str().unwrap(),
+    ]);
+    (import, check)
+}
+
+#[test]
+fn an_imported_two_rank_recording_checks_clean() {
+    let ((import, code), (check, check_code)) = import_and_check(&[Plant::None]);
+    assert_eq!(code, 0, "{import}");
+    assert!(
+        import.contains("2 ranks; a prefill of 5 tokens and 2 decode steps"),
+        "{import}"
+    );
+    assert_eq!(check_code, 0, "{check}");
+    assert!(check.contains("no findings"), "{check}");
+    // Every sharded and fused op made it into the dump and was compared.
+    let compared: usize = check
+        .split("compared ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{check}"));
+    assert!(compared > 150, "{check}");
+}
+
+#[test]
+fn an_imported_recording_keeps_its_divergence_and_disconnect() {
+    let ((import, code), (check, check_code)) =
+        import_and_check(&[Plant::Divergence, Plant::Disconnect]);
+    assert_eq!(code, 1, "a disconnect makes import exit 1: {import}");
+    let disconnect = import
+        .lines()
+        .find(|l| l.starts_with("finding: buffer-disconnect"))
+        .unwrap_or_else(|| panic!("{import}"));
+    assert!(
+        disconnect.contains("rank 0, model.layers.1.self_attn.mla_attn"),
+        "{disconnect}"
+    );
+    assert_eq!(check_code, 1, "{check}");
+    let mismatch = check
+        .lines()
+        .find(|l| l.starts_with("reference-mismatch"))
+        .unwrap_or_else(|| panic!("{check}"));
+    assert!(
+        mismatch.contains("decode.1") && mismatch.contains("model.layers.2.self_attn.q_b_proj"),
+        "{mismatch}"
+    );
+}

@@ -8,8 +8,12 @@
 
 mod choices;
 pub mod events;
+pub mod import;
 pub mod live;
+pub mod pickle;
 pub mod record;
 pub mod server;
+pub mod sglang_dump;
 pub mod shards;
+pub mod torch_file;
 pub mod wire;

@@ -128,6 +128,23 @@ impl Dtype {
         }
     }
 
+    /// A payload's values in f32 (integers converted).
+    pub fn values(self, payload: &[u8]) -> Vec<f32> {
+        fn values<const N: usize>(payload: &[u8], value: impl Fn([u8; N]) -> f32) -> Vec<f32> {
+            payload
+                .chunks_exact(N)
+                .map(|c| value(c.try_into().expect("N bytes")))
+                .collect()
+        }
+        match self {
+            Dtype::F32 => values(payload, f32::from_le_bytes),
+            Dtype::Bf16 => values(payload, |c| half::bf16::from_le_bytes(c).to_f32()),
+            Dtype::F16 => values(payload, |c| half::f16::from_le_bytes(c).to_f32()),
+            Dtype::I32 => values(payload, |c| i32::from_le_bytes(c) as f32),
+            Dtype::I64 => values(payload, |c| i64::from_le_bytes(c) as f32),
+        }
+    }
+
     /// Bytes per element.
     pub fn size(self) -> u64 {
         match self {

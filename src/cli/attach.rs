@@ -9,7 +9,6 @@
 use std::time::Duration;
 
 use clap::Args;
-use half::{bf16, f16};
 use serde_json::json;
 use tokio::sync::mpsc;
 
@@ -381,7 +380,7 @@ fn input_of(event: Event) -> Option<Input> {
                 conn,
                 module: module.clone(),
                 dtype: *dtype,
-                data: values_of(*dtype, &frame.payload),
+                data: dtype.values(&frame.payload),
                 ptr: *ptr,
                 kernel_out_ptr: *kernel_out_ptr,
                 budget: Some(budget),
@@ -570,22 +569,5 @@ impl Report {
 /// eight-lane pass; its payload is already checked to be its shape's size; integers are taken
 /// as f32).
 pub(crate) fn stats_of(dtype: Dtype, payload: &[u8]) -> TensorStats {
-    TensorStats::of_unordered(&values_of(dtype, payload))
-}
-
-/// A payload's values in f32 (integers converted).
-fn values_of(dtype: Dtype, payload: &[u8]) -> Vec<f32> {
-    fn values<const N: usize>(payload: &[u8], value: impl Fn([u8; N]) -> f32) -> Vec<f32> {
-        payload
-            .chunks_exact(N)
-            .map(|c| value(c.try_into().expect("N bytes")))
-            .collect()
-    }
-    match dtype {
-        Dtype::F32 => values(payload, f32::from_le_bytes),
-        Dtype::Bf16 => values(payload, |c| bf16::from_le_bytes(c).to_f32()),
-        Dtype::F16 => values(payload, |c| f16::from_le_bytes(c).to_f32()),
-        Dtype::I32 => values(payload, |c| i32::from_le_bytes(c) as f32),
-        Dtype::I64 => values(payload, |c| i64::from_le_bytes(c) as f32),
-    }
+    TensorStats::of_unordered(&dtype.values(payload))
 }

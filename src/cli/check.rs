@@ -283,7 +283,7 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
             (bisect_paired(&a, paired), format!("run B ({fb})"))
         }
         (None, Some(dump)) => (
-            bisect_dump(&job, &a, dump, &tolerances)?,
+            bisect_dump(&job, &a, dump, &dump.tolerances(tolerances))?,
             "the reference dump".to_string(),
         ),
         (None, None) => unreachable!("checked above"),

@@ -19,6 +19,7 @@ pub mod bench_verdict;
 pub mod check;
 pub mod dump;
 pub mod gguf_cmd;
+pub mod import;
 pub mod kernels;
 pub mod layout_cmd;
 pub mod replay;
@@ -69,6 +70,10 @@ pub enum Command {
     /// Listen for a running engine's hook (python/mladb_hook) and report the tensors it sends,
     /// from every rank at once.
     Attach(attach::AttachArgs),
+    /// Turn another engine's recorded tensors (the hook's frame files, one per rank, or an
+    /// SGLang dumper directory) into one dump with mladb's op names, for check --reference;
+    /// exit 1 when an attention wrapper handed on another buffer than its kernel wrote.
+    Import(import::ImportArgs),
     /// Inspect a GGUF file: metadata, tensors, statistics; dump a tensor dequantized to
     /// safetensors; or time dequantization on this CPU (--bench-dequant).
     Gguf(gguf_cmd::GgufArgs),
@@ -95,6 +100,7 @@ pub fn main(cli: Cli) -> Result<u8> {
         Some(Command::Kernels(args)) => kernels::run(&args),
         Some(Command::Gguf(args)) => gguf_cmd::run(&args).map(|_| false),
         Some(Command::Attach(args)) => attach::run(&args),
+        Some(Command::Import(args)) => import::run(&args),
         Some(Command::Replay(args)) => replay::run(&args),
     }?;
     Ok(found as u8)

@@ -330,7 +330,7 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
 
     let mut reference = None;
     if let Some(dump) = &options.reference {
-        let (paired, compared) = compare_reference(job, &run, dump, &tolerances)?;
+        let (paired, compared) = compare_reference(job, &run, dump, &dump.tolerances(tolerances))?;
         v.notes.extend(compared.notes.iter().cloned());
         v.notes.push(format!("reference: {}", compared.summary()));
         let mut found = first_per_phase(

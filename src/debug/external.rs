@@ -35,6 +35,9 @@ pub mod meta_key {
     /// What wrote the dump, with its version: `mladb 0.1.0`, `tools/hf_dump.py (transformers
     /// 5.17.0, ...)`. Dumps by mladb name their tensors with mladb's op names.
     pub const PRODUCER: &str = "producer";
+    /// The precision the other engine's tensors were in (`bf16`, `f16`; absent: f32). A dump
+    /// of a bf16 engine is judged by the bf16 tolerances whatever the checked run's dtype.
+    pub const DTYPE: &str = "dtype";
 }
 
 /// The metadata format this build writes and reads.
@@ -50,6 +53,8 @@ pub struct DumpMeta {
     pub model: String,
     pub flags: String,
     pub producer: String,
+    /// The other engine's precision, when not f32 (`bf16`, `f16`).
+    pub dtype: Option<String>,
 }
 
 impl DumpMeta {
@@ -68,7 +73,13 @@ impl DumpMeta {
             model,
             flags,
             producer: format!("mladb {}", env!("CARGO_PKG_VERSION")),
+            dtype: None,
         }
+    }
+
+    /// The dump's tensors were computed in bf16 or f16.
+    pub fn low_precision(&self) -> bool {
+        matches!(self.dtype.as_deref(), Some("bf16" | "f16"))
     }
 
     /// mladb wrote the dump: its tensors carry mladb's op names, no name map applies.
@@ -90,6 +101,7 @@ impl DumpMeta {
             (meta_key::PRODUCER, self.producer.clone()),
         ]
         .into_iter()
+        .chain(self.dtype.clone().map(|d| (meta_key::DTYPE, d)))
         .map(|(k, v)| (k.to_string(), v))
         .collect()
     }
@@ -135,7 +147,18 @@ impl DumpMeta {
             model: text(meta_key::MODEL),
             flags: text(meta_key::FLAGS),
             producer: text(meta_key::PRODUCER),
+            dtype: map.get(meta_key::DTYPE).cloned(),
         };
+        if let Some(d) = meta
+            .dtype
+            .as_deref()
+            .filter(|d| !["f32", "bf16", "f16"].contains(d))
+        {
+            return Err(format!(
+                "metadata {} is '{d}'; it is f32, bf16 or f16",
+                meta_key::DTYPE
+            ));
+        }
         if meta.tokens.is_empty() || meta.prefill > meta.tokens.len() {
             return Err(format!(
                 "metadata prefill {} does not fit its {} tokens",
@@ -308,6 +331,28 @@ impl ExternalDump {
         }
     }
 
+    /// `mladb import` made the dump from another engine's recordings.
+    fn imported(&self) -> bool {
+        self.meta
+            .as_ref()
+            .is_some_and(|m| m.by_mladb() && m.producer.contains(" import "))
+    }
+
+    /// The tolerances to judge this dump by: the run's, or the bf16 table when the dump's
+    /// engine computed in bf16 or f16 and the run's table is f32's (its noise is bf16's).
+    pub fn tolerances(&self, run: super::tolerance::Tolerances) -> super::tolerance::Tolerances {
+        use super::tolerance::Tolerances;
+        use crate::engine::StorageDtype;
+        match run {
+            Tolerances::Table(StorageDtype::F32)
+                if self.meta.as_ref().is_some_and(DumpMeta::low_precision) =>
+            {
+                Tolerances::Table(StorageDtype::Bf16)
+            }
+            t => t,
+        }
+    }
+
     /// The schedule to run against this dump: the given values, and the dump's where none is
     /// given. A given value other than the dump's is an error naming both (a run of other tokens
     /// compares nothing that means anything). Without metadata the given values pass unchecked.
@@ -401,7 +446,11 @@ impl ExternalDump {
                 not_compared.push(e.dump_name());
                 continue;
             };
-            if squeezed(shape) != squeezed(&e.shape) {
+            // An import keeps the engine's shapes, which may split the same values otherwise
+            // ([T, H·D] for mladb's [T, H, D]): there the values in order are what compare.
+            let numel = |s: &[usize]| s.iter().product::<usize>();
+            let reshaped = self.imported() && numel(shape) == numel(&e.shape);
+            if squeezed(shape) != squeezed(&e.shape) && !reshaped {
                 return Err(Error::invalid(format!(
                     "{} {} has shape {:?} in this run and {:?} in the reference dump{}",
                     e.phase,
@@ -457,6 +506,7 @@ mod tests {
             model: "layout glm5-tiny, seed 0".into(),
             flags: "inject none".into(),
             producer: "mladb 0.1.0".into(),
+            dtype: Some("bf16".into()),
         };
         let map = meta.to_map();
         assert_eq!(map[meta_key::TOKENS], "[3,141,59]");
@@ -471,5 +521,6 @@ mod tests {
         assert!(broken(meta_key::TOKENS, "3,141").contains("metadata tokens"));
         assert!(broken(meta_key::PREFILL, "-1").contains("metadata prefill"));
         assert!(broken(meta_key::PREFILL, "4").contains("does not fit"));
+        assert!(broken(meta_key::DTYPE, "fp8").contains("metadata dtype"));
     }
 }

@@ -1,0 +1,227 @@
+//! `mladb import PATH... --out DUMP.safetensors`: another engine's recorded tensors as one dump
+//! with mladb's op names and metadata ([`crate::attach::import`]), for `check --reference` and
+//! `bisect --reference`. PATH is the hook's frame files (`mladb_hook.attach(model,
+//! "file:rank0.frames")`, one per rank, or a directory of them; `attach --save` keeps the same)
+//! or an SGLang dumper directory.
+
+use clap::Args;
+use std::path::PathBuf;
+
+use super::args::ModelArgs;
+use super::dump::model_text;
+use super::Out;
+use crate::attach::import::{Cursor, ImportOutcome, Importer, Record};
+use crate::attach::record::{frame_files, Frames};
+use crate::attach::sglang_dump;
+use crate::attach::wire::{Body, Dtype, Limits};
+use crate::error::{Error, Result};
+use crate::fsutil::write_atomic;
+
+#[derive(Args, Debug, Clone)]
+pub struct ImportArgs {
+    /// The recordings: hook frame files (or directories of .frames files), one per rank, or
+    /// one SGLang dumper directory (DUMPER_DIR, or one experiment in it).
+    #[arg(required = true, num_args = 1..)]
+    pub paths: Vec<PathBuf>,
+    /// The dump to write (safetensors, F32, keys PHASE/OP).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// The model the engine ran: the name map's fused outputs are cut by its widths.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// How the engine's module names map to mladb's: hf, vllm, sglang, llamacpp (built in) or
+    /// a RON file (default: the map of the engine the recording names).
+    #[arg(long)]
+    pub name_map: Option<String>,
+    /// The largest tensor a frame may carry, in MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub max_frame_mb: u64,
+}
+
+/// Imports; returns whether a wrapper handed on another buffer than its kernel wrote (the one
+/// finding an import can make without a reference).
+pub fn run(args: &ImportArgs) -> Result<bool> {
+    if args.model.layout.is_none() && args.model.model.is_none() {
+        return Err(Error::invalid(
+            "import needs the engine's model: --model DIR or --layout NAME (fused outputs are cut by its widths)",
+        ));
+    }
+    let spec = crate::setup::ModelSpec {
+        layout: args.model.layout.clone(),
+        model: args.model.model.clone(),
+        seed: args.model.seed,
+        weight_cache_mb: args.model.weight_cache_mb,
+        quant: args.model.quant.clone(),
+    };
+    let model = spec.load()?;
+    let map = args
+        .name_map
+        .as_deref()
+        .map(crate::debug::name_map::NameMap::resolve)
+        .transpose()?;
+    let mut importer = Importer::new(&model.layout, map);
+    let sglang: Vec<&PathBuf> = args
+        .paths
+        .iter()
+        .filter(|p| p.is_dir() && sglang_dump::is_dumper_dir(p))
+        .collect();
+    let source = args
+        .paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut skipped = 0;
+    match sglang.as_slice() {
+        [] => {
+            let limits = Limits {
+                max_payload: args
+                    .max_frame_mb
+                    .checked_mul(1 << 20)
+                    .filter(|&b| b > 0)
+                    .ok_or_else(|| Error::invalid("--max-frame-mb is out of range"))?,
+                ..Limits::default()
+            };
+            for file in frame_files(&args.paths)? {
+                import_frames(&mut importer, &file, limits)?;
+            }
+        }
+        [dir] if args.paths.len() == 1 => {
+            let (ranks, left) = sglang_dump::records(dir)?;
+            skipped = left;
+            for (rank, records) in ranks {
+                let mut cursor = None;
+                let name = format!("{} rank {rank}", dir.display());
+                for r in records {
+                    importer.take(&mut cursor, r, &name)?;
+                }
+            }
+        }
+        _ => {
+            return Err(Error::invalid(
+                "import takes one SGLang dumper directory, or hook frame files: not several directories or both",
+            ))
+        }
+    }
+    let mut outcome = importer.finish(&source)?;
+    if outcome.meta.model.is_empty() {
+        outcome.meta.model = model_text(&spec.source()?);
+    }
+    if skipped > 0 {
+        outcome.notes.push(format!(
+            "{skipped} dumper tensors are not module outputs (inputs, hand-placed dumps) and were left out"
+        ));
+    }
+    write(&outcome, args)?;
+    report(&outcome, args)?;
+    Ok(!outcome.disconnects.is_empty())
+}
+
+/// One hook frame file (one rank) into the importer.
+fn import_frames(importer: &mut Importer, file: &std::path::Path, limits: Limits) -> Result<()> {
+    let mut frames = Frames::open(file, limits)?;
+    let mut cursor: Option<Cursor> = None;
+    let name = file.display().to_string();
+    while let Some(frame) = frames.next_frame()? {
+        let record = match frame.header.body {
+            Body::Hello {
+                engine,
+                model,
+                rank,
+                world_size,
+            } => Record::Hello {
+                engine,
+                model,
+                rank,
+                world: world_size,
+            },
+            Body::Step {
+                step,
+                tokens,
+                positions,
+                ..
+            } => Record::Step {
+                step,
+                tokens,
+                positions,
+            },
+            Body::Tensor {
+                module,
+                dtype,
+                shape,
+                ptr,
+                kernel_out_ptr,
+            } => Record::Tensor {
+                module,
+                shape: shape.iter().map(|&n| n as usize).collect(),
+                data: dtype.values(&frame.payload),
+                low_precision: matches!(dtype, Dtype::Bf16 | Dtype::F16),
+                ptr,
+                kernel_out_ptr,
+            },
+            Body::Bye { dropped } => {
+                if dropped > 0 {
+                    eprintln!(
+                        "note: {name}: the hook dropped {dropped} tensors (its queue was full): they are not in the dump"
+                    );
+                }
+                continue;
+            }
+        };
+        importer.take(&mut cursor, record, &name)?;
+    }
+    Ok(())
+}
+
+fn write(outcome: &ImportOutcome, args: &ImportArgs) -> Result<()> {
+    use safetensors::tensor::TensorView;
+    let bytes: Vec<Vec<u8>> = outcome
+        .tensors
+        .iter()
+        .map(|t| t.data.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let views = outcome
+        .tensors
+        .iter()
+        .zip(&bytes)
+        .map(|(t, b)| {
+            TensorView::new(safetensors::Dtype::F32, t.shape.clone(), b)
+                .map(|v| (t.key.clone(), v))
+                .map_err(|e| Error::invalid(format!("{}: {e}", t.key)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let out = safetensors::serialize(views, Some(outcome.meta.to_map()))
+        .map_err(|e| Error::invalid(format!("writing {}: {e}", args.out.display())))?;
+    write_atomic(&args.out, &out)
+}
+
+fn report(outcome: &ImportOutcome, args: &ImportArgs) -> Result<()> {
+    let m = &outcome.meta;
+    let decode_steps = m.tokens.len() - m.prefill;
+    writeln!(
+        Out,
+        "mladb import: {} tensors ({}; a prefill of {} tokens and {decode_steps} decode steps{}) -> {}",
+        outcome.tensors.len(),
+        m.flags,
+        m.prefill,
+        if m.low_precision() { ", bf16" } else { "" },
+        args.out.display()
+    )?;
+    for n in &outcome.notes {
+        writeln!(Out, "note: {n}")?;
+    }
+    for d in &outcome.disconnects {
+        writeln!(Out, "finding: buffer-disconnect: {d}")?;
+    }
+    writeln!(
+        Out,
+        "compare with: mladb check {} --reference {}",
+        match (&args.model.model, &args.model.layout) {
+            (Some(p), _) => format!("--model {}", p.display()),
+            (None, Some(l)) => format!("--layout {l}"),
+            _ => String::new(),
+        },
+        args.out.display()
+    )?;
+    Ok(())
+}
