@@ -31,6 +31,8 @@ if [ "$what" != bench ]; then
   # A quantized kv_b_proj on the GPU: the two W_UK/W_UV routes per head, and the Q4_K fault.
   $B/mladb run --device cuda --layout glm5-tiny-wide --quant q4_k --decode 2 > "$OUT/run_q4k.txt" 2>&1; tail -7 "$OUT/run_q4k.txt"
   $B/mladb check --device cuda --layout glm5-tiny-wide --quant q4_k --inject q4k-scale-unpack > "$OUT/check_q4k.txt" 2>&1; tail -3 "$OUT/check_q4k.txt"
+  # The hook's buffer watch on modules shaped like vLLM's and SGLang's MLA attention.
+  python3 tools/hook_engine_check.py --mladb $B/mladb > "$OUT/hook_engines.txt" 2>&1; tail -1 "$OUT/hook_engines.txt"
   # The FP8 latent cache: its write kernel and decode variants in the traced path, clean.
   $B/mladb check --device cuda --layout glm5-rank8 --kv-cache-dtype fp8_ds_mla --tokens $(seq -s, 1 200) --decode 2 > "$OUT/check_fp8.txt" 2>&1; tail -3 "$OUT/check_fp8.txt"
 fi

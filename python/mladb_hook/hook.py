@@ -11,12 +11,12 @@ the model itself as a `step` frame (its input ids and positions) before them. It
 `Sender`; call `close()` when done (or use it as a context manager).
 """
 
-import ctypes
 import queue
 import socket
 import threading
 
-from . import wire
+from . import buffers, wire
+from .tensors import first_tensor, tensor_bytes, wire_dtype
 
 _STOP = object()
 
@@ -131,36 +131,6 @@ def _open(address):
 
 # ---- torch: the part that needs it is imported only when attach() is called.
 
-_TORCH_DTYPES = None
-
-
-def _wire_dtype(torch, t):
-    global _TORCH_DTYPES
-    if _TORCH_DTYPES is None:
-        _TORCH_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16",
-                         torch.int32: "i32", torch.int64: "i64"}
-    return _TORCH_DTYPES.get(t.dtype)
-
-
-def _first_tensor(torch, output):
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)):
-        for item in output:
-            t = _first_tensor(torch, item)
-            if t is not None:
-                return t
-    if hasattr(output, "to_tuple"):
-        return _first_tensor(torch, output.to_tuple())
-    return None
-
-
-def _tensor_bytes(t):
-    """The bytes of a tensor, row-major, copied to the host (no numpy needed)."""
-    host = t.detach().contiguous().cpu()
-    return ctypes.string_at(host.data_ptr(), host.numel() * host.element_size())
-
-
 def attach(model, address, engine="hf", rank=None, world_size=None, queue_size=64, policy="block"):
     """Hooks every named submodule of `model` (a torch.nn.Module) and streams its outputs.
 
@@ -200,21 +170,24 @@ def attach(model, address, engine="hf", rank=None, world_size=None, queue_size=6
         sender.step(phase, steps[0], flat, pos)
         steps[0] += 1
 
+    kernels = buffers.KernelBuffers(torch, model, sender, engine)
+
     def on_output(module_name):
         def send(module, inputs, output):
-            t = _first_tensor(torch, output)
+            t = first_tensor(torch, output)
             if t is None:
                 return
-            dtype = _wire_dtype(torch, t)
+            dtype = wire_dtype(torch, t)
             if dtype is None:
                 return
-            sender.tensor(module_name, dtype, list(t.shape), _tensor_bytes(t), ptr=t.data_ptr())
+            sender.tensor(module_name, dtype, list(t.shape), tensor_bytes(t), ptr=t.data_ptr(),
+                          kernel_out_ptr=kernels.own_output(module))
 
         return send
 
     handles = [model.register_forward_pre_hook(on_step, with_kwargs=True)]
     handles += [m.register_forward_hook(on_output(n)) for n, m in model.named_modules() if n]
-    restore = _watch_attention_kernels(torch, model, sender) if engine == "hf" else []
+    restore = kernels.undo
     close = sender.close
 
     def close_and_detach():
@@ -226,76 +199,3 @@ def attach(model, address, engine="hf", rank=None, world_size=None, queue_size=6
 
     sender.close = close_and_detach
     return sender
-
-
-def _watch_attention_kernels(torch, model, sender):
-    """transformers: the buffer each attention kernel wrote, beside the buffer o_proj read.
-
-    Every attention function transformers dispatches to (its AttentionInterface, and the
-    modeling file's eager function) is wrapped: the output of the innermost call during an
-    attention module's forward is the kernel's, sent as `NAME.attn_kernel`. A pre-hook on the
-    module's o_proj sends o_proj's input as `NAME.o_proj.input`, with the kernel's buffer as its
-    `kernel_out_ptr`: a wrapper between them that hands on another buffer (the seed bug: the
-    kernel wrote a tensor the caller never read) shows as two pointers that differ. A copy that
-    holds exactly the kernel's values (a reshape that had to copy) counts as the same buffer.
-    Returns the undo functions.
-    """
-    try:
-        from transformers.modeling_utils import AttentionInterface
-    except ImportError:
-        return []
-    names = {id(m): n for n, m in model.named_modules() if n}
-    kernel_out = {}  # id(attention module) -> its kernel's output, this forward (until o_proj reads)
-    undo = []
-
-    def wrap(fn):
-        def kernel(module, *args, **kwargs):
-            out = fn(module, *args, **kwargs)
-            t = _first_tensor(torch, out)
-            name = names.get(id(module))
-            if t is not None and name is not None and id(module) not in kernel_out:
-                kernel_out[id(module)] = t  # the innermost call returns first
-                dtype = _wire_dtype(torch, t)
-                if dtype is not None:
-                    sender.tensor(name + ".attn_kernel", dtype, list(t.shape), _tensor_bytes(t), ptr=t.data_ptr())
-            return out
-
-        kernel.__wrapped__ = fn
-        return kernel
-
-    mapping = AttentionInterface._global_mapping
-    for key, fn in list(mapping.items()):
-        mapping[key] = wrap(fn)
-        undo.append(lambda key=key, fn=fn: mapping.__setitem__(key, fn))
-    import sys
-
-    for module in {type(m).__module__ for m in model.modules()}:
-        mod = sys.modules.get(module)
-        fn = getattr(mod, "eager_attention_forward", None)
-        if callable(fn):
-            setattr(mod, "eager_attention_forward", wrap(fn))
-            undo.append(lambda mod=mod, fn=fn: setattr(mod, "eager_attention_forward", fn))
-
-    for name, attn in model.named_modules():
-        o_proj = getattr(attn, "o_proj", None)
-        if not name or not isinstance(o_proj, torch.nn.Module):
-            continue
-
-        def starts(module, args, key=id(attn)):
-            kernel_out.pop(key, None)
-
-        def reads(module, args, key=id(attn), name=name):
-            t = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            dtype = None if t is None else _wire_dtype(torch, t)
-            k = kernel_out.pop(key, None)
-            if dtype is None:
-                return
-            wrote = None if k is None else k.data_ptr()
-            if k is not None and wrote != t.data_ptr() and k.numel() == t.numel() and torch.equal(k.reshape(-1), t.reshape(-1)):
-                wrote = t.data_ptr()  # a copy of exactly what the kernel wrote (a reshape), not another buffer
-            sender.tensor(name + ".o_proj.input", dtype, list(t.shape), _tensor_bytes(t), ptr=t.data_ptr(),
-                          kernel_out_ptr=wrote)
-
-        handles = [attn.register_forward_pre_hook(starts), o_proj.register_forward_pre_hook(reads)]
-        undo += [h.remove for h in handles]
-    return undo

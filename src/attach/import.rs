@@ -369,11 +369,7 @@ impl<'a> Importer<'a> {
 
     /// A module's tensor whole: its ranks' pieces put together and its columns cut; `None`
     /// while a rank's piece is missing.
-    fn whole(
-        &self,
-        g: Gathered,
-        world: u32,
-    ) -> std::result::Result<Option<ShapedData>, String> {
+    fn whole(&self, g: Gathered, world: u32) -> std::result::Result<Option<ShapedData>, String> {
         let shard = g.target.shard;
         let single = world == 1 || shard == Shard::Replicated;
         if !single && g.pieces.len() < world as usize {

@@ -246,3 +246,56 @@ fn value_at(storage: &str, b: &[u8]) -> f32 {
         _ => b[0] as f32,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/torch")
+            .join(name)
+    }
+
+    /// Files torch 2.11 saved (tools/make_sglang_dump.py), read back to the values torch listed.
+    #[test]
+    fn reads_what_torch_saved_views_and_parameters_included() {
+        let expected: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture("expected.json")).unwrap())
+                .unwrap();
+        let cases = expected.as_object().unwrap();
+        assert_eq!(cases.len(), 4);
+        for (name, want) in cases {
+            let mut file = TorchFile::open(&fixture(&format!("{name}.pt"))).unwrap();
+            let value = file.root.get("value").unwrap().clone();
+            let t = file
+                .tensor(&value)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let shape: Vec<usize> = serde_json::from_value(want["shape"].clone()).unwrap();
+            let values: Vec<f32> = serde_json::from_value(want["values"].clone()).unwrap();
+            assert_eq!(t.shape, shape, "{name}");
+            assert_eq!(t.data, values, "{name}");
+            assert_eq!(
+                file.root.get("meta").and_then(|m| m.get("name")),
+                Some(&Value::Str(name.clone()))
+            );
+        }
+    }
+
+    #[test]
+    fn what_is_not_a_torch_file_is_an_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let not_zip = dir.path().join("x.pt");
+        std::fs::write(&not_zip, b"not a zip at all").unwrap();
+        let e = TorchFile::open(&not_zip).err().unwrap().to_string();
+        assert!(
+            e.contains("x.pt") && e.contains("not a torch.save file"),
+            "{e}"
+        );
+        // A truncated file.
+        let good = std::fs::read(fixture("int64.pt")).unwrap();
+        let cut = dir.path().join("cut.pt");
+        std::fs::write(&cut, &good[..good.len() / 2]).unwrap();
+        assert!(TorchFile::open(&cut).is_err());
+    }
+}
