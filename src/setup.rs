@@ -141,6 +141,10 @@ pub struct RunSpec {
     pub model: ModelSpec,
     /// Prompt token ids, comma-separated.
     pub tokens: Option<String>,
+    /// Prompt text, turned into ids by the tokenizer (instead of `tokens`).
+    pub prompt: Option<String>,
+    /// The tokenizer file (default: the checkpoint directory's tokenizer.json).
+    pub tokenizer: Option<PathBuf>,
     pub prefill: Option<usize>,
     pub decode: Option<usize>,
     /// `A..B`, `A..=B` or `A`.
@@ -157,6 +161,8 @@ pub struct Prepared {
     pub schedule: Schedule,
     pub layers: Range<usize>,
     pub load_seconds: f64,
+    /// The tokenizer, when the run has one: prompts in, generated tokens shown as text.
+    pub text: Option<crate::model::tokenizer::TextCodec>,
 }
 
 impl RunSpec {
@@ -165,6 +171,8 @@ impl RunSpec {
         RunSpec {
             model: ModelSpec::with_layout(name),
             tokens: None,
+            prompt: None,
+            tokenizer: None,
             prefill: None,
             decode: None,
             layers: None,
@@ -187,9 +195,21 @@ impl RunSpec {
             Some(text) => parse_layers(text, layout.num_layers)?,
             None => 0..layout.num_layers,
         };
-        let tokens = match &self.tokens {
-            Some(t) => Some(parse_tokens_for(t, layout)?),
-            None => None,
+        let checkpoint_dir = self.model.model.as_deref().filter(|p| p.is_dir());
+        let text =
+            crate::model::tokenizer::TextCodec::find(self.tokenizer.as_deref(), checkpoint_dir)?;
+        let tokens = match (&self.tokens, &self.prompt, &text) {
+            (Some(_), Some(_), _) => {
+                return Err(Error::invalid("give --tokens or --prompt, not both"))
+            }
+            (Some(t), None, _) => Some(parse_tokens_for(t, layout)?),
+            (None, Some(p), Some(codec)) => Some(codec.encode(p, layout.vocab_size)?),
+            (None, Some(_), None) => {
+                return Err(Error::invalid(
+                    "--prompt needs a tokenizer: --tokenizer FILE (an HF tokenizer.json), or --model DIR with a tokenizer.json",
+                ))
+            }
+            (None, None, _) => None,
         };
         if layout.indexer_mode(layers.start) == Some(crate::model::layout::IndexerMode::Shared) {
             // A shared indexer reuses the previous layer's top-k; the first layer run has none.
@@ -218,6 +238,7 @@ impl RunSpec {
             schedule,
             layers,
             load_seconds,
+            text,
         })
     }
 

@@ -275,6 +275,7 @@ fn open(target: Target) -> App {
                 backend: Arc::new(CpuBackend),
                 flags: Flags::default(),
                 max_memory_gb: None,
+                text: None,
             };
             let driver = InlineDriver::new(spec).unwrap();
             App::new(Box::new(driver), Keymap::default(), Theme::plain())

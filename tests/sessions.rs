@@ -423,6 +423,7 @@ fn debugger(layout: &str, quant: Option<&str>, flags: &str, prefill: usize, tota
         backend: Arc::new(CpuBackend),
         flags: Flags::parse(flags).unwrap(),
         max_memory_gb: None,
+        text: None,
     };
     App::new(
         Box::new(InlineDriver::new(spec).unwrap()),

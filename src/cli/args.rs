@@ -80,8 +80,15 @@ pub struct RunSetup {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Prompt token ids, comma-separated (default: a 12-token prompt that fits the vocabulary).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "prompt")]
     pub tokens: Option<String>,
+    /// Prompt text, turned into token ids by the tokenizer (--tokenizer, or the checkpoint's
+    /// tokenizer.json); generated tokens are then shown as text too.
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// An HF tokenizer.json (default: the --model directory's, when it has one).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// Prefill the first K prompt tokens, then feed the rest one by one through decode.
     /// Default: the whole prompt given with --tokens; of the default prompt, 6 tokens (one less
     /// than the DSA top-k where that is smaller), so that the context grows past the top-k during
@@ -111,6 +118,8 @@ impl RunSetup {
         RunSetup {
             model: ModelArgs::with_layout(name),
             tokens: None,
+            prompt: None,
+            tokenizer: None,
             prefill: None,
             decode: None,
             layers: None,
@@ -124,6 +133,8 @@ impl RunSetup {
         RunSpec {
             model: self.model.spec(),
             tokens: self.tokens.clone(),
+            prompt: self.prompt.clone(),
+            tokenizer: self.tokenizer.clone(),
             prefill: self.prefill,
             decode: self.decode,
             layers: self.layers.clone(),

@@ -265,6 +265,8 @@ fn start_worker(args: &AttachArgs) -> Result<Worker> {
     let setup = RunSetup {
         model: args.model.clone(),
         tokens: None,
+        prompt: None,
+        tokenizer: None,
         prefill: None,
         decode: None,
         layers: args.layers.clone(),

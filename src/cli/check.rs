@@ -379,6 +379,11 @@ fn setup_against(setup: &RunSetup, dump: Option<&ExternalDump>) -> Result<RunSet
     let Some(dump) = dump else {
         return Ok(setup.clone());
     };
+    if setup.prompt.is_some() {
+        return Err(Error::invalid(
+            "--prompt with --reference: the run takes the reference dump's tokens; leave --prompt out",
+        ));
+    }
     let schedule = dump.schedule_for(ScheduleArgs {
         tokens: setup.tokens.as_deref().map(parse_tokens).transpose()?,
         prefill: setup.prefill,

@@ -10,7 +10,10 @@ use crate::debug::runner::Job;
 use crate::engine::generate;
 use crate::engine::{Engine, Observer, OpEvent};
 use crate::error::{Error, Result};
-use crate::session::recorded::{sample_of, RecordedOp, RecordedOutcome, RecordedRun, RunRole};
+use crate::model::tokenizer::shown;
+use crate::session::recorded::{
+    sample_of, RecordedOp, RecordedOutcome, RecordedRun, RunRole, TokenText,
+};
 use crate::session::Session;
 use crate::tensor::Tensor;
 use clap::Args;
@@ -151,6 +154,10 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     let outcome = generate::run(&mut engine, schedule, &mut observer)?;
     let run_seconds = run_start.elapsed().as_secs_f64();
     let events = observer.events;
+    let text = p
+        .text
+        .as_ref()
+        .map(|codec| TokenText::of(codec, &schedule.prompt, &outcome.generated));
     let kv_b = KvBStorage::of(model, layers)?;
     let idle = idle_flags(&flags, &kv_b, &observer.trace, true);
     if let (Some(path), Some(dump)) = (&args.dump, &observer.dump) {
@@ -171,7 +178,10 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
             first_affected: None,
             started_at: 1.min(ops.len()),
             compared_with: None,
-            outcome: Some(RecordedOutcome::from(&outcome)),
+            outcome: Some(RecordedOutcome {
+                text: text.clone(),
+                ..RecordedOutcome::from(&outcome)
+            }),
             error: None,
             forced: Vec::new(),
             ops,
@@ -196,6 +206,8 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
             "generated_non_finite": outcome.non_finite,
             "next_token": (!outcome.next_non_finite).then_some(outcome.next_token),
             "next_logit": outcome.next_logit,
+            "prompt_text": text.as_ref().map(|t| &t.prompt),
+            "generated_text": text.as_ref().map(|t| &t.generated),
             "events": events,
             "kv_cache_bytes": engine.cache_bytes(),
             "load_seconds": p.load_seconds,
@@ -224,6 +236,19 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
             run_seconds
         )
         .map_err(io)?;
+        if let Some(t) = &text {
+            writeln!(
+                out,
+                "text: {} -> {}",
+                shown(&t.prompt),
+                t.generated
+                    .iter()
+                    .map(|g| shown(g))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            )
+            .map_err(io)?;
+        }
         if let Some(p) = &args.dump {
             writeln!(out, "dumped {events} tensors to {}", p.display()).map_err(io)?;
         }

@@ -6,6 +6,7 @@ pub mod gguf;
 pub mod hf_config;
 pub mod layout;
 pub mod quant;
+pub mod tokenizer;
 pub mod weights;
 
 pub use catalog::{Catalog, TensorRole, TensorSpec};

@@ -42,6 +42,7 @@ pub struct Host {
     idle: Vec<Idle>,
     /// `--max-memory-gb`, held for schedule changes and loads.
     max_memory_gb: Option<f64>,
+    text: Option<Arc<crate::model::tokenizer::TextCodec>>,
 }
 
 impl Host {
@@ -84,6 +85,7 @@ impl Host {
             kv_b,
             idle: Vec::new(),
             max_memory_gb,
+            text: spec.text,
         };
         // Paused at the first op.
         host.handle(Command::Step);
@@ -159,10 +161,15 @@ impl Host {
         let c = &self.controller;
         if c.finished() {
             let run = c.current();
+            let text = match (&self.text, &run.outcome) {
+                (Some(codec), Some(o)) => Some(codec.pieces(&o.generated)),
+                _ => None,
+            };
             (self.send)(Update::Finished {
                 run: c.run_number(),
                 outcome: run.outcome.clone(),
                 error: run.error.clone(),
+                text,
             });
         }
     }

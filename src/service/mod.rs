@@ -120,6 +120,8 @@ pub enum Update {
         run: usize,
         outcome: Option<Outcome>,
         error: Option<String>,
+        /// Each generated token as text, when the run has a tokenizer.
+        text: Option<Vec<String>>,
     },
     Stopped(Stop),
     Breakpoints(Vec<Breakpoint>),
@@ -168,6 +170,8 @@ pub struct HostSpec {
     /// The most memory a run may need, in GB, for `:set tokens` and `:load` as for the first
     /// run (`--max-memory-gb`; none: what the machine has available).
     pub max_memory_gb: Option<f64>,
+    /// The tokenizer, when the model has one: generated tokens shown as text.
+    pub text: Option<Arc<crate::model::tokenizer::TextCodec>>,
 }
 
 impl HostSpec {
@@ -186,6 +190,7 @@ impl HostSpec {
             layers: p.layers,
             flags,
             max_memory_gb: run.max_memory_gb,
+            text: p.text.map(Arc::new),
         })
     }
 }

@@ -244,10 +244,16 @@ impl ReplayHost {
                 .map(crate::engine::generate::Outcome::from),
             run.error.clone(),
         );
+        let text = run
+            .outcome
+            .as_ref()
+            .and_then(|o| o.text.as_ref())
+            .map(|t| t.generated.clone());
         (self.send)(Update::Finished {
             run: self.at,
             outcome,
             error,
+            text,
         });
         self.end_shown = true;
         self.send_aux();

@@ -64,6 +64,29 @@ pub struct RecordedOutcome {
     /// `next_token` was taken from non-finite logits.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub next_non_finite: bool,
+    /// The prompt and the generated tokens as text, when the run had a tokenizer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<TokenText>,
+}
+
+/// A run's tokens as text: the prompt whole, each generated token on its own.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenText {
+    pub prompt: String,
+    pub generated: Vec<String>,
+}
+
+impl TokenText {
+    pub fn of(
+        codec: &crate::model::tokenizer::TextCodec,
+        prompt: &[u32],
+        generated: &[u32],
+    ) -> TokenText {
+        TokenText {
+            prompt: codec.decode(prompt),
+            generated: codec.pieces(generated),
+        }
+    }
 }
 
 impl From<&Outcome> for RecordedOutcome {
@@ -75,6 +98,7 @@ impl From<&Outcome> for RecordedOutcome {
             next_token: o.next_token,
             next_logit: o.next_logit,
             next_non_finite: o.next_non_finite,
+            text: None,
         }
     }
 }

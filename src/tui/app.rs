@@ -318,6 +318,7 @@ impl App {
                 run,
                 outcome,
                 error,
+                text,
             } => {
                 if let Some(r) = m.runs.get_mut(run) {
                     r.outcome = outcome.clone();
@@ -325,8 +326,15 @@ impl App {
                 }
                 match (outcome, error) {
                     (Some(o), _) => self.say(format!(
-                        "run {run} finished: generated {}, next token {}",
+                        "run {run} finished: generated {}{}, next token {}",
                         o.generated_text(),
+                        text.as_ref().map_or(String::new(), |t| format!(
+                            " ({})",
+                            t.iter()
+                                .map(|g| crate::model::tokenizer::shown(g))
+                                .collect::<Vec<_>>()
+                                .join(" ")
+                        )),
                         o.next_text()
                     )),
                     (_, Some(e)) => self.say(format!("run {run} failed: {e}")),

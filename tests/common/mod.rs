@@ -191,6 +191,7 @@ pub fn live_spec(
         layers,
         flags: Flags::parse(flags).unwrap(),
         max_memory_gb: None,
+        text: None,
     }
 }
 

@@ -6,6 +6,7 @@ use crate::debug::controller::Stop;
 use crate::debug::RunRecord;
 use crate::engine::generate::Schedule;
 use crate::error::{Error, Result};
+use crate::model::tokenizer::TextCodec;
 use crate::service::{DebugService, HostSpec, Update};
 use crate::session::recorded::{RecordedRun, RecordedSchedule, RunRole};
 use crate::session::{Cursor, Session};
@@ -143,6 +144,12 @@ impl Host {
             layers: session.layers.0..session.layers.1,
             flags: session.flags,
             max_memory_gb: self.max_memory_gb,
+            text: match &session.model {
+                crate::session::ModelSource::Checkpoint { path, .. } if path.is_dir() => {
+                    TextCodec::find(None, Some(path))?.map(Arc::new)
+                }
+                _ => None,
+            },
         };
         let mut next = Host::new(spec, self.send.clone(), self.cancel.clone())?;
         for bp in &session.breakpoints {
