@@ -246,6 +246,29 @@ impl RunSpec {
     pub fn source(&self) -> Result<ModelSource> {
         self.model.source()
     }
+
+    /// The run against a reference dump: its tokens, prefill and decode count where none are
+    /// given; given ones that differ from the dump's are an error naming both.
+    pub fn against(&self, dump: &crate::debug::external::ExternalDump) -> Result<RunSpec> {
+        if self.prompt.is_some() {
+            return Err(Error::invalid(
+                "--prompt with --reference: the run takes the reference dump's tokens; leave --prompt out",
+            ));
+        }
+        let schedule = dump.schedule_for(crate::debug::external::ScheduleArgs {
+            tokens: self.tokens.as_deref().map(parse_tokens).transpose()?,
+            prefill: self.prefill,
+            decode: self.decode,
+        })?;
+        Ok(RunSpec {
+            tokens: schedule
+                .tokens
+                .map(|t| t.iter().map(u32::to_string).collect::<Vec<_>>().join(",")),
+            prefill: schedule.prefill,
+            decode: schedule.decode,
+            ..self.clone()
+        })
+    }
 }
 
 /// The debugging flags as a front end gives them, before they are checked against each other

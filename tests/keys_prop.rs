@@ -276,6 +276,7 @@ fn open(target: Target) -> App {
                 flags: Flags::default(),
                 max_memory_gb: None,
                 text: None,
+                reference: None,
             };
             let driver = InlineDriver::new(spec).unwrap();
             App::new(Box::new(driver), Keymap::default(), Theme::plain())

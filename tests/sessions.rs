@@ -424,6 +424,7 @@ fn debugger(layout: &str, quant: Option<&str>, flags: &str, prefill: usize, tota
         flags: Flags::parse(flags).unwrap(),
         max_memory_gb: None,
         text: None,
+        reference: None,
     };
     App::new(
         Box::new(InlineDriver::new(spec).unwrap()),

@@ -275,6 +275,14 @@ pub struct TuiArgs {
     /// Key bindings to override, as RON (default: $MLADB_KEYS or ~/.config/mladb/keys.ron).
     #[arg(long)]
     pub keys: Option<PathBuf>,
+    /// A reference dump (tools/hf_dump.py, `mladb import`, `run --dump`) every run is compared
+    /// with: a column in the tree and a section in the Compare pane. The run takes its tokens.
+    #[arg(long)]
+    pub reference: Option<PathBuf>,
+    /// How the reference's names map to mladb's: hf, vllm, sglang, llamacpp or a RON file
+    /// (default: none for mladb's own dumps and imports, hf for others).
+    #[arg(long, requires = "reference")]
+    pub name_map: Option<String>,
 }
 
 impl TuiArgs {
@@ -284,6 +292,8 @@ impl TuiArgs {
             setup: self.setup.spec(),
             flags: self.flags.options(),
             keys: self.keys.clone(),
+            reference: self.reference.clone(),
+            name_map: self.name_map.clone(),
         }
     }
 

@@ -1,12 +1,13 @@
 //! `mladb check`: runs the detectors and prints their findings. Exit 0 when there are none, 1
 //! when there are, 2 on bad input.
 
-use super::args::{parse_tokens, FlagArgs, RecordArgs, RunSetup};
+use super::args::{FlagArgs, RecordArgs, RunSetup};
 use super::Out;
 use crate::debug::detect::{check, CheckOptions, CheckReport};
-use crate::debug::external::{ExternalDump, NameMap, ScheduleArgs};
+use crate::debug::external::{ExternalDump, NameMap};
 use crate::debug::runner::Job;
 use crate::error::{Error, Result};
+use crate::setup::RunSpec;
 use clap::Args;
 use serde_json::json;
 use std::path::PathBuf;
@@ -373,27 +374,10 @@ fn load_reference(
     ExternalDump::load(path, map.as_ref()).map(Some)
 }
 
-/// The run's setup against a reference dump: its tokens, prefill and decode count where none
-/// are given; given ones that differ from the dump's are an error naming both.
-fn setup_against(setup: &RunSetup, dump: Option<&ExternalDump>) -> Result<RunSetup> {
-    let Some(dump) = dump else {
-        return Ok(setup.clone());
-    };
-    if setup.prompt.is_some() {
-        return Err(Error::invalid(
-            "--prompt with --reference: the run takes the reference dump's tokens; leave --prompt out",
-        ));
+/// The run's setup against a reference dump (see [`RunSpec::against`]).
+fn setup_against(setup: &RunSetup, dump: Option<&ExternalDump>) -> Result<RunSpec> {
+    match dump {
+        Some(d) => setup.spec().against(d),
+        None => Ok(setup.spec()),
     }
-    let schedule = dump.schedule_for(ScheduleArgs {
-        tokens: setup.tokens.as_deref().map(parse_tokens).transpose()?,
-        prefill: setup.prefill,
-        decode: setup.decode,
-    })?;
-    let mut setup = setup.clone();
-    setup.tokens = schedule
-        .tokens
-        .map(|t| t.iter().map(u32::to_string).collect::<Vec<_>>().join(","));
-    setup.prefill = schedule.prefill;
-    setup.decode = schedule.decode;
-    Ok(setup)
 }

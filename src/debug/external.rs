@@ -331,6 +331,31 @@ impl ExternalDump {
         }
     }
 
+    /// The dump as a run beside `run`: each op of `run` the dump holds with as many values, in
+    /// `run`'s order and shapes, with the dump's values (the Compare pane's and the tree's
+    /// other side). Its dtype is bf16 when the dump's engine computed in bf16 or f16, so that
+    /// it is judged by those tolerances.
+    pub fn aligned(&self, run: &RunRecord) -> RunRecord {
+        let mut flags = run.flags;
+        if self.meta.as_ref().is_some_and(DumpMeta::low_precision) {
+            flags.dtype = crate::engine::StorageDtype::Bf16;
+        }
+        let mut out = RunRecord::new(flags);
+        for e in &run.events {
+            let Some((_, data)) = self.tensors.get(&(e.phase, e.name.clone())) else {
+                continue;
+            };
+            if data.len() != e.shape.iter().product::<usize>() {
+                continue;
+            }
+            out.push(
+                e.clone(),
+                std::sync::Arc::new(crate::tensor::Tensor::from_vec(&e.shape, data.clone())),
+            );
+        }
+        out
+    }
+
     /// `mladb import` made the dump from another engine's recordings.
     fn imported(&self) -> bool {
         self.meta

@@ -43,6 +43,7 @@ pub struct Host {
     /// `--max-memory-gb`, held for schedule changes and loads.
     max_memory_gb: Option<f64>,
     text: Option<Arc<crate::model::tokenizer::TextCodec>>,
+    reference: Option<Arc<crate::debug::external::ExternalDump>>,
 }
 
 impl Host {
@@ -86,6 +87,7 @@ impl Host {
             idle: Vec::new(),
             max_memory_gb,
             text: spec.text,
+            reference: spec.reference,
         };
         // Paused at the first op.
         host.handle(Command::Step);
@@ -171,6 +173,13 @@ impl Host {
                 error: run.error.clone(),
                 text,
             });
+            if let Some(dump) = &self.reference {
+                (self.send)(Update::Aux {
+                    run: c.run_number(),
+                    kind: AuxKind::Reference,
+                    record: Arc::new(dump.aligned(run)),
+                });
+            }
         }
     }
 

@@ -81,6 +81,8 @@ pub enum AuxKind {
     OtherPath,
     /// The whole token sequence prefilled at once.
     WholePrefill,
+    /// A reference dump (another engine's tensors, `--reference`), aligned with the run.
+    Reference,
 }
 
 impl AuxKind {
@@ -89,6 +91,7 @@ impl AuxKind {
         match self {
             AuxKind::OtherPath => "other-path",
             AuxKind::WholePrefill => "whole-prefill",
+            AuxKind::Reference => "reference",
         }
     }
 
@@ -96,6 +99,7 @@ impl AuxKind {
         match name {
             "other-path" => Some(AuxKind::OtherPath),
             "whole-prefill" => Some(AuxKind::WholePrefill),
+            "reference" => Some(AuxKind::Reference),
             _ => None,
         }
     }
@@ -172,6 +176,8 @@ pub struct HostSpec {
     pub max_memory_gb: Option<f64>,
     /// The tokenizer, when the model has one: generated tokens shown as text.
     pub text: Option<Arc<crate::model::tokenizer::TextCodec>>,
+    /// A reference dump (`--reference`): each finished run is compared with it.
+    pub reference: Option<Arc<crate::debug::external::ExternalDump>>,
 }
 
 impl HostSpec {
@@ -191,6 +197,7 @@ impl HostSpec {
             flags,
             max_memory_gb: run.max_memory_gb,
             text: p.text.map(Arc::new),
+            reference: None,
         })
     }
 }

@@ -147,6 +147,9 @@ pub struct App {
     /// Per (run, comparison run): each op's verdict against the comparison so far, judged in
     /// execution order (see [`Marks`]).
     pub mark_cache: HashMap<(usize, usize), Marks>,
+    /// Per run: each op's verdict against the reference dump (`--reference`), as for
+    /// `mark_cache`.
+    pub reference_marks: HashMap<usize, Marks>,
     /// Where and how often the session is saved unasked (and on quit); `None`: never.
     pub autosave: Option<Autosave>,
     /// MLA disable came on from `VLLM_MLA_DISABLE` (the header says so).
@@ -211,6 +214,7 @@ impl App {
             areas: Areas::default(),
             divergence_cache: HashMap::new(),
             mark_cache: HashMap::new(),
+            reference_marks: HashMap::new(),
             autosave: None,
             mla_disable_env: false,
         };
@@ -291,6 +295,7 @@ impl App {
                 ));
                 self.divergence_cache.clear();
                 self.mark_cache.clear();
+                self.reference_marks.clear();
                 let m = &mut self.mirror;
                 m.info = Some(*info);
                 m.runs.clear();

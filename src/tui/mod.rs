@@ -38,6 +38,10 @@ pub struct TuiArgs {
     pub flags: FlagOptions,
     /// Key bindings to override, as RON (default: $MLADB_KEYS or ~/.config/mladb/keys.ron).
     pub keys: Option<PathBuf>,
+    /// A reference dump every run is compared with (another engine's tensors), and the name
+    /// map of its names.
+    pub reference: Option<PathBuf>,
+    pub name_map: Option<String>,
 }
 
 impl TuiArgs {
@@ -47,12 +51,25 @@ impl TuiArgs {
             setup: RunSpec::with_layout(crate::setup::DEFAULT_LAYOUT),
             flags: FlagOptions::default(),
             keys: None,
+            reference: None,
+            name_map: None,
         }
     }
 
     /// Loads everything the TUI needs; errors here end the program before the screen changes.
     pub fn spec(&self) -> Result<HostSpec> {
-        HostSpec::prepare(&self.setup, &self.flags)
+        let Some(path) = &self.reference else {
+            return HostSpec::prepare(&self.setup, &self.flags);
+        };
+        let map = self
+            .name_map
+            .as_deref()
+            .map(crate::debug::name_map::NameMap::resolve)
+            .transpose()?;
+        let dump = crate::debug::external::ExternalDump::load(path, map.as_ref())?;
+        let mut spec = HostSpec::prepare(&self.setup.against(&dump)?, &self.flags)?;
+        spec.reference = Some(std::sync::Arc::new(dump));
+        Ok(spec)
     }
 
     pub fn keymap(&self) -> Result<keys::Keymap> {

@@ -192,6 +192,7 @@ pub fn live_spec(
         flags: Flags::parse(flags).unwrap(),
         max_memory_gb: None,
         text: None,
+        reference: None,
     }
 }
 

@@ -144,6 +144,7 @@ impl Host {
             layers: session.layers.0..session.layers.1,
             flags: session.flags,
             max_memory_gb: self.max_memory_gb,
+            reference: None,
             text: match &session.model {
                 crate::session::ModelSource::Checkpoint { path, .. } if path.is_dir() => {
                     TextCodec::find(None, Some(path))?.map(Arc::new)

@@ -17,6 +17,61 @@ pub struct Marks {
     pub judge: Judge,
     /// Per op: (diverges, tolerance); the tolerance is NaN where the op was not compared.
     pub verdicts: Vec<(bool, f64)>,
+    /// Per op: the relative L2 difference; NaN where the op was not compared.
+    pub errors: Vec<f64>,
+}
+
+impl Marks {
+    fn new(tolerances: Tolerances, run: &crate::debug::RunRecord) -> Marks {
+        Marks {
+            judge: Judge::new(tolerances).with_kv_cache(run.flags.kv_cache),
+            verdicts: Vec::new(),
+            errors: Vec::new(),
+        }
+    }
+
+    /// Judges the ops of `run` not judged yet against `other`, in execution order.
+    fn extend(
+        &mut self,
+        run: &crate::debug::RunRecord,
+        other: &crate::debug::RunRecord,
+        heads: usize,
+    ) {
+        while self.verdicts.len() < run.len() {
+            let i = self.verdicts.len();
+            let e = &run.events[i];
+            // Samples of a replay compare where both sides hold the same elements; a comparison
+            // that could not be made judges nothing.
+            let mut compared = other
+                .find(e.phase, &e.name)
+                .map(|j| {
+                    let (a, b) = (run.outputs[i].data(), other.outputs[j].data());
+                    compare_outputs(e, i, a, &other.events[j].shape, b, heads)
+                })
+                .filter(|c| c.diff.is_ok());
+            self.judge.next(e, compared.as_mut());
+            self.errors.push(
+                compared
+                    .as_ref()
+                    .and_then(|c| c.diff.as_ref().ok())
+                    .map_or(f64::NAN, |d| d.rel_l2),
+            );
+            self.verdicts.push(match compared {
+                Some(c) => (c.exceeds_its(), c.tolerance),
+                None => (false, f64::NAN),
+            });
+        }
+    }
+}
+
+/// The tolerances of `run` against `other`: the bf16 table when either side is bf16.
+fn tolerances_of(run: &crate::debug::RunRecord, other: &crate::debug::RunRecord) -> Tolerances {
+    use crate::engine::StorageDtype;
+    if other.flags.dtype == StorageDtype::Bf16 {
+        Tolerances::Table(StorageDtype::Bf16)
+    } else {
+        Tolerances::Table(run.flags.dtype)
+    }
 }
 
 /// The first op over tolerance in a comparison, how many ops were compared, and how many could
@@ -62,6 +117,7 @@ impl App {
                 Against::Comparison,
                 Against::Aux(AuxKind::OtherPath),
                 Against::Aux(AuxKind::WholePrefill),
+                Against::Aux(AuxKind::Reference),
             ] {
                 self.refresh_divergence(against);
             }
@@ -98,46 +154,42 @@ impl App {
                 Some(whole) => prefill_vs_decode(run, whole, heads, &tolerances),
                 None => return,
             },
+            Against::Aux(AuxKind::Reference) => match m.aux(AuxKind::Reference) {
+                Some(r) => compare_runs(run, r, heads, &tolerances_of(run, r)),
+                None => return,
+            },
         };
         self.divergence_cache.insert(key, Divergence::of(&list));
     }
 
-    /// Judges the ops of the current run not judged yet against the comparison run, in
-    /// execution order, each once.
+    /// Judges the ops of the current run not judged yet against the comparison run and the
+    /// reference dump, in execution order, each once.
     fn refresh_marks(&mut self) {
         let m = &self.mirror;
-        let (Some(c), Some(run), Some(other), Some(layout)) =
-            (m.comparison, m.current(), m.comparison_run(), m.layout())
-        else {
+        let (Some(run), Some(layout)) = (m.current(), m.layout()) else {
             return;
         };
         let heads = layout.num_heads;
-        let marks = self
-            .mark_cache
-            .entry((m.current_number(), c))
-            .or_insert_with(|| Marks {
-                judge: Judge::new(Tolerances::Table(run.flags.dtype))
-                    .with_kv_cache(run.flags.kv_cache),
-                verdicts: Vec::new(),
-            });
-        while marks.verdicts.len() < run.len() {
-            let i = marks.verdicts.len();
-            let e = &run.events[i];
-            // Samples of a replay compare where both sides hold the same elements; a comparison
-            // that could not be made judges nothing.
-            let mut compared = other
-                .find(e.phase, &e.name)
-                .map(|j| {
-                    let (a, b) = (run.outputs[i].data(), other.outputs[j].data());
-                    compare_outputs(e, i, a, &other.events[j].shape, b, heads)
-                })
-                .filter(|c| c.diff.is_ok());
-            marks.judge.next(e, compared.as_mut());
-            marks.verdicts.push(match compared {
-                Some(c) => (c.exceeds_its(), c.tolerance),
-                None => (false, f64::NAN),
-            });
+        if let (Some(c), Some(other)) = (m.comparison, m.comparison_run()) {
+            self.mark_cache
+                .entry((m.current_number(), c))
+                .or_insert_with(|| Marks::new(Tolerances::Table(run.flags.dtype), run))
+                .extend(run, other, heads);
         }
+        if let Some(reference) = m.aux(AuxKind::Reference) {
+            self.reference_marks
+                .entry(m.current_number())
+                .or_insert_with(|| Marks::new(tolerances_of(run, reference), run))
+                .extend(run, reference, heads);
+        }
+    }
+
+    /// Op `index` of the current run against the reference dump: whether it diverges beyond
+    /// its tolerance, and its relative L2 difference; `None` where it was not compared.
+    pub fn judged_against_reference(&self, index: usize) -> Option<(bool, f64)> {
+        let marks = self.reference_marks.get(&self.mirror.current_number())?;
+        let (diverges, tolerance) = *marks.verdicts.get(index)?;
+        (!tolerance.is_nan()).then(|| (diverges, marks.errors[index]))
     }
 
     /// Op `index` of the current run against the comparison run: whether it diverges beyond its

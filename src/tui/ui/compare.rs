@@ -255,5 +255,21 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
         }
         lines.extend(first_line);
     }
+    if let Some(reference) = app.mirror.aux(AuxKind::Reference) {
+        lines.push(Line::from(Span::styled(
+            format!(
+                "vs the reference dump ({} of its ops beside this run)",
+                reference.len()
+            ),
+            t.title(),
+        )));
+        let against = Against::Aux(AuxKind::Reference);
+        let (first_line, tol) = first(app, against, "the reference", i);
+        match op_vs(app, reference, e.phase, &e.name, None) {
+            Some(d) => lines.extend(figures_or_why(app, d, tol.unwrap_or(floor(app, e.kind)))),
+            None => lines.push(Line::from("  the reference dump has no such op")),
+        }
+        lines.extend(first_line);
+    }
     frame.render_widget(Paragraph::new(lines).wrap(Wrap { trim: false }), area);
 }

@@ -72,13 +72,19 @@ pub fn draw(frame: &mut Frame, app: &mut App, area: Rect) {
                     let here = if position == Some(index) { "▶" } else { " " };
                     let bp = app.mirror.breakpoints.iter().any(|b| b.matches_op(e));
                     let (mark, style) = op_mark(app, index, e);
-                    Line::from(vec![
+                    let mut spans = vec![
                         Span::raw(indent.to_string()),
                         Span::styled(here, t.accent()),
                         Span::styled(if bp { "●" } else { " " }, t.bad()),
                         Span::styled(mark, style),
                         Span::raw(format!(" {}", short_name(&e.name))),
-                    ])
+                    ];
+                    // The reference's column: how far the other engine is from this op.
+                    if let Some((diverges, error)) = app.judged_against_reference(index) {
+                        let style = if diverges { t.diverge() } else { t.dim() };
+                        spans.push(Span::styled(format!("  ref {}", super::num(error)), style));
+                    }
+                    Line::from(spans)
                 }
                 None => Line::from(""),
             },

@@ -1,0 +1,99 @@
+//! `mladb tui --reference DUMP`: the debugger compares every run with another engine's tensors
+//! (here transformers' own, tests/fixtures/hf/glm5-sparse/hf-dump.safetensors): a `ref` column
+//! in the tree and a section in the Compare pane. A clean run agrees everywhere and says how
+//! much it compared; a run with a fault planted shows its first divergent op.
+
+use mladb::setup::{FlagOptions, ModelSpec, RunSpec};
+use mladb::tui::app::{App, Node, Tab};
+use mladb::tui::driver::InlineDriver;
+use mladb::tui::keys::{Action, Keymap};
+use mladb::tui::theme::Theme;
+use ratatui::backend::TestBackend;
+use ratatui::Terminal;
+use std::path::PathBuf;
+
+const MODEL: &str = "tests/fixtures/hf/glm5-sparse";
+
+fn app_against_reference(inject: &[&str]) -> App {
+    let args = mladb::tui::TuiArgs {
+        setup: RunSpec {
+            model: ModelSpec {
+                layout: None,
+                model: Some(PathBuf::from(MODEL)),
+                ..ModelSpec::with_layout("glm5-tiny")
+            },
+            ..RunSpec::with_layout("glm5-tiny")
+        },
+        flags: FlagOptions {
+            inject: inject.iter().map(|s| s.to_string()).collect(),
+            ..FlagOptions::default()
+        },
+        keys: None,
+        reference: Some(PathBuf::from(format!("{MODEL}/hf-dump.safetensors"))),
+        name_map: None,
+    };
+    let spec = args.spec().unwrap();
+    let mut app = App::new(
+        Box::new(InlineDriver::new(spec).unwrap()),
+        Keymap::default(),
+        Theme::plain(),
+    );
+    app.act(Action::Continue);
+    app
+}
+
+fn screen(app: &mut App) -> String {
+    let (w, h) = (200, 60);
+    let mut terminal = Terminal::new(TestBackend::new(w, h)).unwrap();
+    terminal.draw(|f| mladb::tui::ui::draw(f, app)).unwrap();
+    let b = terminal.backend().buffer().clone();
+    (0..h)
+        .map(|y| (0..w).map(|x| b[(x, y)].symbol()).collect::<String>() + "\n")
+        .collect()
+}
+
+/// The Compare pane of op `name` in `phase`.
+fn compare_pane(app: &mut App, phase: &str, name: &str) -> String {
+    let run = app.mirror.current().unwrap();
+    let i = run
+        .events
+        .iter()
+        .position(|e| e.phase.to_string() == phase && e.name == name)
+        .unwrap_or_else(|| panic!("{phase} {name}"));
+    app.follow = false;
+    app.select(Node::Op(i));
+    app.tab = Tab::Compare;
+    screen(app)
+}
+
+#[test]
+fn a_clean_run_agrees_with_the_reference_in_the_tree_and_the_compare_pane() {
+    let mut app = app_against_reference(&[]);
+    let reference = app
+        .mirror
+        .aux(mladb::service::AuxKind::Reference)
+        .expect("the reference arrived with the finished run");
+    assert!(reference.len() > 500, "{} ops", reference.len());
+    let text = compare_pane(&mut app, "decode.2", "model.layers.1.self_attn.o_proj");
+    assert!(text.contains("vs the reference dump"), "{text}");
+    assert!(
+        text.contains("the reference: all ") && text.contains(" ops agree within their tolerances"),
+        "{text}"
+    );
+    assert!(text.contains("ref "), "the tree's reference column: {text}");
+    assert!(!text.contains("first divergent op"), "{text}");
+}
+
+#[test]
+fn a_planted_fault_shows_its_first_divergent_op_against_the_reference() {
+    let mut app = app_against_reference(&["output-buffer-disconnect"]);
+    let text = compare_pane(&mut app, "decode.0", "model.layers.0.self_attn.o_proj");
+    assert!(text.contains("vs the reference dump"), "{text}");
+    let first = text
+        .lines()
+        .find(|l| l.contains("first divergent op:"))
+        .unwrap_or_else(|| panic!("{text}"));
+    // The fault hands o_proj a buffer the attention kernel never wrote, from the prefill on.
+    assert!(first.contains("prefill self_attn.o_proj"), "{first}");
+    assert!(!text.contains("ops agree within"), "{text}");
+}
