@@ -75,7 +75,10 @@ fn a_clean_run_agrees_with_the_reference_in_the_tree_and_the_compare_pane() {
         .expect("the reference arrived with the finished run");
     assert!(reference.len() > 500, "{} ops", reference.len());
     let text = compare_pane(&mut app, "decode.2", "model.layers.1.self_attn.o_proj");
-    assert!(text.contains("vs the reference dump"), "{text}");
+    assert!(
+        text.contains("vs the reference: another engine's values"),
+        "{text}"
+    );
     assert!(
         text.contains("the reference: all ") && text.contains(" ops agree within their tolerances"),
         "{text}"
@@ -88,7 +91,10 @@ fn a_clean_run_agrees_with_the_reference_in_the_tree_and_the_compare_pane() {
 fn a_planted_fault_shows_its_first_divergent_op_against_the_reference() {
     let mut app = app_against_reference(&["output-buffer-disconnect"]);
     let text = compare_pane(&mut app, "decode.0", "model.layers.0.self_attn.o_proj");
-    assert!(text.contains("vs the reference dump"), "{text}");
+    assert!(
+        text.contains("vs the reference: another engine's values"),
+        "{text}"
+    );
     let first = text
         .lines()
         .find(|l| l.contains("first divergent op:"))

@@ -61,6 +61,8 @@ pub(super) struct StepRun {
 pub(super) struct Sequence<'m> {
     engine: Engine<'m>,
     pub(super) record: RunRecord,
+    /// The engine's values at mladb's ops, in mladb's order (kept for the debugger's view).
+    pub(super) seen: RunRecord,
     pub(super) judge: Option<Judge>,
     judged: usize,
 }
@@ -78,6 +80,10 @@ pub struct Comparator<'m> {
     pub(super) steps: HashMap<u64, StepRun>,
     pending: Pending,
     pub totals: Totals,
+    /// Sequences begun so far (each a run in the debugger's view).
+    pub sequences: usize,
+    /// Keep the engine's values beside mladb's run ([`Comparator::runs`]).
+    pub keep_engine: bool,
 }
 
 impl<'m> Comparator<'m> {
@@ -102,6 +108,8 @@ impl<'m> Comparator<'m> {
             steps: HashMap::new(),
             pending: Pending::default(),
             totals: Totals::default(),
+            sequences: 0,
+            keep_engine: false,
         }
     }
 
@@ -253,9 +261,11 @@ impl<'m> Comparator<'m> {
                 .map_err(|e| e.to_string())?;
             let engine =
                 Engine::new(self.model, self.backend, options).map_err(|e| e.to_string())?;
+            self.sequences += 1;
             self.seq = Some(Sequence {
                 engine,
                 record: RunRecord::new(self.flags),
+                seen: RunRecord::new(self.flags),
                 judge: None,
                 judged: 0,
             });
@@ -387,6 +397,12 @@ impl<'m> Comparator<'m> {
         out
     }
 
+    /// The current sequence: mladb's run of it, and the engine's values at its ops so far
+    /// (with `keep_engine`).
+    pub fn runs(&self) -> Option<(&RunRecord, &RunRecord)> {
+        self.seq.as_ref().map(|s| (&s.record, &s.seen))
+    }
+
     /// Where mladb's run of `step` has op `op` (a step's ops are its phase's).
     pub(super) fn op_index(&self, step: u64, op: &str) -> Option<usize> {
         let run = self.steps.get(&step)?;
@@ -458,6 +474,10 @@ impl<'m> Comparator<'m> {
             return self.compare_choice(step, module, &target.op, index, &data, rank);
         }
         let mut c: OpComparison = compare_outputs(e, index, &data, &e.shape, reference, num_heads);
+        if self.keep_engine && seq.seen.find(e.phase, &e.name).is_none() {
+            let t = crate::tensor::Tensor::from_vec(&e.shape, data.clone());
+            seq.seen.push(e.clone(), std::sync::Arc::new(t));
+        }
         let judge = seq.judge.get_or_insert_with(|| {
             let noisy =
                 flags_dtype == StorageDtype::Bf16 || matches!(dtype, Dtype::Bf16 | Dtype::F16);

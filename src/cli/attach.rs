@@ -13,13 +13,13 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use super::args::{DeviceArg, FlagArgs, ModelArgs, RunSetup};
+use super::attach_report::{print_live, Report};
 use super::Out;
 use crate::attach::live::{Comparator, Input, Live};
 use crate::attach::record::{frame_files, Frames, Recorder};
 use crate::attach::server::{serve, Bound, Budget, Event, Listen, ServerConfig};
-use crate::attach::wire::{Body, Dtype, Limits};
+use crate::attach::wire::{Body, Limits};
 use crate::error::{Error, Result};
-use crate::stats::TensorStats;
 
 #[derive(Args, Debug, Clone)]
 pub struct AttachArgs {
@@ -79,6 +79,11 @@ pub struct AttachArgs {
     /// connection per file): what --save kept, or what the hook wrote to a file: address.
     #[arg(long, num_args = 1.., conflicts_with_all = ["save", "connections"])]
     pub replay: Vec<std::path::PathBuf>,
+    /// Open the debugger on mladb's reference run as the engine drives it, the engine's values
+    /// beside mladb's (the tree's ref column, the Compare pane), findings in the log (needs
+    /// --layout or --model; q quits and stops the server).
+    #[arg(long, conflicts_with = "json")]
+    pub tui: bool,
 }
 
 /// Runs the server (and the comparison); returns whether the comparison found anything.
@@ -92,8 +97,23 @@ pub fn run(args: &AttachArgs) -> Result<bool> {
         }
     }
     let comparing = args.model.layout.is_some() || args.model.model.is_some();
+    if args.tui && !comparing {
+        return Err(Error::invalid(
+            "attach --tui shows mladb's reference beside the engine: give --layout or --model",
+        ));
+    }
+    let screen = args
+        .tui
+        .then(std::sync::mpsc::channel::<crate::service::Update>);
+    let to_screen: Option<crate::service::Send> = screen.as_ref().map(|(tx, _)| {
+        let tx = std::sync::Mutex::new(tx.clone());
+        let send: crate::service::Send = std::sync::Arc::new(move |u| {
+            let _ = tx.lock().unwrap_or_else(|p| p.into_inner()).send(u);
+        });
+        send
+    });
     let worker = if comparing {
-        Some(start_worker(args)?)
+        Some(start_worker(args, to_screen.clone())?)
     } else {
         None
     };
@@ -117,32 +137,43 @@ pub fn run(args: &AttachArgs) -> Result<bool> {
         idle: Duration::from_secs(args.idle_secs),
         max_connections: args.max_connections,
     };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| Error::invalid(format!("attach: cannot start the runtime: {e}")))?;
-    let mut sink = Sink {
+    let sink = Sink {
         report: Report {
             json: args.json,
             ranks: Default::default(),
             comparing,
+            quiet: args.tui,
         },
         to_worker: worker.as_ref().map(|w| w.inputs.clone()),
         recorder: args.save.as_deref().map(Recorder::new).transpose()?,
     };
-    let served = if args.replay.is_empty() {
-        runtime.block_on(serve_and_forward(args, &listen, config, &mut sink))
-    } else {
-        runtime.block_on(replay(&args.replay, config.limits, &mut sink))
+    let saved = match (screen, to_screen) {
+        (Some((_, updates)), Some(send)) => {
+            // The server on a thread of its own; the debugger here until q, which stops it.
+            let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+            let (a, l) = (args.clone(), listen.clone());
+            let announce: Announce = Box::new(move |line| send(crate::service::Update::Log(line)));
+            let server = std::thread::spawn(move || {
+                serve_all(&a, &l, config, sink, Some(stop_rx), announce)
+            });
+            let shown = super::attach_tui::show(updates);
+            let _ = stop_tx.send(());
+            let saved = server
+                .join()
+                .unwrap_or_else(|_| Err(Error::invalid("attach: the server panicked")));
+            shown?;
+            saved?
+        }
+        _ => serve_all(
+            args,
+            &listen,
+            config,
+            sink,
+            None,
+            Box::new(|line| eprintln!("{line}")),
+        )?,
     };
-    // What was received is saved whatever stopped the server.
-    let saved = match sink.recorder.as_mut() {
-        Some(r) => r.finish().map(|_| r.saved.clone()),
-        None => Ok(Vec::new()),
-    };
-    drop(sink);
-    served?;
-    for path in saved? {
+    for path in saved {
         eprintln!("mladb attach: saved {}", path.display());
     }
     match worker {
@@ -183,22 +214,66 @@ impl Sink {
     }
 }
 
-/// Serves until Ctrl-C or `--connections` ended, every event through `sink` (those still queued
-/// when the server stops included).
+/// Where the server's own lines go: stderr, or the debugger's log.
+type Announce = Box<dyn Fn(String) + Send>;
+
+/// Serves (or replays saved frames) into `sink` until it ends, then saves what was received
+/// whatever stopped it; returns the files saved.
+fn serve_all(
+    args: &AttachArgs,
+    listen: &Listen,
+    config: ServerConfig,
+    mut sink: Sink,
+    stop: Option<tokio::sync::oneshot::Receiver<()>>,
+    announce: Announce,
+) -> Result<Vec<std::path::PathBuf>> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::invalid(format!("attach: cannot start the runtime: {e}")))?;
+    let served = if args.replay.is_empty() {
+        runtime.block_on(serve_and_forward(
+            args, listen, config, &mut sink, stop, &announce,
+        ))
+    } else {
+        runtime.block_on(replay(&args.replay, config.limits, &mut sink))
+    };
+    let saved = match sink.recorder.as_mut() {
+        Some(r) => r.finish().map(|_| r.saved.clone()),
+        None => Ok(Vec::new()),
+    };
+    drop(sink);
+    served?;
+    saved
+}
+
+/// Serves until Ctrl-C, `stop`, or `--connections` ended, every event through `sink` (those
+/// still queued when the server stops included).
 async fn serve_and_forward(
     args: &AttachArgs,
     listen: &Listen,
     config: ServerConfig,
     sink: &mut Sink,
+    stop: Option<tokio::sync::oneshot::Receiver<()>>,
+    announce: &Announce,
 ) -> Result<()> {
     let bound = Bound::bind(listen).await?;
-    eprintln!("mladb attach: listening on {}", bound.address());
+    announce(format!("mladb attach: listening on {}", bound.address()));
     let (tx, mut rx) = mpsc::channel(256);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let shutdown = async move {
+        let external = async {
+            match stop {
+                Some(s) => {
+                    let _ = s.await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = stop_rx => {}
+            _ = external => {}
         }
     };
     let server = serve(&bound, config, tx, shutdown);
@@ -255,7 +330,7 @@ struct Worker {
 
 /// Loads the model and starts the comparison in a thread of its own (the backend stays in the
 /// thread that made it); returns once the model is loaded, or with the error that stopped it.
-fn start_worker(args: &AttachArgs) -> Result<Worker> {
+fn start_worker(args: &AttachArgs, screen: Option<crate::service::Send>) -> Result<Worker> {
     let flags = args.flags.flags(args.device)?;
     let map = args
         .name_map
@@ -295,14 +370,25 @@ fn start_worker(args: &AttachArgs) -> Result<Worker> {
             map,
             tolerance,
         );
-        while let Some(input) = rx.blocking_recv() {
-            for live in comparator.take(input) {
-                print_live(&live, json)?;
+        let mut feed = screen.map(|send| {
+            comparator.keep_engine = true;
+            super::attach_tui::Feed::new(send, &p)
+        });
+        let mut show = |lives: Vec<Live>, comparator: &Comparator, step_ended: bool| match &mut feed
+        {
+            Some(f) => {
+                f.sync(comparator, &lives, step_ended);
+                Ok(())
             }
+            None => lives.iter().try_for_each(|l| print_live(l, json)),
+        };
+        while let Some(input) = rx.blocking_recv() {
+            let step_ended = matches!(input, Input::Step { .. } | Input::Closed { .. });
+            let lives = comparator.take(input);
+            show(lives, &comparator, step_ended)?;
         }
-        for live in comparator.finish() {
-            print_live(&live, json)?;
-        }
+        let lives = comparator.finish();
+        show(lives, &comparator, true)?;
         let t = &comparator.totals;
         let not_in_run: Vec<&String> = t.not_in_run.iter().take(6).collect();
         let text = format!(
@@ -391,185 +477,4 @@ fn input_of(event: Event) -> Option<Input> {
         }),
         _ => None,
     }
-}
-
-/// One comparison event: a line of text, or its JSON object.
-fn print_live(live: &Live, json: bool) -> Result<()> {
-    if json {
-        let value = serde_json::to_value(live).map_err(|e| Error::invalid(e.to_string()))?;
-        return writeln!(Out, "{value}");
-    }
-    let line = match live {
-        Live::Reference {
-            step,
-            phase,
-            tokens,
-            ops,
-        } => format!("step {step}: mladb ran its reference ({phase}, {tokens} tokens, {ops} ops)"),
-        Live::Compared {
-            step,
-            module,
-            op,
-            rank,
-            error,
-            tolerance,
-            diverges,
-            worst_rank,
-            ..
-        } => {
-            let who = rank.map_or("ranks together".to_string(), |r| format!("rank {r}"));
-            let mut s = format!(
-                "step {step} {who} {module} = {op}: {error:.3e} (tolerance {tolerance:.1e}){}",
-                if *diverges { " DIVERGES" } else { "" }
-            );
-            if let (true, Some((r, e))) = (*diverges, worst_rank) {
-                s += &format!("; rank {r}'s shard differs most ({e:.3e})");
-            }
-            s
-        }
-        Live::Finding {
-            step,
-            rank,
-            finding,
-        } => format!(
-            "finding step {step}{}: {} {} {}: {}",
-            rank.map_or(String::new(), |r| format!(" rank {r}")),
-            finding.kind,
-            finding.phase,
-            finding.op,
-            finding.detail
-        ),
-        Live::Note { step, rank, text } => format!(
-            "note{}{}: {text}",
-            step.map_or(String::new(), |s| format!(" step {s}")),
-            rank.map_or(String::new(), |r| format!(" rank {r}"))
-        ),
-    };
-    writeln!(Out, "{line}")
-}
-
-/// Prints events; remembers each connection's rank for the lines after its hello.
-struct Report {
-    json: bool,
-    ranks: std::collections::HashMap<u64, u32>,
-    /// The comparison reports tensors (and disconnects) itself.
-    comparing: bool,
-}
-
-impl Report {
-    fn event(&mut self, event: &Event) -> Result<()> {
-        let (conn, line, value) = match event {
-            Event::Connected { conn, peer } => (
-                *conn,
-                format!("connected from {peer}"),
-                json!({"event": "connected", "conn": conn, "peer": peer}),
-            ),
-            Event::Refused { peer, reason } => {
-                let text = format!("refused {peer}: {reason}");
-                return self.print(
-                    &text,
-                    json!({"event": "refused", "peer": peer, "reason": reason}),
-                );
-            }
-            Event::Closed { conn, error } => (
-                *conn,
-                match error {
-                    None => "closed".to_string(),
-                    Some(e) => format!("closed: {e}"),
-                },
-                json!({"event": "closed", "conn": conn, "error": error}),
-            ),
-            Event::Frame { conn, frame, .. } => {
-                let rank = self.ranks.get(conn).copied();
-                let (line, value) = match &frame.header.body {
-                    Body::Hello {
-                        engine,
-                        model,
-                        rank,
-                        world_size,
-                    } => {
-                        self.ranks.insert(*conn, *rank);
-                        (
-                            format!("hello: {engine}, model {model}, rank {rank} of {world_size}"),
-                            json!({"event": "hello", "conn": conn, "engine": engine, "model": model,
-                                   "rank": rank, "world_size": world_size}),
-                        )
-                    }
-                    Body::Step {
-                        phase,
-                        step,
-                        tokens,
-                        positions,
-                    } => (
-                        format!(
-                            "step {step} {phase}: {} tokens {tokens:?} at positions {positions:?}",
-                            tokens.len()
-                        ),
-                        json!({"event": "step", "conn": conn, "rank": rank, "phase": phase,
-                               "step": step, "tokens": tokens, "positions": positions}),
-                    ),
-                    Body::Tensor { .. } if self.comparing => return Ok(()),
-                    Body::Tensor {
-                        module,
-                        dtype,
-                        shape,
-                        ptr,
-                        kernel_out_ptr,
-                    } => {
-                        let stats = stats_of(*dtype, &frame.payload);
-                        let hex = |p: &Option<u64>| p.map(|p| format!("{p:#x}"));
-                        let mut line = format!(
-                            "tensor {module} {} {shape:?}: mean {:.6e} max|x| {:.6e} nan {} inf {}",
-                            dtype.name(),
-                            stats.mean,
-                            stats.abs_max,
-                            stats.nan,
-                            stats.pos_inf + stats.neg_inf
-                        );
-                        if let Some(p) = ptr {
-                            line += &format!(" at {p:#x}");
-                        }
-                        if let (Some(k), Some(p)) = (kernel_out_ptr, ptr) {
-                            if k != p {
-                                line +=
-                                    &format!(" (its kernel wrote {k:#x}: not the buffer returned)");
-                            }
-                        }
-                        (
-                            line,
-                            json!({"event": "tensor", "conn": conn, "rank": rank, "module": module,
-                                   "dtype": dtype, "shape": shape, "ptr": hex(ptr),
-                                   "kernel_out_ptr": hex(kernel_out_ptr),
-                                   "stats": stats}),
-                        )
-                    }
-                    Body::Bye { dropped } => (
-                        format!("bye ({dropped} tensors dropped by the hook)"),
-                        json!({"event": "bye", "conn": conn, "rank": rank, "dropped": dropped}),
-                    ),
-                };
-                (*conn, line, value)
-            }
-        };
-        let prefix = match self.ranks.get(&conn) {
-            Some(rank) => format!("conn {conn} rank {rank}"),
-            None => format!("conn {conn}"),
-        };
-        self.print(&format!("{prefix} {line}"), value)
-    }
-
-    fn print(&self, text: &str, value: serde_json::Value) -> Result<()> {
-        if self.json {
-            writeln!(Out, "{value}")
-        } else {
-            writeln!(Out, "{text}")
-        }
-    }
-}
-
-/// The statistics of a received tensor, as the trace has them for mladb's device ops (the
-/// eight-lane pass; its payload is already checked to be its shape's size; integers are taken
-/// as f32).
-pub(crate) fn stats_of(dtype: Dtype, payload: &[u8]) -> TensorStats {
-    TensorStats::of_unordered(&dtype.values(payload))
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use super::attach::stats_of;
+use super::attach_report::stats_of;
 use super::Out;
 use crate::attach::server::{serve, Bound, Event, Listen, ServerConfig};
 use crate::attach::wire::{encode, Body, Dtype, Header, WIRE_VERSION};

@@ -9,6 +9,8 @@
 
 pub mod args;
 pub mod attach;
+pub mod attach_report;
+pub mod attach_tui;
 pub mod bench;
 pub mod bench_attach;
 pub mod bench_fp8;

@@ -159,3 +159,36 @@ impl<S: DebugService> Driver for Inline<S> {
         self.cancel.store(true, Ordering::Relaxed);
     }
 }
+
+/// Updates fed from elsewhere (a live attachment: the engine drives the run, not the
+/// debugger's keys); commands that would step or change the run are answered with a note.
+pub struct FeedDriver {
+    updates: Receiver<Update>,
+    local: Vec<Update>,
+    /// What a command is answered with.
+    why: String,
+}
+
+impl FeedDriver {
+    pub fn new(updates: Receiver<Update>, why: impl Into<String>) -> FeedDriver {
+        FeedDriver {
+            updates,
+            local: Vec::new(),
+            why: why.into(),
+        }
+    }
+}
+
+impl Driver for FeedDriver {
+    fn send(&mut self, _command: Command) {
+        self.local.push(Update::Error(self.why.clone()));
+    }
+
+    fn poll(&mut self) -> Vec<Update> {
+        let mut out = std::mem::take(&mut self.local);
+        out.extend(self.updates.try_iter());
+        out
+    }
+
+    fn cancel(&self) {}
+}

@@ -258,7 +258,7 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
     if let Some(reference) = app.mirror.aux(AuxKind::Reference) {
         lines.push(Line::from(Span::styled(
             format!(
-                "vs the reference dump ({} of its ops beside this run)",
+                "vs the reference: another engine's values ({} of its ops beside this run)",
                 reference.len()
             ),
             t.title(),
