@@ -33,6 +33,10 @@ const MAP: &str = r#"(
         (from: "model.layers.*.self_attn.mla_attn", to: Some("model.layers.*.self_attn.attn_output"), shard: Columns, kernel_output: true),
         (from: "model.layers.*.self_attn.o_proj", to: Some("model.layers.*.self_attn.o_proj"), shard: RowSum),
         (from: "model.layers.*.self_attn.rotary_emb", to: None),
+        (from: "model.layers.*.mlp.gate_up_proj", split_per_rank: true, shard: Columns, split: [
+            (to: Some("model.layers.*.mlp.gate_proj"), width: "intermediate_size"),
+            (to: Some("model.layers.*.mlp.up_proj"), width: "intermediate_size"),
+        ]),
     ],
 )"#;
 
@@ -135,6 +139,7 @@ fn rank_frames(
         };
         out.push(frame(body, &[]));
         let mut q_a: Option<Vec<f32>> = None;
+        let mut gate: Option<Vec<f32>> = None;
         for (i, e) in run
             .events
             .iter()
@@ -146,6 +151,21 @@ fn rank_frames(
             let name = e.name.as_str();
             if name.ends_with("self_attn.q_a_proj") {
                 q_a = Some(v.to_vec());
+            } else if name.ends_with("mlp.gate_proj") {
+                gate = Some(v.to_vec());
+            } else if name.ends_with("mlp.up_proj") {
+                // Merged column-parallel: this rank's [gate_r | up_r] per token.
+                let (g, u) = (half(&gate.take().unwrap(), rows, rank), half(v, rows, rank));
+                let w = g.len() / rows;
+                let fused: Vec<f32> = (0..rows)
+                    .flat_map(|r| [&g[r * w..(r + 1) * w], &u[r * w..(r + 1) * w]].concat())
+                    .collect();
+                out.push(tensor(
+                    &name.replace("up_proj", "gate_up_proj"),
+                    &fused,
+                    ptr,
+                    None,
+                ));
             } else if name.ends_with("self_attn.kv_a_proj_with_mqa") {
                 // Fused: q_a's columns then kv_a's, per token, on every rank.
                 let q = q_a.take().unwrap();
@@ -271,6 +291,8 @@ fn a_clean_two_rank_replay_agrees_everywhere() {
     assert_eq!(compared.len() as u64, totals["compared"].as_u64().unwrap());
     assert!(compared.len() > 300, "{} compared", compared.len());
     for op in [
+        "mlp.gate_proj",
+        "mlp.up_proj",
         "self_attn.q_a_proj",
         "self_attn.kv_a_proj_with_mqa",
         "self_attn.q_b_proj",

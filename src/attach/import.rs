@@ -240,6 +240,9 @@ impl<'a> Importer<'a> {
                     } else {
                         data.clone().expect("not moved yet")
                     };
+                    let world = self.world.unwrap_or(1);
+                    let (target, data) = super::shards::rank_part(&target, world, rows, data)
+                        .map_err(|e| Error::invalid(format!("{source}: {module}: {e}")))?;
                     let g = self
                         .gathered
                         .entry((step, target.op.clone()))

@@ -12,7 +12,7 @@
 //! continue the sequence (several sequences batched, a chunked prefill) is reported and not
 //! compared.
 
-use super::shards::{assemble, columns, Pending, Piece};
+use super::shards::{assemble, columns, rank_part, Pending, Piece};
 use super::wire::Dtype;
 
 use crate::backend::Backend;
@@ -383,6 +383,17 @@ impl<'m> Comparator<'m> {
                 data.take().expect("moved once")
             } else {
                 data.clone().expect("not moved yet")
+            };
+            let (target, data) = match rank_part(&target, world, rows, data) {
+                Ok(p) => p,
+                Err(e) => {
+                    out.push(Live::Note {
+                        step: Some(step),
+                        rank: Some(rank),
+                        text: format!("{module}: {e}"),
+                    });
+                    continue;
+                }
             };
             let piece = Piece { rank, rows, data };
             if world == 1 || target.shard == Shard::Replicated {

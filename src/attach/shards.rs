@@ -132,6 +132,35 @@ pub fn columns(
         .collect())
 }
 
+/// What of a rank's tensor is `target`'s: for a split applied per rank, that rank's share of
+/// the target's columns, then joined with the other ranks' by columns (the target returned
+/// says so); otherwise the tensor as it is, cut after the ranks are put together.
+pub fn rank_part(
+    target: &crate::debug::name_map::Target,
+    world: u32,
+    rows: usize,
+    data: Vec<f32>,
+) -> Result<(crate::debug::name_map::Target, Vec<f32>), String> {
+    let (true, Some(r)) = (target.per_rank, &target.columns) else {
+        return Ok((target.clone(), data));
+    };
+    let w = world.max(1) as usize;
+    if r.start % w != 0 || r.end % w != 0 {
+        return Err(format!(
+            "columns {}..{} of {} do not divide among {w} ranks",
+            r.start, r.end, target.op
+        ));
+    }
+    let part = columns(&data, rows, r.start / w..r.end / w)?;
+    let joined = crate::debug::name_map::Target {
+        columns: None,
+        shard: if w > 1 { Shard::Columns } else { target.shard },
+        per_rank: false,
+        ..target.clone()
+    };
+    Ok((joined, part))
+}
+
 /// Pieces waiting for the other ranks, keyed by (step, op, occurrence in the step).
 #[derive(Default)]
 pub struct Pending {

@@ -47,6 +47,11 @@ struct Rule {
     /// A fused output cut into consecutive column pieces, each an op of its own.
     #[serde(default)]
     split: Vec<Piece>,
+    /// The split applies to each rank's tensor (a merged column-parallel linear: rank r holds
+    /// `[gate_r | up_r]`): each piece's width is divided among the ranks, and the ranks' parts
+    /// of a piece are joined by columns.
+    #[serde(default)]
+    split_per_rank: bool,
     /// The module is an attention wrapper whose kernel writes a buffer the wrapper allocated.
     #[serde(default)]
     kernel_output: bool,
@@ -73,6 +78,9 @@ pub struct Target {
     pub shard: Shard,
     /// The module's kernel writes an output buffer its wrapper allocated.
     pub kernel_output: bool,
+    /// `columns` are cut from each rank's tensor, scaled to its share (see the rule's
+    /// `split_per_rank`).
+    pub per_rank: bool,
 }
 
 const HF_MAP: &str = include_str!("../../tools/name-maps/hf.ron");
@@ -152,6 +160,7 @@ impl NameMap {
                 columns: None,
                 shard: Shard::Replicated,
                 kernel_output: false,
+                per_rank: false,
             }]);
         };
         if rule.split.is_empty() {
@@ -163,6 +172,7 @@ impl NameMap {
                     columns: None,
                     shard: rule.shard,
                     kernel_output: rule.kernel_output,
+                    per_rank: false,
                 })
                 .collect());
         }
@@ -176,6 +186,7 @@ impl NameMap {
                     columns: Some(start..start + width),
                     shard: rule.shard,
                     kernel_output: rule.kernel_output,
+                    per_rank: rule.split_per_rank,
                 });
             }
             start += width;
