@@ -38,7 +38,7 @@ pub(super) struct Conn {
     rank: u32,
     world: u32,
     map: NameMap,
-    step: Option<u64>,
+    pub(super) step: Option<u64>,
     /// Times each module has sent a tensor in the current step.
     seen: HashMap<String, u32>,
 }
@@ -52,6 +52,8 @@ pub(super) struct StepRun {
     pub(super) phase: Phase,
     /// The op of the step's finding: the earliest divergent op in mladb's order so far.
     pub(super) reported: Option<usize>,
+    /// The sequence (the comparator's count) whose record `events` index.
+    pub(super) sequence: usize,
     /// Layers whose choice (experts, kept keys) the engine made otherwise than mladb from
     /// numbers that agree within their tolerance: (the layer, the index of mladb's choice op;
     /// 0 for a later layer that shares the choice).
@@ -75,7 +77,7 @@ pub struct Comparator<'m> {
     layers: Range<usize>,
     map: Option<NameMap>,
     tolerance: Option<f64>,
-    conns: HashMap<u64, Conn>,
+    pub(super) conns: HashMap<u64, Conn>,
     pub(super) seq: Option<Sequence<'m>>,
     pub(super) steps: HashMap<u64, StepRun>,
     pending: Pending,
@@ -84,6 +86,9 @@ pub struct Comparator<'m> {
     pub sequences: usize,
     /// Keep the engine's values beside mladb's run ([`Comparator::runs`]).
     pub keep_engine: bool,
+    /// The ranks that said hello, and the largest world size they gave.
+    pub(super) ranks: std::collections::HashSet<u32>,
+    pub(super) world: u32,
 }
 
 impl<'m> Comparator<'m> {
@@ -110,6 +115,8 @@ impl<'m> Comparator<'m> {
             totals: Totals::default(),
             sequences: 0,
             keep_engine: false,
+            ranks: Default::default(),
+            world: 1,
         }
     }
 
@@ -125,6 +132,8 @@ impl<'m> Comparator<'m> {
                     .map
                     .clone()
                     .unwrap_or_else(|| NameMap::for_engine(&engine));
+                self.ranks.insert(rank);
+                self.world = self.world.max(world_size);
                 self.conns.insert(
                     conn,
                     Conn {
@@ -196,6 +205,7 @@ impl<'m> Comparator<'m> {
             return Vec::new();
         }
         self.totals.steps += 1;
+        self.release_done_steps();
         let (events, phase) = match self.run_reference(&tokens, &positions) {
             Ok((range, phase)) => (Ok(range), phase),
             Err(why) => (Err(why), Phase::Prefill),
@@ -223,6 +233,7 @@ impl<'m> Comparator<'m> {
                 phase,
                 reported: None,
                 flips: Vec::new(),
+                sequence: self.sequences,
             },
         );
         out
@@ -406,19 +417,6 @@ impl<'m> Comparator<'m> {
             }
         }
         out
-    }
-
-    /// The current sequence: mladb's run of it, and the engine's values at its ops so far
-    /// (with `keep_engine`).
-    pub fn runs(&self) -> Option<(&RunRecord, &RunRecord)> {
-        self.seq.as_ref().map(|s| (&s.record, &s.seen))
-    }
-
-    /// Where mladb's run of `step` has op `op` (a step's ops are its phase's).
-    pub(super) fn op_index(&self, step: u64, op: &str) -> Option<usize> {
-        let run = self.steps.get(&step)?;
-        run.events.as_ref().ok()?;
-        self.seq.as_ref()?.record.find(run.phase, op)
     }
 
     fn compare(

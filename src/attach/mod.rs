@@ -12,6 +12,7 @@ pub mod import;
 pub mod live;
 pub mod pickle;
 pub mod record;
+mod sequence;
 pub mod server;
 pub mod sglang_dump;
 pub mod shards;
