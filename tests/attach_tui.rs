@@ -15,12 +15,10 @@ use mladb::debug::{Flags, RunRecord};
 use mladb::engine::generate::Schedule;
 use mladb::engine::trace::Phase;
 use mladb::service::{Send, Update};
-use mladb::tui::app::{App, Node, Tab};
+use mladb::tui::app::App;
 use mladb::tui::driver::FeedDriver;
 use mladb::tui::keys::Keymap;
 use mladb::tui::theme::Theme;
-use ratatui::backend::TestBackend;
-use ratatui::Terminal;
 use std::sync::{Arc, Mutex};
 
 const PLANTED: &str = "model.layers.1.self_attn.q_b_proj";
@@ -132,31 +130,12 @@ fn attached_app(plant: bool) -> App {
     app
 }
 
-fn compare_pane(app: &mut App, phase: Phase, name: &str) -> String {
-    let run = app.mirror.current().unwrap();
-    let i = run
-        .events
-        .iter()
-        .position(|e| e.phase == phase && e.name == name)
-        .unwrap_or_else(|| panic!("{phase} {name}"));
-    app.follow = false;
-    app.select(Node::Op(i));
-    app.tab = Tab::Compare;
-    let (w, h) = (200, 60);
-    let mut terminal = Terminal::new(TestBackend::new(w, h)).unwrap();
-    terminal.draw(|f| mladb::tui::ui::draw(f, app)).unwrap();
-    let b = terminal.backend().buffer().clone();
-    (0..h)
-        .map(|y| (0..w).map(|x| b[(x, y)].symbol()).collect::<String>() + "\n")
-        .collect()
-}
-
 #[test]
 fn an_attached_engine_that_agrees_shows_agreement_beside_every_op() {
     let mut app = attached_app(false);
     let run = app.mirror.current().unwrap();
     assert!(run.len() > 300, "{} ops arrived", run.len());
-    let text = compare_pane(
+    let text = common::compare_pane(
         &mut app,
         Phase::Decode(1),
         "model.layers.2.self_attn.o_proj",
@@ -177,7 +156,7 @@ fn an_attached_engine_that_agrees_shows_agreement_beside_every_op() {
 #[test]
 fn a_divergence_in_the_engine_is_the_first_divergent_op_and_a_finding() {
     let mut app = attached_app(true);
-    let text = compare_pane(&mut app, Phase::Decode(0), PLANTED);
+    let text = common::compare_pane(&mut app, Phase::Decode(0), PLANTED);
     let first = text
         .lines()
         .find(|l| l.contains("first divergent op:"))

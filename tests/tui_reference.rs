@@ -3,13 +3,14 @@
 //! in the tree and a section in the Compare pane. A clean run agrees everywhere and says how
 //! much it compared; a run with a fault planted shows its first divergent op.
 
+mod common;
+
+use mladb::engine::trace::Phase;
 use mladb::setup::{FlagOptions, ModelSpec, RunSpec};
-use mladb::tui::app::{App, Node, Tab};
+use mladb::tui::app::App;
 use mladb::tui::driver::InlineDriver;
 use mladb::tui::keys::{Action, Keymap};
 use mladb::tui::theme::Theme;
-use ratatui::backend::TestBackend;
-use ratatui::Terminal;
 use std::path::PathBuf;
 
 const MODEL: &str = "tests/fixtures/hf/glm5-sparse";
@@ -42,30 +43,6 @@ fn app_against_reference(inject: &[&str]) -> App {
     app
 }
 
-fn screen(app: &mut App) -> String {
-    let (w, h) = (200, 60);
-    let mut terminal = Terminal::new(TestBackend::new(w, h)).unwrap();
-    terminal.draw(|f| mladb::tui::ui::draw(f, app)).unwrap();
-    let b = terminal.backend().buffer().clone();
-    (0..h)
-        .map(|y| (0..w).map(|x| b[(x, y)].symbol()).collect::<String>() + "\n")
-        .collect()
-}
-
-/// The Compare pane of op `name` in `phase`.
-fn compare_pane(app: &mut App, phase: &str, name: &str) -> String {
-    let run = app.mirror.current().unwrap();
-    let i = run
-        .events
-        .iter()
-        .position(|e| e.phase.to_string() == phase && e.name == name)
-        .unwrap_or_else(|| panic!("{phase} {name}"));
-    app.follow = false;
-    app.select(Node::Op(i));
-    app.tab = Tab::Compare;
-    screen(app)
-}
-
 #[test]
 fn a_clean_run_agrees_with_the_reference_in_the_tree_and_the_compare_pane() {
     let mut app = app_against_reference(&[]);
@@ -74,7 +51,11 @@ fn a_clean_run_agrees_with_the_reference_in_the_tree_and_the_compare_pane() {
         .aux(mladb::service::AuxKind::Reference)
         .expect("the reference arrived with the finished run");
     assert!(reference.len() > 500, "{} ops", reference.len());
-    let text = compare_pane(&mut app, "decode.2", "model.layers.1.self_attn.o_proj");
+    let text = common::compare_pane(
+        &mut app,
+        Phase::Decode(2),
+        "model.layers.1.self_attn.o_proj",
+    );
     assert!(
         text.contains("vs the reference: another engine's values"),
         "{text}"
@@ -90,7 +71,11 @@ fn a_clean_run_agrees_with_the_reference_in_the_tree_and_the_compare_pane() {
 #[test]
 fn a_planted_fault_shows_its_first_divergent_op_against_the_reference() {
     let mut app = app_against_reference(&["output-buffer-disconnect"]);
-    let text = compare_pane(&mut app, "decode.0", "model.layers.0.self_attn.o_proj");
+    let text = common::compare_pane(
+        &mut app,
+        Phase::Decode(0),
+        "model.layers.0.self_attn.o_proj",
+    );
     assert!(
         text.contains("vs the reference: another engine's values"),
         "{text}"

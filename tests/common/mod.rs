@@ -251,3 +251,28 @@ pub fn spawn_attach(args: &[&str]) -> (std::process::Child, String) {
     std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
     (child, address)
 }
+
+/// The debugger's whole screen, `w` × `h`, as text (one line per row).
+pub fn screen_text(app: &mut mladb::tui::app::App, w: u16, h: u16) -> String {
+    use ratatui::{backend::TestBackend, Terminal};
+    let mut terminal = Terminal::new(TestBackend::new(w, h)).unwrap();
+    terminal.draw(|f| mladb::tui::ui::draw(f, app)).unwrap();
+    let b = terminal.backend().buffer().clone();
+    (0..h)
+        .map(|y| (0..w).map(|x| b[(x, y)].symbol()).collect::<String>() + "\n")
+        .collect()
+}
+
+/// The screen with op `name` of `phase` of the current run selected and the Compare pane open.
+pub fn compare_pane(app: &mut mladb::tui::app::App, phase: Phase, name: &str) -> String {
+    let run = app.mirror.current().unwrap();
+    let i = run
+        .events
+        .iter()
+        .position(|e| e.phase == phase && e.name == name)
+        .unwrap_or_else(|| panic!("{phase} {name}"));
+    app.follow = false;
+    app.select(mladb::tui::app::Node::Op(i));
+    app.tab = mladb::tui::app::Tab::Compare;
+    screen_text(app, 200, 60)
+}
