@@ -198,7 +198,7 @@ fn read_entry(
     limit: u64,
     path: &Path,
 ) -> Result<Option<Vec<u8>>> {
-    let mut entry = match archive.by_name(name) {
+    let entry = match archive.by_name(name) {
         Ok(e) => e,
         Err(zip::result::ZipError::FileNotFound) => return Ok(None),
         Err(e) => return Err(Error::parse(path, format!("{name}: {e}"))),
@@ -209,14 +209,24 @@ fn read_entry(
             format!("{name} is compressed; torch.save stores its entries uncompressed"),
         ));
     }
-    if entry.size() > limit {
+    // A stored entry cannot be larger than its archive: a size that says otherwise is a lie,
+    // refused before anything is allocated for it.
+    let file_len = std::fs::metadata(path)
+        .map_err(|e| Error::io(path, e))?
+        .len();
+    if entry.size() > limit.min(file_len) {
         return Err(Error::parse(
             path,
-            format!("{name} holds {} bytes, more than {limit}", entry.size()),
+            format!(
+                "{name} says it holds {} bytes; at most {} fit",
+                entry.size(),
+                limit.min(file_len)
+            ),
         ));
     }
     let mut bytes = Vec::with_capacity(entry.size() as usize);
     entry
+        .take(limit.min(file_len))
         .read_to_end(&mut bytes)
         .map_err(|e| Error::parse(path, format!("{name}: {e}")))?;
     Ok(Some(bytes))
@@ -297,5 +307,41 @@ mod tests {
         let cut = dir.path().join("cut.pt");
         std::fs::write(&cut, &good[..good.len() / 2]).unwrap();
         assert!(TorchFile::open(&cut).is_err());
+        // A storage entry that says it holds 2 GB in a file of a few hundred bytes: refused
+        // before anything is allocated for it.
+        let mut lying = good.clone();
+        for sig in [[0x50, 0x4b, 0x03, 0x04], [0x50, 0x4b, 0x01, 0x02]] {
+            // Local headers keep the sizes at 18 and 22, central entries at 20 and 24.
+            let (at, name_len_at, name_at) = if sig[2] == 3 {
+                (18, 26, 30)
+            } else {
+                (20, 28, 46)
+            };
+            let mut i = 0;
+            while i + name_at < lying.len() {
+                if lying[i..i + 4] == sig {
+                    let n =
+                        u16::from_le_bytes([lying[i + name_len_at], lying[i + name_len_at + 1]]);
+                    let name = &lying[i + name_at..i + name_at + n as usize];
+                    if name.ends_with(b"data/0") {
+                        for off in [at, at + 4] {
+                            lying[i + off..i + off + 4]
+                                .copy_from_slice(&0x7fff_ffffu32.to_le_bytes());
+                        }
+                    }
+                }
+                i += 1;
+            }
+        }
+        let lie = dir.path().join("lie.pt");
+        std::fs::write(&lie, &lying).unwrap();
+        let e = match TorchFile::open(&lie).and_then(|mut f| {
+            let v = f.root.get("value").unwrap().clone();
+            f.tensor(&v)
+        }) {
+            Ok(t) => panic!("read {t:?}"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("lie.pt"), "{e}");
     }
 }
