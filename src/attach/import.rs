@@ -75,6 +75,32 @@ struct Gathered {
     pieces: Vec<Piece>,
 }
 
+impl Gathered {
+    /// A module's tensor whole: its ranks' pieces put together and its columns cut; `None`
+    /// while a rank's piece is missinself.
+    fn whole(self, world: u32) -> std::result::Result<Option<ShapedData>, String> {
+        let shard = self.target.shard;
+        let single = world == 1 || shard == Shard::Replicated;
+        if !single && self.pieces.len() < world as usize {
+            return Ok(None);
+        }
+        let whole = assemble(shard, self.pieces)?;
+        Ok(Some(match &self.target.columns {
+            Some(range) => (
+                vec![self.rows, range.len()],
+                columns(&whole.data, whole.rows, range.clone())?,
+            ),
+            // One rank's tensor keeps the engine's shape; shards put together are rows of
+            // features.
+            None if single || shard == Shard::RowSum => (self.shape, whole.data),
+            None => {
+                let width = whole.data.len() / whole.rows.max(1);
+                (vec![self.rows, width], whole.data)
+            }
+        }))
+    }
+}
+
 /// Takes every rank's records; [`Importer::finish`] makes the dump.
 pub struct Importer<'a> {
     layout: &'a Layout,
@@ -286,7 +312,7 @@ impl<'a> Importer<'a> {
             // module returning its output) goes into the dump; the others must agree with it.
             let mut wholes = Vec::new();
             for (module, g) in modules {
-                match self.whole(g, world) {
+                match g.whole(world) {
                     Ok(Some(t)) => wholes.push((module, t)),
                     Ok(None) => incomplete += 1,
                     Err(e) => return Err(Error::invalid(format!("{source}: {key}: {e}"))),
@@ -368,30 +394,6 @@ impl<'a> Importer<'a> {
             notes: self.notes,
             disconnects: self.disconnects,
         })
-    }
-
-    /// A module's tensor whole: its ranks' pieces put together and its columns cut; `None`
-    /// while a rank's piece is missing.
-    fn whole(&self, g: Gathered, world: u32) -> std::result::Result<Option<ShapedData>, String> {
-        let shard = g.target.shard;
-        let single = world == 1 || shard == Shard::Replicated;
-        if !single && g.pieces.len() < world as usize {
-            return Ok(None);
-        }
-        let whole = assemble(shard, g.pieces)?;
-        Ok(Some(match &g.target.columns {
-            Some(range) => (
-                vec![g.rows, range.len()],
-                columns(&whole.data, whole.rows, range.clone())?,
-            ),
-            // One rank's tensor keeps the engine's shape; shards put together are rows of
-            // features.
-            None if single || shard == Shard::RowSum => (g.shape, whole.data),
-            None => {
-                let width = whole.data.len() / whole.rows.max(1);
-                (vec![g.rows, width], whole.data)
-            }
-        }))
     }
 
     /// The phase of each step of the first sequence: the step at position 0 is the prefill,

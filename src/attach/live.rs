@@ -488,12 +488,13 @@ impl<'m> Comparator<'m> {
             seq.seen.push(e.clone(), std::sync::Arc::new(t));
         }
         let judge = seq.judge.get_or_insert_with(|| {
-            let noisy =
-                flags_dtype == StorageDtype::Bf16 || matches!(dtype, Dtype::Bf16 | Dtype::F16);
+            let engine = match dtype {
+                Dtype::Bf16 | Dtype::F16 => StorageDtype::Bf16,
+                _ => StorageDtype::F32,
+            };
             Judge::new(match tolerance {
                 Some(t) => Tolerances::Uniform(t),
-                None if noisy => Tolerances::Table(StorageDtype::Bf16),
-                None => Tolerances::Table(StorageDtype::F32),
+                None => Tolerances::table_for(flags_dtype, engine),
             })
             .with_kv_cache(seq.record.flags.kv_cache)
         });

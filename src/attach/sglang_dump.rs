@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 /// One dump file, by its name's tags.
 #[derive(Debug, Clone, PartialEq)]
-struct DumpFile {
+pub struct DumpFile {
     step: u64,
     rank: u32,
     index: u64,
@@ -26,15 +26,9 @@ struct DumpFile {
 /// The prefix SGLang's non-intrusive dumper gives module tensors.
 const MODULE_PREFIX: &str = "non_intrusive__";
 
-/// Whether `dir` looks like a dumper directory: `.pt` files with a `step=` tag in it or in its
-/// subdirectories (one per experiment).
-pub fn is_dumper_dir(dir: &Path) -> bool {
-    dumper_files(dir).is_ok_and(|f| !f.is_empty())
-}
-
-/// The dump files of `dir` and its subdirectories, unordered; names without the tags are
-/// skipped.
-fn dumper_files(dir: &Path) -> Result<Vec<DumpFile>> {
+/// The dump files of `dir` and its subdirectories (one per experiment), unordered; names
+/// without the tags are skipped. Empty: `dir` is not a dumper directory.
+pub fn dumper_files(dir: &Path) -> Result<Vec<DumpFile>> {
     let mut out = Vec::new();
     let mut dirs = vec![(dir.to_path_buf(), 0)];
     while let Some((d, depth)) = dirs.pop() {
@@ -73,8 +67,7 @@ pub type RankRecords = Vec<(u32, Vec<Record>)>;
 /// Every rank's records, rank by rank: a hello, then per step its tokens and its module
 /// outputs in dump order. Tensors of other names (inputs, hand-placed dumps) are counted in
 /// `skipped`.
-pub fn records(dir: &Path) -> Result<(RankRecords, usize)> {
-    let mut files = dumper_files(dir)?;
+pub fn records(dir: &Path, mut files: Vec<DumpFile>) -> Result<(RankRecords, usize)> {
     if files.is_empty() {
         return Err(Error::invalid(format!(
             "{}: no SGLang dumper files (step=S___rank=R___dump_index=I___name=N.pt)",
@@ -157,7 +150,7 @@ fn module_of(name: &str) -> Option<&str> {
 /// A dump file's tensor and its meta dict.
 fn read(path: &Path) -> Result<(super::torch_file::TorchTensor, Value)> {
     let mut file = TorchFile::open(path)?;
-    let root = file.root.clone();
+    let root = std::mem::replace(&mut file.root, Value::None);
     let value = root.get("value").ok_or_else(|| {
         Error::parse(path, "no \"value\" in the dump (not an SGLang dumper file)")
     })?;

@@ -16,9 +16,8 @@ const MAX_PICKLE: u64 = 64 << 20;
 /// An opened torch file: its object, and the archive its tensors' bytes are read from.
 pub struct TorchFile {
     pub root: Value,
-    archive: zip::ZipArchive<File>,
+    archive: Archive,
     prefix: String,
-    path: PathBuf,
 }
 
 /// A tensor of the file, in f32, row-major.
@@ -34,11 +33,18 @@ impl TorchFile {
     pub fn open(path: &Path) -> Result<TorchFile> {
         let bad = |msg: String| Error::parse(path, msg);
         let file = crate::input::open_regular(path)?;
-        let mut archive = zip::ZipArchive::new(file)
+        let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+        let zip = zip::ZipArchive::new(file)
             .map_err(|e| bad(format!("not a torch.save file (a zip archive): {e}")))?;
-        let pkl = (0..archive.len())
+        let mut archive = Archive {
+            zip,
+            path: path.to_path_buf(),
+            len,
+        };
+        let pkl = (0..archive.zip.len())
             .filter_map(|i| {
                 archive
+                    .zip
                     .name_for_index(i)
                     .and_then(|n| n.ok())
                     .map(|n| n.to_string())
@@ -46,7 +52,7 @@ impl TorchFile {
             .find(|n| n == "data.pkl" || n.ends_with("/data.pkl"))
             .ok_or_else(|| bad("a zip archive without data.pkl: not a torch.save file".into()))?;
         let prefix = pkl.trim_end_matches("data.pkl").to_string();
-        if let Some(order) = read_entry(&mut archive, &format!("{prefix}byteorder"), 16, path)? {
+        if let Some(order) = archive.entry(&format!("{prefix}byteorder"), 16)? {
             if order != b"little" {
                 return Err(bad(format!(
                     "byte order {:?}: only little-endian files are read",
@@ -54,20 +60,20 @@ impl TorchFile {
                 )));
             }
         }
-        let bytes = read_entry(&mut archive, &pkl, MAX_PICKLE, path)?.expect("listed");
+        let bytes = archive.entry(&pkl, MAX_PICKLE)?.expect("listed");
         let root = pickle::read(&bytes).map_err(|e| bad(format!("{pkl}: {e}")))?;
         Ok(TorchFile {
             root,
             archive,
             prefix,
-            path: path.to_path_buf(),
         })
     }
 
     /// The tensor `value` rebuilds: `_rebuild_tensor_v2(storage, offset, size, stride, ...)`,
     /// possibly inside a parameter or a tensor subclass.
     pub fn tensor(&mut self, value: &Value) -> Result<TorchTensor> {
-        let bad = |msg: String| Error::parse(&self.path, msg);
+        let path = self.archive.path.clone();
+        let bad = |msg: String| Error::parse(&path, msg);
         let Value::Call { func, args, .. } = value else {
             return Err(bad("the value is not a tensor".into()));
         };
@@ -160,7 +166,9 @@ impl TorchFile {
         }
         let bytes_needed = (numel as u64).saturating_mul(width as u64);
         let name = format!("{}data/{key}", self.prefix);
-        let raw = read_entry(&mut self.archive, &name, bytes_needed, &self.path)?
+        let raw = self
+            .archive
+            .entry(&name, bytes_needed)?
             .ok_or_else(|| bad(format!("storage {key} is missing ({name})")))?;
         if raw.len() as u64 != bytes_needed {
             return Err(bad(format!(
@@ -190,46 +198,48 @@ impl TorchFile {
     }
 }
 
-/// An entry's bytes, `None` when the archive has no such entry; an entry larger than `limit`,
-/// or compressed (torch never compresses), is an error.
-fn read_entry(
-    archive: &mut zip::ZipArchive<File>,
-    name: &str,
-    limit: u64,
-    path: &Path,
-) -> Result<Option<Vec<u8>>> {
-    let entry = match archive.by_name(name) {
-        Ok(e) => e,
-        Err(zip::result::ZipError::FileNotFound) => return Ok(None),
-        Err(e) => return Err(Error::parse(path, format!("{name}: {e}"))),
-    };
-    if entry.compression() != zip::CompressionMethod::Stored {
-        return Err(Error::parse(
-            path,
-            format!("{name} is compressed; torch.save stores its entries uncompressed"),
-        ));
+/// The zip archive of a torch file, with its path and length (the most a stored entry holds).
+struct Archive {
+    zip: zip::ZipArchive<File>,
+    path: PathBuf,
+    len: u64,
+}
+
+impl Archive {
+    /// An entry's bytes, `None` when the archive has no such entry; an entry larger than
+    /// `limit`, or compressed (torch never compresses), is an error.
+    fn entry(&mut self, name: &str, limit: u64) -> Result<Option<Vec<u8>>> {
+        let path = &self.path;
+        let entry = match self.zip.by_name(name) {
+            Ok(e) => e,
+            Err(zip::result::ZipError::FileNotFound) => return Ok(None),
+            Err(e) => return Err(Error::parse(path, format!("{name}: {e}"))),
+        };
+        if entry.compression() != zip::CompressionMethod::Stored {
+            return Err(Error::parse(
+                path,
+                format!("{name} is compressed; torch.save stores its entries uncompressed"),
+            ));
+        }
+        // A stored entry cannot be larger than its archive: a size that says otherwise is a
+        // lie, refused before anything is allocated for it.
+        let most = limit.min(self.len);
+        if entry.size() > most {
+            return Err(Error::parse(
+                path,
+                format!(
+                    "{name} says it holds {} bytes; at most {most} fit",
+                    entry.size()
+                ),
+            ));
+        }
+        let mut bytes = Vec::with_capacity(entry.size() as usize);
+        entry
+            .take(most)
+            .read_to_end(&mut bytes)
+            .map_err(|e| Error::parse(path, format!("{name}: {e}")))?;
+        Ok(Some(bytes))
     }
-    // A stored entry cannot be larger than its archive: a size that says otherwise is a lie,
-    // refused before anything is allocated for it.
-    let file_len = std::fs::metadata(path)
-        .map_err(|e| Error::io(path, e))?
-        .len();
-    if entry.size() > limit.min(file_len) {
-        return Err(Error::parse(
-            path,
-            format!(
-                "{name} says it holds {} bytes; at most {} fit",
-                entry.size(),
-                limit.min(file_len)
-            ),
-        ));
-    }
-    let mut bytes = Vec::with_capacity(entry.size() as usize);
-    entry
-        .take(limit.min(file_len))
-        .read_to_end(&mut bytes)
-        .map_err(|e| Error::parse(path, format!("{name}: {e}")))?;
-    Ok(Some(bytes))
 }
 
 fn element_width(storage: &str) -> Option<usize> {

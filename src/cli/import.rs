@@ -8,14 +8,13 @@ use clap::Args;
 use std::path::PathBuf;
 
 use super::args::ModelArgs;
-use super::dump::model_text;
+use super::dump::{model_text, DumpCollector};
 use super::Out;
 use crate::attach::import::{Cursor, ImportOutcome, Importer, Record};
 use crate::attach::record::{frame_files, Frames};
 use crate::attach::sglang_dump;
 use crate::attach::wire::{Body, Dtype, Limits};
 use crate::error::{Error, Result};
-use crate::fsutil::write_atomic;
 
 #[derive(Args, Debug, Clone)]
 pub struct ImportArgs {
@@ -60,11 +59,13 @@ pub fn run(args: &ImportArgs) -> Result<bool> {
         .map(crate::debug::name_map::NameMap::resolve)
         .transpose()?;
     let mut importer = Importer::new(&model.layout, map);
-    let sglang: Vec<&PathBuf> = args
-        .paths
-        .iter()
-        .filter(|p| p.is_dir() && sglang_dump::is_dumper_dir(p))
-        .collect();
+    let mut sglang = Vec::new();
+    for p in args.paths.iter().filter(|p| p.is_dir()) {
+        let files = sglang_dump::dumper_files(p)?;
+        if !files.is_empty() {
+            sglang.push((p, files));
+        }
+    }
     let source = args
         .paths
         .iter()
@@ -72,7 +73,7 @@ pub fn run(args: &ImportArgs) -> Result<bool> {
         .collect::<Vec<_>>()
         .join(" ");
     let mut skipped = 0;
-    match sglang.as_slice() {
+    match sglang.as_mut_slice() {
         [] => {
             let limits = Limits {
                 max_payload: args
@@ -86,8 +87,8 @@ pub fn run(args: &ImportArgs) -> Result<bool> {
                 import_frames(&mut importer, &file, limits)?;
             }
         }
-        [dir] if args.paths.len() == 1 => {
-            let (ranks, left) = sglang_dump::records(dir)?;
+        [(dir, files)] if args.paths.len() == 1 => {
+            let (ranks, left) = sglang_dump::records(dir, std::mem::take(files))?;
             skipped = left;
             for (rank, records) in ranks {
                 let mut cursor = None;
@@ -173,26 +174,17 @@ fn import_frames(importer: &mut Importer, file: &std::path::Path, limits: Limits
     Ok(())
 }
 
+/// The dump, written as `run --dump` writes its own (F32 tensors, the metadata, atomically).
 fn write(outcome: &ImportOutcome, args: &ImportArgs) -> Result<()> {
-    use safetensors::tensor::TensorView;
-    let bytes: Vec<Vec<u8>> = outcome
+    let tensors = outcome
         .tensors
         .iter()
-        .map(|t| t.data.iter().flat_map(|v| v.to_le_bytes()).collect())
-        .collect();
-    let views = outcome
-        .tensors
-        .iter()
-        .zip(&bytes)
-        .map(|(t, b)| {
-            TensorView::new(safetensors::Dtype::F32, t.shape.clone(), b)
-                .map(|v| (t.key.clone(), v))
-                .map_err(|e| Error::invalid(format!("{}: {e}", t.key)))
+        .map(|t| {
+            let bytes = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (t.key.clone(), t.shape.clone(), bytes)
         })
-        .collect::<Result<Vec<_>>>()?;
-    let out = safetensors::serialize(views, Some(outcome.meta.to_map()))
-        .map_err(|e| Error::invalid(format!("writing {}: {e}", args.out.display())))?;
-    write_atomic(&args.out, &out)
+        .collect();
+    DumpCollector { tensors }.write(&args.out, &outcome.meta)
 }
 
 fn report(outcome: &ImportOutcome, args: &ImportArgs) -> Result<()> {

@@ -337,9 +337,7 @@ impl ExternalDump {
     /// it is judged by those tolerances.
     pub fn aligned(&self, run: &RunRecord) -> RunRecord {
         let mut flags = run.flags;
-        if self.meta.as_ref().is_some_and(DumpMeta::low_precision) {
-            flags.dtype = crate::engine::StorageDtype::Bf16;
-        }
+        flags.dtype = self.dtype();
         let mut out = RunRecord::new(flags);
         for e in &run.events {
             let Some((_, data)) = self.tensors.get(&(e.phase, e.name.clone())) else {
@@ -356,6 +354,16 @@ impl ExternalDump {
         out
     }
 
+    /// How the dump's engine stored its values: bf16 for a bf16 or f16 engine, else f32.
+    fn dtype(&self) -> crate::engine::StorageDtype {
+        use crate::engine::StorageDtype;
+        if self.meta.as_ref().is_some_and(DumpMeta::low_precision) {
+            StorageDtype::Bf16
+        } else {
+            StorageDtype::F32
+        }
+    }
+
     /// `mladb import` made the dump from another engine's recordings.
     fn imported(&self) -> bool {
         self.meta
@@ -367,13 +375,8 @@ impl ExternalDump {
     /// engine computed in bf16 or f16 and the run's table is f32's (its noise is bf16's).
     pub fn tolerances(&self, run: super::tolerance::Tolerances) -> super::tolerance::Tolerances {
         use super::tolerance::Tolerances;
-        use crate::engine::StorageDtype;
         match run {
-            Tolerances::Table(StorageDtype::F32)
-                if self.meta.as_ref().is_some_and(DumpMeta::low_precision) =>
-            {
-                Tolerances::Table(StorageDtype::Bf16)
-            }
+            Tolerances::Table(dtype) => Tolerances::table_for(dtype, self.dtype()),
             t => t,
         }
     }

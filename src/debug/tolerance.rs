@@ -75,6 +75,16 @@ const TABLE: &[Row] = &[
 ];
 
 impl Tolerances {
+    /// The table for values stored as `a` compared with values stored as `b`: bf16's when
+    /// either side is bf16 (its noise is in both), f32's otherwise.
+    pub fn table_for(a: StorageDtype, b: StorageDtype) -> Tolerances {
+        if a == StorageDtype::Bf16 || b == StorageDtype::Bf16 {
+            Tolerances::Table(StorageDtype::Bf16)
+        } else {
+            Tolerances::Table(StorageDtype::F32)
+        }
+    }
+
     /// (floor, gain) of ops of `kind`.
     pub fn row(&self, kind: OpKind) -> (f64, f64) {
         match *self {

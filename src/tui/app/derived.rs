@@ -66,12 +66,7 @@ impl Marks {
 
 /// The tolerances of `run` against `other`: the bf16 table when either side is bf16.
 fn tolerances_of(run: &crate::debug::RunRecord, other: &crate::debug::RunRecord) -> Tolerances {
-    use crate::engine::StorageDtype;
-    if other.flags.dtype == StorageDtype::Bf16 {
-        Tolerances::Table(StorageDtype::Bf16)
-    } else {
-        Tolerances::Table(run.flags.dtype)
-    }
+    Tolerances::table_for(run.flags.dtype, other.flags.dtype)
 }
 
 /// The first op over tolerance in a comparison, how many ops were compared, and how many could
