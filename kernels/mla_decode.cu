@@ -4,7 +4,8 @@
 // so that it runs on every architecture from sm_80 (Blackwell sm_120 included).
 //
 // Variants: mla_decode_ks3/ks2 (mla_decode_splitk.cu; Hopper, B200) split the work so that far less shared
-// memory is read per tile; mla_decode_t32/t16 (A100; 99 KB parts such as sm_86/89/120) follow.
+// memory is read per tile; mla_decode_t32/t16 (A100; 99 KB parts such as sm_86/89) follow, and
+// sm_120 (99 KB with TMA) runs mla_decode_kt16 there, 32 heads a block.
 // Block = (split, sequence, group of 64 heads), 8 warps. Any head count runs (a tensor-parallel
 // rank holds 64/TP or 128/TP heads): the last group's rows past the last head are padding, zero
 // queries in shared memory whose results are never written, since in the outputs those rows

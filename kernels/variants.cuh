@@ -22,6 +22,7 @@ struct KernelVariant {
 // The dense decode (mla_decode_sm90.cu, mla_decode_splitk.cu, mla_decode.cu).
 KERNEL_VARIANT(mla_decode_wgmma, 64, 32, 4, 226848)
 KERNEL_VARIANT(mla_decode_kt3, 64, 32, 3, 226328)
+KERNEL_VARIANT(mla_decode_kt16, 32, 16, 4, 85536)
 KERNEL_VARIANT(mla_decode_ks3, 64, 32, 3, 226816)
 KERNEL_VARIANT(mla_decode_ks2, 64, 32, 2, 189440)
 KERNEL_VARIANT(mla_decode_t32, 64, 32, 2, 155904)

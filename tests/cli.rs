@@ -197,7 +197,7 @@ fn bad_input_is_one_error_line_and_exit_2() {
     );
     assert_clean_error(
         &mladb(&["run", "--decode-variant", "t8"]),
-        "decode variant 't8' is not one of wgmma, kt3, ks3, ks2, t32, t16",
+        "decode variant 't8' is not one of wgmma, kt3, ks3, ks2, kt16, t32, t16",
     );
     assert_clean_error(
         &mladb(&["check", "--prefill-variant", "r32"]),

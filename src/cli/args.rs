@@ -217,7 +217,7 @@ pub struct FlagArgs {
     /// kernels that also write the probabilities). The CPU has the reference alone.
     #[arg(long)]
     pub attn_kernel: Option<String>,
-    /// Force a decode kernel variant (wgmma, kt3, ks3, ks2, t32, t16; h8 over an fp8_ds_mla
+    /// Force a decode kernel variant (wgmma, kt3, ks3, ks2, kt16, t32, t16; h8 over an fp8_ds_mla
     /// cache or a sparse selection, h16 over an fp8_ds_mla cache) instead of the first the
     /// device runs.
     #[arg(long)]

@@ -51,7 +51,7 @@ pub struct BenchArgs {
     /// a rank under tensor parallelism holds 64/TP, DeepSeek-V3's 128/TP).
     #[arg(long)]
     pub decode_heads: Option<String>,
-    /// With --device cuda: force a decode kernel variant (wgmma, kt3, ks3, ks2, t32, t16) for
+    /// With --device cuda: force a decode kernel variant (wgmma, kt3, ks3, ks2, kt16, t32, t16) for
     /// the bf16 decode tables.
     #[arg(long)]
     pub decode_variant: Option<String>,

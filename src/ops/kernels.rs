@@ -58,8 +58,11 @@ pub enum DecodeVariant {
     Ks2,
     /// 32-token tiles, two stages (A100).
     T32,
-    /// 16-token tiles, one stage: fits 99 KB of shared memory (sm_86/89, sm_120).
+    /// 16-token tiles, one stage: fits 99 KB of shared memory (sm_86/89).
     T16,
+    /// 32 heads a block, Q in registers, four 16-token stages by TMA: fits 99 KB of shared
+    /// memory with TMA (sm_120).
+    Kt16,
     /// The 8-head kernels (sm_90 and later): up to 8 heads a block as the MMAs' columns, over an
     /// FP8 cache dense or sparse (mla_decode_fp8_h8.cu), over a bf16 cache sparse only
     /// (mla_sparse_h8.cu).
@@ -71,11 +74,12 @@ pub enum DecodeVariant {
 
 impl DecodeVariant {
     /// Every variant, in order of preference.
-    pub const ALL: [DecodeVariant; 8] = [
+    pub const ALL: [DecodeVariant; 9] = [
         DecodeVariant::Wgmma,
         DecodeVariant::Kt3,
         DecodeVariant::Ks3,
         DecodeVariant::Ks2,
+        DecodeVariant::Kt16,
         DecodeVariant::T32,
         DecodeVariant::T16,
         DecodeVariant::H8,
@@ -91,6 +95,7 @@ impl DecodeVariant {
             DecodeVariant::Ks2 => "ks2",
             DecodeVariant::T32 => "t32",
             DecodeVariant::T16 => "t16",
+            DecodeVariant::Kt16 => "kt16",
             DecodeVariant::H8 => "h8",
             DecodeVariant::H16 => "h16",
         }
@@ -106,6 +111,7 @@ impl DecodeVariant {
             DecodeVariant::Ks2 => "mla_decode_ks2",
             DecodeVariant::T32 => "mla_decode_t32",
             DecodeVariant::T16 => "mla_decode_t16",
+            DecodeVariant::Kt16 => "mla_decode_kt16",
             DecodeVariant::H8 => "mla_decode_fp8_h8",
             DecodeVariant::H16 => "mla_decode_fp8_h16",
         }

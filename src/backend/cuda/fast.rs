@@ -53,15 +53,17 @@ pub struct DecodeShape {
 /// `mla_decode_wgmma` (Hopper only, kernels/mla_decode_sm90.cu: TMA and warpgroup MMAs, 222 KB);
 /// `mla_decode_kt3` (the split-k mma.sync kernel with its tiles by TMA: sm_90 and later, 221 KB);
 /// `mla_decode_ks3` (split-k S, P·V by output dims, three stages: 222 KB, Hopper and B200);
-/// `mla_decode_ks2` (the same in two stages, 185 KB); `mla_decode_t32` (32-token tiles in two
-/// stages, 152 KB: A100); `mla_decode_t16` (16-token tiles in one stage, 96 KB: sm_86/89,
-/// sm_120). kernels/mla_decode.cu says how they differ.
-pub(super) fn decode_variants() -> [(&'static str, u32); 6] {
+/// `mla_decode_ks2` (the same in two stages, 185 KB); `mla_decode_kt16` (the split-k kernel for
+/// 32 heads with Q in registers and four 16-token stages by TMA, 84 KB: sm_120);
+/// `mla_decode_t32` (32-token tiles in two stages, 152 KB: A100); `mla_decode_t16` (16-token
+/// tiles in one stage, 96 KB: sm_86/89). kernels/mla_decode.cu says how they differ.
+pub(super) fn decode_variants() -> [(&'static str, u32); 7] {
     [
         "mla_decode_wgmma",
         "mla_decode_kt3",
         "mla_decode_ks3",
         "mla_decode_ks2",
+        "mla_decode_kt16",
         "mla_decode_t32",
         "mla_decode_t16",
     ]
@@ -87,7 +89,10 @@ pub(super) fn runs_on(gpu: &Gpu, name: &str, shared: u32) -> bool {
 
 /// The decode kernels that read the cache through a TMA tensor map (their first argument).
 fn reads_cache_by_tma(kernel: &str) -> bool {
-    matches!(kernel, "mla_decode_wgmma" | "mla_decode_kt3")
+    matches!(
+        kernel,
+        "mla_decode_wgmma" | "mla_decode_kt3" | "mla_decode_kt16"
+    )
 }
 
 /// The decode kernels that need sm_90 or later: those fed by TMA, and the few-heads kernels
@@ -181,8 +186,11 @@ pub fn planted_decode_work(
 /// slower with fewer splits (FP8 B1 × 8k: 25.5 → 34.5 µs), so they keep the plain count.
 pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&str, u32)) -> usize {
     // Blocks per multiprocessor: its shared memory over the block's (plus the 1 KB the driver
-    // reserves per block).
-    let per_sm = (gpu.max_shared_per_multiprocessor() / (shared as usize + 1024)).max(1);
+    // reserves per block), or fewer where the kernel's registers allow fewer.
+    let by_shared = (gpu.max_shared_per_multiprocessor() / (shared as usize + 1024)).max(1);
+    let per_sm = gpu
+        .resident_blocks(kernel, decode_block(kernel).1, shared)
+        .map_or(by_shared, |n| n.min(by_shared));
     let slots = gpu.multiprocessors() * per_sm;
     // The fixed cost in tokens; `MLADB_DECODE_SPLIT_COST` sets another, for experiments.
     let fixed = std::env::var("MLADB_DECODE_SPLIT_COST")
@@ -525,10 +533,12 @@ mod tests {
                 u32::MAX,
                 "{kernel} has no row in kernels/variants.cuh"
             );
-            assert_eq!(
-                variants::variant(kernel).unwrap().rows,
-                HEAD_GROUP,
-                "{kernel}"
+            // A block takes a whole head group, or half of one (the 32-head form for 99 KB
+            // parts), so that the padded rows of a rank's few heads stay in one block.
+            let rows = variants::variant(kernel).unwrap().rows;
+            assert!(
+                rows == HEAD_GROUP || (kernel == "mla_decode_kt16" && rows == HEAD_GROUP / 2),
+                "{kernel}: {rows} rows"
             );
         }
     }

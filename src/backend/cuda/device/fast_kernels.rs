@@ -21,7 +21,8 @@ const SPARSE: [super::signature::Param; 14] = [
 ];
 pub const MLA_DECODE_TILED: Sig = Sig::new("mla_decode_t*", &DECODE);
 pub const MLA_DECODE_SPLIT_K: Sig = Sig::new("mla_decode_ks*", &DECODE);
-pub const MLA_DECODE_KT3: Sig = Sig::new("mla_decode_kt3", &DECODE_TMA);
+/// The split-k kernels fed by TMA (`mla_decode_kt3`, `mla_decode_kt16`).
+pub const MLA_DECODE_KT: Sig = Sig::new("mla_decode_kt*", &DECODE_TMA);
 pub const MLA_DECODE_WGMMA: Sig = Sig::new("mla_decode_wgmma", &DECODE_TMA);
 pub const MLA_SPARSE_TILED: Sig = Sig::new("mla_sparse_t*", &SPARSE);
 pub const MLA_SPARSE_SPLIT_K: Sig = Sig::new("mla_sparse_ks*", &SPARSE);
@@ -55,7 +56,7 @@ pub const FLASH_PREFILL_WGMMA: Sig = Sig::new(
 pub const SIGNATURES: &[&Sig] = &[
     &MLA_DECODE_TILED,
     &MLA_DECODE_SPLIT_K,
-    &MLA_DECODE_KT3,
+    &MLA_DECODE_KT,
     &MLA_DECODE_WGMMA,
     &MLA_SPARSE_TILED,
     &MLA_SPARSE_SPLIT_K,
@@ -84,14 +85,17 @@ pub const COMBINE_ROWS_MAX: usize = 32;
 /// kernel traps on another block size rather than wait for a producer that is not there).
 const PRODUCER_WARP: [&str; 2] = ["mla_sparse_h8", "mla_sparse_fp8_h8"];
 
-/// The heads one block of a decode kernel takes and its threads: [`HEAD_GROUP`] and eight
-/// warps for the 64-row kernels; the few-heads kernels' rows (8 or 16, kernels/variants.cuh)
-/// and four warps.
+/// The most rows of the few-heads kernels, which run four warps (the others run eight).
+const FEW_HEADS: usize = 16;
+
+/// The heads one block of a decode kernel takes and its threads: its variant's rows
+/// (kernels/variants.cuh: [`HEAD_GROUP`], 32 for `mla_decode_kt16`, 8 or 16 for the few-heads
+/// kernels) and eight warps, four for the few-heads kernels.
 pub fn decode_block(kernel: &str) -> (usize, u32) {
     let heads = super::variants::variant(kernel).map_or(HEAD_GROUP, |v| v.rows);
     let threads = if PRODUCER_WARP.contains(&kernel) {
         160
-    } else if heads < HEAD_GROUP {
+    } else if heads <= FEW_HEADS {
         128
     } else {
         256
@@ -289,7 +293,7 @@ impl Gpu {
         let a = d.check()?;
         let (sig, tma, sparse) = [
             (&MLA_DECODE_WGMMA, true, false),
-            (&MLA_DECODE_KT3, true, false),
+            (&MLA_DECODE_KT, true, false),
             (&MLA_DECODE_SPLIT_K, false, false),
             (&MLA_DECODE_TILED, false, false),
             (&MLA_SPARSE_SPLIT_K, false, true),
@@ -308,12 +312,13 @@ impl Gpu {
         }
         let mut args = Vec::with_capacity(14);
         if tma {
-            // Boxes of 32 rows × 64 columns of the cache, in the 128-byte swizzle.
+            // Boxes of a tile's rows × 64 columns of the cache, in the 128-byte swizzle.
             let width = LATENT + ROPE;
+            let tile = super::variants::variant(d.kernel).map_or(32, |v| v.tile);
             args.push(Arg::Map(self.tensor_map_bf16(
                 d.cache,
                 &[width, d.cache.len() / width],
-                32,
+                tile as u32,
             )?));
         }
         args.extend([a.q, a.cache, a.table, int(d.max_pages, "pages")?]);

@@ -482,6 +482,18 @@ impl Gpu {
         self.ctx.attribute(PER_SM).map_or(48 * 1024, |v| v as usize)
     }
 
+    /// How many blocks of kernel `name` (`threads` threads and `shared` bytes of dynamic shared
+    /// memory each) one multiprocessor holds at once, as the driver reckons it from the
+    /// kernel's registers and shared memory; `None` when it cannot say.
+    pub fn resident_blocks(&self, name: &str, threads: u32, shared: u32) -> Option<usize> {
+        let kernel = self.functions.get(name)?;
+        let blocks = kernel
+            .function
+            .occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)
+            .ok()?;
+        (blocks > 0).then_some(blocks as usize)
+    }
+
     /// Streaming multiprocessors of the device.
     pub fn multiprocessors(&self) -> usize {
         use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
