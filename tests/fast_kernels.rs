@@ -255,13 +255,14 @@ fn tensor_core_decode_matches_reference() {
         keys: None,
     };
     // Every kernel variant the device can run; for each, the split count the device would
-    // choose, one split (the kernel writes the result itself), an odd count that leaves some
-    // splits of the short sequences empty (merged per row), and 40 (the block-wide merge).
+    // choose, one split (the kernel writes the result itself), two (as a full batch runs), an
+    // odd count that leaves some splits of the short sequences empty (merged per row), and 40
+    // (the block-wide merge).
     let chosen = DecodeWork::new(gpu, shape).unwrap().splits;
     let variants = fast::decode_variants_for(gpu);
     assert!(!variants.is_empty(), "no decode variant fits the device");
     for variant in variants {
-        for splits in [chosen, 1, 7, 40] {
+        for splits in [chosen, 1, 2, 7, 40] {
             let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
             let got = run_decode(gpu, shape, &input, &work);
             let what = format!("{variant}, {splits} splits (seed {seed})");
