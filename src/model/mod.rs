@@ -6,6 +6,7 @@ pub mod gguf;
 pub mod hf_config;
 pub mod layout;
 pub mod quant;
+pub mod shard;
 pub mod tokenizer;
 pub mod weights;
 
