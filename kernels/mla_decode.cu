@@ -83,14 +83,7 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
 
     // The query block; padding rows are zeros (never read past the last head of q).
     const bf16_t* qb = q + ((u64)b * total_heads + head0) * DQK;
-    for (int c = threadIdx.x; c < HEADS * CHUNKS; c += THREADS) {
-        int r = c / CHUNKS, k = (c % CHUNKS) * 8;
-        if (r < heads_here)
-            cp_async16(sQ_a + (r * STRIDE + k) * 2, qb + (u64)r * DQK + k);
-        else
-            st_shared_zero16(sQ_a + (r * STRIDE + k) * 2);
-    }
-    cp_async_commit();
+    load_rows_zero_padded<HEADS, DQK, STRIDE, THREADS>(sQ_a, qb, heads_here);
 
     // One tile of TILE tokens. Tiles start at multiples of TILE (which divides PAGE), so a tile
     // lies in one page: one block-table lookup per tile. Rows past the end are zeroed.

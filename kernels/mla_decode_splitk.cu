@@ -140,16 +140,7 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
     }
     // The query block; padding rows are zeros (never read past the last head of q).
     const bf16_t* qb = q + ((u64)b * total_heads + head0) * DQK;
-    if constexpr (!QREG) {
-        for (int c = threadIdx.x; c < BH * CHUNKS; c += THREADS) {
-            int r = c / CHUNKS, k = (c % CHUNKS) * 8;
-            if (r < heads_here)
-                cp_async16(sQ_a + (r * STRIDE + k) * 2, qb + (u64)r * DQK + k);
-            else
-                st_shared_zero16(sQ_a + (r * STRIDE + k) * 2);
-        }
-        cp_async_commit();
-    }
+    if constexpr (!QREG) load_rows_zero_padded<BH, DQK, STRIDE, THREADS>(sQ_a, qb, heads_here);
 
     const int* bt = block_table + (u64)b * max_pages;
     const int* list = SPARSE ? indices + (u64)b * topk : nullptr;
