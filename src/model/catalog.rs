@@ -202,6 +202,28 @@ impl Catalog {
         Catalog { specs }
     }
 
+    /// The tensors `keep` returns a shape for, with that shape (a tensor-parallel rank's share).
+    pub fn filter_map(
+        self,
+        mut keep: impl FnMut(&str, &TensorSpec) -> Option<Vec<usize>>,
+    ) -> Catalog {
+        let specs = self
+            .specs
+            .into_iter()
+            .filter_map(|(name, spec)| {
+                let shape = keep(&name, &spec)?;
+                Some((
+                    name,
+                    TensorSpec {
+                        shape,
+                        role: spec.role,
+                    },
+                ))
+            })
+            .collect();
+        Catalog { specs }
+    }
+
     pub fn get(&self, name: &str) -> Option<&TensorSpec> {
         self.specs.get(name)
     }

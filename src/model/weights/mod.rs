@@ -67,7 +67,16 @@ impl WeightStore {
         source: Box<dyn WeightSource>,
         budget_bytes: usize,
     ) -> Result<WeightStore> {
-        let catalog = Catalog::new(layout);
+        WeightStore::with_catalog(Catalog::new(layout), source, budget_bytes)
+    }
+
+    /// The same for the tensors of `catalog` (a tensor-parallel rank's, which holds cut shapes
+    /// and not every expert).
+    pub fn with_catalog(
+        catalog: Catalog,
+        source: Box<dyn WeightSource>,
+        budget_bytes: usize,
+    ) -> Result<WeightStore> {
         for (name, spec) in catalog.iter() {
             match source.shape(name) {
                 None => {
