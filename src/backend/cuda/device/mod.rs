@@ -135,6 +135,8 @@ pub struct Allocation {
 struct Kernel {
     function: CudaFunction,
     shared_allowed: AtomicU32,
+    /// Resident blocks per multiprocessor by (threads, shared bytes), asked of the driver once.
+    resident: Mutex<HashMap<(u32, u32), Option<usize>>>,
 }
 
 pub struct Gpu {
@@ -226,6 +228,7 @@ impl Gpu {
                             Kernel {
                                 function,
                                 shared_allowed,
+                                resident: Mutex::default(),
                             },
                         ))
                     })
@@ -487,11 +490,14 @@ impl Gpu {
     /// kernel's registers and shared memory; `None` when it cannot say.
     pub fn resident_blocks(&self, name: &str, threads: u32, shared: u32) -> Option<usize> {
         let kernel = self.functions.get(name)?;
-        let blocks = kernel
-            .function
-            .occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)
-            .ok()?;
-        (blocks > 0).then_some(blocks as usize)
+        let mut known = kernel.resident.lock().unwrap_or_else(|p| p.into_inner());
+        *known.entry((threads, shared)).or_insert_with(|| {
+            let blocks = kernel
+                .function
+                .occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)
+                .ok()?;
+            (blocks > 0).then_some(blocks as usize)
+        })
     }
 
     /// Streaming multiprocessors of the device.
