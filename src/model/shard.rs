@@ -15,8 +15,10 @@
 //! | `embed_tokens`, `lm_head` | rows, by vocabulary | vocab-parallel: a masked lookup all-reduced; logits all-gathered |
 //! | layer norms, `model.norm` | replicated | |
 //!
-//! A row-parallel layer's bias is held by every rank and added once (rank 0), after the
-//! all-reduce would double it otherwise.
+//! A row-parallel layer's bias is held by every rank but added by rank 0 alone: the all-reduce
+//! would otherwise add it once per rank.
+//!
+//! [`RankSource`] is one rank's weights read from the full model's source, as the plan cuts them.
 
 use super::catalog::Catalog;
 use super::layout::Layout;
