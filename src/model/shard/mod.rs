@@ -1,0 +1,232 @@
+//! Tensor parallelism's plan for MLA models: which weight is split how across N ranks, written
+//! once here for the engine (each rank's weights) and the debugger (which slice of an unsharded
+//! tensor a rank's shard is). It follows vLLM's sharding of DeepSeek-V3 and GLM-5 (SGLang's is
+//! the same for these layers):
+//!
+//! | weights | split | why |
+//! |---|---|---|
+//! | `q_proj`, `q_b_proj`, `kv_b_proj` | rows, by heads | column-parallel: a rank computes its heads' queries and K/V (its W_UK/W_UV slice for absorption) |
+//! | `o_proj` | columns, by heads | row-parallel: each rank's heads give a partial sum, all-reduced |
+//! | `q_a_proj`, `kv_a_proj_with_mqa`, their norms | replicated | the latent is the same on every rank, and so is the latent cache |
+//! | the DSA indexer | replicated | every rank selects the same keys |
+//! | the MoE router (`gate`) | replicated | every rank routes alike |
+//! | routed experts | whole, one owner each | expert parallel: expert e on rank ⌊e·N/E⌋; the combine is an all-reduce |
+//! | shared experts, the dense MLP | gate/up by rows, down by columns | column- then row-parallel, all-reduced |
+//! | `embed_tokens`, `lm_head` | rows, by vocabulary | vocab-parallel: a masked lookup all-reduced; logits all-gathered |
+//! | layer norms, `model.norm` | replicated | |
+//!
+//! A row-parallel layer's bias is held by every rank but added by rank 0 alone: the all-reduce
+//! would otherwise add it once per rank.
+//!
+//! [`RankSource`] is one rank's weights read from the full model's source, as the plan cuts them.
+
+mod rank;
+
+pub use rank::RankSource;
+
+use super::catalog::Catalog;
+use super::layout::Layout;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// How one weight is split over the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Whole on every rank.
+    Replicated,
+    /// Column-parallel: the rows (output features) of [out, in] in N equal parts of whole
+    /// `unit`s (a head's rows).
+    Rows { unit: usize },
+    /// Row-parallel: the columns (input features) in N equal parts of whole `unit`s; the ranks'
+    /// products are partial sums.
+    Columns { unit: usize },
+    /// Expert parallel: routed expert `expert`, whole on the rank that owns it, absent on the
+    /// others.
+    Expert { expert: usize },
+    /// Vocab-parallel: the rows (vocabulary entries) in parts of ⌈V/N⌉, the last one shorter.
+    Vocab,
+}
+
+/// What a rank holds of a tensor of shape [rows, cols...] viewed as a matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shard {
+    /// The whole tensor.
+    Whole,
+    /// Rows `start..start + len`.
+    Rows { start: usize, len: usize },
+    /// Columns `start..start + len` of every row.
+    Columns { start: usize, len: usize },
+    /// Nothing (an expert another rank owns).
+    Absent,
+}
+
+/// The split of the weight `name` of `layout` (a name of its [`Catalog`]).
+pub fn split_of(layout: &Layout, name: &str) -> Result<Split> {
+    let unknown = || Error::invalid(format!("tensor parallelism: no rule for the weight {name}"));
+    let qk = layout.qk_head_dim();
+    let rule = match name {
+        "model.embed_tokens.weight" | "lm_head.weight" => return Ok(Split::Vocab),
+        "model.norm.weight" => return Ok(Split::Replicated),
+        _ => {
+            // model.layers.L.<module path>
+            let rest = name.strip_prefix("model.layers.").ok_or_else(unknown)?;
+            rest.split_once('.')
+                .map(|(_, path)| path)
+                .ok_or_else(unknown)?
+        }
+    };
+    if let Some(expert) = rule.strip_prefix("mlp.experts.") {
+        let (e, _) = expert.split_once('.').ok_or_else(unknown)?;
+        let expert = e.parse::<usize>().map_err(|_| unknown())?;
+        return Ok(Split::Expert { expert });
+    }
+    if rule.starts_with("self_attn.indexer.") {
+        return Ok(Split::Replicated);
+    }
+    Ok(match rule {
+        "self_attn.q_proj.weight" | "self_attn.q_b_proj.weight" => Split::Rows { unit: qk },
+        "self_attn.kv_b_proj.weight" => Split::Rows {
+            unit: layout.qk_nope_head_dim + layout.v_head_dim,
+        },
+        "self_attn.o_proj.weight" => Split::Columns {
+            unit: layout.v_head_dim,
+        },
+        "mlp.gate_proj.weight"
+        | "mlp.up_proj.weight"
+        | "mlp.shared_experts.gate_proj.weight"
+        | "mlp.shared_experts.up_proj.weight" => Split::Rows { unit: 1 },
+        "mlp.down_proj.weight" | "mlp.shared_experts.down_proj.weight" => {
+            Split::Columns { unit: 1 }
+        }
+        "input_layernorm.weight"
+        | "post_attention_layernorm.weight"
+        | "self_attn.q_a_proj.weight"
+        | "self_attn.q_a_proj.bias"
+        | "self_attn.q_a_layernorm.weight"
+        | "self_attn.kv_a_proj_with_mqa.weight"
+        | "self_attn.kv_a_proj_with_mqa.bias"
+        | "self_attn.kv_a_layernorm.weight"
+        | "self_attn.o_proj.bias"
+        | "mlp.gate.weight"
+        | "mlp.gate.e_score_correction_bias" => Split::Replicated,
+        _ => return Err(unknown()),
+    })
+}
+
+/// Checks that `layout` splits into `tp` ranks: at least one, and heads, MLP widths and routed
+/// experts in whole equal parts (as vLLM requires). The error names what does not divide.
+pub fn check_tp(layout: &Layout, tp: usize) -> Result<()> {
+    if tp == 0 {
+        return Err(Error::invalid("--tp: at least 1 rank"));
+    }
+    let mut widths = vec![
+        ("attention heads", layout.num_heads),
+        (
+            "dense MLP width (intermediate_size)",
+            layout.intermediate_size,
+        ),
+    ];
+    if let Some(moe) = &layout.moe {
+        widths.push(("routed experts", moe.n_routed_experts));
+        if moe.n_shared_experts > 0 {
+            widths.push((
+                "shared experts' width",
+                moe.moe_intermediate_size * moe.n_shared_experts,
+            ));
+        }
+    }
+    match widths.iter().find(|(_, n)| n % tp != 0) {
+        Some((what, n)) => Err(Error::invalid(format!(
+            "--tp {tp}: the {n} {what} of {} do not split into {tp} equal parts",
+            layout.name
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The rank that owns routed expert `expert` of `experts` over `tp` ranks (contiguous blocks).
+pub fn expert_owner(expert: usize, experts: usize, tp: usize) -> usize {
+    expert * tp / experts.max(1)
+}
+
+/// What rank `rank` of `tp` holds of a tensor of `shape` split by `split`.
+pub fn shard_of(split: Split, shape: &[usize], tp: usize, rank: usize, experts: usize) -> Shard {
+    let rows = shape.first().copied().unwrap_or(1);
+    let cols: usize = shape.iter().skip(1).product();
+    let part = |total: usize, unit: usize| {
+        let len = total / tp / unit.max(1) * unit.max(1);
+        (rank * len, len)
+    };
+    match split {
+        Split::Replicated => Shard::Whole,
+        _ if tp == 1 => Shard::Whole,
+        Split::Rows { unit } => {
+            let (start, len) = part(rows, unit);
+            Shard::Rows { start, len }
+        }
+        Split::Columns { unit } => {
+            let (start, len) = part(cols, unit);
+            Shard::Columns { start, len }
+        }
+        Split::Expert { expert } => match expert_owner(expert, experts, tp) == rank {
+            true => Shard::Whole,
+            false => Shard::Absent,
+        },
+        Split::Vocab => {
+            let per = rows.div_ceil(tp);
+            let start = (rank * per).min(rows);
+            Shard::Rows {
+                start,
+                len: per.min(rows - start),
+            }
+        }
+    }
+}
+
+/// Rank `rank`'s shard of the weight `name` of `layout` (`None` where it holds nothing).
+pub fn shard_weight(
+    layout: &Layout,
+    name: &str,
+    full: &Tensor,
+    tp: usize,
+    rank: usize,
+) -> Result<Option<Tensor>> {
+    let experts = layout.moe.as_ref().map_or(0, |m| m.n_routed_experts);
+    let split = split_of(layout, name)?;
+    Ok(match shard_of(split, full.shape(), tp, rank, experts) {
+        Shard::Whole => Some(full.alias()),
+        Shard::Absent => None,
+        Shard::Rows { start, len } => Some(rows_of(full, start, len)),
+        Shard::Columns { start, len } => Some(columns_of(full, start, len)),
+    })
+}
+
+/// Rows `start..start + len` of `t` viewed as a matrix.
+fn rows_of(t: &Tensor, start: usize, len: usize) -> Tensor {
+    let cols = t.numel() / t.rows().max(1);
+    let mut shape = t.shape().to_vec();
+    shape[0] = len;
+    Tensor::from_vec(
+        &shape,
+        t.data()[start * cols..(start + len) * cols].to_vec(),
+    )
+}
+
+/// Columns `start..start + len` of every row of `t` viewed as a matrix [rows, cols].
+fn columns_of(t: &Tensor, start: usize, len: usize) -> Tensor {
+    let rows = t.rows();
+    let data = (0..rows)
+        .flat_map(|r| t.row(r)[start..start + len].iter().copied())
+        .collect();
+    Tensor::from_vec(&[rows, len], data)
+}
+
+/// Every weight of `layout` has a rule (a layout's catalog checked whole).
+pub fn check_plan(layout: &Layout) -> Result<()> {
+    Catalog::new(layout)
+        .iter()
+        .try_for_each(|(name, _)| split_of(layout, name).map(|_| ()))
+}
+
+#[cfg(test)]
+mod tests;

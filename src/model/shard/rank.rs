@@ -1,0 +1,171 @@
+//! One tensor-parallel rank's weights, read from the full model's source as the plan of
+//! [`super`] cuts them.
+
+use super::{check_tp, shard_of, split_of, Shard};
+use crate::error::{Error, Result};
+use crate::model::catalog::Catalog;
+use crate::model::layout::Layout;
+use crate::model::quant::QuantTensor;
+use crate::model::weights::WeightSource;
+
+/// The weights one rank holds: each tensor of the full model as [`shard_of`] cuts it, read
+/// from the full model's source (a row shard reads only its rows; a column shard reads whole
+/// rows and keeps its columns). An expert another rank owns is not there. Quantized tensors keep
+/// their blocks where the shard is whole blocks (rows always; columns when they start and end on
+/// block boundaries); otherwise the rank reads them decoded.
+pub struct RankSource {
+    full: std::sync::Arc<dyn WeightSource>,
+    layout: Layout,
+    tp: usize,
+    rank: usize,
+}
+
+impl RankSource {
+    /// Rank `rank` of `tp` over the full model's `source`; the layout must divide (see
+    /// [`check_tp`]).
+    pub fn new(
+        full: std::sync::Arc<dyn WeightSource>,
+        layout: &Layout,
+        tp: usize,
+        rank: usize,
+    ) -> Result<RankSource> {
+        check_tp(layout, tp)?;
+        if rank >= tp {
+            return Err(Error::invalid(format!("rank {rank} of {tp}")));
+        }
+        Ok(RankSource {
+            full,
+            layout: layout.clone(),
+            tp,
+            rank,
+        })
+    }
+
+    /// What this rank holds of `name` (`None`: not a weight of the layout).
+    pub fn shard(&self, name: &str) -> Option<Shard> {
+        let experts = self.layout.moe.as_ref().map_or(0, |m| m.n_routed_experts);
+        let split = split_of(&self.layout, name).ok()?;
+        let shape = self.full.shape(name)?;
+        Some(shard_of(split, &shape, self.tp, self.rank, experts))
+    }
+
+    /// The shapes of the tensors this rank holds: the full model's catalog, cut.
+    pub fn catalog(&self) -> Catalog {
+        Catalog::new(&self.layout).filter_map(|name, spec| match self.shard(name)? {
+            Shard::Absent => None,
+            shard => Some(shard_shape(&spec.shape, shard)),
+        })
+    }
+}
+
+/// The shape of `shard` of a tensor of `shape`.
+fn shard_shape(shape: &[usize], shard: Shard) -> Vec<usize> {
+    let cols: usize = shape.iter().skip(1).product();
+    match shard {
+        Shard::Whole | Shard::Absent => shape.to_vec(),
+        Shard::Rows { len, .. } => {
+            let mut s = shape.to_vec();
+            s[0] = len;
+            s
+        }
+        Shard::Columns { len, .. } => vec![shape[0], len.min(cols)],
+    }
+}
+
+impl WeightSource for RankSource {
+    fn describe(&self) -> String {
+        format!(
+            "{}, rank {} of {}",
+            self.full.describe(),
+            self.rank,
+            self.tp
+        )
+    }
+
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        match self.shard(name)? {
+            Shard::Absent => None,
+            shard => Some(shard_shape(&self.full.shape(name)?, shard)),
+        }
+    }
+
+    fn read_rows(&self, name: &str, start_row: usize, out: &mut [f32]) -> Result<()> {
+        let absent = || Error::invalid(format!("{name}: not held by rank {}", self.rank));
+        match self.shard(name).ok_or_else(absent)? {
+            Shard::Absent => Err(absent()),
+            Shard::Whole => self.full.read_rows(name, start_row, out),
+            Shard::Rows { start, .. } => self.full.read_rows(name, start + start_row, out),
+            Shard::Columns { start, len } => {
+                let full_cols: usize = self.full.shape(name).ok_or_else(absent)?[1..]
+                    .iter()
+                    .product();
+                let rows = out.len() / len.max(1);
+                let mut whole = vec![0.0f32; rows * full_cols];
+                self.full.read_rows(name, start_row, &mut whole)?;
+                for (r, dst) in out.chunks_mut(len.max(1)).enumerate() {
+                    dst.copy_from_slice(&whole[r * full_cols + start..][..len]);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn readable(&self, name: &str) -> Result<()> {
+        self.full.readable(name)
+    }
+
+    fn quantized(&self, name: &str) -> Option<Result<QuantTensor>> {
+        let shard = self.shard(name)?;
+        let full = match self.full.quantized(name)? {
+            Ok(q) => q,
+            Err(e) => return Some(Err(e)),
+        };
+        match shard {
+            Shard::Absent => None,
+            Shard::Whole => Some(Ok(full)),
+            Shard::Rows { start, len } => Some(QuantTensor::new(
+                full.ty,
+                len,
+                full.cols,
+                full.rows_bytes(start, len).into(),
+            )),
+            Shard::Columns { start, len } => {
+                let block = full.ty.block_size();
+                if !start.is_multiple_of(block) || !len.is_multiple_of(block) {
+                    return None; // read decoded
+                }
+                let (per_block, row_bytes) = (full.ty.type_size(), full.row_bytes());
+                let (from, count) = (start / block * per_block, len / block * per_block);
+                let bytes: Vec<u8> = (0..full.rows)
+                    .flat_map(|r| {
+                        full.bytes()[r * row_bytes + from..][..count]
+                            .iter()
+                            .copied()
+                    })
+                    .collect();
+                Some(QuantTensor::new(full.ty, full.rows, len, bytes.into()))
+            }
+        }
+    }
+
+    fn original(&self, name: &str, start_row: usize, out: &mut [f32]) -> Option<Result<()>> {
+        // The values before quantization, cut as the decoded ones are.
+        let cols: usize = self.full.shape(name)?[1..].iter().product();
+        match self.shard(name)? {
+            Shard::Absent => None,
+            Shard::Whole => self.full.original(name, start_row, out),
+            Shard::Rows { start, .. } => self.full.original(name, start + start_row, out),
+            Shard::Columns { start, len } => {
+                let rows = out.len() / len.max(1);
+                let mut whole = vec![0.0f32; rows * cols];
+                if let Err(e) = self.full.original(name, start_row, &mut whole)? {
+                    return Some(Err(e));
+                }
+                for (r, dst) in out.chunks_mut(len.max(1)).enumerate() {
+                    dst.copy_from_slice(&whole[r * cols + start..][..len]);
+                }
+                Some(Ok(()))
+            }
+        }
+    }
+}
