@@ -12,13 +12,11 @@
 #include "sparse.cuh"
 #include "variants.cuh"
 
-#define HEADS 64
 #define DQK 576
 #define DV 512
 #define STRIDE 584   // shared row stride in bf16: 1168 bytes shifts rows by 4 banks
 #define PAGE 64
 #define THREADS 256
-#define NT_OF(TILE) ((TILE) / 2 / 8)
 
 // ---------------------------------------------------------------------------------------------
 // The split-k variant (mla_decode_ks2/ks3): the same function with a work split that reads far

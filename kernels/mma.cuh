@@ -82,15 +82,25 @@ __device__ __forceinline__ void st_shared_zero16(unsigned dst) {
     asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(dst), "r"(0));
 }
 
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 // ROWS rows of WIDTH bf16 from global memory (row r at src + r·WIDTH) into shared memory rows
 // STRIDE bf16 apart at dst, by cp.async over THREADS threads, as one committed group; rows from
 // `valid` on are zeroed instead of read (a decode block's query rows past the last head).
 template <int ROWS, int WIDTH, int STRIDE, int THREADS>
-__device__ __forceinline__ void load_rows_zero_padded(unsigned dst, const bf16_t* src, int valid);
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void load_rows_zero_padded(unsigned dst, const bf16_t* src, int valid) {
+    constexpr int CHUNKS = WIDTH / 8;  // 16-byte chunks per row
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, k = (c % CHUNKS) * 8;
+        if (r < valid)
+            cp_async16(dst + (r * STRIDE + k) * 2, src + (u64)r * WIDTH + k);
+        else
+            st_shared_zero16(dst + (r * STRIDE + k) * 2);
+    }
+    cp_async_commit();
+}
 
 // Two floats as bf16 (round to nearest even) in one register: low half = a.
 __device__ __forceinline__ unsigned pack_bf16(float a, float b) {
@@ -118,16 +128,3 @@ __device__ __forceinline__ float raise_max(float& m_run, float mx) {
 // The maximum a row's scores are exponentiated against: 0 while it is -inf, so that a masked
 // score gives 2^-inf = 0 rather than NaN.
 __device__ __forceinline__ float exp_base(float m_run) { return m_run == -INFINITY ? 0.0f : m_run; }
-
-template <int ROWS, int WIDTH, int STRIDE, int THREADS>
-__device__ __forceinline__ void load_rows_zero_padded(unsigned dst, const bf16_t* src, int valid) {
-    constexpr int CHUNKS = WIDTH / 8;  // 16-byte chunks per row
-    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
-        const int r = c / CHUNKS, k = (c % CHUNKS) * 8;
-        if (r < valid)
-            cp_async16(dst + (r * STRIDE + k) * 2, src + (u64)r * WIDTH + k);
-        else
-            st_shared_zero16(dst + (r * STRIDE + k) * 2);
-    }
-    cp_async_commit();
-}

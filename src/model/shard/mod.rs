@@ -183,6 +183,18 @@ pub fn shard_of(split: Split, shape: &[usize], tp: usize, rank: usize, experts: 
     }
 }
 
+/// What rank `rank` of `tp` holds of the weight `name` of `layout`, of shape `shape`.
+pub fn weight_shard(
+    layout: &Layout,
+    name: &str,
+    shape: &[usize],
+    tp: usize,
+    rank: usize,
+) -> Result<Shard> {
+    let experts = layout.moe.as_ref().map_or(0, |m| m.n_routed_experts);
+    Ok(shard_of(split_of(layout, name)?, shape, tp, rank, experts))
+}
+
 /// Rank `rank`'s shard of the weight `name` of `layout` (`None` where it holds nothing).
 pub fn shard_weight(
     layout: &Layout,
@@ -191,9 +203,7 @@ pub fn shard_weight(
     tp: usize,
     rank: usize,
 ) -> Result<Option<Tensor>> {
-    let experts = layout.moe.as_ref().map_or(0, |m| m.n_routed_experts);
-    let split = split_of(layout, name)?;
-    Ok(match shard_of(split, full.shape(), tp, rank, experts) {
+    Ok(match weight_shard(layout, name, full.shape(), tp, rank)? {
         Shard::Whole => Some(full.alias()),
         Shard::Absent => None,
         Shard::Rows { start, len } => Some(rows_of(full, start, len)),
@@ -215,10 +225,17 @@ fn rows_of(t: &Tensor, start: usize, len: usize) -> Tensor {
 /// Columns `start..start + len` of every row of `t` viewed as a matrix [rows, cols].
 fn columns_of(t: &Tensor, start: usize, len: usize) -> Tensor {
     let rows = t.rows();
-    let data = (0..rows)
-        .flat_map(|r| t.row(r)[start..start + len].iter().copied())
-        .collect();
+    let mut data = vec![0.0f32; rows * len];
+    copy_columns(t.data(), t.numel() / rows.max(1), start, &mut data, len);
     Tensor::from_vec(&[rows, len], data)
+}
+
+/// Columns `start..start + len` of the rows of `whole` (rows of `cols` values) into the rows of
+/// `out` (rows of `len`).
+fn copy_columns(whole: &[f32], cols: usize, start: usize, out: &mut [f32], len: usize) {
+    for (r, dst) in out.chunks_mut(len.max(1)).enumerate() {
+        dst.copy_from_slice(&whole[r * cols + start..][..len]);
+    }
 }
 
 /// Every weight of `layout` has a rule (a layout's catalog checked whole).

@@ -1,14 +1,14 @@
 //! One tensor-parallel rank's weights, read from the full model's source as the plan of
 //! [`super`] cuts them.
 
-use super::{check_tp, shard_of, split_of, Shard};
+use super::{check_tp, copy_columns, weight_shard, Shard};
 use crate::error::{Error, Result};
 use crate::model::catalog::Catalog;
 use crate::model::layout::Layout;
 use crate::model::quant::QuantTensor;
 use crate::model::weights::WeightSource;
 
-/// The weights one rank holds: each tensor of the full model as [`shard_of`] cuts it, read
+/// The weights one rank holds: each tensor of the full model as [`weight_shard`] cuts it, read
 /// from the full model's source (a row shard reads only its rows; a column shard reads whole
 /// rows and keeps its columns). An expert another rank owns is not there. Quantized tensors keep
 /// their blocks where the shard is whole blocks (rows always; columns when they start and end on
@@ -41,26 +41,52 @@ impl RankSource {
         })
     }
 
-    /// What this rank holds of `name` (`None`: not a weight of the layout).
-    pub fn shard(&self, name: &str) -> Option<Shard> {
-        let experts = self.layout.moe.as_ref().map_or(0, |m| m.n_routed_experts);
-        let split = split_of(&self.layout, name).ok()?;
+    /// What this rank holds of `name`, with the full tensor's shape (`None`: not a weight of
+    /// the layout).
+    pub fn shard(&self, name: &str) -> Option<(Shard, Vec<usize>)> {
         let shape = self.full.shape(name)?;
-        Some(shard_of(split, &shape, self.tp, self.rank, experts))
+        let shard = weight_shard(&self.layout, name, &shape, self.tp, self.rank).ok()?;
+        Some((shard, shape))
     }
 
     /// The shapes of the tensors this rank holds: the full model's catalog, cut.
     pub fn catalog(&self) -> Catalog {
-        Catalog::new(&self.layout).filter_map(|name, spec| match self.shard(name)? {
+        Catalog::new(&self.layout).filter_map(|name, spec| match self.shard(name)?.0 {
             Shard::Absent => None,
             shard => Some(shard_shape(&spec.shape, shard)),
         })
+    }
+
+    /// Rows of this rank's shard of `name` from `start_row` into `out`, from `read` (rows of
+    /// the full tensor from a start row: its values, or those before quantization), cut as the
+    /// shard is; `None` where the rank holds nothing or `read` has nothing.
+    fn read_cut(
+        &self,
+        name: &str,
+        start_row: usize,
+        out: &mut [f32],
+        mut read: impl FnMut(usize, &mut [f32]) -> Option<Result<()>>,
+    ) -> Option<Result<()>> {
+        let (shard, shape) = self.shard(name)?;
+        match shard {
+            Shard::Absent => None,
+            Shard::Whole => read(start_row, out),
+            Shard::Rows { start, .. } => read(start + start_row, out),
+            Shard::Columns { start, len } => {
+                let cols: usize = shape[1..].iter().product();
+                let mut whole = vec![0.0f32; out.len() / len.max(1) * cols];
+                if let Err(e) = read(start_row, &mut whole)? {
+                    return Some(Err(e));
+                }
+                copy_columns(&whole, cols, start, out, len);
+                Some(Ok(()))
+            }
+        }
     }
 }
 
 /// The shape of `shard` of a tensor of `shape`.
 fn shard_shape(shape: &[usize], shard: Shard) -> Vec<usize> {
-    let cols: usize = shape.iter().skip(1).product();
     match shard {
         Shard::Whole | Shard::Absent => shape.to_vec(),
         Shard::Rows { len, .. } => {
@@ -68,7 +94,7 @@ fn shard_shape(shape: &[usize], shard: Shard) -> Vec<usize> {
             s[0] = len;
             s
         }
-        Shard::Columns { len, .. } => vec![shape[0], len.min(cols)],
+        Shard::Columns { len, .. } => vec![shape[0], len],
     }
 }
 
@@ -84,30 +110,21 @@ impl WeightSource for RankSource {
 
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
         match self.shard(name)? {
-            Shard::Absent => None,
-            shard => Some(shard_shape(&self.full.shape(name)?, shard)),
+            (Shard::Absent, _) => None,
+            (shard, shape) => Some(shard_shape(&shape, shard)),
         }
     }
 
     fn read_rows(&self, name: &str, start_row: usize, out: &mut [f32]) -> Result<()> {
-        let absent = || Error::invalid(format!("{name}: not held by rank {}", self.rank));
-        match self.shard(name).ok_or_else(absent)? {
-            Shard::Absent => Err(absent()),
-            Shard::Whole => self.full.read_rows(name, start_row, out),
-            Shard::Rows { start, .. } => self.full.read_rows(name, start + start_row, out),
-            Shard::Columns { start, len } => {
-                let full_cols: usize = self.full.shape(name).ok_or_else(absent)?[1..]
-                    .iter()
-                    .product();
-                let rows = out.len() / len.max(1);
-                let mut whole = vec![0.0f32; rows * full_cols];
-                self.full.read_rows(name, start_row, &mut whole)?;
-                for (r, dst) in out.chunks_mut(len.max(1)).enumerate() {
-                    dst.copy_from_slice(&whole[r * full_cols + start..][..len]);
-                }
-                Ok(())
-            }
-        }
+        self.read_cut(name, start_row, out, |from, rows| {
+            Some(self.full.read_rows(name, from, rows))
+        })
+        .unwrap_or_else(|| {
+            Err(Error::invalid(format!(
+                "{name}: not held by rank {}",
+                self.rank
+            )))
+        })
     }
 
     fn readable(&self, name: &str) -> Result<()> {
@@ -115,7 +132,7 @@ impl WeightSource for RankSource {
     }
 
     fn quantized(&self, name: &str) -> Option<Result<QuantTensor>> {
-        let shard = self.shard(name)?;
+        let (shard, _) = self.shard(name)?;
         let full = match self.full.quantized(name)? {
             Ok(q) => q,
             Err(e) => return Some(Err(e)),
@@ -150,22 +167,8 @@ impl WeightSource for RankSource {
 
     fn original(&self, name: &str, start_row: usize, out: &mut [f32]) -> Option<Result<()>> {
         // The values before quantization, cut as the decoded ones are.
-        let cols: usize = self.full.shape(name)?[1..].iter().product();
-        match self.shard(name)? {
-            Shard::Absent => None,
-            Shard::Whole => self.full.original(name, start_row, out),
-            Shard::Rows { start, .. } => self.full.original(name, start + start_row, out),
-            Shard::Columns { start, len } => {
-                let rows = out.len() / len.max(1);
-                let mut whole = vec![0.0f32; rows * cols];
-                if let Err(e) = self.full.original(name, start_row, &mut whole)? {
-                    return Some(Err(e));
-                }
-                for (r, dst) in out.chunks_mut(len.max(1)).enumerate() {
-                    dst.copy_from_slice(&whole[r * cols + start..][..len]);
-                }
-                Some(Ok(()))
-            }
-        }
+        self.read_cut(name, start_row, out, |from, rows| {
+            self.full.original(name, from, rows)
+        })
     }
 }

@@ -129,7 +129,7 @@ pub struct SparseKeys<'a> {
 
 /// One decode launch: `batch` sequences of one query token each over a paged cache.
 pub struct Decode<'a> {
-    /// A kernel of [`MLA_DECODE_TILED`], [`MLA_DECODE_SPLIT_K`], [`MLA_DECODE_KT3`] or
+    /// A kernel of [`MLA_DECODE_TILED`], [`MLA_DECODE_SPLIT_K`], [`MLA_DECODE_KT`] or
     /// [`MLA_DECODE_WGMMA`]; with `sparse`, of [`MLA_SPARSE_TILED`] or [`MLA_SPARSE_SPLIT_K`].
     pub kernel: &'a str,
     pub shared: u32,
