@@ -289,6 +289,8 @@ pub struct FlagOptions {
     pub prefill_variant: Option<String>,
     /// `bf16` or `fp8_ds_mla` (the latent cache's storage).
     pub kv_cache_dtype: Option<String>,
+    /// Tensor-parallel ranks.
+    pub tp: Option<String>,
 }
 
 impl FlagOptions {
@@ -347,6 +349,7 @@ impl FlagOptions {
             ("decode-variant", &self.decode_variant),
             ("prefill-variant", &self.prefill_variant),
             ("kv-cache-dtype", &self.kv_cache_dtype),
+            ("tp", &self.tp),
         ] {
             if let Some(v) = value {
                 flags

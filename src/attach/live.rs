@@ -374,6 +374,7 @@ impl<'m> Comparator<'m> {
                     step,
                     rank: Some(rank),
                     finding: Finding {
+                        rank: None,
                         kind: FindingKind::BufferDisconnect,
                         phase,
                         op,
@@ -618,6 +619,7 @@ impl<'m> Comparator<'m> {
                 step,
                 rank: blamed,
                 finding: Finding {
+                    rank: None,
                     kind: FindingKind::ReferenceMismatch,
                     phase,
                     op: op.to_string(),

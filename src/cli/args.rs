@@ -232,6 +232,12 @@ pub struct FlagArgs {
     /// qk_rope_head_dim 64 (glm5, glm5-rank8).
     #[arg(long)]
     pub kv_cache_dtype: Option<String>,
+    /// Tensor parallelism over N ranks, sharded as vLLM shards MLA models (heads of q_b_proj,
+    /// kv_b_proj and o_proj; experts; the MLP's columns; the vocabulary), run one rank after
+    /// another in this process with exact collectives. The trace shows every rank's ops and
+    /// the collectives; `check` compares each rank with the run on one rank (tp-mismatch).
+    #[arg(long)]
+    pub tp: Option<String>,
 }
 
 impl FlagArgs {
@@ -248,6 +254,7 @@ impl FlagArgs {
             decode_variant: self.decode_variant.clone(),
             prefill_variant: self.prefill_variant.clone(),
             kv_cache_dtype: self.kv_cache_dtype.clone(),
+            tp: self.tp.clone(),
         }
     }
 

@@ -185,7 +185,7 @@ fn print_text(report: &CheckReport, layout: &str, seconds: f64) -> Result<()> {
             "{:<26} {:<9} {:<48} {}",
             f.kind.to_string(),
             f.phase.to_string(),
-            f.op,
+            f.op_text(),
             f.detail
         )?;
     }

@@ -30,6 +30,14 @@ fn fit(name: &str, width: usize) -> String {
     }
 }
 
+/// The op's name, after its rank under tensor parallelism: `r1 model.layers.0.mlp`.
+fn ranked_name(e: &OpEvent) -> String {
+    match e.rank {
+        Some(r) => format!("r{r} {}", e.name),
+        None => e.name.clone(),
+    }
+}
+
 pub fn row(e: &OpEvent) -> String {
     let s = &e.stats;
     let shape = format!("{:?}", e.shape);
@@ -38,7 +46,7 @@ pub fn row(e: &OpEvent) -> String {
         "{:>5} {:<9} {:<52} {:<16} {:>11} {:>11} {:>11} {:>11} {:>10} {:>9}",
         e.index,
         e.phase.to_string(),
-        fit(&e.name, 52),
+        fit(&ranked_name(e), 52),
         shape,
         num(s.min),
         num(s.max),

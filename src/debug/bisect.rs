@@ -94,7 +94,7 @@ pub fn bisect_paired(a: &RunRecord, paired: Paired) -> Bisection {
     let missing = a
         .events
         .iter()
-        .filter(|e| paired.other.find(e.phase, &e.name).is_none())
+        .filter(|e| paired.other.find_for(e, &e.name).is_none())
         .map(|e| e.dump_name())
         .collect();
     let mut b = bisect(paired.comparisons, a.len(), missing);

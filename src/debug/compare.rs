@@ -72,15 +72,15 @@ pub fn compare_runs(
         .enumerate()
         .filter(|(_, e)| !is_selection(e))
         .filter_map(|(i, e)| {
-            let j = b.find(e.phase, &e.name)?;
+            let j = b.find_for(e, &e.name)?;
             let theirs = b.outputs[j].data();
             // Routing weights: B's in A's order of experts (whole outputs only: samples of
             // the experts and the weights are not the same rows).
             let aligned = weights_ids_op(&e.name).and_then(|ids| {
-                let (ours, other) = (a.output(e.phase, &ids)?, b.output(e.phase, &ids)?);
+                let (ours, other) = (a.output_for(e, &ids)?, b.output_for(e, &ids)?);
                 let whole =
                     |t: &crate::tensor::Tensor, shape: &[usize]| holds_all(shape, t.numel());
-                let ids_shape = &a.events[a.find(e.phase, &ids)?].shape;
+                let ids_shape = &a.events[a.find_for(e, &ids)?].shape;
                 (whole(ours, ids_shape)
                     && whole(other, ids_shape)
                     && whole(&b.outputs[j], &e.shape))
@@ -149,7 +149,7 @@ pub fn prefill_vs_decode(
         if !matches!(e.phase, Phase::Decode(_)) || is_selection(e) {
             continue;
         }
-        let Some(j) = whole.find(Phase::Prefill, &e.name) else {
+        let Some(j) = whole.find_at(Phase::Prefill, e.rank, &e.name) else {
             continue;
         };
         let (w, we) = (&whole.outputs[j], &whole.events[j]);
@@ -178,13 +178,13 @@ pub fn prefill_vs_decode(
         // Routing weights: the prefill row's in this step's order of experts.
         let in_order = |row: Vec<f32>| {
             let ids = weights_ids_op(&e.name)?;
-            let (ours, k) = (stepped.output(e.phase, &ids)?, *e.shape.last()?);
+            let (ours, k) = (stepped.output_for(e, &ids)?, *e.shape.last()?);
             let (wi, theirs) = (
-                whole.find(Phase::Prefill, &ids)?,
+                whole.find_at(Phase::Prefill, e.rank, &ids)?,
                 whole.output(Phase::Prefill, &ids)?,
             );
             let their_row = token_row(
-                &stepped.events[stepped.find(e.phase, &ids)?],
+                &stepped.events[stepped.find_for(e, &ids)?],
                 &whole.events[wi],
                 theirs.data(),
                 pos,

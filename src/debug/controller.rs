@@ -355,7 +355,7 @@ impl Controller {
     pub fn op_diff(&self, i: usize) -> Option<OpComparison> {
         let other = self.comparison()?;
         let e = &self.current.events[i];
-        let j = other.find(e.phase, &e.name)?;
+        let j = other.find_for(e, &e.name)?;
         Some(compare_outputs(
             e,
             i,

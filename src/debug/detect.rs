@@ -9,7 +9,8 @@
 //! * on the GPU, the fast (production) attention kernels against the reference kernels: the run
 //!   again with `attn-kernel reference`, op by op;
 //! * with an fp8_ds_mla latent cache, each cached row against what E4M3 explains of the row
-//!   written ([`super::kv_quant`]).
+//!   written ([`super::kv_quant`]);
+//! * under tensor parallelism, every rank against the same run on one rank ([`super::tp`]).
 //!
 //! Mismatch and NaN detectors report the first op of each phase (where a fault shows first) and
 //! count the rest; unwritten elements and disconnects are reported at every op that has them.
@@ -43,6 +44,7 @@ pub enum FindingKind {
     ReferenceMismatch,
     KernelMismatch,
     KvQuantMismatch,
+    TpMismatch,
 }
 
 impl fmt::Display for FindingKind {
@@ -60,7 +62,20 @@ pub struct Finding {
     pub op: String,
     /// Index of the op in the checked run.
     pub index: usize,
+    /// The tensor-parallel rank that ran the op (`None` without tensor parallelism).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<usize>,
     pub detail: String,
+}
+
+impl Finding {
+    /// The op and, under tensor parallelism, its rank: `model.layers.0.mlp (rank 1)`.
+    pub fn op_text(&self) -> String {
+        match self.rank {
+            Some(r) => format!("{} (rank {r})", self.op),
+            None => self.op.clone(),
+        }
+    }
 }
 
 /// What `check` compares against and how strictly.
@@ -105,6 +120,46 @@ fn kernel_mismatch(
                 "attention on the fast kernels ({}) vs the reference kernels",
                 super::flags::kernels_text(&flags.kernels)
             ),
+        },
+    );
+    Ok(())
+}
+
+/// `tp-mismatch`: under tensor parallelism, the same schedule again on one rank, each rank's
+/// ops against their part of it.
+fn tp_mismatch(
+    v: &mut Verdicts,
+    run: &RunRecord,
+    flags: Flags,
+    paired: impl FnOnce(Flags) -> Result<Paired>,
+) -> Result<()> {
+    if flags.tp < 2 {
+        return Ok(());
+    }
+    let one = Flags { tp: 1, ..flags };
+    let paired = paired(one)?;
+    let partial = super::tp::partial_sums(run);
+    let failed: Vec<&String> = paired
+        .comparisons
+        .iter()
+        .filter_map(|c| c.diff.as_ref().err())
+        .collect();
+    let not_compared = match failed.first() {
+        Some(why) => format!("; {} could not be compared (first: {why})", failed.len()),
+        None => String::new(),
+    };
+    v.notes.push(format!(
+        "tp {} vs one rank: {} ops compared{not_compared}; {partial} partial sums compared \
+         through their all-reduce",
+        flags.tp,
+        paired.comparisons.len() - failed.len(),
+    ));
+    v.add(
+        paired,
+        Comparison {
+            name: "tensor parallel vs one rank",
+            kind: FindingKind::TpMismatch,
+            describe: format!("rank's part vs the run on one rank (tp {})", flags.tp),
         },
     );
     Ok(())
@@ -323,6 +378,10 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
         paired(other, &forced, Pairing::SameSchedule)
     })?;
 
+    tp_mismatch(&mut v, &run, flags, |other| {
+        paired(other, &forced, Pairing::Ranks { tp: flags.tp })
+    })?;
+
     let kv = super::kv_quant::kv_quant_mismatch(job, &run, flags, &forced)?;
     v.findings.extend(kv.findings);
     v.notes.extend(kv.notes);
@@ -358,8 +417,15 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
         reference = Some(compared);
     }
 
+    for f in &mut v.findings {
+        f.rank = run.events.get(f.index).and_then(|e| e.rank);
+    }
     v.findings.sort_by_key(|f| (f.index, f.kind as u8));
     v.selection_notes.sort_by_key(|n| n.index);
+    // Replicated choices (router, indexer) noted once, not once per rank.
+    let mut seen = std::collections::HashSet::new();
+    v.selection_notes
+        .retain(|n| seen.insert((n.kind.clone(), n.phase, n.op.clone(), n.detail.clone())));
     Ok(CheckReport {
         findings: fold_repeats(v.findings),
         notes: v.notes,
@@ -504,7 +570,10 @@ fn fold_repeats(findings: Vec<Finding>) -> Vec<Finding> {
     let mut out: Vec<Finding> = Vec::new();
     let mut again: Vec<Vec<Phase>> = Vec::new();
     for f in findings {
-        match out.iter().position(|g| g.kind == f.kind && g.op == f.op) {
+        match out
+            .iter()
+            .position(|g| (g.kind, &g.op, g.rank) == (f.kind, &f.op, f.rank))
+        {
             Some(i) => again[i].push(f.phase),
             None => {
                 out.push(f);
@@ -559,6 +628,7 @@ fn first_per_phase(
             (Some(c), _) => {
                 let figures = c.diff.as_ref().map(|d| d.summary()).unwrap_or_default();
                 Finding {
+                    rank: None,
                     kind,
                     phase,
                     op: c.name.clone(),
@@ -571,6 +641,7 @@ fn first_per_phase(
                 }
             }
             (_, Some(f)) => Finding {
+                rank: None,
                 kind,
                 phase,
                 op: f.op.clone(),

@@ -41,6 +41,13 @@ pub struct Flags {
     /// Absent from sessions saved before it existed.
     #[serde(default)]
     pub kv_cache: KvCacheDtype,
+    /// Tensor-parallel ranks (1: none). Absent from sessions saved before it existed.
+    #[serde(default = "one_rank")]
+    pub tp: usize,
+}
+
+fn one_rank() -> usize {
+    1
 }
 
 impl Default for Flags {
@@ -55,6 +62,7 @@ impl Default for Flags {
             faults: Faults::none(),
             kernels: AttnKernels::default(),
             kv_cache: KvCacheDtype::Bf16,
+            tp: 1,
         }
     }
 }
@@ -77,6 +85,18 @@ fn parse_path(key: &str, value: &str) -> Result<MlaPath> {
     }
 }
 
+/// Most tensor-parallel ranks a run may ask for.
+pub const MAX_TP: usize = 64;
+
+fn parse_tp(value: &str) -> Result<usize> {
+    match value.parse::<usize>() {
+        Ok(n) if (1..=MAX_TP).contains(&n) => Ok(n),
+        _ => Err(Error::invalid(format!(
+            "tp: '{value}' is not a rank count from 1 to {MAX_TP}"
+        ))),
+    }
+}
+
 /// What force-dequantize says on a model whose kv_b_proj is not quantized.
 pub const FORCE_DEQUANT_IDLE: &str = "force-dequant has nothing to act on: kv_b_proj is not \
      quantized in this model (quantized weights come from GGUF files or --quant)";
@@ -94,6 +114,7 @@ pub const FLAG_NAMES: &[&str] = &[
     "decode-variant",
     "prefill-variant",
     "kv-cache-dtype",
+    "tp",
 ];
 
 impl Flags {
@@ -129,13 +150,16 @@ impl Flags {
             forced: Default::default(),
             kernels: self.kernels,
             kv_cache: self.kv_cache,
+            tp: self.tp,
         })
     }
 
-    /// Whether these flags fit a layout: an fp8_ds_mla cache needs GLM-5's latent rows.
+    /// Whether these flags fit a layout: an fp8_ds_mla cache needs GLM-5's latent rows, and
+    /// tensor parallelism heads, widths and experts that divide by the ranks.
     pub fn check_layout(&self, layout: &crate::model::Layout) -> Result<()> {
         self.kv_cache
-            .check_layout(layout.kv_lora_rank, layout.qk_rope_head_dim)
+            .check_layout(layout.kv_lora_rank, layout.qk_rope_head_dim)?;
+        crate::model::shard::check_tp(layout, self.tp)
     }
 
     /// Sets one flag from text (`:set FLAG VALUE`, `--a FLAG=VALUE`). `inject` adds a fault
@@ -171,6 +195,7 @@ impl Flags {
                 self.kernels.prefill = (value != "auto").then(|| value.parse()).transpose()?
             }
             "kv-cache-dtype" => self.kv_cache = value.parse()?,
+            "tp" => self.tp = parse_tp(value)?,
             "inject" => match value {
                 "none" => self.faults = Faults::none(),
                 v if v.starts_with('-') => {
@@ -203,7 +228,8 @@ impl Flags {
     /// change, or `None` when no op of that run is affected. Conservative: an op that might
     /// change counts as changed, so reusing the ops before it is always exact.
     pub fn first_affected(&self, new: &Flags, events: &[OpEvent]) -> Option<usize> {
-        if self.dtype != new.dtype || self.device != new.device {
+        // Other ranks run other shards from the first op on.
+        if self.dtype != new.dtype || self.device != new.device || self.tp != new.tp {
             return (!events.is_empty()).then_some(0);
         }
         events.iter().position(|e| self.affects(new, e))
@@ -242,7 +268,9 @@ impl Flags {
     fn fault_acts(&self, f: Fault, phase: Phase) -> bool {
         let mla_only = matches!(f, Fault::OutputBufferDisconnect | Fault::SkipPaddedRows);
         let without_fp8 = f.needs_fp8_cache() && self.kv_cache != KvCacheDtype::Fp8DsMla;
-        self.faults.active(f, phase) && !(mla_only && self.mla_disable) && !without_fp8
+        let without_tp = f.needs_tp() && self.tp < 2;
+        let routed_around = mla_only && self.mla_disable;
+        self.faults.active(f, phase) && !(routed_around || without_fp8 || without_tp)
     }
 }
 
@@ -285,6 +313,11 @@ fn fault_touches(f: Fault, e: &OpEvent, flags: &Flags) -> bool {
         Fault::Exp2Scale | Fault::YarnMscale | Fault::KvStrideMismatch => kernel,
         Fault::IndexerRopeLayout => e.name.ends_with("self_attn.indexer.q_rope"),
         Fault::PageIndexOverflow => absorbed && kernel,
+        Fault::TpHeadOffset => matches!(e.kind, OpKind::Decompress | OpKind::AbsorbQuery),
+        Fault::TpAbsorbUnsliced => absorbed && e.kind == OpKind::AbsorbQuery,
+        Fault::TpMissingAllreduce | Fault::TpDoubleReduce => {
+            e.kind == OpKind::AllReduce && e.name.ends_with("self_attn.o_proj.all_reduce")
+        }
     }
 }
 

@@ -209,6 +209,10 @@ pub const NEEDS_FP8_CACHE: &str = "it lives in the FP8 latent cache's codec, and
      latent cache is bf16 (--kv-cache-dtype fp8_ds_mla, on a layout with kv_lora_rank 512 and \
      qk_rope_head_dim 64 such as glm5-rank8)";
 
+/// Why a tensor-parallel fault idles in a run of one rank.
+pub const NEEDS_TP: &str = "it lives in tensor parallelism, and this run has one rank (--tp 2 \
+     or more, on a layout whose heads, MLP widths and experts divide by it)";
+
 fn is_decode(phase: Phase) -> bool {
     matches!(phase, Phase::Decode(_))
 }
@@ -389,6 +393,8 @@ impl Run<'_> {
             f if f.needs_fp8_cache() && self.flags.kv_cache != KvCacheDtype::Fp8DsMla => {
                 Some(NEEDS_FP8_CACHE.to_string())
             }
+            f if f.needs_tp() && self.flags.tp < 2 => Some(NEEDS_TP.to_string()),
+            Fault::TpAbsorbUnsliced => self.naive_everywhere(scope, false),
             Fault::Exp2Scale | Fault::KvStrideMismatch => self.reference_kernels_only().map(|off| {
                 let lives = match fault {
                     Fault::Exp2Scale => "the fast GPU kernels (softmax in exp2)",
@@ -476,7 +482,14 @@ impl Run<'_> {
                     Some("no DSA indexer ran in its phases".into())
                 }
             }
-            Fault::YarnMscale => None,
+            Fault::YarnMscale
+            | Fault::TpHeadOffset
+            | Fault::TpMissingAllreduce
+            | Fault::TpDoubleReduce => None,
+            Fault::TpAbsorbUnsliced => (!self
+                .any_in_scope(fault, |_, e| e.kind == OpKind::AbsorbQuery))
+            .then(|| self.naive_everywhere(scope, true))
+            .flatten(),
             Fault::PageIndexOverflow => {
                 let planted = |e: &OpEvent| {
                     e.kernel.as_ref().is_some_and(|k| {

@@ -91,7 +91,7 @@ fn written_rows(run: &RunRecord, index: usize) -> Option<Vec<f32>> {
     let e = &run.events[index];
     let prefix = e.name.strip_suffix("latent_cache")?;
     let part = |suffix: &str| {
-        let i = run.find(e.phase, &format!("{prefix}{suffix}"))?;
+        let i = run.find_for(e, &format!("{prefix}{suffix}"))?;
         let t = &run.outputs[i];
         holds_all(&run.events[i].shape, t.numel()).then_some(t.data())
     };
@@ -162,6 +162,7 @@ pub fn cache_findings(run: &RunRecord) -> (Vec<Finding>, Vec<String>) {
             format!("RoPE element {}", worst.element - LATENT)
         };
         findings.push(Finding {
+            rank: None,
             kind: FindingKind::KvQuantMismatch,
             phase: e.phase,
             op: e.name.clone(),
@@ -224,7 +225,7 @@ pub fn kv_quant_mismatch(
     let worst = |name: &str| -> Option<(f64, Phase)> {
         let mut worst: Option<(f64, Phase)> = None;
         for (i, e) in run.events.iter().enumerate() {
-            let theirs = match other.output(e.phase, name) {
+            let theirs = match other.output_for(e, name) {
                 Some(t) if e.name == name && t.numel() == run.outputs[i].numel() => t,
                 _ => continue,
             };

@@ -10,7 +10,8 @@
 //! * [`forensics`], [`detect`]: buffer forensics and the detectors of `mladb check`;
 //! * [`idle`]: flags and faults that had nothing to act on in a run;
 //! * [`quant`]: a quantized kv_b_proj's two derivations compared, and its decoding checked;
-//!   [`kv_quant`]: an FP8 latent cache's rows against what E4M3 explains.
+//!   [`kv_quant`]: an FP8 latent cache's rows against what E4M3 explains;
+//! * [`tp`]: a tensor-parallel run's ranks against the run on one rank.
 
 pub mod bisect;
 pub mod breakpoint;
@@ -33,6 +34,7 @@ pub mod runner;
 pub mod sample;
 pub mod selection;
 pub mod tolerance;
+pub mod tp;
 mod worker;
 
 pub use flags::Flags;

@@ -32,6 +32,9 @@ pub enum Pairing {
     /// B prefilled the whole sequence: A's decode-step ops against the row of the same token
     /// in B's prefill.
     DecodeRows,
+    /// A ran on `tp` tensor-parallel ranks and B on one: each rank's op against its part of
+    /// B's op (see [`super::tp`]).
+    Ranks { tp: usize },
 }
 
 /// The most re-runs one comparison makes before it stops forcing (and says so).
@@ -83,7 +86,7 @@ pub fn compare_paired(
     let mut flips = Vec::new();
     let mut reruns = 0;
     loop {
-        let comparisons = numeric(a, &b, pairing, job.model.layout.num_heads, tolerances);
+        let comparisons = numeric(a, &b, pairing, &job.model.layout, tolerances);
         let diffs = selection_diffs(job, a, &b, pairing, &comparisons, tolerances);
         let to_force = flips_to_force(&comparisons, &diffs);
         let done = |gave_up, b, flips, clear| Paired {
@@ -302,7 +305,7 @@ fn aligned_dump_router_weights(a: &RunRecord, i: usize, dump: &ExternalDump) -> 
     let ids_name = e.name.strip_suffix(".topk_weights")?.to_string() + ".topk_indices";
     let (_, ids) = dump.tensors.get(&(e.phase, ids_name.clone()))?;
     let (_, weights) = dump.tensors.get(&(e.phase, e.name.clone()))?;
-    let ours = a.output(e.phase, &ids_name)?;
+    let ours = a.output_for(e, &ids_name)?;
     align_weights(ours.data(), ids, weights, *e.shape.last()?)
 }
 
@@ -312,12 +315,14 @@ fn numeric(
     a: &RunRecord,
     b: &RunRecord,
     pairing: Pairing,
-    heads: usize,
+    layout: &crate::model::Layout,
     tolerances: &Tolerances,
 ) -> Vec<OpComparison> {
+    let heads = layout.num_heads;
     match pairing {
         Pairing::SameSchedule => compare_runs(a, b, heads, tolerances),
         Pairing::DecodeRows => prefill_vs_decode(a, b, heads, tolerances),
+        Pairing::Ranks { tp } => super::tp::compare_ranks(a, b, tp, layout, tolerances),
     }
 }
 
@@ -338,11 +343,16 @@ pub fn selection_diffs(
             continue;
         }
         let other_phase = match (pairing, e.phase) {
-            (Pairing::SameSchedule, p) => p,
+            (Pairing::SameSchedule | Pairing::Ranks { .. }, p) => p,
             (Pairing::DecodeRows, Phase::Decode(_)) => Phase::Prefill,
             (Pairing::DecodeRows, Phase::Prefill) => continue,
         };
-        let Some(j) = b.find(other_phase, &e.name) else {
+        // Every rank's choices against the one rank's (they are replicated).
+        let other_rank = match pairing {
+            Pairing::Ranks { .. } => None,
+            _ => e.rank,
+        };
+        let Some(j) = b.find_at(other_phase, other_rank, &e.name) else {
             continue;
         };
         let (Some(ca), Some(cb)) = (run_choices(a, i, job.model), run_choices(b, j, job.model))
@@ -358,7 +368,7 @@ pub fn selection_diffs(
             .map_or(tolerances.row(scores_kind(e)).0, |c| c.tolerance);
         for (r, choice) in ca.iter().enumerate() {
             let other_row = match pairing {
-                Pairing::SameSchedule => r,
+                Pairing::SameSchedule | Pairing::Ranks { .. } => r,
                 Pairing::DecodeRows => e.positions.0 + r,
             };
             let Some(theirs) = cb.get(other_row) else {

@@ -15,6 +15,7 @@ pub fn per_op_findings(run: &RunRecord) -> Vec<Finding> {
     for (i, e) in run.events.iter().enumerate() {
         let s = &e.stats;
         let f = |kind, detail: String| Finding {
+            rank: None,
             kind,
             phase: e.phase,
             op: e.name.clone(),
@@ -54,7 +55,11 @@ pub fn per_op_findings(run: &RunRecord) -> Vec<Finding> {
         }
         // Index listings (chosen experts, kept keys) may well be all zero: expert 0, key 0; a
         // padded batch's rows (no keys) must be.
-        let zero_ok = e.dtype == crate::tensor::DType::I32 || e.kind == OpKind::AttentionPadding;
+        // A rank's partial sum may be too: no token of the prompt in its part of the vocabulary,
+        // no token routed to its experts.
+        let zero_ok = e.dtype == crate::tensor::DType::I32
+            || e.kind == OpKind::AttentionPadding
+            || (e.rank.is_some() && crate::model::shard::partial_sum(&e.name));
         if s.all_zero() && !zero_ok {
             note_first(&mut zero_seen, &mut findings, e.phase, || {
                 f(
@@ -68,6 +73,7 @@ pub fn per_op_findings(run: &RunRecord) -> Vec<Finding> {
     count_later(&mut findings, &zero_seen, FindingKind::AllZero, "op");
     for d in disconnects(run) {
         findings.push(Finding {
+            rank: None,
             kind: FindingKind::BufferDisconnect,
             phase: d.phase,
             op: d.op.clone(),
@@ -89,6 +95,7 @@ pub fn per_op_findings(run: &RunRecord) -> Vec<Finding> {
     for (i, r) in orphan_reads(run) {
         let e = &run.events[i];
         findings.push(Finding {
+            rank: None,
             kind: FindingKind::BufferDisconnect,
             phase: e.phase,
             op: e.name.clone(),

@@ -134,8 +134,8 @@ fn attention_per_head(a: &RunRecord, b: &RunRecord, l: usize, heads: usize, v: u
         }
         // The decode steps of `a` are prefill rows of `b` (b prefilled the whole sequence).
         let Some(j) = b
-            .find(e.phase, &name)
-            .or_else(|| b.find(Phase::Prefill, &name))
+            .find_for(e, &name)
+            .or_else(|| b.find_at(Phase::Prefill, e.rank, &name))
         else {
             continue;
         };
@@ -211,6 +211,7 @@ pub fn quant_findings(job: &Job, run: &RunRecord) -> Result<(Vec<Finding>, Vec<S
         };
         if let Some(detail) = detail {
             findings.push(Finding {
+                rank: None,
                 kind: FindingKind::QuantMismatch,
                 phase,
                 op,

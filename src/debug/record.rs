@@ -24,7 +24,7 @@ pub struct RunRecord {
     /// Choices the run was made to take instead of computing them (teacher forcing; empty for
     /// a plain run).
     pub forced: Arc<ForcedSelections>,
-    by_name: HashMap<(Phase, String), usize>,
+    by_name: HashMap<(Phase, Option<usize>, String), usize>,
 }
 
 impl RunRecord {
@@ -36,8 +36,8 @@ impl RunRecord {
     }
 
     pub fn push(&mut self, event: OpEvent, output: Arc<Tensor>) {
-        self.by_name
-            .insert((event.phase, event.name.clone()), self.events.len());
+        let key = (event.phase, event.rank, event.name.clone());
+        self.by_name.insert(key, self.events.len());
         if event.replayed {
             self.counts.replayed += 1;
         } else {
@@ -59,14 +59,31 @@ impl RunRecord {
         self.outcome.is_some()
     }
 
-    /// Index of op `name` in `phase`.
+    /// Index of op `name` in `phase` (rank 0's under tensor parallelism).
     pub fn find(&self, phase: Phase, name: &str) -> Option<usize> {
-        self.by_name.get(&(phase, name.to_string())).copied()
+        self.find_at(phase, None, name)
+            .or_else(|| self.find_at(phase, Some(0), name))
     }
 
-    /// Output of op `name` in `phase`.
+    /// Index of op `name` in `phase` run by `rank`.
+    pub fn find_at(&self, phase: Phase, rank: Option<usize>, name: &str) -> Option<usize> {
+        self.by_name.get(&(phase, rank, name.to_string())).copied()
+    }
+
+    /// Index of op `name` in the phase of `e`, run by the rank of `e`: the op of this run that
+    /// pairs with a related op `e` of this run or of another with the same ranks.
+    pub fn find_for(&self, e: &OpEvent, name: &str) -> Option<usize> {
+        self.find_at(e.phase, e.rank, name)
+    }
+
+    /// Output of op `name` in `phase` (rank 0's under tensor parallelism).
     pub fn output(&self, phase: Phase, name: &str) -> Option<&Tensor> {
         self.find(phase, name).map(|i| &*self.outputs[i])
+    }
+
+    /// Output of op `name` in the phase and rank of `e` (see [`RunRecord::find_for`]).
+    pub fn output_for(&self, e: &OpEvent, name: &str) -> Option<&Tensor> {
+        self.find_for(e, name).map(|i| &*self.outputs[i])
     }
 
     /// The phases the run went through, in order.

@@ -61,7 +61,7 @@ pub struct RowChoice {
 pub fn run_choices(run: &RunRecord, index: usize, model: &Model) -> Option<Vec<RowChoice>> {
     let e = &run.events[index];
     let listing = run.outputs[index].data();
-    let scores = scores_op(&e.name).and_then(|n| run.output(e.phase, &n));
+    let scores = scores_op(&e.name).and_then(|n| run.output_for(e, &n));
     choices_of(
         e,
         (&e.shape, listing),
@@ -382,6 +382,7 @@ mod tests {
             index: 0,
             phase: Phase::Prefill,
             layer: Some(1),
+            rank: None,
             name: "model.layers.1.self_attn.indexer.topk".into(),
             kind: OpKind::IndexTopK,
             shape: vec![1, 2],

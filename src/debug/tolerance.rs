@@ -72,6 +72,8 @@ const TABLE: &[Row] = &[
     Row { kind: OpKind::Router,          f32: F32, bf16: (1.5e-2, 8.0) },
     Row { kind: OpKind::Activation,      f32: F32, bf16: (1.5e-2, 8.0) },
     Row { kind: OpKind::Sum,             f32: F32, bf16: (1.5e-2, 8.0) },
+    Row { kind: OpKind::AllReduce,       f32: F32, bf16: (1.5e-2, 8.0) },
+    Row { kind: OpKind::AllGather,       f32: F32, bf16: (1.5e-2, 8.0) },
 ];
 
 impl Tolerances {
@@ -250,6 +252,8 @@ pub const ALL_KINDS: &[OpKind] = &[
     OpKind::Experts,
     OpKind::Sum,
     OpKind::Logits,
+    OpKind::AllReduce,
+    OpKind::AllGather,
 ];
 
 #[cfg(test)]

@@ -65,6 +65,8 @@ pub struct LayerCtx<'a> {
     pub kernels: AttnKernels,
     /// How the latent cache stores its rows.
     pub kv_cache: KvCacheDtype,
+    /// The tensor-parallel rank running the layer.
+    pub tp: super::tp::TpRank<'a>,
 }
 
 impl LayerCtx<'_> {
@@ -167,7 +169,9 @@ pub fn attention_block(
     }
     let selection = dsa_selection(ctx, x, q_resid.as_ref(), cache, shared_selection, sink)?;
     let attn = attend(ctx, &chunk, selection, cache, path, sink)?;
-    ctx.linear(sink, "self_attn.o_proj", &attn, true)
+    // Row-parallel: rank 0 alone adds the bias.
+    let biased = ctx.tp.adds_row_parallel_bias();
+    ctx.linear(sink, "self_attn.o_proj", &attn, biased)
 }
 
 /// The query: low-rank (q_a → norm → q_b) or a plain q_proj; with the normalised low-rank
@@ -402,7 +406,7 @@ fn attend_absorbed(
         OpKind::AbsorbQuery,
         &[&chunk.q],
         |r| {
-            let w = kv_b.weight(r, kv_b_name)?;
+            let w = kv_b::w_uk_source(ctx, kv_b, r, kv_b_name)?;
             b.absorb_query(&q_nope, &w, dims, split)
         },
     )?;

@@ -17,6 +17,10 @@
 //! | `q4k-scale-unpack` | the dequantization kernel unpacks the 6-bit scales and mins of Q4_K sub-blocks 4..7 as if they were 0..3 (acts on a quantized kv_b_proj) | model/quant.rs, `dequantize_with` |
 //! | `fp8-scale-default` | the FP8 latent cache's tile scales stay at 1.0, as if the loader step that sets them was skipped: values past 448 clamp, small ones fall among the subnormals (acts with `--kv-cache-dtype fp8_ds_mla`) | ops/kv_fp8.rs, `tile_scale_with`, and the write kernel kernels/kv_fp8.cu |
 //! | `fp8-amax-padded-rows` | each tile's amax also covers unwritten padding holding stale values (at least 1e4), so the scale is far too large and the real values are crushed toward zero (acts with `--kv-cache-dtype fp8_ds_mla`) | the same |
+//! | `tp-head-offset` | under tensor parallelism, each rank's kv_b_proj holds the heads of the next rank (rank r reads shard r+1 mod N) while its queries and o_proj hold its own | engine/attention/kv_b.rs |
+//! | `tp-missing-allreduce` | o_proj's partial sums are not all-reduced: each rank carries on with its own heads' share | engine/tp.rs, the all-reduce |
+//! | `tp-double-reduce` | o_proj's partial sums are all-reduced twice (the layer and its caller both reduce): N times the sum | engine/tp.rs, the all-reduce |
+//! | `tp-absorb-unsliced` | the absorbed path's query absorption reads the whole W_UK from its start while the query holds only the rank's heads, so every rank uses rank 0's heads; W_UV is sliced right | engine/attention/kv_b.rs |
 //! | `page-index-overflow` | the fast decode computes a page's byte offset (page × page bytes) in 32 bits, which wraps for pages past the first 4 GiB of the pool and reads rows 4 GiB early. Planted in the dense bf16 decode (`mla_decode_ks3_o32`, `mla_decode_t16_o32`, run in place of the device's variant), with the cache's pages placed past 4 GiB of a pool larger than that so that it acts (and every wrapped read stays inside the pool); a sparse selection or an fp8_ds_mla cache goes to the reference kernel under it | kernels/common.cuh `paged_row`, backend/cuda/fast_attention.rs (the pool) |
 //!
 //! A fault may be limited to one phase, `NAME@prefill` or `NAME@decode`, or act in both,
@@ -44,10 +48,14 @@ pub enum Fault {
     Fp8ScaleDefault,
     Fp8AmaxPaddedRows,
     PageIndexOverflow,
+    TpHeadOffset,
+    TpMissingAllreduce,
+    TpDoubleReduce,
+    TpAbsorbUnsliced,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 15] = [
+    pub const ALL: [Fault; 19] = [
         Fault::OutputBufferDisconnect,
         Fault::SoftmaxScaleLatent,
         Fault::AbsorbWrongSplit,
@@ -63,6 +71,10 @@ impl Fault {
         Fault::Fp8ScaleDefault,
         Fault::Fp8AmaxPaddedRows,
         Fault::PageIndexOverflow,
+        Fault::TpHeadOffset,
+        Fault::TpMissingAllreduce,
+        Fault::TpDoubleReduce,
+        Fault::TpAbsorbUnsliced,
     ];
 
     pub fn name(self) -> &'static str {
@@ -82,6 +94,10 @@ impl Fault {
             Fault::Fp8ScaleDefault => "fp8-scale-default",
             Fault::Fp8AmaxPaddedRows => "fp8-amax-padded-rows",
             Fault::PageIndexOverflow => "page-index-overflow",
+            Fault::TpHeadOffset => "tp-head-offset",
+            Fault::TpMissingAllreduce => "tp-missing-allreduce",
+            Fault::TpDoubleReduce => "tp-double-reduce",
+            Fault::TpAbsorbUnsliced => "tp-absorb-unsliced",
         }
     }
 
@@ -106,6 +122,10 @@ impl Fault {
             Fault::Fp8ScaleDefault => "FP8 latent cache tile scales left at 1.0",
             Fault::Fp8AmaxPaddedRows => "FP8 tile scales taken over stale padding",
             Fault::PageIndexOverflow => "decode page offsets in 32 bits wrap past 4 GiB of pool",
+            Fault::TpHeadOffset => "a TP rank takes its neighbour's heads of kv_b_proj",
+            Fault::TpMissingAllreduce => "o_proj's partial sums not all-reduced across TP ranks",
+            Fault::TpDoubleReduce => "o_proj's partial sums all-reduced twice",
+            Fault::TpAbsorbUnsliced => "absorption reads the full W_UK, not the rank's heads",
         }
     }
 
@@ -125,6 +145,17 @@ impl Fault {
     /// `--kv-cache-dtype fp8_ds_mla` to act).
     pub fn needs_fp8_cache(self) -> bool {
         matches!(self, Fault::Fp8ScaleDefault | Fault::Fp8AmaxPaddedRows)
+    }
+
+    /// Whether the fault lives in tensor parallelism (it needs `--tp 2` or more to act).
+    pub fn needs_tp(self) -> bool {
+        matches!(
+            self,
+            Fault::TpHeadOffset
+                | Fault::TpMissingAllreduce
+                | Fault::TpDoubleReduce
+                | Fault::TpAbsorbUnsliced
+        )
     }
 }
 

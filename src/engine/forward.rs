@@ -2,19 +2,20 @@
 //! a prefill chunk or one decode token, against per-layer caches that persist between calls.
 
 use super::attention::{attention_block, LayerCtx, Selection};
-use super::cache::{LatentCache, LayerCache};
+use super::cache::LayerCache;
 use super::faults::Faults;
 use super::forcing::ForcedSelections;
 use super::mlp;
 use super::rope::RopeTable;
 use super::sink::Sink;
 use super::sink::{OpCounts, StorageDtype};
+use super::tp::{all_gather, all_reduce, RankState, TpRank};
 use super::trace::{Observer, OpKind, Phase, Replay};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::model::catalog::{layer_prefix, lm_head_name};
 use crate::model::layout::MlpKind;
-use crate::model::Model;
+use crate::model::{shard, Model, WeightStore};
 use crate::ops::{AttnKernels, KvCacheDtype};
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
@@ -80,6 +81,8 @@ pub struct EngineOptions {
     /// How the latent cache stores its rows: fp8_ds_mla stores each row as the format's round
     /// trip, so that every attention op reads what an FP8 cache holds.
     pub kv_cache: KvCacheDtype,
+    /// Tensor-parallel ranks, run one after another in this process (1: none).
+    pub tp: usize,
 }
 
 impl EngineOptions {
@@ -96,6 +99,7 @@ impl EngineOptions {
             forced: Arc::default(),
             kernels: AttnKernels::default(),
             kv_cache: KvCacheDtype::Bf16,
+            tp: 1,
         }
     }
 
@@ -125,8 +129,8 @@ pub struct Engine<'m> {
     counts: OpCounts,
     options: EngineOptions,
     rope: RopeTable,
-    /// One entry per layer of the model; `None` outside the layer range.
-    caches: Vec<Option<LayerCache>>,
+    /// The tensor-parallel ranks (one without tensor parallelism), with their caches.
+    ranks: Vec<RankState>,
     /// Tokens processed so far (the position of the next one).
     position: usize,
     decode_steps: usize,
@@ -152,20 +156,7 @@ impl<'m> Engine<'m> {
             .kv_cache
             .check_layout(layout.kv_lora_rank, layout.qk_rope_head_dim)?;
         backend.set_poison_outputs(options.poison);
-        let caches = (0..layout.num_layers)
-            .map(|l| {
-                r.contains(&l).then(|| LayerCache {
-                    latent: LatentCache::with_dtype(
-                        layout.latent_width(),
-                        options.poison,
-                        options.kv_cache,
-                    ),
-                    expanded: None,
-                    index_keys: None,
-                    kv_b_plain: None,
-                })
-            })
-            .collect();
+        let ranks = RankState::all(model, &options)?;
         Ok(Engine {
             model,
             backend,
@@ -173,7 +164,7 @@ impl<'m> Engine<'m> {
             counts: OpCounts::default(),
             rope: RopeTable::new(&layout.rope, layout.qk_rope_head_dim),
             options,
-            caches,
+            ranks,
             position: 0,
             decode_steps: 0,
             next_event: 0,
@@ -207,12 +198,13 @@ impl<'m> Engine<'m> {
 
     /// Bytes held by all KV caches.
     pub fn cache_bytes(&self) -> usize {
-        self.caches.iter().flatten().map(LayerCache::bytes).sum()
+        let caches = self.ranks.iter().flat_map(|r| r.caches.iter().flatten());
+        caches.map(LayerCache::bytes).sum()
     }
 
-    /// The caches of a layer (for inspection).
+    /// The caches of a layer (for inspection; rank 0's under tensor parallelism).
     pub fn layer_cache(&self, layer: usize) -> Option<&LayerCache> {
-        self.caches.get(layer).and_then(Option::as_ref)
+        self.ranks[0].caches.get(layer).and_then(Option::as_ref)
     }
 
     /// Prefills `tokens` (which must be the first tokens of the sequence) and returns their
@@ -256,9 +248,18 @@ impl<'m> Engine<'m> {
         let start = self.position;
         let positions: Vec<usize> = (start..start + tokens.len()).collect();
         let options = &self.options;
+        let tp = self.ranks.len();
+        // Each rank's layout, weights and caches, borrowed apart.
+        let (mut layouts, mut stores, mut caches) = (Vec::new(), Vec::new(), Vec::new());
+        for rank in self.ranks.iter_mut() {
+            let (layout, store, cache) = rank.parts(model);
+            layouts.push(layout);
+            stores.push(store);
+            caches.push(cache);
+        }
         let mut sink = Sink::new(
             b,
-            &model.weights,
+            stores[0],
             observer,
             self.replay,
             options.storage,
@@ -267,27 +268,40 @@ impl<'m> Engine<'m> {
             &mut self.next_event,
             &mut self.counts,
         );
+        let tp_rank = |rank: usize| TpRank {
+            rank,
+            size: tp,
+            full: &model.weights,
+        };
+        let faults = &options.faults;
 
-        let mut h = sink.op(None, "model.embed_tokens", OpKind::Embedding, &[], |_| {
-            let mut rows = Vec::with_capacity(tokens.len() * layout.hidden_size);
-            for &t in tokens {
-                rows.extend_from_slice(
-                    model
-                        .weights
-                        .rows("model.embed_tokens.weight", t as usize, 1)?
-                        .data(),
-                );
-            }
-            Ok(Tensor::from_vec(&[tokens.len(), layout.hidden_size], rows))
-        })?;
+        let mut parts = Vec::with_capacity(tp);
+        for (r, &store) in stores.iter().enumerate() {
+            sink.set_rank(tp_rank(r).trace_rank(), store);
+            let vocab = shard::vocab_part(layout.vocab_size, tp, r);
+            parts.push(
+                sink.op(None, "model.embed_tokens", OpKind::Embedding, &[], |_| {
+                    embed(store, tokens, vocab, layout.hidden_size)
+                })?,
+            );
+        }
+        let mut h = all_reduce(
+            &mut sink,
+            &stores,
+            None,
+            "model.embed_tokens",
+            parts,
+            faults,
+        )?;
 
-        let mut shared_selection: Option<Selection> = None;
+        let mut shared_selection: Vec<Option<Selection>> = vec![None; tp];
         for layer in options.layers.clone() {
             let begin = Instant::now();
             let fetch_before = model.weights.fetch_seconds();
-            let ctx = LayerCtx {
-                layout,
-                weights: &model.weights,
+            let l = Some(layer);
+            let ctx = |r: usize| LayerCtx {
+                layout: layouts[r],
+                weights: stores[r],
                 backend: b,
                 rope: &self.rope,
                 layer,
@@ -300,53 +314,71 @@ impl<'m> Engine<'m> {
                 kernels: options.kernels,
                 kv_cache: options.kv_cache,
                 forced: &options.forced,
+                tp: tp_rank(r),
             };
-            let cache = self.caches[layer]
-                .as_mut()
-                .expect("caches exist for every layer in range");
-            let l = Some(layer);
-            let x = sink.op(
-                l,
-                &ctx.name("input_layernorm"),
-                OpKind::RmsNorm,
-                &[&h],
-                |r| {
-                    b.rms_norm(
-                        &h,
-                        &*r.weight(&ctx.name("input_layernorm.weight"))?,
-                        layout.rms_norm_eps,
-                    )
-                },
-            )?;
-            let attn = attention_block(&ctx, &x, cache, path, &mut shared_selection, &mut sink)?;
-            let h_mid = sink.op(
-                l,
-                &ctx.name("attn_residual"),
-                OpKind::Residual,
-                &[&h, &attn],
-                |_| b.add(&h, &attn),
-            )?;
-            let x = sink.op(
-                l,
-                &ctx.name("post_attention_layernorm"),
-                OpKind::RmsNorm,
-                &[&h_mid],
-                |r| {
-                    let w = r.weight(&ctx.name("post_attention_layernorm.weight"))?;
-                    b.rms_norm(&h_mid, &w, layout.rms_norm_eps)
-                },
-            )?;
-            let m = match layout.mlp_kind(layer) {
-                MlpKind::Dense => mlp::dense(&ctx, &x, &mut sink)?,
-                MlpKind::Moe => mlp::moe(&ctx, &x, &mut sink)?,
-            };
-            h = sink.op(
-                l,
-                &layer_prefix(layer),
-                OpKind::Residual,
-                &[&h_mid, &m],
-                |_| b.add(&h_mid, &m),
-            )?;
+            // Attention: each rank's heads, o_proj's partial sums all-reduced.
+            let mut parts = Vec::with_capacity(tp);
+            for r in 0..tp {
+                let ctx = ctx(r);
+                sink.set_rank(ctx.tp.trace_rank(), stores[r]);
+                let x = sink.op(
+                    l,
+                    &ctx.name("input_layernorm"),
+                    OpKind::RmsNorm,
+                    &[&h[r]],
+                    |rd| {
+                        let w = rd.weight(&ctx.name("input_layernorm.weight"))?;
+                        b.rms_norm(&h[r], &w, layout.rms_norm_eps)
+                    },
+                )?;
+                let cache = caches[r][layer]
+                    .as_mut()
+                    .expect("caches exist for every layer in range");
+                let selection = &mut shared_selection[r];
+                parts.push(attention_block(
+                    &ctx, &x, cache, path, selection, &mut sink,
+                )?);
+            }
+            let o_proj = ctx(0).name("self_attn.o_proj");
+            let attn = all_reduce(&mut sink, &stores, l, &o_proj, parts, faults)?;
+            // The MLP: each rank's columns or experts, their partial sums all-reduced.
+            let (mut h_mid, mut parts) = (Vec::with_capacity(tp), Vec::with_capacity(tp));
+            for r in 0..tp {
+                let ctx = ctx(r);
+                sink.set_rank(ctx.tp.trace_rank(), stores[r]);
+                let (h, attn) = (&h[r], &attn[r]);
+                let mid = sink.op(
+                    l,
+                    &ctx.name("attn_residual"),
+                    OpKind::Residual,
+                    &[h, attn],
+                    |_| b.add(h, attn),
+                )?;
+                let x = sink.op(
+                    l,
+                    &ctx.name("post_attention_layernorm"),
+                    OpKind::RmsNorm,
+                    &[&mid],
+                    |rd| {
+                        let w = rd.weight(&ctx.name("post_attention_layernorm.weight"))?;
+                        b.rms_norm(&mid, &w, layout.rms_norm_eps)
+                    },
+                )?;
+                parts.push(match layout.mlp_kind(layer) {
+                    MlpKind::Dense => mlp::dense(&ctx, &x, &mut sink)?,
+                    MlpKind::Moe => mlp::moe(&ctx, &x, &mut sink)?,
+                });
+                h_mid.push(mid);
+            }
+            let mlp_name = ctx(0).name("mlp");
+            let m = all_reduce(&mut sink, &stores, l, &mlp_name, parts, faults)?;
+            for r in 0..tp {
+                sink.set_rank(tp_rank(r).trace_rank(), stores[r]);
+                let (mid, m) = (&h_mid[r], &m[r]);
+                h[r] = sink.op(l, &layer_prefix(layer), OpKind::Residual, &[mid, m], |_| {
+                    b.add(mid, m)
+                })?;
+            }
             self.timings.push(LayerTiming {
                 phase,
                 layer,
@@ -355,34 +387,62 @@ impl<'m> Engine<'m> {
             });
         }
 
-        let normed = sink.op(None, "model.norm", OpKind::RmsNorm, &[&h], |r| {
-            b.rms_norm(&h, &*r.weight("model.norm.weight")?, layout.rms_norm_eps)
-        })?;
-        let logits = sink.op(None, "logits", OpKind::Logits, &[&normed], |_| {
-            lm_head(model, b, &normed)
-        })?;
+        // The final norm on every rank; each rank's part of the vocabulary, gathered.
+        let mut parts = Vec::with_capacity(tp);
+        for (r, &store) in stores.iter().enumerate() {
+            sink.set_rank(tp_rank(r).trace_rank(), store);
+            let h = &h[r];
+            let normed = sink.op(None, "model.norm", OpKind::RmsNorm, &[h], |rd| {
+                b.rms_norm(h, &*rd.weight("model.norm.weight")?, layout.rms_norm_eps)
+            })?;
+            parts.push(sink.op(None, "logits", OpKind::Logits, &[&normed], |_| {
+                lm_head(model, store, b, &normed)
+            })?);
+        }
+        let logits = all_gather(&mut sink, &stores, None, "logits", parts)?;
         sink.flush()?;
         self.position += tokens.len();
-        Ok(logits)
+        Ok(logits.into_iter().next().expect("one rank at least"))
     }
 }
 
-/// x · lm_headᵀ, fetching the head in row chunks when it is too large to hold whole.
-fn lm_head(model: &Model, b: &dyn Backend, x: &Tensor) -> Result<Tensor> {
+/// The embedding rows of `tokens` from the part of the vocabulary `(first, count)` that
+/// `weights` holds: a token outside it gives zeros (vocab-parallel; the all-reduce sums the
+/// ranks' rows).
+fn embed(
+    weights: &WeightStore,
+    tokens: &[u32],
+    (first, count): (usize, usize),
+    hidden: usize,
+) -> Result<Tensor> {
+    let mut rows = vec![0.0f32; tokens.len() * hidden];
+    for (&t, row) in tokens.iter().zip(rows.chunks_mut(hidden.max(1))) {
+        let t = t as usize;
+        if (first..first + count).contains(&t) {
+            let values = weights.rows("model.embed_tokens.weight", t - first, 1)?;
+            row.copy_from_slice(values.data());
+        }
+    }
+    Ok(Tensor::from_vec(&[tokens.len(), hidden], rows))
+}
+
+/// x · lm_headᵀ over the rows of lm_head `weights` holds (the whole vocabulary, or a rank's
+/// part), fetching them in row chunks when they are too large to hold whole.
+fn lm_head(model: &Model, weights: &WeightStore, b: &dyn Backend, x: &Tensor) -> Result<Tensor> {
     let name = lm_head_name(&model.layout);
-    let bytes = model.weights.size_bytes(name)?;
-    if model.weights.fits_budget(bytes) {
-        let w = model.weights.get(name)?;
+    let bytes = weights.size_bytes(name)?;
+    if weights.fits_budget(bytes) {
+        let w = weights.get(name)?;
         return b.linear(x, &w, None);
     }
-    let vocab = model.layout.vocab_size;
+    let vocab = weights.shape(name)?[0];
     let n = x.rows();
     let chunk = (LM_HEAD_CHUNK_BYTES / (model.layout.hidden_size * 4)).max(1);
     let mut logits = Tensor::zeros(&[n, vocab])?;
     let mut start = 0;
     while start < vocab {
         let count = chunk.min(vocab - start);
-        let w = model.weights.rows(name, start, count)?;
+        let w = weights.rows(name, start, count)?;
         let part = b.linear(x, &w, None)?;
         for t in 0..n {
             logits.data_mut()[t * vocab + start..t * vocab + start + count]

@@ -168,7 +168,8 @@ pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
             }
             let mut routed = Tensor::zeros(x.shape())?;
             for (e, (tokens, token_weights)) in per_expert.iter().enumerate() {
-                if tokens.is_empty() {
+                // Expert parallel: another rank computes the experts this one does not own.
+                if tokens.is_empty() || !ctx.tp.owns_expert(e, moe.n_routed_experts) {
                     continue;
                 }
                 let xs = b.gather_rows(x, tokens)?;

@@ -22,6 +22,7 @@ pub mod forward;
 pub mod generate;
 pub mod mlp;
 pub mod sink;
+pub mod tp;
 pub mod trace;
 
 /// Routing and RoPE live below the engine (the backends use them too); kept reachable here.

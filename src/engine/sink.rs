@@ -73,6 +73,8 @@ pub struct Sink<'a> {
     pub positions: (usize, usize),
     pub next_index: &'a mut usize,
     pub counts: &'a mut OpCounts,
+    /// The tensor-parallel rank whose ops are being run (`None` without tensor parallelism).
+    pub rank: Option<usize>,
     /// Events waiting for their statistics, for an observer that takes late events.
     late: Option<LateEvents<'a>>,
 }
@@ -133,8 +135,17 @@ impl<'a> Sink<'a> {
             positions,
             next_index,
             counts,
+            rank: None,
             late,
         }
+    }
+}
+
+impl<'a> Sink<'a> {
+    /// Runs the next ops as rank `rank` (`None`: no tensor parallelism), reading `weights`.
+    pub fn set_rank(&mut self, rank: Option<usize>, weights: &'a WeightStore) {
+        self.rank = rank;
+        self.weights = weights;
     }
 }
 
@@ -197,10 +208,13 @@ impl Sink<'_> {
     /// An op that reports several events from one kernel call asks this first, so that it
     /// replays the earlier run's events as they were instead of calling the kernel.
     pub fn replays(&self, offset: usize, name: &str) -> bool {
-        self.replay.is_some_and(|r| {
-            r.lookup(*self.next_index + offset, self.phase, name)
-                .is_some()
-        })
+        self.earlier(*self.next_index + offset, name).is_some()
+    }
+
+    /// The earlier run's event and output at `index`, where they may stand in for op `name` of
+    /// this phase and rank.
+    fn earlier(&self, index: usize, name: &str) -> Option<(&OpEvent, &Tensor)> {
+        earlier(self.replay, self.phase, self.rank, index, name)
     }
 
     /// Runs (or replays) op `name`, which reads the activations `inputs`; `compute` fetches its
@@ -230,7 +244,7 @@ impl Sink<'_> {
         let index = *self.next_index;
         let activations = inputs.iter().map(|t| BufferRef::of(t));
         let (tensor, kernel_wrote, reads, replayed, kernel, stats) =
-            match self.replay.and_then(|r| r.lookup(index, self.phase, name)) {
+            match earlier(self.replay, self.phase, self.rank, index, name) {
                 Some((old, old_output)) => {
                     let tensor = old_output.clone();
                     // The earlier run's weight and cache reads; its kernel buffer if it was
@@ -297,9 +311,7 @@ impl Sink<'_> {
         buffer: BufferRef,
         reads: Vec<BufferRef>,
     ) -> Result<()> {
-        let replayed = self
-            .replay
-            .is_some_and(|r| r.lookup(*self.next_index, self.phase, name).is_some());
+        let replayed = self.earlier(*self.next_index, name).is_some();
         if replayed {
             self.counts.replayed += 1;
         } else {
@@ -337,6 +349,7 @@ impl Sink<'_> {
             index: *self.next_index,
             phase: self.phase,
             layer,
+            rank: self.rank,
             name: name.to_string(),
             kind,
             shape: values.shape().to_vec(),
@@ -376,6 +389,19 @@ impl Drop for Sink<'_> {
     fn drop(&mut self) {
         let _ = self.flush();
     }
+}
+
+/// What `replay` holds at `index` for op `name` of `phase` run by `rank`.
+fn earlier<'r>(
+    replay: Option<&'r dyn Replay>,
+    phase: Phase,
+    rank: Option<usize>,
+    index: usize,
+    name: &str,
+) -> Option<(&'r OpEvent, &'r Tensor)> {
+    replay?
+        .lookup(index, phase, name)
+        .filter(|(old, _)| old.rank == rank)
 }
 
 /// Rounds every element to the nearest bf16 (ties to even), keeping NaN and the poison pattern.

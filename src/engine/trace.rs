@@ -104,6 +104,10 @@ pub enum OpKind {
     Experts,
     Sum,
     Logits,
+    /// A tensor-parallel all-reduce: the ranks' partial sums summed, on every rank.
+    AllReduce,
+    /// A tensor-parallel all-gather: the ranks' parts side by side, on every rank.
+    AllGather,
 }
 
 impl OpKind {
@@ -202,6 +206,10 @@ pub struct OpEvent {
     pub phase: Phase,
     /// Decoder layer, or `None` for ops outside the layers (embedding, final norm, logits).
     pub layer: Option<usize>,
+    /// The tensor-parallel rank that ran the op; `None` in a run without tensor parallelism.
+    /// An op's identity in a run is its phase, rank and name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<usize>,
     /// HF module name where a module exists (`model.layers.3.self_attn.kv_a_proj_with_mqa`),
     /// else a sub-op name under it (`model.layers.3.self_attn.q_absorbed`).
     pub name: String,

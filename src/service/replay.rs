@@ -378,7 +378,7 @@ impl ReplayHost {
         let other = &self.records[self.timeline[self.current_run().compared_with?]];
         let run = self.current();
         let e = &run.events[i];
-        let j = other.find(e.phase, &e.name)?;
+        let j = other.find_for(e, &e.name)?;
         let (a, b) = (&run.outputs[i], &other.outputs[j]);
         let heads = self.info.layout.num_heads;
         let c = compare_outputs(e, i, a.data(), &other.events[j].shape, b.data(), heads);

@@ -61,6 +61,11 @@ pub(super) fn kv_b_as_used(
     sink: &mut Sink,
     path: MlaPath,
 ) -> Result<KvB> {
+    // FAULT tp-head-offset: the next rank's heads (read plain from the full weight).
+    if ctx.fault(Fault::TpHeadOffset) && ctx.tp.size > 1 {
+        let neighbour = (ctx.tp.rank + 1) % ctx.tp.size;
+        return Ok(KvB::Plain(Arc::new(heads_of_rank(ctx, neighbour)?)));
+    }
     let Some(q) = ctx
         .weights
         .quantized(&ctx.name("self_attn.kv_b_proj.weight"))?
@@ -97,6 +102,28 @@ pub(super) fn kv_b_as_used(
     let w = Arc::new(w);
     cache.kv_b_plain = Some(w.clone());
     Ok(KvB::Plain(w))
+}
+
+/// The rows of the full kv_b_proj that rank `rank` holds (its heads), decoded.
+fn heads_of_rank(ctx: &LayerCtx, rank: usize) -> Result<Tensor> {
+    let name = ctx.name("self_attn.kv_b_proj.weight");
+    let rows = ctx.tp.full.shape(&name)?[0] / ctx.tp.size;
+    ctx.tp.full.rows(&name, rank * rows, rows)
+}
+
+/// The kv_b_proj the absorbed path folds into the query (W_UK's rows of it).
+/// FAULT tp-absorb-unsliced: the full weight read from its start, so that the rank's heads meet
+/// the first heads of the model (rank 0's) on every rank.
+pub(super) fn w_uk_source(
+    ctx: &LayerCtx,
+    kv_b: &KvB,
+    r: &mut Reads,
+    name: &str,
+) -> Result<Arc<Tensor>> {
+    if ctx.fault(Fault::TpAbsorbUnsliced) && ctx.tp.size > 1 {
+        return Ok(Arc::new(heads_of_rank(ctx, 0)?));
+    }
+    kv_b.weight(r, name)
 }
 
 /// Where W_UK and W_UV sit in kv_b_proj. FAULT absorb-wrong-split: read as if each head's block

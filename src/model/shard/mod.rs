@@ -19,6 +19,13 @@
 //! would otherwise add it once per rank.
 //!
 //! [`RankSource`] is one rank's weights read from the full model's source, as the plan cuts them.
+//!
+//! What the ranks' outputs are, for the debugger (which compares them with an unsharded run):
+//! an op after a column-parallel weight holds the rank's heads or columns, a slice of the
+//! unsharded output along one dimension; an op before an all-reduce ([`partial_sum`]) holds a
+//! partial sum, which only the all-reduce's output can be compared with; every other op is
+//! replicated, the same on every rank. The collectives are ops of their own, named after the op
+//! whose partial sums or parts they take ([`collective_of`]).
 
 mod rank;
 
@@ -235,6 +242,133 @@ fn columns_of(t: &Tensor, start: usize, len: usize) -> Tensor {
 fn copy_columns(whole: &[f32], cols: usize, start: usize, out: &mut [f32], len: usize) {
     for (r, dst) in out.chunks_mut(len.max(1)).enumerate() {
         dst.copy_from_slice(&whole[r * cols + start..][..len]);
+    }
+}
+
+/// The layout one rank of `tp` runs: its share of the attention heads (every other number is
+/// the model's; the MLP and experts take their widths from the weights they are handed).
+pub fn rank_layout(layout: &Layout, tp: usize) -> Result<Layout> {
+    check_tp(layout, tp)?;
+    Ok(Layout {
+        num_heads: layout.num_heads / tp,
+        ..layout.clone()
+    })
+}
+
+/// Rank `rank` of `tp`'s weights over the full model's store, with a share of its byte budget.
+pub fn rank_store(
+    full: &super::WeightStore,
+    layout: &Layout,
+    tp: usize,
+    rank: usize,
+) -> Result<super::WeightStore> {
+    let source = RankSource::new(full.source(), layout, tp, rank)?;
+    super::WeightStore::with_catalog(
+        source.catalog(),
+        Box::new(source),
+        full.budget_bytes() / tp.max(1),
+    )
+}
+
+/// The first row of the vocabulary rank `rank` of `tp` holds, and how many it holds.
+pub fn vocab_part(vocab: usize, tp: usize, rank: usize) -> (usize, usize) {
+    match shard_of(Split::Vocab, &[vocab, 1], tp, rank, 0) {
+        Shard::Rows { start, len } => (start, len),
+        _ => (0, vocab),
+    }
+}
+
+/// Which collective a tensor-parallel pass runs after an op, and the ops it runs after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Collective {
+    /// The ranks' partial sums summed, the sum on every rank.
+    AllReduce,
+    /// The ranks' parts laid side by side along the last dimension, the whole on every rank.
+    AllGather,
+}
+
+impl Collective {
+    /// The suffix of the collective op's name: `model.layers.3.mlp.all_reduce`.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all_reduce",
+            Collective::AllGather => "all_gather",
+        }
+    }
+}
+
+/// Whether the op `name` of a tensor-parallel rank outputs a partial sum (its all-reduce's
+/// output is the unsharded op's).
+pub fn partial_sum(name: &str) -> bool {
+    name == "model.embed_tokens"
+        || [
+            ".self_attn.o_proj",
+            ".mlp.down_proj",
+            ".mlp.experts",
+            ".mlp.shared_experts",
+            ".mlp",
+        ]
+        .iter()
+        .any(|s| name.ends_with(s) && name.starts_with("model.layers."))
+}
+
+/// For a collective op's name, the collective and the op of an unsharded run that its output
+/// equals: `model.layers.3.mlp.all_reduce` → (all-reduce, `model.layers.3.mlp`).
+pub fn collective_of(name: &str) -> Option<(Collective, &str)> {
+    [Collective::AllReduce, Collective::AllGather]
+        .into_iter()
+        .find_map(|c| {
+            let stem = name.strip_suffix(c.suffix())?.strip_suffix('.')?;
+            Some((c, stem))
+        })
+}
+
+/// For an op whose rows join several parts that are each split by heads, the parts' widths in
+/// the unsharded run: the naive path's expanded cache rows are [K of every head | V of every
+/// head], so a rank's row is its heads' K then its heads' V, not one slice of the whole row.
+pub fn head_parts(layout: &Layout, name: &str) -> Option<[usize; 2]> {
+    let expanded =
+        name.ends_with(".self_attn.kv_cache") || name.ends_with(".self_attn.kv_cache_backfill");
+    expanded.then(|| {
+        [
+            layout.num_heads * layout.qk_head_dim(),
+            layout.num_heads * layout.v_head_dim,
+        ]
+    })
+}
+
+/// Where rank `rank` of `tp`'s output of shape `mine` sits in the unsharded output of shape
+/// `whole`: the dimension it is a slice of, the slice's start and length (`None` for the whole);
+/// an error where the shapes are not a rank's slice of one dimension.
+pub fn slice_in_whole(
+    mine: &[usize],
+    whole: &[usize],
+    tp: usize,
+    rank: usize,
+) -> std::result::Result<Option<(usize, usize, usize)>, String> {
+    if mine == whole {
+        return Ok(None);
+    }
+    if mine.len() + 1 == whole.len() {
+        // One head of [n, heads, d] comes as [n, d]: put its unit dimension back.
+        return (0..whole.len())
+            .map(|p| [&mine[..p], &[1], &mine[p..]].concat())
+            .find_map(|m| slice_in_whole(&m, whole, tp, rank).ok().flatten())
+            .map(Some)
+            .ok_or_else(|| format!("rank {rank}'s shape {mine:?} is not one rank's slice of the unsharded {whole:?}"));
+    }
+    let differs: Vec<usize> = (0..mine.len()).filter(|&d| mine[d] != whole[d]).collect();
+    let fits = mine.len() == whole.len() && differs.len() == 1;
+    let d = differs.first().copied().filter(|_| fits).ok_or_else(|| {
+        format!("rank {rank}'s shape {mine:?} is not one rank's slice of the unsharded {whole:?}")
+    })?;
+    // Equal parts (heads, columns), or the vocabulary's parts of ⌈V/N⌉ with a shorter last.
+    let start = rank * whole[d].div_ceil(tp);
+    match start + mine[d] <= whole[d] && mine[d] == whole[d].div_ceil(tp).min(whole[d] - start) {
+        true => Ok(Some((d, start, mine[d]))),
+        false => Err(format!(
+            "rank {rank}'s shape {mine:?} is not rank {rank} of {tp}'s slice of {whole:?}"
+        )),
     }
 }
 

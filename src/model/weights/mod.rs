@@ -43,7 +43,8 @@ pub trait WeightSource: Send + Sync {
 /// Materialised weights with a byte budget: tensors are kept (least recently used first out)
 /// until the budget is full, so repeated steps do not refetch, and full-size models still fit.
 pub struct WeightStore {
-    source: Box<dyn WeightSource>,
+    /// Shared so that tensor-parallel ranks can read their shards from the same source.
+    source: Arc<dyn WeightSource>,
     catalog: Catalog,
     budget_bytes: usize,
     cache: Mutex<LruCache>,
@@ -97,7 +98,7 @@ impl WeightStore {
             }
         }
         Ok(WeightStore {
-            source,
+            source: Arc::from(source),
             catalog,
             budget_bytes,
             cache: Mutex::new(LruCache::default()),
@@ -108,6 +109,11 @@ impl WeightStore {
 
     pub fn describe(&self) -> String {
         self.source.describe()
+    }
+
+    /// The source the store reads from (a tensor-parallel rank reads its shards from it).
+    pub fn source(&self) -> Arc<dyn WeightSource> {
+        self.source.clone()
     }
 
     pub fn catalog(&self) -> &Catalog {

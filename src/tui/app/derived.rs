@@ -43,7 +43,7 @@ impl Marks {
             // Samples of a replay compare where both sides hold the same elements; a comparison
             // that could not be made judges nothing.
             let mut compared = other
-                .find(e.phase, &e.name)
+                .find_for(e, &e.name)
                 .map(|j| {
                     let (a, b) = (run.outputs[i].data(), other.outputs[j].data());
                     compare_outputs(e, i, a, &other.events[j].shape, b, heads)

@@ -274,7 +274,7 @@ pub fn diff_with_comparison(app: &App, index: usize) -> Option<Result<Diff, Stri
     let run = app.mirror.current()?;
     let other = app.mirror.comparison_run()?;
     let e = run.events.get(index)?;
-    let j = other.find(e.phase, &e.name)?;
+    let j = other.find_for(e, &e.name)?;
     let heads = app.mirror.layout()?.num_heads;
     Some(output_diff(
         e,
