@@ -109,6 +109,8 @@ fn every_fault_acts_in_the_default_schedule_and_idles_where_it_cannot() {
         } else if f.needs_fp8_cache() {
             // glm5-tiny's latent rows do not fit fp8_ds_mla; the cache is bf16.
             assert!(why.unwrap().contains("--kv-cache-dtype fp8_ds_mla"));
+        } else if f.needs_tp() {
+            assert!(why.unwrap().contains("--tp 2 or more"), "{}", f.name());
         } else {
             assert!(why.is_none(), "{} acts by default", f.name());
         }
@@ -322,6 +324,7 @@ fn idle_exactly_when_nothing_differs_across_schedules_paths_and_scopes() {
             "",
             "mla-disable",
             "prefill-path=absorbed, decode-path=naive",
+            "tp=2",
         ] {
             let clean = run(&tiny, s, Flags::parse(base).unwrap());
             for f in Fault::ALL
@@ -345,7 +348,7 @@ fn idle_exactly_when_nothing_differs_across_schedules_paths_and_scopes() {
             }
         }
     }
-    assert_eq!(checked, 5 * 3 * (Fault::ALL.len() - 1) * 3);
+    assert_eq!(checked, 5 * 4 * (Fault::ALL.len() - 1) * 3);
 }
 
 /// yarn-mscale takes YaRN's `mscale` where `mscale_all_dim` belongs: idle without YaRN and

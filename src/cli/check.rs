@@ -273,14 +273,20 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
                 prefill_len: p.schedule.prefill_len,
                 decode_steps: 0,
             };
-            let paired = crate::debug::paired::compare_paired(
-                &job,
-                &a,
-                fb,
-                &forced,
-                crate::debug::paired::Pairing::SameSchedule,
-                &tolerances,
-            )?;
+            use crate::debug::paired::Pairing;
+            // Ranks against one rank, or each op against the same op (of the same rank).
+            let pairing = match (flags_a.tp, fb.tp) {
+                (a, b) if a == b => Pairing::SameSchedule,
+                (tp, 1) => Pairing::Ranks { tp },
+                (a, b) => {
+                    return Err(Error::invalid(format!(
+                        "bisect compares a run of tp {a} with one of tp {b}: give the \
+                         tensor-parallel run as --a and tp=1 as --b, or the same tp to both"
+                    )))
+                }
+            };
+            let paired =
+                crate::debug::paired::compare_paired(&job, &a, fb, &forced, pairing, &tolerances)?;
             (bisect_paired(&a, paired), format!("run B ({fb})"))
         }
         (None, Some(dump)) => (
@@ -326,6 +332,11 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
         )?;
         return Ok(true);
     }
+    // Under tensor parallelism, the rank that ran the op.
+    let name = |index: usize, name: &str| match a.events.get(index).and_then(|e| e.rank) {
+        Some(r) => format!("{name} (rank {r})"),
+        None => name.to_string(),
+    };
     match &result.first {
         None => writeln!(
             Out,
@@ -338,7 +349,9 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
                 writeln!(
                     Out,
                     "last agreeing op:  #{} {} {}: {figures}",
-                    good.index, good.phase, good.name
+                    good.index,
+                    good.phase,
+                    name(good.index, &good.name)
                 )?;
             }
             let figures = first.diff.as_ref().map(|d| d.summary()).unwrap_or_default();
@@ -347,7 +360,7 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
                 "first divergent:   #{} {} {}: {figures} ({})",
                 first.index,
                 first.phase,
-                first.name,
+                name(first.index, &first.name),
                 first.tolerance_text()
             )?;
             writeln!(

@@ -94,7 +94,7 @@ pub fn bisect_paired(a: &RunRecord, paired: Paired) -> Bisection {
     let missing = a
         .events
         .iter()
-        .filter(|e| paired.other.find_for(e, &e.name).is_none())
+        .filter(|e| !pairs_in(&paired.other, e))
         .map(|e| e.dump_name())
         .collect();
     let mut b = bisect(paired.comparisons, a.len(), missing);
@@ -105,6 +105,19 @@ pub fn bisect_paired(a: &RunRecord, paired: Paired) -> Bisection {
         .filter(|d| b.first.as_ref().is_none_or(|f| d.index < f.index));
     b.flips = paired.flips;
     b
+}
+
+/// Whether `other` holds the op that `e` pairs with: the same op of the same rank, or, for a
+/// rank's op against a run on one rank, the op of the unsharded run it is compared with (a
+/// partial sum is compared through its all-reduce).
+fn pairs_in(other: &RunRecord, e: &crate::engine::OpEvent) -> bool {
+    use crate::model::shard::{collective_of, partial_sum};
+    if other.find_for(e, &e.name).is_some() {
+        return true;
+    }
+    let one_rank = e.rank.is_some() && other.events.iter().all(|o| o.rank.is_none());
+    let unsharded = collective_of(&e.name).map_or(e.name.as_str(), |(_, stem)| stem);
+    one_rank && (partial_sum(&e.name) || other.find_at(e.phase, None, unsharded).is_some())
 }
 
 /// Run `a` against an external dump (an error when the dump is of other tokens or shapes).

@@ -74,31 +74,48 @@ pub fn compare_runs(
         .filter_map(|(i, e)| {
             let j = b.find_for(e, &e.name)?;
             let theirs = b.outputs[j].data();
-            // Routing weights: B's in A's order of experts (whole outputs only: samples of
-            // the experts and the weights are not the same rows).
-            let aligned = weights_ids_op(&e.name).and_then(|ids| {
-                let (ours, other) = (a.output_for(e, &ids)?, b.output_for(e, &ids)?);
-                let whole =
-                    |t: &crate::tensor::Tensor, shape: &[usize]| holds_all(shape, t.numel());
-                let ids_shape = &a.events[a.find_for(e, &ids)?].shape;
-                (whole(ours, ids_shape)
-                    && whole(other, ids_shape)
-                    && whole(&b.outputs[j], &e.shape))
-                .then_some(())?;
-                align_weights(ours.data(), other.data(), theirs, *e.shape.last()?)
-            });
+            let aligned = aligned_router_weights(a, i, b, j);
             Some(compare_outputs(
                 e,
                 i,
                 a.outputs[i].data(),
                 &b.events[j].shape,
                 aligned.as_deref().unwrap_or(theirs),
-                num_heads,
+                rank_heads(a, e, num_heads),
             ))
         })
         .collect();
     tolerances.judge(a, &mut all);
     all
+}
+
+/// The attention heads in the output of `e`, an op of `run` of a model of `num_heads`: a
+/// tensor-parallel rank holds its share.
+pub fn rank_heads(run: &RunRecord, e: &OpEvent, num_heads: usize) -> usize {
+    match e.rank {
+        Some(_) => num_heads / run.flags.tp.max(1),
+        None => num_heads,
+    }
+}
+
+/// For a routing-weights op `i` of `a` paired with op `j` of `b`: B's weights laid out in A's
+/// order of experts (whole outputs only: samples of the experts and the weights are not the
+/// same rows); `None` for any other op.
+pub fn aligned_router_weights(
+    a: &RunRecord,
+    i: usize,
+    b: &RunRecord,
+    j: usize,
+) -> Option<Vec<f32>> {
+    let (e, other_e) = (&a.events[i], &b.events[j]);
+    let ids = weights_ids_op(&e.name)?;
+    let (ours, other) = (a.output_for(e, &ids)?, b.output_for(other_e, &ids)?);
+    let whole = |t: &crate::tensor::Tensor, shape: &[usize]| holds_all(shape, t.numel());
+    let ids_shape = &a.events[a.find_for(e, &ids)?].shape;
+    (whole(ours, ids_shape) && whole(other, ids_shape) && whole(&b.outputs[j], &e.shape))
+        .then_some(())?;
+    let theirs = b.outputs[j].data();
+    align_weights(ours.data(), other.data(), theirs, *e.shape.last()?)
 }
 
 /// Compares one output with a reference of the given shape (same element count suffices).
@@ -194,7 +211,14 @@ pub fn prefill_vs_decode(
         out.push(match token_row(e, we, w.data(), pos) {
             Some(row) => {
                 let row = in_order(row.clone()).unwrap_or(row);
-                compare_outputs(e, i, stepped.outputs[i].data(), &e.shape, &row, num_heads)
+                compare_outputs(
+                    e,
+                    i,
+                    stepped.outputs[i].data(),
+                    &e.shape,
+                    &row,
+                    rank_heads(stepped, e, num_heads),
+                )
             }
             None => failed(format!("no row {pos} in the prefill's {:?}", we.shape)),
         });

@@ -8,6 +8,7 @@
 //! * [`controller`]: stepping, breakpoints and live flag changes over a running engine;
 //! * [`compare`], [`bisect`], [`external`]: per-op comparisons of runs, phases and dumps;
 //! * [`forensics`], [`detect`]: buffer forensics and the detectors of `mladb check`;
+//!   [`findings`]: how their comparisons become findings;
 //! * [`idle`]: flags and faults that had nothing to act on in a run;
 //! * [`quant`]: a quantized kv_b_proj's two derivations compared, and its decoding checked;
 //!   [`kv_quant`]: an FP8 latent cache's rows against what E4M3 explains;
@@ -20,6 +21,7 @@ pub mod controller;
 pub mod detect;
 pub mod diff;
 pub mod external;
+pub mod findings;
 pub mod flags;
 pub mod forensics;
 pub mod idle;

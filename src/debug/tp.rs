@@ -5,7 +5,7 @@
 //! sums or parts it joins. Partial sums themselves have no unsharded counterpart: their
 //! all-reduce is compared instead, and the comparison says how many it passed over.
 
-use super::compare::{compare_outputs, OpComparison};
+use super::compare::{aligned_router_weights, compare_outputs, OpComparison};
 use super::record::RunRecord;
 use super::sample::holds_all;
 use super::selection::is_selection;
@@ -37,6 +37,9 @@ pub fn compare_ranks(
             let mine = sharded.outputs[i].data();
             let whole_held = holds_all(shape, theirs.len());
             let parts = head_parts(layout, &e.name).filter(|_| e.shape != *shape);
+            // Routing weights: the one rank's in this rank's order of experts.
+            let aligned = aligned_router_weights(sharded, i, whole, j);
+            let theirs = aligned.as_deref().unwrap_or(theirs);
             let mut c = match slice_in_whole(&e.shape, shape, tp, rank) {
                 Ok(_) if parts.is_some() && whole_held => {
                     let widths = parts.unwrap_or_default();

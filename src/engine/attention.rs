@@ -206,7 +206,9 @@ fn positions(
     let q_interleaved = interleaved ^ ctx.fault(Fault::RopeNoninterleaved);
     let q_pe = sink.op(l, &ctx.name("self_attn.q_rope"), OpKind::Rope, &[q], |_| {
         let q_pe = b.slice_groups(q, dims.heads, dims.nope, dims.rope)?;
-        b.rope(&q_pe, dims.heads, ctx.rope, ctx.positions, q_interleaved)
+        let q_pe = b.rope(&q_pe, dims.heads, ctx.rope, ctx.positions, q_interleaved)?;
+        // [tokens, heads, rope] also for one head (a rank's share, under tensor parallelism).
+        Ok(q_pe.reshaped(&[ctx.positions.len(), dims.heads, dims.rope]))
     })?;
     let k_pe = sink.op(
         l,

@@ -154,6 +154,8 @@ pub struct App {
     pub autosave: Option<Autosave>,
     /// MLA disable came on from `VLLM_MLA_DISABLE` (the header says so).
     pub mla_disable_env: bool,
+    /// The tensor-parallel rank whose ops the tree shows; `None`: every rank's.
+    pub rank_view: Option<usize>,
 }
 
 /// The autosave: a path, an interval, and when it last ran.
@@ -217,6 +219,7 @@ impl App {
             reference_marks: HashMap::new(),
             autosave: None,
             mla_disable_env: false,
+            rank_view: None,
         };
         app.tick();
         app
@@ -511,6 +514,7 @@ impl App {
                 let heads = self.mirror.layout().map_or(1, |l| l.num_heads);
                 self.head = (self.head + 1) % heads.max(1);
             }
+            Action::NextRank => self.next_rank(),
             Action::Follow => {
                 self.follow = true;
                 self.select_position();

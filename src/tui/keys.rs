@@ -28,6 +28,7 @@ pub enum Action {
     Command,
     NextTab,
     NextHead,
+    NextRank,
     Follow,
     Narrower,
     Wider,
@@ -37,7 +38,7 @@ pub enum Action {
 }
 
 impl Action {
-    pub const ALL: [Action; 26] = [
+    pub const ALL: [Action; 27] = [
         Action::Up,
         Action::Down,
         Action::PageUp,
@@ -58,6 +59,7 @@ impl Action {
         Action::Command,
         Action::NextTab,
         Action::NextHead,
+        Action::NextRank,
         Action::Follow,
         Action::Narrower,
         Action::Wider,
@@ -112,6 +114,7 @@ impl Action {
             Action::Command => "command line (break, goto, run, step, bisect, set, save, load)",
             Action::NextTab => "next pane: tensor / buffers / compare",
             Action::NextHead => "next attention head in the heat map",
+            Action::NextRank => "tree shows one tensor-parallel rank, the next, then all",
             Action::Follow => "jump to the execution position",
             Action::Narrower => "narrower execution tree",
             Action::Wider => "wider execution tree",
@@ -143,6 +146,7 @@ impl Action {
             Action::Command => &[":"],
             Action::NextTab => &["tab"],
             Action::NextHead => &["h"],
+            Action::NextRank => &["r"],
             Action::Follow => &["."],
             Action::Narrower => &["["],
             Action::Wider => &["]"],

@@ -349,14 +349,6 @@ pub fn slice_in_whole(
     if mine == whole {
         return Ok(None);
     }
-    if mine.len() + 1 == whole.len() {
-        // One head of [n, heads, d] comes as [n, d]: put its unit dimension back.
-        return (0..whole.len())
-            .map(|p| [&mine[..p], &[1], &mine[p..]].concat())
-            .find_map(|m| slice_in_whole(&m, whole, tp, rank).ok().flatten())
-            .map(Some)
-            .ok_or_else(|| format!("rank {rank}'s shape {mine:?} is not one rank's slice of the unsharded {whole:?}"));
-    }
     let differs: Vec<usize> = (0..mine.len()).filter(|&d| mine[d] != whole[d]).collect();
     let fits = mine.len() == whole.len() && differs.len() == 1;
     let d = differs.first().copied().filter(|_| fits).ok_or_else(|| {

@@ -46,6 +46,7 @@ impl Marks {
                 .find_for(e, &e.name)
                 .map(|j| {
                     let (a, b) = (run.outputs[i].data(), other.outputs[j].data());
+                    let heads = crate::debug::compare::rank_heads(run, e, heads);
                     compare_outputs(e, i, a, &other.events[j].shape, b, heads)
                 })
                 .filter(|c| c.diff.is_ok());

@@ -60,7 +60,7 @@ impl App {
             while i < events.len() && events[i].phase == phase {
                 match events[i].layer {
                     None => {
-                        if open {
+                        if open && self.shows_rank(events[i].rank) {
                             rows.push(Row {
                                 node: Node::Op(i),
                                 depth: 1,
@@ -81,7 +81,7 @@ impl App {
                             && events[i].phase == phase
                             && events[i].layer == Some(l)
                         {
-                            if layer_open {
+                            if layer_open && self.shows_rank(events[i].rank) {
                                 rows.push(Row {
                                     node: Node::Op(i),
                                     depth: 2,
@@ -94,6 +94,56 @@ impl App {
             }
         }
         rows
+    }
+
+    /// Whether the tree shows the ops of `rank` (see [`App::rank_view`]).
+    fn shows_rank(&self, rank: Option<usize>) -> bool {
+        self.rank_view.is_none() || rank == self.rank_view
+    }
+
+    /// The tree shows the next tensor-parallel rank alone, and after the last every rank again.
+    pub(super) fn next_rank(&mut self) {
+        let ranks = self.mirror.current().map_or(0, |r| {
+            r.events
+                .iter()
+                .filter_map(|e| e.rank)
+                .max()
+                .map_or(0, |m| m + 1)
+        });
+        if ranks == 0 {
+            self.log
+                .push("this run has no tensor-parallel ranks (run it with --tp N)".into());
+            return;
+        }
+        self.rank_view = match self.rank_view {
+            None => Some(0),
+            Some(r) if r + 1 < ranks => Some(r + 1),
+            Some(_) => None,
+        };
+        // The selected op, on the rank now shown.
+        if let (Some(rank), Some((_, e))) = (self.rank_view, self.selected_op()) {
+            let (phase, name) = (e.phase, e.name.clone());
+            if let Some(j) = self
+                .mirror
+                .current()
+                .and_then(|r| r.find_at(phase, Some(rank), &name))
+            {
+                self.selected = Some(Node::Op(j));
+            }
+        }
+        let shown = self
+            .rank_view
+            .map_or("every rank".to_string(), |r| format!("rank {r} of {ranks}"));
+        self.log.push(format!("tree: {shown}"));
+    }
+
+    /// Attention heads in the output of `e`: the model's, or a tensor-parallel rank's share.
+    pub fn heads_of_op(&self, e: &OpEvent) -> usize {
+        let heads = self.mirror.layout().map_or(1, |l| l.num_heads);
+        match e.rank {
+            Some(_) => heads / self.mirror.current().map_or(1, |r| r.flags.tp.max(1)),
+            None => heads,
+        }
     }
 
     pub(super) fn selected_row(&self, rows: &[Row]) -> Option<usize> {

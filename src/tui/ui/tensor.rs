@@ -80,6 +80,35 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             ),
         ]),
     ];
+    // Under tensor parallelism: the same op on every rank, a line each.
+    if e.rank.is_some() {
+        for (r, other) in run
+            .events
+            .iter()
+            .filter(|o| o.phase == e.phase && o.name == e.name && o.rank.is_some())
+            .map(|o| (o.rank.unwrap_or(0), o))
+        {
+            let s = &other.stats;
+            let style = if other.index == e.index {
+                t.accent()
+            } else {
+                t.base()
+            };
+            lines.push(Line::from(vec![
+                Span::styled(format!("rank {r} "), style),
+                label("min"),
+                Span::raw(num(s.min)),
+                label("  max"),
+                Span::raw(num(s.max)),
+                label("  L2"),
+                Span::raw(num(s.l2)),
+                label("  nan"),
+                Span::raw(s.nan.to_string()),
+                label(" shape"),
+                Span::raw(format!("{:?}", other.shape)),
+            ]));
+        }
+    }
     let sampled = is_sampled(e, out);
     let histogram = if sampled {
         None
@@ -129,7 +158,7 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
         );
         return;
     }
-    let heads = app.mirror.layout().map_or(1, |l| l.num_heads);
+    let heads = app.heads_of_op(e);
     if let Some(layout) = heads_of(e, heads) {
         lines.push(Line::from(Span::styled("per head: abs-max / L2", t.dim())));
         let per = per_head(out, layout, heads);

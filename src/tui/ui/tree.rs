@@ -77,7 +77,12 @@ pub fn draw(frame: &mut Frame, app: &mut App, area: Rect) {
                         Span::styled(here, t.accent()),
                         Span::styled(if bp { "●" } else { " " }, t.bad()),
                         Span::styled(mark, style),
-                        Span::raw(format!(" {}", short_name(&e.name))),
+                        Span::raw(match e.rank {
+                            Some(r) if app.rank_view.is_none() => {
+                                format!(" r{r} {}", short_name(&e.name))
+                            }
+                            _ => format!(" {}", short_name(&e.name)),
+                        }),
                     ];
                     // The reference's column: how far the other engine is from this op.
                     if let Some((diverges, error)) = app.judged_against_reference(index) {
@@ -94,7 +99,10 @@ pub fn draw(frame: &mut Frame, app: &mut App, area: Rect) {
         }
         lines.push(line);
     }
-    let title = format!(" execution · {} ", run.map_or(0, |r| r.len()));
+    let shown = app
+        .rank_view
+        .map_or(String::new(), |r| format!(" · rank {r}"));
+    let title = format!(" execution · {}{shown} ", run.map_or(0, |r| r.len()));
     frame.render_widget(
         Paragraph::new(lines).block(
             Block::default()

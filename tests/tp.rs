@@ -1,0 +1,648 @@
+//! Tensor parallelism on the CPU: N simulated ranks against one rank (TP equals no TP).
+//! * the logits and tokens of TP=2 and TP=4 runs equal TP=1's within f32 rounding, on every
+//!   tiny layout (a quantized kv_b_proj included), on the random HF checkpoints and on both MLA
+//!   paths;
+//! * `check --tp N` is clean there in f32 and bf16 and compares every rank's ops;
+//! * every tensor-parallel fault is caught by `tp-mismatch` at the op and rank where it acts,
+//!   and idles, saying why, on one rank;
+//! * a rank count the layout does not divide is an `error:` line and exit code 2;
+//! * on the GPU (ignored where there is none; `tools/gpu_check.sh` runs it), the ranks run one
+//!   after another on one device: clean, and the faults caught, in f32 and bf16.
+
+mod common;
+
+use mladb::backend::cpu::CpuBackend;
+use mladb::debug::detect::{check, CheckOptions, CheckReport};
+use mladb::debug::runner::Job;
+use mladb::debug::Flags;
+use mladb::engine::generate::{self, Schedule};
+use mladb::engine::{Engine, EngineOptions, MlaPath, MlaPaths};
+use mladb::model::{shard, Layout, Model};
+use std::path::Path;
+use std::process::Command;
+
+fn check_tp(model: &Model, schedule: &Schedule, flags: &str) -> CheckReport {
+    check_on(&CpuBackend, model, schedule, flags)
+}
+
+fn check_on(
+    backend: &dyn mladb::backend::Backend,
+    model: &Model,
+    schedule: &Schedule,
+    flags: &str,
+) -> CheckReport {
+    let layers = 0..model.layout.num_layers;
+    let mut flags = Flags::parse(flags).unwrap();
+    if !backend.name().starts_with("cpu") {
+        flags.device = mladb::debug::flags::DeviceFlag::Cuda;
+    }
+    let job = Job {
+        model,
+        backend,
+        schedule,
+        layers: &layers,
+        poison: true,
+    };
+    let options = CheckOptions {
+        tolerance: None,
+        reference: None,
+    };
+    check(&job, flags, &options).unwrap()
+}
+
+fn describe(report: &CheckReport) -> String {
+    let findings = report
+        .findings
+        .iter()
+        .map(|f| format!("  {} {} {}: {}", f.kind, f.phase, f.op_text(), f.detail));
+    let notes = report.notes.iter().map(|n| format!("  note: {n}"));
+    findings.chain(notes).collect::<Vec<_>>().join("\n")
+}
+
+/// The last logits and the generated tokens of a run on `tp` ranks.
+fn logits_of(
+    model: &Model,
+    schedule: &Schedule,
+    paths: MlaPaths,
+    tp: usize,
+) -> (Vec<f32>, Vec<u32>) {
+    let options = EngineOptions {
+        tp,
+        ..EngineOptions::new(model, paths)
+    };
+    let mut engine = Engine::new(model, &CpuBackend, options).unwrap();
+    let mut last = Vec::new();
+    let mut observer = LastLogits(&mut last);
+    let outcome = generate::run(&mut engine, schedule, &mut observer).unwrap();
+    (last, outcome.generated)
+}
+
+/// Keeps the values of the last `logits` op of rank 0 (or of the run without ranks).
+struct LastLogits<'a>(&'a mut Vec<f32>);
+
+impl mladb::engine::Observer for LastLogits<'_> {
+    fn on_op(
+        &mut self,
+        e: &mladb::engine::OpEvent,
+        t: &mladb::tensor::Tensor,
+    ) -> mladb::Result<()> {
+        let whole = e.name == "logits" && e.rank.is_none() || e.name == "logits.all_gather";
+        if whole && e.rank.unwrap_or(0) == 0 {
+            *self.0 = t.data().to_vec();
+        }
+        Ok(())
+    }
+    fn wants_stats(&self) -> bool {
+        false
+    }
+}
+
+/// The models of the tests: every tiny layout, a Q4_K kv_b_proj, and the random HF checkpoints.
+fn models() -> Vec<(String, Model, Schedule)> {
+    let mut out = Vec::new();
+    let schedule = |vocab| Schedule {
+        prompt: common::prompt(vocab, 10),
+        prefill_len: 7,
+        decode_steps: 3,
+    };
+    for layout in ["glm5-tiny", "glm5-tiny-wide", "deepseek-v3-tiny"] {
+        let model = common::synthetic(layout, 3);
+        let s = schedule(model.layout.vocab_size);
+        out.push((layout.to_string(), model, s));
+    }
+    let q4k = Model::synthetic_quantized(
+        Layout::resolve("glm5-tiny-wide").unwrap(),
+        0,
+        Some(mladb::gguf::GgmlType::from_name("q4_k").unwrap()),
+        1 << 30,
+    )
+    .unwrap();
+    let s = schedule(q4k.layout.vocab_size);
+    out.push(("glm5-tiny-wide q4_k".into(), q4k, s));
+    let random = Path::new("tests/fixtures/random");
+    let cases: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(random.join("cases.json")).unwrap()).unwrap();
+    for c in cases.as_array().unwrap().iter().step_by(4) {
+        let name = c["name"].as_str().unwrap();
+        let model = Model::hf_checkpoint(&random.join(name), 1 << 30).unwrap();
+        let prompt = c["tokens"].as_array().unwrap().iter();
+        let s = Schedule {
+            prompt: prompt.map(|t| t.as_u64().unwrap() as u32).collect(),
+            prefill_len: c["prefill"].as_u64().unwrap() as usize,
+            decode_steps: c["decode"].as_u64().unwrap() as usize,
+        };
+        out.push((format!("random {name}"), model, s));
+    }
+    out
+}
+
+#[test]
+fn tensor_parallel_logits_equal_one_ranks_on_every_layout_and_path() {
+    let mut compared = 0;
+    for (name, model, schedule) in models() {
+        for paths in [MlaPaths::production(), MlaPaths::disabled()] {
+            let (one, tokens) = logits_of(&model, &schedule, paths, 1);
+            for tp in [2, 4] {
+                if shard::check_tp(&model.layout, tp).is_err() {
+                    eprintln!("{name}: tp {tp} skipped, the layout does not divide by it");
+                    continue;
+                }
+                let (many, tp_tokens) = logits_of(&model, &schedule, paths, tp);
+                assert_eq!(many.len(), one.len(), "{name} tp {tp}");
+                let scale = one.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
+                let worst = one
+                    .iter()
+                    .zip(&many)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(
+                    worst <= 1e-4 * scale,
+                    "{name} tp {tp} {paths:?}: logits differ by {worst}"
+                );
+                assert_eq!(tokens, tp_tokens, "{name} tp {tp} {paths:?}");
+                compared += 1;
+            }
+        }
+    }
+    assert!(
+        compared >= 16,
+        "only {compared} tensor-parallel runs compared"
+    );
+}
+
+#[test]
+fn check_with_tensor_parallelism_is_clean_and_compares_every_rank() {
+    let mut checked = 0;
+    for (name, model, schedule) in models() {
+        for tp in [2, 4] {
+            if shard::check_tp(&model.layout, tp).is_err() {
+                eprintln!("{name}: tp {tp} skipped, the layout does not divide by it");
+                continue;
+            }
+            for flags in ["dtype=f32", "dtype=bf16", "dtype=f32,decode-path=naive"] {
+                let report = check_tp(&model, &schedule, &format!("{flags},tp={tp}"));
+                assert!(
+                    report.findings.is_empty(),
+                    "{name} tp {tp} {flags}:\n{}",
+                    describe(&report)
+                );
+                let note = report
+                    .notes
+                    .iter()
+                    .find(|n| n.starts_with(&format!("tp {tp} vs one rank: ")))
+                    .unwrap_or_else(|| panic!("{name} tp {tp}: no tp note\n{}", describe(&report)));
+                // Every op but the choices and the partial sums was compared.
+                assert!(
+                    !note.contains("could not be compared"),
+                    "{name} tp {tp}: {note}"
+                );
+                let compared: usize = note["tp 2 vs one rank: ".len()..]
+                    .split(' ')
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0);
+                let ranked = report
+                    .run
+                    .events
+                    .iter()
+                    .filter(|e| e.rank.is_some())
+                    .count();
+                assert!(
+                    compared * 10 >= ranked * 7,
+                    "{name} tp {tp}: {compared} of {ranked}"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 24, "only {checked} checks made");
+}
+
+#[test]
+fn every_tensor_parallel_fault_is_caught_at_its_op_and_rank() {
+    for layout in ["glm5-tiny", "deepseek-v3-tiny"] {
+        let model = common::synthetic(layout, 0);
+        let schedule = Schedule {
+            prompt: common::prompt(model.layout.vocab_size, 9),
+            prefill_len: 6,
+            decode_steps: 3,
+        };
+        for tp in [2, 4] {
+            for dtype in ["f32", "bf16"] {
+                // (fault, the op it shows at first, the rank it shows on first)
+                for (fault, op, rank) in [
+                    ("tp-head-offset", "model.layers.0.self_attn.kv_b_proj", 0),
+                    (
+                        "tp-missing-allreduce",
+                        "model.layers.0.self_attn.o_proj.all_reduce",
+                        0,
+                    ),
+                    (
+                        "tp-double-reduce",
+                        "model.layers.0.self_attn.o_proj.all_reduce",
+                        0,
+                    ),
+                    (
+                        "tp-absorb-unsliced",
+                        "model.layers.0.self_attn.q_absorbed",
+                        1,
+                    ),
+                ] {
+                    let flags = format!("dtype={dtype},tp={tp},inject={fault}");
+                    let report = check_tp(&model, &schedule, &flags);
+                    let first = report
+                        .findings
+                        .iter()
+                        .find(|f| f.kind.to_string() == "tp-mismatch")
+                        .unwrap_or_else(|| {
+                            panic!("{layout} {flags}: not caught\n{}", describe(&report))
+                        });
+                    assert_eq!(
+                        (first.op.as_str(), first.rank),
+                        (op, Some(rank)),
+                        "{layout} {flags}:\n{}",
+                        describe(&report)
+                    );
+                    // Absorption reads rank 0's heads on every rank: rank 0 itself is right.
+                    if fault == "tp-absorb-unsliced" {
+                        assert!(
+                            report.findings.iter().all(|f| f.rank != Some(0)),
+                            "{layout} {flags}:\n{}",
+                            describe(&report)
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn tensor_parallel_faults_idle_on_one_rank_and_say_why() {
+    let model = common::synthetic("glm5-tiny", 0);
+    let schedule = Schedule {
+        prompt: common::prompt(model.layout.vocab_size, 6),
+        prefill_len: 4,
+        decode_steps: 2,
+    };
+    for fault in [
+        "tp-head-offset",
+        "tp-missing-allreduce",
+        "tp-double-reduce",
+        "tp-absorb-unsliced",
+    ] {
+        let report = check_tp(&model, &schedule, &format!("inject={fault}"));
+        assert!(
+            report.findings.is_empty(),
+            "{fault}:\n{}",
+            describe(&report)
+        );
+        assert!(
+            report
+                .notes
+                .iter()
+                .any(|n| n.contains(fault) && n.contains("--tp 2 or more")),
+            "{fault}:\n{}",
+            describe(&report)
+        );
+    }
+    // Absorption is not used when every path is naive: said so at any rank count (check's
+    // absorbed-vs-naive run, which takes the absorbed path, still shows it).
+    let report = check_tp(
+        &model,
+        &schedule,
+        "tp=2,inject=tp-absorb-unsliced,decode-path=naive",
+    );
+    assert!(
+        report
+            .notes
+            .iter()
+            .any(|n| n.contains("tp-absorb-unsliced had nothing to act on")),
+        "{}",
+        describe(&report)
+    );
+    assert!(
+        report
+            .findings
+            .iter()
+            .all(|f| f.kind.to_string() != "tp-mismatch"),
+        "{}",
+        describe(&report)
+    );
+}
+
+#[test]
+fn a_rank_count_the_layout_does_not_divide_is_an_error_line() {
+    for (tp, says) in [
+        (
+            "3",
+            "the 4 attention heads of glm5-tiny do not split into 3 equal parts",
+        ),
+        ("0", "not a rank count from 1 to 64"),
+        ("65", "not a rank count from 1 to 64"),
+        ("two", "not a rank count from 1 to 64"),
+    ] {
+        for command in ["run", "check"] {
+            let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
+                .args([
+                    command,
+                    "--layout",
+                    "glm5-tiny",
+                    "--tokens",
+                    "1,2",
+                    "--tp",
+                    tp,
+                ])
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{command} --tp {tp}: {stderr}");
+            assert!(
+                stderr.starts_with("error: ")
+                    && stderr.contains(says)
+                    && stderr.lines().count() == 1,
+                "{command} --tp {tp}: {stderr}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_trace_names_each_ranks_ops_and_the_collectives_between_them() {
+    let model = common::synthetic("glm5-tiny", 0);
+    let schedule = Schedule {
+        prompt: vec![1, 2, 3],
+        prefill_len: 3,
+        decode_steps: 1,
+    };
+    let report = check_tp(&model, &schedule, "tp=2");
+    let events = &report.run.events;
+    assert!(events.iter().all(|e| e.rank.is_some()));
+    // Both ranks run every op, and each collective once per rank.
+    for op in [
+        "model.embed_tokens.all_reduce",
+        "model.layers.0.self_attn.o_proj.all_reduce",
+        "model.layers.3.mlp.all_reduce",
+        "logits.all_gather",
+    ] {
+        let ranks: Vec<_> = events
+            .iter()
+            .filter(|e| e.name == op && e.phase == mladb::engine::Phase::Prefill)
+            .map(|e| e.rank)
+            .collect();
+        assert_eq!(ranks, [Some(0), Some(1)], "{op}");
+    }
+    // A rank's attention holds its heads; the latent cache is replicated whole.
+    let q = events
+        .iter()
+        .find(|e| e.name == "model.layers.0.self_attn.q_b_proj")
+        .unwrap();
+    let heads = model.layout.num_heads / 2;
+    assert_eq!(q.shape, [3, heads * model.layout.qk_head_dim()]);
+    let latent = events
+        .iter()
+        .find(|e| e.name == "model.layers.0.self_attn.latent_cache" && e.rank == Some(1))
+        .unwrap();
+    assert_eq!(latent.shape[1], model.layout.latent_width());
+    // The absorbed path is the production default: decode ran it on every rank.
+    assert_eq!(MlaPaths::production().decode, MlaPath::Absorbed);
+}
+
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn on_the_gpu_ranks_are_clean_and_the_faults_caught() {
+    for (name, backend, _) in common::gpu_backends() {
+        let dtype = if name.ends_with("bf16") {
+            "bf16"
+        } else {
+            "f32"
+        };
+        for layout in ["glm5-tiny", "deepseek-v3-tiny"] {
+            let model = common::synthetic(layout, 0);
+            let schedule = Schedule {
+                prompt: common::prompt(model.layout.vocab_size, 9),
+                prefill_len: 6,
+                decode_steps: 3,
+            };
+            for tp in [2, 4] {
+                let flags = format!("dtype={dtype},tp={tp}");
+                let report = check_on(&*backend, &model, &schedule, &flags);
+                assert!(
+                    report.findings.is_empty(),
+                    "{name} {layout} {flags}:\n{}",
+                    describe(&report)
+                );
+                assert!(
+                    report.run.events.iter().any(|e| e.ran_fast_kernel()),
+                    "{name} {layout} {flags}: no fast kernel ran"
+                );
+                for (fault, op, rank) in [
+                    ("tp-head-offset", "model.layers.0.self_attn.kv_b_proj", 0),
+                    (
+                        "tp-missing-allreduce",
+                        "model.layers.0.self_attn.o_proj.all_reduce",
+                        0,
+                    ),
+                    (
+                        "tp-absorb-unsliced",
+                        "model.layers.0.self_attn.q_absorbed",
+                        1,
+                    ),
+                ] {
+                    let flags = format!("{flags},inject={fault}");
+                    let report = check_on(&*backend, &model, &schedule, &flags);
+                    let first = report
+                        .findings
+                        .iter()
+                        .find(|f| f.kind.to_string() == "tp-mismatch")
+                        .unwrap_or_else(|| panic!("{name} {layout} {flags}: not caught"));
+                    assert_eq!(
+                        (first.op.as_str(), first.rank),
+                        (op, Some(rank)),
+                        "{name} {layout} {flags}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_session_records_the_ranks_and_replays_them_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tp.ron");
+    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args([
+            "check",
+            "--layout",
+            "glm5-tiny",
+            "--prefill",
+            "5",
+            "--decode",
+            "2",
+        ])
+        .args(["--tp", "2", "--inject", "tp-absorb-unsliced", "--record"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "check has findings: {stdout}");
+    assert!(
+        stdout.contains("model.layers.0.self_attn.q_absorbed (rank 1)"),
+        "{stdout}"
+    );
+    let session = mladb::session::Session::load(&path).unwrap();
+    assert_eq!(session.runs[0].flags.tp, 2);
+    let ranks: std::collections::BTreeSet<_> =
+        session.runs[0].ops.iter().map(|o| o.event.rank).collect();
+    assert_eq!(ranks.into_iter().collect::<Vec<_>>(), [Some(0), Some(1)]);
+    let finding = session
+        .check
+        .as_ref()
+        .unwrap()
+        .findings
+        .iter()
+        .find(|f| f.kind.to_string() == "tp-mismatch")
+        .cloned()
+        .unwrap();
+    assert_eq!(finding.rank, Some(1));
+    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args(["replay", path.to_str().unwrap(), "--verify"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("bit for bit"), "{stdout}");
+}
+
+#[test]
+fn the_tui_shows_one_rank_at_a_time_and_every_rank_of_the_selected_op() {
+    use mladb::tui::app::Node;
+    use ratatui::crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+    let mut app = common::tiny_app("tp=2");
+    let press = |app: &mut mladb::tui::app::App, c: char| {
+        app.on_key(KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE))
+    };
+    press(&mut app, 'c');
+    let ranks_shown = |app: &mladb::tui::app::App| {
+        let run = app.mirror.current().unwrap();
+        let mut shown: Vec<Option<usize>> = app
+            .rows()
+            .iter()
+            .filter_map(|r| match r.node {
+                Node::Op(i) => Some(run.events[i].rank),
+                _ => None,
+            })
+            .collect();
+        shown.sort();
+        shown.dedup();
+        shown
+    };
+    assert_eq!(ranks_shown(&app), [Some(0), Some(1)]);
+    press(&mut app, 'r');
+    assert_eq!(app.rank_view, Some(0));
+    assert_eq!(ranks_shown(&app), [Some(0)]);
+    press(&mut app, 'r');
+    assert_eq!(ranks_shown(&app), [Some(1)]);
+    press(&mut app, 'r');
+    assert_eq!(app.rank_view, None);
+    assert!(
+        app.log.iter().any(|l| l == "tree: rank 1 of 2"),
+        "{:?}",
+        app.log
+    );
+    // The Tensor pane of a rank's op lists the op on both ranks.
+    let run = app.mirror.current().unwrap();
+    let q = run.find_at(
+        mladb::engine::Phase::Prefill,
+        Some(1),
+        "model.layers.0.self_attn.q_b_proj",
+    );
+    app.selected = Some(Node::Op(q.unwrap()));
+    let mut terminal = ratatui::Terminal::new(ratatui::backend::TestBackend::new(160, 48)).unwrap();
+    terminal
+        .draw(|f| mladb::tui::ui::draw(f, &mut app))
+        .unwrap();
+    let text = terminal.backend().to_string();
+    assert!(
+        text.contains("rank 0 min") && text.contains("rank 1 min"),
+        "{text}"
+    );
+    assert!(text.contains("r1 "), "{text}");
+    // Without ranks the key says there are none.
+    let mut plain = common::tiny_app("");
+    press(&mut plain, 'r');
+    assert_eq!(plain.rank_view, None);
+    assert!(plain
+        .log
+        .last()
+        .unwrap()
+        .contains("no tensor-parallel ranks"));
+}
+
+#[test]
+fn bisect_of_a_tensor_parallel_run_against_one_rank_names_the_rank() {
+    let bisect = |a: &str, b: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
+            .args([
+                "bisect",
+                "--layout",
+                "glm5-tiny",
+                "--prefill",
+                "5",
+                "--decode",
+                "2",
+            ])
+            .args(["--a", a, "--b", b, "--json"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        (
+            out.status.code(),
+            stdout,
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (code, out, err) = bisect("tp=2", "tp=1");
+    assert_eq!(code, Some(0), "{out}{err}");
+    let clean: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(clean["first"].is_null(), "{out}");
+    assert_eq!(clean["not_compared"].as_array().unwrap().len(), 0, "{out}");
+    assert!(clean["compared"].as_u64().unwrap() > 100, "{out}");
+    let (code, out, err) = bisect("tp=2,inject=tp-missing-allreduce", "tp=1");
+    assert_eq!(code, Some(1), "{out}{err}");
+    let found: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        found["first"]["name"].as_str(),
+        Some("model.layers.0.self_attn.o_proj.all_reduce"),
+        "{out}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args([
+            "bisect",
+            "--layout",
+            "glm5-tiny",
+            "--prefill",
+            "5",
+            "--decode",
+            "2",
+        ])
+        .args(["--a", "tp=2,inject=tp-missing-allreduce", "--b", "tp=1"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("first divergent:") && text.contains("o_proj.all_reduce (rank 0)"),
+        "{text}"
+    );
+    let (code, _, err) = bisect("tp=1", "tp=2");
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.starts_with("error: bisect compares a run of tp 1 with one of tp 2"),
+        "{err}"
+    );
+}
