@@ -21,8 +21,8 @@ B=.device-bin
 OUT=${OUT:-/tmp}
 if [ "$what" != bench ]; then
   $B/mladb kernels --arch sm_90,sm_120 > "$OUT/kernels.txt" 2>&1; tail -1 "$OUT/kernels.txt"
-  for t in fast_kernels fp8_kernels gpu_attention backends gpu_forward leaks verdicts; do
-    timeout 300 $B/$t --include-ignored --test-threads=1 > "$OUT/$t.txt" 2>&1 || echo "$t: exit $? (124 = timed out)"
+  for t in fast_kernels fp8_kernels gpu_attention backends gpu_forward leaks verdicts tp; do
+    timeout 420 $B/$t --include-ignored --test-threads=1 > "$OUT/$t.txt" 2>&1 || echo "$t: exit $? (124 = timed out)"
     grep -E "^test |panicked|test result|skipped|worst" "$OUT/$t.txt" | head -30
   done
   $B/mladb run --device cuda --layout glm5-tiny --tokens 1,2,3 --decode 2 > "$OUT/run.txt" 2>&1; tail -2 "$OUT/run.txt"
@@ -35,6 +35,9 @@ if [ "$what" != bench ]; then
   python3 tools/hook_engine_check.py --mladb $B/mladb > "$OUT/hook_engines.txt" 2>&1; tail -1 "$OUT/hook_engines.txt"
   # The FP8 latent cache: its write kernel and decode variants in the traced path, clean.
   $B/mladb check --device cuda --layout glm5-rank8 --kv-cache-dtype fp8_ds_mla --tokens $(seq -s, 1 200) --decode 2 > "$OUT/check_fp8.txt" 2>&1; tail -3 "$OUT/check_fp8.txt"
+  # Tensor parallelism, the ranks one after another on this GPU: GLM-5 at TP 8 holds 8 heads a
+  # rank, the few-heads decode's shape.
+  $B/mladb check --device cuda --layout glm5-rank8 --tp 2 --tokens $(seq -s, 1 200) --decode 2 > "$OUT/check_tp.txt" 2>&1; tail -3 "$OUT/check_tp.txt"
 fi
 if [ "$what" != tests ]; then
   python3 tools/torch_mla_bench.py ${QUICK:+--quick} > "$OUT/torch_bench.txt" 2>&1
