@@ -1,7 +1,7 @@
 //! Tensor parallelism on the CPU: N simulated ranks against one rank (TP equals no TP).
 //! * the logits and tokens of TP=2 and TP=4 runs equal TP=1's within f32 rounding, on every
-//!   tiny layout (a quantized kv_b_proj included), on the random HF checkpoints and on both MLA
-//!   paths;
+//!   tiny layout (a quantized kv_b_proj included), on the HF fixtures and random HF checkpoints,
+//!   on all four combinations of MLA paths;
 //! * `check --tp N` is clean there in f32 and bf16 and compares every rank's ops;
 //! * every tensor-parallel fault is caught by `tp-mismatch` at the op and rank where it acts,
 //!   and idles, saying why, on one rank;
@@ -119,6 +119,19 @@ fn models() -> Vec<(String, Model, Schedule)> {
     .unwrap();
     let s = schedule(q4k.layout.vocab_size);
     out.push(("glm5-tiny-wide q4_k".into(), q4k, s));
+    // The HF fixtures: a sparse DSA context, YaRN, a plain q_proj with attention biases (o_proj's
+    // bias added by rank 0 alone), tied embeddings, FP8 block-scaled weights.
+    for name in [
+        "glm5-sparse",
+        "deepseek-v3-yarn",
+        "deepseek-v3-plain",
+        "deepseek-v3-fp8",
+    ] {
+        let model =
+            Model::hf_checkpoint(&Path::new("tests/fixtures/hf").join(name), 1 << 30).unwrap();
+        let s = schedule(model.layout.vocab_size);
+        out.push((format!("hf {name}"), model, s));
+    }
     let random = Path::new("tests/fixtures/random");
     let cases: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(random.join("cases.json")).unwrap()).unwrap();
@@ -140,7 +153,14 @@ fn models() -> Vec<(String, Model, Schedule)> {
 fn tensor_parallel_logits_equal_one_ranks_on_every_layout_and_path() {
     let mut compared = 0;
     for (name, model, schedule) in models() {
-        for paths in [MlaPaths::production(), MlaPaths::disabled()] {
+        let (naive, absorbed) = (MlaPath::Naive, MlaPath::Absorbed);
+        for (prefill, decode) in [
+            (naive, absorbed),
+            (naive, naive),
+            (absorbed, absorbed),
+            (absorbed, naive),
+        ] {
+            let paths = MlaPaths { prefill, decode };
             let (one, tokens) = logits_of(&model, &schedule, paths, 1);
             for tp in [2, 4] {
                 if shard::check_tp(&model.layout, tp).is_err() {
