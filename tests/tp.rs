@@ -673,3 +673,56 @@ fn bisect_of_a_tensor_parallel_run_against_one_rank_names_the_rank() {
         "{err}"
     );
 }
+
+#[test]
+fn dumps_and_recorded_tensors_name_each_ranks_output_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("tp.safetensors");
+    let session = dir.path().join("tp.ron");
+    let mladb = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
+            .args(args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).to_string();
+        (out.status.code(), text)
+    };
+    let (code, err) = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2,3",
+        "--tp",
+        "2",
+        "--dump",
+        dump.to_str().unwrap(),
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let bytes = std::fs::read(&dump).unwrap();
+    let names: Vec<String> = safetensors::SafeTensors::deserialize(&bytes)
+        .unwrap()
+        .names()
+        .into_iter()
+        .map(str::to_string)
+        .collect();
+    for rank in ["@rank0", "@rank1"] {
+        let name = format!("prefill/model.layers.0.self_attn.q_b_proj{rank}");
+        assert!(names.contains(&name), "{name} not in {names:?}");
+    }
+    let (code, err) = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2,3",
+        "--tp",
+        "2",
+        "--record",
+        session.to_str().unwrap(),
+        "--record-tensors",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, err) = mladb(&["replay", session.to_str().unwrap(), "--verify"]);
+    assert_eq!(code, Some(0), "{err}");
+}

@@ -26,6 +26,14 @@ impl DumpCollector {
 
     /// Writes the collected tensors atomically, with `meta`.
     pub fn write(&self, path: &Path, meta: &DumpMeta) -> Result<()> {
+        // safetensors needs unique names (it panics on a repeat).
+        let mut seen = std::collections::HashSet::new();
+        if let Some((name, ..)) = self.tensors.iter().find(|(n, ..)| !seen.insert(n)) {
+            return Err(Error::invalid(format!(
+                "writing {}: two op outputs are both named {name}",
+                path.display()
+            )));
+        }
         let views: Vec<(String, TensorView<'_>)> = self
             .tensors
             .iter()

@@ -246,9 +246,13 @@ impl OpEvent {
         self.kernel.as_ref()?.reference.as_deref()
     }
 
-    /// `PHASE/OPNAME`, the public name of this op's output in dumps.
+    /// `PHASE/OPNAME`, the public name of this op's output in dumps; `PHASE/OPNAME@rankR` for
+    /// a tensor-parallel rank's op (every rank runs an op of the same name).
     pub fn dump_name(&self) -> String {
-        format!("{}/{}", self.phase, self.name)
+        match self.rank {
+            Some(r) => format!("{}/{}@rank{r}", self.phase, self.name),
+            None => format!("{}/{}", self.phase, self.name),
+        }
     }
 }
 

@@ -178,6 +178,13 @@ impl Session {
                 bytes.push(out.data().iter().flat_map(|v| v.to_le_bytes()).collect());
             }
         }
+        // safetensors needs unique names (it panics on a repeat).
+        let mut seen = std::collections::HashSet::new();
+        if let Some(n) = names.iter().find(|n| !seen.insert(*n)) {
+            return Err(Error::invalid(format!(
+                "two recorded outputs are both named {n}"
+            )));
+        }
         let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = names
             .iter()
             .zip(shapes.iter().zip(&bytes))
