@@ -387,6 +387,20 @@ fn a_rank_count_the_layout_does_not_divide_is_an_error_line() {
 }
 
 #[test]
+fn attach_refuses_tensor_parallelism_with_an_error_line() {
+    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args(["attach", "--layout", "glm5-tiny", "--tp", "2"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.starts_with("error: --tp 2: attach compares"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn the_trace_names_each_ranks_ops_and_the_collectives_between_them() {
     let model = common::synthetic("glm5-tiny", 0);
     let schedule = Schedule {
@@ -609,6 +623,26 @@ fn the_tui_shows_one_rank_at_a_time_and_every_rank_of_the_selected_op() {
         .last()
         .unwrap()
         .contains("no tensor-parallel ranks"));
+    // `:set tp 2` re-runs on two ranks; a count the layout does not divide is refused.
+    let command = |app: &mut mladb::tui::app::App, line: &str| {
+        press(app, ':');
+        line.chars().for_each(|c| press(app, c));
+        app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE));
+    };
+    command(&mut plain, "set tp 3");
+    assert!(
+        plain
+            .log
+            .iter()
+            .any(|l| l.contains("do not split into 3 equal parts")),
+        "{:?}",
+        plain.log
+    );
+    command(&mut plain, "set tp 2");
+    press(&mut plain, 'c');
+    let run = plain.mirror.current().unwrap();
+    assert_eq!(run.flags.tp, 2);
+    assert!(run.events.iter().any(|e| e.rank == Some(1)));
 }
 
 #[test]

@@ -332,6 +332,15 @@ struct Worker {
 /// thread that made it); returns once the model is loaded, or with the error that stopped it.
 fn start_worker(args: &AttachArgs, screen: Option<crate::service::Send>) -> Result<Worker> {
     let flags = args.flags.flags(args.device)?;
+    if flags.tp > 1 {
+        // The engine's module outputs are whole tensors (or shards `attach` reassembles);
+        // mladb's own ops, which they are held against, are those of one rank.
+        return Err(crate::Error::invalid(format!(
+            "--tp {}: attach compares the engine with mladb's ops on one rank; leave --tp out \
+             (shards the engine sends are reassembled)",
+            flags.tp
+        )));
+    }
     let map = args
         .name_map
         .as_deref()
