@@ -50,6 +50,26 @@ fn check_on(
     check(&job, flags, &options).unwrap()
 }
 
+/// Each tensor-parallel fault, the op it shows at first and the rank it shows on first.
+const TP_FAULTS: &[(&str, &str, usize)] = &[
+    ("tp-head-offset", "model.layers.0.self_attn.kv_b_proj", 0),
+    (
+        "tp-missing-allreduce",
+        "model.layers.0.self_attn.o_proj.all_reduce",
+        0,
+    ),
+    (
+        "tp-double-reduce",
+        "model.layers.0.self_attn.o_proj.all_reduce",
+        0,
+    ),
+    (
+        "tp-absorb-unsliced",
+        "model.layers.0.self_attn.q_absorbed",
+        1,
+    ),
+];
+
 fn describe(report: &CheckReport) -> String {
     let findings = report
         .findings
@@ -248,25 +268,7 @@ fn every_tensor_parallel_fault_is_caught_at_its_op_and_rank() {
         };
         for tp in [2, 4] {
             for dtype in ["f32", "bf16"] {
-                // (fault, the op it shows at first, the rank it shows on first)
-                for (fault, op, rank) in [
-                    ("tp-head-offset", "model.layers.0.self_attn.kv_b_proj", 0),
-                    (
-                        "tp-missing-allreduce",
-                        "model.layers.0.self_attn.o_proj.all_reduce",
-                        0,
-                    ),
-                    (
-                        "tp-double-reduce",
-                        "model.layers.0.self_attn.o_proj.all_reduce",
-                        0,
-                    ),
-                    (
-                        "tp-absorb-unsliced",
-                        "model.layers.0.self_attn.q_absorbed",
-                        1,
-                    ),
-                ] {
+                for &(fault, op, rank) in TP_FAULTS {
                     let flags = format!("dtype={dtype},tp={tp},inject={fault}");
                     let report = check_tp(&model, &schedule, &flags);
                     let first = report
@@ -476,19 +478,7 @@ fn on_the_gpu_ranks_are_clean_and_the_faults_caught() {
                     fast && dtype == "bf16",
                     "{name} {layout} {flags}: fast kernels"
                 );
-                for (fault, op, rank) in [
-                    ("tp-head-offset", "model.layers.0.self_attn.kv_b_proj", 0),
-                    (
-                        "tp-missing-allreduce",
-                        "model.layers.0.self_attn.o_proj.all_reduce",
-                        0,
-                    ),
-                    (
-                        "tp-absorb-unsliced",
-                        "model.layers.0.self_attn.q_absorbed",
-                        1,
-                    ),
-                ] {
+                for &(fault, op, rank) in TP_FAULTS {
                     let flags = format!("{flags},inject={fault}");
                     let report = check_on(&*backend, &model, &schedule, &flags);
                     let first = report

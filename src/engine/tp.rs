@@ -12,7 +12,7 @@ use super::cache::{LatentCache, LayerCache};
 use super::faults::Fault;
 use super::forward::EngineOptions;
 use super::sink::Sink;
-use super::trace::{OpKind, Phase};
+use super::trace::OpKind;
 use crate::error::Result;
 use crate::model::layout::Layout;
 use crate::model::shard;
@@ -116,37 +116,26 @@ pub fn all_reduce<'a>(
     parts: Vec<Tensor>,
     faults: &super::faults::Faults,
 ) -> Result<Vec<Tensor>> {
-    if parts.len() == 1 {
-        return Ok(parts);
-    }
     let b = sink.backend;
     let attention = op.ends_with(".self_attn.o_proj");
-    let active = |f: Fault, phase: Phase| attention && faults.active(f, phase);
+    let active = |f: Fault| attention && faults.active(f, sink.phase);
     let (missing, double) = (
-        active(Fault::TpMissingAllreduce, sink.phase),
-        active(Fault::TpDoubleReduce, sink.phase),
+        active(Fault::TpMissingAllreduce),
+        active(Fault::TpDoubleReduce),
     );
-    let name = format!("{op}.{}", shard::Collective::AllReduce.suffix());
-    let inputs: Vec<&Tensor> = parts.iter().collect();
-    let sum = || -> Result<Tensor> {
+    let sum = |parts: &[Tensor]| -> Result<Tensor> {
         let mut total = b.scale(&parts[0], 1.0)?;
         for p in &parts[1..] {
             total = b.add(&total, p)?;
         }
         Ok(total)
     };
-    let mut out = Vec::with_capacity(parts.len());
-    for (r, store) in stores.iter().enumerate() {
-        sink.set_rank(Some(r), store);
-        out.push(
-            sink.op(layer, &name, OpKind::AllReduce, &inputs, |_| match () {
-                _ if missing => b.scale(&parts[r], 1.0),
-                _ if double => b.scale(&sum()?, parts.len() as f32),
-                _ => sum(),
-            })?,
-        );
-    }
-    Ok(out)
+    let kind = (shard::Collective::AllReduce, OpKind::AllReduce);
+    collective(sink, stores, layer, op, kind, parts, |parts, r| match () {
+        _ if missing => b.scale(&parts[r], 1.0),
+        _ if double => b.scale(&sum(parts)?, parts.len() as f32),
+        _ => sum(parts),
+    })
 }
 
 /// The all-gather after op `op`: every rank's part [rows, width_r] side by side along the last
@@ -158,25 +147,39 @@ pub fn all_gather<'a>(
     op: &str,
     parts: Vec<Tensor>,
 ) -> Result<Vec<Tensor>> {
-    if parts.len() == 1 {
-        return Ok(parts);
-    }
     let b = sink.backend;
-    let name = format!("{op}.{}", shard::Collective::AllGather.suffix());
-    let rows = parts[0].rows();
-    let inputs: Vec<&Tensor> = parts.iter().collect();
-    let gather = || -> Result<Tensor> {
+    let kind = (shard::Collective::AllGather, OpKind::AllGather);
+    collective(sink, stores, layer, op, kind, parts, |parts, _| {
         let mut whole = b.scale(&parts[0], 1.0)?;
         for p in &parts[1..] {
             whole = b.concat_groups(&whole, p, 1)?;
         }
+        let rows = parts[0].rows();
         let width = whole.numel() / rows.max(1);
         Ok(whole.reshaped(&[rows, width]))
-    };
+    })
+}
+
+/// A collective after op `op` over the ranks' `parts`: rank r's output is `output(parts, r)`,
+/// reported as op `OP.SUFFIX` of rank r reading every part. With one rank, `parts` as they are.
+fn collective<'a>(
+    sink: &mut Sink<'a>,
+    stores: &[&'a WeightStore],
+    layer: Option<usize>,
+    op: &str,
+    (collective, kind): (shard::Collective, OpKind),
+    parts: Vec<Tensor>,
+    output: impl Fn(&[Tensor], usize) -> Result<Tensor>,
+) -> Result<Vec<Tensor>> {
+    if parts.len() == 1 {
+        return Ok(parts);
+    }
+    let name = format!("{op}.{}", collective.suffix());
+    let inputs: Vec<&Tensor> = parts.iter().collect();
     let mut out = Vec::with_capacity(parts.len());
     for (r, store) in stores.iter().enumerate() {
         sink.set_rank(Some(r), store);
-        out.push(sink.op(layer, &name, OpKind::AllGather, &inputs, |_| gather())?);
+        out.push(sink.op(layer, &name, kind, &inputs, |_| output(&parts, r))?);
     }
     Ok(out)
 }
