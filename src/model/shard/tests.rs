@@ -282,3 +282,65 @@ fn layouts_that_do_not_divide_are_refused_with_the_reason() {
     assert_eq!(shard(0), Shard::Rows { start: 0, len: 3 });
     assert_eq!(shard(3), Shard::Rows { start: 9, len: 1 });
 }
+
+#[test]
+fn a_ranks_output_is_placed_in_the_unsharded_one_along_its_one_differing_dimension() {
+    // Heads of [tokens, heads, d]: rank 1 of 2 holds heads 2..4 of 4.
+    assert_eq!(
+        slice_in_whole(&[3, 2, 16], &[3, 4, 16], 2, 1),
+        Ok(Some((1, 2, 2)))
+    );
+    // Columns of [tokens, heads · d].
+    assert_eq!(
+        slice_in_whole(&[3, 64], &[3, 256], 4, 3),
+        Ok(Some((1, 192, 64)))
+    );
+    // The vocabulary in parts of ⌈V/N⌉: 10 over 4 ranks is 3, 3, 3, 1.
+    assert_eq!(slice_in_whole(&[2, 1], &[2, 10], 4, 3), Ok(Some((1, 9, 1))));
+    assert_eq!(vocab_part(10, 4, 3), (9, 1));
+    // Replicated: the whole.
+    assert_eq!(slice_in_whole(&[3, 256], &[3, 256], 2, 1), Ok(None));
+    // Not one rank's slice: two dimensions differ, a wrong share, other ranks.
+    assert!(slice_in_whole(&[2, 2, 16], &[3, 4, 16], 2, 0).is_err());
+    assert!(slice_in_whole(&[3, 3, 16], &[3, 4, 16], 2, 0).is_err());
+    assert!(slice_in_whole(&[3, 16], &[3, 4, 16], 4, 0).is_err());
+}
+
+#[test]
+fn partial_sums_and_collectives_are_named_as_the_engine_names_them() {
+    for name in [
+        "model.embed_tokens",
+        "model.layers.3.self_attn.o_proj",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.3.mlp.experts",
+        "model.layers.3.mlp.shared_experts",
+        "model.layers.3.mlp",
+    ] {
+        assert!(partial_sum(name), "{name}");
+    }
+    for name in [
+        "model.layers.3.mlp.gate",
+        "logits",
+        "model.layers.0.self_attn.q_b_proj",
+    ] {
+        assert!(!partial_sum(name), "{name}");
+    }
+    assert_eq!(
+        collective_of("model.layers.3.mlp.all_reduce"),
+        Some((Collective::AllReduce, "model.layers.3.mlp"))
+    );
+    assert_eq!(
+        collective_of("logits.all_gather"),
+        Some((Collective::AllGather, "logits"))
+    );
+    assert_eq!(collective_of("model.layers.3.mlp"), None);
+    let layout = Layout::resolve("glm5-tiny").unwrap();
+    let [k, v] = head_parts(&layout, "model.layers.0.self_attn.kv_cache").unwrap();
+    assert_eq!((k, v), (4 * layout.qk_head_dim(), 4 * layout.v_head_dim));
+    assert_eq!(
+        head_parts(&layout, "model.layers.0.self_attn.kv_b_proj"),
+        None
+    );
+    assert_eq!(rank_layout(&layout, 2).unwrap().num_heads, 2);
+    assert!(rank_layout(&layout, 3).is_err());
+}
