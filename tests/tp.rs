@@ -750,3 +750,22 @@ fn dumps_and_recorded_tensors_name_each_ranks_output_apart() {
     let (code, err) = mladb(&["replay", session.to_str().unwrap(), "--verify"]);
     assert_eq!(code, Some(0), "{err}");
 }
+
+#[test]
+fn a_reference_dump_is_refused_for_a_tensor_parallel_run_with_an_error_line() {
+    let fixture = Path::new("tests/fixtures/hf/glm5-sparse");
+    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args(["check", "--model"])
+        .arg(fixture)
+        .arg("--reference")
+        .arg(fixture.join("hf-dump.safetensors"))
+        .args(["--tp", "2"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.starts_with("error: a reference dump holds the whole model's tensors"),
+        "{stderr}"
+    );
+}

@@ -431,6 +431,14 @@ impl ExternalDump {
     /// are not the dump's (when the dump says which), an op's shape differs from the dump's
     /// (size-1 axes aside: engines drop batch axes differently), or no op is in the dump.
     pub fn compare(&self, run: &RunRecord, num_heads: usize) -> Result<ReferenceComparison> {
+        if run.flags.tp > 1 {
+            return Err(Error::invalid(format!(
+                "a reference dump holds the whole model's tensors and a --tp {} run each rank's \
+                 part: check --tp compares the ranks with one rank (tp-mismatch); compare the \
+                 one-rank run (no --tp) with the dump",
+                run.flags.tp
+            )));
+        }
         let mut notes = Vec::new();
         match (&self.meta, &run.outcome) {
             (Some(m), Some(o)) => {
