@@ -604,6 +604,22 @@ fn the_tui_shows_one_rank_at_a_time_and_every_rank_of_the_selected_op() {
         "{text}"
     );
     assert!(text.contains("r1 "), "{text}");
+    // The Buffers pane follows the chain of the selected op's rank.
+    let attn = app.mirror.current().unwrap().find_at(
+        mladb::engine::Phase::Prefill,
+        Some(1),
+        "model.layers.0.self_attn.attn_output",
+    );
+    app.selected = Some(Node::Op(attn.unwrap()));
+    app.tab = mladb::tui::app::Tab::Buffers;
+    terminal
+        .draw(|f| mladb::tui::ui::draw(f, &mut app))
+        .unwrap();
+    let text = terminal.backend().to_string();
+    assert!(
+        text.contains("attention chain, layer 0, prefill, rank 1"),
+        "{text}"
+    );
     // Without ranks the key says there are none.
     let mut plain = common::tiny_app("");
     press(&mut plain, 'r');

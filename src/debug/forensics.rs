@@ -78,11 +78,23 @@ pub struct AttentionChain {
     pub unwritten: usize,
 }
 
+/// The attention kernel's buffer chain of `layer` in `phase` (rank 0's under tensor
+/// parallelism).
 pub fn attention_chain(run: &RunRecord, phase: Phase, layer: usize) -> Option<AttentionChain> {
-    let i = run
-        .events
-        .iter()
-        .position(|e| e.phase == phase && e.layer == Some(layer) && e.kernel_wrote.is_some())?;
+    let first_rank = run.events.iter().find_map(|e| e.rank);
+    attention_chain_of_rank(run, phase, layer, first_rank)
+}
+
+/// [`attention_chain`] of one tensor-parallel rank (`None`: a run without ranks).
+pub fn attention_chain_of_rank(
+    run: &RunRecord,
+    phase: Phase,
+    layer: usize,
+    rank: Option<usize>,
+) -> Option<AttentionChain> {
+    let i = run.events.iter().position(|e| {
+        e.phase == phase && e.layer == Some(layer) && e.rank == rank && e.kernel_wrote.is_some()
+    })?;
     let e = &run.events[i];
     let kernel_wrote = e.kernel_wrote?;
     let consumer = consumers(run, i).first().copied();

@@ -3,7 +3,7 @@
 //! output, unwritten elements, and the attention chain of its layer.
 
 use super::short_name;
-use crate::debug::forensics::{attention_chain, consumers};
+use crate::debug::forensics::{attention_chain_of_rank, consumers};
 use crate::engine::trace::{BufferRef, BufferRole};
 use crate::tui::app::App;
 use ratatui::layout::Rect;
@@ -105,9 +105,10 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
         ]));
     }
     if let Some(layer) = e.layer {
-        if let Some(chain) = attention_chain(run, e.phase, layer) {
+        if let Some(chain) = attention_chain_of_rank(run, e.phase, layer, e.rank) {
+            let rank = e.rank.map_or(String::new(), |r| format!(", rank {r}"));
             lines.push(Line::from(Span::styled(
-                format!("attention chain, layer {layer}, {}", e.phase),
+                format!("attention chain, layer {layer}, {}{rank}", e.phase),
                 t.dim(),
             )));
             lines.push(Line::from(format!(
