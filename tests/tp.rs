@@ -653,34 +653,27 @@ fn the_tui_shows_one_rank_at_a_time_and_every_rank_of_the_selected_op() {
 
 #[test]
 fn bisect_of_a_tensor_parallel_run_against_one_rank_names_the_rank() {
-    let bisect = |a: &str, b: &str| {
+    // (exit code, stdout, stderr) of bisect --a A --b B, as JSON or as text.
+    let bisect = |a: &str, b: &str, json: bool| {
+        let schedule = ["--layout", "glm5-tiny", "--prefill", "5", "--decode", "2"];
         let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
-            .args([
-                "bisect",
-                "--layout",
-                "glm5-tiny",
-                "--prefill",
-                "5",
-                "--decode",
-                "2",
-            ])
-            .args(["--a", a, "--b", b, "--json"])
+            .arg("bisect")
+            .args(schedule)
+            .args(["--a", a, "--b", b])
+            .args(json.then_some("--json"))
             .output()
             .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-        (
-            out.status.code(),
-            stdout,
-            String::from_utf8_lossy(&out.stderr).to_string(),
-        )
+        let text = |b: &[u8]| String::from_utf8_lossy(b).to_string();
+        (out.status.code(), text(&out.stdout), text(&out.stderr))
     };
-    let (code, out, err) = bisect("tp=2", "tp=1");
+    let (code, out, err) = bisect("tp=2", "tp=1", true);
     assert_eq!(code, Some(0), "{out}{err}");
     let clean: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert!(clean["first"].is_null(), "{out}");
     assert_eq!(clean["not_compared"].as_array().unwrap().len(), 0, "{out}");
     assert!(clean["compared"].as_u64().unwrap() > 100, "{out}");
-    let (code, out, err) = bisect("tp=2,inject=tp-missing-allreduce", "tp=1");
+    let fault = "tp=2,inject=tp-missing-allreduce";
+    let (code, out, err) = bisect(fault, "tp=1", true);
     assert_eq!(code, Some(1), "{out}{err}");
     let found: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(
@@ -688,25 +681,12 @@ fn bisect_of_a_tensor_parallel_run_against_one_rank_names_the_rank() {
         Some("model.layers.0.self_attn.o_proj.all_reduce"),
         "{out}"
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
-        .args([
-            "bisect",
-            "--layout",
-            "glm5-tiny",
-            "--prefill",
-            "5",
-            "--decode",
-            "2",
-        ])
-        .args(["--a", "tp=2,inject=tp-missing-allreduce", "--b", "tp=1"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let (_, text, _) = bisect(fault, "tp=1", false);
     assert!(
         text.contains("first divergent:") && text.contains("o_proj.all_reduce (rank 0)"),
         "{text}"
     );
-    let (code, _, err) = bisect("tp=1", "tp=2");
+    let (code, _, err) = bisect("tp=1", "tp=2", false);
     assert_eq!(code, Some(2), "{err}");
     assert!(
         err.starts_with("error: bisect compares a run of tp 1 with one of tp 2"),
