@@ -144,10 +144,14 @@ fn tp_mismatch(
         .iter()
         .filter_map(|c| c.diff.as_ref().err())
         .collect();
-    let not_compared = match failed.first() {
+    let mut not_compared = match failed.first() {
         Some(why) => format!("; {} could not be compared (first: {why})", failed.len()),
         None => String::new(),
     };
+    let missing = super::tp::without_counterpart(run, &paired.other);
+    if missing > 0 {
+        not_compared.push_str(&format!("; {missing} have no op of their name on one rank"));
+    }
     v.notes.push(format!(
         "tp {} vs one rank: {} ops compared{not_compared}; {partial} partial sums compared \
          through their all-reduce",

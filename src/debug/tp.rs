@@ -40,7 +40,7 @@ pub fn compare_ranks(
             // Routing weights: the one rank's in this rank's order of experts.
             let aligned = aligned_router_weights(sharded, i, whole, j);
             let theirs = aligned.as_deref().unwrap_or(theirs);
-            let mut c = match slice_in_whole(&e.shape, shape, tp, rank) {
+            let c = match slice_in_whole(&e.shape, shape, tp, rank) {
                 Ok(_) if parts.is_some() && whole_held => {
                     let widths = parts.unwrap_or_default();
                     let part = rank_parts(theirs, widths, tp, rank);
@@ -58,7 +58,6 @@ pub fn compare_ranks(
                     c
                 }
             };
-            c.name = e.name.clone();
             Some(c)
         })
         .collect();
@@ -101,6 +100,21 @@ pub fn partial_sums(sharded: &RunRecord) -> usize {
         .events
         .iter()
         .filter(|e| partial_sum(&e.name))
+        .count()
+}
+
+/// How many ops of `sharded` that [`compare_ranks`] would compare have no counterpart in
+/// `whole` (none in a run of mladb's own: every op of a rank is an op of the model or a
+/// collective after one).
+pub fn without_counterpart(sharded: &RunRecord, whole: &RunRecord) -> usize {
+    let counterpart = |e: &crate::engine::OpEvent| {
+        let unsharded = collective_of(&e.name).map_or(e.name.as_str(), |(_, stem)| stem);
+        whole.find_at(e.phase, None, unsharded).is_some()
+    };
+    sharded
+        .events
+        .iter()
+        .filter(|e| !is_selection(e) && !partial_sum(&e.name) && !counterpart(e))
         .count()
 }
 
