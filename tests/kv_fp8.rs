@@ -7,7 +7,7 @@
 mod common;
 
 use mladb::backend::cpu::CpuBackend;
-use mladb::debug::detect::{check, CheckOptions, CheckReport, FindingKind};
+use mladb::debug::detect::{CheckReport, FindingKind};
 use mladb::debug::idle::{idle_flags, KvBStorage, Subject};
 use mladb::debug::runner::Job;
 use mladb::debug::{Flags, RunRecord};
@@ -40,19 +40,7 @@ fn run(model: &Model, schedule: &Schedule, flags: &str) -> RunRecord {
 }
 
 fn run_check(model: &Model, schedule: &Schedule, flags: &str) -> CheckReport {
-    let layers = 0..model.layout.num_layers;
-    let job = Job {
-        model,
-        backend: &CpuBackend,
-        schedule,
-        layers: &layers,
-        poison: true,
-    };
-    let options = CheckOptions {
-        tolerance: None,
-        reference: None,
-    };
-    check(&job, Flags::parse(flags).unwrap(), &options).unwrap()
+    common::check_on(&CpuBackend, model, schedule, flags, None)
 }
 
 /// The rows a layer's latent cache write was given: c_kv | k_pe of the same phase.

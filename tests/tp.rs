@@ -12,9 +12,7 @@
 mod common;
 
 use mladb::backend::cpu::CpuBackend;
-use mladb::debug::detect::{check, CheckOptions, CheckReport};
-use mladb::debug::runner::Job;
-use mladb::debug::Flags;
+use mladb::debug::detect::CheckReport;
 use mladb::engine::generate::{self, Schedule};
 use mladb::engine::{Engine, EngineOptions, MlaPath, MlaPaths};
 use mladb::model::{shard, Layout, Model};
@@ -22,32 +20,17 @@ use std::path::Path;
 use std::process::Command;
 
 fn check_tp(model: &Model, schedule: &Schedule, flags: &str) -> CheckReport {
-    check_on(&CpuBackend, model, schedule, flags)
+    common::check_on(&CpuBackend, model, schedule, flags, None)
 }
 
-fn check_on(
-    backend: &dyn mladb::backend::Backend,
-    model: &Model,
-    schedule: &Schedule,
-    flags: &str,
-) -> CheckReport {
-    let layers = 0..model.layout.num_layers;
-    let mut flags = Flags::parse(flags).unwrap();
-    if !backend.name().starts_with("cpu") {
-        flags.device = mladb::debug::flags::DeviceFlag::Cuda;
-    }
-    let job = Job {
-        model,
-        backend,
-        schedule,
-        layers: &layers,
-        poison: true,
-    };
-    let options = CheckOptions {
-        tolerance: None,
-        reference: None,
-    };
-    check(&job, flags, &options).unwrap()
+/// The binary run with `args`: its exit code, stdout and stderr.
+fn mladb(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args(args)
+        .output()
+        .unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).to_string();
+    (out.status.code(), text(&out.stdout), text(&out.stderr))
 }
 
 /// Each tensor-parallel fault, the op it shows at first and the rank it shows on first.
@@ -364,20 +347,17 @@ fn a_rank_count_the_layout_does_not_divide_is_an_error_line() {
         ("two", "not a rank count from 1 to 64"),
     ] {
         for command in ["run", "check"] {
-            let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
-                .args([
-                    command,
-                    "--layout",
-                    "glm5-tiny",
-                    "--tokens",
-                    "1,2",
-                    "--tp",
-                    tp,
-                ])
-                .output()
-                .unwrap();
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert_eq!(out.status.code(), Some(2), "{command} --tp {tp}: {stderr}");
+            let args = [
+                command,
+                "--layout",
+                "glm5-tiny",
+                "--tokens",
+                "1,2",
+                "--tp",
+                tp,
+            ];
+            let (code, _, stderr) = mladb(&args);
+            assert_eq!(code, Some(2), "{command} --tp {tp}: {stderr}");
             assert!(
                 stderr.starts_with("error: ")
                     && stderr.contains(says)
@@ -390,12 +370,8 @@ fn a_rank_count_the_layout_does_not_divide_is_an_error_line() {
 
 #[test]
 fn attach_refuses_tensor_parallelism_with_an_error_line() {
-    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
-        .args(["attach", "--layout", "glm5-tiny", "--tp", "2"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let (code, _, stderr) = mladb(&["attach", "--layout", "glm5-tiny", "--tp", "2"]);
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.starts_with("error: --tp 2: attach compares"),
         "{stderr}"
@@ -467,7 +443,7 @@ fn on_the_gpu_ranks_are_clean_and_the_faults_caught() {
             };
             for tp in [2, 4] {
                 let flags = format!("dtype={dtype},tp={tp}");
-                let report = check_on(&*backend, &model, &schedule, &flags);
+                let report = common::check_on(&*backend, &model, &schedule, &flags, None);
                 assert!(
                     report.findings.is_empty(),
                     "{name} {layout} {flags}:\n{}",
@@ -480,7 +456,7 @@ fn on_the_gpu_ranks_are_clean_and_the_faults_caught() {
                 );
                 for &(fault, op, rank) in TP_FAULTS {
                     let flags = format!("{flags},inject={fault}");
-                    let report = check_on(&*backend, &model, &schedule, &flags);
+                    let report = common::check_on(&*backend, &model, &schedule, &flags, None);
                     let first = report
                         .findings
                         .iter()
@@ -501,22 +477,23 @@ fn on_the_gpu_ranks_are_clean_and_the_faults_caught() {
 fn a_session_records_the_ranks_and_replays_them_bit_for_bit() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tp.ron");
-    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
-        .args([
-            "check",
-            "--layout",
-            "glm5-tiny",
-            "--prefill",
-            "5",
-            "--decode",
-            "2",
-        ])
-        .args(["--tp", "2", "--inject", "tp-absorb-unsliced", "--record"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(1), "check has findings: {stdout}");
+    let path_text = path.to_str().unwrap();
+    let (code, stdout, _) = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--prefill",
+        "5",
+        "--decode",
+        "2",
+        "--tp",
+        "2",
+        "--inject",
+        "tp-absorb-unsliced",
+        "--record",
+        path_text,
+    ]);
+    assert_eq!(code, Some(1), "check has findings: {stdout}");
     assert!(
         stdout.contains("model.layers.0.self_attn.q_absorbed (rank 1)"),
         "{stdout}"
@@ -536,17 +513,8 @@ fn a_session_records_the_ranks_and_replays_them_bit_for_bit() {
         .cloned()
         .unwrap();
     assert_eq!(finding.rank, Some(1));
-    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
-        .args(["replay", path.to_str().unwrap(), "--verify"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (code, stdout, stderr) = mladb(&["replay", path_text, "--verify"]);
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
     assert!(stdout.contains("bit for bit"), "{stdout}");
 }
 
@@ -656,15 +624,11 @@ fn bisect_of_a_tensor_parallel_run_against_one_rank_names_the_rank() {
     // (exit code, stdout, stderr) of bisect --a A --b B, as JSON or as text.
     let bisect = |a: &str, b: &str, json: bool| {
         let schedule = ["--layout", "glm5-tiny", "--prefill", "5", "--decode", "2"];
-        let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
-            .arg("bisect")
-            .args(schedule)
-            .args(["--a", a, "--b", b])
-            .args(json.then_some("--json"))
-            .output()
-            .unwrap();
-        let text = |b: &[u8]| String::from_utf8_lossy(b).to_string();
-        (out.status.code(), text(&out.stdout), text(&out.stderr))
+        let mut args = vec!["bisect"];
+        args.extend(schedule);
+        args.extend(["--a", a, "--b", b]);
+        args.extend(json.then_some("--json"));
+        mladb(&args)
     };
     let (code, out, err) = bisect("tp=2", "tp=1", true);
     assert_eq!(code, Some(0), "{out}{err}");
@@ -699,15 +663,7 @@ fn dumps_and_recorded_tensors_name_each_ranks_output_apart() {
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("tp.safetensors");
     let session = dir.path().join("tp.ron");
-    let mladb = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
-            .args(args)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stderr).to_string();
-        (out.status.code(), text)
-    };
-    let (code, err) = mladb(&[
+    let (code, _, err) = mladb(&[
         "run",
         "--layout",
         "glm5-tiny",
@@ -730,7 +686,7 @@ fn dumps_and_recorded_tensors_name_each_ranks_output_apart() {
         let name = format!("prefill/model.layers.0.self_attn.q_b_proj{rank}");
         assert!(names.contains(&name), "{name} not in {names:?}");
     }
-    let (code, err) = mladb(&[
+    let (code, _, err) = mladb(&[
         "run",
         "--layout",
         "glm5-tiny",
@@ -743,23 +699,17 @@ fn dumps_and_recorded_tensors_name_each_ranks_output_apart() {
         "--record-tensors",
     ]);
     assert_eq!(code, Some(0), "{err}");
-    let (code, err) = mladb(&["replay", session.to_str().unwrap(), "--verify"]);
+    let (code, _, err) = mladb(&["replay", session.to_str().unwrap(), "--verify"]);
     assert_eq!(code, Some(0), "{err}");
 }
 
 #[test]
 fn a_reference_dump_is_refused_for_a_tensor_parallel_run_with_an_error_line() {
     let fixture = Path::new("tests/fixtures/hf/glm5-sparse");
-    let out = Command::new(env!("CARGO_BIN_EXE_mladb"))
-        .args(["check", "--model"])
-        .arg(fixture)
-        .arg("--reference")
-        .arg(fixture.join("hf-dump.safetensors"))
-        .args(["--tp", "2"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let dump = fixture.join("hf-dump.safetensors");
+    let (model, dump) = (fixture.to_str().unwrap(), dump.to_str().unwrap());
+    let (code, _, stderr) = mladb(&["check", "--model", model, "--reference", dump, "--tp", "2"]);
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.starts_with("error: a reference dump holds the whole model's tensors"),
         "{stderr}"

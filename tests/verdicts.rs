@@ -9,7 +9,7 @@ mod common;
 
 use mladb::backend::cpu::CpuBackend;
 use mladb::backend::Backend;
-use mladb::debug::detect::{check, CheckOptions, CheckReport};
+use mladb::debug::detect::CheckReport;
 use mladb::debug::external::ExternalDump;
 use mladb::debug::runner::Job;
 use mladb::debug::Flags;
@@ -31,35 +31,7 @@ fn run_check(
     flags: &str,
     reference: Option<ExternalDump>,
 ) -> CheckReport {
-    check_on(&CpuBackend, model, schedule, flags, reference)
-}
-
-/// `check` on a backend; the storage dtype is the backend's on a GPU (`dtype=` in `flags` is
-/// for the CPU, which rounds to it).
-fn check_on(
-    backend: &dyn Backend,
-    model: &Model,
-    schedule: &Schedule,
-    flags: &str,
-    reference: Option<ExternalDump>,
-) -> CheckReport {
-    let layers = 0..model.layout.num_layers;
-    let job = Job {
-        model,
-        backend,
-        schedule,
-        layers: &layers,
-        poison: true,
-    };
-    let options = CheckOptions {
-        tolerance: None,
-        reference,
-    };
-    let mut flags = Flags::parse(flags).unwrap();
-    if !backend.name().starts_with("cpu") {
-        flags.device = mladb::debug::flags::DeviceFlag::Cuda;
-    }
-    check(&job, flags, &options).unwrap()
+    common::check_on(&CpuBackend, model, schedule, flags, reference)
 }
 
 /// The CPU in f32 and bf16, or the GPU's f32 and bf16 backends (a GPU required): (name,
@@ -189,7 +161,7 @@ fn clean_tiny_layouts_report_nothing_in_f32_and_bf16(gpu: bool) {
                     decode_steps: 4,
                 };
                 for (name, backend, dtype) in backends(gpu) {
-                    let report = check_on(&*backend, &model, &schedule, dtype, None);
+                    let report = common::check_on(&*backend, &model, &schedule, dtype, None);
                     assert!(
                         report.findings.is_empty(),
                         "{layout} seed {seed} prefill {prefill} {name}:\n{}",
@@ -208,7 +180,7 @@ fn random_hf_checkpoints_are_clean_in_f32_and_bf16(gpu: bool) {
     for case in &cases {
         let model = Model::hf_checkpoint(&case.dir, 1 << 30).unwrap();
         for (name, backend, dtype) in backends(gpu) {
-            let report = check_on(&*backend, &model, &case.schedule, dtype, None);
+            let report = common::check_on(&*backend, &model, &case.schedule, dtype, None);
             assert!(
                 report.findings.is_empty(),
                 "{} {name}:\n{}",

@@ -91,10 +91,12 @@ pub fn bisect(comparisons: Vec<OpComparison>, ops: usize, not_compared: Vec<Stri
 
 /// Bisects a selection-aware comparison of run `a` with a second run.
 pub fn bisect_paired(a: &RunRecord, paired: Paired) -> Bisection {
+    // A tensor-parallel A against B on one rank pairs each rank's op with its unsharded op.
+    let one_rank = paired.other.events.iter().all(|o| o.rank.is_none());
     let missing = a
         .events
         .iter()
-        .filter(|e| !pairs_in(&paired.other, e))
+        .filter(|e| !pairs_in(&paired.other, e, one_rank))
         .map(|e| e.dump_name())
         .collect();
     let mut b = bisect(paired.comparisons, a.len(), missing);
@@ -108,16 +110,14 @@ pub fn bisect_paired(a: &RunRecord, paired: Paired) -> Bisection {
 }
 
 /// Whether `other` holds the op that `e` pairs with: the same op of the same rank, or, for a
-/// rank's op against a run on one rank, the op of the unsharded run it is compared with (a
+/// rank's op against a run on one rank (`one_rank`), the op of that run it is compared with (a
 /// partial sum is compared through its all-reduce).
-fn pairs_in(other: &RunRecord, e: &crate::engine::OpEvent) -> bool {
-    use crate::model::shard::{collective_of, partial_sum};
+fn pairs_in(other: &RunRecord, e: &crate::engine::OpEvent, one_rank: bool) -> bool {
     if other.find_for(e, &e.name).is_some() {
         return true;
     }
-    let one_rank = e.rank.is_some() && other.events.iter().all(|o| o.rank.is_none());
-    let unsharded = collective_of(&e.name).map_or(e.name.as_str(), |(_, stem)| stem);
-    one_rank && (partial_sum(&e.name) || other.find_at(e.phase, None, unsharded).is_some())
+    let partial = crate::model::shard::partial_sum(&e.name);
+    e.rank.is_some() && one_rank && (partial || super::tp::unsharded_op(other, e).is_some())
 }
 
 /// Run `a` against an external dump (an error when the dump is of other tokens or shapes).

@@ -10,6 +10,7 @@ use super::record::RunRecord;
 use super::sample::holds_all;
 use super::selection::is_selection;
 use super::tolerance::Tolerances;
+use crate::engine::OpEvent;
 use crate::model::shard::{collective_of, head_parts, partial_sum, slice_in_whole};
 use crate::model::Layout;
 
@@ -28,11 +29,10 @@ pub fn compare_ranks(
         .events
         .iter()
         .enumerate()
-        .filter(|(_, e)| !is_selection(e) && !partial_sum(&e.name))
+        .filter(|(_, e)| compared(e))
         .filter_map(|(i, e)| {
             let rank = e.rank.unwrap_or(0);
-            let unsharded = collective_of(&e.name).map_or(e.name.as_str(), |(_, stem)| stem);
-            let j = whole.find_at(e.phase, None, unsharded)?;
+            let j = unsharded_op(whole, e)?;
             let (theirs, shape) = (whole.outputs[j].data(), &whole.events[j].shape);
             let mine = sharded.outputs[i].data();
             let whole_held = holds_all(shape, theirs.len());
@@ -103,18 +103,26 @@ pub fn partial_sums(sharded: &RunRecord) -> usize {
         .count()
 }
 
+/// Whether [`compare_ranks`] compares a rank's op numerically: choices are compared as choices,
+/// partial sums through their all-reduce.
+fn compared(e: &OpEvent) -> bool {
+    !is_selection(e) && !partial_sum(&e.name)
+}
+
+/// The index in `whole`, a run on one rank, of the op a rank's op `e` is compared with: the op
+/// of the same name, or for a collective the op whose partial sums or parts it joins.
+pub fn unsharded_op(whole: &RunRecord, e: &OpEvent) -> Option<usize> {
+    let unsharded = collective_of(&e.name).map_or(e.name.as_str(), |(_, stem)| stem);
+    whole.find_at(e.phase, None, unsharded)
+}
+
 /// How many ops of `sharded` that [`compare_ranks`] would compare have no counterpart in
 /// `whole` (none in a run of mladb's own: every op of a rank is an op of the model or a
 /// collective after one).
 pub fn without_counterpart(sharded: &RunRecord, whole: &RunRecord) -> usize {
-    let counterpart = |e: &crate::engine::OpEvent| {
-        let unsharded = collective_of(&e.name).map_or(e.name.as_str(), |(_, stem)| stem);
-        whole.find_at(e.phase, None, unsharded).is_some()
-    };
-    sharded
-        .events
-        .iter()
-        .filter(|e| !is_selection(e) && !partial_sum(&e.name) && !counterpart(e))
+    let events = sharded.events.iter();
+    events
+        .filter(|e| compared(e) && unsharded_op(whole, e).is_none())
         .count()
 }
 

@@ -339,7 +339,7 @@ impl<'m> Engine<'m> {
                     &ctx, &x, cache, path, selection, &mut sink,
                 )?);
             }
-            let o_proj = ctx(0).name("self_attn.o_proj");
+            let o_proj = format!("{}.self_attn.o_proj", layer_prefix(layer));
             let attn = all_reduce(&mut sink, &stores, l, &o_proj, parts, faults)?;
             // The MLP: each rank's columns or experts, their partial sums all-reduced.
             let (mut h_mid, mut parts) = (Vec::with_capacity(tp), Vec::with_capacity(tp));
@@ -370,7 +370,7 @@ impl<'m> Engine<'m> {
                 });
                 h_mid.push(mid);
             }
-            let mlp_name = ctx(0).name("mlp");
+            let mlp_name = format!("{}.mlp", layer_prefix(layer));
             let m = all_reduce(&mut sink, &stores, l, &mlp_name, parts, faults)?;
             for r in 0..tp {
                 sink.set_rank(tp_rank(r).trace_rank(), stores[r]);

@@ -276,3 +276,33 @@ pub fn compare_pane(app: &mut mladb::tui::app::App, phase: Phase, name: &str) ->
     app.tab = mladb::tui::app::Tab::Compare;
     screen_text(app, 200, 60)
 }
+
+/// `check` over every layer on `backend`, poisoned, with the flags of `flags` (the device flag
+/// follows the backend; `dtype=` is for the CPU, which rounds to it) and the table's
+/// tolerances, against `reference` when one is given.
+pub fn check_on(
+    backend: &dyn mladb::backend::Backend,
+    model: &Model,
+    schedule: &Schedule,
+    flags: &str,
+    reference: Option<mladb::debug::external::ExternalDump>,
+) -> mladb::debug::detect::CheckReport {
+    use mladb::debug::detect::{check, CheckOptions};
+    let layers = 0..model.layout.num_layers;
+    let job = mladb::debug::runner::Job {
+        model,
+        backend,
+        schedule,
+        layers: &layers,
+        poison: true,
+    };
+    let options = CheckOptions {
+        tolerance: None,
+        reference,
+    };
+    let mut flags = mladb::debug::Flags::parse(flags).unwrap();
+    if !backend.name().starts_with("cpu") {
+        flags.device = mladb::debug::flags::DeviceFlag::Cuda;
+    }
+    check(&job, flags, &options).unwrap()
+}

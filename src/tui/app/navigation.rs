@@ -103,14 +103,8 @@ impl App {
 
     /// The tree shows the next tensor-parallel rank alone, and after the last every rank again.
     pub(super) fn next_rank(&mut self) {
-        let ranks = self.mirror.current().map_or(0, |r| {
-            r.events
-                .iter()
-                .filter_map(|e| e.rank)
-                .max()
-                .map_or(0, |m| m + 1)
-        });
-        if ranks == 0 {
+        let ranks = self.mirror.current().map_or(1, |r| r.flags.tp);
+        if ranks < 2 {
             self.log
                 .push("this run has no tensor-parallel ranks (run it with --tp N)".into());
             return;
@@ -140,10 +134,9 @@ impl App {
     /// Attention heads in the output of `e`: the model's, or a tensor-parallel rank's share.
     pub fn heads_of_op(&self, e: &OpEvent) -> usize {
         let heads = self.mirror.layout().map_or(1, |l| l.num_heads);
-        match e.rank {
-            Some(_) => heads / self.mirror.current().map_or(1, |r| r.flags.tp.max(1)),
-            None => heads,
-        }
+        self.mirror.current().map_or(heads, |run| {
+            crate::debug::compare::rank_heads(run, e, heads)
+        })
     }
 
     pub(super) fn selected_row(&self, rows: &[Row]) -> Option<usize> {

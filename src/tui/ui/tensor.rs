@@ -82,12 +82,11 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
     ];
     // Under tensor parallelism: the same op on every rank, a line each.
     if e.rank.is_some() {
-        for (r, other) in run
-            .events
-            .iter()
-            .filter(|o| o.phase == e.phase && o.name == e.name && o.rank.is_some())
-            .map(|o| (o.rank.unwrap_or(0), o))
-        {
+        let ranks = (0..run.flags.tp).filter_map(|r| {
+            let j = run.find_at(e.phase, Some(r), &e.name)?;
+            Some((r, &run.events[j]))
+        });
+        for (r, other) in ranks {
             let s = &other.stats;
             let style = if other.index == e.index {
                 t.accent()
