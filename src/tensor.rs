@@ -81,6 +81,9 @@ pub trait DeviceBuffer: Send + Sync {
     /// The device pointer.
     fn address(&self) -> u64;
     fn bytes(&self) -> usize;
+    /// The device the buffer lives on (its CUDA ordinal): ranks of a tensor-parallel run each
+    /// have one.
+    fn device_index(&self) -> usize;
     fn as_any(&self) -> &dyn Any;
     /// The values as f32, copied to the host (for a tensor whose host copy is made on demand).
     fn download(&self) -> Result<Vec<f32>>;
@@ -368,6 +371,9 @@ pub(crate) mod test_device {
         }
         fn bytes(&self) -> usize {
             self.values.lock().unwrap().len() * 4
+        }
+        fn device_index(&self) -> usize {
+            0
         }
         fn as_any(&self) -> &dyn Any {
             self

@@ -6,8 +6,9 @@
 //! * every tensor-parallel fault is caught by `tp-mismatch` at the op and rank where it acts,
 //!   and idles, saying why, on one rank;
 //! * a rank count the layout does not divide is an `error:` line and exit code 2;
-//! * on the GPU (ignored where there is none; `tools/gpu_check.sh` runs it), the ranks run one
-//!   after another on one device: clean, and the faults caught, in f32 and bf16.
+//! * on the GPU (ignored where there is none; `tools/gpu_check.sh` runs it): clean, and the
+//!   faults caught, in f32 and bf16, with the ranks sharing device 0 (a backend each), and on a
+//!   host with two GPUs with a rank per device joined by NCCL; NCCL itself on one device.
 
 mod common;
 
@@ -422,14 +423,20 @@ fn the_trace_names_each_ranks_ops_and_the_collectives_between_them() {
 #[test]
 #[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
 fn on_the_gpu_ranks_are_clean_and_the_faults_caught() {
+    // On a host with fewer GPUs than ranks every rank runs on device 0 with a backend of its
+    // own; on a host with more, TP=2 runs across two devices (see the two-GPU test).
+    gpu_ranks_clean_and_faults_caught(&[2, 4]);
+}
+
+/// Every GPU backend at each of `tps`: clean against TP=1 on the tiny layouts and glm5-rank8
+/// (whose bf16 attention runs the fast kernels), and every TP fault caught on its rank.
+fn gpu_ranks_clean_and_faults_caught(tps: &[usize]) {
     for (name, backend, _) in common::gpu_backends() {
         let dtype = if name.ends_with("bf16") {
             "bf16"
         } else {
             "f32"
         };
-        // The tiny layouts' attention runs the reference kernels (their head dims have no fast
-        // kernel); glm5-rank8's runs the fast ones in bf16 (the f32 backend runs the reference).
         for (layout, tokens, fast) in [
             ("glm5-tiny", 9, false),
             ("deepseek-v3-tiny", 9, false),
@@ -441,7 +448,7 @@ fn on_the_gpu_ranks_are_clean_and_the_faults_caught() {
                 prefill_len: tokens - 3,
                 decode_steps: 3,
             };
-            for tp in [2, 4] {
+            for &tp in tps {
                 let flags = format!("dtype={dtype},tp={tp}");
                 let report = common::check_on(&*backend, &model, &schedule, &flags, None);
                 assert!(
@@ -454,6 +461,27 @@ fn on_the_gpu_ranks_are_clean_and_the_faults_caught() {
                     fast && dtype == "bf16",
                     "{name} {layout} {flags}: fast kernels"
                 );
+                // Each rank's outputs live on the device it runs on.
+                let on = backend.rank_backends(tp).unwrap().expect("CUDA ranks");
+                let own_devices = on.all_reduce.is_some();
+                for e in report
+                    .run
+                    .events
+                    .iter()
+                    .filter(|e| e.output.device_index > 0)
+                {
+                    assert!(
+                        own_devices,
+                        "{name} {layout} {flags}: {} on device {}",
+                        e.name, e.output.device_index
+                    );
+                    assert_eq!(
+                        Some(e.output.device_index),
+                        e.rank,
+                        "{name} {layout} {flags}: {}",
+                        e.name
+                    );
+                }
                 for &(fault, op, rank) in TP_FAULTS {
                     let flags = format!("{flags},inject={fault}");
                     let report = common::check_on(&*backend, &model, &schedule, &flags, None);
@@ -471,6 +499,53 @@ fn on_the_gpu_ranks_are_clean_and_the_faults_caught() {
             }
         }
     }
+}
+
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn nccl_loads_sums_one_rank_and_refuses_two_ranks_on_one_device() {
+    use mladb::backend::cuda::device::nccl::{nccl_version, NcclRanks};
+    use mladb::backend::cuda::device::{Elem, Gpu};
+    let version = nccl_version().expect("NCCL loads");
+    assert!(version.starts_with("2."), "{version}");
+    let gpu = std::sync::Arc::new(Gpu::open(0).unwrap());
+    let values: Vec<f32> = (0..6144).map(|i| (i as f32 * 0.37).sin()).collect();
+    for elem in [Elem::F32, Elem::Bf16] {
+        let send = gpu.upload(&values, elem).unwrap();
+        let ranks = NcclRanks::new(vec![gpu.clone()]).unwrap();
+        let sums = ranks.all_reduce_sum(&[&send]).unwrap();
+        // One rank: the sum is its own part, bit for bit.
+        assert_eq!(
+            gpu.download(&sums[0]).unwrap(),
+            gpu.download(&send).unwrap()
+        );
+    }
+    let refused = NcclRanks::new(vec![gpu.clone(), gpu])
+        .err()
+        .expect("refused");
+    assert!(
+        refused.to_string().contains("device 0 holds two ranks"),
+        "{refused}"
+    );
+}
+
+#[test]
+#[ignore = "needs two GPUs: tools/gpu_check.sh runs it where the host has them"]
+fn on_two_gpus_tp2_runs_a_rank_per_device_through_nccl() {
+    let count = cudarc::driver::CudaContext::device_count().unwrap_or(0);
+    assert!(
+        count >= 2,
+        "this test needs two CUDA devices; this host has {count}"
+    );
+    for (name, backend, _) in common::gpu_backends() {
+        let on = backend.rank_backends(2).unwrap().expect("CUDA ranks");
+        assert!(
+            on.all_reduce.is_some() && on.note.contains("NCCL"),
+            "{name}: {}",
+            on.note
+        );
+    }
+    gpu_ranks_clean_and_faults_caught(&[2]);
 }
 
 #[test]

@@ -19,10 +19,18 @@ mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
 mkdir -p target/release && cp .device-bin/mladb target/release/mladb
 B=.device-bin
 OUT=${OUT:-/tmp}
+ngpu=$(nvidia-smi -L | grep -c '^GPU')
+export NCCL_NVLS_ENABLE=0
 if [ "$what" != bench ]; then
+  # The two-GPU tensor-parallel test needs a host with two; say so where it is skipped.
+  skip=""
+  if [ "$ngpu" -lt 2 ]; then
+    skip="--skip on_two_gpus"
+    echo "skipped: tp's on_two_gpus_tp2_runs_a_rank_per_device_through_nccl needs two GPUs (this host has $ngpu)"
+  fi
   $B/mladb kernels --arch sm_90,sm_120 > "$OUT/kernels.txt" 2>&1; tail -1 "$OUT/kernels.txt"
   for t in fast_kernels fp8_kernels gpu_attention backends gpu_forward leaks verdicts tp; do
-    timeout 420 $B/$t --include-ignored --test-threads=1 > "$OUT/$t.txt" 2>&1 || echo "$t: exit $? (124 = timed out)"
+    timeout 420 $B/$t --include-ignored --test-threads=1 $skip > "$OUT/$t.txt" 2>&1 || echo "$t: exit $? (124 = timed out)"
     grep -E "^test |panicked|test result|skipped|worst" "$OUT/$t.txt" | head -30
   done
   $B/mladb run --device cuda --layout glm5-tiny --tokens 1,2,3 --decode 2 > "$OUT/run.txt" 2>&1; tail -2 "$OUT/run.txt"
@@ -35,13 +43,21 @@ if [ "$what" != bench ]; then
   python3 tools/hook_engine_check.py --mladb $B/mladb > "$OUT/hook_engines.txt" 2>&1; tail -1 "$OUT/hook_engines.txt"
   # The FP8 latent cache: its write kernel and decode variants in the traced path, clean.
   $B/mladb check --device cuda --layout glm5-rank8 --kv-cache-dtype fp8_ds_mla --tokens $(seq -s, 1 200) --decode 2 > "$OUT/check_fp8.txt" 2>&1; tail -3 "$OUT/check_fp8.txt"
-  # Tensor parallelism, the ranks one after another on this GPU: GLM-5 at TP 8 holds 8 heads a
-  # rank, the few-heads decode's shape.
+  # Tensor parallelism (a rank per GPU through NCCL where the host has two, else the ranks
+  # share this one): GLM-5 at TP 8 holds 8 heads a rank, the few-heads decode's shape.
   $B/mladb check --device cuda --layout glm5-rank8 --tp 2 --tokens $(seq -s, 1 200) --decode 2 > "$OUT/check_tp.txt" 2>&1; tail -3 "$OUT/check_tp.txt"
+  if [ "$ngpu" -ge 2 ]; then
+    # Full-size GLM-5, its first four layers (three dense, one MoE) at TP=2 against TP=1, then
+    # with a rank's kv_b_proj slice taken from its neighbour.
+    $B/mladb check --device cuda --layout glm5 --layers 0..4 --tp 2 --tokens $(seq -s, 1 16) --decode 2 --weight-cache-mb 60000 > "$OUT/check_tp_glm5.txt" 2>&1; tail -3 "$OUT/check_tp_glm5.txt"
+    $B/mladb check --device cuda --layout glm5 --layers 0..4 --tp 2 --tokens $(seq -s, 1 16) --decode 2 --weight-cache-mb 60000 --inject tp-head-offset > "$OUT/check_tp_glm5_fault.txt" 2>&1; grep -m2 -E "tp-mismatch" "$OUT/check_tp_glm5_fault.txt"; tail -1 "$OUT/check_tp_glm5_fault.txt"
+  fi
 fi
 if [ "$what" != tests ]; then
   python3 tools/torch_mla_bench.py ${QUICK:+--quick} > "$OUT/torch_bench.txt" 2>&1
-  $B/mladb bench --device cuda ${QUICK:+--quick} --layout glm5 --layers 3 --prompt ${PROMPT:-128} --decode 4 --weight-cache-mb 60000 > "$OUT/bench.txt" 2>&1
+  # Whole full-size layers; at TP=2 beside TP=1 where the host has two GPUs.
+  tp=1; [ "$ngpu" -ge 2 ] && tp=2
+  $B/mladb bench --device cuda ${QUICK:+--quick} --layout glm5 --layers 3 --prompt ${PROMPT:-128} --decode 4 --weight-cache-mb 60000 --tp $tp > "$OUT/bench.txt" 2>&1
   cat "$OUT/torch_bench.txt" "$OUT/bench.txt"
   # The other kernel variants on the same device, for comparison: the decode kernels that are
   # not the default here, then the prefill ones.

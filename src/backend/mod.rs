@@ -96,6 +96,7 @@ pub struct DeviceRead {
     pub id: crate::tensor::BufferId,
     pub address: u64,
     pub bytes: usize,
+    pub device_index: usize,
 }
 
 /// What a fast (production) attention kernel produced beside the output it wrote.
@@ -120,9 +121,37 @@ pub enum FastOutcome {
     Declined(String),
 }
 
+/// Where the ranks of a tensor-parallel run compute, and what joins them.
+#[derive(Clone)]
+pub struct RankBackends {
+    /// One backend per rank.
+    pub backends: Vec<std::sync::Arc<dyn Backend>>,
+    /// The all-reduce across the ranks' devices (NCCL); `None`: each rank sums the parts itself
+    /// in rank order (exact; ranks sharing one device).
+    pub all_reduce: Option<std::sync::Arc<dyn AllReduce>>,
+    /// Where the ranks run and what joins them, in a line for the user.
+    pub note: String,
+}
+
+/// A sum across the devices of a tensor-parallel run's ranks.
+pub trait AllReduce: Send + Sync {
+    /// The sum of `parts` (rank r's on rank r's device), one tensor per rank on its device.
+    fn sum(&self, parts: &[&Tensor]) -> Result<Vec<Tensor>>;
+
+    /// Seconds spent summing so far, from every rank's inputs being ready to every rank's sum
+    /// being done (the ranks' own compute is not in it).
+    fn seconds(&self) -> f64;
+}
+
 /// The numerical ops of the forward pass. Shapes are row-major; "[n, ...]" means one row per token.
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
+
+    /// The backends of `size` tensor-parallel ranks; `None`: every rank runs on this backend,
+    /// one after another (the CPU's simulated ranks).
+    fn rank_backends(&self, _size: usize) -> Result<Option<RankBackends>> {
+        Ok(None)
+    }
 
     /// Fill every output buffer with the poison pattern before the op writes it, so that
     /// elements an op leaves unwritten show (buffer forensics, kernel tests). Host backends build

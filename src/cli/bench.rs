@@ -25,6 +25,10 @@ pub struct BenchArgs {
     /// Disable MLA absorption (naive decode).
     #[arg(long)]
     pub mla_disable: bool,
+    /// Tensor-parallel ranks for the whole-layer timing (on CUDA: one GPU each where the host
+    /// has them, joined by NCCL; the same layers at TP=1 are timed beside them).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
     /// Also time `check` (all detectors) against a plain run, both with weights already fetched.
     #[arg(long)]
     pub check: bool,
@@ -100,6 +104,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         &backend,
         EngineOptions {
             layers: layers.clone(),
+            tp: args.tp,
             ..EngineOptions::new(&model, paths)
         },
     )?;
@@ -113,28 +118,30 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     let total = start.elapsed().as_secs_f64();
     writeln!(
         Out,
-        "mladb bench: {} layers {}..{}, prompt {} tokens, {} decode steps, {} threads",
+        "mladb bench: {} layers {}..{}, prompt {} tokens, {} decode steps, {} threads, tp {}",
         model.layout.name,
         layers.start,
         layers.end,
         schedule.prefill_len,
         args.decode,
-        rayon::current_num_threads()
+        rayon::current_num_threads(),
+        args.tp
     )?;
     writeln!(
         Out,
-        "{:<10} {:>5} {:>10} {:>10} {:>10}",
-        "phase", "layer", "total s", "weights s", "compute s"
+        "{:<10} {:>5} {:>10} {:>10} {:>10} {:>12}",
+        "phase", "layer", "total s", "weights s", "compute s", "all-reduce s"
     )?;
     for t in engine.timings() {
         writeln!(
             Out,
-            "{:<10} {:>5} {:>10.3} {:>10.3} {:>10.3}",
+            "{:<10} {:>5} {:>10.3} {:>10.3} {:>10.3} {:>12.4}",
             t.phase.to_string(),
             t.layer,
             t.seconds,
             t.weight_seconds,
-            t.seconds - t.weight_seconds
+            t.seconds - t.weight_seconds,
+            t.collective_seconds
         )?;
     }
     let (pf, pf_compute) = mean_per_layer(engine.timings(), |p| *p == Phase::Prefill);
@@ -183,6 +190,12 @@ pub fn mean_per_layer(timings: &[LayerTiming], want: fn(&Phase) -> bool) -> (f64
         v.iter().map(|t| t.seconds).sum::<f64>() / n,
         v.iter().map(|t| t.seconds - t.weight_seconds).sum::<f64>() / n,
     )
+}
+
+/// Mean seconds per layer spent in the all-reduces, over the timings of the phases `want` picks.
+pub fn mean_collective(timings: &[LayerTiming], want: fn(&Phase) -> bool) -> f64 {
+    let v: Vec<_> = timings.iter().filter(|t| want(&t.phase)).collect();
+    v.iter().map(|t| t.collective_seconds).sum::<f64>() / v.len().max(1) as f64
 }
 
 /// Times a plain run and `check` on the same schedule with `flags` on `backend`, the weights

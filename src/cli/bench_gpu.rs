@@ -382,8 +382,9 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
         prefill_len: args.prompt.max(1),
         decode_steps: args.decode,
     };
-    let options = || EngineOptions {
+    let options = |tp: usize| EngineOptions {
         layers: layers.clone(),
+        tp,
         ..EngineOptions::new(&model, paths)
     };
     writeln!(
@@ -391,62 +392,84 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
         "\nwhole layers: {} layers {}..{}, prompt {} tokens, {} decode steps, bf16 on the device",
         model.layout.name, layers.start, layers.end, schedule.prefill_len, args.decode
     )?;
-    let warm = std::time::Instant::now();
-    generate::run(
-        &mut Engine::new(&model, &backend, options())?,
-        &schedule,
-        &mut NullObserver,
-    )?;
-    writeln!(
-        Out,
-        "warm-up run (fetches and uploads the weights) {:.1} s",
-        warm.elapsed().as_secs_f64()
-    )?;
-    let per_phase = |stats: bool| -> Result<(f64, f64)> {
-        let mut engine = Engine::new(&model, &backend, options())?;
+    let tps: Vec<usize> = match args.tp {
+        1 => vec![1],
+        tp => vec![1, tp],
+    };
+    for &tp in &tps {
+        let warm = std::time::Instant::now();
+        let mut engine = Engine::new(&model, &backend, options(tp))?;
+        generate::run(&mut engine, &schedule, &mut NullObserver)?;
+        writeln!(
+            Out,
+            "tp {tp}: warm-up run (fetches and uploads the weights) {:.1} s{}",
+            warm.elapsed().as_secs_f64(),
+            engine
+                .ranks_note()
+                .map(|n| format!("; {n}"))
+                .unwrap_or_default()
+        )?;
+    }
+    // Per layer and phase: (seconds, seconds in the all-reduces).
+    let across = Engine::new(&model, &backend, options(args.tp))?.sums_across_devices();
+    let per_phase = |stats: bool, tp: usize| -> Result<[(f64, f64); 2]> {
+        let mut engine = Engine::new(&model, &backend, options(tp))?;
         if stats {
             generate::run(&mut engine, &schedule, &mut StatsObserver { events: 0 })?;
         } else {
             generate::run(&mut engine, &schedule, &mut NullObserver)?;
         }
-        let mean =
-            |want: fn(&Phase) -> bool| super::bench::mean_per_layer(engine.timings(), want).0;
-        Ok((
-            mean(|p| *p == Phase::Prefill),
-            mean(|p| matches!(p, Phase::Decode(_))),
-        ))
+        let t = engine.timings();
+        let of = |want: fn(&Phase) -> bool| {
+            (
+                super::bench::mean_per_layer(t, want).0,
+                super::bench::mean_collective(t, want),
+            )
+        };
+        Ok([
+            of(|p| *p == Phase::Prefill),
+            of(|p| matches!(p, Phase::Decode(_))),
+        ])
     };
-    let mut plain = Vec::new();
-    let mut with_stats = Vec::new();
-    for _ in 0..3 {
-        plain.push(per_phase(false)?);
-        with_stats.push(per_phase(true)?);
+    writeln!(
+        Out,
+        "{:<28} {:>4} {:>12} {:>12} {:>9} {:>16}",
+        "per layer (median of 3 runs)",
+        "tp",
+        "no stats ms",
+        "stats ms",
+        "overhead",
+        "all-reduce share"
+    )?;
+    let phases: &[&str] = match args.decode {
+        0 => &["prefill"],
+        _ => &["prefill", "decode step"],
+    };
+    for (i, phase) in phases.iter().enumerate() {
+        for &tp in &tps {
+            let (mut plain, mut with_stats, mut share) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..3 {
+                let p = per_phase(false, tp)?[i];
+                plain.push(p.0);
+                share.push(p.1 / p.0.max(f64::MIN_POSITIVE));
+                with_stats.push(per_phase(true, tp)?[i].0);
+            }
+            let (t, ts) = (median(plain), median(with_stats));
+            let share = match tp {
+                1 => "-".to_string(),
+                _ if !across => "one device".to_string(),
+                _ => format!("{:.1}%", 100.0 * median(share)),
+            };
+            writeln!(
+                Out,
+                "{phase:<28} {tp:>4} {:>12.2} {:>12.2} {:>8.1}% {share:>16}",
+                t * 1e3,
+                ts * 1e3,
+                100.0 * (ts / t - 1.0)
+            )?;
+        }
     }
-    let med = |v: &[(f64, f64)], pick: fn(&(f64, f64)) -> f64| median(v.iter().map(pick).collect());
-    let (pf, dc) = (med(&plain, |t| t.0), med(&plain, |t| t.1));
-    let (pfs, dcs) = (med(&with_stats, |t| t.0), med(&with_stats, |t| t.1));
-    writeln!(
-        Out,
-        "{:<28} {:>12} {:>12} {:>9}",
-        "per layer (median of 3 runs)", "no stats ms", "stats ms", "overhead"
-    )?;
-    writeln!(
-        Out,
-        "{:<28} {:>12.2} {:>12.2} {:>8.1}%",
-        "prefill",
-        pf * 1e3,
-        pfs * 1e3,
-        100.0 * (pfs / pf - 1.0)
-    )?;
     if args.decode > 0 {
-        writeln!(
-            Out,
-            "{:<28} {:>12.2} {:>12.2} {:>8.1}%",
-            "decode step",
-            dc * 1e3,
-            dcs * 1e3,
-            100.0 * (dcs / dc - 1.0)
-        )?;
         if let Some(moe) = &model.layout.moe {
             let bytes = decode_weight_bytes(&model, layers.start, moe.num_experts_per_tok);
             let floor_ms = bytes as f64 / (c.copy_gbs * 1e9 / 2.0) * 1e3;

@@ -139,6 +139,9 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
             p.backend.name(),
         )
         .map_err(io)?;
+        if let Some(note) = engine.ranks_note() {
+            writeln!(out, "tensor parallel: {note}").map_err(io)?;
+        }
         writeln!(out, "{}", table::header()).map_err(io)?;
     }
     let mut observer = RunObserver {

@@ -85,8 +85,7 @@ fn parse_path(key: &str, value: &str) -> Result<MlaPath> {
     }
 }
 
-/// Most tensor-parallel ranks a run may ask for.
-pub const MAX_TP: usize = 64;
+pub use crate::model::shard::MAX_TP;
 
 fn parse_tp(value: &str) -> Result<usize> {
     match value.parse::<usize>() {

@@ -9,7 +9,7 @@ use super::mlp;
 use super::rope::RopeTable;
 use super::sink::Sink;
 use super::sink::{OpCounts, StorageDtype};
-use super::tp::{all_gather, all_reduce, RankState, TpRank};
+use super::tp::{all_gather, all_reduce, PassRanks, RankState, TpRank};
 use super::trace::{Observer, OpKind, Phase, Replay};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -116,6 +116,9 @@ pub struct LayerTiming {
     pub seconds: f64,
     /// Part of `seconds` spent fetching (or generating) weights.
     pub weight_seconds: f64,
+    /// Part of `seconds` spent in the all-reduces across devices after attention and the MLP
+    /// (NCCL; zero where ranks share a device or run on the CPU).
+    pub collective_seconds: f64,
 }
 
 /// Rows of lm_head fetched at once when it is too large to cache whole (256 MiB of f32).
@@ -131,6 +134,10 @@ pub struct Engine<'m> {
     rope: RopeTable,
     /// The tensor-parallel ranks (one without tensor parallelism), with their caches.
     ranks: Vec<RankState>,
+    /// The sum across the ranks' devices (NCCL), where each rank has a device of its own.
+    device_sum: Option<std::sync::Arc<dyn crate::backend::AllReduce>>,
+    /// Where the ranks run and what joins them (`None` without tensor parallelism).
+    ranks_note: Option<String>,
     /// Tokens processed so far (the position of the next one).
     position: usize,
     decode_steps: usize,
@@ -156,7 +163,24 @@ impl<'m> Engine<'m> {
             .kv_cache
             .check_layout(layout.kv_lora_rank, layout.qk_rope_head_dim)?;
         backend.set_poison_outputs(options.poison);
-        let ranks = RankState::all(model, &options)?;
+        shard::check_tp(layout, options.tp)?;
+        let on = match options.tp {
+            0 | 1 => None,
+            tp => backend.rank_backends(tp)?,
+        };
+        for b in on.iter().flat_map(|on| &on.backends) {
+            b.set_poison_outputs(options.poison);
+        }
+        let ranks = RankState::all(model, &options, on.as_ref())?;
+        let ranks_note = match options.tp {
+            0 | 1 => None,
+            tp => Some(on.as_ref().map(|on| on.note.clone()).unwrap_or_else(|| {
+                format!(
+                    "{tp} ranks simulated one after another on the {} backend, joined by exact sums in rank order",
+                    backend.name()
+                )
+            })),
+        };
         Ok(Engine {
             model,
             backend,
@@ -165,6 +189,8 @@ impl<'m> Engine<'m> {
             rope: RopeTable::new(&layout.rope, layout.qk_rope_head_dim),
             options,
             ranks,
+            device_sum: on.and_then(|on| on.all_reduce),
+            ranks_note,
             position: 0,
             decode_steps: 0,
             next_event: 0,
@@ -190,6 +216,17 @@ impl<'m> Engine<'m> {
 
     pub fn options(&self) -> &EngineOptions {
         &self.options
+    }
+
+    /// Where the tensor-parallel ranks run and what joins them (`None` without tensor
+    /// parallelism).
+    pub fn ranks_note(&self) -> Option<&str> {
+        self.ranks_note.as_deref()
+    }
+
+    /// Whether the ranks' all-reduces run across devices (NCCL), so that their time is counted.
+    pub fn sums_across_devices(&self) -> bool {
+        self.device_sum.is_some()
     }
 
     pub fn timings(&self) -> &[LayerTiming] {
@@ -236,7 +273,6 @@ impl<'m> Engine<'m> {
     ) -> Result<Tensor> {
         let model = self.model;
         let layout = &model.layout;
-        let b = self.backend;
         for &t in tokens {
             if t as usize >= layout.vocab_size {
                 return Err(Error::invalid(format!(
@@ -249,16 +285,23 @@ impl<'m> Engine<'m> {
         let positions: Vec<usize> = (start..start + tokens.len()).collect();
         let options = &self.options;
         let tp = self.ranks.len();
-        // Each rank's layout, weights and caches, borrowed apart.
-        let (mut layouts, mut stores, mut caches) = (Vec::new(), Vec::new(), Vec::new());
+        // Each rank's layout, weights, backend and caches, borrowed apart.
+        let (mut layouts, mut stores, mut backends, mut caches) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for rank in self.ranks.iter_mut() {
-            let (layout, store, cache) = rank.parts(model);
-            layouts.push(layout);
-            stores.push(store);
-            caches.push(cache);
+            let parts = rank.parts(model, self.backend);
+            layouts.push(parts.layout);
+            stores.push(parts.weights);
+            backends.push(parts.backend);
+            caches.push(parts.caches);
         }
+        let ranks = PassRanks {
+            stores: &stores,
+            backends: &backends,
+            device_sum: self.device_sum.as_deref(),
+        };
         let mut sink = Sink::new(
-            b,
+            backends[0],
             stores[0],
             observer,
             self.replay,
@@ -277,7 +320,7 @@ impl<'m> Engine<'m> {
 
         let mut parts = Vec::with_capacity(tp);
         for (r, &store) in stores.iter().enumerate() {
-            sink.set_rank(tp_rank(r).trace_rank(), store);
+            sink.set_rank(tp_rank(r).trace_rank(), store, backends[r]);
             let vocab = shard::vocab_part(layout.vocab_size, tp, r);
             parts.push(
                 sink.op(None, "model.embed_tokens", OpKind::Embedding, &[], |_| {
@@ -285,24 +328,20 @@ impl<'m> Engine<'m> {
                 })?,
             );
         }
-        let mut h = all_reduce(
-            &mut sink,
-            &stores,
-            None,
-            "model.embed_tokens",
-            parts,
-            faults,
-        )?;
+        let mut h = all_reduce(&mut sink, ranks, None, "model.embed_tokens", parts, faults)?;
 
         let mut shared_selection: Vec<Option<Selection>> = vec![None; tp];
         for layer in options.layers.clone() {
             let begin = Instant::now();
-            let fetch_before = model.weights.fetch_seconds();
+            let fetching = || stores.iter().map(|s| s.fetch_seconds()).sum::<f64>();
+            let fetch_before = fetching();
+            let summing = || ranks.device_sum.map_or(0.0, |d| d.seconds());
+            let summing_before = summing();
             let l = Some(layer);
             let ctx = |r: usize| LayerCtx {
                 layout: layouts[r],
                 weights: stores[r],
-                backend: b,
+                backend: backends[r],
                 rope: &self.rope,
                 layer,
                 phase,
@@ -319,8 +358,8 @@ impl<'m> Engine<'m> {
             // Attention: each rank's heads, o_proj's partial sums all-reduced.
             let mut parts = Vec::with_capacity(tp);
             for r in 0..tp {
-                let ctx = ctx(r);
-                sink.set_rank(ctx.tp.trace_rank(), stores[r]);
+                let (ctx, b) = (ctx(r), backends[r]);
+                sink.set_rank(ctx.tp.trace_rank(), stores[r], b);
                 let x = sink.op(
                     l,
                     &ctx.name("input_layernorm"),
@@ -340,12 +379,12 @@ impl<'m> Engine<'m> {
                 )?);
             }
             let o_proj = format!("{}.self_attn.o_proj", layer_prefix(layer));
-            let attn = all_reduce(&mut sink, &stores, l, &o_proj, parts, faults)?;
+            let attn = all_reduce(&mut sink, ranks, l, &o_proj, parts, faults)?;
             // The MLP: each rank's columns or experts, their partial sums all-reduced.
             let (mut h_mid, mut parts) = (Vec::with_capacity(tp), Vec::with_capacity(tp));
             for r in 0..tp {
-                let ctx = ctx(r);
-                sink.set_rank(ctx.tp.trace_rank(), stores[r]);
+                let (ctx, b) = (ctx(r), backends[r]);
+                sink.set_rank(ctx.tp.trace_rank(), stores[r], b);
                 let (h, attn) = (&h[r], &attn[r]);
                 let mid = sink.op(
                     l,
@@ -371,9 +410,10 @@ impl<'m> Engine<'m> {
                 h_mid.push(mid);
             }
             let mlp_name = format!("{}.mlp", layer_prefix(layer));
-            let m = all_reduce(&mut sink, &stores, l, &mlp_name, parts, faults)?;
+            let m = all_reduce(&mut sink, ranks, l, &mlp_name, parts, faults)?;
             for r in 0..tp {
-                sink.set_rank(tp_rank(r).trace_rank(), stores[r]);
+                let b = backends[r];
+                sink.set_rank(tp_rank(r).trace_rank(), stores[r], b);
                 let (mid, m) = (&h_mid[r], &m[r]);
                 h[r] = sink.op(l, &layer_prefix(layer), OpKind::Residual, &[mid, m], |_| {
                     b.add(mid, m)
@@ -383,14 +423,16 @@ impl<'m> Engine<'m> {
                 phase,
                 layer,
                 seconds: begin.elapsed().as_secs_f64(),
-                weight_seconds: model.weights.fetch_seconds() - fetch_before,
+                weight_seconds: fetching() - fetch_before,
+                collective_seconds: summing() - summing_before,
             });
         }
 
         // The final norm on every rank; each rank's part of the vocabulary, gathered.
         let mut parts = Vec::with_capacity(tp);
         for (r, &store) in stores.iter().enumerate() {
-            sink.set_rank(tp_rank(r).trace_rank(), store);
+            let b = backends[r];
+            sink.set_rank(tp_rank(r).trace_rank(), store, b);
             let h = &h[r];
             let normed = sink.op(None, "model.norm", OpKind::RmsNorm, &[h], |rd| {
                 b.rms_norm(h, &*rd.weight("model.norm.weight")?, layout.rms_norm_eps)
@@ -399,7 +441,7 @@ impl<'m> Engine<'m> {
                 lm_head(model, store, b, &normed)
             })?);
         }
-        let logits = all_gather(&mut sink, &stores, None, "logits", parts)?;
+        let logits = all_gather(&mut sink, ranks, None, "logits", parts)?;
         sink.flush()?;
         self.position += tokens.len();
         Ok(logits.into_iter().next().expect("one rank at least"))

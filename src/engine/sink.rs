@@ -142,10 +142,17 @@ impl<'a> Sink<'a> {
 }
 
 impl<'a> Sink<'a> {
-    /// Runs the next ops as rank `rank` (`None`: no tensor parallelism), reading `weights`.
-    pub fn set_rank(&mut self, rank: Option<usize>, weights: &'a WeightStore) {
+    /// Runs the next ops as rank `rank` (`None`: no tensor parallelism), reading `weights`,
+    /// computing on `backend`.
+    pub fn set_rank(
+        &mut self,
+        rank: Option<usize>,
+        weights: &'a WeightStore,
+        backend: &'a dyn Backend,
+    ) {
         self.rank = rank;
         self.weights = weights;
+        self.backend = backend;
     }
 }
 

@@ -13,11 +13,13 @@ use super::faults::Fault;
 use super::forward::EngineOptions;
 use super::sink::Sink;
 use super::trace::OpKind;
+use crate::backend::{AllReduce, Backend, RankBackends};
 use crate::error::Result;
 use crate::model::layout::Layout;
 use crate::model::shard;
 use crate::model::{Model, WeightStore};
 use crate::tensor::Tensor;
+use std::sync::Arc;
 
 /// One rank's share of the model and its caches.
 pub struct RankState {
@@ -25,25 +27,35 @@ pub struct RankState {
     pub layout: Layout,
     /// Its weights; `None` for the single rank of a run without tensor parallelism (the
     /// model's own).
-    weights: Option<WeightStore>,
+    weights: Option<Arc<WeightStore>>,
+    /// The backend it computes on; `None`: the engine's own (every rank of a run on the CPU).
+    backend: Option<Arc<dyn Backend>>,
     /// One entry per layer of the model; `None` outside the layer range.
     pub caches: Vec<Option<LayerCache>>,
 }
 
 impl RankState {
-    /// The ranks of a run of `model` under `options` (one without tensor parallelism).
-    pub fn all(model: &Model, options: &EngineOptions) -> Result<Vec<RankState>> {
+    /// The ranks of a run of `model` under `options` (one without tensor parallelism), on the
+    /// backends `on` gives them (none: all on the engine's own).
+    pub fn all(
+        model: &Model,
+        options: &EngineOptions,
+        on: Option<&RankBackends>,
+    ) -> Result<Vec<RankState>> {
         let layout = &model.layout;
         let tp = options.tp.max(1);
+        let stores = match tp {
+            1 => Vec::new(),
+            _ => model.rank_stores.of(&model.weights, layout, tp)?,
+        };
         (0..tp)
             .map(|rank| {
-                let (layout, weights) = match tp {
-                    1 => (layout.clone(), None),
-                    _ => (
-                        shard::rank_layout(layout, tp)?,
-                        Some(shard::rank_store(&model.weights, layout, tp, rank)?),
-                    ),
+                let backend = on.and_then(|on| on.backends.get(rank).cloned());
+                let layout = match tp {
+                    1 => layout.clone(),
+                    _ => shard::rank_layout(layout, tp)?,
                 };
+                let weights = stores.get(rank).cloned();
                 let caches = (0..layout.num_layers)
                     .map(|l| {
                         options.layers.contains(&l).then(|| LayerCache {
@@ -61,20 +73,31 @@ impl RankState {
                 Ok(RankState {
                     layout,
                     weights,
+                    backend,
                     caches,
                 })
             })
             .collect()
     }
 
-    /// The layout it runs, the weights it reads and its caches, borrowed apart.
-    pub fn parts<'a>(
-        &'a mut self,
-        model: &'a Model,
-    ) -> (&'a Layout, &'a WeightStore, &'a mut Vec<Option<LayerCache>>) {
-        let weights = self.weights.as_ref().unwrap_or(&model.weights);
-        (&self.layout, weights, &mut self.caches)
+    /// The layout it runs, the weights it reads, the backend it computes on (`main` unless it
+    /// has its own) and its caches, borrowed apart.
+    pub fn parts<'a>(&'a mut self, model: &'a Model, main: &'a dyn Backend) -> RankParts<'a> {
+        RankParts {
+            layout: &self.layout,
+            weights: self.weights.as_deref().unwrap_or(&model.weights),
+            backend: self.backend.as_deref().unwrap_or(main),
+            caches: &mut self.caches,
+        }
     }
+}
+
+/// One rank's share, borrowed for a pass.
+pub struct RankParts<'a> {
+    pub layout: &'a Layout,
+    pub weights: &'a WeightStore,
+    pub backend: &'a dyn Backend,
+    pub caches: &'a mut Vec<Option<LayerCache>>,
 }
 
 /// Which rank runs a layer's ops, for the ops that differ by rank.
@@ -104,52 +127,84 @@ impl TpRank<'_> {
     }
 }
 
+/// The ranks of a pass: each one's weights and backend, and the sum across their devices (none:
+/// each rank sums the parts itself).
+#[derive(Clone, Copy)]
+pub struct PassRanks<'a, 'p> {
+    pub stores: &'p [&'a WeightStore],
+    pub backends: &'p [&'a dyn Backend],
+    pub device_sum: Option<&'a dyn AllReduce>,
+}
+
 /// The all-reduce after op `op` (its partial sums `parts`, one per rank): one event per rank,
-/// each the sum of every part in rank order. With one rank, `parts` as they are.
+/// each the sum of every part, on its rank's backend. With one rank, `parts` as they are.
+/// Ranks sharing a device (or the CPU) sum the parts in rank order, so every rank holds the same
+/// values; ranks on devices of their own sum through NCCL.
 /// FAULT tp-missing-allreduce: after o_proj each rank keeps its own partial sum.
 /// FAULT tp-double-reduce: after o_proj the sum is reduced again (N times the sum).
 pub fn all_reduce<'a>(
     sink: &mut Sink<'a>,
-    stores: &[&'a WeightStore],
+    ranks: PassRanks<'a, '_>,
     layer: Option<usize>,
     op: &str,
     parts: Vec<Tensor>,
     faults: &super::faults::Faults,
 ) -> Result<Vec<Tensor>> {
-    let b = sink.backend;
+    if parts.len() == 1 {
+        return Ok(parts);
+    }
     let attention = op.ends_with(".self_attn.o_proj");
     let active = |f: Fault| attention && faults.active(f, sink.phase);
     let (missing, double) = (
         active(Fault::TpMissingAllreduce),
         active(Fault::TpDoubleReduce),
     );
-    let sum = |parts: &[Tensor]| -> Result<Tensor> {
-        let mut total = b.scale(&parts[0], 1.0)?;
-        for p in &parts[1..] {
-            total = b.add(&total, p)?;
-        }
-        Ok(total)
+    let n = parts.len();
+    let sums: Vec<Tensor> = match ranks.device_sum {
+        _ if missing => Vec::new(),
+        Some(device) => device.sum(&parts.iter().collect::<Vec<_>>())?,
+        None => (0..n)
+            .map(|r| {
+                let b = ranks.backends[r];
+                let mut total = b.scale(&parts[0], 1.0)?;
+                for p in &parts[1..] {
+                    total = b.add(&total, p)?;
+                }
+                Ok(total)
+            })
+            .collect::<Result<_>>()?,
     };
+    let mut sums = sums.into_iter().map(Some).collect::<Vec<_>>();
     let kind = (shard::Collective::AllReduce, OpKind::AllReduce);
-    collective(sink, stores, layer, op, kind, parts, |parts, r| match () {
-        _ if missing => b.scale(&parts[r], 1.0),
-        _ if double => b.scale(&sum(parts)?, parts.len() as f32),
-        _ => sum(parts),
+    collective(sink, ranks, layer, op, kind, &parts, |b, r| {
+        let mut sum = || {
+            sums.get_mut(r)
+                .and_then(Option::take)
+                .ok_or_else(|| crate::Error::invalid("an all-reduce without this rank's sum"))
+        };
+        match () {
+            _ if missing => b.scale(&parts[r], 1.0),
+            _ if double => b.scale(&sum()?, n as f32),
+            _ => sum(),
+        }
     })
 }
 
 /// The all-gather after op `op`: every rank's part [rows, width_r] side by side along the last
-/// dimension, one event per rank. With one rank, `parts` as they are.
+/// dimension, one event per rank, made on each rank's backend (a part on another device is read
+/// through the host). With one rank, `parts` as they are.
 pub fn all_gather<'a>(
     sink: &mut Sink<'a>,
-    stores: &[&'a WeightStore],
+    ranks: PassRanks<'a, '_>,
     layer: Option<usize>,
     op: &str,
     parts: Vec<Tensor>,
 ) -> Result<Vec<Tensor>> {
-    let b = sink.backend;
+    if parts.len() == 1 {
+        return Ok(parts);
+    }
     let kind = (shard::Collective::AllGather, OpKind::AllGather);
-    collective(sink, stores, layer, op, kind, parts, |parts, _| {
+    collective(sink, ranks, layer, op, kind, &parts, |b, _| {
         let mut whole = b.scale(&parts[0], 1.0)?;
         for p in &parts[1..] {
             whole = b.concat_groups(&whole, p, 1)?;
@@ -160,26 +215,24 @@ pub fn all_gather<'a>(
     })
 }
 
-/// A collective after op `op` over the ranks' `parts`: rank r's output is `output(parts, r)`,
-/// reported as op `OP.SUFFIX` of rank r reading every part. With one rank, `parts` as they are.
+/// A collective after op `op` over the ranks' `parts`: rank r's output is `output(backend_r,
+/// r)`, reported as op `OP.SUFFIX` of rank r reading every part.
 fn collective<'a>(
     sink: &mut Sink<'a>,
-    stores: &[&'a WeightStore],
+    ranks: PassRanks<'a, '_>,
     layer: Option<usize>,
     op: &str,
     (collective, kind): (shard::Collective, OpKind),
-    parts: Vec<Tensor>,
-    output: impl Fn(&[Tensor], usize) -> Result<Tensor>,
+    parts: &[Tensor],
+    mut output: impl FnMut(&dyn Backend, usize) -> Result<Tensor>,
 ) -> Result<Vec<Tensor>> {
-    if parts.len() == 1 {
-        return Ok(parts);
-    }
     let name = format!("{op}.{}", collective.suffix());
     let inputs: Vec<&Tensor> = parts.iter().collect();
     let mut out = Vec::with_capacity(parts.len());
-    for (r, store) in stores.iter().enumerate() {
-        sink.set_rank(Some(r), store);
-        out.push(sink.op(layer, &name, kind, &inputs, |_| output(&parts, r))?);
+    for (r, store) in ranks.stores.iter().enumerate() {
+        let b = ranks.backends[r];
+        sink.set_rank(Some(r), store, b);
+        out.push(sink.op(layer, &name, kind, &inputs, |_| output(b, r))?);
     }
     Ok(out)
 }

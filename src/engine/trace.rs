@@ -128,7 +128,15 @@ pub struct BufferRef {
     pub address: u64,
     pub bytes: usize,
     pub device: Device,
+    /// The CUDA device's ordinal (0 on the host, and in sessions recorded before ranks had
+    /// devices of their own).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub device_index: usize,
     pub role: BufferRole,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// What a buffer holds. An activation read by an op must have been written by an earlier op
@@ -158,6 +166,7 @@ impl BufferRef {
                 address: d.address(),
                 bytes: d.bytes(),
                 device: Device::Cuda,
+                device_index: d.device_index(),
                 role: BufferRole::Activation,
             },
             None => BufferRef {
@@ -165,6 +174,7 @@ impl BufferRef {
                 address: t.address(),
                 bytes: t.size_bytes(),
                 device: Device::Cpu,
+                device_index: 0,
                 role: BufferRole::Activation,
             },
         }
@@ -178,10 +188,17 @@ impl BufferRef {
         }
     }
 
-    /// A KV cache's copy on the device (or what a kernel reads with it: the block table).
-    pub fn device_cache(id: BufferId, address: u64, bytes: usize) -> BufferRef {
+    /// A KV cache's copy on device `device_index` (or what a kernel reads with it: the block
+    /// table).
+    pub fn device_cache(
+        id: BufferId,
+        address: u64,
+        bytes: usize,
+        device_index: usize,
+    ) -> BufferRef {
         BufferRef {
             device: Device::Cuda,
+            device_index,
             ..BufferRef::cache(id, address, bytes)
         }
     }
@@ -193,6 +210,7 @@ impl BufferRef {
             address,
             bytes,
             device: Device::Cpu,
+            device_index: 0,
             role: BufferRole::Cache,
         }
     }

@@ -22,6 +22,8 @@ use std::path::Path;
 pub struct Model {
     pub layout: Layout,
     pub weights: WeightStore,
+    /// The tensor-parallel ranks' weights, cut from `weights` when a run first asks.
+    pub rank_stores: shard::RankStores,
 }
 
 impl Model {
@@ -29,7 +31,11 @@ impl Model {
     pub fn synthetic(layout: Layout, seed: u64, cache_budget_bytes: usize) -> Result<Model> {
         let source = weights::synthetic::SyntheticWeights::new(&layout, seed);
         let weights = WeightStore::new(&layout, Box::new(source), cache_budget_bytes)?;
-        Ok(Model { layout, weights })
+        Ok(Model {
+            layout,
+            weights,
+            rank_stores: shard::RankStores::default(),
+        })
     }
 
     /// An HF checkpoint directory (`config.json` + safetensors).
@@ -77,7 +83,11 @@ impl Model {
             None => source,
         };
         let weights = WeightStore::new(&layout, source, cache_budget_bytes)?;
-        Ok(Model { layout, weights })
+        Ok(Model {
+            layout,
+            weights,
+            rank_stores: shard::RankStores::default(),
+        })
     }
 
     /// Whether any layer's kv_b_proj is stored quantized (force-dequantize has work to do).

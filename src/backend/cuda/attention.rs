@@ -344,11 +344,7 @@ impl CudaBackend {
             return Ok(vec![Vec::new(); n]);
         }
         // The scores as f32 on the device: index_scores leaves them there.
-        let on_device = scores.device().filter(|d| {
-            d.as_any()
-                .downcast_ref::<DevBuf>()
-                .is_some_and(|b| b.elem() == Elem::F32)
-        });
+        let on_device = scores.device().filter(|d| self.holds(d, Elem::F32));
         let scores_dev: Arc<dyn DeviceBuffer> = match on_device {
             Some(d) => d.clone(),
             None => Arc::new(self.gpu.upload(scores.data(), Elem::F32)?),

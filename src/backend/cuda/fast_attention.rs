@@ -310,11 +310,13 @@ impl CudaBackend {
                 id: cache.id(),
                 address,
                 bytes,
+                device_index: self.gpu().ordinal(),
             },
             DeviceRead {
                 id: BufferId::fresh_cache(),
                 address: block_table.address(),
                 bytes: block_table.bytes(),
+                device_index: self.gpu().ordinal(),
             },
         ];
         if let Some((indices, _, _)) = &sparse {
@@ -322,6 +324,7 @@ impl CudaBackend {
                 id: BufferId::fresh_cache(),
                 address: indices.address(),
                 bytes: indices.bytes(),
+                device_index: self.gpu().ordinal(),
             });
         }
         drop(mirror);
@@ -424,6 +427,7 @@ impl CudaBackend {
                 id,
                 address: d.address(),
                 bytes: d.bytes(),
+                device_index: d.device_index(),
             })
             .to_vec();
         drop((km, vm));

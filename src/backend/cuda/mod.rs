@@ -21,6 +21,7 @@ mod fast_fp8;
 mod fast_prefill;
 mod fast_sparse;
 mod fp8_cache;
+mod ranks;
 mod stats;
 
 pub use attention::live_cache_mirrors;
@@ -40,7 +41,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub struct CudaBackend {
-    gpu: Gpu,
+    gpu: Arc<Gpu>,
     elem: Elem,
     /// This backend's identity, stamped on the cache mirrors it makes (a cache may meet another
     /// backend after a device or dtype change; that one makes its own mirror).
@@ -50,6 +51,9 @@ pub struct CudaBackend {
     /// backend's own statistics calls, and for the batches it lends the sink.
     stats_scratch: Mutex<Option<stats::StatsScratch>>,
     batch_scratch: Mutex<Option<stats::StatsScratch>>,
+    /// The backends of tensor-parallel ranks asked for so far, by rank count (their devices
+    /// opened and NCCL set up once).
+    ranks: ranks::RanksCache,
 }
 
 /// Whether a CUDA device can be used, and if not, why.
@@ -69,20 +73,26 @@ pub fn probe() -> std::result::Result<(), String> {
 
 impl CudaBackend {
     pub fn new(storage: StorageDtype) -> Result<CudaBackend> {
-        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         probe().map_err(|why| Error::invalid(format!("--device cuda: {why}")))?;
-        let gpu = Gpu::open(0)?;
-        Ok(CudaBackend {
+        let elem = match storage {
+            StorageDtype::F32 => Elem::F32,
+            StorageDtype::Bf16 => Elem::Bf16,
+        };
+        Ok(CudaBackend::on(Arc::new(Gpu::open(0)?), elem))
+    }
+
+    /// A backend of its own (own identity, scratch and poison switch) on an opened device.
+    fn on(gpu: Arc<Gpu>, elem: Elem) -> CudaBackend {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        CudaBackend {
             gpu,
-            elem: match storage {
-                StorageDtype::F32 => Elem::F32,
-                StorageDtype::Bf16 => Elem::Bf16,
-            },
+            elem,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             poison_outputs: AtomicBool::new(false),
             stats_scratch: Mutex::new(None),
             batch_scratch: Mutex::new(None),
-        })
+            ranks: ranks::RanksCache::default(),
+        }
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -97,10 +107,7 @@ impl CudaBackend {
     /// else uploaded now (and attached, so later ops find it).
     fn dev(&self, t: &Tensor) -> Result<Arc<dyn DeviceBuffer>> {
         if let Some(d) = t.device() {
-            if d.as_any()
-                .downcast_ref::<DevBuf>()
-                .is_some_and(|b| b.elem() == self.elem)
-            {
+            if self.holds(d, self.elem) {
                 return Ok(d.clone());
             }
         }
@@ -109,6 +116,13 @@ impl CudaBackend {
             t.attach_device(buf.clone());
         }
         Ok(buf)
+    }
+
+    /// Whether `d` is a buffer of `elem` on this backend's device (not another rank's).
+    fn holds(&self, d: &Arc<dyn DeviceBuffer>, elem: Elem) -> bool {
+        d.as_any()
+            .downcast_ref::<DevBuf>()
+            .is_some_and(|b| b.elem() == elem && b.ordinal() == self.gpu.ordinal())
     }
 
     /// A tensor for a computed device buffer, which stays on the device: its host copy is made
@@ -222,6 +236,10 @@ impl Backend for CudaBackend {
         faults: KernelFaults,
     ) -> Result<FastOutcome> {
         self.fast_naive(q, k, v, dims, mask, scale, out, kernels, faults)
+    }
+
+    fn rank_backends(&self, size: usize) -> Result<Option<super::RankBackends>> {
+        self.rank_backends_of(size)
     }
 
     fn set_poison_outputs(&self, on: bool) {

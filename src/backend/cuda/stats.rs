@@ -55,10 +55,12 @@ impl StatsScratch {
 /// (a batch that fills it copies back and starts again).
 const BATCH_ROWS: usize = 1024;
 
-/// The device buffer to compute `t`'s statistics on, or none to sum its host copy.
-fn on_device(t: &Tensor) -> Option<&DevBuf> {
+/// The device buffer on device `ordinal` to compute `t`'s statistics on, or none to sum its host
+/// copy (a buffer on another rank's device is summed on the host).
+fn on_device(t: &Tensor, ordinal: usize) -> Option<&DevBuf> {
     t.device()
         .and_then(|d| d.as_any().downcast_ref::<DevBuf>())
+        .filter(|b| b.ordinal() == ordinal)
         .filter(|_| t.dtype() == DType::F32 && (t.numel() >= DEVICE_STATS_FROM || !t.on_host()))
 }
 
@@ -155,8 +157,9 @@ impl StatsBatch for DeviceStatsBatch<'_> {
         // One pass per distinct buffer (an alias is summed once), SLOTS to a launch.
         let mut distinct: Vec<&DevBuf> = Vec::new();
         let mut rows = Vec::with_capacity(ts.len());
+        let ordinal = self.backend.gpu().ordinal();
         for t in ts {
-            rows.push(on_device(t).map(|b| {
+            rows.push(on_device(t, ordinal).map(|b| {
                 distinct
                     .iter()
                     .position(|d| d.serial() == b.serial())

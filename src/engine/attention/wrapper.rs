@@ -138,7 +138,7 @@ fn sides(
             let reads = f
                 .reads
                 .iter()
-                .map(|r| BufferRef::device_cache(r.id, r.address, r.bytes))
+                .map(|r| BufferRef::device_cache(r.id, r.address, r.bytes, r.device_index))
                 .collect();
             (sides, Some(info), reads)
         }

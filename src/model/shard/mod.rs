@@ -120,11 +120,16 @@ pub fn split_of(layout: &Layout, name: &str) -> Result<Split> {
     })
 }
 
-/// Checks that `layout` splits into `tp` ranks: at least one, and heads, MLP widths and routed
+/// The most tensor-parallel ranks a run may ask for (each holds its own weights and caches).
+pub const MAX_TP: usize = 64;
+
+/// Checks that `layout` splits into `tp` ranks: at least one and at most [`MAX_TP`], and heads, MLP widths and routed
 /// experts in whole equal parts (as vLLM requires). The error names what does not divide.
 pub fn check_tp(layout: &Layout, tp: usize) -> Result<()> {
-    if tp == 0 {
-        return Err(Error::invalid("--tp: at least 1 rank"));
+    if !(1..=MAX_TP).contains(&tp) {
+        return Err(Error::invalid(format!(
+            "--tp {tp}: a rank count from 1 to {MAX_TP}"
+        )));
     }
     let mut widths = vec![
         ("attention heads", layout.num_heads),
@@ -268,6 +273,33 @@ pub fn rank_store(
         Box::new(source),
         full.budget_bytes() / tp.max(1),
     )
+}
+
+/// The rank stores made for a model so far, by rank count: a second run at the same TP (a
+/// benchmark's, the debugger's re-runs) finds its weights fetched, and on a device uploaded.
+#[derive(Default)]
+pub struct RankStores(
+    std::sync::Mutex<std::collections::HashMap<usize, Vec<std::sync::Arc<super::WeightStore>>>>,
+);
+
+impl RankStores {
+    /// Every rank's store of `tp` over `full`, made the first time they are asked for.
+    pub fn of(
+        &self,
+        full: &super::WeightStore,
+        layout: &Layout,
+        tp: usize,
+    ) -> Result<Vec<std::sync::Arc<super::WeightStore>>> {
+        let mut made = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(stores) = made.get(&tp) {
+            return Ok(stores.clone());
+        }
+        let stores = (0..tp)
+            .map(|r| rank_store(full, layout, tp, r).map(std::sync::Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        made.insert(tp, stores.clone());
+        Ok(stores)
+    }
 }
 
 /// The first row of the vocabulary rank `rank` of `tp` holds, and how many it holds.

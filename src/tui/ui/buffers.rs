@@ -13,7 +13,17 @@ use ratatui::Frame;
 
 fn buf(b: &BufferRef) -> String {
     // Fixed widths: ids and addresses line up, and the layout does not shift with them.
-    format!("buf {:<7} @{:#014x} {}", b.id.0, b.address, bytes(b.bytes))
+    // A buffer on a device other than the first says which (ranks of a tensor-parallel run).
+    let device = match (b.device, b.device_index) {
+        (crate::engine::trace::Device::Cuda, d) if d > 0 => format!(" cuda:{d}"),
+        _ => String::new(),
+    };
+    format!(
+        "buf {:<7} @{:#014x} {}{device}",
+        b.id.0,
+        b.address,
+        bytes(b.bytes)
+    )
 }
 
 fn bytes(n: usize) -> String {

@@ -52,6 +52,10 @@ impl Gpu {
         if n == 0 || out == 0 {
             return Ok(());
         }
+        // cuBLAS runs on the context current to the thread; another rank's device may be.
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("context"))?;
         let ty = match elem {
             Elem::F32 => cudaDataType_t::CUDA_R_32F,
             Elem::Bf16 => cudaDataType_t::CUDA_R_16BF,

@@ -95,6 +95,11 @@ impl DevBuf {
         self.serial
     }
 
+    /// The CUDA ordinal of the device it lives on.
+    pub fn ordinal(&self) -> usize {
+        self.slice.ordinal()
+    }
+
     pub(super) fn ptr(&self) -> u64 {
         self.ptr
     }
@@ -106,6 +111,9 @@ impl DeviceBuffer for DevBuf {
     }
     fn bytes(&self) -> usize {
         self.len * self.elem.size()
+    }
+    fn device_index(&self) -> usize {
+        self.ordinal()
     }
     fn as_any(&self) -> &dyn Any {
         self

@@ -17,6 +17,7 @@ pub mod fp8_kernels;
 pub mod kernels;
 pub mod mla_kernels;
 pub mod model_kernels;
+pub mod nccl;
 mod pool;
 pub mod signature;
 pub mod variants;
@@ -254,6 +255,16 @@ impl Gpu {
             registry: Mutex::new(Vec::new()),
             unavailable,
         })
+    }
+
+    /// The stream every buffer, copy and kernel of this device is on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The device's CUDA ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
     }
 
     /// Whether this device has kernel `name` (the Hopper-only kernels exist on Hopper alone).
