@@ -790,3 +790,30 @@ fn a_reference_dump_is_refused_for_a_tensor_parallel_run_with_an_error_line() {
         "{stderr}"
     );
 }
+
+#[test]
+fn run_says_where_the_ranks_run_and_what_joins_them() {
+    let (code, stdout, stderr) = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2",
+        "--decode",
+        "1",
+        "--tp",
+        "2",
+    ]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stdout.contains("tensor parallel: 2 ranks simulated one after another on the cpu backend, joined by exact sums in rank order"),
+        "{stdout}"
+    );
+    let (code, stdout, _) = mladb(&["run", "--layout", "glm5-tiny", "--tokens", "1,2"]);
+    assert_eq!(code, Some(0));
+    assert!(!stdout.contains("tensor parallel"), "{stdout}");
+    // A rank count past the limit is an error line, before any rank is made.
+    let (code, _, stderr) = mladb(&["bench", "--layout", "glm5-tiny", "--tp", "65"]);
+    assert_eq!(code, Some(2));
+    assert!(stderr.starts_with("error: --tp 65"), "{stderr}");
+}

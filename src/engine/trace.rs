@@ -358,3 +358,22 @@ impl Recorder {
             .map(|i| &self.outputs[i])
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A buffer on device 0 is written as before ranks had devices (sessions stay readable both
+    /// ways); one on another device says which.
+    #[test]
+    fn a_buffer_names_its_device_only_past_the_first() {
+        let first = BufferRef::device_cache(BufferId(7), 0xA000, 64, 0);
+        let text = serde_json::to_string(&first).unwrap();
+        assert!(!text.contains("device_index"), "{text}");
+        assert_eq!(serde_json::from_str::<BufferRef>(&text).unwrap(), first);
+        let second = BufferRef::device_cache(BufferId(7), 0xA000, 64, 1);
+        let text = serde_json::to_string(&second).unwrap();
+        assert!(text.contains("\"device_index\":1"), "{text}");
+        assert_eq!(serde_json::from_str::<BufferRef>(&text).unwrap(), second);
+    }
+}

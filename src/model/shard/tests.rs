@@ -344,3 +344,17 @@ fn partial_sums_and_collectives_are_named_as_the_engine_names_them() {
     assert_eq!(rank_layout(&layout, 2).unwrap().num_heads, 2);
     assert!(rank_layout(&layout, 3).is_err());
 }
+
+#[test]
+fn rank_stores_are_cut_once_per_rank_count_and_checked() {
+    let model =
+        crate::model::Model::synthetic(Layout::resolve("glm5-tiny").unwrap(), 0, 1 << 24).unwrap();
+    let of = |tp| model.rank_stores.of(&model.weights, &model.layout, tp);
+    let (a, b, four) = (of(2).unwrap(), of(2).unwrap(), of(4).unwrap());
+    assert_eq!((a.len(), four.len()), (2, 4));
+    assert!(a.iter().zip(&b).all(|(x, y)| std::sync::Arc::ptr_eq(x, y)));
+    assert!(!std::sync::Arc::ptr_eq(&a[0], &four[0]));
+    for tp in [0, 3, MAX_TP + 1] {
+        assert!(check_tp(&model.layout, tp).is_err(), "tp {tp}");
+    }
+}
