@@ -81,29 +81,71 @@ pub struct Sink<'a> {
 
 /// Events whose statistics were started on the device, in order, with their outputs.
 struct LateEvents<'a> {
-    stats: Box<dyn StatsBatch + 'a>,
-    events: Vec<(OpEvent, Tensor)>,
+    /// One statistics batch per rank (ranks may compute on devices of their own), made from the
+    /// rank's backend when its first event waits.
+    stats: Vec<Option<Box<dyn StatsBatch + 'a>>>,
+    /// The waiting events, their outputs and the rank whose batch has their statistics.
+    events: Vec<(OpEvent, Tensor, usize)>,
     /// Inside [`Sink::together`]: the events from this one on have not started their
     /// statistics yet (they start together at its end).
     unstarted: Option<usize>,
 }
 
-impl LateEvents<'_> {
-    /// Starts the statistics of the events [`Sink::together`] holds back, in one go.
+impl<'a> LateEvents<'a> {
+    /// Rank `slot`'s batch, made from `backend` the first time.
+    fn batch(&mut self, slot: usize, backend: &'a dyn Backend) -> &mut Box<dyn StatsBatch + 'a> {
+        if self.stats.len() <= slot {
+            self.stats.resize_with(slot + 1, || None);
+        }
+        self.stats[slot].get_or_insert_with(|| backend.stats_batch())
+    }
+
+    /// Starts the statistics of the events [`Sink::together`] holds back, in one go per rank.
     fn start_unstarted(&mut self) -> Result<()> {
         let Some(from) = self.unstarted else {
             return Ok(());
         };
         self.unstarted = Some(self.events.len());
-        match from < self.events.len() {
-            true => self.stats.start(
-                &self.events[from..]
-                    .iter()
-                    .map(|(_, t)| t)
-                    .collect::<Vec<_>>(),
-            ),
-            false => Ok(()),
+        for (slot, batch) in self.stats.iter_mut().enumerate() {
+            let outputs: Vec<&Tensor> = self.events[from.min(self.events.len())..]
+                .iter()
+                .filter(|(_, _, s)| *s == slot)
+                .map(|(_, t, _)| t)
+                .collect();
+            if let (Some(batch), false) = (batch, outputs.is_empty()) {
+                batch.start(&outputs)?;
+            }
         }
+        Ok(())
+    }
+
+    /// Every batch's statistics, handed back in the order of the events.
+    fn collect(&mut self) -> Result<Vec<TensorStats>> {
+        let mut per_rank = Vec::with_capacity(self.stats.len());
+        for batch in &mut self.stats {
+            let got = match batch {
+                Some(b) => b.collect()?,
+                None => Vec::new(),
+            };
+            per_rank.push(std::collections::VecDeque::from(got));
+        }
+        let mut stats = Vec::with_capacity(self.events.len());
+        for (_, _, slot) in &self.events {
+            match per_rank.get_mut(*slot).and_then(|q| q.pop_front()) {
+                Some(s) => stats.push(s),
+                // Never hand an event another op's statistics.
+                None => break,
+            }
+        }
+        let left: usize = per_rank.iter().map(|q| q.len()).sum();
+        if stats.len() != self.events.len() || left > 0 {
+            return Err(crate::Error::invalid(format!(
+                "statistics of {} outputs came back for {} waiting events",
+                stats.len() + left,
+                self.events.len()
+            )));
+        }
+        Ok(stats)
     }
 }
 
@@ -121,7 +163,7 @@ impl<'a> Sink<'a> {
         counts: &'a mut OpCounts,
     ) -> Sink<'a> {
         let late = (observer.wants_stats() && observer.takes_late_events()).then(|| LateEvents {
-            stats: backend.stats_batch(),
+            stats: vec![Some(backend.stats_batch())],
             events: Vec::new(),
             unstarted: None,
         });
@@ -192,19 +234,11 @@ impl Sink<'_> {
             return Ok(());
         }
         late.start_unstarted()?;
-        let stats = late.stats.collect()?;
-        if stats.len() != late.events.len() {
-            // Never hand an event another op's statistics, nor drop one.
-            return Err(crate::Error::invalid(format!(
-                "statistics of {} outputs came back for {} waiting events",
-                stats.len(),
-                late.events.len()
-            )));
-        }
+        let stats = late.collect()?;
         if late.unstarted.is_some() {
             late.unstarted = Some(0); // (the events are handed over below)
         }
-        for ((mut event, output), stats) in late.events.drain(..).zip(stats) {
+        for ((mut event, output, _), stats) in late.events.drain(..).zip(stats) {
             event.stats = stats;
             self.observer.on_op(&event, &output)?;
         }
@@ -376,10 +410,13 @@ impl Sink<'_> {
         *self.next_index += 1;
         match &mut self.late {
             Some(late) if deferred => {
-                if late.unstarted.is_none() {
-                    late.stats.start(&[values])?;
+                let slot = self.rank.unwrap_or(0);
+                let start_now = late.unstarted.is_none();
+                let batch = late.batch(slot, self.backend);
+                if start_now {
+                    batch.start(&[values])?;
                 }
-                late.events.push((event, values.alias()));
+                late.events.push((event, values.alias(), slot));
                 if late.events.len() >= LATE_EVENTS {
                     self.flush()?;
                 }
@@ -497,6 +534,48 @@ mod tests {
             assert_eq!(stats.count, 2);
             assert_eq!(stats.nan, v.iter().filter(|x| x.is_nan()).count());
             assert_eq!(stats.l2.to_bits(), TensorStats::of(v).l2.to_bits());
+        }
+    }
+
+    #[test]
+    fn late_events_of_ranks_keep_their_order_and_their_own_statistics() {
+        let model = Model::synthetic(Layout::resolve("glm5-tiny").unwrap(), 1, 1 << 20).unwrap();
+        let mut late = Late {
+            seen: Vec::new(),
+            emitted: Default::default(),
+        };
+        let (mut next, mut counts) = (0, OpCounts::default());
+        let device = |v: Vec<f32>| Tensor::from_device(&[v.len()], FakeDevice::holding(&v));
+        // Ranks 1, 0, 1, 1, 0: each event's values say its order.
+        let ranks = [1, 0, 1, 1, 0];
+        {
+            let (rank0, rank1) = (CpuBackend, CpuBackend);
+            let mut sink = Sink::new(
+                &rank0,
+                &model.weights,
+                &mut late,
+                None,
+                StorageDtype::F32,
+                Phase::Prefill,
+                (0, 1),
+                &mut next,
+                &mut counts,
+            );
+            for (i, &r) in ranks.iter().enumerate() {
+                let backend: &dyn Backend = if r == 0 { &rank0 } else { &rank1 };
+                sink.set_rank(Some(r), &model.weights, backend);
+                let values = vec![i as f32; i + 1];
+                sink.op(None, &format!("op{i}"), OpKind::Residual, &[], |_| {
+                    Ok(device(values))
+                })
+                .unwrap();
+            }
+            sink.flush().unwrap();
+        }
+        assert_eq!(late.seen.len(), ranks.len());
+        for (i, (_, name, stats)) in late.seen.iter().enumerate() {
+            assert_eq!(name, &format!("op{i}"));
+            assert_eq!((stats.count, stats.max), (i + 1, i as f64), "{name}");
         }
     }
 }
