@@ -481,6 +481,28 @@ mod tests {
         }
     }
 
+    /// A sink for a prefill of one token of `model`, f32, no replay.
+    fn prefill_sink<'a>(
+        backend: &'a dyn Backend,
+        model: &'a Model,
+        observer: &'a mut dyn Observer,
+        next: &'a mut usize,
+        counts: &'a mut OpCounts,
+    ) -> Sink<'a> {
+        let (storage, phase) = (StorageDtype::F32, Phase::Prefill);
+        Sink::new(
+            backend,
+            &model.weights,
+            observer,
+            None,
+            storage,
+            phase,
+            (0, 1),
+            next,
+            counts,
+        )
+    }
+
     #[test]
     fn late_events_come_in_order_with_their_statistics_when_flushed() {
         let model = Model::synthetic(Layout::resolve("glm5-tiny").unwrap(), 1, 1 << 20).unwrap();
@@ -493,17 +515,7 @@ mod tests {
         let device = |v: &[f32]| Tensor::from_device(&[v.len()], FakeDevice::holding(v));
         let values = [vec![1.0, 2.0], vec![f32::NAN, 4.0], vec![-3.0, 0.0]];
         {
-            let mut sink = Sink::new(
-                &CpuBackend,
-                &model.weights,
-                &mut late,
-                None,
-                StorageDtype::F32,
-                Phase::Prefill,
-                (0, 1),
-                &mut next,
-                &mut counts,
-            );
+            let mut sink = prefill_sink(&CpuBackend, &model, &mut late, &mut next, &mut counts);
             assert!(sink.defers_stats());
             let op = |sink: &mut Sink, name: &str, t: Tensor| {
                 sink.op(None, name, OpKind::Residual, &[], |_| Ok(t))
@@ -550,17 +562,7 @@ mod tests {
         let ranks = [1, 0, 1, 1, 0];
         {
             let (rank0, rank1) = (CpuBackend, CpuBackend);
-            let mut sink = Sink::new(
-                &rank0,
-                &model.weights,
-                &mut late,
-                None,
-                StorageDtype::F32,
-                Phase::Prefill,
-                (0, 1),
-                &mut next,
-                &mut counts,
-            );
+            let mut sink = prefill_sink(&rank0, &model, &mut late, &mut next, &mut counts);
             for (i, &r) in ranks.iter().enumerate() {
                 let backend: &dyn Backend = if r == 0 { &rank0 } else { &rank1 };
                 sink.set_rank(Some(r), &model.weights, backend);

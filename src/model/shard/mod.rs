@@ -275,8 +275,8 @@ pub fn rank_store(
     )
 }
 
-/// The rank stores made for a model so far, by rank count: a second run at the same TP (a
-/// benchmark's, the debugger's re-runs) finds its weights fetched, and on a device uploaded.
+/// The rank stores last made for a model, with their rank count: a second run at the same TP
+/// (a benchmark's, the debugger's re-runs) finds its weights fetched, and on a device uploaded.
 #[derive(Default)]
 pub struct RankStores(
     std::sync::Mutex<std::collections::HashMap<usize, Vec<std::sync::Arc<super::WeightStore>>>>,
@@ -297,6 +297,8 @@ impl RankStores {
         let stores = (0..tp)
             .map(|r| rank_store(full, layout, tp, r).map(std::sync::Arc::new))
             .collect::<Result<Vec<_>>>()?;
+        // One rank count's stores kept at a time: memory stays that of one cut of the model.
+        made.clear();
         made.insert(tp, stores.clone());
         Ok(stores)
     }

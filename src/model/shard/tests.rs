@@ -354,6 +354,8 @@ fn rank_stores_are_cut_once_per_rank_count_and_checked() {
     assert_eq!((a.len(), four.len()), (2, 4));
     assert!(a.iter().zip(&b).all(|(x, y)| std::sync::Arc::ptr_eq(x, y)));
     assert!(!std::sync::Arc::ptr_eq(&a[0], &four[0]));
+    // Only the last rank count's stores are kept.
+    assert!(!std::sync::Arc::ptr_eq(&a[0], &of(2).unwrap()[0]));
     for tp in [0, 3, MAX_TP + 1] {
         assert!(check_tp(&model.layout, tp).is_err(), "tp {tp}");
     }
