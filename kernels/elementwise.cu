@@ -96,3 +96,26 @@ extern "C" __global__ void fill_random_bf16(bf16_t* p, u64 seed, float amp, u64 
 extern "C" __global__ void fill_random_f32(float* p, u64 seed, float amp, u64 n) {
     GRID_STRIDE(i, n) p[i] = amp * hash_uniform(seed, i);
 }
+
+// Synthetic weights, the values of the CPU generator (src/model/weights/synthetic.rs) bit for
+// bit: element `first + i` of the tensor whose key is `key`, as offset + scale · normalish. The
+// integer mix is exact; the f64 and f32 steps are the CPU's, rounded to nearest one at a time
+// (no fused multiply-add, which the CPU does not use).
+__device__ __forceinline__ u64 synthetic_mix64(u64 x) {
+    x ^= x >> 30; x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27; x *= 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+__device__ __forceinline__ float synthetic_value(u64 key, u64 index, float offset, float scale) {
+    u64 h = synthetic_mix64(key + index * 0x9E3779B97F4A7C15ull);
+    u64 sum = (h & 0xFFFF) + ((h >> 16) & 0xFFFF) + ((h >> 32) & 0xFFFF) + (h >> 48);
+    double u = __ddiv_rn((double)sum + 2.0, 65536.0);
+    double root3 = __longlong_as_double(0x3FFBB67AE8584CAAll);  // sqrt(3), correctly rounded
+    float v = __double2float_rn(__dmul_rn(__dsub_rn(u, 2.0), root3));
+    return __fadd_rn(offset, __fmul_rn(scale, v));
+}
+template <typename T> __device__ void synthetic_fill_k(T* p, u64 key, u64 first, float offset, float scale, u64 n) {
+    GRID_STRIDE(i, n) st(p, i, synthetic_value(key, first + i, offset, scale));
+}
+extern "C" __global__ void synthetic_fill_f32(float* p, u64 key, u64 first, float offset, float scale, u64 n) { synthetic_fill_k(p, key, first, offset, scale, n); }
+extern "C" __global__ void synthetic_fill_bf16(bf16_t* p, u64 key, u64 first, float offset, float scale, u64 n) { synthetic_fill_k(p, key, first, offset, scale, n); }

@@ -678,3 +678,73 @@ cpu_and_gpu!(
     dequantization_and_the_quantized_linear_match_the_cpu_codec,
     norms_refuse_a_weight_of_the_wrong_length,
 );
+
+/// The device generator of synthetic weights against the CPU's, bit for bit: every tensor of two
+/// tiny layouts from row 0 and from row 1, rows deep in full-size GLM-5's embedding, and indices
+/// past 2^32 (f32; bf16 as the CPU's value rounded to bf16).
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn synthetic_weights_made_on_the_device_equal_the_cpus_bit_for_bit() {
+    use mladb::backend::cuda::device::{Elem, Gpu};
+    use mladb::model::weights::synthetic::SyntheticWeights;
+    use mladb::model::weights::WeightSource;
+    let gpu = Gpu::open(0).unwrap();
+    let same = |what: &str, elem: Elem, got: &[f32], want: &[f32]| {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let w = match elem {
+                Elem::F32 => *w,
+                Elem::Bf16 => half::bf16::from_f32(*w).to_f32(),
+            };
+            assert_eq!(
+                g.to_bits(),
+                w.to_bits(),
+                "{what} {elem:?} element {i}: {g} vs {w}"
+            );
+        }
+    };
+    let mut checked = 0;
+    for (layout, rows) in [
+        ("glm5-tiny", None),
+        ("deepseek-v3-tiny", None),
+        ("glm5", Some(150_000)),
+    ] {
+        let layout = mladb::model::Layout::resolve(layout).unwrap();
+        let source = SyntheticWeights::new(&layout, 7);
+        let catalog = mladb::model::catalog::Catalog::new(&layout);
+        let names: Vec<String> = match rows {
+            None => catalog.iter().map(|(n, _)| n.clone()).collect(),
+            Some(_) => vec!["model.embed_tokens.weight".into()],
+        };
+        for name in names {
+            let shape = source.shape(&name).unwrap();
+            let cols: usize = shape.iter().skip(1).product::<usize>().max(1);
+            let starts = match rows {
+                None => vec![0, 1.min(shape[0] - 1)],
+                Some(r) => vec![r],
+            };
+            for start in starts {
+                let n_rows = (shape[0] - start).min(64);
+                let mut want = vec![0.0f32; n_rows * cols];
+                source.read_rows(&name, start, &mut want).unwrap();
+                let (key, params) = source.fill_params(&name).unwrap();
+                for elem in [Elem::F32, Elem::Bf16] {
+                    let buf = gpu.alloc(want.len(), elem).unwrap();
+                    gpu.synthetic_fill(&buf, key, (start * cols) as u64, params)
+                        .unwrap();
+                    same(&name, elem, &gpu.download(&buf).unwrap(), &want);
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert!(checked > 100, "{checked} fills compared");
+    // Indices past 2^32, under a projection's scale.
+    let (key, first, params) = (tensor_key(3, "x"), (1u64 << 40) + 12345, (0.0, 0.0123f32));
+    let want: Vec<f32> = (0..4096)
+        .map(|i| params.0 + params.1 * normalish(key, first + i))
+        .collect();
+    let buf = gpu.alloc(want.len(), Elem::F32).unwrap();
+    gpu.synthetic_fill(&buf, key, first, params).unwrap();
+    same("past 2^32", Elem::F32, &gpu.download(&buf).unwrap(), &want);
+}

@@ -23,6 +23,15 @@ impl SyntheticWeights {
             catalog: Catalog::new(layout),
         }
     }
+
+    /// What generates tensor `name`: its key and the (offset, scale) its standard values are
+    /// mapped by; element i is `offset + scale · normalish(key, i)` (row-major). A device can
+    /// generate the same values from these (the CUDA `synthetic_fill` kernel).
+    pub fn fill_params(&self, name: &str) -> Option<(u64, (f32, f32))> {
+        let spec = self.catalog.get(name)?;
+        let cols: usize = spec.shape.iter().skip(1).product::<usize>().max(1);
+        Some((tensor_key(self.seed, name), scale_for(spec.role, cols)))
+    }
 }
 
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -85,8 +94,7 @@ impl WeightSource for SyntheticWeights {
             .get(name)
             .ok_or_else(|| Error::invalid(format!("synthetic weights have no tensor {name}")))?;
         let cols: usize = spec.shape.iter().skip(1).product::<usize>().max(1);
-        let key = tensor_key(self.seed, name);
-        let (offset, scale) = scale_for(spec.role, cols);
+        let (key, (offset, scale)) = self.fill_params(name).expect("in the catalog");
         let first = (start_row * cols) as u64;
         const CHUNK: usize = 1 << 16;
         out.par_chunks_mut(CHUNK)

@@ -11,6 +11,10 @@ use crate::error::{Error, Result};
 pub const FILL_U32: Sig = Sig::new("fill_u32", &[U32Ptr, U32, U64]);
 pub const FILL_U16: Sig = Sig::new("fill_u16", &[U16Ptr, U32, U64]);
 pub const FILL_RANDOM: Sig = Sig::new("fill_random_{e}", &[Storage, U64, Float, U64]);
+pub const SYNTHETIC_FILL: Sig = Sig::new(
+    "synthetic_fill_{e}",
+    &[Storage, U64, U64, Float, Float, U64],
+);
 pub const ADD: Sig = Sig::new("add_{e}", &[Storage, Storage, Storage, U64]);
 pub const SILU_MUL: Sig = Sig::new("silu_mul_{e}", &[Storage, Storage, Storage, U64]);
 pub const SCALE: Sig = Sig::new("scale_{e}", &[Storage, Float, Storage, U64]);
@@ -93,6 +97,7 @@ pub const SIGNATURES: &[&Sig] = &[
     &FILL_U32,
     &FILL_U16,
     &FILL_RANDOM,
+    &SYNTHETIC_FILL,
     &ADD,
     &SILU_MUL,
     &SCALE,
@@ -260,6 +265,37 @@ impl Gpu {
         ];
         // SAFETY: the kernel writes elements 0..n of the buffer, which holds n.
         unsafe { self.launch(&FILL_RANDOM, &name("fill_random", e), grid_1d(n), &args) }
+    }
+
+    /// Fills a buffer with the synthetic weights' values of elements `first..first + len` of
+    /// the tensor whose generator key is `key`, as offset + scale · value: the CPU generator's
+    /// values bit for bit ([`crate::model::weights::synthetic::SyntheticWeights::fill_params`]).
+    pub fn synthetic_fill(
+        &self,
+        buf: &DevBuf,
+        key: u64,
+        first: u64,
+        (offset, scale): (f32, f32),
+    ) -> Result<()> {
+        let n = buf.len();
+        let e = buf.elem();
+        let args = [
+            need("synthetic fill", buf, n, e)?,
+            Arg::U64(key),
+            Arg::U64(first),
+            Arg::F32(offset),
+            Arg::F32(scale),
+            size(n),
+        ];
+        // SAFETY: the kernel writes elements 0..n of the buffer, which holds n.
+        unsafe {
+            self.launch(
+                &SYNTHETIC_FILL,
+                &name("synthetic_fill", e),
+                grid_1d(n),
+                &args,
+            )
+        }
     }
 
     fn elementwise(&self, sig: &Sig, a: &DevBuf, b: &DevBuf, out: &DevBuf, n: usize) -> Result<()> {
