@@ -153,6 +153,12 @@ pub trait Backend: Send + Sync {
         Ok(None)
     }
 
+    /// Where the weights a source generates are made for this backend (`None`: on the host,
+    /// and uploaded if the backend needs them elsewhere).
+    fn weight_maker(&self) -> Option<std::sync::Arc<dyn crate::model::weights::WeightMaker>> {
+        None
+    }
+
     /// Fill every output buffer with the poison pattern before the op writes it, so that
     /// elements an op leaves unwritten show (buffer forensics, kernel tests). Host backends build
     /// their outputs element by element and ignore it.

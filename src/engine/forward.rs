@@ -172,6 +172,11 @@ impl<'m> Engine<'m> {
             b.set_poison_outputs(options.poison);
         }
         let ranks = RankState::all(model, &options, on.as_ref())?;
+        // Generated weights are made where each rank computes (on a GPU: never on the host).
+        model.weights.set_maker(backend.weight_maker());
+        for rank in &ranks {
+            rank.set_weight_maker(backend);
+        }
         let ranks_note = match options.tp {
             0 | 1 => None,
             tp => Some(on.as_ref().map(|on| on.note.clone()).unwrap_or_else(|| {

@@ -80,6 +80,14 @@ impl RankState {
             .collect()
     }
 
+    /// Makes the generated weights of its own store on its backend (`main` unless it has its
+    /// own).
+    pub fn set_weight_maker(&self, main: &dyn Backend) {
+        if let Some(store) = &self.weights {
+            store.set_maker(self.backend.as_deref().unwrap_or(main).weight_maker());
+        }
+    }
+
     /// The layout it runs, the weights it reads, the backend it computes on (`main` unless it
     /// has its own) and its caches, borrowed apart.
     pub fn parts<'a>(&'a mut self, model: &'a Model, main: &'a dyn Backend) -> RankParts<'a> {

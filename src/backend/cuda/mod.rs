@@ -21,6 +21,7 @@ mod fast_fp8;
 mod fast_prefill;
 mod fast_sparse;
 mod fp8_cache;
+mod made_weights;
 mod ranks;
 mod stats;
 
@@ -240,6 +241,13 @@ impl Backend for CudaBackend {
 
     fn rank_backends(&self, size: usize) -> Result<Option<super::RankBackends>> {
         self.rank_backends_of(size)
+    }
+
+    fn weight_maker(&self) -> Option<Arc<dyn crate::model::weights::WeightMaker>> {
+        Some(Arc::new(made_weights::DeviceWeights {
+            gpu: self.gpu.clone(),
+            elem: self.elem,
+        }))
     }
 
     fn set_poison_outputs(&self, on: bool) {

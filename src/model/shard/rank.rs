@@ -115,6 +115,16 @@ impl WeightSource for RankSource {
         }
     }
 
+    /// A row shard (or a whole tensor) is a run of the full tensor's rows; a column shard is
+    /// not one run of values, so it is read.
+    fn recipe(&self, name: &str, start_row: usize) -> Option<super::super::weights::Recipe> {
+        match self.shard(name)?.0 {
+            Shard::Whole => self.full.recipe(name, start_row),
+            Shard::Rows { start, .. } => self.full.recipe(name, start + start_row),
+            Shard::Columns { .. } | Shard::Absent => None,
+        }
+    }
+
     fn read_rows(&self, name: &str, start_row: usize, out: &mut [f32]) -> Result<()> {
         self.read_cut(name, start_row, out, |from, rows| {
             Some(self.full.read_rows(name, from, rows))

@@ -360,3 +360,55 @@ fn rank_stores_are_cut_once_per_rank_count_and_checked() {
         assert!(check_tp(&model.layout, tp).is_err(), "tp {tp}");
     }
 }
+
+/// Makes generated tensors on the host from their recipes, counting them (a device stands in).
+struct HostMaker(std::sync::atomic::AtomicUsize);
+
+impl crate::model::weights::WeightMaker for HostMaker {
+    fn make(&self, shape: &[usize], recipe: crate::model::weights::Recipe) -> Result<Tensor> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = shape.iter().product();
+        Ok(Tensor::from_vec(shape, recipe.values(n)))
+    }
+}
+
+#[test]
+fn generated_weights_made_from_recipes_equal_those_read_on_every_rank() {
+    use crate::model::weights::WeightMaker;
+    use std::sync::atomic::Ordering::Relaxed;
+    let layout = Layout::resolve("glm5-tiny").unwrap();
+    let plain = crate::model::Model::synthetic(layout.clone(), 5, 1 << 26).unwrap();
+    let made = crate::model::Model::synthetic(layout.clone(), 5, 1 << 26).unwrap();
+    let maker = std::sync::Arc::new(HostMaker(Default::default()));
+    made.weights
+        .set_maker(Some(maker.clone() as std::sync::Arc<dyn WeightMaker>));
+    for (name, _) in made.weights.catalog().iter() {
+        let (a, b) = (
+            plain.weights.get(name).unwrap(),
+            made.weights.get(name).unwrap(),
+        );
+        let bits = |t: &Tensor| t.data().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a), bits(&b), "{name}");
+    }
+    let whole = maker.0.load(Relaxed);
+    assert_eq!(whole, made.weights.catalog().len(), "every tensor made");
+    // A rank's row shards come from recipes too (its rows of the full tensor); column shards
+    // are read and cut.
+    let full = plain.weights.source();
+    for rank in 0..2 {
+        let store = rank_store(&made.weights, &layout, 2, rank).unwrap();
+        store.set_maker(Some(maker.clone() as std::sync::Arc<dyn WeightMaker>));
+        let reference = rank_store(&plain.weights, &layout, 2, rank).unwrap();
+        for (name, _) in store.catalog().iter() {
+            let before = maker.0.load(Relaxed);
+            let (a, b) = (reference.get(name).unwrap(), store.get(name).unwrap());
+            assert_eq!(a.data(), b.data(), "{name} rank {rank}");
+            let shape = full.shape(name).unwrap();
+            let by_rows = matches!(
+                weight_shard(&layout, name, &shape, 2, rank).unwrap(),
+                Shard::Whole | Shard::Rows { .. }
+            );
+            assert_eq!(maker.0.load(Relaxed) - before, by_rows as usize, "{name}");
+        }
+    }
+}

@@ -38,6 +38,36 @@ pub trait WeightSource: Send + Sync {
     fn original(&self, _name: &str, _start_row: usize, _out: &mut [f32]) -> Option<Result<()>> {
         None
     }
+    /// How rows `start_row..` of the tensor can be made anew where they are used, when the
+    /// source generates them (synthetic weights) rather than reading them.
+    fn recipe(&self, _name: &str, _start_row: usize) -> Option<Recipe> {
+        None
+    }
+}
+
+/// How generated weight values can be made anywhere: element i (row-major, from the rows'
+/// start) is `offset + scale · normalish(key, first + i)` ([`synthetic::normalish`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Recipe {
+    pub key: u64,
+    pub first: u64,
+    pub offset: f32,
+    pub scale: f32,
+}
+
+impl Recipe {
+    /// The values on the host, as the CPU generator makes them.
+    pub fn values(&self, len: usize) -> Vec<f32> {
+        (0..len as u64)
+            .map(|i| self.offset + self.scale * synthetic::normalish(self.key, self.first + i))
+            .collect()
+    }
+}
+
+/// Makes weight tensors from their recipes where they are used (a GPU: the values never cross
+/// PCIe). The tensor's host copy, when something reads it, is the CPU generator's values.
+pub trait WeightMaker: Send + Sync {
+    fn make(&self, shape: &[usize], recipe: Recipe) -> Result<Tensor>;
 }
 
 /// Materialised weights with a byte budget: tensors are kept (least recently used first out)
@@ -52,6 +82,8 @@ pub struct WeightStore {
     quantized: Mutex<HashMap<String, Option<Arc<QuantTensor>>>>,
     /// Total time spent in the source (reading or generating), in nanoseconds.
     fetch_nanos: AtomicU64,
+    /// Where generated tensors are made, when not on the host (see [`WeightMaker`]).
+    maker: Mutex<Option<Arc<dyn WeightMaker>>>,
 }
 
 #[derive(Default)]
@@ -104,6 +136,7 @@ impl WeightStore {
             cache: Mutex::new(LruCache::default()),
             quantized: Mutex::new(HashMap::new()),
             fetch_nanos: AtomicU64::new(0),
+            maker: Mutex::new(None),
         })
     }
 
@@ -199,6 +232,12 @@ impl WeightStore {
         }
     }
 
+    /// Makes the tensors the source generates with `maker` from now on (`None`: on the host).
+    /// Tensors already cached stay: any backend reads either kind.
+    pub fn set_maker(&self, maker: Option<Arc<dyn WeightMaker>>) {
+        *self.maker.lock().unwrap_or_else(|p| p.into_inner()) = maker;
+    }
+
     fn fetch(&self, name: &str, shape: &[usize], start: usize, count: usize) -> Result<Tensor> {
         let cols: usize = shape.iter().skip(1).product();
         let mut out_shape = shape.to_vec();
@@ -208,6 +247,13 @@ impl WeightStore {
         out_shape[0] = count;
         let n = checked_numel(&out_shape, name)?;
         let begin = Instant::now();
+        let maker = self.maker.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some((maker, recipe)) = maker.zip(self.source.recipe(name, start)) {
+            let made = maker.make(&out_shape, recipe)?;
+            self.fetch_nanos
+                .fetch_add(begin.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            return Ok(made);
+        }
         let mut data = vec![0.0f32; n];
         debug_assert_eq!(n, count * cols);
         self.source.read_rows(name, start, &mut data)?;

@@ -5,7 +5,7 @@
 //! every machine. Values are near-normal (the sum of four 16-bit uniforms, Irwin–Hall) and scaled
 //! by role: projections ~ 1/sqrt(fan_in), norm weights near 1, a small non-zero router bias.
 
-use super::WeightSource;
+use super::{Recipe, WeightSource};
 use crate::error::{Error, Result};
 use crate::model::catalog::{Catalog, TensorRole};
 use crate::model::layout::Layout;
@@ -82,6 +82,24 @@ fn scale_for(role: TensorRole, fan_in: usize) -> (f32, f32) {
 impl WeightSource for SyntheticWeights {
     fn describe(&self) -> String {
         format!("synthetic weights (seed {})", self.seed)
+    }
+
+    fn recipe(&self, name: &str, start_row: usize) -> Option<Recipe> {
+        let cols: usize = self
+            .catalog
+            .get(name)?
+            .shape
+            .iter()
+            .skip(1)
+            .product::<usize>()
+            .max(1);
+        let (key, (offset, scale)) = self.fill_params(name)?;
+        Some(Recipe {
+            key,
+            first: (start_row * cols) as u64,
+            offset,
+            scale,
+        })
     }
 
     fn shape(&self, name: &str) -> Option<Vec<usize>> {
