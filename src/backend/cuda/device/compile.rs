@@ -109,6 +109,9 @@ pub struct Compiled {
 }
 
 /// Compiles `name` for `arch`: `compute_XY` gives PTX, `sm_XY` a cubin (with ptxas' report).
+/// NVRTC's flags beside the target (the kernel cache's key holds them).
+pub const NVRTC_FLAGS: &[&str] = &["--std=c++17", "--fmad=true", "-default-device"];
+
 pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     if !nvrtc_present() {
         return Err(Error::invalid(
@@ -119,12 +122,8 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     let source = CString::new(full_source(src))
         .map_err(|_| Error::invalid(format!("{name}: NUL in source")))?;
     let cname = CString::new(name).expect("file names have no NUL");
-    let mut options = vec![
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".to_string(),
-        "--fmad=true".to_string(),
-        "-default-device".to_string(),
-    ];
+    let mut options = vec![format!("--gpu-architecture={arch}")];
+    options.extend(NVRTC_FLAGS.iter().map(|f| f.to_string()));
     if cubin {
         options.push("--ptxas-options=-v".to_string());
     }

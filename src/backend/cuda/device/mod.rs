@@ -14,6 +14,7 @@ pub mod buffer;
 pub mod compile;
 pub mod fast_kernels;
 pub mod fp8_kernels;
+mod kernel_cache;
 pub mod kernels;
 pub mod mla_kernels;
 pub mod model_kernels;
@@ -26,7 +27,7 @@ pub use blas::TensorMap;
 pub use buffer::{DevBuf, DevBytes, DevF64, DevI32, DevVec, Elem};
 
 use crate::error::{CudaError, Error, Result};
-use compile::{compile, hopper_target, HOPPER_SOURCES, SOURCES};
+use compile::{hopper_target, HOPPER_SOURCES, SOURCES};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
@@ -212,8 +213,8 @@ impl Gpu {
         let mut unavailable = Vec::new();
         for (file, src, target, required) in files {
             let loaded = (|| -> Result<Vec<(String, Kernel)>> {
-                let compiled = compile(file, src, &target)?;
-                let ptx = Ptx::from_src(String::from_utf8_lossy(&compiled.code).into_owned());
+                let code = kernel_cache::compile_cached(file, src, &target)?;
+                let ptx = Ptx::from_src(String::from_utf8_lossy(&code).into_owned());
                 let module = ctx
                     .load_module(ptx)
                     .map_err(CudaError::driver(format!("module load of {file}")))?;
