@@ -56,11 +56,15 @@ pub struct Recipe {
 }
 
 impl Recipe {
-    /// The values on the host, as the CPU generator makes them.
+    /// Element `i` (from the rows' start), as the CPU generator makes it.
+    #[inline]
+    pub fn value(&self, i: u64) -> f32 {
+        self.offset + self.scale * synthetic::normalish(self.key, self.first + i)
+    }
+
+    /// The first `len` values on the host.
     pub fn values(&self, len: usize) -> Vec<f32> {
-        (0..len as u64)
-            .map(|i| self.offset + self.scale * synthetic::normalish(self.key, self.first + i))
-            .collect()
+        (0..len as u64).map(|i| self.value(i)).collect()
     }
 }
 

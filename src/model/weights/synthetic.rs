@@ -107,20 +107,16 @@ impl WeightSource for SyntheticWeights {
     }
 
     fn read_rows(&self, name: &str, start_row: usize, out: &mut [f32]) -> Result<()> {
-        let spec = self
-            .catalog
-            .get(name)
+        let recipe = self
+            .recipe(name, start_row)
             .ok_or_else(|| Error::invalid(format!("synthetic weights have no tensor {name}")))?;
-        let cols: usize = spec.shape.iter().skip(1).product::<usize>().max(1);
-        let (key, (offset, scale)) = self.fill_params(name).expect("in the catalog");
-        let first = (start_row * cols) as u64;
         const CHUNK: usize = 1 << 16;
         out.par_chunks_mut(CHUNK)
             .enumerate()
             .for_each(|(c, chunk)| {
-                let base = first + (c * CHUNK) as u64;
+                let base = (c * CHUNK) as u64;
                 for (i, v) in chunk.iter_mut().enumerate() {
-                    *v = offset + scale * normalish(key, base + i as u64);
+                    *v = recipe.value(base + i as u64);
                 }
             });
         Ok(())
