@@ -2,6 +2,11 @@ use clap::Parser;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // NVLink multicast stays off in NCCL (tensor parallelism across GPUs), set while this process
+    // has one thread; the library sets it too where a caller has not.
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    }
     let cli = mladb::cli::Cli::parse();
     match mladb::cli::main(cli) {
         Ok(code) => ExitCode::from(code),

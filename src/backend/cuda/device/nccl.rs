@@ -2,8 +2,8 @@
 //! rank per device, all driven from this thread) and the all-reduce that joins them. NCCL is
 //! loaded at run time through cudarc (a machine without it gets an error, never a panic).
 //!
-//! NVLink multicast (NVLS) is never asked for: mladb sets `NCCL_NVLS_ENABLE=0` before the first
-//! communicator unless the user set it.
+//! NVLink multicast (NVLS) is never asked for: `mladb` sets `NCCL_NVLS_ENABLE=0` at its start
+//! unless the user set it, and a library caller gets it set before the first communicator.
 
 use super::{DevBuf, Elem, Gpu};
 use crate::error::{Error, Result};
