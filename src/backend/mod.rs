@@ -126,8 +126,8 @@ pub enum FastOutcome {
 pub struct RankBackends {
     /// One backend per rank.
     pub backends: Vec<std::sync::Arc<dyn Backend>>,
-    /// The all-reduce across the ranks' devices (NCCL); `None`: each rank sums the parts itself
-    /// in rank order (exact; ranks sharing one device).
+    /// The all-reduce across the ranks (NCCL across GPUs; the CPU's exact sum in rank order);
+    /// `None`: each rank sums the parts itself in rank order (ranks sharing one GPU).
     pub all_reduce: Option<std::sync::Arc<dyn AllReduce>>,
     /// Where the ranks run and what joins them, in a line for the user.
     pub note: String,
@@ -147,8 +147,8 @@ pub trait AllReduce: Send + Sync {
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
 
-    /// The backends of `size` tensor-parallel ranks; `None`: every rank runs on this backend,
-    /// one after another (the CPU's simulated ranks).
+    /// The backends of `size` tensor-parallel ranks and what joins them (`None` for one rank;
+    /// a backend without its own plan runs every rank itself, each summing the parts).
     fn rank_backends(&self, _size: usize) -> Result<Option<RankBackends>> {
         Ok(None)
     }

@@ -116,8 +116,8 @@ pub struct LayerTiming {
     pub seconds: f64,
     /// Part of `seconds` spent fetching (or generating) weights.
     pub weight_seconds: f64,
-    /// Part of `seconds` spent in the all-reduces across devices after attention and the MLP
-    /// (NCCL; zero where ranks share a device or run on the CPU).
+    /// Part of `seconds` spent in the all-reduces after attention and the MLP (the CPU's sum,
+    /// NCCL's; zero where ranks share one GPU).
     pub collective_seconds: f64,
 }
 
@@ -134,7 +134,8 @@ pub struct Engine<'m> {
     rope: RopeTable,
     /// The tensor-parallel ranks (one without tensor parallelism), with their caches.
     ranks: Vec<RankState>,
-    /// The sum across the ranks' devices (NCCL), where each rank has a device of its own.
+    /// The ranks' all-reduce (the CPU's exact sum, NCCL across GPUs); `None` where each rank
+    /// sums itself (ranks sharing one GPU).
     device_sum: Option<std::sync::Arc<dyn crate::backend::AllReduce>>,
     /// Where the ranks run and what joins them (`None` without tensor parallelism).
     ranks_note: Option<String>,
@@ -177,15 +178,7 @@ impl<'m> Engine<'m> {
         for rank in &ranks {
             rank.set_weight_maker(backend);
         }
-        let ranks_note = match options.tp {
-            0 | 1 => None,
-            tp => Some(on.as_ref().map(|on| on.note.clone()).unwrap_or_else(|| {
-                format!(
-                    "{tp} ranks simulated one after another on the {} backend, joined by exact sums in rank order",
-                    backend.name()
-                )
-            })),
-        };
+        let ranks_note = on.as_ref().map(|on| on.note.clone());
         Ok(Engine {
             model,
             backend,
@@ -229,7 +222,8 @@ impl<'m> Engine<'m> {
         self.ranks_note.as_deref()
     }
 
-    /// Whether the ranks' all-reduces run across devices (NCCL), so that their time is counted.
+    /// Whether the ranks' all-reduces run as one collective (the CPU's, NCCL's), so that their
+    /// time is counted.
     pub fn sums_across_devices(&self) -> bool {
         self.device_sum.is_some()
     }

@@ -146,8 +146,8 @@ pub struct PassRanks<'a, 'p> {
 
 /// The all-reduce after op `op` (its partial sums `parts`, one per rank): one event per rank,
 /// each the sum of every part, on its rank's backend. With one rank, `parts` as they are.
-/// Ranks sharing a device (or the CPU) sum the parts in rank order, so every rank holds the same
-/// values; ranks on devices of their own sum through NCCL.
+/// The ranks' sum (the CPU's, in rank order; NCCL's across GPUs) gives every rank the same
+/// values; ranks sharing one GPU each sum the parts in rank order themselves.
 /// FAULT tp-missing-allreduce: after o_proj each rank keeps its own partial sum.
 /// FAULT tp-double-reduce: after o_proj the sum is reduced again (N times the sum).
 pub fn all_reduce<'a>(

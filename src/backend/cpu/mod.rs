@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod matmul;
+mod ranks;
 
 use super::checks::{self, same_shape};
 use super::{AttnMask, Backend, KvbSplit, MlaDims, Routing};
@@ -16,6 +17,10 @@ pub struct CpuBackend;
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn rank_backends(&self, size: usize) -> Result<Option<super::RankBackends>> {
+        Ok(ranks::rank_backends(size))
     }
 
     fn alloc(&self, shape: &[usize], poison: bool) -> Result<Tensor> {
