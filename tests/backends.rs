@@ -727,11 +727,10 @@ fn synthetic_weights_made_on_the_device_equal_the_cpus_bit_for_bit() {
                 let n_rows = (shape[0] - start).min(64);
                 let mut want = vec![0.0f32; n_rows * cols];
                 source.read_rows(&name, start, &mut want).unwrap();
-                let (key, params) = source.fill_params(&name).unwrap();
+                let recipe = source.recipe(&name, start).unwrap();
                 for elem in [Elem::F32, Elem::Bf16] {
                     let buf = gpu.alloc(want.len(), elem).unwrap();
-                    gpu.synthetic_fill(&buf, key, (start * cols) as u64, params)
-                        .unwrap();
+                    gpu.synthetic_fill(&buf, recipe).unwrap();
                     same(&name, elem, &gpu.download(&buf).unwrap(), &want);
                     checked += 1;
                 }
@@ -745,6 +744,12 @@ fn synthetic_weights_made_on_the_device_equal_the_cpus_bit_for_bit() {
         .map(|i| params.0 + params.1 * normalish(key, first + i))
         .collect();
     let buf = gpu.alloc(want.len(), Elem::F32).unwrap();
-    gpu.synthetic_fill(&buf, key, first, params).unwrap();
+    let recipe = mladb::model::weights::Recipe {
+        key,
+        first,
+        offset: params.0,
+        scale: params.1,
+    };
+    gpu.synthetic_fill(&buf, recipe).unwrap();
     same("past 2^32", Elem::F32, &gpu.download(&buf).unwrap(), &want);
 }

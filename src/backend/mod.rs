@@ -143,6 +143,26 @@ pub trait AllReduce: Send + Sync {
     fn seconds(&self) -> f64;
 }
 
+/// Time an [`AllReduce`] spends summing, added up over its calls.
+#[derive(Default)]
+pub struct SumClock(std::sync::atomic::AtomicU64);
+
+impl SumClock {
+    /// Runs `f`, counting its wall time.
+    pub fn time<T>(&self, f: impl FnOnce() -> T) -> T {
+        let start = std::time::Instant::now();
+        let out = f();
+        let nanos = start.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        self.0
+            .fetch_add(nanos, std::sync::atomic::Ordering::Relaxed);
+        out
+    }
+
+    pub fn seconds(&self) -> f64 {
+        self.0.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9
+    }
+}
+
 /// The numerical ops of the forward pass. Shapes are row-major; "[n, ...]" means one row per token.
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;

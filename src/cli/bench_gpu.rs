@@ -396,10 +396,13 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
         1 => vec![1],
         tp => vec![1, tp],
     };
+    // Whether the ranks' all-reduce is one collective whose time is counted (the last warm-up's).
+    let mut across = false;
     for &tp in &tps {
         let warm = std::time::Instant::now();
         let mut engine = Engine::new(&model, &backend, options(tp))?;
         generate::run(&mut engine, &schedule, &mut NullObserver)?;
+        across = engine.sums_across_devices();
         writeln!(
             Out,
             "tp {tp}: warm-up run (fetches and uploads the weights) {:.1} s{}",
@@ -411,7 +414,6 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
         )?;
     }
     // Per layer and phase: (seconds, seconds in the all-reduces).
-    let across = Engine::new(&model, &backend, options(args.tp))?.sums_across_devices();
     let per_phase = |stats: bool, tp: usize| -> Result<[(f64, f64); 2]> {
         let mut engine = Engine::new(&model, &backend, options(tp))?;
         if stats {

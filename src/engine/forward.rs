@@ -11,7 +11,7 @@ use super::sink::Sink;
 use super::sink::{OpCounts, StorageDtype};
 use super::tp::{all_gather, all_reduce, PassRanks, RankState, TpRank};
 use super::trace::{Observer, OpKind, Phase, Replay};
-use crate::backend::Backend;
+use crate::backend::{Backend, RankBackends};
 use crate::error::{Error, Result};
 use crate::model::catalog::{layer_prefix, lm_head_name};
 use crate::model::layout::MlpKind;
@@ -134,11 +134,9 @@ pub struct Engine<'m> {
     rope: RopeTable,
     /// The tensor-parallel ranks (one without tensor parallelism), with their caches.
     ranks: Vec<RankState>,
-    /// The ranks' all-reduce (the CPU's exact sum, NCCL across GPUs); `None` where each rank
-    /// sums itself (ranks sharing one GPU).
-    device_sum: Option<std::sync::Arc<dyn crate::backend::AllReduce>>,
-    /// Where the ranks run and what joins them (`None` without tensor parallelism).
-    ranks_note: Option<String>,
+    /// Where the ranks compute and what joins them (`None` without tensor parallelism: the one
+    /// rank computes on `backend`).
+    plan: Option<RankBackends>,
     /// Tokens processed so far (the position of the next one).
     position: usize,
     decode_steps: usize,
@@ -165,20 +163,15 @@ impl<'m> Engine<'m> {
             .check_layout(layout.kv_lora_rank, layout.qk_rope_head_dim)?;
         backend.set_poison_outputs(options.poison);
         shard::check_tp(layout, options.tp)?;
-        let on = match options.tp {
-            0 | 1 => None,
-            tp => backend.rank_backends(tp)?,
-        };
-        for b in on.iter().flat_map(|on| &on.backends) {
-            b.set_poison_outputs(options.poison);
-        }
-        let ranks = RankState::all(model, &options, on.as_ref())?;
+        let plan = backend.rank_backends(options.tp)?;
+        let ranks = RankState::all(model, &options)?;
         // Generated weights are made where each rank computes (on a GPU: never on the host).
         model.weights.set_maker(backend.weight_maker());
-        for rank in &ranks {
-            rank.set_weight_maker(backend);
+        for (r, rank) in ranks.iter().enumerate() {
+            let b = rank_backend(plan.as_ref(), backend, r);
+            b.set_poison_outputs(options.poison);
+            rank.weights(model).set_maker(b.weight_maker());
         }
-        let ranks_note = on.as_ref().map(|on| on.note.clone());
         Ok(Engine {
             model,
             backend,
@@ -187,8 +180,7 @@ impl<'m> Engine<'m> {
             rope: RopeTable::new(&layout.rope, layout.qk_rope_head_dim),
             options,
             ranks,
-            device_sum: on.and_then(|on| on.all_reduce),
-            ranks_note,
+            plan,
             position: 0,
             decode_steps: 0,
             next_event: 0,
@@ -219,13 +211,13 @@ impl<'m> Engine<'m> {
     /// Where the tensor-parallel ranks run and what joins them (`None` without tensor
     /// parallelism).
     pub fn ranks_note(&self) -> Option<&str> {
-        self.ranks_note.as_deref()
+        self.plan.as_ref().map(|p| p.note.as_str())
     }
 
     /// Whether the ranks' all-reduces run as one collective (the CPU's, NCCL's), so that their
     /// time is counted.
     pub fn sums_across_devices(&self) -> bool {
-        self.device_sum.is_some()
+        self.plan.as_ref().is_some_and(|p| p.all_reduce.is_some())
     }
 
     pub fn timings(&self) -> &[LayerTiming] {
@@ -284,20 +276,22 @@ impl<'m> Engine<'m> {
         let positions: Vec<usize> = (start..start + tokens.len()).collect();
         let options = &self.options;
         let tp = self.ranks.len();
-        // Each rank's layout, weights, backend and caches, borrowed apart.
-        let (mut layouts, mut stores, mut backends, mut caches) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // Each rank's layout, weights and caches, borrowed apart, and the backend it computes on.
+        let (mut layouts, mut stores, mut caches) = (Vec::new(), Vec::new(), Vec::new());
         for rank in self.ranks.iter_mut() {
-            let parts = rank.parts(model, self.backend);
-            layouts.push(parts.layout);
-            stores.push(parts.weights);
-            backends.push(parts.backend);
-            caches.push(parts.caches);
+            let (layout, store, cache) = rank.parts(model);
+            layouts.push(layout);
+            stores.push(store);
+            caches.push(cache);
         }
+        let plan = self.plan.as_ref();
+        let backends: Vec<&dyn Backend> = (0..tp)
+            .map(|r| rank_backend(plan, self.backend, r))
+            .collect();
         let ranks = PassRanks {
             stores: &stores,
             backends: &backends,
-            device_sum: self.device_sum.as_deref(),
+            device_sum: plan.and_then(|p| p.all_reduce.as_deref()),
         };
         let mut sink = Sink::new(
             backends[0],
@@ -445,6 +439,16 @@ impl<'m> Engine<'m> {
         self.position += tokens.len();
         Ok(logits.into_iter().next().expect("one rank at least"))
     }
+}
+
+/// The backend rank `r` computes on: its own in `plan`, else `main` (one rank).
+fn rank_backend<'a>(
+    plan: Option<&'a RankBackends>,
+    main: &'a dyn Backend,
+    r: usize,
+) -> &'a dyn Backend {
+    plan.and_then(|p| p.backends.get(r))
+        .map_or(main, |b| b.as_ref())
 }
 
 /// The embedding rows of `tokens` from the part of the vocabulary `(first, count)` that

@@ -13,7 +13,7 @@ use super::faults::Fault;
 use super::forward::EngineOptions;
 use super::sink::Sink;
 use super::trace::OpKind;
-use crate::backend::{AllReduce, Backend, RankBackends};
+use crate::backend::{AllReduce, Backend};
 use crate::error::Result;
 use crate::model::layout::Layout;
 use crate::model::shard;
@@ -28,20 +28,13 @@ pub struct RankState {
     /// Its weights; `None` for the single rank of a run without tensor parallelism (the
     /// model's own).
     weights: Option<Arc<WeightStore>>,
-    /// The backend it computes on; `None`: the engine's own (every rank of a run on the CPU).
-    backend: Option<Arc<dyn Backend>>,
     /// One entry per layer of the model; `None` outside the layer range.
     pub caches: Vec<Option<LayerCache>>,
 }
 
 impl RankState {
-    /// The ranks of a run of `model` under `options` (one without tensor parallelism), on the
-    /// backends `on` gives them (none: all on the engine's own).
-    pub fn all(
-        model: &Model,
-        options: &EngineOptions,
-        on: Option<&RankBackends>,
-    ) -> Result<Vec<RankState>> {
+    /// The ranks of a run of `model` under `options` (one without tensor parallelism).
+    pub fn all(model: &Model, options: &EngineOptions) -> Result<Vec<RankState>> {
         let layout = &model.layout;
         let tp = options.tp.max(1);
         let stores = match tp {
@@ -50,7 +43,6 @@ impl RankState {
         };
         (0..tp)
             .map(|rank| {
-                let backend = on.and_then(|on| on.backends.get(rank).cloned());
                 let layout = match tp {
                     1 => layout.clone(),
                     _ => shard::rank_layout(layout, tp)?,
@@ -73,39 +65,26 @@ impl RankState {
                 Ok(RankState {
                     layout,
                     weights,
-                    backend,
                     caches,
                 })
             })
             .collect()
     }
 
-    /// Makes the generated weights of its own store on its backend (`main` unless it has its
-    /// own).
-    pub fn set_weight_maker(&self, main: &dyn Backend) {
-        if let Some(store) = &self.weights {
-            store.set_maker(self.backend.as_deref().unwrap_or(main).weight_maker());
-        }
+    /// The weights it reads: its own, or the model's for the single rank of a run without
+    /// tensor parallelism.
+    pub fn weights<'a>(&'a self, model: &'a Model) -> &'a WeightStore {
+        self.weights.as_deref().unwrap_or(&model.weights)
     }
 
-    /// The layout it runs, the weights it reads, the backend it computes on (`main` unless it
-    /// has its own) and its caches, borrowed apart.
-    pub fn parts<'a>(&'a mut self, model: &'a Model, main: &'a dyn Backend) -> RankParts<'a> {
-        RankParts {
-            layout: &self.layout,
-            weights: self.weights.as_deref().unwrap_or(&model.weights),
-            backend: self.backend.as_deref().unwrap_or(main),
-            caches: &mut self.caches,
-        }
+    /// The layout it runs, the weights it reads and its caches, borrowed apart.
+    pub fn parts<'a>(
+        &'a mut self,
+        model: &'a Model,
+    ) -> (&'a Layout, &'a WeightStore, &'a mut Vec<Option<LayerCache>>) {
+        let weights = self.weights.as_deref().unwrap_or(&model.weights);
+        (&self.layout, weights, &mut self.caches)
     }
-}
-
-/// One rank's share, borrowed for a pass.
-pub struct RankParts<'a> {
-    pub layout: &'a Layout,
-    pub weights: &'a WeightStore,
-    pub backend: &'a dyn Backend,
-    pub caches: &'a mut Vec<Option<LayerCache>>,
 }
 
 /// Which rank runs a layer's ops, for the ops that differ by rank.
@@ -168,25 +147,26 @@ pub fn all_reduce<'a>(
         active(Fault::TpDoubleReduce),
     );
     let n = parts.len();
-    let sums: Vec<Tensor> = match ranks.device_sum {
-        _ if missing => Vec::new(),
-        Some(device) => device.sum(&parts.iter().collect::<Vec<_>>())?,
-        None => (0..n)
-            .map(|r| {
-                let b = ranks.backends[r];
+    // The ranks' sum runs at the first rank whose all-reduce is computed (not at all when every
+    // rank's is replayed); ranks that share a GPU each sum for themselves.
+    let mut device_sums: Option<Vec<Option<Tensor>>> = None;
+    let kind = (shard::Collective::AllReduce, OpKind::AllReduce);
+    collective(sink, ranks, layer, op, kind, &parts, |b, r| {
+        let mut sum = || -> Result<Tensor> {
+            let Some(device) = ranks.device_sum else {
                 let mut total = b.scale(&parts[0], 1.0)?;
                 for p in &parts[1..] {
                     total = b.add(&total, p)?;
                 }
-                Ok(total)
-            })
-            .collect::<Result<_>>()?,
-    };
-    let mut sums = sums.into_iter().map(Some).collect::<Vec<_>>();
-    let kind = (shard::Collective::AllReduce, OpKind::AllReduce);
-    collective(sink, ranks, layer, op, kind, &parts, |b, r| {
-        let mut sum = || {
-            sums.get_mut(r)
+                return Ok(total);
+            };
+            if device_sums.is_none() {
+                let all = device.sum(&parts.iter().collect::<Vec<_>>())?;
+                device_sums = Some(all.into_iter().map(Some).collect());
+            }
+            device_sums
+                .as_mut()
+                .and_then(|s| s.get_mut(r))
                 .and_then(Option::take)
                 .ok_or_else(|| crate::Error::invalid("an all-reduce without this rank's sum"))
         };

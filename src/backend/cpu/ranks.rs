@@ -4,10 +4,9 @@
 //! NCCL, so that path is what CI tests.
 
 use super::CpuBackend;
-use crate::backend::{checks::same_shape, AllReduce, Backend, RankBackends};
+use crate::backend::{checks::same_shape, AllReduce, Backend, RankBackends, SumClock};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// `size` simulated ranks (none for one).
@@ -27,32 +26,30 @@ pub fn rank_backends(size: usize) -> Option<RankBackends> {
 /// The sum of the ranks' parts in rank order, in f32.
 #[derive(Default)]
 struct HostSum {
-    nanos: AtomicU64,
+    clock: SumClock,
 }
 
 impl AllReduce for HostSum {
     fn sum(&self, parts: &[&Tensor]) -> Result<Vec<Tensor>> {
-        let start = std::time::Instant::now();
-        let (first, rest) = parts
-            .split_first()
-            .ok_or_else(|| Error::invalid("an all-reduce of no parts"))?;
-        let mut total = first.data().to_vec();
-        for p in rest {
-            same_shape("all-reduce", first, p)?;
-            for (t, v) in total.iter_mut().zip(p.data()) {
-                *t += v;
+        self.clock.time(|| {
+            let (first, rest) = parts
+                .split_first()
+                .ok_or_else(|| Error::invalid("an all-reduce of no parts"))?;
+            let mut total = first.data().to_vec();
+            for p in rest {
+                same_shape("all-reduce", first, p)?;
+                for (t, v) in total.iter_mut().zip(p.data()) {
+                    *t += v;
+                }
             }
-        }
-        let sums = parts
-            .iter()
-            .map(|_| Tensor::from_vec(first.shape(), total.clone()))
-            .collect();
-        let nanos = start.elapsed().as_nanos().min(u64::MAX as u128) as u64;
-        self.nanos.fetch_add(nanos, Ordering::Relaxed);
-        Ok(sums)
+            Ok(parts
+                .iter()
+                .map(|_| Tensor::from_vec(first.shape(), total.clone()))
+                .collect())
+        })
     }
 
     fn seconds(&self) -> f64 {
-        self.nanos.load(Ordering::Relaxed) as f64 * 1e-9
+        self.clock.seconds()
     }
 }

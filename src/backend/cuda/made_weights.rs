@@ -20,12 +20,7 @@ impl WeightMaker for DeviceWeights {
     fn make(&self, shape: &[usize], recipe: Recipe) -> Result<Tensor> {
         let n = checked_numel(shape, "generated weight")?;
         let buf = self.gpu.alloc(n, self.elem)?;
-        self.gpu.synthetic_fill(
-            &buf,
-            recipe.key,
-            recipe.first,
-            (recipe.offset, recipe.scale),
-        )?;
+        self.gpu.synthetic_fill(&buf, recipe)?;
         Ok(Tensor::from_device(
             shape,
             Arc::new(MadeBuffer { buf, recipe }),

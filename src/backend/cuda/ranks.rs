@@ -6,12 +6,11 @@
 use super::device::nccl::{nccl_version, NcclRanks};
 use super::device::{DevBuf, Gpu};
 use super::{buf, CudaBackend};
-use crate::backend::{AllReduce, Backend, RankBackends};
+use crate::backend::{AllReduce, Backend, RankBackends, SumClock};
 use crate::error::{CudaError, Error, Result};
 use crate::tensor::Tensor;
 use cudarc::driver::CudaContext;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// The rank backends a backend has made, by rank count: devices are opened (their kernels
@@ -59,7 +58,7 @@ impl CudaBackend {
             all_reduce: Some(Arc::new(NcclSum {
                 backends,
                 nccl: Mutex::new(nccl),
-                nanos: AtomicU64::new(0),
+                clock: SumClock::default(),
             })),
             note: format!(
                 "{size} ranks on CUDA devices 0..={}, one each, joined by NCCL {version}",
@@ -89,8 +88,7 @@ impl CudaBackend {
 struct NcclSum {
     backends: Vec<Arc<CudaBackend>>,
     nccl: Mutex<NcclRanks>,
-    /// Time in the collective so far (see [`AllReduce::seconds`]).
-    nanos: AtomicU64,
+    clock: SumClock,
 }
 
 impl AllReduce for NcclSum {
@@ -115,14 +113,8 @@ impl AllReduce for NcclSum {
         for b in &self.backends {
             b.gpu.synchronize()?;
         }
-        let start = std::time::Instant::now();
-        let sums = self
-            .nccl
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .all_reduce_sum(&sends)?;
-        let nanos = start.elapsed().as_nanos().min(u64::MAX as u128) as u64;
-        self.nanos.fetch_add(nanos, Ordering::Relaxed);
+        let nccl = self.nccl.lock().unwrap_or_else(|p| p.into_inner());
+        let sums = self.clock.time(|| nccl.all_reduce_sum(&sends))?;
         sums.into_iter()
             .zip(&self.backends)
             .map(|(s, b)| b.finish(s, shape))
@@ -130,6 +122,6 @@ impl AllReduce for NcclSum {
     }
 
     fn seconds(&self) -> f64 {
-        self.nanos.load(Ordering::Relaxed) as f64 * 1e-9
+        self.clock.seconds()
     }
 }

@@ -123,8 +123,9 @@ pub fn split_of(layout: &Layout, name: &str) -> Result<Split> {
 /// The most tensor-parallel ranks a run may ask for (each holds its own weights and caches).
 pub const MAX_TP: usize = 64;
 
-/// Checks that `layout` splits into `tp` ranks: at least one and at most [`MAX_TP`], and heads, MLP widths and routed
-/// experts in whole equal parts (as vLLM requires). The error names what does not divide.
+/// Checks that `layout` splits into `tp` ranks: at least one and at most [`MAX_TP`], and heads,
+/// MLP widths and routed experts in whole equal parts (as vLLM requires). The error names what
+/// does not divide.
 pub fn check_tp(layout: &Layout, tp: usize) -> Result<()> {
     if !(1..=MAX_TP).contains(&tp) {
         return Err(Error::invalid(format!(
@@ -277,10 +278,9 @@ pub fn rank_store(
 
 /// The rank stores last made for a model, with their rank count: a second run at the same TP
 /// (a benchmark's, the debugger's re-runs) finds its weights fetched, and on a device uploaded.
+/// One rank count's stores are kept at a time, so memory stays that of one cut of the model.
 #[derive(Default)]
-pub struct RankStores(
-    std::sync::Mutex<std::collections::HashMap<usize, Vec<std::sync::Arc<super::WeightStore>>>>,
-);
+pub struct RankStores(std::sync::Mutex<Option<(usize, Vec<std::sync::Arc<super::WeightStore>>)>>);
 
 impl RankStores {
     /// Every rank's store of `tp` over `full`, made the first time they are asked for.
@@ -291,16 +291,16 @@ impl RankStores {
         tp: usize,
     ) -> Result<Vec<std::sync::Arc<super::WeightStore>>> {
         let mut made = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(stores) = made.get(&tp) {
-            return Ok(stores.clone());
+        match &*made {
+            Some((n, stores)) if *n == tp => Ok(stores.clone()),
+            _ => {
+                let stores = (0..tp)
+                    .map(|r| rank_store(full, layout, tp, r).map(std::sync::Arc::new))
+                    .collect::<Result<Vec<_>>>()?;
+                *made = Some((tp, stores.clone()));
+                Ok(stores)
+            }
         }
-        let stores = (0..tp)
-            .map(|r| rank_store(full, layout, tp, r).map(std::sync::Arc::new))
-            .collect::<Result<Vec<_>>>()?;
-        // One rank count's stores kept at a time: memory stays that of one cut of the model.
-        made.clear();
-        made.insert(tp, stores.clone());
-        Ok(stores)
     }
 }
 

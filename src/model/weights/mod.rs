@@ -252,18 +252,18 @@ impl WeightStore {
         let n = checked_numel(&out_shape, name)?;
         let begin = Instant::now();
         let maker = self.maker.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        if let Some((maker, recipe)) = maker.zip(self.source.recipe(name, start)) {
-            let made = maker.make(&out_shape, recipe)?;
-            self.fetch_nanos
-                .fetch_add(begin.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            return Ok(made);
-        }
-        let mut data = vec![0.0f32; n];
-        debug_assert_eq!(n, count * cols);
-        self.source.read_rows(name, start, &mut data)?;
+        let tensor = match maker.zip(self.source.recipe(name, start)) {
+            Some((maker, recipe)) => maker.make(&out_shape, recipe)?,
+            None => {
+                let mut data = vec![0.0f32; n];
+                debug_assert_eq!(n, count * cols);
+                self.source.read_rows(name, start, &mut data)?;
+                Tensor::from_vec(&out_shape, data)
+            }
+        };
         self.fetch_nanos
             .fetch_add(begin.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(Tensor::from_vec(&out_shape, data))
+        Ok(tensor)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, LruCache> {

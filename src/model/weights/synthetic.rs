@@ -23,15 +23,6 @@ impl SyntheticWeights {
             catalog: Catalog::new(layout),
         }
     }
-
-    /// What generates tensor `name`: its key and the (offset, scale) its standard values are
-    /// mapped by; element i is `offset + scale · normalish(key, i)` (row-major). A device can
-    /// generate the same values from these (the CUDA `synthetic_fill` kernel).
-    pub fn fill_params(&self, name: &str) -> Option<(u64, (f32, f32))> {
-        let spec = self.catalog.get(name)?;
-        let cols: usize = spec.shape.iter().skip(1).product::<usize>().max(1);
-        Some((tensor_key(self.seed, name), scale_for(spec.role, cols)))
-    }
 }
 
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -84,18 +75,14 @@ impl WeightSource for SyntheticWeights {
         format!("synthetic weights (seed {})", self.seed)
     }
 
+    /// Element i of rows `start_row..` is `offset + scale · normalish(key, start_row · cols + i)`,
+    /// the key from the seed and the name, the scale from the tensor's role and fan-in.
     fn recipe(&self, name: &str, start_row: usize) -> Option<Recipe> {
-        let cols: usize = self
-            .catalog
-            .get(name)?
-            .shape
-            .iter()
-            .skip(1)
-            .product::<usize>()
-            .max(1);
-        let (key, (offset, scale)) = self.fill_params(name)?;
+        let spec = self.catalog.get(name)?;
+        let cols: usize = spec.shape.iter().skip(1).product::<usize>().max(1);
+        let (offset, scale) = scale_for(spec.role, cols);
         Some(Recipe {
-            key,
+            key: tensor_key(self.seed, name),
             first: (start_row * cols) as u64,
             offset,
             scale,

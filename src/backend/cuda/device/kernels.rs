@@ -7,6 +7,7 @@
 use super::signature::{Param::*, Sig};
 use super::{grid_1d, Arg, DevBuf, DevBytes, DevI32, Elem, Gpu, Launch};
 use crate::error::{Error, Result};
+use crate::model::weights::Recipe;
 
 pub const FILL_U32: Sig = Sig::new("fill_u32", &[U32Ptr, U32, U64]);
 pub const FILL_U16: Sig = Sig::new("fill_u16", &[U16Ptr, U32, U64]);
@@ -267,24 +268,17 @@ impl Gpu {
         unsafe { self.launch(&FILL_RANDOM, &name("fill_random", e), grid_1d(n), &args) }
     }
 
-    /// Fills a buffer with the synthetic weights' values of elements `first..first + len` of
-    /// the tensor whose generator key is `key`, as offset + scale · value: the CPU generator's
-    /// values bit for bit ([`crate::model::weights::synthetic::SyntheticWeights::fill_params`]).
-    pub fn synthetic_fill(
-        &self,
-        buf: &DevBuf,
-        key: u64,
-        first: u64,
-        (offset, scale): (f32, f32),
-    ) -> Result<()> {
+    /// Fills a buffer with the values `recipe` gives (element i: offset + scale ·
+    /// normalish(key, first + i)), the CPU generator's values bit for bit.
+    pub fn synthetic_fill(&self, buf: &DevBuf, recipe: Recipe) -> Result<()> {
         let n = buf.len();
         let e = buf.elem();
         let args = [
             need("synthetic fill", buf, n, e)?,
-            Arg::U64(key),
-            Arg::U64(first),
-            Arg::F32(offset),
-            Arg::F32(scale),
+            Arg::U64(recipe.key),
+            Arg::U64(recipe.first),
+            Arg::F32(recipe.offset),
+            Arg::F32(recipe.scale),
             size(n),
         ];
         // SAFETY: the kernel writes elements 0..n of the buffer, which holds n.
