@@ -664,12 +664,106 @@ fn norms_refuse_a_weight_of_the_wrong_length(gpu: bool) {
     }
 }
 
+/// The routed experts of an MoE layer as one call (a device runs them together) against the CPU
+/// running them one by one: experts with one token, a tile and one more, exactly the streamed
+/// maximum and one past it (cuBLAS), tokens in any order, tokens with no expert (zero rows), and
+/// widths whose rows are not whole 16-byte vectors; then inputs the call must refuse.
+fn routed_experts_match_the_cpu_one_by_one(gpu: bool) {
+    use mladb::backend::experts::{experts_one_by_one, ExpertJob, ExpertWeights};
+    use std::sync::Arc;
+    let n = 40;
+    let counts = [
+        (0usize, 1usize),
+        (3, 9),
+        (5, 0),
+        (7, 33),
+        (9, 32),
+        (11, 3),
+        (12, 8),
+    ];
+    for (hidden, inter) in [(64, 48), (512, 256), (516, 36)] {
+        let x = random(&[n, hidden], "experts.x", 1.0);
+        let weights_of = |e: usize| ExpertWeights {
+            gate: Arc::new(random(&[inter, hidden], &format!("e{e}.gate"), 0.2)),
+            up: Arc::new(random(&[inter, hidden], &format!("e{e}.up"), 0.2)),
+            down: Arc::new(random(&[hidden, inter], &format!("e{e}.down"), 0.2)),
+        };
+        let jobs: Vec<ExpertJob> = counts
+            .iter()
+            .map(|&(e, m)| ExpertJob {
+                expert: e,
+                // Tokens 0..38 only (38 and 39 get no expert), in a shuffled order.
+                tokens: (0..m).map(|i| (i * 7 + e) % 38).collect(),
+                weights: (0..m).map(|i| 0.25 + 0.1 * ((i + e) % 5) as f32).collect(),
+            })
+            .collect();
+        let mut fetch_cpu = |e: usize| Ok(weights_of(e));
+        let want = experts_one_by_one(&CpuBackend, &x, &jobs, &mut fetch_cpu).unwrap();
+        for row in [38, 39] {
+            assert!(want.row(row).iter().all(|&v| v == 0.0));
+        }
+        for u in backends(gpu) {
+            let mut fetched = Vec::new();
+            let mut fetch = |e: usize| {
+                fetched.push(e);
+                Ok(weights_of(e))
+            };
+            let got = u.backend.routed_experts(&x, &jobs, &mut fetch).unwrap();
+            check(&u, &format!("routed_experts {hidden}x{inter}"), &got, &want);
+            assert_eq!(fetched, [0, 3, 7, 9, 11, 12], "{}: experts fetched", u.name);
+        }
+    }
+    let x = random(&[4, 64], "experts.x", 1.0);
+    let w = |rows, cols| Arc::new(random(&[rows, cols], "experts.w", 0.2));
+    let job = |expert, tokens: Vec<usize>| ExpertJob {
+        expert,
+        weights: vec![1.0; tokens.len()],
+        tokens,
+    };
+    for u in backends(gpu) {
+        let mut fetch = |_| {
+            Ok(ExpertWeights {
+                gate: w(16, 64),
+                up: w(16, 64),
+                down: w(64, 16),
+            })
+        };
+        let b = &u.backend;
+        let err = |jobs: &[ExpertJob], f: &mut mladb::backend::experts::FetchExpert| {
+            b.routed_experts(&x, jobs, f).unwrap_err().to_string()
+        };
+        assert!(
+            err(&[job(1, vec![4])], &mut fetch).contains("of 4 rows"),
+            "{}",
+            u.name
+        );
+        assert!(
+            err(&[job(2, vec![0]), job(1, vec![1])], &mut fetch).contains("out of order"),
+            "{}",
+            u.name
+        );
+        let mut misshapen = |_| {
+            Ok(ExpertWeights {
+                gate: w(16, 64),
+                up: w(16, 64),
+                down: w(16, 64),
+            })
+        };
+        assert!(
+            err(&[job(0, vec![0])], &mut misshapen).contains("expert 0: gate"),
+            "{}",
+            u.name
+        );
+    }
+}
+
 cpu_and_gpu!(
     linear_norms_rope_and_elementwise_ops,
     statistics_count_everything_on_every_backend,
     statistics_of_many_tensors_come_back_together,
     a_statistics_batch_keeps_each_tensor_as_it_was_when_started,
     routing_picks_the_same_experts,
+    routed_experts_match_the_cpu_one_by_one,
     mla_projections,
     attention_both_paths_with_causal_and_sparse_masks,
     a_kernel_that_skips_rows_leaves_them_unwritten_everywhere,

@@ -5,6 +5,7 @@
 pub mod checks;
 pub mod cpu;
 pub mod cuda;
+pub mod experts;
 
 use crate::error::Result;
 use crate::model::layout::MoeLayout;
@@ -184,6 +185,11 @@ pub trait Backend: Send + Sync {
     /// their outputs element by element and ignore it.
     fn set_poison_outputs(&self, _on: bool) {}
 
+    /// Waits until the work queued on the backend's device is done (a host backend has none).
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// An output buffer for an op that writes into a buffer it is handed: filled with the poison
     /// pattern when `poison` is set (so unwritten elements can be counted), zeros otherwise.
     fn alloc(&self, shape: &[usize], poison: bool) -> Result<Tensor>;
@@ -247,6 +253,17 @@ pub trait Backend: Send + Sync {
         y: &Tensor,
         weights: &[f32],
     ) -> Result<()>;
+
+    /// The routed experts of an MoE layer: each job's tokens of x through its gated MLP,
+    /// weighted and summed per token in expert order. A device backend runs them together.
+    fn routed_experts(
+        &self,
+        x: &Tensor,
+        jobs: &[experts::ExpertJob],
+        fetch: &mut experts::FetchExpert,
+    ) -> Result<Tensor> {
+        experts::experts_one_by_one(self, x, jobs, fetch)
+    }
 
     /// MoE routing from router logits [n, experts]: sigmoid scores, bias for the choice only,
     /// group-limited top-k. Returns per token the chosen experts and their weights.

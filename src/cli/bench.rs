@@ -71,6 +71,10 @@ pub struct BenchArgs {
     /// engine).
     #[arg(long)]
     pub attach_verdict: bool,
+    /// Also run the layers once more with the device synchronised after every op, and print the
+    /// slowest ops of the prefill and of a decode step (a profile: it serialises the run).
+    #[arg(long)]
+    pub op_times: bool,
 }
 
 /// Peak resident memory of this process in bytes, where the OS tells it.
@@ -158,6 +162,21 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         Out,
         "whole run {total:.3}s (embedding, final norm and lm_head included)"
     )?;
+    if args.op_times {
+        let mut timer = super::bench_ops::OpTimer::new(&backend);
+        let mut engine = Engine::new(
+            &model,
+            &backend,
+            EngineOptions {
+                layers: layers.clone(),
+                tp: args.tp,
+                ..EngineOptions::new(&model, paths)
+            },
+        )?;
+        timer.restart()?;
+        generate::run(&mut engine, &schedule, &mut timer)?;
+        super::bench_ops::print(&timer, layers.len(), args.decode)?;
+    }
     if args.check {
         for dtype in [
             crate::engine::StorageDtype::F32,

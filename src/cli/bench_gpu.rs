@@ -471,6 +471,13 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
             )?;
         }
     }
+    if args.op_times {
+        let mut timer = super::bench_ops::OpTimer::new(&backend);
+        let mut engine = Engine::new(&model, &backend, options(1))?;
+        timer.restart()?;
+        generate::run(&mut engine, &schedule, &mut timer)?;
+        super::bench_ops::print(&timer, layers.len(), args.decode)?;
+    }
     if args.decode > 0 {
         if let Some(moe) = &model.layout.moe {
             let bytes = decode_weight_bytes(&model, layers.start, moe.num_experts_per_tok);

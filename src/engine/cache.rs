@@ -11,7 +11,7 @@
 use crate::error::{Error, Result};
 use crate::ops::rows::MirrorSlot;
 use crate::ops::{Fp8Faults, KvCacheDtype};
-use crate::tensor::{checked_numel, BufferId};
+use crate::tensor::{checked_numel, BufferId, Tensor};
 
 pub use crate::ops::rows::{RowSource, PAGE_SIZE};
 
@@ -201,11 +201,15 @@ impl RowSource for LatentCache {
     }
 }
 
-/// A growable cache of fixed-width rows, one per token.
+/// A growable cache of fixed-width rows, one per token. Rows are kept as the tensors they came
+/// in (a device backend's outputs stay on the device): a device mirror is filled from them by
+/// device copies, and a row comes to the host only when something reads it there.
 #[derive(Debug)]
 pub struct RowCache {
     width: usize,
-    data: Vec<f32>,
+    /// The pushed tensors in order, with the first row of each.
+    chunks: Vec<(usize, Tensor)>,
+    len: usize,
     id: BufferId,
     writes: Vec<usize>,
     mirror: MirrorSlot,
@@ -215,7 +219,8 @@ impl RowCache {
     pub fn new(width: usize) -> RowCache {
         RowCache {
             width,
-            data: Vec::new(),
+            chunks: Vec::new(),
+            len: 0,
             id: BufferId::fresh_cache(),
             writes: Vec::new(),
             mirror: MirrorSlot::default(),
@@ -226,33 +231,64 @@ impl RowCache {
         self.id
     }
 
+    /// Appends one token's row.
     pub fn push(&mut self, row: &[f32]) -> Result<()> {
         assert_eq!(row.len(), self.width, "cache row of the wrong width");
-        let new_len = self.data.len() + self.width;
-        if new_len.saturating_mul(4) > crate::tensor::MAX_TENSOR_BYTES {
+        self.push_rows(Tensor::from_vec(&[1, self.width], row.to_vec()))
+    }
+
+    /// Appends the rows of `rows` (whole rows of this cache's width, one token each), without
+    /// reading them.
+    pub fn push_rows(&mut self, rows: Tensor) -> Result<()> {
+        if self.width == 0 || !rows.numel().is_multiple_of(self.width) {
+            return Err(Error::invalid(format!(
+                "cache rows of shape {:?} for a cache of width {}",
+                rows.shape(),
+                self.width
+            )));
+        }
+        let n = rows.numel() / self.width;
+        if n == 0 {
+            return Ok(());
+        }
+        let new_len = self.len + n;
+        if new_len.saturating_mul(self.width).saturating_mul(4) > crate::tensor::MAX_TENSOR_BYTES {
             return Err(Error::Allocation {
                 what: "KV cache".into(),
-                detail: format!("{} tokens of width {}", new_len / self.width, self.width),
+                detail: format!("{new_len} tokens of width {}", self.width),
             });
         }
-        self.writes.push(self.data.len() / self.width);
-        self.data.extend_from_slice(row);
+        self.writes.extend(self.len..new_len);
+        self.chunks
+            .push((self.len, rows.reshaped(&[n, self.width])));
+        self.len = new_len;
         Ok(())
     }
 
     pub fn bytes(&self) -> usize {
-        self.data.len() * 4
+        self.len * self.width * 4
     }
 
-    /// Address of the rows (it moves when the cache grows).
+    /// Address of the first rows: on the device where they live there, else on the host.
     pub fn address(&self) -> u64 {
-        self.data.as_ptr() as u64
+        self.chunks.first().map_or(0, |(_, t)| match t.device() {
+            Some(d) => d.address(),
+            None => t.data().as_ptr() as u64,
+        })
+    }
+
+    /// The chunk holding row `t` and the row's index in it.
+    fn chunk_of(&self, t: usize) -> (&Tensor, usize) {
+        assert!(t < self.len, "cache read past its end");
+        let c = self.chunks.partition_point(|(start, _)| *start <= t) - 1;
+        let (start, tensor) = &self.chunks[c];
+        (tensor, t - start)
     }
 }
 
 impl RowSource for RowCache {
     fn len(&self) -> usize {
-        self.data.len() / self.width
+        self.len
     }
 
     fn id(&self) -> BufferId {
@@ -268,7 +304,12 @@ impl RowSource for RowCache {
     }
 
     fn row(&self, t: usize) -> &[f32] {
-        &self.data[t * self.width..(t + 1) * self.width]
+        let (tensor, r) = self.chunk_of(t);
+        tensor.row(r)
+    }
+
+    fn pushed_rows(&self, t: usize) -> Option<(&Tensor, usize)> {
+        Some(self.chunk_of(t))
     }
 
     fn mirror(&self) -> &MirrorSlot {

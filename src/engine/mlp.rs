@@ -1,9 +1,10 @@
-//! The feed-forward half of a layer: a dense SiLU-gated MLP, or MoE (routed experts, fetched one
-//! at a time, plus shared experts).
+//! The feed-forward half of a layer: a dense SiLU-gated MLP, or MoE (the routed experts, handed
+//! to the backend together, plus shared experts).
 
 use super::attention::LayerCtx;
 use super::sink::{Reads, Sink};
 use super::trace::OpKind;
+use crate::backend::experts::{ExpertJob, ExpertWeights};
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::model::catalog::expert_weight_name;
@@ -166,25 +167,28 @@ pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
                     slot.1.push(w);
                 }
             }
-            let mut routed = Tensor::zeros(x.shape())?;
-            for (e, (tokens, token_weights)) in per_expert.iter().enumerate() {
-                // Expert parallel: another rank computes the experts this one does not own.
-                if tokens.is_empty() || !ctx.tp.owns_expert(e, moe.n_routed_experts) {
-                    continue;
-                }
-                let xs = b.gather_rows(x, tokens)?;
+            // Expert parallel: another rank computes the experts this one does not own.
+            let jobs: Vec<ExpertJob> = per_expert
+                .into_iter()
+                .enumerate()
+                .filter(|(e, (tokens, _))| {
+                    !tokens.is_empty() && ctx.tp.owns_expert(*e, moe.n_routed_experts)
+                })
+                .map(|(expert, (tokens, weights))| ExpertJob {
+                    expert,
+                    tokens,
+                    weights,
+                })
+                .collect();
+            let mut fetch = |e: usize| {
                 let name = |proj| expert_weight_name(ctx.layer, e, proj);
-                let y = gated(
-                    b,
-                    r,
-                    &xs,
-                    &name("gate_proj"),
-                    &name("up_proj"),
-                    &name("down_proj"),
-                )?;
-                b.scatter_add_rows(&mut routed, tokens, &y, token_weights)?;
-            }
-            Ok(routed)
+                Ok(ExpertWeights {
+                    gate: r.weight(&name("gate_proj"))?,
+                    up: r.weight(&name("up_proj"))?,
+                    down: r.weight(&name("down_proj"))?,
+                })
+            };
+            b.routed_experts(x, &jobs, &mut fetch)
         },
     )?;
     if moe.n_shared_experts == 0 {

@@ -44,6 +44,11 @@ pub trait RowSource: Sync {
     }
     /// Where a device backend keeps its copy of these rows, freed with the cache.
     fn mirror(&self) -> &MirrorSlot;
+    /// For a cache of unpaged rows kept as the tensors they were pushed in: the tensor holding
+    /// row `t` and the row's index in it (a device backend copies such rows on the device).
+    fn pushed_rows(&self, _t: usize) -> Option<(&crate::tensor::Tensor, usize)> {
+        None
+    }
     /// How the cache stores its rows: for `fp8_ds_mla`, [`RowSource::row`] is a row after the
     /// format's round trip.
     fn kv_cache_dtype(&self) -> super::KvCacheDtype {

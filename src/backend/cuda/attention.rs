@@ -178,6 +178,9 @@ impl CudaBackend {
         let mut fresh: Vec<usize> = src.writes()[mirror.applied..].to_vec();
         fresh.sort_unstable();
         fresh.dedup();
+        if src.block_table().is_none() {
+            fresh = self.copy_pushed_rows(src, &fresh, &mirror.buf)?;
+        }
         if !fresh.is_empty() {
             let rows: Vec<f32> = fresh.iter().flat_map(|&s| src.row(s).to_vec()).collect();
             let rows = self.gpu.upload(&rows, self.elem)?;
@@ -190,6 +193,40 @@ impl CudaBackend {
         mirrors.rows = Some(mirror);
         *slot = Some(Box::new(mirrors));
         Ok(slot)
+    }
+
+    /// Copies the rows of an unpaged cache that were pushed as this device's tensors into its
+    /// mirror, on the device (runs of consecutive rows of one tensor in one copy); returns the
+    /// rows left for the host path.
+    fn copy_pushed_rows(
+        &self,
+        src: &dyn RowSource,
+        fresh: &[usize],
+        mirror: &DevBuf,
+    ) -> Result<Vec<usize>> {
+        let width = src.width();
+        let mut left = Vec::new();
+        let mut i = 0;
+        while i < fresh.len() {
+            let s = fresh[i];
+            let on_device = src.pushed_rows(s).and_then(|(t, r)| {
+                let d = t.device().filter(|d| self.holds(d, self.elem))?;
+                Some((t.rows(), d, r))
+            });
+            let Some((rows, d, r)) = on_device else {
+                left.push(s);
+                i += 1;
+                continue;
+            };
+            let mut n = 1;
+            while i + n < fresh.len() && fresh[i + n] == s + n && r + n < rows {
+                n += 1;
+            }
+            self.gpu
+                .copy(buf(d), r * width, mirror, s * width, n * width)?;
+            i += n;
+        }
+        Ok(left)
     }
 
     /// The mask as bytes [n, context] (1 = the query may see the key), or none for plain causal

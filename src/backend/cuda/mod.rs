@@ -15,6 +15,7 @@
 mod attention;
 #[allow(unsafe_code)]
 pub mod device;
+mod experts;
 pub mod fast;
 mod fast_attention;
 mod fast_fp8;
@@ -254,6 +255,10 @@ impl Backend for CudaBackend {
         self.poison_outputs.store(on, Ordering::Relaxed);
     }
 
+    fn synchronize(&self) -> Result<()> {
+        self.gpu.synchronize()
+    }
+
     fn alloc(&self, shape: &[usize], poison: bool) -> Result<Tensor> {
         let n = crate::tensor::checked_numel(shape, "device tensor")?;
         let buf = self.gpu.alloc(n, self.elem)?;
@@ -404,6 +409,15 @@ impl Backend for CudaBackend {
         self.gpu
             .scatter_add_rows(buf(&ad), &idx, buf(&yd), &w, rows.len(), c)?;
         self.refresh_host(acc, &ad)
+    }
+
+    fn routed_experts(
+        &self,
+        x: &Tensor,
+        jobs: &[crate::backend::experts::ExpertJob],
+        fetch: &mut crate::backend::experts::FetchExpert,
+    ) -> Result<Tensor> {
+        self.experts_together(x, jobs, fetch)
     }
 
     fn route(&self, logits: &Tensor, bias: &Tensor, moe: &MoeLayout) -> Result<Routing> {

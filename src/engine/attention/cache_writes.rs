@@ -101,10 +101,7 @@ pub(super) fn append_expanded(
     )
 }
 
-/// Appends each row of `rows` to a row cache.
+/// Appends each row of `rows` to a row cache (where they are: a device's stay there).
 pub(super) fn push_rows(cache: &mut RowCache, rows: &Tensor) -> Result<()> {
-    for t in 0..rows.rows() {
-        cache.push(rows.row(t))?;
-    }
-    Ok(())
+    cache.push_rows(rows.alias())
 }

@@ -60,6 +60,7 @@ pub const SOURCES: &[(&str, &str)] = &[
         "cache_write.cu",
         include_str!("../../../../kernels/cache_write.cu"),
     ),
+    ("experts.cu", include_str!("../../../../kernels/experts.cu")),
 ];
 
 /// Kernel files for Hopper alone (compute capability 9.0, compiled for `sm_90a`: wgmma has no

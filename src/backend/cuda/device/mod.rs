@@ -12,6 +12,7 @@
 pub mod blas;
 pub mod buffer;
 pub mod compile;
+pub mod expert_kernels;
 pub mod fast_kernels;
 pub mod fp8_kernels;
 mod kernel_cache;

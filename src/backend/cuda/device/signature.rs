@@ -212,7 +212,7 @@ fn declarations(text: &str) -> Vec<(String, Vec<String>)> {
 mod tests {
     use super::*;
     use crate::backend::cuda::device::compile::{HOPPER_SOURCES, SOURCES};
-    use crate::backend::cuda::device::{fast_kernels, fp8_kernels, kernels, Elem};
+    use crate::backend::cuda::device::{expert_kernels, fast_kernels, fp8_kernels, kernels, Elem};
 
     #[test]
     fn kernel_names_cover_plain_bounded_and_macro_declarations() {
@@ -248,6 +248,7 @@ mod tests {
             .iter()
             .chain(fast_kernels::SIGNATURES.iter())
             .chain(fp8_kernels::SIGNATURES.iter())
+            .chain(expert_kernels::SIGNATURES.iter())
             .copied()
             .collect();
         let mut used = vec![0usize; declared.len()];
