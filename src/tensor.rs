@@ -87,6 +87,13 @@ pub trait DeviceBuffer: Send + Sync {
     fn as_any(&self) -> &dyn Any;
     /// The values as f32, copied to the host (for a tensor whose host copy is made on demand).
     fn download(&self) -> Result<Vec<f32>>;
+    /// Values `from..from + len` as f32 (one row of a large tensor, without the rest).
+    fn download_range(&self, from: usize, len: usize) -> Result<Vec<f32>> {
+        let all = self.download()?;
+        all.get(from..from + len)
+            .map(<[f32]>::to_vec)
+            .ok_or_else(|| Error::invalid("device read past the end of a buffer"))
+    }
 }
 
 /// A row-major f32 tensor that owns its buffer, with an optional device mirror.
@@ -259,6 +266,22 @@ impl Tensor {
         }
     }
 
+    /// Row `r` of the matrix view as an owned copy: from the host copy where there is one, else
+    /// only that row from the device (the last row of a prefill's logits without the others).
+    pub fn row_values(&self, r: usize) -> Result<Vec<f32>> {
+        let c = self.cols();
+        if r >= self.rows() {
+            return Err(Error::invalid(format!(
+                "row {r} of a tensor of shape {:?}",
+                self.shape
+            )));
+        }
+        match (self.data.get(), self.device.get()) {
+            (None, Some(d)) => d.download_range(r * c, c),
+            _ => Ok(self.row(r).to_vec()),
+        }
+    }
+
     /// [`Tensor::data`], with the error of a failed copy from the device.
     pub fn try_data(&self) -> Result<&[f32]> {
         if let Some(d) = self.data.get() {
@@ -382,6 +405,10 @@ pub(crate) mod test_device {
             self.downloads.fetch_add(1, Ordering::Relaxed);
             Ok(self.values.lock().unwrap().clone())
         }
+        fn download_range(&self, from: usize, len: usize) -> Result<Vec<f32>> {
+            self.downloads.fetch_add(1, Ordering::Relaxed);
+            Ok(self.values.lock().unwrap()[from..from + len].to_vec())
+        }
     }
 }
 
@@ -389,6 +416,20 @@ pub(crate) mod test_device {
 mod tests {
     use super::test_device::FakeDevice;
     use super::*;
+
+    #[test]
+    fn one_row_of_a_device_tensor_comes_back_without_the_rest() {
+        let d = FakeDevice::holding(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let t = Tensor::from_device(&[3, 2], d.clone());
+        assert_eq!(t.row_values(2).unwrap(), [5.0, 6.0]);
+        assert!(!t.on_host(), "reading one row made no host copy");
+        assert!(t.row_values(3).is_err());
+        // Once the host copy exists, rows come from it.
+        assert_eq!(t.row(0), [1.0, 2.0]);
+        let copies = d.downloads.load(Ordering::Relaxed);
+        assert_eq!(t.row_values(1).unwrap(), [3.0, 4.0]);
+        assert_eq!(d.downloads.load(Ordering::Relaxed), copies);
+    }
 
     #[test]
     fn a_device_tensor_is_copied_to_the_host_once_and_only_when_read() {

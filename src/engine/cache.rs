@@ -386,6 +386,41 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_row_cache_keeps_pushed_tensors_and_reads_rows_across_them() {
+        use crate::tensor::test_device::FakeDevice;
+        use std::sync::atomic::Ordering;
+        let mut c = RowCache::new(2);
+        c.push(&[0.0, 0.5]).unwrap();
+        let d = FakeDevice::holding(&[1.0, 1.5, 2.0, 2.5, 3.0, 3.5]);
+        // Rows of a device output, pushed whole ([3, 2] seen as rows of width 2).
+        c.push_rows(Tensor::from_device(&[6], d.clone())).unwrap();
+        c.push(&[4.0, 4.5]).unwrap();
+        assert_eq!(
+            (c.len(), c.writes(), c.bytes()),
+            (5, &[0, 1, 2, 3, 4][..], 40)
+        );
+        assert_eq!(d.downloads.load(Ordering::Relaxed), 0, "nothing read yet");
+        let (t, r) = c.pushed_rows(3).unwrap();
+        assert_eq!((t.shape(), r), (&[3, 2][..], 2));
+        for (t, want) in [
+            (0, [0.0, 0.5]),
+            (1, [1.0, 1.5]),
+            (3, [3.0, 3.5]),
+            (4, [4.0, 4.5]),
+        ] {
+            assert_eq!(c.row(t), want);
+        }
+        assert_eq!(
+            d.downloads.load(Ordering::Relaxed),
+            1,
+            "read once, when read"
+        );
+        assert!(c.push_rows(Tensor::from_vec(&[3], vec![0.0; 3])).is_err());
+        c.push_rows(Tensor::from_vec(&[0, 2], Vec::new())).unwrap();
+        assert_eq!(c.len(), 5);
+    }
+
+    #[test]
     fn paged_rows_read_back_across_page_boundaries() {
         let mut c = LatentCache::new(3, false);
         for t in 0..(PAGE_SIZE * 2 + 5) {

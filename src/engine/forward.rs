@@ -324,7 +324,11 @@ impl<'m> Engine<'m> {
         let mut h = all_reduce(&mut sink, ranks, None, "model.embed_tokens", parts, faults)?;
 
         let mut shared_selection: Vec<Option<Selection>> = vec![None; tp];
+        // A layer's time covers its device work: the device is waited for at its ends, so work
+        // queued before the layer or still running after it is not charged to it.
+        let settle = || backends.iter().try_for_each(|b| b.synchronize());
         for layer in options.layers.clone() {
+            settle()?;
             let begin = Instant::now();
             let fetching = || stores.iter().map(|s| s.fetch_seconds()).sum::<f64>();
             let fetch_before = fetching();
@@ -412,6 +416,7 @@ impl<'m> Engine<'m> {
                     b.add(mid, m)
                 })?;
             }
+            settle()?;
             self.timings.push(LayerTiming {
                 phase,
                 layer,

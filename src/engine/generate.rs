@@ -168,9 +168,9 @@ pub fn run(
     let mut non_finite = Vec::new();
     for step in 0..schedule.decode_steps {
         let logits = last.as_ref().expect("the prompt is not empty");
-        let row = logits.row(logits.rows() - 1);
-        let (next, top) = argmax(row);
-        if !real_choice(row, top) {
+        let row = logits.row_values(logits.rows() - 1)?;
+        let (next, top) = argmax(&row);
+        if !real_choice(&row, top) {
             non_finite.push(step);
         }
         last = Some(engine.decode(next as u32, observer)?);
@@ -178,15 +178,15 @@ pub fn run(
         generated.push(next as u32);
     }
     let logits = last.expect("the prompt is not empty");
-    let row = logits.row(logits.rows() - 1);
-    let (next_token, next_logit) = argmax(row);
+    let row = logits.row_values(logits.rows() - 1)?;
+    let (next_token, next_logit) = argmax(&row);
     Ok(Outcome {
         tokens,
         generated,
         non_finite,
         next_token: next_token as u32,
         next_logit,
-        next_non_finite: !real_choice(row, next_logit),
+        next_non_finite: !real_choice(&row, next_logit),
     })
 }
 

@@ -123,6 +123,14 @@ impl DeviceBuffer for DevBuf {
         let bytes = read_bytes(self.slice.stream(), &self.slice, 0, self.bytes())?;
         Ok(values_of(self.elem, &bytes))
     }
+    fn download_range(&self, from: usize, len: usize) -> Result<Vec<f32>> {
+        if from.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::invalid("device read past the end of a buffer"));
+        }
+        let s = self.elem.size();
+        let bytes = read_bytes(self.slice.stream(), &self.slice, from * s, len * s)?;
+        Ok(values_of(self.elem, &bytes))
+    }
 }
 
 /// `len` bytes from byte `from` of `slice`, once `stream` has done its work (so a kernel's
