@@ -5,20 +5,25 @@
 // beyond. q [n, H, D], w [n, H] (already scaled by H^-0.5), keys [T, D].
 template <typename T> __device__ void index_scores_k(const T* q, const T* w, const T* keys, const int* positions,
                                                      float* out, u64 n, u64 heads, u64 d, u64 context, float scale) {
+    // One warp per score, its lanes taking the heads in turn (one query token's heads are many
+    // dot products of one key row: sequential in one thread, a decode step waited on them).
+    const int lane = threadIdx.x & 31;
     u64 total = n * context;
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+    u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
+    for (u64 i = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5; i < total; i += warps) {
         u64 t = i / context, j = i % context;
         if ((long long)j > positions[t]) {
-            out[i] = -INFINITY;
+            if (lane == 0) out[i] = -INFINITY;
             continue;
         }
         float s = 0.0f;
-        for (u64 h = 0; h < heads; h++) {
+        for (u64 h = lane; h < heads; h += 32) {
             float dot = 0.0f;
             for (u64 c = 0; c < d; c++) dot += ld(q, (t * heads + h) * d + c) * ld(keys, j * d + c);
             s += ld(w, t * heads + h) * fmaxf(dot * scale, 0.0f);
         }
-        out[i] = s;
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        if (lane == 0) out[i] = s;
     }
 }
 extern "C" __global__ void index_scores_f32(const float* q, const float* w, const float* k, const int* p, float* o, u64 n, u64 h, u64 d, u64 c, float s) { index_scores_k(q, w, k, p, o, n, h, d, c, s); }

@@ -298,12 +298,12 @@ impl Gpu {
             size(context),
             Arg::F32(scale),
         ];
-        // SAFETY: every extent checked above; positions are only compared.
+        // SAFETY: every extent checked above; positions are only compared. A warp per score.
         unsafe {
             self.launch(
                 &INDEX_SCORES,
                 &name("index_scores", e),
-                grid_1d(total),
+                grid_1d(prod(&[total, 32])?),
                 &args,
             )
         }
