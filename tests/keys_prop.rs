@@ -1,6 +1,6 @@
 //! Random input never panics the debugger: key sequences (every bound key and others, with and
-//! without Ctrl), mouse clicks and scrolls, and `:` command lines (well-formed ones of every
-//! command, garbage, very long input) over live sessions of the tiny layouts and over the
+//! without Ctrl), mouse clicks and scrolls, `:` command lines (well-formed ones of every
+//! command, garbage, very long input) and `/` searches over live sessions of the tiny layouts and over the
 //! shipped sessions replayed, with the screen drawn at a random size after every input.
 //!
 //! Nothing typed can write outside a temporary directory: the app has no autosave and no log
@@ -47,13 +47,15 @@ enum Input {
     Key(KeyCode, bool),
     /// `:`, the text typed key by key, then Enter.
     Line(String),
+    /// `/`, the text typed key by key, then Enter.
+    Search(String),
     Mouse(MouseEventKind, u16, u16),
     /// The terminal's size from now on.
     Resize(u16, u16),
 }
 
 fn key_code() -> impl Strategy<Value = KeyCode> {
-    let bound: Vec<char> = "kjgGsncRbmfidlh.[]?:q ".chars().collect();
+    let bound: Vec<char> = "kjgGsncRbmfidlh.[]?:q /NP".chars().collect();
     prop_oneof![
         4 => prop::sample::select(bound).prop_map(KeyCode::Char),
         1 => any::<char>().prop_map(KeyCode::Char),
@@ -170,6 +172,7 @@ fn line() -> BoxedStrategy<String> {
         (pick(&["break", "b", "delete", "unbreak"]), spec()).prop_map(|(c, s)| format!("{c} {s}")),
         (pick(&["step", "s"]), number()).prop_map(|(c, n)| format!("{c} {n}")),
         number().prop_map(|n| format!("goto {n}")),
+        number().prop_map(|n| format!("goto layer {n}")),
         pick(&[
             "run",
             "continue",
@@ -208,6 +211,11 @@ fn input() -> impl Strategy<Value = Input> {
     prop_oneof![
         12 => (key_code(), prop::bool::weighted(0.1)).prop_map(|(k, c)| Input::Key(k, c)),
         3 => line().prop_map(Input::Line),
+        1 => prop_oneof![
+            pick(&["attn", "layers.1.", "", "q_absorbed", "LOGITS", "zzz", "."]),
+            garbage(12),
+        ]
+        .prop_map(Input::Search),
         2 => (mouse_kind, 0u16..130, 0u16..45).prop_map(|(k, x, y)| Input::Mouse(k, x, y)),
         1 => (0u16..140, 0u16..50).prop_map(|(w, h)| Input::Resize(w, h)),
     ]
@@ -334,6 +342,13 @@ fn play(target: Target, inputs: &[Input]) -> Result<(), TestCaseError> {
                 Input::Key(code, ctrl) => press(&mut app, *code, *ctrl, dir.path(), n),
                 Input::Line(text) => {
                     press(&mut app, KeyCode::Char(':'), false, dir.path(), n);
+                    for c in text.chars() {
+                        press(&mut app, KeyCode::Char(c), false, dir.path(), n);
+                    }
+                    press(&mut app, KeyCode::Enter, false, dir.path(), n);
+                }
+                Input::Search(text) => {
+                    press(&mut app, KeyCode::Char('/'), false, dir.path(), n);
                     for c in text.chars() {
                         press(&mut app, KeyCode::Char(c), false, dir.path(), n);
                     }

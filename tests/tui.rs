@@ -272,8 +272,11 @@ fn snapshot_comparison_after_mla_toggle() {
     press(&mut app, "c");
     press(&mut app, "m");
     press(&mut app, "d");
-    // From logits up to layer 3's attention output in the last decode step.
-    press(&mut app, "kkkkkkkkkkkk");
+    // Layer 3 of the last decode step (the phase of the selection, the logits), collapsed
+    // until opened, then its attention output.
+    command(&mut app, "goto layer 3");
+    press(&mut app, "/attn_output");
+    key(&mut app, KeyCode::Enter);
     assert_eq!(
         app.selected_op().unwrap().1.name,
         "model.layers.3.self_attn.attn_output"

@@ -1,5 +1,5 @@
-//! The real binary under tmux: start the debugger, step, toggle MLA disable, open the Learn view,
-//! quit, and check the screen at each stage with capture-pane. Skips (with the reason printed)
+//! The real binary under tmux: start the debugger, step, search, toggle MLA disable, open the
+//! Learn view, quit, and check the screen at each stage with capture-pane. Skips (with the reason printed)
 //! where tmux is not installed; .ci/run installs it.
 
 use std::process::Command;
@@ -102,9 +102,20 @@ fn a_newcomer_session_under_tmux() {
     // Step through a layer.
     tmux.keys(&["s", "n"]);
     let screen = tmux.wait_for("L1 input_layernorm");
+    // Layers start collapsed: layer 0, run through, is one row; layer 1, where the run stands,
+    // is open.
     assert!(
-        screen.contains("self_attn.kv_b_proj") && screen.contains("mlp.down_proj"),
-        "layer 0 is listed:\n{screen}"
+        screen.contains("▸  layer 0")
+            && screen.contains("▾  layer 1")
+            && !screen.contains("mlp.down_proj"),
+        "layer 0 is collapsed:\n{screen}"
+    );
+    // A search opens layer 0 at its match.
+    tmux.keys(&["/", "kv_b_proj", "Enter"]);
+    let screen = tmux.wait_for("/kv_b_proj: match 1 of 1, wrapped");
+    assert!(
+        screen.contains("▾  layer 0") && screen.contains("self_attn.kv_b_proj"),
+        "layer 0 is open at the match:\n{screen}"
     );
     // Run to the end, toggle MLA disable, see the comparison.
     tmux.keys(&["c"]);

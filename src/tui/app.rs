@@ -21,8 +21,13 @@ use std::sync::Arc;
 mod commands;
 mod derived;
 mod navigation;
+mod progress;
+mod search;
+mod summary;
 
 pub use derived::{Against, Divergence, Marks};
+pub use progress::{system_clock, Clock, Started};
+pub use summary::{op_health, Health, LayerSummary, Summaries};
 
 /// The right-hand pane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,6 +63,10 @@ pub enum Overlay {
         scope: Scope,
     },
     Command {
+        input: String,
+    },
+    /// The search prompt (`/`): part of an op name.
+    Search {
         input: String,
     },
 }
@@ -127,7 +136,21 @@ pub struct App {
     pub tab: Tab,
     pub overlay: Overlay,
     pub selected: Option<Node>,
+    /// Phases and layers the user opened (phases also open as the selection reaches them).
     pub expanded: HashSet<Node>,
+    /// The layer holding the op a step, search or jump selected last: open while it is, so
+    /// that the tree shows where the selection is and every other layer stays collapsed.
+    pub auto_open: Option<Node>,
+    /// The text `N`/`P` search for again.
+    pub last_search: Option<String>,
+    /// A line for the status line until the next key (a search's result, say).
+    pub notice: Option<String>,
+    /// Where the time comes from (the ETA of a long command); tests set their own.
+    pub clock: Clock,
+    /// When the running command started, for its ETA.
+    pub started: Option<Started>,
+    /// First line of the help shown (it scrolls where the screen is too small for it).
+    pub help_scroll: u16,
     /// First tree row shown.
     pub scroll: usize,
     /// The selection follows the execution position.
@@ -150,6 +173,8 @@ pub struct App {
     /// Per run: each op's verdict against the reference dump (`--reference`), as for
     /// `mark_cache`.
     pub reference_marks: HashMap<usize, Marks>,
+    /// Per (run, comparison run): each layer's summary for its tree row (see [`Summaries`]).
+    pub summary_cache: HashMap<(usize, Option<usize>), Summaries>,
     /// Where and how often the session is saved unasked (and on quit); `None`: never.
     pub autosave: Option<Autosave>,
     /// MLA disable came on from `VLLM_MLA_DISABLE` (the header says so).
@@ -206,6 +231,12 @@ impl App {
             overlay: Overlay::None,
             selected: None,
             expanded: HashSet::new(),
+            auto_open: None,
+            last_search: None,
+            notice: None,
+            clock: system_clock(),
+            started: None,
+            help_scroll: 0,
             scroll: 0,
             follow: true,
             head: 0,
@@ -217,6 +248,7 @@ impl App {
             divergence_cache: HashMap::new(),
             mark_cache: HashMap::new(),
             reference_marks: HashMap::new(),
+            summary_cache: HashMap::new(),
             autosave: None,
             mla_disable_env: false,
             rank_view: None,
@@ -299,6 +331,8 @@ impl App {
                 self.divergence_cache.clear();
                 self.mark_cache.clear();
                 self.reference_marks.clear();
+                self.summary_cache.clear();
+                self.auto_open = None;
                 let m = &mut self.mirror;
                 m.info = Some(*info);
                 m.runs.clear();
@@ -317,6 +351,7 @@ impl App {
                     m.runs.push(RunRecord::new(flags));
                 }
                 m.runs[run].push(*event, output);
+                self.progress_op();
                 if self.follow {
                     self.select_position();
                 }
@@ -382,18 +417,43 @@ impl App {
             }
             Update::Notes(notes) => self.notes = notes,
             Update::Error(e) => self.say(format!("error: {e}")),
-            Update::Busy(b) => m.busy = b,
+            Update::Busy(b) => {
+                m.busy = b;
+                self.busy_changed(self.mirror.busy.is_some());
+            }
         }
     }
 
     pub fn on_key(&mut self, key: KeyEvent) {
+        self.notice = None;
+        // Ctrl-C quits from the prompts too, which otherwise take every key as text.
+        if let Overlay::Command { .. } | Overlay::Search { .. } = self.overlay {
+            if self.keymap.action(&key) == Some(Action::Quit)
+                && key
+                    .modifiers
+                    .contains(ratatui::crossterm::event::KeyModifiers::CONTROL)
+            {
+                self.quit = true;
+                return;
+            }
+        }
         match self.overlay.clone() {
             Overlay::Command { input } => return self.command_key(key, input),
+            Overlay::Search { input } => return self.search_key(key, input),
             Overlay::Inject { selected, scope } => return self.inject_key(key, selected, scope),
             Overlay::Help => {
-                self.overlay = Overlay::None;
-                if self.keymap.action(&key) == Some(Action::Quit) {
-                    self.quit = true;
+                // j/k and the page keys scroll a help taller than the screen; any other key
+                // closes it (quit quits).
+                let s = self.help_scroll;
+                match self.keymap.action(&key) {
+                    Some(Action::Down) => self.help_scroll = s.saturating_add(1),
+                    Some(Action::Up) => self.help_scroll = s.saturating_sub(1),
+                    Some(Action::PageDown) => self.help_scroll = s.saturating_add(10),
+                    Some(Action::PageUp) => self.help_scroll = s.saturating_sub(10),
+                    other => {
+                        self.overlay = Overlay::None;
+                        self.quit = other == Some(Action::Quit);
+                    }
                 }
                 return;
             }
@@ -506,6 +566,13 @@ impl App {
                     input: String::new(),
                 }
             }
+            Action::Search => {
+                self.overlay = Overlay::Search {
+                    input: String::new(),
+                }
+            }
+            Action::SearchNext => self.search_again(true),
+            Action::SearchPrevious => self.search_again(false),
             Action::NextTab => {
                 let i = Tab::ALL.iter().position(|t| *t == self.tab).unwrap_or(0);
                 self.tab = Tab::ALL[(i + 1) % Tab::ALL.len()];
@@ -521,7 +588,10 @@ impl App {
             }
             Action::Narrower => self.tree_percent = self.tree_percent.saturating_sub(5).max(20),
             Action::Wider => self.tree_percent = (self.tree_percent + 5).min(70),
-            Action::Help => self.overlay = Overlay::Help,
+            Action::Help => {
+                self.overlay = Overlay::Help;
+                self.help_scroll = 0;
+            }
             Action::Cancel => {
                 if self.mirror.busy.is_some() {
                     self.driver.cancel();
@@ -539,26 +609,5 @@ impl App {
         }
         self.follow = true;
         self.send(command);
-    }
-
-    /// Fraction of the run done, while a command runs (for the gauge).
-    pub fn progress(&self) -> Option<f64> {
-        self.mirror.busy.as_ref()?;
-        let info = self.mirror.info.as_ref()?;
-        let e = self.mirror.position()?;
-        let s = &info.schedule;
-        let phases = (if s.prefill_len > 0 { 1 } else { 0 }) + s.prompt.len() - s.prefill_len
-            + s.decode_steps;
-        let phase_index = match e.phase {
-            Phase::Prefill => 0,
-            Phase::Decode(k) => k + usize::from(s.prefill_len > 0),
-        };
-        let layers = info.layers.len().max(1) as f64;
-        let within = match e.layer {
-            Some(l) => (l - info.layers.start + 1) as f64 / (layers + 1.0),
-            None if e.name == "model.embed_tokens" => 0.0,
-            None => 1.0,
-        };
-        Some(((phase_index as f64 + within) / phases.max(1) as f64).clamp(0.0, 1.0))
     }
 }

@@ -26,6 +26,9 @@ pub enum Action {
     Compare,
     Learn,
     Command,
+    Search,
+    SearchNext,
+    SearchPrevious,
     NextTab,
     NextHead,
     NextRank,
@@ -38,7 +41,7 @@ pub enum Action {
 }
 
 impl Action {
-    pub const ALL: [Action; 27] = [
+    pub const ALL: [Action; 30] = [
         Action::Up,
         Action::Down,
         Action::PageUp,
@@ -57,6 +60,9 @@ impl Action {
         Action::Compare,
         Action::Learn,
         Action::Command,
+        Action::Search,
+        Action::SearchNext,
+        Action::SearchPrevious,
         Action::NextTab,
         Action::NextHead,
         Action::NextRank,
@@ -112,6 +118,9 @@ impl Action {
             Action::Compare => "comparison of the selected op",
             Action::Learn => "Learn view: weight absorption on this layer",
             Action::Command => "command line (break, goto, run, step, bisect, set, save, load)",
+            Action::Search => "search op names: Enter selects the next op whose name has it",
+            Action::SearchNext => "next op matching the last search",
+            Action::SearchPrevious => "previous op matching the last search",
             Action::NextTab => "next pane: tensor / buffers / compare",
             Action::NextHead => "next attention head in the heat map",
             Action::NextRank => "tree shows one tensor-parallel rank, the next, then all",
@@ -144,6 +153,9 @@ impl Action {
             Action::Compare => &["d"],
             Action::Learn => &["l"],
             Action::Command => &[":"],
+            Action::Search => &["/"],
+            Action::SearchNext => &["N"],
+            Action::SearchPrevious => &["P"],
             Action::NextTab => &["tab"],
             Action::NextHead => &["h"],
             Action::NextRank => &["r"],

@@ -107,9 +107,12 @@ impl App {
                 Err(e) => self.say(format!("error: {e}")),
             },
             "breakpoints" | "info" => self.list_breakpoints(),
+            "goto" | "g" if rest == "layer" || rest.starts_with("layer ") => {
+                self.goto_layer(&rest["layer".len()..])
+            }
             "goto" | "g" => match parse_goto(rest) {
                 Some(to) => self.send(Command::Goto(to)),
-                None => self.say("usage: goto N (an op index) or goto first-divergent"),
+                None => self.say(GOTO_USAGE),
             },
             "run" | "continue" | "c" => self.run_command(Command::Continue),
             "step" | "s" => {
@@ -151,7 +154,7 @@ impl App {
             "quit" | "q" => self.quit = true,
             "help" => self.overlay = Overlay::Help,
             _ => self.say(format!(
-                "error: unknown command '{line}' (break SPEC, delete [SPEC], breakpoints, goto N|first-divergent, run, step [N], next, restart, bisect, compare, set KEY VALUE, save FILE, load FILE, note TEXT, quit)"
+                "error: unknown command '{line}' (break SPEC, delete [SPEC], breakpoints, goto N|first-divergent|layer N, run, step [N], next, restart, bisect, compare, set KEY VALUE, save FILE, load FILE, note TEXT, quit)"
             )),
         }
     }
@@ -178,6 +181,10 @@ impl App {
 pub const SET_USAGE: &str = "usage: set KEY VALUE (flags: mla-disable, prefill-path, \
      decode-path, force-dequant, device, dtype, inject NAME[@prefill|@decode|@both] (replaces; \
      +NAME adds, -NAME removes, none clears); schedule: tokens 3,141,59, prefill K, decode N)";
+
+/// What `:goto` says when it cannot tell where to go.
+pub const GOTO_USAGE: &str =
+    "usage: goto N (an op index), goto first-divergent or goto layer N (a layer of this phase)";
 
 /// `N`, `#N` or `first-divergent`.
 fn parse_goto(text: &str) -> Option<Goto> {

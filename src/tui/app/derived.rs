@@ -103,11 +103,12 @@ pub enum Against {
 }
 
 impl App {
-    /// Brings the derived comparisons up to date: the marks of the current run, and, while the
-    /// Compare pane shows an op, the first divergent op of each comparison it shows. Each is
-    /// computed once per state of the runs.
+    /// Brings the derived comparisons up to date: the marks of the current run, the layer
+    /// summaries made from them, and, while the Compare pane shows an op, the first divergent
+    /// op of each comparison it shows. Each is computed once per state of the runs.
     pub fn refresh_comparisons(&mut self) {
         self.refresh_marks();
+        self.refresh_summaries();
         if self.tab == Tab::Compare && self.selected_op().is_some() {
             for against in [
                 Against::Comparison,

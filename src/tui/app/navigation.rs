@@ -5,17 +5,22 @@ use crate::engine::trace::OpEvent;
 use ratatui::crossterm::event::{MouseButton, MouseEvent, MouseEventKind};
 
 impl App {
-    /// Selects a node, expanding what holds it.
+    /// Selects a node, expanding what holds it: its phase stays open, its layer is open while
+    /// the selection is there (the layer opened before closes, unless the user opened it).
     pub fn select(&mut self, node: Node) {
         if let Node::Op(i) = node {
             if let Some(e) = self.mirror.current().and_then(|r| r.events.get(i)) {
                 self.expanded.insert(Node::Phase(e.phase));
-                if let Some(l) = e.layer {
-                    self.expanded.insert(Node::Layer(e.phase, l));
-                }
+                self.auto_open = e.layer.map(|l| Node::Layer(e.phase, l));
             }
         }
         self.selected = Some(node);
+    }
+
+    /// Whether a phase or layer row shows what it holds: the user opened it, or it holds the
+    /// op last selected by a step, a search or a jump. Layers start collapsed.
+    pub fn is_open(&self, node: Node) -> bool {
+        self.expanded.contains(&node) || self.auto_open == Some(node)
     }
 
     pub(super) fn select_position(&mut self) {
@@ -56,7 +61,7 @@ impl App {
                 node: phase_node,
                 depth: 0,
             });
-            let open = self.expanded.contains(&phase_node);
+            let open = self.is_open(phase_node);
             while i < events.len() && events[i].phase == phase {
                 match events[i].layer {
                     None => {
@@ -76,7 +81,7 @@ impl App {
                                 depth: 1,
                             });
                         }
-                        let layer_open = open && self.expanded.contains(&layer_node);
+                        let layer_open = open && self.is_open(layer_node);
                         while i < events.len()
                             && events[i].phase == phase
                             && events[i].layer == Some(l)
@@ -97,7 +102,7 @@ impl App {
     }
 
     /// Whether the tree shows the ops of `rank` (see [`App::rank_view`]).
-    fn shows_rank(&self, rank: Option<usize>) -> bool {
+    pub(super) fn shows_rank(&self, rank: Option<usize>) -> bool {
         self.rank_view.is_none() || rank == self.rank_view
     }
 
@@ -168,7 +173,12 @@ impl App {
         let Some(node) = self.selected else { return };
         match node {
             Node::Phase(_) | Node::Layer(..) => {
-                if !self.expanded.remove(&node) {
+                if self.is_open(node) {
+                    self.expanded.remove(&node);
+                    if self.auto_open == Some(node) {
+                        self.auto_open = None;
+                    }
+                } else {
                     self.expanded.insert(node);
                 }
             }

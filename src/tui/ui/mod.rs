@@ -56,7 +56,7 @@ pub fn draw(frame: &mut Frame, app: &mut App) {
         Overlay::Inject { selected, scope } => {
             overlays::inject(frame, app, area, *selected, *scope)
         }
-        Overlay::Command { .. } | Overlay::None => {}
+        Overlay::Command { .. } | Overlay::Search { .. } | Overlay::None => {}
     }
 }
 
@@ -204,14 +204,24 @@ fn log_pane(frame: &mut Frame, app: &App, area: Rect) {
 
 fn status_line(frame: &mut Frame, app: &App, area: Rect) {
     let t = &app.theme;
-    if let Overlay::Command { input } = &app.overlay {
-        frame.render_widget(Paragraph::new(format!(":{input}█")), area);
-        return;
+    match &app.overlay {
+        Overlay::Command { input } => {
+            frame.render_widget(Paragraph::new(format!(":{input}█")), area);
+            return;
+        }
+        Overlay::Search { input } => {
+            frame.render_widget(Paragraph::new(format!("/{input}█")), area);
+            return;
+        }
+        _ => {}
     }
     if let (Some(what), Some(p)) = (&app.mirror.busy, app.progress()) {
+        let eta = app
+            .time_left_text()
+            .map_or(String::new(), |t| format!(" · {t}"));
         let gauge = Gauge::default()
             .ratio(p)
-            .label(format!("{what}: {:.0}% · Esc cancels", p * 100.0))
+            .label(format!("{what}: {:.0}%{eta} · Esc cancels", p * 100.0))
             .gauge_style(t.accent());
         frame.render_widget(gauge, area);
         return;
@@ -229,6 +239,15 @@ fn status_line(frame: &mut Frame, app: &App, area: Rect) {
         (_, _, Some(Stop::Cancelled)) => "paused (cancelled)".to_string(),
         _ => "paused".to_string(),
     };
+    // A search's or jump's result, until the next key, in place of the position.
+    if let Some(notice) = &app.notice {
+        let line = Line::from(vec![
+            Span::styled(format!(" {state} "), t.selected()),
+            Span::styled(format!(" {notice} "), t.on()),
+        ]);
+        frame.render_widget(Paragraph::new(line), area);
+        return;
+    }
     let position = match m.position() {
         Some(e) => format!(
             "#{} {} {}{}",
@@ -301,19 +320,14 @@ pub fn output_diff(
 /// run, or ok.
 pub fn op_mark(app: &App, index: usize, e: &OpEvent) -> (&'static str, Style) {
     let t = &app.theme;
-    let s = &e.stats;
-    if e.kernel_wrote.is_some_and(|k| k.id != e.output.id) {
+    let health = crate::tui::app::op_health(e);
+    if health.disconnected {
         return ("x", t.bad());
     }
-    if s.unwritten > 0 {
+    if health.unwritten > 0 {
         return ("?", t.warn());
     }
-    let neg_inf = if e.kind == crate::engine::OpKind::IndexScores {
-        0
-    } else {
-        s.neg_inf
-    };
-    if s.nan + s.pos_inf + neg_inf > 0 {
+    if health.non_finite > 0 {
         return ("!", t.bad());
     }
     if app

@@ -2,9 +2,10 @@
 
 use crate::engine::faults::{Fault, Scope};
 use crate::tui::app::App;
+use crate::tui::keys::Action;
 use ratatui::layout::{Constraint, Flex, Layout, Rect};
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Block, Borders, Clear, Paragraph, Wrap};
+use ratatui::widgets::{Block, Borders, Clear, Paragraph};
 use ratatui::Frame;
 
 /// A centred box of at most `w` × `h`.
@@ -18,40 +19,90 @@ fn centred(area: Rect, w: u16, h: u16) -> Rect {
     r
 }
 
-pub fn help(frame: &mut Frame, app: &App, area: Rect) {
-    let t = &app.theme;
-    let mut lines: Vec<Line> = app
-        .keymap
-        .help()
-        .into_iter()
-        .map(|(keys, what)| {
-            Line::from(vec![
+/// The help: every key from the key map, then the commands and what the tree's marks mean.
+/// Lines are wrapped to the box here, so that j/k scroll it exactly where it does not fit
+/// (80×24 among others).
+pub fn help(frame: &mut Frame, app: &mut App, area: Rect) {
+    let t = app.theme;
+    let r = centred(area, 92, area.height);
+    let width = r.width.saturating_sub(2).max(20) as usize;
+    let mut lines: Vec<Line> = Vec::new();
+    for (keys, what) in app.keymap.help() {
+        for (n, part) in wrap(what, width.saturating_sub(16)).into_iter().enumerate() {
+            let keys = if n == 0 { keys.as_str() } else { "" };
+            lines.push(Line::from(vec![
                 Span::styled(format!("{keys:>14}  "), t.on()),
-                Span::raw(what),
-            ])
-        })
-        .collect();
+                Span::raw(part),
+            ]));
+        }
+    }
     for text in [
-        "commands: break SPEC · delete [SPEC|all] · breakpoints · goto N|first-divergent · run",
-        "  step [N] · next · restart · bisect · compare · save FILE · load FILE · note TEXT · quit",
+        "commands: break SPEC · delete [SPEC|all] · breakpoints · goto N|first-divergent|layer N",
+        "  run · step [N] · next · restart · bisect · compare · save FILE · load FILE · note TEXT · quit",
         "  set FLAG VALUE · set inject NAME[@prefill|@decode|@both] (replaces; +NAME adds)",
         "  set tokens 3,141,59 · set prefill K · set decode N (the run is recomputed)",
         "breakpoints: layer N · op [PHASE/]PATTERN · nan · zero · absmax>X · diff>X",
         "marks: ▶ position ● breakpoint · ok ≠ diverges ! NaN/Inf ? unwritten x disconnected",
+        "layer rows: ≠/Δ largest difference from the comparison run (beyond / within tolerance) · !N NaN/Inf elements · ?N unwritten elements",
     ] {
-        lines.push(Line::from(Span::styled(text, t.dim())));
+        for (n, part) in wrap(text, width.saturating_sub(2)).into_iter().enumerate() {
+            let indent = if n == 0 { "" } else { "  " };
+            lines.push(Line::from(Span::styled(format!("{indent}{part}"), t.dim())));
+        }
     }
-    let h = lines.len() as u16 + 2;
+    let h = (lines.len() as u16 + 2).min(area.height);
     let r = centred(area, 92, h);
+    let shown = r.height.saturating_sub(2) as usize;
+    let most = lines.len().saturating_sub(shown) as u16;
+    app.help_scroll = app.help_scroll.min(most);
+    let title = if most > 0 {
+        let (down, up) = (
+            app.keymap.key_of(Action::Down),
+            app.keymap.key_of(Action::Up),
+        );
+        format!(" keys ({down}/{up} scroll, any other key closes) ")
+    } else {
+        " keys (any key closes) ".to_string()
+    };
     frame.render_widget(Clear, r);
     frame.render_widget(
-        Paragraph::new(lines).wrap(Wrap { trim: false }).block(
+        Paragraph::new(lines).scroll((app.help_scroll, 0)).block(
             Block::default()
                 .borders(Borders::ALL)
-                .title(Span::styled(" keys (any key closes) ", t.title())),
+                .title(Span::styled(title, t.title())),
         ),
         r,
     );
+}
+
+/// `text` cut into lines of at most `width` characters, at spaces where it can be.
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    // Leading spaces indent every line.
+    let body = text.trim_start();
+    let lead = &text[..text.len() - body.len()];
+    let width = width.saturating_sub(lead.len()).max(8);
+    let mut out = Vec::new();
+    let mut line = String::new();
+    for word in body.split(' ') {
+        let (have, add) = (line.chars().count(), word.chars().count());
+        if have > 0 && have + 1 + add > width {
+            out.push(std::mem::take(&mut line));
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(word);
+        // A word longer than a line is cut.
+        while line.chars().count() > width {
+            let cut: String = line.chars().take(width).collect();
+            line = line.chars().skip(width).collect();
+            out.push(cut);
+        }
+    }
+    if !line.is_empty() || out.is_empty() {
+        out.push(line);
+    }
+    out.into_iter().map(|l| format!("{lead}{l}")).collect()
 }
 
 pub fn inject(frame: &mut Frame, app: &App, area: Rect, selected: usize, scope: Scope) {
