@@ -49,10 +49,10 @@ __device__ __forceinline__ const void* job_weight(const int* meta, int job, int 
 // tokens: acc[w][r][t] = W_w[row0 + r] · in[row of token t], summed over the warp (every lane
 // ends with the sums). Token t's input row is in_rows[first + t] when in_rows is set, else
 // first + t. Rows past `rows` give zeros.
-template <typename T, int NW, int RW>
+template <typename T, int NW, int RW, int TILE>
 __device__ __forceinline__ void expert_rows(const T* const (&w)[NW], u64 rows, u64 k, u64 row0,
                                             const T* in, const int* in_rows, int first, int count,
-                                            float* xs, float (&acc)[NW][RW][EXPERT_TILE]) {
+                                            float* xs, float (&acc)[NW][RW][TILE]) {
     typedef Vec16<T> V;
     const int N = V::N, KC = 32 * N;
     const int lane = threadIdx.x & 31;
@@ -61,13 +61,13 @@ __device__ __forceinline__ void expert_rows(const T* const (&w)[NW], u64 rows, u
 #pragma unroll
         for (int r = 0; r < RW; ++r)
 #pragma unroll
-            for (int t = 0; t < EXPERT_TILE; ++t) acc[a][r][t] = 0.f;
+            for (int t = 0; t < TILE; ++t) acc[a][r][t] = 0.f;
     bool aligned = k % N == 0;
 #pragma unroll
     for (int a = 0; a < NW; ++a) aligned = aligned && ((u64)w[a] & 15) == 0;
     for (u64 k0 = 0; k0 < k; k0 += KC) {
         __syncthreads();
-        for (int i = threadIdx.x; i < EXPERT_TILE * KC; i += blockDim.x) {
+        for (int i = threadIdx.x; i < TILE * KC; i += blockDim.x) {
             int t = i / KC;
             u64 kk = k0 + i % KC;
             float v = 0.f;
@@ -103,7 +103,7 @@ __device__ __forceinline__ void expert_rows(const T* const (&w)[NW], u64 rows, u
                 }
             }
 #pragma unroll
-        for (int t = 0; t < EXPERT_TILE; ++t) {
+        for (int t = 0; t < TILE; ++t) {
             if (t >= count) break;
             float xv[N];
 #pragma unroll
@@ -121,7 +121,7 @@ __device__ __forceinline__ void expert_rows(const T* const (&w)[NW], u64 rows, u
 #pragma unroll
         for (int r = 0; r < RW; ++r)
 #pragma unroll
-            for (int t = 0; t < EXPERT_TILE; ++t)
+            for (int t = 0; t < TILE; ++t)
 #pragma unroll
                 for (int off = 16; off > 0; off >>= 1) acc[a][r][t] += __shfl_xor_sync(0xffffffffu, acc[a][r][t], off);
 }
@@ -131,18 +131,18 @@ __device__ __forceinline__ void expert_rows(const T* const (&w)[NW], u64 rows, u
 
 // act [slots, inter] = SiLU(x·W_gateᵀ) · (x·W_upᵀ) for every tile's tokens; block (b, i) makes
 // rows b·8·GATE_UP_ROWS.. of tile i. x [tokens, k] is read through the slots' tokens.
-template <typename T>
+template <typename T, int TILE>
 __device__ void experts_gate_up_k(const T* x, const int* meta, u64 tiles_at, u64 tok_at, T* act, u64 k, u64 inter) {
     extern __shared__ float xs[];
     const int* tile = meta + tiles_at + 3 * (u64)blockIdx.y;
     int job = tile[0], first = tile[1], count = tile[2];
     const T* const w[2] = {(const T*)job_weight(meta, job, 0), (const T*)job_weight(meta, job, 1)};
     u64 row0 = ((u64)blockIdx.x * (EXPERT_THREADS / 32) + threadIdx.x / 32) * GATE_UP_ROWS;
-    float acc[2][GATE_UP_ROWS][EXPERT_TILE];
-    expert_rows<T, 2, GATE_UP_ROWS>(w, inter, k, row0, x, meta + tok_at, first, count, xs, acc);
+    float acc[2][GATE_UP_ROWS][TILE];
+    expert_rows<T, 2, GATE_UP_ROWS, TILE>(w, inter, k, row0, x, meta + tok_at, first, count, xs, acc);
     int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int t = 0; t < EXPERT_TILE; ++t) {
+    for (int t = 0; t < TILE; ++t) {
         if (t != lane || t >= count) continue;
 #pragma unroll
         for (int r = 0; r < GATE_UP_ROWS; ++r) {
@@ -153,23 +153,27 @@ __device__ void experts_gate_up_k(const T* x, const int* meta, u64 tiles_at, u64
         }
     }
 }
-extern "C" __global__ void experts_gate_up_f32(const float* x, const int* meta, u64 tiles_at, u64 tok_at, float* act, u64 k, u64 inter) { experts_gate_up_k(x, meta, tiles_at, tok_at, act, k, inter); }
-extern "C" __global__ void experts_gate_up_bf16(const bf16_t* x, const int* meta, u64 tiles_at, u64 tok_at, bf16_t* act, u64 k, u64 inter) { experts_gate_up_k(x, meta, tiles_at, tok_at, act, k, inter); }
+// Tiles of up to EXPERT_TILE tokens, and of one token (decoding: a quarter of the registers, so
+// several blocks share an SM and more weight loads are in flight).
+extern "C" __global__ void experts_gate_up_f32(const float* x, const int* meta, u64 tiles_at, u64 tok_at, float* act, u64 k, u64 inter) { experts_gate_up_k<float, EXPERT_TILE>(x, meta, tiles_at, tok_at, act, k, inter); }
+extern "C" __global__ void experts_gate_up_bf16(const bf16_t* x, const int* meta, u64 tiles_at, u64 tok_at, bf16_t* act, u64 k, u64 inter) { experts_gate_up_k<bf16_t, EXPERT_TILE>(x, meta, tiles_at, tok_at, act, k, inter); }
+extern "C" __global__ void experts_gate_up1_f32(const float* x, const int* meta, u64 tiles_at, u64 tok_at, float* act, u64 k, u64 inter) { experts_gate_up_k<float, 1>(x, meta, tiles_at, tok_at, act, k, inter); }
+extern "C" __global__ void experts_gate_up1_bf16(const bf16_t* x, const int* meta, u64 tiles_at, u64 tok_at, bf16_t* act, u64 k, u64 inter) { experts_gate_up_k<bf16_t, 1>(x, meta, tiles_at, tok_at, act, k, inter); }
 
 // y [slots, cols] = act · W_downᵀ for every tile's tokens; block (b, i) makes rows
 // b·8·DOWN_ROWS.. of tile i.
-template <typename T>
+template <typename T, int TILE>
 __device__ void experts_down_k(const T* act, const int* meta, u64 tiles_at, T* y, u64 inter, u64 cols) {
     extern __shared__ float xs[];
     const int* tile = meta + tiles_at + 3 * (u64)blockIdx.y;
     int job = tile[0], first = tile[1], count = tile[2];
     const T* const w[1] = {(const T*)job_weight(meta, job, 2)};
     u64 row0 = ((u64)blockIdx.x * (EXPERT_THREADS / 32) + threadIdx.x / 32) * DOWN_ROWS;
-    float acc[1][DOWN_ROWS][EXPERT_TILE];
-    expert_rows<T, 1, DOWN_ROWS>(w, cols, inter, row0, act, nullptr, first, count, xs, acc);
+    float acc[1][DOWN_ROWS][TILE];
+    expert_rows<T, 1, DOWN_ROWS, TILE>(w, cols, inter, row0, act, nullptr, first, count, xs, acc);
     int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int t = 0; t < EXPERT_TILE; ++t) {
+    for (int t = 0; t < TILE; ++t) {
         if (t != lane || t >= count) continue;
 #pragma unroll
         for (int r = 0; r < DOWN_ROWS; ++r) {
@@ -178,8 +182,10 @@ __device__ void experts_down_k(const T* act, const int* meta, u64 tiles_at, T* y
         }
     }
 }
-extern "C" __global__ void experts_down_f32(const float* act, const int* meta, u64 tiles_at, float* y, u64 inter, u64 cols) { experts_down_k(act, meta, tiles_at, y, inter, cols); }
-extern "C" __global__ void experts_down_bf16(const bf16_t* act, const int* meta, u64 tiles_at, bf16_t* y, u64 inter, u64 cols) { experts_down_k(act, meta, tiles_at, y, inter, cols); }
+extern "C" __global__ void experts_down_f32(const float* act, const int* meta, u64 tiles_at, float* y, u64 inter, u64 cols) { experts_down_k<float, EXPERT_TILE>(act, meta, tiles_at, y, inter, cols); }
+extern "C" __global__ void experts_down_bf16(const bf16_t* act, const int* meta, u64 tiles_at, bf16_t* y, u64 inter, u64 cols) { experts_down_k<bf16_t, EXPERT_TILE>(act, meta, tiles_at, y, inter, cols); }
+extern "C" __global__ void experts_down1_f32(const float* act, const int* meta, u64 tiles_at, float* y, u64 inter, u64 cols) { experts_down_k<float, 1>(act, meta, tiles_at, y, inter, cols); }
+extern "C" __global__ void experts_down1_bf16(const bf16_t* act, const int* meta, u64 tiles_at, bf16_t* y, u64 inter, u64 cols) { experts_down_k<bf16_t, 1>(act, meta, tiles_at, y, inter, cols); }
 
 // out [tokens, cols]: each token's routing-weighted sum of its slots' rows of y, in expert order
 // from zero, rounded to the storage type after each addition (as adding the experts into a

@@ -1,6 +1,6 @@
-// MoE routing, one thread per token: s = sigmoid(logit); choice = s + bias; groups scored by the
-// sum of their two best choices; the best topk_group groups stay eligible; the top_k eligible
-// experts by choice are picked (ties to the lower index), weighted by s / Σs (+1e-20) when
+// MoE routing, one warp per token: s = sigmoid(logit); choice = s + bias; groups scored by the
+// sum of their two best choices; the best topk_group groups stay eligible (the experts of the
+// others rank as -inf); the top_k experts by choice are picked (ties to the lower index), weighted by s / Σs (+1e-20) when
 // normalising, times the scaling factor. Values are ordered as Rust's f32::total_cmp orders them
 // (a NaN ranks above everything), so a NaN upstream routes exactly as on the CPU reference.
 #include "common.cuh"
@@ -11,19 +11,43 @@ __device__ __forceinline__ int total_key(float f) {
     return b ^ (int)(((unsigned)(b >> 31)) >> 1);
 }
 
-extern "C" __global__ void route_f32(const float* logits, const float* bias, u64 tokens, int experts, int n_group,
-                                     int topk_group, int top_k, int normalise, float scaling, int* out_ids,
-                                     float* out_w, float* scratch) {
-    u64 t = blockIdx.x * (u64)blockDim.x + threadIdx.x;
+// The better of two candidates: the larger key, or on equal keys the lower index (top-k's tie
+// rule). An index of -1 is no candidate.
+__device__ __forceinline__ void better(int& key, int& idx, int k2, int i2) {
+    if (i2 >= 0 && (idx < 0 || k2 > key || (k2 == key && i2 < idx))) { key = k2; idx = i2; }
+}
+
+// The warp's best candidate; every lane gets it.
+__device__ __forceinline__ int warp_best(int key, int idx) {
+    for (int o = 16; o > 0; o >>= 1) {
+        int k2 = __shfl_xor_sync(0xffffffffu, key, o), i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        better(key, idx, k2, i2);
+    }
+    return idx;
+}
+
+// Scratch per token: choice [experts], group score [n_group], group kept [n_group], taken
+// [experts]. Output per token: the top_k ids (as floats, exact below 2^24), then their weights.
+template <typename T>
+__device__ void route_warp(const T* logits, const float* bias, u64 tokens, int experts, int n_group, int topk_group,
+                           int top_k, int normalise, float scaling, float* out, float* scratch) {
+    u64 t = blockIdx.x * (u64)(blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
     if (t >= tokens) return;
-    const float* row = logits + t * experts;
-    // Per token: choice [experts], group score [n_group], flags [experts] (1 = eligible).
-    float* choice = scratch + t * (u64)(2 * experts + n_group);
+    const T* row = logits + t * experts;
+    float* choice = scratch + t * (u64)(2 * experts + 2 * n_group);
     float* group_score = choice + experts;
-    float* eligible = group_score + n_group;
+    float* kept = group_score + n_group;
+    float* taken = kept + n_group;
+    float* ids = out + t * (u64)(2 * top_k);
+    float* w = ids + top_k;
     int per_group = experts / n_group;
-    for (int e = 0; e < experts; e++) choice[e] = 1.0f / (1.0f + expf(-row[e])) + bias[e];
-    for (int g = 0; g < n_group; g++) {
+    for (int e = lane; e < experts; e += 32) {
+        choice[e] = 1.0f / (1.0f + expf(-ld(row, e))) + bias[e];
+        taken[e] = 0.0f;
+    }
+    __syncwarp();
+    for (int g = lane; g < n_group; g += 32) {
         // The sum of the group's two best choices (ties to the lower index, as top-k takes them).
         int a = -1, b = -1;
         for (int e = g * per_group; e < (g + 1) * per_group; e++) {
@@ -31,28 +55,55 @@ extern "C" __global__ void route_f32(const float* logits, const float* bias, u64
             else if (b < 0 || total_key(choice[e]) > total_key(choice[b])) b = e;
         }
         group_score[g] = b >= 0 ? choice[a] + choice[b] : choice[a];
+        kept[g] = 0.0f;
     }
-    for (int e = 0; e < experts; e++) eligible[e] = 0.0f;
-    for (int kept = 0; kept < topk_group; kept++) {
-        int best = -1;
-        for (int g = 0; g < n_group; g++)
-            if (eligible[g * per_group] == 0.0f && (best < 0 || total_key(group_score[g]) > total_key(group_score[best]))) best = g;
-        for (int e = best * per_group; e < (best + 1) * per_group; e++) eligible[e] = 1.0f;
+    __syncwarp();
+    if (lane == 0) {
+        for (int k = 0; k < topk_group; k++) {
+            int best = -1;
+            for (int g = 0; g < n_group; g++)
+                if (kept[g] == 0.0f && (best < 0 || total_key(group_score[g]) > total_key(group_score[best]))) best = g;
+            kept[best] = 1.0f;
+        }
     }
-    float sum = 0.0f;
+    __syncwarp();
+    // Experts of dropped groups rank as -inf, as the reference masks them (they stay candidates).
+    const int dropped = total_key(-INFINITY);
     for (int k = 0; k < top_k; k++) {
-        int best = -1;
-        for (int e = 0; e < experts; e++)
-            if (eligible[e] == 1.0f && (best < 0 || total_key(choice[e]) > total_key(choice[best]))) best = e;
-        out_ids[t * top_k + k] = best;
-        eligible[best] = 2.0f;  // taken
-        float s = 1.0f / (1.0f + expf(-row[best]));
-        out_w[t * top_k + k] = s;
-        sum += s;
+        int key = 0, idx = -1;
+        for (int e = lane; e < experts; e += 32)
+            if (taken[e] == 0.0f) better(key, idx, kept[e / per_group] != 0.0f ? total_key(choice[e]) : dropped, e);
+        idx = warp_best(key, idx);
+        if (lane == 0) {
+            if (idx >= 0) taken[idx] = 1.0f;
+            ids[k] = (float)idx;
+        }
+        __syncwarp();
     }
-    for (int k = 0; k < top_k; k++) {
-        float w = out_w[t * top_k + k];
-        if (normalise) w /= sum + 1e-20f;
-        out_w[t * top_k + k] = w * scaling;
+    if (lane == 0) {
+        float sum = 0.0f;
+        for (int k = 0; k < top_k; k++) {
+            int e = (int)ids[k];
+            float s = e >= 0 ? 1.0f / (1.0f + expf(-ld(row, e))) : 0.0f;
+            w[k] = s;
+            sum += s;
+        }
+        for (int k = 0; k < top_k; k++) {
+            float v = w[k];
+            if (normalise) v /= sum + 1e-20f;
+            w[k] = v * scaling;
+        }
     }
+}
+
+extern "C" __global__ void route_f32(const float* logits, const float* bias, u64 tokens, int experts, int n_group,
+                                     int topk_group, int top_k, int normalise, float scaling, float* out,
+                                     float* scratch) {
+    route_warp(logits, bias, tokens, experts, n_group, topk_group, top_k, normalise, scaling, out, scratch);
+}
+
+extern "C" __global__ void route_bf16(const bf16_t* logits, const float* bias, u64 tokens, int experts, int n_group,
+                                      int topk_group, int top_k, int normalise, float scaling, float* out,
+                                      float* scratch) {
+    route_warp(logits, bias, tokens, experts, n_group, topk_group, top_k, normalise, scaling, out, scratch);
 }

@@ -27,6 +27,8 @@ pub struct ModelSpec {
     pub model: Option<PathBuf>,
     pub seed: u64,
     pub weight_cache_mb: usize,
+    /// Device memory for cached weights, in GB (`None`: from the device's free memory).
+    pub device_cache_gb: Option<f64>,
     /// GGUF block type the projection weights are quantized to at load (`q8_0`, `q4_k`, ...).
     pub quant: Option<String>,
 }
@@ -38,6 +40,7 @@ impl ModelSpec {
             model: None,
             seed: 0,
             weight_cache_mb: DEFAULT_WEIGHT_CACHE_MB,
+            device_cache_gb: None,
             quant: None,
         }
     }
@@ -74,6 +77,7 @@ impl ModelSpec {
                     model: Some(path.clone()),
                     seed: 0,
                     weight_cache_mb: DEFAULT_WEIGHT_CACHE_MB,
+                    device_cache_gb: None,
                     quant: quant.clone(),
                 }
             }
@@ -82,6 +86,14 @@ impl ModelSpec {
 
     /// Builds the model: a checkpoint, or a layout (default glm5-tiny) with synthetic weights.
     pub fn load(&self) -> Result<Model> {
+        let model = self.load_weights()?;
+        if let Some(gb) = self.device_cache_gb {
+            model.weights.set_device_budget((gb * 1e9) as usize);
+        }
+        Ok(model)
+    }
+
+    fn load_weights(&self) -> Result<Model> {
         let budget = self.weight_cache_mb.saturating_mul(1 << 20);
         let quant = self.quant_type()?;
         match &self.model {

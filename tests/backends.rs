@@ -308,29 +308,58 @@ fn a_statistics_batch_keeps_each_tensor_as_it_was_when_started(gpu: bool) {
 }
 
 fn routing_picks_the_same_experts(gpu: bool) {
-    let moe = MoeLayout {
-        n_routed_experts: 32,
-        num_experts_per_tok: 4,
+    let moe = |e, k, g, kept| MoeLayout {
+        n_routed_experts: e,
+        num_experts_per_tok: k,
         n_shared_experts: 1,
         moe_intermediate_size: 8,
-        n_group: 4,
-        topk_group: 2,
+        n_group: g,
+        topk_group: kept,
         routed_scaling_factor: 2.5,
         norm_topk_prob: true,
     };
-    let logits = random(&[9, 32], "logits", 2.0);
-    let bias = random(&[32], "bias", 0.1);
-    let want = CpuBackend.route(&logits, &bias, &moe).unwrap();
-    for u in backends(gpu) {
-        let got = u.backend.route(&logits, &bias, &moe).unwrap();
-        assert_eq!(got.experts, want.experts, "{}", u.name);
-        for (a, b) in got
-            .weights
-            .iter()
-            .flatten()
-            .zip(want.weights.iter().flatten())
-        {
-            assert!((a - b).abs() < 1e-5, "{}: {a} vs {b}", u.name);
+    // Small groups; GLM-5's 256 experts in one group; DeepSeek-V3's in 8 groups, 4 kept.
+    for (case, moe) in [moe(32, 4, 4, 2), moe(256, 8, 1, 1), moe(256, 8, 8, 4)]
+        .into_iter()
+        .enumerate()
+    {
+        let e = moe.n_routed_experts;
+        let mut logits = random(&[9, e], &format!("logits {case}"), 2.0);
+        // Exact ties (top-k keeps the lower index), and NaNs (which rank above everything in a
+        // kept group and as -inf in a dropped one).
+        let data = logits.data_mut();
+        for j in 0..6 {
+            data[e + 2 * j] = 1.5;
+            data[e + 2 * j + 1] = 1.5;
+        }
+        data[2 * e + 3] = f32::NAN;
+        data[3 * e + e - 1] = f32::NAN;
+        let bias = random(&[e], &format!("bias {case}"), 0.1);
+        let want = CpuBackend.route(&logits, &bias, &moe).unwrap();
+        for u in backends(gpu) {
+            // The logits as a host tensor, and as the device tensor a gate op leaves (in the
+            // backend's storage type: the reference then routes the stored values).
+            let on_device = u.backend.scale(&logits, 1.0).unwrap();
+            let want_stored = CpuBackend
+                .route(
+                    &Tensor::from_vec(logits.shape(), on_device.data().to_vec()),
+                    &bias,
+                    &moe,
+                )
+                .unwrap();
+            for (input, want) in [(&logits, &want), (&on_device, &want_stored)] {
+                let got = u.backend.route(input, &bias, &moe).unwrap();
+                assert_eq!(got.experts, want.experts, "{} case {case}", u.name);
+                for (a, b) in got
+                    .weights
+                    .iter()
+                    .flatten()
+                    .zip(want.weights.iter().flatten())
+                {
+                    let same = (a - b).abs() < 1e-5 || (a.is_nan() && b.is_nan());
+                    assert!(same, "{} case {case}: {a} vs {b}", u.name);
+                }
+            }
         }
     }
 }

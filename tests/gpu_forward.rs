@@ -383,3 +383,43 @@ fn late_events_carry_the_statistics_of_their_own_op() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn a_small_device_cache_evicts_and_remakes_the_same_weights() {
+    for (name, gpu, _) in gpu_backends() {
+        let storage = if name.ends_with("bf16") {
+            StorageDtype::Bf16
+        } else {
+            StorageDtype::F32
+        };
+        let flags = Flags {
+            dtype: storage,
+            ..Flags::default()
+        };
+        let schedule = Schedule {
+            prompt: prompt(64, 10),
+            prefill_len: 8,
+            decode_steps: 2,
+        };
+        // Unbounded, then bounded to 64 KiB: far less than one layer's weights, so nearly every
+        // weight is made again at each use.
+        let roomy = synthetic("glm5-tiny", 5);
+        let want = run(&roomy, gpu.as_ref(), flags, &schedule);
+        assert!(roomy.weights.cached_bytes().device > 64 << 10, "{name}");
+        let tight = synthetic("glm5-tiny", 5);
+        tight.weights.set_device_budget(64 << 10);
+        let got = run(&tight, gpu.as_ref(), flags, &schedule);
+        let held = tight.weights.cached_bytes().device;
+        assert!(held <= 64 << 10, "{name}: {held} bytes held on the device");
+        assert_eq!(want.len(), got.len(), "{name}");
+        for (i, e) in want.events.iter().enumerate() {
+            let (a, b) = (want.outputs[i].data(), got.outputs[i].data());
+            let same = a
+                .iter()
+                .zip(b)
+                .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()));
+            assert!(same, "{name}: {} differs with the small cache", e.name);
+        }
+    }
+}

@@ -185,6 +185,11 @@ pub trait Backend: Send + Sync {
     /// their outputs element by element and ignore it.
     fn set_poison_outputs(&self, _on: bool) {}
 
+    /// The device's free and total memory in bytes (`None`: a host backend).
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        None
+    }
+
     /// Waits until the work queued on the backend's device is done (a host backend has none).
     fn synchronize(&self) -> Result<()> {
         Ok(())

@@ -34,6 +34,11 @@ pub struct ModelArgs {
     /// Memory for keeping fetched weights between steps, in MiB.
     #[arg(long, default_value_t = crate::setup::DEFAULT_WEIGHT_CACHE_MB)]
     pub weight_cache_mb: usize,
+    /// Device memory for keeping weights between steps on a GPU run, in GB (default: the
+    /// device's free memory less an eighth of its total, at least 4 GiB, for activations and
+    /// caches). Weights made on the GPU are bounded by this alone.
+    #[arg(long, value_parser = parse_gb)]
+    pub device_cache_gb: Option<f64>,
     /// Quantize the projection weights at load, as a GGUF file would hold them: q8_0, q4_0,
     /// q4_k or q6_k (K-quant rows that are not multiples of 256 fall back to q4_0 / q8_0, as
     /// llama.cpp does).
@@ -48,6 +53,7 @@ impl ModelArgs {
             model: None,
             seed: 0,
             weight_cache_mb: crate::setup::DEFAULT_WEIGHT_CACHE_MB,
+            device_cache_gb: None,
             quant: None,
         }
     }
@@ -59,6 +65,7 @@ impl ModelArgs {
             model: self.model.clone(),
             seed: self.seed,
             weight_cache_mb: self.weight_cache_mb,
+            device_cache_gb: self.device_cache_gb,
             quant: self.quant.clone(),
         }
     }
@@ -342,6 +349,16 @@ impl From<DeviceArg> for DeviceChoice {
     }
 }
 
+/// A size in GB: a finite number, zero or more, at most 1 PB.
+fn parse_gb(text: &str) -> std::result::Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(gb) if gb.is_finite() && (0.0..=1e6).contains(&gb) => Ok(gb),
+        _ => Err(format!(
+            "'{text}' is not a size in GB (a number from 0 to 1000000)"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -379,5 +396,14 @@ mod tests {
         assert_eq!(flags.faults.to_string(), "softmax-scale-latent@decode");
         let setup = RunSetup::with_layout("glm5-tiny");
         assert_eq!(setup.spec(), RunSpec::with_layout("glm5-tiny"));
+    }
+
+    #[test]
+    fn a_device_cache_size_is_a_finite_number_of_gb() {
+        assert_eq!(parse_gb("80"), Ok(80.0));
+        assert_eq!(parse_gb("0.5"), Ok(0.5));
+        for bad in ["-1", "nan", "inf", "1e9", "lots", ""] {
+            assert!(parse_gb(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -211,6 +211,13 @@ pub fn mean_per_layer(timings: &[LayerTiming], want: fn(&Phase) -> bool) -> (f64
     )
 }
 
+/// Mean seconds per layer the host spent before waiting for the device, over the timings of
+/// the phases `want` picks.
+pub fn mean_host(timings: &[LayerTiming], want: fn(&Phase) -> bool) -> f64 {
+    let v: Vec<_> = timings.iter().filter(|t| want(&t.phase)).collect();
+    v.iter().map(|t| t.host_seconds).sum::<f64>() / v.len().max(1) as f64
+}
+
 /// Mean seconds per layer spent in the all-reduces, over the timings of the phases `want` picks.
 pub fn mean_collective(timings: &[LayerTiming], want: fn(&Phase) -> bool) -> f64 {
     let v: Vec<_> = timings.iter().filter(|t| want(&t.phase)).collect();

@@ -413,8 +413,8 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
                 .unwrap_or_default()
         )?;
     }
-    // Per layer and phase: (seconds, seconds in the all-reduces).
-    let per_phase = |stats: bool, tp: usize| -> Result<[(f64, f64); 2]> {
+    // Per layer and phase: (seconds, seconds in the all-reduces, the host's seconds).
+    let per_phase = |stats: bool, tp: usize| -> Result<[(f64, f64, f64); 2]> {
         let mut engine = Engine::new(&model, &backend, options(tp))?;
         if stats {
             generate::run(&mut engine, &schedule, &mut StatsObserver { events: 0 })?;
@@ -426,6 +426,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
             (
                 super::bench::mean_per_layer(t, want).0,
                 super::bench::mean_collective(t, want),
+                super::bench::mean_host(t, want),
             )
         };
         Ok([
@@ -435,13 +436,14 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
     };
     writeln!(
         Out,
-        "{:<28} {:>4} {:>12} {:>12} {:>9} {:>16}",
+        "{:<28} {:>4} {:>12} {:>12} {:>9} {:>16} {:>15}",
         "per layer (median of 3 runs)",
         "tp",
         "no stats ms",
         "stats ms",
         "overhead",
-        "all-reduce share"
+        "all-reduce share",
+        "host ms (stats)"
     )?;
     let phases: &[&str] = match args.decode {
         0 => &["prefill"],
@@ -450,13 +452,22 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
     for (i, phase) in phases.iter().enumerate() {
         for &tp in &tps {
             let (mut plain, mut with_stats, mut share) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut host, mut host_stats) = (Vec::new(), Vec::new());
             for _ in 0..3 {
                 let p = per_phase(false, tp)?[i];
                 plain.push(p.0);
+                host.push(p.2);
                 share.push(p.1 / p.0.max(f64::MIN_POSITIVE));
-                with_stats.push(per_phase(true, tp)?[i].0);
+                let s = per_phase(true, tp)?[i];
+                with_stats.push(s.0);
+                host_stats.push(s.2);
             }
             let (t, ts) = (median(plain), median(with_stats));
+            let host = format!(
+                "{:.2} ({:.2})",
+                median(host) * 1e3,
+                median(host_stats) * 1e3
+            );
             let share = match tp {
                 1 => "-".to_string(),
                 _ if !across => "one device".to_string(),
@@ -464,7 +475,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
             };
             writeln!(
                 Out,
-                "{phase:<28} {tp:>4} {:>12.2} {:>12.2} {:>8.1}% {share:>16}",
+                "{phase:<28} {tp:>4} {:>12.2} {:>12.2} {:>8.1}% {share:>16} {host:>15}",
                 t * 1e3,
                 ts * 1e3,
                 100.0 * (ts / t - 1.0)

@@ -45,13 +45,7 @@ pub fn run(args: &ImportArgs) -> Result<bool> {
             "import needs the engine's model: --model DIR or --layout NAME (fused outputs are cut by its widths)",
         ));
     }
-    let spec = crate::setup::ModelSpec {
-        layout: args.model.layout.clone(),
-        model: args.model.model.clone(),
-        seed: args.model.seed,
-        weight_cache_mb: args.model.weight_cache_mb,
-        quant: args.model.quant.clone(),
-    };
+    let spec = args.model.spec();
     let model = spec.load()?;
     let map = args
         .name_map

@@ -119,6 +119,9 @@ pub struct LayerTiming {
     /// Part of `seconds` spent in the all-reduces after attention and the MLP (the CPU's sum,
     /// NCCL's; zero where ranks share one GPU).
     pub collective_seconds: f64,
+    /// Part of `seconds` before the closing wait for the device: the host's own time (queuing
+    /// kernels, tracing, waits inside the layer). Near `seconds`, the device waits on the host.
+    pub host_seconds: f64,
 }
 
 /// Rows of lm_head fetched at once when it is too large to cache whole (256 MiB of f32).
@@ -167,10 +170,12 @@ impl<'m> Engine<'m> {
         let ranks = RankState::all(model, &options)?;
         // Generated weights are made where each rank computes (on a GPU: never on the host).
         model.weights.set_maker(backend.weight_maker());
+        bound_device_cache(&model.weights, backend);
         for (r, rank) in ranks.iter().enumerate() {
             let b = rank_backend(plan.as_ref(), backend, r);
             b.set_poison_outputs(options.poison);
             rank.weights(model).set_maker(b.weight_maker());
+            bound_device_cache(rank.weights(model), b);
         }
         Ok(Engine {
             model,
@@ -416,10 +421,12 @@ impl<'m> Engine<'m> {
                     b.add(mid, m)
                 })?;
             }
+            let host_seconds = begin.elapsed().as_secs_f64();
             settle()?;
             self.timings.push(LayerTiming {
                 phase,
                 layer,
+                host_seconds,
                 seconds: begin.elapsed().as_secs_f64(),
                 weight_seconds: fetching() - fetch_before,
                 collective_seconds: summing() - summing_before,
@@ -443,6 +450,22 @@ impl<'m> Engine<'m> {
         sink.flush()?;
         self.position += tokens.len();
         Ok(logits.into_iter().next().expect("one rank at least"))
+    }
+}
+
+/// Device memory left to activations, caches and the experts' scratch when the weight cache's
+/// device budget is taken from the free memory: an eighth of the device, at least this.
+const DEVICE_RESERVE_MIN: usize = 4 << 30;
+
+/// Bounds the weights `weights` keeps on `backend`'s device when `--device-cache-gb` did not:
+/// the device's free memory now, less the reserve. A host backend leaves it unbounded.
+fn bound_device_cache(weights: &WeightStore, backend: &dyn Backend) {
+    if weights.device_budget() != usize::MAX {
+        return;
+    }
+    if let Some((free, total)) = backend.device_memory() {
+        let reserve = (total / 8).max(DEVICE_RESERVE_MIN);
+        weights.set_device_budget(free.saturating_sub(reserve));
     }
 }
 

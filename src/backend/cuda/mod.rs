@@ -259,6 +259,10 @@ impl Backend for CudaBackend {
         self.gpu.synchronize()
     }
 
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        self.gpu.memory().ok()
+    }
+
     fn alloc(&self, shape: &[usize], poison: bool) -> Result<Tensor> {
         let n = crate::tensor::checked_numel(shape, "device tensor")?;
         let buf = self.gpu.alloc(n, self.elem)?;
@@ -424,18 +428,29 @@ impl Backend for CudaBackend {
         checks::route(logits, bias, moe)?;
         let tokens = logits.rows();
         let (e, k) = (moe.n_routed_experts, moe.num_experts_per_tok);
-        let l = self.gpu.upload(logits.data(), Elem::F32)?;
+        // The logits stay where the gate wrote them; the bias goes up in f32 (its host values
+        // steer the choice, as on the CPU); ids and weights come back in one copy.
+        let l = match logits.device() {
+            Some(d) if self.holds(d, self.elem) => d.clone(),
+            _ => Arc::new(self.gpu.upload(logits.data(), Elem::F32)?),
+        };
         let b = self.gpu.upload(bias.data(), Elem::F32)?;
-        let ids = self.gpu.alloc_vec::<i32>(tokens * k)?;
-        let w = self.gpu.alloc(tokens * k, Elem::F32)?;
-        let scratch = self.gpu.alloc(tokens * (2 * e + moe.n_group), Elem::F32)?;
-        self.gpu.route(&l, &b, moe, tokens, &ids, &w, &scratch)?;
-        let ids = self.gpu.download_vec(&ids, tokens * k)?;
-        let weights = self.gpu.download(&w)?;
-        let ids: Vec<usize> = ids.into_iter().map(|i| i as usize).collect();
+        let out = self.gpu.alloc(tokens * 2 * k, Elem::F32)?;
+        let scratch = self.gpu.alloc(tokens * 2 * (e + moe.n_group), Elem::F32)?;
+        self.gpu.route(buf(&l), &b, moe, tokens, &out, &scratch)?;
+        let routed = self.gpu.download(&out)?;
+        let rows = routed.chunks(2 * k.max(1));
         Ok(Routing {
-            experts: ids.chunks(k.max(1)).map(<[usize]>::to_vec).collect(),
-            weights: weights.chunks(k.max(1)).map(<[f32]>::to_vec).collect(),
+            experts: rows
+                .clone()
+                .map(|r| {
+                    r[..k]
+                        .iter()
+                        .map(|&i| if i >= 0.0 { i as usize } else { usize::MAX })
+                        .collect()
+                })
+                .collect(),
+            weights: rows.map(|r| r[k..].to_vec()).collect(),
         })
     }
 

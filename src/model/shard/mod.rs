@@ -269,11 +269,14 @@ pub fn rank_store(
     rank: usize,
 ) -> Result<super::WeightStore> {
     let source = RankSource::new(full.source(), layout, tp, rank)?;
-    super::WeightStore::with_catalog(
+    let store = super::WeightStore::with_catalog(
         source.catalog(),
         Box::new(source),
         full.budget_bytes() / tp.max(1),
-    )
+    )?;
+    // Each rank has a device of its own: `--device-cache-gb` bounds each.
+    store.set_device_budget(full.device_budget());
+    Ok(store)
 }
 
 /// The rank stores last made for a model, with their rank count: a second run at the same TP

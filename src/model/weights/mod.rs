@@ -1,16 +1,20 @@
 //! Weights behind one trait, fetched lazily per tensor (and per expert, and per row range) so that
 //! a full-size layout runs without ever holding the whole model in memory.
 
+mod cache;
 pub mod safetensors;
 pub mod synthetic;
+
+pub use cache::Held;
 
 use super::catalog::Catalog;
 use super::layout::Layout;
 use super::quant::QuantTensor;
 use crate::error::{Error, Result};
 use crate::tensor::{checked_numel, Tensor};
-use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use cache::{Budgets, LruCache};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -81,6 +85,8 @@ pub struct WeightStore {
     source: Arc<dyn WeightSource>,
     catalog: Catalog,
     budget_bytes: usize,
+    /// The most bytes of cached weights held on the device (see [`WeightStore::set_device_budget`]).
+    device_budget: AtomicUsize,
     cache: Mutex<LruCache>,
     /// Quantized forms fetched so far (`None`: the tensor is not quantized).
     quantized: Mutex<HashMap<String, Option<Arc<QuantTensor>>>>,
@@ -88,13 +94,6 @@ pub struct WeightStore {
     fetch_nanos: AtomicU64,
     /// Where generated tensors are made, when not on the host (see [`WeightMaker`]).
     maker: Mutex<Option<Arc<dyn WeightMaker>>>,
-}
-
-#[derive(Default)]
-struct LruCache {
-    tensors: HashMap<String, Arc<Tensor>>,
-    order: VecDeque<String>,
-    bytes: usize,
 }
 
 impl WeightStore {
@@ -137,6 +136,7 @@ impl WeightStore {
             source: Arc::from(source),
             catalog,
             budget_bytes,
+            device_budget: AtomicUsize::new(usize::MAX),
             cache: Mutex::new(LruCache::default()),
             quantized: Mutex::new(HashMap::new()),
             fetch_nanos: AtomicU64::new(0),
@@ -174,30 +174,44 @@ impl WeightStore {
         Ok(self.spec_shape(name)?.iter().product::<usize>() * 4)
     }
 
-    /// Whether a whole tensor of this size may be cached.
-    /// The most bytes of weights kept at once.
+    /// The most bytes of weights kept at once on the host.
     pub fn budget_bytes(&self) -> usize {
         self.budget_bytes
     }
 
+    /// Bounds the bytes of cached weights held on the device (`--device-cache-gb`; unbounded
+    /// until set). Weights made on the device hold no host copy, so only this bounds them.
+    pub fn set_device_budget(&self, bytes: usize) {
+        self.device_budget.store(bytes, Ordering::Relaxed);
+    }
+
+    pub fn device_budget(&self) -> usize {
+        self.device_budget.load(Ordering::Relaxed)
+    }
+
+    fn budgets(&self) -> Budgets {
+        Budgets {
+            host: self.budget_bytes,
+            device: self.device_budget(),
+        }
+    }
+
+    /// Whether a host tensor of this many bytes may be cached.
     pub fn fits_budget(&self, bytes: usize) -> bool {
         bytes <= self.budget_bytes
     }
 
     /// The whole tensor, from the cache or fetched (and cached when the budget allows).
     pub fn get(&self, name: &str) -> Result<Arc<Tensor>> {
-        if let Some(t) = self.lock().touch(name) {
+        let budgets = self.budgets();
+        if let Some(t) = self.lock().touch(name, budgets) {
             return Ok(t);
         }
         let shape = self.shape(name)?;
         let rows = shape.first().copied().unwrap_or(1);
         let tensor = self.fetch(name, &shape, 0, rows)?;
         let tensor = Arc::new(tensor);
-        let bytes = tensor.size_bytes();
-        if bytes <= self.budget_bytes {
-            self.lock()
-                .insert(name, tensor.clone(), bytes, self.budget_bytes);
-        }
+        self.lock().insert(name, tensor.clone(), budgets);
         Ok(tensor)
     }
 
@@ -276,34 +290,8 @@ impl WeightStore {
         self.fetch_nanos.load(Ordering::Relaxed) as f64 * 1e-9
     }
 
-    /// Bytes currently held by the cache.
-    pub fn cached_bytes(&self) -> usize {
-        self.lock().bytes
-    }
-}
-
-impl LruCache {
-    fn touch(&mut self, name: &str) -> Option<Arc<Tensor>> {
-        let t = self.tensors.get(name)?.clone();
-        if let Some(pos) = self.order.iter().position(|n| n == name) {
-            let n = self.order.remove(pos).expect("position is in range");
-            self.order.push_back(n);
-        }
-        Some(t)
-    }
-
-    fn insert(&mut self, name: &str, t: Arc<Tensor>, bytes: usize, budget: usize) {
-        while self.bytes + bytes > budget {
-            let Some(oldest) = self.order.pop_front() else {
-                break;
-            };
-            if let Some(old) = self.tensors.remove(&oldest) {
-                self.bytes -= old.size_bytes();
-            }
-        }
-        if self.tensors.insert(name.to_string(), t).is_none() {
-            self.order.push_back(name.to_string());
-            self.bytes += bytes;
-        }
+    /// Bytes currently held by the cache, on the host and on the device.
+    pub fn cached_bytes(&self) -> Held {
+        self.lock().held()
     }
 }

@@ -15,12 +15,27 @@ pub const EXPERTS_DOWN: Sig = Sig::new(
     "experts_down_{e}",
     &[Storage, I32Ptr, U64, Storage, U64, U64],
 );
+/// The same for tiles of one token (a decode step's experts).
+pub const EXPERTS_GATE_UP1: Sig = Sig::new(
+    "experts_gate_up1_{e}",
+    &[Storage, I32Ptr, U64, U64, Storage, U64, U64],
+);
+pub const EXPERTS_DOWN1: Sig = Sig::new(
+    "experts_down1_{e}",
+    &[Storage, I32Ptr, U64, Storage, U64, U64],
+);
 pub const EXPERTS_COMBINE: Sig = Sig::new(
     "experts_combine_{e}",
     &[Storage, I32Ptr, U64, U64, U64, Storage, U64, U64],
 );
 
-pub const SIGNATURES: &[&Sig] = &[&EXPERTS_GATE_UP, &EXPERTS_DOWN, &EXPERTS_COMBINE];
+pub const SIGNATURES: &[&Sig] = &[
+    &EXPERTS_GATE_UP,
+    &EXPERTS_DOWN,
+    &EXPERTS_GATE_UP1,
+    &EXPERTS_DOWN1,
+    &EXPERTS_COMBINE,
+];
 
 /// Tokens one tile of the kernels applies a weight band to (experts.cu's EXPERT_TILE).
 pub const EXPERT_TILE: usize = 8;
@@ -42,6 +57,8 @@ pub struct ExpertTables {
     meta: DevI32,
     tiles_at: usize,
     tiles: usize,
+    /// The most tokens of a tile: 1 runs the one-token kernels.
+    tile_tokens: usize,
     tok_at: usize,
     off_at: usize,
     by_tok_at: usize,
@@ -128,6 +145,7 @@ impl Gpu {
             meta: self.upload_i32(&meta)?,
             tiles_at,
             tiles: tiles.len(),
+            tile_tokens: tiles.iter().map(|t| t.2).max().unwrap_or(1),
             tok_at,
             off_at,
             by_tok_at,
@@ -156,16 +174,15 @@ impl Gpu {
             size(t.inter),
         ];
         let cfg = self.expert_launch(t, t.inter, GATE_UP_ROWS)?;
+        let (sig, base) = match t.tile_tokens {
+            1 => (&EXPERTS_GATE_UP1, "experts_gate_up1"),
+            _ => (&EXPERTS_GATE_UP, "experts_gate_up"),
+        };
         // SAFETY: tile i's block reads its job's gate and up weights (each holding inter × hidden
         // values of this type, checked when the tables were made), x rows of its slots' tokens
         // (< tokens), and writes act rows first..first + count < slots, inter values each.
         unsafe {
-            self.launch(
-                &EXPERTS_GATE_UP,
-                &super::kernels::name("experts_gate_up", e),
-                cfg,
-                &args,
-            )
+            self.launch(sig, &super::kernels::name(base, e), cfg, &args)
         }
     }
 
@@ -184,15 +201,14 @@ impl Gpu {
             size(t.hidden),
         ];
         let cfg = self.expert_launch(t, t.hidden, DOWN_ROWS)?;
+        let (sig, base) = match t.tile_tokens {
+            1 => (&EXPERTS_DOWN1, "experts_down1"),
+            _ => (&EXPERTS_DOWN, "experts_down"),
+        };
         // SAFETY: tile i's block reads its job's down weight (hidden × inter values), act rows
         // and writes y rows first..first + count < slots.
         unsafe {
-            self.launch(
-                &EXPERTS_DOWN,
-                &super::kernels::name("experts_down", e),
-                cfg,
-                &args,
-            )
+            self.launch(sig, &super::kernels::name(base, e), cfg, &args)
         }
     }
 
@@ -225,7 +241,7 @@ impl Gpu {
     }
 
     /// Blocks of 8 warps of `rows_per_warp` output rows each, one grid row per tile, and the
-    /// shared memory of a tile's inputs (EXPERT_TILE × 32 lanes × 16 bytes of storage, as f32).
+    /// shared memory of a tile's inputs (its tokens × 32 lanes × 16 bytes of storage, as f32).
     fn expert_launch(&self, t: &ExpertTables, rows: usize, rows_per_warp: usize) -> Result<Launch> {
         let per_block = (THREADS as usize / 32) * rows_per_warp;
         let chunk = 32 * 16 / t.elem.size();
@@ -236,7 +252,15 @@ impl Gpu {
                 1,
             ),
             block: THREADS,
-            shared: (EXPERT_TILE * chunk * 4) as u32,
+            shared: (tile_capacity(t) * chunk * 4) as u32,
         })
+    }
+}
+
+/// Tokens a tile of `t`'s kernels holds: one for the one-token kernels, else [`EXPERT_TILE`].
+fn tile_capacity(t: &ExpertTables) -> usize {
+    match t.tile_tokens {
+        1 => 1,
+        _ => EXPERT_TILE,
     }
 }

@@ -81,9 +81,9 @@ pub const INDEX_SCORES: Sig = Sig::new(
 );
 pub const TOPK_SELECT: Sig = Sig::new("topk_select", &[F32Ptr, I32Ptr, U8Ptr, U64, U64]);
 pub const ROUTE: Sig = Sig::new(
-    "route_f32",
+    "route_{e}",
     &[
-        F32Ptr, F32Ptr, U64, Int, Int, Int, Int, Int, Float, I32Ptr, F32Ptr, F32Ptr,
+        Storage, F32Ptr, U64, Int, Int, Int, Int, Int, Float, F32Ptr, F32Ptr,
     ],
 );
 pub const STATS: Sig = Sig::new("stats_many", &[Jobs, F64Ptr, F64Ptr]);

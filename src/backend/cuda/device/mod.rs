@@ -479,6 +479,13 @@ impl Gpu {
         Ok(out)
     }
 
+    /// The device's free and total memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx
+            .mem_get_info()
+            .map_err(CudaError::driver("memory query"))
+    }
+
     /// Waits for the stream (kernel errors surface here).
     pub fn synchronize(&self) -> Result<()> {
         self.stream

@@ -3,33 +3,33 @@
 //! kernel will touch first.
 
 use super::kernels::{
-    blocks, blocks_yz, int, need, need_bytes, need_i32, prod, size, DEQUANT, LINEAR_QUANT, ROUTE,
-    STATS, STATS_JOBS, STATS_PARTIAL_WIDTH, STATS_RESULT_WIDTH,
+    blocks, blocks_yz, int, need, need_bytes, prod, size, DEQUANT, LINEAR_QUANT, ROUTE, STATS,
+    STATS_JOBS, STATS_PARTIAL_WIDTH, STATS_RESULT_WIDTH,
 };
 use super::signature::Param::*;
-use super::{grid_1d, Arg, DevBuf, DevBytes, DevF64, DevI32, Elem, Gpu, Launch, StatsJobs};
+use super::{grid_1d, Arg, DevBuf, DevBytes, DevF64, Elem, Gpu, Launch, StatsJobs};
 use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
 
 impl Gpu {
-    /// MoE routing of `tokens` rows of router logits (f32): expert ids and weights [tokens, top_k].
-    #[allow(clippy::too_many_arguments)]
+    /// MoE routing of `tokens` rows of router logits (storage type): per token, the top_k
+    /// expert ids (as floats) then their weights, in `out` [tokens, 2·top_k]. One warp a token.
     pub fn route(
         &self,
         logits: &DevBuf,
         bias: &DevBuf,
         moe: &crate::model::layout::MoeLayout,
         tokens: usize,
-        ids: &DevI32,
-        weights: &DevBuf,
+        out: &DevBuf,
         scratch: &DevBuf,
     ) -> Result<()> {
         let (e, k, g) = (moe.n_routed_experts, moe.num_experts_per_tok, moe.n_group);
-        if g == 0 || !e.is_multiple_of(g) || moe.topk_group > g || k > e {
+        if g == 0 || !e.is_multiple_of(g) || moe.topk_group > g || k > e || e >= 1 << 24 {
             return Err(Error::invalid("route: experts not in equal groups"));
         }
+        let elem = logits.elem();
         let args = [
-            need("router logits", logits, prod(&[tokens, e])?, Elem::F32)?,
+            need("router logits", logits, prod(&[tokens, e])?, elem)?,
             need("router bias", bias, e, Elem::F32)?,
             size(tokens),
             int("experts", e)?,
@@ -38,18 +38,23 @@ impl Gpu {
             int("top-k", k)?,
             Arg::I32(moe.norm_topk_prob as i32),
             Arg::F32(moe.routed_scaling_factor as f32),
-            need_i32("routed ids", ids, prod(&[tokens, k])?, None)?,
-            need("routed weights", weights, prod(&[tokens, k])?, Elem::F32)?,
+            need("routing", out, prod(&[tokens, 2 * k])?, Elem::F32)?,
             need(
                 "router scratch",
                 scratch,
-                prod(&[tokens, 2 * e + g])?,
+                prod(&[tokens, 2 * e + 2 * g])?,
                 Elem::F32,
             )?,
         ];
-        // SAFETY: thread t reads logits row t and bias, writes ids/weights row t and its scratch
-        // row of 2·experts + groups; group g's experts g·(e/g).. lie below e.
-        unsafe { self.launch(&ROUTE, ROUTE.pattern, grid_1d(tokens), &args) }
+        const WARPS: usize = 8;
+        let launch = Launch {
+            grid: (blocks("route", tokens.div_ceil(WARPS))?, 1, 1),
+            block: 32 * WARPS as u32,
+            shared: 0,
+        };
+        // SAFETY: warp t reads logits row t and bias, writes routing row t and its scratch row
+        // of 2·(experts + groups); group g's experts g·(e/g).. lie below e.
+        unsafe { self.launch(&ROUTE, &format!("route_{}", elem.suffix()), launch, &args) }
     }
 
     /// Statistics of each of `bufs` (at most [`STATS_JOBS`]) into result row `first_row + i` of
