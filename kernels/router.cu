@@ -5,6 +5,11 @@
 // (a NaN ranks above everything), so a NaN upstream routes exactly as on the CPU reference.
 #include "common.cuh"
 
+// sigmoid, with a NaN logit scoring the positive NaN (as the CPU reference does).
+__device__ __forceinline__ float expert_score(float x) {
+    return x != x ? __int_as_float(0x7fc00000) : 1.0f / (1.0f + expf(-x));
+}
+
 // A total order on floats: the bits, with the magnitude flipped for negatives.
 __device__ __forceinline__ int total_key(float f) {
     int b = __float_as_int(f);
@@ -43,7 +48,7 @@ __device__ void route_warp(const T* logits, const float* bias, u64 tokens, int e
     float* w = ids + top_k;
     int per_group = experts / n_group;
     for (int e = lane; e < experts; e += 32) {
-        choice[e] = 1.0f / (1.0f + expf(-ld(row, e))) + bias[e];
+        choice[e] = expert_score(ld(row, e)) + bias[e];
         taken[e] = 0.0f;
     }
     __syncwarp();
@@ -84,7 +89,7 @@ __device__ void route_warp(const T* logits, const float* bias, u64 tokens, int e
         float sum = 0.0f;
         for (int k = 0; k < top_k; k++) {
             int e = (int)ids[k];
-            float s = e >= 0 ? 1.0f / (1.0f + expf(-ld(row, e))) : 0.0f;
+            float s = e >= 0 ? expert_score(ld(row, e)) : 0.0f;
             w[k] = s;
             sum += s;
         }

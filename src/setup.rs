@@ -303,6 +303,8 @@ pub struct FlagOptions {
     pub kv_cache_dtype: Option<String>,
     /// Tensor-parallel ranks.
     pub tp: Option<String>,
+    /// An op for each chosen routed expert.
+    pub expert_ops: bool,
 }
 
 impl FlagOptions {
@@ -356,6 +358,7 @@ impl FlagOptions {
         if self.force_dequant {
             flags.set("force-dequant", "on")?;
         }
+        flags.expert_ops = self.expert_ops;
         for (key, value) in [
             ("attn-kernel", &self.attn_kernel),
             ("decode-variant", &self.decode_variant),

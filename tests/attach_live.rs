@@ -149,6 +149,11 @@ fn rank_frames(
             let v = run.outputs[i].data();
             let ptr = 0x7000_0000 + (i as u64) * 0x1000;
             let name = e.name.as_str();
+            // A fused-MoE engine has no module per expert: mladb's ops of each expert have
+            // no counterpart among its outputs.
+            if e.kind == mladb::engine::trace::OpKind::Expert {
+                continue;
+            }
             if name.ends_with("self_attn.q_a_proj") {
                 q_a = Some(v.to_vec());
             } else if name.ends_with("mlp.gate_proj") {

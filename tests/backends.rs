@@ -701,7 +701,9 @@ fn routed_experts_match_the_cpu_one_by_one(gpu: bool) {
     use mladb::backend::experts::{experts_one_by_one, ExpertJob, ExpertWeights};
     use std::sync::Arc;
     let n = 40;
-    let counts = [
+    // Experts of many tokens (tiles of 8, cuBLAS past 32) and none; then one token each, as a
+    // decode step routes (the one-token kernels).
+    let mixed = [
         (0usize, 1usize),
         (3, 9),
         (5, 0),
@@ -710,36 +712,53 @@ fn routed_experts_match_the_cpu_one_by_one(gpu: bool) {
         (11, 3),
         (12, 8),
     ];
+    let single = [(2usize, 1usize), (6, 1), (13, 1)];
     for (hidden, inter) in [(64, 48), (512, 256), (516, 36)] {
-        let x = random(&[n, hidden], "experts.x", 1.0);
-        let weights_of = |e: usize| ExpertWeights {
-            gate: Arc::new(random(&[inter, hidden], &format!("e{e}.gate"), 0.2)),
-            up: Arc::new(random(&[inter, hidden], &format!("e{e}.up"), 0.2)),
-            down: Arc::new(random(&[hidden, inter], &format!("e{e}.down"), 0.2)),
-        };
-        let jobs: Vec<ExpertJob> = counts
-            .iter()
-            .map(|&(e, m)| ExpertJob {
-                expert: e,
-                // Tokens 0..38 only (38 and 39 get no expert), in a shuffled order.
-                tokens: (0..m).map(|i| (i * 7 + e) % 38).collect(),
-                weights: (0..m).map(|i| 0.25 + 0.1 * ((i + e) % 5) as f32).collect(),
-            })
-            .collect();
-        let mut fetch_cpu = |e: usize| Ok(weights_of(e));
-        let want = experts_one_by_one(&CpuBackend, &x, &jobs, &mut fetch_cpu).unwrap();
-        for row in [38, 39] {
-            assert!(want.row(row).iter().all(|&v| v == 0.0));
-        }
-        for u in backends(gpu) {
-            let mut fetched = Vec::new();
-            let mut fetch = |e: usize| {
-                fetched.push(e);
-                Ok(weights_of(e))
+        for counts in [&mixed[..], &single[..]] {
+            let x = random(&[n, hidden], "experts.x", 1.0);
+            let weights_of = |e: usize| ExpertWeights {
+                gate: Arc::new(random(&[inter, hidden], &format!("e{e}.gate"), 0.2)),
+                up: Arc::new(random(&[inter, hidden], &format!("e{e}.up"), 0.2)),
+                down: Arc::new(random(&[hidden, inter], &format!("e{e}.down"), 0.2)),
             };
-            let got = u.backend.routed_experts(&x, &jobs, &mut fetch).unwrap();
-            check(&u, &format!("routed_experts {hidden}x{inter}"), &got, &want);
-            assert_eq!(fetched, [0, 3, 7, 9, 11, 12], "{}: experts fetched", u.name);
+            let jobs: Vec<ExpertJob> = counts
+                .iter()
+                .map(|&(e, m)| ExpertJob {
+                    expert: e,
+                    // Tokens 0..38 only (38 and 39 get no expert), in a shuffled order.
+                    tokens: (0..m).map(|i| (i * 7 + e) % 38).collect(),
+                    weights: (0..m).map(|i| 0.25 + 0.1 * ((i + e) % 5) as f32).collect(),
+                })
+                .collect();
+            let mut fetch_cpu = |e: usize| Ok(weights_of(e));
+            let want = experts_one_by_one(&CpuBackend, &x, &jobs, &mut fetch_cpu).unwrap();
+            for row in [38, 39] {
+                assert!(want.sum.row(row).iter().all(|&v| v == 0.0));
+            }
+            let fetched_want: Vec<usize> = jobs
+                .iter()
+                .filter(|j| !j.tokens.is_empty())
+                .map(|j| j.expert)
+                .collect();
+            for u in backends(gpu) {
+                let mut fetched = Vec::new();
+                let mut fetch = |e: usize| {
+                    fetched.push(e);
+                    Ok(weights_of(e))
+                };
+                let got = u
+                    .backend
+                    .routed_experts(&x, &jobs, &mut fetch, true)
+                    .unwrap();
+                let what = format!("routed_experts {hidden}x{inter}");
+                check(&u, &what, &got.sum, &want.sum);
+                assert_eq!(got.per_job.len(), jobs.len(), "{}", u.name);
+                for (j, (g, w)) in got.per_job.iter().zip(&want.per_job).enumerate() {
+                    assert_eq!(g.shape(), [jobs[j].tokens.len(), hidden], "{}", u.name);
+                    check(&u, &format!("{what} expert {}", jobs[j].expert), g, w);
+                }
+                assert_eq!(fetched, fetched_want, "{}: experts fetched", u.name);
+            }
         }
     }
     let x = random(&[4, 64], "experts.x", 1.0);
@@ -758,8 +777,11 @@ fn routed_experts_match_the_cpu_one_by_one(gpu: bool) {
             })
         };
         let b = &u.backend;
-        let err = |jobs: &[ExpertJob], f: &mut mladb::backend::experts::FetchExpert| {
-            b.routed_experts(&x, jobs, f).unwrap_err().to_string()
+        let err = |jobs: &[ExpertJob], f: &mut mladb::backend::experts::FetchExpert| match b
+            .routed_experts(&x, jobs, f, true)
+        {
+            Ok(_) => panic!("{}: bad jobs were taken", u.name),
+            Err(e) => e.to_string(),
         };
         assert!(
             err(&[job(1, vec![4])], &mut fetch).contains("of 4 rows"),

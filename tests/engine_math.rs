@@ -214,3 +214,102 @@ fn sparse_attention_really_selects_once_the_context_passes_index_topk() {
         assert!(row[i + 1..].iter().all(|v| *v == 0.0), "causal");
     }
 }
+
+#[test]
+fn each_chosen_expert_has_an_op_and_their_weighted_sum_is_mlp_experts() {
+    for layout in LAYOUTS {
+        let model = synthetic(layout, 8);
+        let hidden = model.layout.hidden_size;
+        let p = prompt(model.layout.vocab_size, 9);
+        let options = mladb::engine::EngineOptions {
+            expert_ops: true,
+            ..mladb::engine::EngineOptions::all_layers(&model, MlaPaths::production())
+        };
+        let mut engine =
+            mladb::engine::Engine::new(&model, &mladb::backend::cpu::CpuBackend, options).unwrap();
+        let mut rec = mladb::engine::trace::Recorder::default();
+        let schedule = mladb::engine::generate::Schedule {
+            prompt: p,
+            prefill_len: 7,
+            decode_steps: 2,
+        };
+        mladb::engine::generate::run(&mut engine, &schedule, &mut rec).unwrap();
+        let mut checked = 0;
+        for phase in [Phase::Prefill, Phase::Decode(0), Phase::Decode(1)] {
+            for l in 0..model.layout.num_layers {
+                if model.layout.mlp_kind(l) != mladb::model::MlpKind::Moe {
+                    continue;
+                }
+                let op = |name: &str| output(&rec, phase, &format!("model.layers.{l}.{name}"));
+                let (x, ids, weights) = (
+                    op("post_attention_layernorm"),
+                    op("mlp.gate.topk_indices"),
+                    op("mlp.gate.topk_weights"),
+                );
+                let sum = op("mlp.experts");
+                let mut chosen: Vec<usize> = ids.data().iter().map(|&v| v as usize).collect();
+                chosen.sort();
+                chosen.dedup();
+                // The trace has an op for the chosen experts and no other, in expert order.
+                let prefix = format!("model.layers.{l}.mlp.experts.");
+                let in_trace: Vec<usize> = rec
+                    .events
+                    .iter()
+                    .filter(|e| e.phase == phase)
+                    .filter_map(|e| e.name.strip_prefix(&prefix)?.parse().ok())
+                    .collect();
+                assert_eq!(in_trace, chosen, "{layout} {phase} layer {l}");
+                let mut rebuilt = vec![0f64; x.rows() * hidden];
+                for &e in &chosen {
+                    let y = op(&format!("mlp.experts.{e}"));
+                    let w = |proj: &str| {
+                        let name = format!("model.layers.{l}.mlp.experts.{e}.{proj}.weight");
+                        model.weights.get(&name).unwrap()
+                    };
+                    let (gate, up, down) = (w("gate_proj"), w("up_proj"), w("down_proj"));
+                    let tokens: Vec<usize> = (0..x.rows())
+                        .filter(|&t| ids.row(t).contains(&(e as f32)))
+                        .collect();
+                    assert_eq!(y.shape(), [tokens.len(), hidden], "{layout} expert {e}");
+                    for (r, &t) in tokens.iter().enumerate() {
+                        // Direct, in f64: down(SiLU(gate·x) · up·x).
+                        let dot = |m: &mladb::tensor::Tensor, i: usize| -> f64 {
+                            m.row(i)
+                                .iter()
+                                .zip(x.row(t))
+                                .map(|(a, b)| *a as f64 * *b as f64)
+                                .sum()
+                        };
+                        let act: Vec<f64> = (0..gate.rows())
+                            .map(|i| {
+                                let g = dot(&gate, i);
+                                g / (1.0 + (-g).exp()) * dot(&up, i)
+                            })
+                            .collect();
+                        let k = ids.row(t).iter().position(|&v| v == e as f32).unwrap();
+                        for c in 0..hidden {
+                            let want: f64 = down
+                                .row(c)
+                                .iter()
+                                .zip(&act)
+                                .map(|(a, b)| *a as f64 * b)
+                                .sum();
+                            let got = y.row(r)[c] as f64;
+                            assert!((got - want).abs() < 1e-4, "{layout} expert {e} token {t}");
+                            rebuilt[t * hidden + c] += weights.row(t)[k] as f64 * got;
+                        }
+                    }
+                }
+                let sum: Vec<f64> = sum.data().iter().map(|&v| v as f64).collect();
+                let err: f64 = sum
+                    .iter()
+                    .zip(&rebuilt)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f64::max);
+                assert!(err < 1e-4, "{layout} {phase} layer {l}: {err}");
+                checked += 1;
+            }
+        }
+        assert!(checked > 0, "{layout}: no MoE layer was checked");
+    }
+}

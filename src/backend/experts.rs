@@ -21,6 +21,15 @@ pub struct ExpertWeights {
     pub down: Arc<Tensor>,
 }
 
+/// What the routed experts of a layer computed.
+pub struct RoutedOutput {
+    /// Each job's down projection [its tokens, hidden], before its routing weight, in job order
+    /// (empty unless asked for).
+    pub per_job: Vec<Tensor>,
+    /// The routing-weighted sum per token [n, hidden].
+    pub sum: Tensor,
+}
+
 /// Fetches expert `e`'s weights (and records the reads).
 pub type FetchExpert<'f> = dyn FnMut(usize) -> Result<ExpertWeights> + 'f;
 
@@ -64,23 +73,32 @@ impl ExpertWeights {
     }
 }
 
-/// Each expert in turn: its tokens gathered, down(SiLU(gate(x)) · up(x)), added back into a
+/// Each expert in turn: its tokens gathered, down(SiLU(gate(x)) · up(x)) (kept), added into a
 /// zeroed output with its routing weights (the order HF accumulates in).
 pub fn experts_one_by_one<B: Backend + ?Sized>(
     b: &B,
     x: &Tensor,
     jobs: &[ExpertJob],
     fetch: &mut FetchExpert,
-) -> Result<Tensor> {
+) -> Result<RoutedOutput> {
     check_jobs(x, jobs)?;
     let mut routed = Tensor::zeros(x.shape())?;
-    for j in jobs.iter().filter(|j| !j.tokens.is_empty()) {
+    let mut per_job = Vec::with_capacity(jobs.len());
+    for j in jobs {
+        if j.tokens.is_empty() {
+            per_job.push(Tensor::zeros(&[0, x.cols()])?);
+            continue;
+        }
         let w = fetch(j.expert)?;
         w.check(j.expert, x.cols(), None)?;
         let xs = b.gather_rows(x, &j.tokens)?;
         let act = b.silu_mul(&b.linear(&xs, &w.gate, None)?, &b.linear(&xs, &w.up, None)?)?;
         let y = b.linear(&act, &w.down, None)?;
         b.scatter_add_rows(&mut routed, &j.tokens, &y, &j.weights)?;
+        per_job.push(y);
     }
-    Ok(routed)
+    Ok(RoutedOutput {
+        per_job,
+        sum: routed,
+    })
 }

@@ -260,14 +260,20 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
 
     /// The routed experts of an MoE layer: each job's tokens of x through its gated MLP,
-    /// weighted and summed per token in expert order. A device backend runs them together.
+    /// weighted and summed per token in expert order (each job's output kept too when `each`).
+    /// A device backend runs them together.
     fn routed_experts(
         &self,
         x: &Tensor,
         jobs: &[experts::ExpertJob],
         fetch: &mut experts::FetchExpert,
-    ) -> Result<Tensor> {
-        experts::experts_one_by_one(self, x, jobs, fetch)
+        each: bool,
+    ) -> Result<experts::RoutedOutput> {
+        let mut out = experts::experts_one_by_one(self, x, jobs, fetch)?;
+        if !each {
+            out.per_job.clear();
+        }
+        Ok(out)
     }
 
     /// MoE routing from router logits [n, experts]: sigmoid scores, bias for the choice only,

@@ -245,6 +245,10 @@ pub struct FlagArgs {
     /// the collectives; `check` compares each rank with the run on one rank (tp-mismatch).
     #[arg(long)]
     pub tp: Option<String>,
+    /// An op for each chosen routed expert in the trace (`mlp.experts.E`: the down projection
+    /// of the tokens routed to it, before their routing weights), before their weighted sum.
+    #[arg(long)]
+    pub expert_ops: bool,
 }
 
 impl FlagArgs {
@@ -261,6 +265,7 @@ impl FlagArgs {
             decode_variant: self.decode_variant.clone(),
             prefill_variant: self.prefill_variant.clone(),
             kv_cache_dtype: self.kv_cache_dtype.clone(),
+            expert_ops: self.expert_ops,
             tp: self.tp.clone(),
         }
     }

@@ -208,7 +208,11 @@ pub fn prefill_vs_decode(
             )?;
             align_weights(ours.data(), &their_row, &row, k)
         };
-        out.push(match token_row(e, we, w.data(), pos) {
+        let row = match e.kind {
+            OpKind::Expert => expert_token_row(whole, e, we, w.data(), pos),
+            _ => token_row(e, we, w.data(), pos),
+        };
+        out.push(match row {
             Some(row) => {
                 let row = in_order(row.clone()).unwrap_or(row);
                 compare_outputs(
@@ -262,6 +266,34 @@ fn token_row(e: &OpEvent, we: &OpEvent, w: &[f32], pos: usize) -> Option<Vec<f32
                 .then(|| w[pos * per_token..(pos + 1) * per_token].to_vec())
         }
     }
+}
+
+/// An expert's op (`….mlp.experts.E`) holds a row per token routed to it, in token order: the
+/// row of the token at `pos` in `whole`'s prefill output `w` of it, found through that
+/// prefill's router choice; `None` when the prefill did not route that token to the expert.
+fn expert_token_row(
+    whole: &RunRecord,
+    e: &OpEvent,
+    we: &OpEvent,
+    w: &[f32],
+    pos: usize,
+) -> Option<Vec<f32>> {
+    let (mlp, expert) = e.name.rsplit_once(".experts.")?;
+    let expert: f32 = expert.parse::<u32>().ok()? as f32;
+    let ids_name = format!("{mlp}.gate.topk_indices");
+    let i = whole.find_at(we.phase, we.rank, &ids_name)?;
+    let (ids, ids_shape) = (whole.outputs[i].data(), &whole.events[i].shape);
+    let (&[tokens, k], Some(&cols)) = (&ids_shape[..], we.shape.get(1)) else {
+        return None;
+    };
+    let token = pos.checked_sub(we.positions.0)?;
+    let routed = |t: usize| ids[t * k..(t + 1) * k].contains(&expert);
+    let fits = holds_all(ids_shape, ids.len()) && holds_all(&we.shape, w.len());
+    if !fits || token >= tokens || !routed(token) {
+        return None;
+    }
+    let row = (0..token).filter(|&t| routed(t)).count();
+    w.get(row * cols..(row + 1) * cols).map(<[f32]>::to_vec)
 }
 
 /// The first comparison over its tolerance, in execution order.

@@ -44,6 +44,14 @@ pub struct Flags {
     /// Tensor-parallel ranks (1: none). Absent from sessions saved before it existed.
     #[serde(default = "one_rank")]
     pub tp: usize,
+    /// An op for each chosen routed expert (`mlp.experts.E`) before their sum. Off by default
+    /// (a full-size prefill would add 256 a layer); absent from sessions saved before it existed.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub expert_ops: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn one_rank() -> usize {
@@ -63,6 +71,7 @@ impl Default for Flags {
             kernels: AttnKernels::default(),
             kv_cache: KvCacheDtype::Bf16,
             tp: 1,
+            expert_ops: false,
         }
     }
 }
@@ -150,6 +159,7 @@ impl Flags {
             kernels: self.kernels,
             kv_cache: self.kv_cache,
             tp: self.tp,
+            expert_ops: self.expert_ops,
         })
     }
 
@@ -170,6 +180,7 @@ impl Flags {
             "prefill-path" => self.prefill_path = parse_path(key, value)?,
             "decode-path" => self.decode_path = parse_path(key, value)?,
             "force-dequant" => self.force_dequant = parse_bool(key, value)?,
+            "expert-ops" => self.expert_ops = parse_bool(key, value)?,
             "device" => {
                 self.device = match value {
                     "cpu" => DeviceFlag::Cpu,
@@ -247,6 +258,11 @@ impl Flags {
             OpKind::Dequantize | OpKind::Decompress | OpKind::AbsorbQuery
         );
         if self.force_dequant != new.force_dequant && kv_b_op {
+            return true;
+        }
+        // The experts' ops appear or go, from the first of a layer's on.
+        let experts_op = matches!(e.kind, OpKind::Expert | OpKind::Experts);
+        if self.expert_ops != new.expert_ops && experts_op {
             return true;
         }
         // The kernels only differ on the GPU; there they run every attention op.
@@ -348,6 +364,13 @@ impl Flags {
                 onoff(new.force_dequant)
             ));
         }
+        if self.expert_ops != new.expert_ops {
+            out.push(format!(
+                "expert-ops {} → {}",
+                onoff(self.expert_ops),
+                onoff(new.expert_ops)
+            ));
+        }
         if self.device != new.device {
             out.push(format!("device {:?} → {:?}", self.device, new.device).to_lowercase());
         }
@@ -414,6 +437,9 @@ impl fmt::Display for Flags {
         }
         if self.kv_cache != KvCacheDtype::default() {
             write!(f, " · kv-cache-dtype {}", self.kv_cache)?;
+        }
+        if self.expert_ops {
+            write!(f, " · expert-ops on")?;
         }
         Ok(())
     }

@@ -65,6 +65,8 @@ pub struct LayerCtx<'a> {
     pub kernels: AttnKernels,
     /// How the latent cache stores its rows.
     pub kv_cache: KvCacheDtype,
+    /// An op for each chosen routed expert before their sum.
+    pub expert_ops: bool,
     /// The tensor-parallel rank running the layer.
     pub tp: super::tp::TpRank<'a>,
 }

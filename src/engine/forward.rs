@@ -81,6 +81,8 @@ pub struct EngineOptions {
     /// How the latent cache stores its rows: fp8_ds_mla stores each row as the format's round
     /// trip, so that every attention op reads what an FP8 cache holds.
     pub kv_cache: KvCacheDtype,
+    /// An op for each chosen routed expert before their sum (see [`super::experts`]).
+    pub expert_ops: bool,
     /// Tensor-parallel ranks, run one after another in this process (1: none).
     pub tp: usize,
 }
@@ -99,6 +101,7 @@ impl EngineOptions {
             forced: Arc::default(),
             kernels: AttnKernels::default(),
             kv_cache: KvCacheDtype::Bf16,
+            expert_ops: false,
             tp: 1,
         }
     }
@@ -354,6 +357,7 @@ impl<'m> Engine<'m> {
                 force_dequant: options.force_dequant,
                 kernels: options.kernels,
                 kv_cache: options.kv_cache,
+                expert_ops: options.expert_ops,
                 forced: &options.forced,
                 tp: tp_rank(r),
             };

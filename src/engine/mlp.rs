@@ -4,10 +4,8 @@
 use super::attention::LayerCtx;
 use super::sink::{Reads, Sink};
 use super::trace::OpKind;
-use crate::backend::experts::{ExpertJob, ExpertWeights};
 use crate::backend::Backend;
 use crate::error::Result;
-use crate::model::catalog::expert_weight_name;
 use crate::tensor::Tensor;
 
 /// down(SiLU(gate(x)) · up(x)) with the three weights named.
@@ -83,8 +81,7 @@ fn force_routing(
     Ok(())
 }
 
-/// MoE: router, the chosen routed experts (each fetched once for all tokens routed to it), and
-/// the shared experts.
+/// MoE: router, the chosen routed experts (see [`super::experts`]), and the shared experts.
 pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
     let (b, l) = (ctx.backend, Some(ctx.layer));
     let moe = ctx
@@ -143,54 +140,7 @@ pub fn moe(ctx: &LayerCtx, x: &Tensor, sink: &mut Sink) -> Result<Tensor> {
         },
     )?;
 
-    let routed = sink.op(
-        l,
-        &ctx.name("mlp.experts"),
-        OpKind::Experts,
-        &[x, &ids, &weights],
-        |r| {
-            // Tokens per expert, in ascending expert order (the order HF accumulates in).
-            let mut per_expert: Vec<(Vec<usize>, Vec<f32>)> =
-                vec![(Vec::new(), Vec::new()); moe.n_routed_experts];
-            for t in 0..n {
-                for (&e, &w) in ids.row(t).iter().zip(weights.row(t)) {
-                    let slot = per_expert
-                        .get_mut(e as usize)
-                        .filter(|_| e >= 0.0)
-                        .ok_or_else(|| {
-                            crate::Error::invalid(format!(
-                                "the router chose expert {e} of {}",
-                                moe.n_routed_experts
-                            ))
-                        })?;
-                    slot.0.push(t);
-                    slot.1.push(w);
-                }
-            }
-            // Expert parallel: another rank computes the experts this one does not own.
-            let jobs: Vec<ExpertJob> = per_expert
-                .into_iter()
-                .enumerate()
-                .filter(|(e, (tokens, _))| {
-                    !tokens.is_empty() && ctx.tp.owns_expert(*e, moe.n_routed_experts)
-                })
-                .map(|(expert, (tokens, weights))| ExpertJob {
-                    expert,
-                    tokens,
-                    weights,
-                })
-                .collect();
-            let mut fetch = |e: usize| {
-                let name = |proj| expert_weight_name(ctx.layer, e, proj);
-                Ok(ExpertWeights {
-                    gate: r.weight(&name("gate_proj"))?,
-                    up: r.weight(&name("up_proj"))?,
-                    down: r.weight(&name("down_proj"))?,
-                })
-            };
-            b.routed_experts(x, &jobs, &mut fetch)
-        },
-    )?;
+    let routed = super::experts::routed(ctx, x, &ids, &weights, sink)?;
     if moe.n_shared_experts == 0 {
         let buffer = super::trace::BufferRef::of(&routed);
         sink.report(

@@ -16,6 +16,7 @@
 
 pub mod attention;
 pub mod cache;
+mod experts;
 pub mod faults;
 pub mod forcing;
 pub mod forward;

@@ -61,6 +61,11 @@ impl Reads<'_> {
         self.refs.push(BufferRef::weight(&w));
         Ok(w)
     }
+
+    /// Records the read of a weight fetched elsewhere (by a call that several ops share).
+    pub fn fetched(&mut self, w: BufferRef) {
+        self.refs.push(w);
+    }
 }
 
 pub struct Sink<'a> {

@@ -101,6 +101,10 @@ pub enum OpKind {
     Activation,
     /// MoE router: chosen experts' weights and ids.
     Router,
+    /// One routed expert's output: the down projection of the tokens routed to it [its tokens,
+    /// hidden], before their routing weights.
+    Expert,
+    /// The routed experts' outputs weighted and summed per token.
     Experts,
     Sum,
     Logits,

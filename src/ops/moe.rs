@@ -57,9 +57,17 @@ pub fn route(logits: &Tensor, bias: &[f32], moe: &MoeLayout) -> Routing {
     Routing { experts, weights }
 }
 
-/// sigmoid of one row of router logits: the unbiased expert scores.
+/// sigmoid of one row of router logits: the unbiased expert scores. A NaN logit scores the
+/// positive NaN (the arithmetic may leave it with either sign), so it ranks above every expert
+/// under `total_cmp` here and on the GPU alike.
 pub fn expert_scores(logits: &[f32]) -> Vec<f32> {
-    logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect()
+    logits
+        .iter()
+        .map(|&x| match x.is_nan() {
+            true => f32::NAN,
+            false => 1.0 / (1.0 + (-x).exp()),
+        })
+        .collect()
 }
 
 /// The routing weights of the `chosen` experts from their unbiased `scores`: normalised to sum 1

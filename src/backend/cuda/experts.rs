@@ -7,7 +7,7 @@
 use super::device::expert_kernels::{ExpertWeights as Bufs, EXPERT_TILE};
 use super::device::DevBuf;
 use super::{buf, CudaBackend};
-use crate::backend::experts::{check_jobs, ExpertJob, FetchExpert};
+use crate::backend::experts::{check_jobs, ExpertJob, FetchExpert, RoutedOutput};
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -26,7 +26,8 @@ impl CudaBackend {
         x: &Tensor,
         jobs: &[ExpertJob],
         fetch: &mut FetchExpert,
-    ) -> Result<Tensor> {
+        each: bool,
+    ) -> Result<RoutedOutput> {
         check_jobs(x, jobs)?;
         let (n, hidden) = (x.rows(), x.cols());
         let xd = self.dev(x)?;
@@ -43,9 +44,17 @@ impl CudaBackend {
         let slots = slot_tokens.len();
         if slots == 0 {
             self.gpu.fill(&out, false)?;
-            return self.finish(out, x.shape());
+            return Ok(RoutedOutput {
+                per_job: jobs
+                    .iter()
+                    .filter(|_| each)
+                    .map(|_| Tensor::zeros(&[0, hidden]))
+                    .collect::<Result<_>>()?,
+                sum: self.finish(out, x.shape())?,
+            });
         }
-        let y = self.gpu.alloc(slots * hidden, self.elem)?;
+        // Poisoned when outputs are: rows no kernel wrote show in each expert's op.
+        let y = self.out(slots * hidden)?;
         let (mut inter, mut act): (Option<usize>, Option<DevBuf>) = (None, None);
         let mut tables = None;
         let mut next = 0;
@@ -111,6 +120,21 @@ impl CudaBackend {
         }
         let tables = tables.expect("jobs with slots ran");
         self.gpu.experts_combine(&tables, &y, &out)?;
-        self.finish(out, x.shape())
+        // Each job's rows of y as a tensor of its own, for the trace's op of each expert.
+        let mut per_job = Vec::with_capacity(jobs.len());
+        for (j, &first) in jobs.iter().zip(&first_slot).filter(|_| each) {
+            let m = j.tokens.len();
+            if m == 0 {
+                per_job.push(Tensor::zeros(&[0, hidden])?);
+                continue;
+            }
+            let rows = self.gpu.alloc(m * hidden, self.elem)?;
+            self.gpu.copy(&y, first * hidden, &rows, 0, m * hidden)?;
+            per_job.push(self.finish(rows, &[m, hidden])?);
+        }
+        Ok(RoutedOutput {
+            per_job,
+            sum: self.finish(out, x.shape())?,
+        })
     }
 }

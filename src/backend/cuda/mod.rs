@@ -420,8 +420,9 @@ impl Backend for CudaBackend {
         x: &Tensor,
         jobs: &[crate::backend::experts::ExpertJob],
         fetch: &mut crate::backend::experts::FetchExpert,
-    ) -> Result<Tensor> {
-        self.experts_together(x, jobs, fetch)
+        each: bool,
+    ) -> Result<crate::backend::experts::RoutedOutput> {
+        self.experts_together(x, jobs, fetch, each)
     }
 
     fn route(&self, logits: &Tensor, bias: &Tensor, moe: &MoeLayout) -> Result<Routing> {

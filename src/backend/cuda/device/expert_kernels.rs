@@ -181,9 +181,7 @@ impl Gpu {
         // SAFETY: tile i's block reads its job's gate and up weights (each holding inter × hidden
         // values of this type, checked when the tables were made), x rows of its slots' tokens
         // (< tokens), and writes act rows first..first + count < slots, inter values each.
-        unsafe {
-            self.launch(sig, &super::kernels::name(base, e), cfg, &args)
-        }
+        unsafe { self.launch(sig, &super::kernels::name(base, e), cfg, &args) }
     }
 
     /// y [slots, hidden] = act · W_downᵀ for the tiles' slots.
@@ -207,9 +205,7 @@ impl Gpu {
         };
         // SAFETY: tile i's block reads its job's down weight (hidden × inter values), act rows
         // and writes y rows first..first + count < slots.
-        unsafe {
-            self.launch(sig, &super::kernels::name(base, e), cfg, &args)
-        }
+        unsafe { self.launch(sig, &super::kernels::name(base, e), cfg, &args) }
     }
 
     /// out [tokens, hidden]: each token's weighted sum of its slots' rows of y, in expert order.
