@@ -140,6 +140,11 @@ pub fn create_dir_atomic<T>(path: &Path, fill: impl FnOnce(&Path) -> Result<T>) 
         }
     }
     let parent = parent_dir(path);
+    match std::fs::metadata(parent) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return refuse(&format!("{} is not a directory", parent.display())),
+        Err(e) => return Err(Error::io(parent, e)),
+    }
     remove_stale_temporaries(parent, &name);
     let tmp = parent.join(format!(".{name}{TMP_MARK}{}", std::process::id()));
     if tmp.exists() {
@@ -215,6 +220,11 @@ mod tests {
         .unwrap();
         assert_eq!(std::fs::read(out.join("a")).unwrap(), b"1");
         assert_eq!(std::fs::read_dir(root.path()).unwrap().count(), 1);
+        let orphan = root.path().join("missing").join("ckpt");
+        let e = create_dir_atomic(&orphan, |_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing: No such file"), "{e}");
         let again = create_dir_atomic(&out, |_| Ok(())).unwrap_err().to_string();
         assert!(again.contains("exists and is not empty"), "{again}");
         assert_eq!(std::fs::read(out.join("a")).unwrap(), b"1", "left alone");
