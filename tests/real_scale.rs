@@ -654,10 +654,8 @@ fn a_damaged_fp8_checkpoint_is_an_error_not_a_run() {
     let file = map[&scales].as_str().unwrap();
     linked_copy(&good, &bad, &[file]);
     let (tensors, _) = header(&bad.join(file));
-    let header_len = {
-        let bytes = std::fs::read(bad.join(file)).unwrap();
-        u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize
-    };
+    let mut bytes = std::fs::read(bad.join(file)).unwrap();
+    let data = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let [begin, end]: [usize; 2] =
         serde_json::from_value(tensors[&scales]["data_offsets"].clone()).unwrap();
     assert_eq!(
@@ -665,8 +663,7 @@ fn a_damaged_fp8_checkpoint_is_an_error_not_a_run() {
         5 * 48 * 4,
         "5×48 blocks: the last row of blocks is half"
     );
-    let mut bytes = std::fs::read(bad.join(file)).unwrap();
-    for chunk in bytes[8 + header_len + begin..8 + header_len + end].chunks_exact_mut(4) {
+    for chunk in bytes[data + begin..data + end].chunks_exact_mut(4) {
         chunk.copy_from_slice(&1f32.to_le_bytes());
     }
     std::fs::write(bad.join(file), bytes).unwrap();
