@@ -47,7 +47,8 @@ fn parent_dir(path: &Path) -> &Path {
 /// The temporary files of `path` are `.NAME.mladb-tmp-PID`, beside it.
 const TMP_MARK: &str = ".mladb-tmp-";
 
-/// Removes temporaries of `path` left by processes that no longer exist (killed mid-write).
+/// Removes temporaries of `path` left by processes that no longer exist (killed mid-write):
+/// files, or whole directories (see [`create_dir_atomic`]).
 fn remove_stale_temporaries(dir: &Path, file_name: &str) {
     let prefix = format!(".{file_name}{TMP_MARK}");
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -63,7 +64,14 @@ fn remove_stale_temporaries(dir: &Path, file_name: &str) {
             continue;
         };
         if pid > 0 && pid as u32 != std::process::id() && !process_exists(pid) {
-            let _ = std::fs::remove_file(entry.path());
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => {
+                    let _ = std::fs::remove_dir_all(entry.path());
+                }
+                _ => {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+            }
         }
     }
 }
@@ -105,6 +113,72 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// Creates the directory `path` whole or not at all: `fill` writes into a temporary directory
+/// beside it (`.NAME.mladb-tmp-PID`), whose files are flushed to disk before it is renamed into
+/// place. A `path` that exists is refused unless it is an empty directory (which the rename
+/// replaces), so nothing already there is ever written over. On failure the temporary
+/// directory is removed; one left by a killed process is removed by the next call.
+pub fn create_dir_atomic<T>(path: &Path, fill: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
+    let refuse = |why: &str| Err(Error::invalid(format!("{}: {why}", path.display())));
+    let Some(name) = path.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return refuse("not a directory path");
+    };
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Error::io(path, e)),
+        Ok(m) if m.file_type().is_symlink() => {
+            return refuse("is a symbolic link: refusing to write through it")
+        }
+        Ok(m) if !m.is_dir() => {
+            return refuse("exists and is not a directory: refusing to replace it")
+        }
+        Ok(_) => {
+            let mut entries = std::fs::read_dir(path).map_err(|e| Error::io(path, e))?;
+            if entries.next().is_some() {
+                return refuse("exists and is not empty: refusing to write over it");
+            }
+        }
+    }
+    let parent = parent_dir(path);
+    match std::fs::metadata(parent) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return refuse(&format!("{} is not a directory", parent.display())),
+        Err(e) => return Err(Error::io(parent, e)),
+    }
+    remove_stale_temporaries(parent, &name);
+    let tmp = parent.join(format!(".{name}{TMP_MARK}{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    let result = fill(&tmp).and_then(|value| {
+        sync_files(&tmp)?;
+        std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
+        // The rename itself reaches the disk with the parent directory's entry.
+        if let Ok(dir) = std::fs::File::open(parent) {
+            let _ = dir.sync_all();
+        }
+        Ok(value)
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+/// Flushes every file of a directory (not recursive) and the directory itself to disk.
+fn sync_files(dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let path = entry.map_err(|e| Error::io(dir, e))?.path();
+        if path.is_file() {
+            let f = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
+            f.sync_all().map_err(|e| Error::io(&path, e))?;
+        }
+    }
+    let d = std::fs::File::open(dir).map_err(|e| Error::io(dir, e))?;
+    d.sync_all().map_err(|e| Error::io(dir, e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,5 +198,43 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("missing-dir").join("out.bin");
         assert!(write_atomic(&path, b"x").is_err());
+    }
+
+    #[test]
+    fn a_directory_appears_whole_or_not_at_all() {
+        let root = tempfile::tempdir().unwrap();
+        let out = root.path().join("ckpt");
+        let failed: Result<()> = create_dir_atomic(&out, |tmp| {
+            std::fs::write(tmp.join("a"), b"1").unwrap();
+            Err(Error::invalid("interrupted"))
+        });
+        assert!(failed.is_err());
+        assert_eq!(
+            std::fs::read_dir(root.path()).unwrap().count(),
+            0,
+            "no trace left"
+        );
+        create_dir_atomic(&out, |tmp| {
+            std::fs::write(tmp.join("a"), b"1").map_err(|e| Error::io(tmp, e))
+        })
+        .unwrap();
+        assert_eq!(std::fs::read(out.join("a")).unwrap(), b"1");
+        assert_eq!(std::fs::read_dir(root.path()).unwrap().count(), 1);
+        let orphan = root.path().join("missing").join("ckpt");
+        let e = create_dir_atomic(&orphan, |_| Ok(()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing: No such file"), "{e}");
+        let again = create_dir_atomic(&out, |_| Ok(())).unwrap_err().to_string();
+        assert!(again.contains("exists and is not empty"), "{again}");
+        assert_eq!(std::fs::read(out.join("a")).unwrap(), b"1", "left alone");
+        // An empty directory is filled.
+        let empty = root.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        create_dir_atomic(&empty, |tmp| {
+            std::fs::write(tmp.join("b"), b"2").map_err(|e| Error::io(tmp, e))
+        })
+        .unwrap();
+        assert_eq!(std::fs::read(empty.join("b")).unwrap(), b"2");
     }
 }

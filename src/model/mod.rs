@@ -2,6 +2,7 @@
 //! their values come from.
 
 pub mod catalog;
+pub mod export;
 pub mod gguf;
 pub mod hf_config;
 pub mod layout;
