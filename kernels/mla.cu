@@ -5,31 +5,37 @@
 
 #define GRID_STRIDE(i, n) for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 
-// q_lat[t,h,l] = Σ_p q_nope[t,h,p] · W_UK[h][p][l]: W_UK folded into the query.
+// q_lat[t,h,l] = Σ_p q_nope[t,h,p] · W_UK[h][p][l]: W_UK folded into the query. Adjacent threads
+// read adjacent l of a weight row; eight rows' loads are in flight at once.
 template <typename T> __device__ void absorb_query_k(const T* q, const T* w, T* out, u64 n, u64 heads, u64 P, u64 V,
                                                      u64 L, u64 uk) {
     GRID_STRIDE(i, n * heads * L) {
         u64 l = i % L, th = i / L, h = th % heads;
         const T* qh = q + th * P;
-        u64 row0 = h * (P + V) + uk;
+        const T* wl = w + (h * (P + V) + uk) * L + l;
         float acc = 0.0f;
-        for (u64 p = 0; p < P; p++) acc += ld(qh, p) * ld(w, (row0 + p) * L + l);
+#pragma unroll 8
+        for (u64 p = 0; p < P; p++) acc += ld(qh, p) * ld(wl, p * L);
         st(out, i, acc);
     }
 }
 extern "C" __global__ void absorb_query_f32(const float* q, const float* w, float* o, u64 n, u64 h, u64 P, u64 V, u64 L, u64 uk) { absorb_query_k(q, w, o, n, h, P, V, L, uk); }
 extern "C" __global__ void absorb_query_bf16(const bf16_t* q, const bf16_t* w, bf16_t* o, u64 n, u64 h, u64 P, u64 V, u64 L, u64 uk) { absorb_query_k(q, w, o, n, h, P, V, L, uk); }
 
-// o[t, h·V + v] = Σ_l W_UV[h][v][l] · o_lat[t,h,l]: W_UV applied after the latent attention.
+// o[t, h·V + v] = Σ_l W_UV[h][v][l] · o_lat[t,h,l]: W_UV applied after the latent attention. A
+// warp per output, its lanes along the weight row (a thread per output read rows L apart).
 template <typename T> __device__ void apply_w_uv_k(const T* lat, const T* w, T* out, u64 n, u64 heads, u64 P, u64 V,
                                                    u64 L, u64 uv) {
-    GRID_STRIDE(i, n * heads * V) {
+    const int lane = threadIdx.x & 31;
+    const u64 warps = ((u64)gridDim.x * blockDim.x) >> 5;
+    for (u64 i = (blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5; i < n * heads * V; i += warps) {
         u64 v = i % V, th = i / V, h = th % heads;
         const T* x = lat + th * L;
         const T* wr = w + (h * (P + V) + uv + v) * L;
         float acc = 0.0f;
-        for (u64 l = 0; l < L; l++) acc += ld(x, l) * ld(wr, l);
-        st(out, i, acc);
+        for (u64 l = lane; l < L; l += 32) acc += ld(x, l) * ld(wr, l);
+        acc = warp_sum(acc);
+        if (lane == 0) st(out, i, acc);
     }
 }
 extern "C" __global__ void apply_w_uv_f32(const float* x, const float* w, float* o, u64 n, u64 h, u64 P, u64 V, u64 L, u64 uv) { apply_w_uv_k(x, w, o, n, h, P, V, L, uv); }

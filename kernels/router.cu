@@ -31,16 +31,24 @@ __device__ __forceinline__ int warp_best(int key, int idx) {
     return idx;
 }
 
-// Scratch per token: choice [experts], group score [n_group], group kept [n_group], taken
-// [experts]. Output per token: the top_k ids (as floats, exact below 2^24), then their weights.
+// Whether candidate (ka, a) ranks before (kb, b): a larger key, or the lower index on equal keys
+// (top-k's tie rule). An index of -1 is no candidate.
+__device__ __forceinline__ bool before(int ka, int a, int kb, int b) {
+    return a >= 0 && (b < 0 || ka > kb || (ka == kb && a < b));
+}
+
+// One warp per token (a block each). Shared memory per token: choice [experts], group score
+// [n_group], group kept [n_group], taken [experts]. Output per token: the top_k ids (as floats,
+// exact below 2^24), then their weights.
 template <typename T>
 __device__ void route_warp(const T* logits, const float* bias, u64 tokens, int experts, int n_group, int topk_group,
-                           int top_k, int normalise, float scaling, float* out, float* scratch) {
-    u64 t = blockIdx.x * (u64)(blockDim.x >> 5) + (threadIdx.x >> 5);
+                           int top_k, int normalise, float scaling, float* out) {
+    extern __shared__ float sm[];
+    u64 t = blockIdx.x;
     int lane = threadIdx.x & 31;
     if (t >= tokens) return;
     const T* row = logits + t * experts;
-    float* choice = scratch + t * (u64)(2 * experts + 2 * n_group);
+    float* choice = sm;
     float* group_score = choice + experts;
     float* kept = group_score + n_group;
     float* taken = kept + n_group;
@@ -52,15 +60,30 @@ __device__ void route_warp(const T* logits, const float* bias, u64 tokens, int e
         taken[e] = 0.0f;
     }
     __syncwarp();
-    for (int g = lane; g < n_group; g += 32) {
-        // The sum of the group's two best choices (ties to the lower index, as top-k takes them).
-        int a = -1, b = -1;
-        for (int e = g * per_group; e < (g + 1) * per_group; e++) {
-            if (a < 0 || total_key(choice[e]) > total_key(choice[a])) { b = a; a = e; }
-            else if (b < 0 || total_key(choice[e]) > total_key(choice[b])) b = e;
+    for (int g = 0; g < n_group; g++) {
+        // The sum of the group's two best choices (ties to the lower index, as top-k takes
+        // them): each lane's best two of its experts, then the warp's.
+        int ka = 0, a = -1, kb = 0, b = -1;
+        for (int e = g * per_group + lane; e < (g + 1) * per_group; e += 32) {
+            int k = total_key(choice[e]);
+            if (before(k, e, ka, a)) { kb = ka; b = a; ka = k; a = e; }
+            else if (before(k, e, kb, b)) { kb = k; b = e; }
         }
-        group_score[g] = b >= 0 ? choice[a] + choice[b] : choice[a];
-        kept[g] = 0.0f;
+        for (int o = 16; o > 0; o >>= 1) {
+            int ka2 = __shfl_xor_sync(0xffffffffu, ka, o), a2 = __shfl_xor_sync(0xffffffffu, a, o);
+            int kb2 = __shfl_xor_sync(0xffffffffu, kb, o), b2 = __shfl_xor_sync(0xffffffffu, b, o);
+            if (before(ka2, a2, ka, a)) {
+                // The other's best leads; the second is the better of ours and its second.
+                if (!before(kb2, b2, ka, a)) { kb2 = ka; b2 = a; }
+                ka = ka2; a = a2; kb = kb2; b = b2;
+            } else if (before(ka2, a2, kb, b)) {
+                kb = ka2; b = a2;
+            }
+        }
+        if (lane == 0) {
+            group_score[g] = b >= 0 ? choice[a] + choice[b] : choice[a];
+            kept[g] = 0.0f;
+        }
     }
     __syncwarp();
     if (lane == 0) {
@@ -102,13 +125,11 @@ __device__ void route_warp(const T* logits, const float* bias, u64 tokens, int e
 }
 
 extern "C" __global__ void route_f32(const float* logits, const float* bias, u64 tokens, int experts, int n_group,
-                                     int topk_group, int top_k, int normalise, float scaling, float* out,
-                                     float* scratch) {
-    route_warp(logits, bias, tokens, experts, n_group, topk_group, top_k, normalise, scaling, out, scratch);
+                                     int topk_group, int top_k, int normalise, float scaling, float* out) {
+    route_warp(logits, bias, tokens, experts, n_group, topk_group, top_k, normalise, scaling, out);
 }
 
 extern "C" __global__ void route_bf16(const bf16_t* logits, const float* bias, u64 tokens, int experts, int n_group,
-                                      int topk_group, int top_k, int normalise, float scaling, float* out,
-                                      float* scratch) {
-    route_warp(logits, bias, tokens, experts, n_group, topk_group, top_k, normalise, scaling, out, scratch);
+                                      int topk_group, int top_k, int normalise, float scaling, float* out) {
+    route_warp(logits, bias, tokens, experts, n_group, topk_group, top_k, normalise, scaling, out);
 }

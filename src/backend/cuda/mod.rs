@@ -428,7 +428,7 @@ impl Backend for CudaBackend {
     fn route(&self, logits: &Tensor, bias: &Tensor, moe: &MoeLayout) -> Result<Routing> {
         checks::route(logits, bias, moe)?;
         let tokens = logits.rows();
-        let (e, k) = (moe.n_routed_experts, moe.num_experts_per_tok);
+        let k = moe.num_experts_per_tok;
         // The logits stay where the gate wrote them; the bias goes up in f32 (its host values
         // steer the choice, as on the CPU); ids and weights come back in one copy.
         let l = match logits.device() {
@@ -437,8 +437,7 @@ impl Backend for CudaBackend {
         };
         let b = self.gpu.upload(bias.data(), Elem::F32)?;
         let out = self.gpu.alloc(tokens * 2 * k, Elem::F32)?;
-        let scratch = self.gpu.alloc(tokens * 2 * (e + moe.n_group), Elem::F32)?;
-        self.gpu.route(buf(&l), &b, moe, tokens, &out, &scratch)?;
+        self.gpu.route(buf(&l), &b, moe, tokens, &out)?;
         let routed = self.gpu.download(&out)?;
         let rows = routed.chunks(2 * k.max(1));
         Ok(Routing {

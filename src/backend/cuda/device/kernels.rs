@@ -82,9 +82,7 @@ pub const INDEX_SCORES: Sig = Sig::new(
 pub const TOPK_SELECT: Sig = Sig::new("topk_select", &[F32Ptr, I32Ptr, U8Ptr, U64, U64]);
 pub const ROUTE: Sig = Sig::new(
     "route_{e}",
-    &[
-        Storage, F32Ptr, U64, Int, Int, Int, Int, Int, Float, F32Ptr, F32Ptr,
-    ],
+    &[Storage, F32Ptr, U64, Int, Int, Int, Int, Int, Float, F32Ptr],
 );
 pub const STATS: Sig = Sig::new("stats_many", &[Jobs, F64Ptr, F64Ptr]);
 pub const DEQUANT: Sig = Sig::new("dequant_*", &[U8Ptr, Storage, U64, Int]);

@@ -99,9 +99,11 @@ impl Gpu {
             size(latent),
             size(w_row),
         ];
+        // apply_w_uv runs a warp per output, absorb_query a thread.
+        let threads = if apply { prod(&[total, 32])? } else { total };
         // SAFETY: x, w and out over the extents checked above; the weight rows read are
         // h·(P+V) + w_row + (0..rows) with w_row + rows ≤ P+V.
-        unsafe { self.launch(sig, &name(base, e), grid_1d(total), &args) }
+        unsafe { self.launch(sig, &name(base, e), grid_1d(threads), &args) }
     }
 
     /// kv [n, heads·(P+V)] and k_pe [n, R] → k [n, heads·(P+R)] and v [n, heads·V].

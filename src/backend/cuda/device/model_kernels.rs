@@ -11,9 +11,13 @@ use super::{grid_1d, Arg, DevBuf, DevBytes, DevF64, Elem, Gpu, Launch, StatsJobs
 use crate::error::{Error, Result};
 use crate::gguf::GgmlType;
 
+/// Shared memory the router may ask for without opting in.
+const ROUTE_SHARED_MAX: usize = 48 << 10;
+
 impl Gpu {
     /// MoE routing of `tokens` rows of router logits (storage type): per token, the top_k
-    /// expert ids (as floats) then their weights, in `out` [tokens, 2·top_k]. One warp a token.
+    /// expert ids (as floats) then their weights, in `out` [tokens, 2·top_k]. One warp a token,
+    /// its choices in shared memory.
     pub fn route(
         &self,
         logits: &DevBuf,
@@ -21,11 +25,17 @@ impl Gpu {
         moe: &crate::model::layout::MoeLayout,
         tokens: usize,
         out: &DevBuf,
-        scratch: &DevBuf,
     ) -> Result<()> {
         let (e, k, g) = (moe.n_routed_experts, moe.num_experts_per_tok, moe.n_group);
-        if g == 0 || !e.is_multiple_of(g) || moe.topk_group > g || k > e || e >= 1 << 24 {
+        if g == 0 || !e.is_multiple_of(g) || moe.topk_group > g || k > e {
             return Err(Error::invalid("route: experts not in equal groups"));
+        }
+        // choice and taken per expert, score and kept per group, in f32.
+        let shared = 4 * (2 * e + 2 * g);
+        if shared > ROUTE_SHARED_MAX {
+            return Err(Error::invalid(format!(
+                "route: {e} experts in {g} groups need {shared} bytes of shared memory (at most {ROUTE_SHARED_MAX})"
+            )));
         }
         let elem = logits.elem();
         let args = [
@@ -39,21 +49,15 @@ impl Gpu {
             Arg::I32(moe.norm_topk_prob as i32),
             Arg::F32(moe.routed_scaling_factor as f32),
             need("routing", out, prod(&[tokens, 2 * k])?, Elem::F32)?,
-            need(
-                "router scratch",
-                scratch,
-                prod(&[tokens, 2 * e + 2 * g])?,
-                Elem::F32,
-            )?,
         ];
-        const WARPS: usize = 8;
         let launch = Launch {
-            grid: (blocks("route", tokens.div_ceil(WARPS))?, 1, 1),
-            block: 32 * WARPS as u32,
-            shared: 0,
+            grid: (blocks("route", tokens)?, 1, 1),
+            block: 32,
+            shared: shared as u32,
         };
-        // SAFETY: warp t reads logits row t and bias, writes routing row t and its scratch row
-        // of 2·(experts + groups); group g's experts g·(e/g).. lie below e.
+        // SAFETY: block t reads logits row t and bias, writes routing row t, and keeps its
+        // 2·(experts + groups) floats in the shared memory launched with it; group g's experts
+        // g·(e/g).. lie below e.
         unsafe { self.launch(&ROUTE, &format!("route_{}", elem.suffix()), launch, &args) }
     }
 
