@@ -31,6 +31,17 @@
 // Rows of a split's last tile past its end are zeroed after the copy lands (P = 0 there, and
 // 0 · NaN would still be NaN).
 //
+// The sparse twin (mla_sparse_wgmma) walks sequence b's key list (entries of row b of `indices`,
+// token positions, -1 padding) instead of its first tokens. TMA cannot gather rows on Hopper
+// (one-row boxes, nine per row, ran at 13% of the copy bandwidth: the copy engine takes tens of
+// cycles per box), so warpgroup 1 copies a tile's rows itself: 16-byte cp.async chunks written
+// to where TMA's 128-byte swizzle would have put them, each thread's copies arriving on the
+// stage's barrier as they complete (cp.async.mbarrier.arrive.noinc), never waited for by it.
+// Padding entries and entries past the list's end come as zeros (zero-fill copies); their
+// scores are masked by the tile's key bits, which thread 0 writes beside the stage and publishes
+// with one more arrival. Every warp looks the 32 rows of a tile up a tile ahead (lane r: row r;
+// list entry two tiles ahead, page one tile ahead), so the lookups never stall.
+//
 // Handshakes:
 //   full[s]  (TMA barrier) tile in stage s landed: both warpgroups wait on its phase
 //   EMPTY[s] warpgroup 0 is done with stage s   (0 arrives, 1 waits before reloading it)
@@ -64,6 +75,10 @@
 static_assert(mla_decode_wgmma_v.rows == W_HEADS &&
                   W_Q_BYTES + W_STAGES * W_TILE_BYTES + W_P_BYTES + 2 * W_HEADS * 4 + W_STAGES * 8 + 1024 == mla_decode_wgmma_v.shared,
               "mla_decode_wgmma: variants.cuh and the layout differ");
+// The sparse twin: the same, and the key bits of each stage's tile.
+static_assert(mla_sparse_wgmma_v.rows == W_HEADS && mla_sparse_wgmma_v.tile == W_TILE && mla_sparse_wgmma_v.stages == W_STAGES &&
+                  mla_decode_wgmma_v.shared + 4 * W_STAGES == mla_sparse_wgmma_v.shared,
+              "mla_sparse_wgmma: variants.cuh and the layout differ");
 #define BAR_EMPTY 1  // + stage
 #define BAR_P_FULL (1 + W_STAGES)
 #define BAR_P_EMPTY (2 + W_STAGES)
@@ -86,10 +101,48 @@ __device__ __forceinline__ void load_block(unsigned dst, const bf16_t* src, int 
     cp_async_commit();
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __grid_constant__ TmaMap cache_map, const bf16_t* q, const bf16_t* cache,
-                                                                   const int* block_table, int max_pages, const int* seq_lens, float scale_log2,
-                                                                   float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
-                                                                   float* lse_out) {
+// A 16-byte cp.async that copies zeros instead when `real` is false (nothing is read then), and
+// the arrival on a barrier once this thread's earlier cp.async writes have landed.
+__device__ __forceinline__ void cp_async16_or_zero(unsigned dst, const void* src, bool real) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(real ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_arrive(unsigned mbar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(mbar) : "memory");
+}
+
+// The rows of a sparse tile, looked up ahead by the 32 lanes of a warp (lane r: entry r of each
+// tile): the position and page of the next tile to issue, the position of the one after.
+struct RowsAhead {
+    const int* list;  // the sequence's key list
+    const int* bt;    // its block-table row
+    int t_begin, t_end, lane;
+    int pos, page, pos_next;
+
+    __device__ __forceinline__ int entry(int j) const {
+        const int i = t_begin + j * W_TILE + lane;
+        return i < t_end ? list[i] : -1;
+    }
+    __device__ __forceinline__ void start() {
+        pos = entry(0);
+        page = pos >= 0 ? bt[pos / W_PAGE] : 0;
+        pos_next = entry(1);
+    }
+    // The cache row of this lane's entry of tile j (the next to issue; -1 for none), then the
+    // lookups move a tile on: the page of tile j + 1, the entry of tile j + 2 (loads left in
+    // flight until tile j + 1 is issued).
+    __device__ __forceinline__ int take(int j) {
+        const int row = pos >= 0 ? page * W_PAGE + pos % W_PAGE : -1;
+        pos = pos_next;
+        page = pos >= 0 ? bt[pos / W_PAGE] : 0;
+        pos_next = entry(j + 2);
+        return row;
+    }
+};
+
+template <bool SPARSE>
+__device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
+                                             const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o,
+                                             float* part_lse, int splits, int total_heads, bf16_t* out, float* lse_out) {
     // The swizzled stages need 1024-byte alignment; the host gives 1 KB of slack for it.
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -98,6 +151,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
     float* sAlpha = (float*)(p_base + W_P_BYTES);  // [64] rescale factors of the tile
     float* sL = sAlpha + W_HEADS;                  // [64] row sums at the end
     const unsigned mbar = smem_addr(sL + W_HEADS); // [W_STAGES] 8-byte TMA barriers
+    const unsigned sKeys = mbar + 8 * W_STAGES;    // SPARSE: [W_STAGES] key bits of each tile
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * W_HEADS;
     const int heads_here = min(W_HEADS, total_heads - head0);  // the rest of the group is padding
@@ -112,7 +166,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
     }
 
     if (threadIdx.x == 0) {
-        for (int st = 0; st < W_STAGES; st++) mbar_init(mbar + 8 * st, 1);
+        // Dense: the TMA issuer's arrival. Sparse: warpgroup 1's 128 copy arrivals and thread 0's.
+        for (int st = 0; st < W_STAGES; st++) mbar_init(mbar + 8 * st, SPARSE ? 129 : 1);
         mbar_init_fence();
     }
     __syncthreads();
@@ -124,7 +179,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
     const int* bt = block_table + (u64)b * max_pages;
     // Whether tile j is the split's last and ends before its 32 rows do (the rows past the end
     // are zeroed by warpgroup 1 after the copy lands, and warpgroup 0 waits for that).
-    auto short_tile = [&](int j) { return t_end - (t_begin + j * W_TILE) < W_TILE; };
+    // (Sparse tiles have no tail: their missing rows come as zeros, masked by the key bits.)
+    auto short_tile = [&](int j) { return !SPARSE && t_end - (t_begin + j * W_TILE) < W_TILE; };
 
     // This warpgroup's 64 × 256 slice of O: element 4·n + e is row (e < 2 ? r0 : r1), column
     // 8·n + 2·qd + e % 2 of the slice.
@@ -145,6 +201,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
             const unsigned kv = sKV + s * W_TILE_BYTES;
             mbar_wait(mbar + 8 * s, (j / W_STAGES) & 1);
             if (short_tile(j)) bar_sync(BAR_TAIL, 256);
+            unsigned keys = 0;  // SPARSE: bit r set where row r of the tile is a key
+            if constexpr (SPARSE) {
+                asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(keys) : "r"(sKeys + 4 * s));
+                fence_proxy_async();  // the stage was written by cp.async; wgmma reads it
+            }
             float sc[W_SC];
 #pragma unroll
             for (int i = 0; i < W_SC; i++) sc[i] = 0.0f;
@@ -175,8 +236,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
             // Online softmax in base 2 over this tile (tokens past the end are -inf).
 #pragma unroll
             for (int i = 0; i < W_SC; i++) {
-                const int tok = t0 + 8 * (i / 4) + 2 * qd + (i & 1);
-                sc[i] = tok < t_end ? sc[i] * scale_log2 : -INFINITY;
+                const int r = 8 * (i / 4) + 2 * qd + (i & 1);
+                const bool key = SPARSE ? (keys >> r) & 1u : t0 + r < t_end;
+                sc[i] = key ? sc[i] * scale_log2 : -INFINITY;
             }
             float alpha[2];
             wg_online_softmax<W_TILE / 8>(sc, m_run, l_run, o, pa, alpha);
@@ -238,7 +300,27 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
             const unsigned dst = sKV + (j % W_STAGES) * W_TILE_BYTES, mb = mbar + 8 * (j % W_STAGES);
             mbar_expect_bytes(mb, W_TILE_BYTES);
 #pragma unroll
-            for (int c = 0; c < W_DQK / 64; c++) tma_load_2d(dst + c * W_BOX_BYTES, &cache_map, mb, c * 64, row);
+            for (int c = 0; c < W_DQK / 64; c++) tma_load_2d(dst + c * W_BOX_BYTES, cache_map, mb, c * 64, row);
+        };
+        // SPARSE, by all 128 threads: warp w copies rows 8w.. of tile j, lane l row 8w + l/4,
+        // chunks l%4, l%4 + 4, ... (a warp's copy reads 64 contiguous bytes of each of 8 rows).
+        RowsAhead ahead{indices + (u64)b * topk, bt, t_begin, t_end, tid % 32, 0, 0, 0};
+        auto issue_rows = [&](int j) {
+            const int mine = ahead.take(j);
+            const int r = 8 * warp + lane / 4, row = __shfl_sync(0xffffffffu, mine, r);
+            const unsigned dst = sKV + (j % W_STAGES) * W_TILE_BYTES + r * 128, mb = mbar + 8 * (j % W_STAGES);
+            const bf16_t* src = cache + (u64)max(row, 0) * W_DQK;
+#pragma unroll
+            for (int k = 0; k < W_DQK / 8 / 4; k++) {
+                const int c = lane % 4 + 4 * k;  // chunk of the row: box c / 8, chunk c % 8 of it
+                cp_async16_or_zero(dst + (c / 8) * W_BOX_BYTES + (((c % 8) ^ (r % 8)) << 4), src + 8 * c, row >= 0);
+            }
+            cp_async_arrive(mb);
+            const unsigned keys = __ballot_sync(0xffffffffu, mine >= 0);
+            if (tid == 0) {
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sKeys + 4 * (j % W_STAGES)), "r"(keys) : "memory");
+                mbar_arrive(mb);
+            }
         };
         // A short tile, once landed: rows past the end zeroed (whole 128-byte rows of each box,
         // so the swizzle does not matter), published to warpgroup 0.
@@ -253,14 +335,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
             fence_proxy_async();
             bar_arrive(BAR_TAIL, 256);
         };
-        if (tid == 0)
+        if (SPARSE) {
+            ahead.start();
+            for (int j = 0; j < W_STAGES - 1 && j < n_tiles; j++) issue_rows(j);
+        } else if (!SPARSE && tid == 0) {
             for (int j = 0; j < W_STAGES - 1 && j < n_tiles; j++) issue_tile(j);
+        }
         if (short_tile(0)) zero_tail(0);
         const u64 dp = wg_desc(sP, 128, W_TILE * 16);
         for (int j = 0; j < n_tiles; j++) {
             const int s = j % W_STAGES;
             bar_sync(BAR_P_FULL, 256);
             mbar_wait(mbar + 8 * s, (j / W_STAGES) & 1);  // long done: makes the copy visible here
+            if constexpr (SPARSE) fence_proxy_async();     // written by cp.async, read by wgmma
             const float a0 = sAlpha[r0], a1 = sAlpha[r1];
 #pragma unroll
             for (int i = 0; i < 128; i++) o[i] *= (i & 2) ? a1 : a0;
@@ -280,7 +367,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
             const int next = j + W_STAGES - 1;
             if (next < n_tiles) {
                 if (j > 0) bar_sync(BAR_EMPTY + (j - 1) % W_STAGES, 256);
-                if (tid == 0) issue_tile(next);
+                if (SPARSE)
+                    issue_rows(next);
+                else if (!SPARSE && tid == 0)
+                    issue_tile(next);
             }
             if (j + 1 < n_tiles && short_tile(j + 1)) zero_tail(j + 1);
         }
@@ -302,4 +392,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
             else
                 *(float2*)(part_o + (out_row + row) * W_DV + col0 + 8 * n) = make_float2(x, y);
         }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __grid_constant__ TmaMap cache_map, const bf16_t* q, const bf16_t* cache,
+                                                                   const int* block_table, int max_pages, const int* seq_lens, float scale_log2,
+                                                                   float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
+                                                                   float* lse_out) {
+    decode_wgmma<false>(&cache_map, q, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out,
+                        lse_out);
+}
+
+// The sparse twin: lens[b] is the length of row b of `indices` ([batch, topk] positions, -1
+// padding); its rows are copied by cp.async (no tensor map).
+extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma(const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
+                                                                   const int* indices, int topk, const int* lens, float scale_log2,
+                                                                   float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
+                                                                   float* lse_out) {
+    decode_wgmma<true>(nullptr, q, cache, block_table, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, total_heads, out,
+                       lse_out);
 }

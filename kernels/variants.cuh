@@ -30,7 +30,9 @@ KERNEL_VARIANT(mla_decode_t16, 64, 16, 1, 97792)
 // The dense decode with the page-index-overflow fault planted (32-bit page offsets).
 KERNEL_VARIANT(mla_decode_ks3_o32, 64, 32, 3, 226816)
 KERNEL_VARIANT(mla_decode_t16_o32, 64, 16, 1, 97792)
-// The sparse decode: its dense twin's layout and a ring of row lookups (sparse.cuh).
+// The sparse decode: its dense twin's layout and a ring of row lookups (sparse.cuh); the
+// wgmma one its twin's and the key bits of each stage.
+KERNEL_VARIANT(mla_sparse_wgmma, 64, 32, 4, 226864)
 KERNEL_VARIANT(mla_sparse_ks3, 64, 32, 3, 228864)
 KERNEL_VARIANT(mla_sparse_ks2, 64, 32, 2, 191488)
 KERNEL_VARIANT(mla_sparse_t32, 64, 32, 2, 157952)

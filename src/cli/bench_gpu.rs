@@ -361,7 +361,14 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
     }
 
     if !args.no_kernels {
-        super::bench_sparse::sparse_decode(gpu, c.copy_gbs, args.quick)?;
+        // A forced variant with a sparse twin (`--decode-variant ks3`) runs the bf16 sparse rows too.
+        let forced_sparse = args
+            .decode_variant
+            .as_deref()
+            .map(|v| v.parse::<DecodeVariant>().map(DecodeVariant::kernel))
+            .transpose()?
+            .and_then(fast::sparse_twin);
+        super::bench_sparse::sparse_decode(gpu, c.copy_gbs, args.quick, forced_sparse)?;
         super::bench_fp8::fp8_decode(gpu)?;
         super::bench_traced::traced_decode(&backend, args.quick)?;
     }

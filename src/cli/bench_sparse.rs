@@ -33,6 +33,7 @@ fn sparse_shape(
     gpu: &Gpu,
     (batch, context, topk, heads): (usize, usize, usize, usize),
     fp8: bool,
+    forced: Option<&'static str>,
     seed: u64,
 ) -> Result<(f64, f64, f64, usize, &'static str)> {
     let width = LATENT + ROPE;
@@ -75,7 +76,7 @@ fn sparse_shape(
     };
     let work = match fp8_cache {
         Some(_) => DecodeWork::for_fp8_sparse(gpu, shape, None, None)?,
-        None => DecodeWork::sparse(gpu, shape, None, None)?,
+        None => DecodeWork::sparse(gpu, shape, None, forced)?,
     };
     let run = || {
         match &fp8_cache {
@@ -127,8 +128,13 @@ fn sparse_shape(
 
 /// The sparse decode table: top-k 2048 over 8k and 32k contexts, batch 1 and 64; over the
 /// bf16 cache at 64 and 8 heads, over the fp8_ds_mla cache at 64, 16 and 8 heads (where the
-/// device runs its sparse kernels: sm_90 on).
-pub fn sparse_decode(gpu: &Gpu, copy_gbs: f64, quick: bool) -> Result<()> {
+/// device runs its sparse kernels: sm_90 on). `forced`: the bf16 rows' kernel (a sparse variant).
+pub fn sparse_decode(
+    gpu: &Gpu,
+    copy_gbs: f64,
+    quick: bool,
+    forced: Option<&'static str>,
+) -> Result<()> {
     writeln!(
         Out,
         "\nsparse MLA decode (top-k key lists, paged latent cache 512+64, bf16 or fp8_ds_mla); \
@@ -171,7 +177,7 @@ pub fn sparse_decode(gpu: &Gpu, copy_gbs: f64, quick: bool) -> Result<()> {
             for &(batch, context) in shapes {
                 let seed = (batch * 1000 + context + heads) as u64;
                 let (us, gbs, err, splits, kernel) =
-                    sparse_shape(gpu, (batch, context, 2048, heads), fp8, seed)?;
+                    sparse_shape(gpu, (batch, context, 2048, heads), fp8, forced, seed)?;
                 writeln!(
                     Out,
                     "{cache:>10} {heads:>6} {batch:>6} {context:>8} {:>6} {us:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e} {kernel:>18}",

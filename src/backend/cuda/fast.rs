@@ -95,10 +95,10 @@ fn reads_cache_by_tma(kernel: &str) -> bool {
     )
 }
 
-/// The decode kernels that need sm_90 or later: those fed by TMA, and the few-heads kernels
-/// (fewer rows than [`HEAD_GROUP`]), fed by bulk copies.
+/// The decode kernels that need sm_90 or later: those fed by TMA, the few-heads kernels (fewer
+/// rows than [`HEAD_GROUP`]), fed by bulk copies, and the sparse wgmma kernel.
 fn needs_sm90(kernel: &str) -> bool {
-    reads_cache_by_tma(kernel) || head_group(kernel) < HEAD_GROUP
+    reads_cache_by_tma(kernel) || head_group(kernel) < HEAD_GROUP || kernel == "mla_sparse_wgmma"
 }
 
 /// TMA exists from compute capability 9.0 on (Hopper, B200, sm_120).
@@ -203,7 +203,7 @@ pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&s
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(4)
-        * usize::from(reads_cache_by_tma(kernel));
+        * usize::from(reads_cache_by_tma(kernel) || kernel == "mla_sparse_wgmma");
     split_count(SplitCosts {
         slots,
         groups: shape.batch * shape.heads.div_ceil(head_group(kernel)),

@@ -17,11 +17,13 @@ use crate::ops::KernelLaunch;
 const EIGHT_HEADS: &str = "mla_sparse_h8";
 
 /// The sparse variants, in order of preference, with their shared bytes (kernels/variants.cuh:
-/// the 64-head ones their dense twins' layouts and a ring of row lookups). The TMA and wgmma
-/// kernels have none: their tensor-map copies cannot gather rows.
-fn sparse_variants() -> [(&'static str, u32); 5] {
+/// the 64-head ones their dense twins' layouts and the row lookups). `mla_sparse_wgmma` (Hopper)
+/// gathers its tiles by cp.async into the layout TMA gives its twin; the split-k kernels fed by
+/// TMA (kt3, kt16) have no sparse twin.
+fn sparse_variants() -> [(&'static str, u32); 6] {
     [
         EIGHT_HEADS,
+        "mla_sparse_wgmma",
         "mla_sparse_ks3",
         "mla_sparse_ks2",
         "mla_sparse_t32",
@@ -40,7 +42,7 @@ pub fn sparse_decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
 }
 
 /// The sparse kernel for a decode variant's name (a dense one with a twin, or a sparse one):
-/// `--decode-variant ks3` runs `mla_sparse_ks3` on a sparse selection. `None` for wgmma and kt3.
+/// `--decode-variant ks3` runs `mla_sparse_ks3` on a sparse selection. `None` for kt3 and kt16.
 pub fn sparse_twin(kernel: &str) -> Option<&'static str> {
     let tag = kernel
         .strip_prefix("mla_decode_")
@@ -182,7 +184,8 @@ mod tests {
         assert_eq!(sparse_twin("mla_decode_t16"), Some("mla_sparse_t16"));
         assert_eq!(sparse_twin("mla_sparse_ks2"), Some("mla_sparse_ks2"));
         assert_eq!(sparse_twin("mla_decode_kt3"), None);
-        assert_eq!(sparse_twin("mla_decode_wgmma"), None);
+        assert_eq!(sparse_twin("mla_decode_wgmma"), Some("mla_sparse_wgmma"));
+        assert_eq!(sparse_twin("mla_decode_kt16"), None);
         assert_eq!(sparse_twin("ks3"), None);
     }
 

@@ -24,6 +24,8 @@ pub const MLA_DECODE_SPLIT_K: Sig = Sig::new("mla_decode_ks*", &DECODE);
 /// The split-k kernels fed by TMA (`mla_decode_kt3`, `mla_decode_kt16`).
 pub const MLA_DECODE_KT: Sig = Sig::new("mla_decode_kt*", &DECODE_TMA);
 pub const MLA_DECODE_WGMMA: Sig = Sig::new("mla_decode_wgmma", &DECODE_TMA);
+/// The sparse twin of [`MLA_DECODE_WGMMA`] (rows gathered by cp.async: no tensor map).
+pub const MLA_SPARSE_WGMMA: Sig = Sig::new("mla_sparse_wgmma", &SPARSE);
 pub const MLA_SPARSE_TILED: Sig = Sig::new("mla_sparse_t*", &SPARSE);
 pub const MLA_SPARSE_SPLIT_K: Sig = Sig::new("mla_sparse_ks*", &SPARSE);
 pub const MLA_SPARSE_FEW_HEADS: Sig = Sig::new("mla_sparse_h*", &SPARSE);
@@ -58,6 +60,7 @@ pub const SIGNATURES: &[&Sig] = &[
     &MLA_DECODE_SPLIT_K,
     &MLA_DECODE_KT,
     &MLA_DECODE_WGMMA,
+    &MLA_SPARSE_WGMMA,
     &MLA_SPARSE_TILED,
     &MLA_SPARSE_SPLIT_K,
     &MLA_SPARSE_FEW_HEADS,
@@ -130,7 +133,8 @@ pub struct SparseKeys<'a> {
 /// One decode launch: `batch` sequences of one query token each over a paged cache.
 pub struct Decode<'a> {
     /// A kernel of [`MLA_DECODE_TILED`], [`MLA_DECODE_SPLIT_K`], [`MLA_DECODE_KT`] or
-    /// [`MLA_DECODE_WGMMA`]; with `sparse`, of [`MLA_SPARSE_TILED`] or [`MLA_SPARSE_SPLIT_K`].
+    /// [`MLA_DECODE_WGMMA`]; with `sparse`, of [`MLA_SPARSE_WGMMA`], [`MLA_SPARSE_TILED`],
+    /// [`MLA_SPARSE_SPLIT_K`] or [`MLA_SPARSE_FEW_HEADS`].
     pub kernel: &'a str,
     pub shared: u32,
     pub batch: usize,
@@ -294,6 +298,7 @@ impl Gpu {
         let (sig, tma, sparse) = [
             (&MLA_DECODE_WGMMA, true, false),
             (&MLA_DECODE_KT, true, false),
+            (&MLA_SPARSE_WGMMA, false, true),
             (&MLA_DECODE_SPLIT_K, false, false),
             (&MLA_DECODE_TILED, false, false),
             (&MLA_SPARSE_SPLIT_K, false, true),
