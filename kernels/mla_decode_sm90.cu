@@ -70,10 +70,10 @@
 
 #define W_BOX_BYTES (W_TILE * 128)             // one TMA box: W_TILE rows × 64 dims
 
-// Q, the KV stages, P, the rescale factors and row sums, the TMA barriers, 1 KB of alignment
-// slack: the bytes of the kernel's row in variants.cuh.
+// Q, the KV stages, P, the rescale factors, row sums and row maxima, the TMA barriers, 1 KB of
+// alignment slack: the bytes of the kernel's row in variants.cuh.
 static_assert(mla_decode_wgmma_v.rows == W_HEADS &&
-                  W_Q_BYTES + W_STAGES * W_TILE_BYTES + W_P_BYTES + 2 * W_HEADS * 4 + W_STAGES * 8 + 1024 == mla_decode_wgmma_v.shared,
+                  W_Q_BYTES + W_STAGES * W_TILE_BYTES + W_P_BYTES + 3 * W_HEADS * 4 + W_STAGES * 8 + 1024 == mla_decode_wgmma_v.shared,
               "mla_decode_wgmma: variants.cuh and the layout differ");
 // The sparse twin: the same, and the key bits of each stage's tile.
 static_assert(mla_sparse_wgmma_v.rows == W_HEADS && mla_sparse_wgmma_v.tile == W_TILE && mla_sparse_wgmma_v.stages == W_STAGES &&
@@ -99,6 +99,82 @@ __device__ __forceinline__ void load_block(unsigned dst, const bf16_t* src, int 
             st_shared_zero16(dst + i * 16);
     }
     cp_async_commit();
+}
+
+// Thread-block clusters: the blocks in this one, a barrier over all their threads, and a store
+// into the shared memory of block `rank` of the cluster at the place of `addr` in ours.
+__device__ __forceinline__ unsigned cluster_ctas() {
+    unsigned n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
+    return n;
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void st_cluster_f32x2(unsigned addr, unsigned rank, float x, float y) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" ::"r"(remote), "f"(x), "f"(y) : "memory");
+}
+__device__ __forceinline__ void st_cluster_f32(unsigned addr, unsigned rank, float x) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(x) : "memory");
+}
+
+// The merge of a sequence's two splits launched as a cluster of two blocks (the split kernel's
+// grid is then split × ...: split s is rank s), instead of partials through global memory and a
+// merge kernel: block 1 stores its normalised output rows and their log-sum-exps (base 2) into
+// block 0's KV stages, free by then; block 0 weighs the two and writes the output and LSE.
+// Saves the 2 × 128 KB of f32 partials per sequence and head group written and read back.
+#define PAIR_STRIDE 520  // floats per row of the exchanged output (512 and 8 against bank conflicts)
+static_assert(W_HEADS * PAIR_STRIDE * 4 + W_HEADS * 4 <= W_STAGES * W_TILE_BYTES, "the exchange fits the stages");
+__device__ __forceinline__ void pair_merge(unsigned char* smem, const float* o, const float* sL, const float* sM, int r0, int r1, int wg,
+                                           int qd, int heads_here, bf16_t* out, float* lse_out) {
+    float* xo = (float*)(smem + W_Q_BYTES);  // [64][PAIR_STRIDE] block 1's rows, in block 0
+    float* xlse = xo + W_HEADS * PAIR_STRIDE; // [64] their log-sum-exps (base 2)
+    auto lse2 = [&](int r) { return sL[r] > 0.0f ? sM[r] + log2f(sL[r]) : -INFINITY; };
+    const float inv0 = sL[r0] > 0.0f ? 1.0f / sL[r0] : 0.0f, inv1 = sL[r1] > 0.0f ? 1.0f / sL[r1] : 0.0f;
+    const int col0 = wg * 256 + 2 * qd;
+    cluster_sync();  // both blocks are past their tiles: block 0's stages are free
+    if (cluster_rank() == 1) {
+#pragma unroll
+        for (int n = 0; n < 32; n++) {
+            st_cluster_f32x2(smem_addr(xo + r0 * PAIR_STRIDE + col0 + 8 * n), 0, o[4 * n] * inv0, o[4 * n + 1] * inv0);
+            st_cluster_f32x2(smem_addr(xo + r1 * PAIR_STRIDE + col0 + 8 * n), 0, o[4 * n + 2] * inv1, o[4 * n + 3] * inv1);
+        }
+        if (wg == 0 && qd == 0) {
+            st_cluster_f32(smem_addr(xlse + r0), 0, lse2(r0));
+            st_cluster_f32(smem_addr(xlse + r1), 0, lse2(r1));
+        }
+        cluster_sync();  // block 1's rows are in block 0
+        return;
+    }
+    cluster_sync();
+    const float ln2 = 0.6931471805599453f;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = r ? r1 : r0;
+        if (row >= heads_here) continue;  // padding: not written
+        const float own = lse2(row), other = xlse[row], top = fmaxf(own, other);
+        // Each split's weight; a row with no keys in either split gives zeros and -inf.
+        const float w_own = top == -INFINITY ? 0.0f : exp2f(own - top), w_other = top == -INFINITY ? 0.0f : exp2f(other - top);
+        const float total = w_own + w_other, a = total > 0.0f ? w_own / total : 0.0f, c = total > 0.0f ? w_other / total : 0.0f;
+        const float inv = (r ? inv1 : inv0) * a;
+        const float* theirs = xo + row * PAIR_STRIDE + col0;
+#pragma unroll
+        for (int n = 0; n < 32; n++) {
+            const float2 t = *(const float2*)(theirs + 8 * n);
+            *(unsigned*)(out + row * W_DV + col0 + 8 * n) =
+                pack_bf16(o[4 * n + 2 * r] * inv + t.x * c, o[4 * n + 2 * r + 1] * inv + t.y * c);
+        }
+        if (wg == 0 && qd == 0) lse_out[row] = total > 0.0f ? (top + log2f(total)) * ln2 : -INFINITY;
+    }
 }
 
 // A 16-byte cp.async that copies zeros instead when `real` is false (nothing is read then), and
@@ -150,7 +226,8 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const bf16
     unsigned char* p_base = smem + W_Q_BYTES + W_STAGES * W_TILE_BYTES;
     float* sAlpha = (float*)(p_base + W_P_BYTES);  // [64] rescale factors of the tile
     float* sL = sAlpha + W_HEADS;                  // [64] row sums at the end
-    const unsigned mbar = smem_addr(sL + W_HEADS); // [W_STAGES] 8-byte TMA barriers
+    float* sM = sL + W_HEADS;                      // [64] row maxima (base 2) at the end
+    const unsigned mbar = smem_addr(sM + W_HEADS); // [W_STAGES] 8-byte TMA barriers
     const unsigned sKeys = mbar + 8 * W_STAGES;    // SPARSE: [W_STAGES] key bits of each tile
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * W_HEADS;
@@ -160,7 +237,11 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const bf16
     const int t_begin = range.begin, t_end = range.end;
     const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
 
-    if (t_begin >= t_end) {  // an empty split (or sequence): nothing to attend to
+    // Two splits launched as a cluster merge each other's results (see the end); an empty one
+    // still takes part, with no tiles.
+    const bool pair = cluster_ctas() == 2;
+    if (pair && splits != 2) __trap();  // the launcher pairs exactly two splits
+    if (t_begin >= t_end && !pair) {  // an empty split (or sequence): nothing to attend to
         decode_empty_split(heads_here, W_DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
         return;
     }
@@ -280,12 +361,14 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const bf16
         if (qd == 0) {
             sL[r0] = l_run[0];
             sL[r1] = l_run[1];
+            sM[r0] = m_run[0];
+            sM[r1] = m_run[1];
             const float ln2 = 0.6931471805599453f;
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 const float lse = l_run[r] > 0.0f ? (m_run[r] + log2f(l_run[r])) * ln2 : -INFINITY;
                 const int row = r ? r1 : r0;
-                if (row >= heads_here) continue;  // padding: not written
+                if (row >= heads_here || pair) continue;  // padding, or merged below: not written
                 if (splits == 1)
                     lse_out[(u64)b * total_heads + head0 + row] = lse;
                 else
@@ -302,18 +385,20 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const bf16
 #pragma unroll
             for (int c = 0; c < W_DQK / 64; c++) tma_load_2d(dst + c * W_BOX_BYTES, cache_map, mb, c * 64, row);
         };
-        // SPARSE, by all 128 threads: warp w copies rows 8w.. of tile j, lane l row 8w + l/4,
-        // chunks l%4, l%4 + 4, ... (a warp's copy reads 64 contiguous bytes of each of 8 rows).
+        // SPARSE, by all 128 threads: warp w copies rows 8w.. of tile j, lane l rows 8w + l/8
+        // and 8w + l/8 + 4, chunk l%8 of each of their nine 128-byte lines (a warp's copy reads
+        // four whole lines).
         RowsAhead ahead{indices + (u64)b * topk, bt, t_begin, t_end, tid % 32, 0, 0, 0};
         auto issue_rows = [&](int j) {
             const int mine = ahead.take(j);
-            const int r = 8 * warp + lane / 4, row = __shfl_sync(0xffffffffu, mine, r);
-            const unsigned dst = sKV + (j % W_STAGES) * W_TILE_BYTES + r * 128, mb = mbar + 8 * (j % W_STAGES);
-            const bf16_t* src = cache + (u64)max(row, 0) * W_DQK;
+            const unsigned stage = sKV + (j % W_STAGES) * W_TILE_BYTES, mb = mbar + 8 * (j % W_STAGES);
 #pragma unroll
-            for (int k = 0; k < W_DQK / 8 / 4; k++) {
-                const int c = lane % 4 + 4 * k;  // chunk of the row: box c / 8, chunk c % 8 of it
-                cp_async16_or_zero(dst + (c / 8) * W_BOX_BYTES + (((c % 8) ^ (r % 8)) << 4), src + 8 * c, row >= 0);
+            for (int h = 0; h < 2; h++) {
+                const int r = 8 * warp + lane / 8 + 4 * h, row = __shfl_sync(0xffffffffu, mine, r);
+                const bf16_t* src = cache + (u64)max(row, 0) * W_DQK + 8 * (lane % 8);
+                const unsigned dst = stage + r * 128 + (((lane % 8) ^ (r % 8)) << 4);
+#pragma unroll
+                for (int box = 0; box < W_DQK / 64; box++) cp_async16_or_zero(dst + box * W_BOX_BYTES, src + 64 * box, row >= 0);
             }
             cp_async_arrive(mb);
             const unsigned keys = __ballot_sync(0xffffffffu, mine >= 0);
@@ -341,7 +426,7 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const bf16
         } else if (!SPARSE && tid == 0) {
             for (int j = 0; j < W_STAGES - 1 && j < n_tiles; j++) issue_tile(j);
         }
-        if (short_tile(0)) zero_tail(0);
+        if (n_tiles > 0 && short_tile(0)) zero_tail(0);
         const u64 dp = wg_desc(sP, 128, W_TILE * 16);
         for (int j = 0; j < n_tiles; j++) {
             const int s = j % W_STAGES;
@@ -376,6 +461,11 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const bf16
         }
     }
     __syncthreads();  // row sums from warpgroup 0
+    if (pair) {
+        pair_merge(smem, o, sL, sM, r0, r1, wg, qd, heads_here, out + ((u64)b * total_heads + head0) * W_DV,
+                   lse_out + (u64)b * total_heads + head0);
+        return;
+    }
 
     const float inv0 = sL[r0] > 0.0f ? 1.0f / sL[r0] : 0.0f, inv1 = sL[r1] > 0.0f ? 1.0f / sL[r1] : 0.0f;
     const int col0 = wg * 256 + 2 * qd;

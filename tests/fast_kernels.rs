@@ -129,7 +129,7 @@ fn run_decode(
     gpu.write(&mut out, rows * LATENT, &vec![SENTINEL; TAIL_ROWS * LATENT])
         .unwrap();
     gpu.write(&mut lse, rows, &[SENTINEL; TAIL_ROWS]).unwrap();
-    match input.keys {
+    let launches = match input.keys {
         None => fast::mla_decode(
             gpu,
             shape,
@@ -157,6 +157,24 @@ fn run_decode(
         ),
     }
     .unwrap();
+    // The wgmma kernels at two splits merge them inside the kernel (clusters of two blocks):
+    // one launch; other split decodes launch a merge after the split kernel.
+    let paired = work.pairs_splits(gpu);
+    if ["mla_decode_wgmma", "mla_sparse_wgmma"].contains(&work.kernel) && work.splits == 2 {
+        assert!(
+            paired,
+            "{}: two splits on this device pair in clusters",
+            work.kernel
+        );
+    }
+    let want_launches = if work.splits == 1 || paired { 1 } else { 2 };
+    assert_eq!(
+        launches.len(),
+        want_launches,
+        "{}, {} splits: {launches:?}",
+        work.kernel,
+        work.splits
+    );
     let mut got = gpu.download(&out).unwrap();
     let mut got_lse = gpu.download(&lse).unwrap();
     let what = format!(
@@ -339,7 +357,7 @@ fn decode_runs_every_head_count() {
         for (v, variant) in variants.iter().enumerate() {
             // One split (the kernel writes out and lse itself) and five (the last split of the
             // 300-token sequence ends mid-tile; the short sequences leave splits empty).
-            for splits in [1, 5] {
+            for splits in [1, 2, 5] {
                 let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
                 for (lens, d_lens) in &runs {
                     let input = DecodeInputs {
@@ -579,9 +597,10 @@ fn sparse_decode_matches_reference() {
         };
         let chosen = DecodeWork::sparse(gpu, shape, None, None).unwrap().splits;
         for variant in &variants {
-            // The device's choice, one split (written directly), three (the 5-entry list leaves
-            // two empty), 16 (per-row merge at 64 heads and more) and 40 (block-wide merge).
-            for splits in [chosen, 1, 3, 16, 40] {
+            // The device's choice, one split (written directly), two (merged in clusters by the
+            // wgmma kernel), three (the 5-entry list leaves two empty), 16 (per-row merge at 64
+            // heads and more) and 40 (block-wide merge).
+            for splits in [chosen, 1, 2, 3, 16, 40] {
                 let work = DecodeWork::sparse(gpu, shape, Some(splits), Some(variant)).unwrap();
                 assert_eq!(work.kernel, *variant);
                 let got = run_decode(gpu, shape, &input, &work);

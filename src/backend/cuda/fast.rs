@@ -6,7 +6,9 @@
 //! and take fault injections; these do neither, and are built for speed.
 
 use super::device::fast_kernels::decode_block;
-use super::device::fast_kernels::{Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
+use super::device::fast_kernels::{
+    Decode, Merge, SparseKeys, COMBINE_ROWS_MAX, PAIR_MERGE_KERNELS,
+};
 pub use super::device::fast_kernels::{MergeFaults, MAX_SPLITS};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{variants, DevBuf, DevI32, Elem, Gpu, Launched};
@@ -286,6 +288,17 @@ impl DecodeWork {
         DecodeWork::with_variant(gpu, shape, decode_splits(gpu, shape, chosen), variant)
     }
 
+    /// Whether the launch merges its splits inside the kernel, in clusters of two blocks (the
+    /// wgmma kernels at two splits on sm_90, unless a merge fault is planted: those live in the
+    /// merge kernel): then it leaves no partials. `MLADB_DECODE_PAIR_MERGE=0` turns it off.
+    pub fn pairs_splits(&self, gpu: &Gpu) -> bool {
+        self.splits == 2
+            && PAIR_MERGE_KERNELS.contains(&self.kernel)
+            && has_tma(gpu)
+            && !self.merge_faults.any()
+            && std::env::var("MLADB_DECODE_PAIR_MERGE").map_or(true, |v| v != "0")
+    }
+
     /// The split partials the launch left, as device buffers: outputs [batch, splits, heads,
     /// 512] and log-sum-exps [batch, splits, heads] (meaningful when it split the keys).
     pub fn into_partials(self) -> (DevBuf, DevBuf) {
@@ -395,8 +408,12 @@ pub(super) fn decode_launches(
         part_lse: &work.part_lse,
         out,
         lse,
+        pair_merge: work.pairs_splits(gpu),
     };
     let split = traced(gpu.mla_decode_splits(&launch)?, work.splits);
+    if launch.pair_merge {
+        return Ok(vec![split]);
+    }
     with_merge(gpu, shape, work, split, out, lse)
 }
 

@@ -339,9 +339,10 @@ impl CudaBackend {
         self.refresh_host(out, &od)?;
         drop(pool); // after the launches are done with it
         let splits = work.splits;
-        let partials = match splits {
-            1 => None,
-            _ => {
+        // Splits merged inside the kernel (clusters of two) leave no partials in memory.
+        let partials = match splits == 1 || work.pairs_splits(self.gpu()) {
+            true => None,
+            false => {
                 // Left on the device beside their host copies: statistics run there.
                 let (po, pl) = work.into_partials();
                 let (po, pl) = (

@@ -160,7 +160,14 @@ pub struct Decode<'a> {
     /// [batch, heads, 512] bf16 and [batch, heads] f32.
     pub out: &'a DevBuf,
     pub lse: &'a DevBuf,
+    /// Two splits launched as clusters of two blocks that merge each other's results into `out`
+    /// and `lse` (no partials, no merge kernel): the wgmma kernels at exactly two splits.
+    pub pair_merge: bool,
 }
+
+/// The kernels that merge their two splits themselves when launched in clusters of two
+/// (kernels/mla_decode_sm90.cu, `pair_merge`).
+pub const PAIR_MERGE_KERNELS: [&str; 2] = ["mla_decode_wgmma", "mla_sparse_wgmma"];
 
 /// A split decode's merge: the partials it reads, the output it writes.
 pub struct Merge<'a> {
@@ -348,6 +355,18 @@ impl Gpu {
             block: threads,
             shared: d.shared,
         };
+        if d.pair_merge {
+            if d.splits != 2 || !PAIR_MERGE_KERNELS.contains(&d.kernel) {
+                return Err(Error::invalid(format!(
+                    "{} with {} splits cannot merge its splits in clusters of two",
+                    d.kernel, d.splits
+                )));
+            }
+            // SAFETY: as below, except that block 1 of each cluster (split 1) writes its rows
+            // into block 0's shared memory instead of partials, and block 0 writes `out` and
+            // `lse` for the group's heads; the grid's x extent is the two splits.
+            return unsafe { self.launch_cluster(sig, d.kernel, cfg, &args, 2) };
+        }
         // SAFETY: block (split, b, group) reads the group's heads of q of sequence b (the last
         // group's rows past `heads` are zeroed in shared memory, not read), pages
         // bt[b][0..⌈len_b/64⌉] of the cache (table entries in 0..pages, lengths ≤ max_pages·64:

@@ -116,6 +116,15 @@ pub struct Launched {
     pub shared: u32,
 }
 
+/// How a kernel is launched: plainly, as a programmatic dependent of the kernel before it, or
+/// with its blocks in clusters of a size along x.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LaunchMode {
+    Plain,
+    Dependent,
+    Cluster(u32),
+}
+
 /// A 1-D launch covering `n` elements with 256-thread blocks (grid-stride loops do the rest).
 fn grid_1d(n: usize) -> Launch {
     Launch {
@@ -300,7 +309,7 @@ impl Gpu {
     /// a test, so a mismatch in count or type is an error, not a launch.
     unsafe fn launch(&self, sig: &Sig, name: &str, cfg: Launch, args: &[Arg]) -> Result<()> {
         // SAFETY: the caller upholds this function's contract.
-        unsafe { self.launch_with(sig, name, cfg, args, false) }
+        unsafe { self.launch_with(sig, name, cfg, args, LaunchMode::Plain) }
     }
 
     /// [`Gpu::launch`] of a kernel that waits (`griddepcontrol.wait`) for the kernel before it
@@ -320,7 +329,36 @@ impl Gpu {
         args: &[Arg],
     ) -> Result<Launched> {
         // SAFETY: the caller upholds this function's contract.
-        unsafe { self.launch_with(sig, name, cfg, args, self.dependent_launches) }?;
+        let mode = match self.dependent_launches {
+            true => LaunchMode::Dependent,
+            false => LaunchMode::Plain,
+        };
+        // SAFETY: the caller upholds this function's contract.
+        unsafe { self.launch_with(sig, name, cfg, args, mode) }?;
+        Ok(cfg.launched(name))
+    }
+
+    /// [`Gpu::launch`] with the grid's blocks in clusters of `size` along x (sm_90 and later:
+    /// the blocks of a cluster run at once and reach each other's shared memory).
+    ///
+    /// # Safety
+    /// As [`Gpu::launch`]; the grid's x extent is a multiple of `size`.
+    unsafe fn launch_cluster(
+        &self,
+        sig: &Sig,
+        name: &str,
+        cfg: Launch,
+        args: &[Arg],
+        size: u32,
+    ) -> Result<Launched> {
+        if size == 0 || !cfg.grid.0.is_multiple_of(size) || !self.dependent_launches {
+            return Err(Error::invalid(format!(
+                "kernel {name}: clusters of {size} over a grid of {} blocks (or a device before sm_90)",
+                cfg.grid.0
+            )));
+        }
+        // SAFETY: the caller upholds this function's contract.
+        unsafe { self.launch_with(sig, name, cfg, args, LaunchMode::Cluster(size)) }?;
         Ok(cfg.launched(name))
     }
 
@@ -330,7 +368,7 @@ impl Gpu {
         name: &str,
         cfg: Launch,
         args: &[Arg],
-        early: bool,
+        mode: LaunchMode,
     ) -> Result<()> {
         if !sig.matches(name) {
             return Err(Error::invalid(format!(
@@ -362,10 +400,10 @@ impl Gpu {
                 .shared_allowed
                 .fetch_max(cfg.shared, Ordering::Relaxed);
         }
-        if early {
+        if mode != LaunchMode::Plain {
             // SAFETY: as below; the values behind the parameter pointers live until the call
             // returns, and the driver copies them.
-            return unsafe { self.launch_early(&kernel.function, cfg, args) }
+            return unsafe { self.launch_ex(&kernel.function, cfg, args, mode) }
                 .map_err(CudaError::driver(format!("launch of {name}")));
         }
         let mut b = self.stream.launch_builder(&kernel.function);
@@ -391,15 +429,16 @@ impl Gpu {
         Ok(())
     }
 
-    /// cuLaunchKernelEx with programmatic stream serialization allowed.
+    /// cuLaunchKernelEx with programmatic stream serialization allowed, or with clusters.
     ///
     /// # Safety
     /// `args` match the kernel's parameters in count and type.
-    unsafe fn launch_early(
+    unsafe fn launch_ex(
         &self,
         function: &cudarc::driver::CudaFunction,
         cfg: Launch,
         args: &[Arg],
+        mode: LaunchMode,
     ) -> std::result::Result<(), cudarc::driver::DriverError> {
         use cudarc::driver::sys;
         use std::ffi::c_void;
@@ -416,8 +455,19 @@ impl Gpu {
             .collect();
         // SAFETY: zero is a valid bit pattern for the attribute (a C struct and union).
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        match mode {
+            LaunchMode::Cluster(size) => {
+                attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+                attr.value.clusterDim.x = size;
+                attr.value.clusterDim.y = 1;
+                attr.value.clusterDim.z = 1;
+            }
+            _ => {
+                attr.id =
+                    sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attr.value.programmaticStreamSerializationAllowed = 1;
+            }
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid.0,
             gridDimY: cfg.grid.1,
