@@ -32,11 +32,14 @@
 // 0 · NaN would still be NaN).
 //
 // The sparse twin (mla_sparse_wgmma) walks sequence b's key list (entries of row b of `indices`,
-// token positions, -1 padding) instead of its first tokens. TMA cannot gather rows on Hopper
-// (one-row boxes, nine per row, ran at 13% of the copy bandwidth: the copy engine takes tens of
-// cycles per box), so warpgroup 1 copies a tile's rows itself: 16-byte cp.async chunks written
-// to where TMA's 128-byte swizzle would have put them, each thread's copies arriving on the
-// stage's barrier as they complete (cp.async.mbarrier.arrive.noinc), never waited for by it.
+// token positions, -1 padding) instead of its first tokens. TMA cannot gather rows on Hopper:
+// one-row boxes land where the 32-row box would have put them (the 128-byte swizzle follows the
+// shared-memory address), but nine per row ran at 13% of the copy bandwidth, and even four rows
+// of a tile by TMA beside cp.async for the rest slowed the kernel by a quarter (the copy engine
+// takes about a hundred cycles per box). So warpgroup 1 copies a tile's rows itself: 16-byte
+// cp.async chunks written to where TMA's 128-byte swizzle would have put them, each thread's
+// copies arriving on the stage's barrier as they complete (cp.async.mbarrier.arrive.noinc),
+// never waited for by it.
 // Padding entries and entries past the list's end come as zeros (zero-fill copies); their
 // scores are masked by the tile's key bits, which thread 0 writes beside the stage and publishes
 // with one more arrival. Every warp looks the 32 rows of a tile up a tile ahead (lane r: row r;
