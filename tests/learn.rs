@@ -131,3 +131,27 @@ fn snapshot_learn_160x48_walking() {
         ),
     );
 }
+
+#[test]
+fn in_a_replay_without_tensors_the_live_values_say_what_is_missing() {
+    use mladb::tui::{keys::Keymap, replay::ReplayDriver, theme::Theme};
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("sessions/weight-absorption.ron");
+    let driver = ReplayDriver::open(&path).unwrap();
+    let mut app = App::new(Box::new(driver), Keymap::default(), Theme::plain());
+    app.overlay = Overlay::Learn { scroll: 0 };
+    // The live values come after the cost table; scroll until they are on screen.
+    let mut seen = String::new();
+    for _ in 0..12 {
+        let text = screen(&mut app, 120, 40);
+        seen.push_str(&text);
+        press(&mut app, &"j".repeat(15));
+    }
+    let seen: String = seen.replace(['│', '"', '\n'], "");
+    let seen = seen.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(seen.contains("Live values"), "{seen}");
+    assert!(
+        seen.contains("Only samples were recorded for") && seen.contains(":save --tensors FILE"),
+        "{seen}"
+    );
+}

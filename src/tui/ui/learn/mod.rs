@@ -5,6 +5,7 @@
 
 mod cost;
 mod table;
+mod values;
 mod walk;
 
 use super::num;
@@ -82,6 +83,8 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) {
         text(String::new()),
     ]);
     lines.extend(table::lines(app, layout, context as u64));
+    lines.push(text(String::new()));
+    lines.extend(values::lines(app, layer));
     lines.push(text(String::new()));
     lines.extend(outputs(app, layer));
     lines.extend([
