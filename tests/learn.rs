@@ -112,7 +112,17 @@ fn snapshot_learn_80x24_scrolled_through() {
         pages.push(screen(&mut app, 80, 24));
         press(&mut app, &"j".repeat(18));
     }
-    snapshot("learn_80x24", &pages.join("\n--- 18 rows further ---\n"));
+    // Every step of the walk: the panel at the foot of the view (its last 8 rows).
+    for _ in 0..WALK.len() {
+        press(&mut app, "n");
+        let text = screen(&mut app, 80, 24);
+        let rows: Vec<&str> = text.lines().collect();
+        pages.push(rows[rows.len() - 8..].join("\n"));
+    }
+    snapshot(
+        "learn_80x24",
+        &pages.join("\n--- 18 rows further / next step ---\n"),
+    );
 }
 
 #[test]

@@ -185,6 +185,8 @@ pub struct App {
     pub rank_view: Option<usize>,
     /// The Learn view's walk step (`n` / `p`), once started.
     pub learn_step: Option<usize>,
+    /// The phase the walk's last step moved the selection from.
+    pub learn_from: Option<Phase>,
 }
 
 /// The autosave: a path, an interval, and when it last ran.
@@ -257,6 +259,7 @@ impl App {
             mla_disable_env: false,
             rank_view: None,
             learn_step: None,
+            learn_from: None,
         };
         app.tick();
         app

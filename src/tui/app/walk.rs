@@ -83,6 +83,11 @@ impl App {
                 return Some(e.phase);
             }
         }
+        if let Some(Node::Layer(phase, l)) = self.selected {
+            if l == layer {
+                return Some(phase);
+            }
+        }
         let name = format!("model.layers.{layer}.self_attn.o_proj");
         run.events
             .iter()
@@ -154,6 +159,7 @@ impl App {
             (Some(i), false) => i.saturating_sub(1),
         };
         self.learn_step = Some(next);
+        self.learn_from = self.learn_layer().and_then(|(l, _)| self.walk_phase(l));
         if let WalkTarget::Found { index, .. } = self.walk_target(next) {
             self.follow = false;
             self.select(Node::Op(index));

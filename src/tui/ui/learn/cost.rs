@@ -175,6 +175,13 @@ mod tests {
     };
 
     #[test]
+    fn dims_come_from_the_shipped_layouts() {
+        let of = |name: &str| Dims::of(&crate::model::Layout::resolve(name).unwrap());
+        assert_eq!(of("glm5"), GLM5);
+        assert_eq!(of("deepseek-v3"), DSV3);
+    }
+
+    #[test]
     fn glm5_costs_computed_by_hand() {
         // Fixed: 2·64·512·(192+256) = 29 360 128.
         assert_eq!(GLM5.fixed_flops(), 29_360_128);

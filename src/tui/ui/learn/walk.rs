@@ -48,20 +48,19 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
         Span::styled("   n next · p back", t.dim()),
     ])];
     let (place, style) = match app.walk_target(i) {
-        WalkTarget::Found {
-            index,
-            phase,
-            moved,
-        } => {
+        WalkTarget::Found { index, phase, .. } => {
             let name = app
                 .mirror
                 .current()
                 .and_then(|r| r.events.get(index))
                 .map_or(String::new(), |e| e.name.clone());
-            let why = if moved {
-                format!(" (not in the walk's phase: that phase ran the other path, so the walk went to {phase})")
-            } else {
-                String::new()
+            // A step of one path, taken from a phase that ran the other.
+            let why = match (app.learn_from, app.mirror.current()) {
+                (Some(from), Some(run)) if from != phase && step.path.is_some() => format!(
+                    " (not in {from}: it ran the {} path)",
+                    format!("{:?}", run.flags.path_of(from)).to_lowercase()
+                ),
+                _ => String::new(),
             };
             (format!("→ {phase} #{index} {name}{why}"), t.ok())
         }
