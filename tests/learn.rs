@@ -165,3 +165,24 @@ fn in_a_replay_without_tensors_the_live_values_say_what_is_missing() {
         "{seen}"
     );
 }
+
+#[test]
+fn a_finished_replay_is_not_told_to_finish_the_run() {
+    use mladb::tui::{keys::Keymap, replay::ReplayDriver, theme::Theme};
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("sessions/weight-absorption.ron");
+    let driver = ReplayDriver::open(&path).unwrap();
+    let mut app = App::new(Box::new(driver), Keymap::default(), Theme::plain());
+    press(&mut app, "c");
+    press(&mut app, "l");
+    let mut seen = String::new();
+    for _ in 0..12 {
+        seen.push_str(&screen(&mut app, 120, 40));
+        press(&mut app, &"j".repeat(15));
+    }
+    let seen = seen.replace(['│', '"', '\n'], "");
+    let seen = seen.split_whitespace().collect::<Vec<_>>().join(" ");
+    // A finished replay is not told to finish; this session recorded no comparison runs.
+    assert!(!seen.contains("finish the run"), "{seen}");
+    assert!(seen.contains("no comparison runs for run 2"), "{seen}");
+}

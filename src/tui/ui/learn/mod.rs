@@ -175,9 +175,42 @@ fn outputs(app: &App, layer: usize) -> Vec<Line<'static>> {
         format!("The two paths' outputs, layer {layer} (attn_output, last token)"),
         t.title(),
     ));
-    let Some(run) = app.mirror.current() else {
+    let Some(current) = app.mirror.current() else {
         return vec![title];
     };
+    // The current run's comparison runs, else the last earlier run that has them (a replay
+    // records them where the session computed them).
+    let n = app.mirror.current_number();
+    let found = app
+        .mirror
+        .aux(AuxKind::OtherPath)
+        .map(|o| (current, o, None))
+        .or_else(|| {
+            (0..n).rev().find_map(|r| {
+                let other = app.mirror.aux.get(&(r, AuxKind::OtherPath))?;
+                Some((app.mirror.runs.get(r)?, &**other, Some(r)))
+            })
+        });
+    let Some((run, other, earlier)) = found else {
+        let why = if app.mirror.busy.is_some() {
+            "  computing the other path…".to_string()
+        } else if current.finished() {
+            format!("  no comparison runs for run {n}: a live session computes them ({}); a replay has them only where they were recorded", app.keymap.key_of(Action::Compare))
+        } else {
+            format!(
+                "  finish the run ({}) and open this view again to compute the other path",
+                app.keymap.key_of(Action::Continue)
+            )
+        };
+        return vec![title, Line::from(why)];
+    };
+    let mut head = vec![title];
+    if let Some(r) = earlier {
+        head.push(Line::from(Span::styled(
+            format!("  from run {r}, the last run whose comparison runs were recorded"),
+            t.dim(),
+        )));
+    }
     let name = format!("model.layers.{layer}.self_attn.attn_output");
     let phase = app
         .selected_op()
@@ -191,41 +224,41 @@ fn outputs(app: &App, layer: usize) -> Vec<Line<'static>> {
                 .map(|e| e.phase)
         });
     let Some(phase) = phase else {
-        return vec![
-            title,
-            Line::from(format!(
-                "  layer {layer} has not run its attention yet: step on"
-            )),
-        ];
-    };
-    let Some(other) = app.mirror.aux(AuxKind::OtherPath) else {
-        return vec![
-            title,
-            Line::from(format!(
-                "  finish the run ({}) and open this view again to compute the other path",
-                app.keymap.key_of(Action::Continue)
-            )),
-        ];
+        head.push(Line::from(format!(
+            "  layer {layer} has not run its attention yet: step on"
+        )));
+        return head;
     };
     let (Some(i), Some(j)) = (run.find(phase, &name), other.find(phase, &name)) else {
-        return vec![title, Line::from("  the other path has no such op")];
+        head.push(Line::from("  the other path has no such op"));
+        return head;
     };
     let (a, b) = (&run.outputs[i], &other.outputs[j]);
-    if is_sampled(&run.events[i], a) || is_sampled(&other.events[j], b) {
-        return vec![title, Line::from(format!("  {NEEDS_TENSORS}"))];
+    let sampled = is_sampled(&run.events[i], a) || is_sampled(&other.events[j], b);
+    if sampled && (a.numel() != b.numel() || run.events[i].shape != other.events[j].shape) {
+        head.push(Line::from(format!("  {NEEDS_TENSORS}")));
+        return head;
     }
-    let cols = a.cols();
     let (Some(last), true) = (a.rows().checked_sub(1), a.shape() == b.shape()) else {
-        return vec![
-            title,
-            Line::from(format!(
-                "  the outputs' shapes are {:?} and {:?}: no last token to compare",
-                a.shape(),
-                b.shape()
-            )),
-        ];
+        head.push(Line::from(format!(
+            "  the outputs' shapes are {:?} and {:?}: no last token to compare",
+            a.shape(),
+            b.shape()
+        )));
+        return head;
     };
-    let (ra, rb) = (a.row(last), b.row(last));
+    // A replay without tensors holds the same sampled elements of both: those, not a row.
+    let (ra, rb) = match sampled {
+        true => (a.data(), b.data()),
+        false => (a.row(last), b.row(last)),
+    };
+    let cols = ra.len();
+    if sampled {
+        head.push(Line::from(Span::styled(
+            format!("  a sample of {cols} values of the whole output (not the last token's row): {NEEDS_TENSORS}"),
+            t.dim(),
+        )));
+    }
     let show = |x: &[f32]| {
         x.iter()
             .take(6)
@@ -234,8 +267,7 @@ fn outputs(app: &App, layer: usize) -> Vec<Line<'static>> {
     };
     let path = |p: MlaPath| format!("{:<9}", format!("{p:?}").to_lowercase());
     let d = diff(ra, rb, &[cols], None);
-    vec![
-        title,
+    head.extend([
         Line::from(format!(
             "  {} {} …",
             path(run.flags.path_of(phase)),
@@ -266,5 +298,6 @@ fn outputs(app: &App, layer: usize) -> Vec<Line<'static>> {
                 t.dim(),
             ),
         ]),
-    ]
+    ]);
+    head
 }
