@@ -12,7 +12,7 @@ use crate::debug::{Flags, RunRecord};
 use crate::engine::faults::Scope;
 use crate::engine::trace::{OpEvent, Phase};
 use crate::service::{cursor_of, AuxKind, Command, Info, Update};
-use ratatui::crossterm::event::KeyEvent;
+use ratatui::crossterm::event::{KeyCode, KeyEvent};
 use ratatui::layout::Rect;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -24,10 +24,12 @@ mod navigation;
 mod progress;
 mod search;
 mod summary;
+mod walk;
 
 pub use derived::{Against, Divergence, Marks};
 pub use progress::{system_clock, Clock, Started};
 pub use summary::{op_health, Health, LayerSummary, Summaries};
+pub use walk::{WalkStep, WalkTarget, WALK};
 
 /// The right-hand pane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,6 +183,10 @@ pub struct App {
     pub mla_disable_env: bool,
     /// The tensor-parallel rank whose ops the tree shows; `None`: every rank's.
     pub rank_view: Option<usize>,
+    /// The Learn view's walk step (`n` / `p`), once started.
+    pub learn_step: Option<usize>,
+    /// The phase the walk's last step moved the selection from.
+    pub learn_from: Option<Phase>,
 }
 
 /// The autosave: a path, an interval, and when it last ran.
@@ -252,6 +258,8 @@ impl App {
             autosave: None,
             mla_disable_env: false,
             rank_view: None,
+            learn_step: None,
+            learn_from: None,
         };
         app.tick();
         app
@@ -458,6 +466,11 @@ impl App {
                 return;
             }
             Overlay::Learn { scroll } => {
+                // n / p walk the layer's ops, whatever the key map binds them to elsewhere.
+                if let (KeyCode::Char(c @ ('n' | 'p')), true) = (key.code, key.modifiers.is_empty())
+                {
+                    return self.walk(c == 'n');
+                }
                 match self.keymap.action(&key) {
                     Some(Action::Down) => {
                         self.overlay = Overlay::Learn {

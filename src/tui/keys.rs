@@ -116,7 +116,7 @@ impl Action {
             Action::ToggleForceDequant => "toggle force-dequantize",
             Action::InjectMenu => "fault injection menu (in prefill, decode or both)",
             Action::Compare => "comparison of the selected op",
-            Action::Learn => "Learn view: weight absorption on this layer",
+            Action::Learn => "Learn view: weight absorption on this layer (n / p walk it)",
             Action::Command => "command line (break, goto, run, step, bisect, set, save, load)",
             Action::Search => "search op names: Enter selects the next op whose name has it",
             Action::SearchNext => "next op matching the last search",

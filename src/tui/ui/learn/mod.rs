@@ -1,6 +1,12 @@
 //! The Learn view: MLA weight absorption walked through on the real numbers of the selected
-//! layer: shapes, the two formulas, FLOPs and KV-cache bytes per token at the current context
-//! length, both paths' outputs side by side, and the identity trick for quantized kv_b_proj.
+//! layer: what the latent is and why absorption pays, shapes and both formulas, the cost of a
+//! decoded token on each path at long contexts (cost.rs, table.rs), both paths' outputs side by
+//! side, the identity trick for quantized kv_b_proj, and a walk over the layer's ops (walk.rs).
+
+mod cost;
+mod table;
+mod values;
+mod walk;
 
 use super::num;
 use crate::debug::compare::diff;
@@ -9,29 +15,30 @@ use crate::engine::MlaPath;
 use crate::service::AuxKind;
 use crate::tui::app::App;
 use crate::tui::keys::Action;
-use ratatui::layout::Rect;
+use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Clear, Paragraph, Wrap};
 use ratatui::Frame;
-
-/// FLOPs of one decoded token's attention in one layer at context `t`, per path.
-pub fn decode_flops(n: u64, p: u64, r: u64, v: u64, l: u64, t: u64) -> (u64, u64) {
-    // Naive with an expanded cache: decompress the new token (W_UK, W_UV), then scores over
-    // P+R and the weighted sum over V, for every head and cached token.
-    let naive = 2 * n * l * (p + v) + 2 * n * t * (p + r) + 2 * n * t * v;
-    // Absorbed: fold W_UK into the query, scores over L+R and the weighted sum over L per head
-    // and cached token, then W_UV.
-    let absorbed = 2 * n * p * l + 2 * n * t * (l + r) + 2 * n * t * l + 2 * n * l * v;
-    (naive, absorbed)
-}
 
 pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) {
     let t = &app.theme;
     let Some(layout) = app.mirror.layout() else {
         return;
     };
-    let info = app.mirror.info.as_ref().expect("a layout implies info");
-    let layer = app.selected_layer().unwrap_or(info.layers.start);
+    let Some((layer, why_layer)) = app.learn_layer() else {
+        return;
+    };
+    // On a wide screen the execution tree stays in view, so that the walk's moves show.
+    let tree = app.areas.tree;
+    let area = if area.width >= 140 && tree.width > 0 && tree.right() < area.right() {
+        Rect {
+            x: tree.right(),
+            width: area.right() - tree.right(),
+            ..area
+        }
+    } else {
+        area
+    };
     let (n, p, r, v, l, h) = (
         layout.num_heads,
         layout.qk_nope_head_dim,
@@ -43,8 +50,16 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) {
     let context = app.mirror.position().map_or(1, |e| e.positions.1).max(1);
     let head = |s: &str| Line::from(Span::styled(s.to_string(), t.title()));
     let text = |s: String| Line::from(s);
-    let mut lines = vec![
-        head(&format!("MLA weight absorption · layer {layer} of {} · context {context} tokens", layout.name)),
+    let mut lines = vec![head(&format!(
+        "MLA weight absorption · layer {layer} of {} · context {context} tokens",
+        layout.name
+    ))];
+    if let Some(why) = why_layer {
+        lines.push(Line::from(Span::styled(why, t.diverge())));
+    }
+    lines.push(text(String::new()));
+    lines.extend(why(app, layout));
+    lines.extend([
         text(String::new()),
         head("The numbers"),
         text(format!("  heads N = {n}, qk_nope P = {p}, qk_rope R = {r}, v_head V = {v}, kv_lora_rank L = {l}, hidden = {h}")),
@@ -66,33 +81,11 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) {
         text(format!("  o_lat[h] = Σ_t p[h,t]·c_kv[t] → [{l}];  o[h] = W_UV[h]·o_lat[h] → [{v}]")),
         text(format!("  one KV head of width L+R = {} shared by all {n} heads (MQA over the latent cache)", l + r)),
         text(String::new()),
-    ];
-    let (fn_, fa) = decode_flops(
-        n as u64,
-        p as u64,
-        r as u64,
-        v as u64,
-        l as u64,
-        context as u64,
-    );
-    let latent_bytes = (l + r) * 2;
-    let expanded_bytes = n * (p + r + v) * 2;
-    lines.extend([
-        head(&format!("Cost of one decoded token in this layer at context {context}")),
-        text(format!(
-            "  FLOPs: naive {} · absorbed {} ({:.2}×)",
-            fmt_count(fn_),
-            fmt_count(fa),
-            fa as f64 / fn_ as f64
-        )),
-        text(format!(
-            "  KV cache per token (bf16): latent (L+R)·2 = {latent_bytes} B · expanded N·(P+R+V)·2 = {expanded_bytes} B ({:.1}× smaller); at {context} tokens: {} vs {}",
-            expanded_bytes as f64 / latent_bytes as f64,
-            fmt_bytes((latent_bytes * context) as u64),
-            fmt_bytes((expanded_bytes * context) as u64),
-        )),
-        text(String::new()),
     ]);
+    lines.extend(table::lines(app, layout, context as u64));
+    lines.push(text(String::new()));
+    lines.extend(values::lines(app, layer));
+    lines.push(text(String::new()));
     lines.extend(outputs(app, layer));
     lines.extend([
         text(String::new()),
@@ -117,19 +110,53 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) {
         )),
     ]);
     frame.render_widget(Clear, area);
+    let block = Block::default().borders(Borders::ALL).title(Span::styled(
+        format!(
+            " Learn (j/k scroll, n/p walk, {} closes) ",
+            app.keymap.key_of(Action::Cancel)
+        ),
+        t.title(),
+    ));
+    let inner = block.inner(area);
+    frame.render_widget(block, area);
+    let walk_rows = walk::height(app, inner).min(inner.height.saturating_sub(3));
+    let [body, foot] =
+        Layout::vertical([Constraint::Min(1), Constraint::Length(walk_rows)]).areas(inner);
     frame.render_widget(
         Paragraph::new(lines)
             .wrap(Wrap { trim: false })
-            .scroll((scroll, 0))
-            .block(Block::default().borders(Borders::ALL).title(Span::styled(
-                format!(
-                    " Learn (j/k scroll, {} closes) ",
-                    app.keymap.key_of(Action::Cancel)
-                ),
-                t.title(),
-            ))),
-        area,
+            .scroll((scroll, 0)),
+        body,
     );
+    walk::draw(frame, app, foot);
+}
+
+/// What the latent is and why absorption exists, with this layout's numbers.
+fn why(app: &App, layout: &crate::model::Layout) -> Vec<Line<'static>> {
+    let d = cost::Dims::of(layout);
+    let (nf, nb, af, ab) = d.per_token();
+    let (n, p, r, v, l) = (d.heads, d.nope, d.rope, d.v, d.latent);
+    let title = Line::from(Span::styled(
+        "Why: the latent, and why absorb",
+        app.theme.title(),
+    ));
+    vec![
+        title,
+        Line::from(format!(
+            "  MLA caches one compressed vector per token, the latent c_kv (L = {l} values), plus one roped key k_pe (R = {r}) that all heads share: {} values, {ab} B in bf16. Plain multi-head attention would cache per-head K and V: N·(P+R+V) = {} values, {nb} B, {:.1}× more.",
+            l + r,
+            n * (p + r + v),
+            nb as f64 / ab as f64
+        )),
+        Line::from(format!(
+            "  kv_b_proj holds W_UK and W_UV, which turn c_kv back into per-head k_nope and v. The naive path does that and attends over the expanded K/V: every decode step reads {nb} B per cached token."
+        )),
+        Line::from(format!(
+            "  Absorption regroups the products: q_nope·(W_UK·c_kv) = (W_UKᵀ·q_nope)·c_kv, so W_UK folds into the query once; Σ p·(W_UV·c_kv) = W_UV·(Σ p·c_kv), so W_UV runs once after the weighted sum. Attention then reads the latent cache alone: {af} FLOPs per cached token instead of {nf} ({:.1}×), for {ab} B instead of {nb} ({:.1}× fewer). Decode reads far more than it computes, so bytes decide.",
+            af as f64 / nf as f64,
+            nb as f64 / ab as f64
+        )),
+    ]
 }
 
 /// This run's attention output of the layer next to the other path's, for the last token.
@@ -148,9 +175,42 @@ fn outputs(app: &App, layer: usize) -> Vec<Line<'static>> {
         format!("The two paths' outputs, layer {layer} (attn_output, last token)"),
         t.title(),
     ));
-    let Some(run) = app.mirror.current() else {
+    let Some(current) = app.mirror.current() else {
         return vec![title];
     };
+    // The current run's comparison runs, else the last earlier run that has them (a replay
+    // records them where the session computed them).
+    let n = app.mirror.current_number();
+    let found = app
+        .mirror
+        .aux(AuxKind::OtherPath)
+        .map(|o| (current, o, None))
+        .or_else(|| {
+            (0..n).rev().find_map(|r| {
+                let other = app.mirror.aux.get(&(r, AuxKind::OtherPath))?;
+                Some((app.mirror.runs.get(r)?, &**other, Some(r)))
+            })
+        });
+    let Some((run, other, earlier)) = found else {
+        let why = if app.mirror.busy.is_some() {
+            "  computing the other path…".to_string()
+        } else if current.finished() {
+            format!("  no comparison runs for run {n}: a live session computes them ({}); a replay has them only where they were recorded", app.keymap.key_of(Action::Compare))
+        } else {
+            format!(
+                "  finish the run ({}) and open this view again to compute the other path",
+                app.keymap.key_of(Action::Continue)
+            )
+        };
+        return vec![title, Line::from(why)];
+    };
+    let mut head = vec![title];
+    if let Some(r) = earlier {
+        head.push(Line::from(Span::styled(
+            format!("  from run {r}, the last run whose comparison runs were recorded"),
+            t.dim(),
+        )));
+    }
     let name = format!("model.layers.{layer}.self_attn.attn_output");
     let phase = app
         .selected_op()
@@ -164,41 +224,41 @@ fn outputs(app: &App, layer: usize) -> Vec<Line<'static>> {
                 .map(|e| e.phase)
         });
     let Some(phase) = phase else {
-        return vec![
-            title,
-            Line::from(format!(
-                "  layer {layer} has not run its attention yet: step on"
-            )),
-        ];
-    };
-    let Some(other) = app.mirror.aux(AuxKind::OtherPath) else {
-        return vec![
-            title,
-            Line::from(format!(
-                "  finish the run ({}) and open this view again to compute the other path",
-                app.keymap.key_of(Action::Continue)
-            )),
-        ];
+        head.push(Line::from(format!(
+            "  layer {layer} has not run its attention yet: step on"
+        )));
+        return head;
     };
     let (Some(i), Some(j)) = (run.find(phase, &name), other.find(phase, &name)) else {
-        return vec![title, Line::from("  the other path has no such op")];
+        head.push(Line::from("  the other path has no such op"));
+        return head;
     };
     let (a, b) = (&run.outputs[i], &other.outputs[j]);
-    if is_sampled(&run.events[i], a) || is_sampled(&other.events[j], b) {
-        return vec![title, Line::from(format!("  {NEEDS_TENSORS}"))];
+    let sampled = is_sampled(&run.events[i], a) || is_sampled(&other.events[j], b);
+    if sampled && (a.numel() != b.numel() || run.events[i].shape != other.events[j].shape) {
+        head.push(Line::from(format!("  {NEEDS_TENSORS}")));
+        return head;
     }
-    let cols = a.cols();
     let (Some(last), true) = (a.rows().checked_sub(1), a.shape() == b.shape()) else {
-        return vec![
-            title,
-            Line::from(format!(
-                "  the outputs' shapes are {:?} and {:?}: no last token to compare",
-                a.shape(),
-                b.shape()
-            )),
-        ];
+        head.push(Line::from(format!(
+            "  the outputs' shapes are {:?} and {:?}: no last token to compare",
+            a.shape(),
+            b.shape()
+        )));
+        return head;
     };
-    let (ra, rb) = (a.row(last), b.row(last));
+    // A replay without tensors holds the same sampled elements of both: those, not a row.
+    let (ra, rb) = match sampled {
+        true => (a.data(), b.data()),
+        false => (a.row(last), b.row(last)),
+    };
+    let cols = ra.len();
+    if sampled {
+        head.push(Line::from(Span::styled(
+            format!("  a sample of {cols} values of the whole output (not the last token's row): {NEEDS_TENSORS}"),
+            t.dim(),
+        )));
+    }
     let show = |x: &[f32]| {
         x.iter()
             .take(6)
@@ -207,8 +267,7 @@ fn outputs(app: &App, layer: usize) -> Vec<Line<'static>> {
     };
     let path = |p: MlaPath| format!("{:<9}", format!("{p:?}").to_lowercase());
     let d = diff(ra, rb, &[cols], None);
-    vec![
-        title,
+    head.extend([
         Line::from(format!(
             "  {} {} …",
             path(run.flags.path_of(phase)),
@@ -239,38 +298,6 @@ fn outputs(app: &App, layer: usize) -> Vec<Line<'static>> {
                 t.dim(),
             ),
         ]),
-    ]
-}
-
-fn fmt_count(n: u64) -> String {
-    match n {
-        n if n >= 1_000_000_000 => format!("{:.2} G", n as f64 / 1e9),
-        n if n >= 1_000_000 => format!("{:.2} M", n as f64 / 1e6),
-        n if n >= 1_000 => format!("{:.1} k", n as f64 / 1e3),
-        n => n.to_string(),
-    }
-}
-
-fn fmt_bytes(n: u64) -> String {
-    match n {
-        n if n >= 1 << 20 => format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64),
-        n if n >= 1 << 10 => format!("{:.1} KiB", n as f64 / 1024.0),
-        n => format!("{n} B"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::decode_flops;
-
-    #[test]
-    fn glm5_decode_flops_follow_the_formulas() {
-        // GLM-5: N 64, P 192, R 64, V 256, L 512; mla.md: 2·(576+512) FLOPs per head per token
-        // for the absorbed attention itself.
-        let (n, p, r, v, l) = (64u64, 192, 64, 256, 512);
-        let (naive, absorbed) = decode_flops(n, p, r, v, l, 1000);
-        let core = 2 * n * 1000 * (l + r + l);
-        assert_eq!(absorbed - 2 * n * p * l - 2 * n * l * v, core);
-        assert_eq!(naive, 2 * n * l * (p + v) + 2 * n * 1000 * (p + r + v));
-    }
+    ]);
+    head
 }
