@@ -84,15 +84,63 @@ pub fn hopper_target(arch: &str) -> Option<String> {
 }
 
 /// The source with `common.cuh`, `mma.cuh`, `wgmma.cuh`, `tma.cuh`, `kv_fp8.cuh`, `sparse.cuh`
-/// and `variants.cuh` inlined (NVRTC is given no include files).
+/// and `variants.cuh` inlined (NVRTC is given no include files), each header taken from
+/// [`KERNEL_SRC_ENV`]'s folder where it holds one.
 pub fn full_source(src: &str) -> String {
-    src.replace("#include \"common.cuh\"", COMMON)
-        .replace("#include \"mma.cuh\"", MMA)
-        .replace("#include \"wgmma.cuh\"", WGMMA)
-        .replace("#include \"tma.cuh\"", TMA)
-        .replace("#include \"kv_fp8.cuh\"", KV_FP8)
-        .replace("#include \"sparse.cuh\"", SPARSE)
-        .replace("#include \"variants.cuh\"", VARIANTS)
+    let header =
+        |file: &str, embedded: &str| override_source(file).unwrap_or_else(|| embedded.to_string());
+    [
+        ("common.cuh", COMMON),
+        ("mma.cuh", MMA),
+        ("wgmma.cuh", WGMMA),
+        ("tma.cuh", TMA),
+        ("kv_fp8.cuh", KV_FP8),
+        ("sparse.cuh", SPARSE),
+        ("variants.cuh", VARIANTS),
+    ]
+    .iter()
+    .fold(src.to_string(), |text, &(file, embedded)| {
+        let include = format!("#include \"{file}\"");
+        if text.contains(&include) {
+            text.replace(&include, &header(file, embedded))
+        } else {
+            text
+        }
+    })
+}
+
+/// A folder whose kernel files replace the embedded ones of the same name, so that a kernel
+/// author can try a change on a GPU machine without rebuilding mladb. The launchers, their
+/// signatures and the shared-memory sizes of `variants.cuh` stay the binary's own.
+pub const KERNEL_SRC_ENV: &str = "MLADB_KERNEL_SRC";
+
+/// The text of `file` in [`KERNEL_SRC_ENV`]'s folder, when it is set and holds that file.
+pub fn override_source(file: &str) -> Option<String> {
+    let dir = std::env::var_os(KERNEL_SRC_ENV).filter(|d| !d.is_empty())?;
+    source_in(std::path::Path::new(&dir), file)
+}
+
+/// `dir/file`'s text if it is a file (one that cannot be read, or is over 4 MiB, is reported on
+/// stderr and the embedded one is used); each use is reported, so no run mistakes a tried
+/// change for the shipped kernels.
+fn source_in(dir: &std::path::Path, file: &str) -> Option<String> {
+    let path = dir.join(file);
+    if !path.is_file() {
+        return None;
+    }
+    match crate::input::read_text_capped(&path, 4 << 20) {
+        Ok(text) => {
+            eprintln!("note: kernel source {file} taken from {}", path.display());
+            Some(text)
+        }
+        Err(e) => {
+            eprintln!(
+                "warning: {}: {e}; the built-in {file} is used",
+                path.display()
+            );
+            None
+        }
+    }
 }
 
 /// Whether NVRTC can be loaded (probe before the first NVRTC call: cudarc panics otherwise).
@@ -282,5 +330,28 @@ mod tests {
             (r[1].function.as_str(), r[1].registers, r[1].stack_bytes),
             ("fill_u32", 10, 0)
         );
+    }
+
+    #[test]
+    fn a_kernel_folder_replaces_only_the_files_it_holds() {
+        let dir = std::env::temp_dir().join(format!("mladb-kernel-src-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("norm.cu"), "// tried\n").unwrap();
+        std::fs::write(dir.join("huge.cu"), vec![b'/'; (4 << 20) + 1]).unwrap();
+        assert_eq!(
+            super::source_in(&dir, "norm.cu").as_deref(),
+            Some("// tried\n")
+        );
+        assert_eq!(
+            super::source_in(&dir, "rope.cu"),
+            None,
+            "absent: the embedded one"
+        );
+        assert_eq!(
+            super::source_in(&dir, "huge.cu"),
+            None,
+            "over the cap: the embedded one"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

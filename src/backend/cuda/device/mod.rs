@@ -221,7 +221,9 @@ impl Gpu {
                 hopper.clone().map(|target| (file, src, target, false))
             }));
         let mut unavailable = Vec::new();
-        for (file, src, target, required) in files {
+        for (file, embedded, target, required) in files {
+            let replaced = compile::override_source(file);
+            let src = replaced.as_deref().unwrap_or(embedded);
             let loaded = (|| -> Result<Vec<(String, Kernel)>> {
                 let code = kernel_cache::compile_cached(file, src, &target)?;
                 let ptx = Ptx::from_src(String::from_utf8_lossy(&code).into_owned());
