@@ -11,12 +11,15 @@ use crate::tensor::Tensor;
 use std::collections::HashMap;
 use std::time::Instant;
 
-/// Wall time per op name (the layer's prefix taken off, so layers add up), per phase kind.
+/// Wall time per op name (the layer's prefix taken off, so layers add up), per phase kind, and
+/// the host's part of it: the time until the op was handed to the observer, before the wait
+/// (the device was idle at its start, so that is what the host spent issuing the op, plus any
+/// wait of its own, such as the router's ids coming back).
 pub struct OpTimer<'b> {
     backend: &'b dyn Backend,
     last: Instant,
-    /// (decode?, op name) → (calls, seconds).
-    times: HashMap<(bool, String), (usize, f64)>,
+    /// (decode?, op name) → (calls, seconds, host seconds).
+    times: HashMap<(bool, String), (usize, f64, f64)>,
 }
 
 impl<'b> OpTimer<'b> {
@@ -35,13 +38,13 @@ impl<'b> OpTimer<'b> {
         Ok(())
     }
 
-    /// The ops of one phase kind, slowest first: (name, calls, seconds).
-    pub fn slowest(&self, decode: bool) -> Vec<(String, usize, f64)> {
-        let mut rows: Vec<(String, usize, f64)> = self
+    /// The ops of one phase kind, slowest first: (name, calls, seconds, host seconds).
+    pub fn slowest(&self, decode: bool) -> Vec<(String, usize, f64, f64)> {
+        let mut rows: Vec<(String, usize, f64, f64)> = self
             .times
             .iter()
             .filter(|((d, _), _)| *d == decode)
-            .map(|((_, name), &(calls, secs))| (name.clone(), calls, secs))
+            .map(|((_, name), &(calls, secs, host))| (name.clone(), calls, secs, host))
             .collect();
         rows.sort_by(|a, b| b.2.total_cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
         rows
@@ -58,6 +61,7 @@ fn without_layer(name: &str) -> &str {
 
 impl Observer for OpTimer<'_> {
     fn on_op(&mut self, event: &OpEvent, _: &Tensor) -> Result<()> {
+        let issued = Instant::now();
         self.backend.synchronize()?;
         let now = Instant::now();
         let decode = matches!(event.phase, Phase::Decode(_));
@@ -67,6 +71,7 @@ impl Observer for OpTimer<'_> {
             .or_default();
         slot.0 += 1;
         slot.1 += (now - self.last).as_secs_f64();
+        slot.2 += (issued - self.last).as_secs_f64();
         self.last = now;
         Ok(())
     }
@@ -85,26 +90,29 @@ pub fn print(timer: &OpTimer, layers: usize, steps: usize) -> Result<()> {
     ] {
         let rows = timer.slowest(decode);
         let total: f64 = rows.iter().map(|r| r.2).sum();
+        let host: f64 = rows.iter().map(|r| r.3).sum();
         if rows.is_empty() {
             continue;
         }
         writeln!(
             Out,
-            "\nops of {what} over {layers} layer(s), the device synchronised after each op: {:.3} ms in all",
-            total / per as f64 * 1e3
+            "\nops of {what} over {layers} layer(s), the device synchronised after each op: {:.3} ms in all, {:.3} ms of it on the host before the wait",
+            total / per as f64 * 1e3,
+            host / per as f64 * 1e3
         )?;
         writeln!(
             Out,
-            "{:<44} {:>6} {:>10} {:>7}",
-            "op", "calls", "ms", "share"
+            "{:<44} {:>6} {:>10} {:>7} {:>10}",
+            "op", "calls", "ms", "share", "host ms"
         )?;
-        for (name, calls, secs) in rows.iter().take(24) {
+        for (name, calls, secs, host) in rows.iter().take(32) {
             writeln!(
                 Out,
-                "{name:<44} {:>6} {:>10.3} {:>6.1}%",
+                "{name:<44} {:>6} {:>10.3} {:>6.1}% {:>10.3}",
                 calls / per,
                 secs / per as f64 * 1e3,
-                100.0 * secs / total.max(f64::MIN_POSITIVE)
+                100.0 * secs / total.max(f64::MIN_POSITIVE),
+                host / per as f64 * 1e3
             )?;
         }
     }
