@@ -186,3 +186,20 @@ fn a_finished_replay_is_not_told_to_finish_the_run() {
     assert!(!seen.contains("finish the run"), "{seen}");
     assert!(seen.contains("no comparison runs for run 2"), "{seen}");
 }
+
+#[test]
+fn scrolling_stops_at_the_end_of_the_view() {
+    let mut app = finished_app();
+    press(&mut app, "l");
+    // Far past the end: the last lines stay on screen, and one key back scrolls at once.
+    press(&mut app, &"j".repeat(400));
+    let bottom = screen(&mut app, 80, 24);
+    let Overlay::Learn { scroll } = app.overlay else {
+        panic!("the Learn view closed");
+    };
+    assert!((1..400).contains(&scroll), "scroll kept at {scroll}");
+    assert!(bottom.contains("force-dequant is"), "{bottom}");
+    press(&mut app, "k");
+    screen(&mut app, 80, 24);
+    assert_eq!(app.overlay, Overlay::Learn { scroll: scroll - 1 });
+}

@@ -52,7 +52,11 @@ pub fn draw(frame: &mut Frame, app: &mut App) {
     status_line(frame, app, status);
     match &app.overlay {
         Overlay::Help => overlays::help(frame, app, area),
-        Overlay::Learn { scroll } => learn::draw(frame, app, area, *scroll),
+        Overlay::Learn { scroll } => {
+            let wanted = *scroll;
+            let kept = learn::draw(frame, app, area, wanted);
+            app.overlay = Overlay::Learn { scroll: kept };
+        }
         Overlay::Inject { selected, scope } => {
             overlays::inject(frame, app, area, *selected, *scope)
         }

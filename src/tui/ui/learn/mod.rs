@@ -20,13 +20,14 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Block, Borders, Clear, Paragraph, Wrap};
 use ratatui::Frame;
 
-pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) {
+/// Draws the view scrolled `scroll` lines down, or as far as it goes; returns the scroll drawn.
+pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) -> u16 {
     let t = &app.theme;
     let Some(layout) = app.mirror.layout() else {
-        return;
+        return 0;
     };
     let Some((layer, why_layer)) = app.learn_layer() else {
-        return;
+        return 0;
     };
     // On a wide screen the execution tree stays in view, so that the walk's moves show.
     let tree = app.areas.tree;
@@ -122,13 +123,13 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) {
     let walk_rows = walk::height(app, inner).min(inner.height.saturating_sub(3));
     let [body, foot] =
         Layout::vertical([Constraint::Min(1), Constraint::Length(walk_rows)]).areas(inner);
-    frame.render_widget(
-        Paragraph::new(lines)
-            .wrap(Wrap { trim: false })
-            .scroll((scroll, 0)),
-        body,
-    );
+    // Scrolling stops where the last line reaches the foot of the body: never a blank view.
+    let text = Paragraph::new(lines).wrap(Wrap { trim: false });
+    let most = (text.line_count(body.width) as u16).saturating_sub(body.height);
+    let scroll = scroll.min(most);
+    frame.render_widget(text.scroll((scroll, 0)), body);
     walk::draw(frame, app, foot);
+    scroll
 }
 
 /// What the latent is and why absorption exists, with this layout's numbers.
