@@ -108,7 +108,7 @@ fn snapshot_learn_80x24_scrolled_through() {
     press(&mut app, "l");
     // Every row of the view, a screen at a time: nothing is cut off at 80×24.
     let mut pages = Vec::new();
-    for _ in 0..6 {
+    for _ in 0..8 {
         pages.push(screen(&mut app, 80, 24));
         press(&mut app, &"j".repeat(18));
     }
@@ -202,4 +202,24 @@ fn scrolling_stops_at_the_end_of_the_view() {
     press(&mut app, "k");
     screen(&mut app, 80, 24);
     assert_eq!(app.overlay, Overlay::Learn { scroll: scroll - 1 });
+}
+
+#[test]
+fn the_indexer_section_tells_this_runs_selection() {
+    // glm5-tiny keeps 8 keys a query: a 12-token prompt's last queries attend sparsely.
+    let mut app = common::live_app("glm5-tiny", "", 12, 12, 2);
+    press(&mut app, "c");
+    press(&mut app, "l");
+    let mut text = String::new();
+    for _ in 0..12 {
+        text.push_str(&screen(&mut app, 160, 48));
+        press(&mut app, &"j".repeat(30));
+    }
+    let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(flat.contains("The DSA indexer"), "{flat}");
+    assert!(flat.contains("top K = 8"), "{flat}");
+    assert!(
+        flat.contains("attends to 8 keys") && flat.contains("sparse:"),
+        "{flat}"
+    );
 }

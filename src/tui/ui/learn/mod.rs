@@ -1,9 +1,11 @@
 //! The Learn view: MLA weight absorption walked through on the real numbers of the selected
 //! layer: what the latent is and why absorption pays, shapes and both formulas, the cost of a
 //! decoded token on each path at long contexts (cost.rs, table.rs), both paths' outputs side by
-//! side, the identity trick for quantized kv_b_proj, and a walk over the layer's ops (walk.rs).
+//! side, the DSA indexer (indexer.rs), the identity trick for quantized kv_b_proj, and a walk
+//! over the layer's ops (walk.rs).
 
 mod cost;
+mod indexer;
 mod table;
 mod values;
 mod walk;
@@ -88,6 +90,8 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) -> u16 {
     lines.extend(values::lines(app, layer));
     lines.push(text(String::new()));
     lines.extend(outputs(app, layer));
+    lines.push(text(String::new()));
+    lines.extend(indexer::lines(app, layout, layer));
     lines.extend([
         text(String::new()),
         head("Quantized kv_b_proj: the identity trick"),

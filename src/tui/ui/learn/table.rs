@@ -132,7 +132,7 @@ fn crossover(d: &Dims, gpu: &Gpu) -> Line<'static> {
 }
 
 /// Three significant digits with an SI prefix: 96.5 M, 1.18 MB, 14.0 µs.
-fn si(x: f64, unit: &str) -> String {
+pub(super) fn si(x: f64, unit: &str) -> String {
     let prefixes = [
         (1e12, "T"),
         (1e9, "G"),
