@@ -49,8 +49,8 @@ pub fn lines(app: &App, layout: &Layout, layer: usize) -> Vec<Line<'static>> {
             "  It keeps the top K = {k} scores of each query (ties go to the lower position); a query with at most K earlier tokens keeps them all, so attention is dense up to K tokens of context."
         )),
         Line::from(format!(
-            "  At {} tokens of context, per decoded token: absorbed MLA over the K kept keys {} and {} read, instead of {} and {} over all of them; the indexer's own pass over every key {} and {}.",
-            format!("{}k", LONG / 1024),
+            "  At {}k tokens of context, per decoded token: absorbed MLA over the K kept keys {} and {} read, instead of {} and {} over all of them; the indexer's own pass over every key {} and {}.",
+            LONG / 1024,
             si((mla_flops * kept) as f64, "FLOP"),
             si((mla_bytes * kept) as f64, "B"),
             si((mla_flops * LONG) as f64, "FLOP"),
