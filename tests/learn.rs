@@ -149,6 +149,8 @@ fn in_a_replay_without_tensors_the_live_values_say_what_is_missing() {
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("sessions/weight-absorption.ron");
     let driver = ReplayDriver::open(&path).unwrap();
     let mut app = App::new(Box::new(driver), Keymap::default(), Theme::plain());
+    // The replay opens at its first note, before any decode step: on to the end of the run.
+    press(&mut app, "c");
     app.overlay = Overlay::Learn { scroll: 0 };
     // The live values come after the cost table; scroll until they are on screen.
     let mut seen = String::new();
