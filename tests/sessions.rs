@@ -110,7 +110,10 @@ fn replay_shows_the_live_screens_step_by_step() {
     // From the start (R goes back there), stepping through the recorded ops and the flag change
     // in order: a flag change is crossed with a step where the live session pressed `m`.
     press(&mut b, "R");
-    assert!(!b.tour.open && b.tour.at.is_none(), "back at the start, before any note");
+    assert!(
+        !b.tour.open && b.tour.at.is_none(),
+        "back at the start, before any note"
+    );
     b.tab = Tab::Tensor;
     assert_eq!(screen(&mut b, 120, 34), screens[0], "start");
     for (i, keys) in script.iter().enumerate() {
@@ -338,7 +341,10 @@ fn verify_passes_bit_exact_and_names_the_first_mismatch() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     // The checked run and the two comparison runs behind its verdicts.
-    assert_eq!(lines.iter().filter(|v| v["type"] == "op").count(), 780 + 788 + 130);
+    assert_eq!(
+        lines.iter().filter(|v| v["type"] == "op").count(),
+        780 + 788 + 130
+    );
     assert_eq!(lines.last().unwrap()["type"], "summary");
     let dump = dir.path().join("d.safetensors");
     let (rc, _, err) = mladb(&[
@@ -519,7 +525,10 @@ fn outcome(app: &App) -> String {
 }
 
 fn save(app: &mut App, name: &str) {
-    command(app, &format!("save {}", sessions_dir().join(name).display()));
+    command(
+        app,
+        &format!("save {}", sessions_dir().join(name).display()),
+    );
     assert!(
         app.log.last().unwrap().contains("saved"),
         "{:?}",
@@ -551,7 +560,15 @@ fn record_output_buffer_disconnect() {
     a.tab = Tab::Tensor;
     note(&mut a, "The hunt for garbage output, in seven stops (} next, { back; s/n/c still step). glm5-tiny, layer 0 only to keep the file small: 9 prompt tokens prefilled, the 10th decoded. A bug is planted in the MLA decode backend (fault output-buffer-disconnect@decode), as in vLLM reports of MLA models answering with garbage. We pretend not to know where.");
     press(&mut a, "c");
-    assert!(a.mirror.current().unwrap().outcome.as_ref().unwrap().next_non_finite);
+    assert!(
+        a.mirror
+            .current()
+            .unwrap()
+            .outcome
+            .as_ref()
+            .unwrap()
+            .next_non_finite
+    );
     select(&mut a, pre, "logits");
     let e = selected(&a);
     assert_eq!(e.stats.nan, 0);
@@ -570,11 +587,20 @@ fn record_output_buffer_disconnect() {
     press(&mut a, "d");
     let heads = a.mirror.layout().unwrap().num_heads;
     let run = a.mirror.current().unwrap();
-    let whole = a.mirror.aux(mladb::tui::host::AuxKind::WholePrefill).unwrap();
+    let whole = a
+        .mirror
+        .aux(mladb::tui::host::AuxKind::WholePrefill)
+        .unwrap();
     let tolerances = mladb::debug::tolerance::Tolerances::Table(run.flags.dtype);
     let list = mladb::debug::compare::prefill_vs_decode(run, whole, heads, &tolerances);
-    let first = mladb::debug::compare::first_divergence(&list).unwrap().clone();
-    assert!(first.name.ends_with("self_attn.attn_output"), "{}", first.name);
+    let first = mladb::debug::compare::first_divergence(&list)
+        .unwrap()
+        .clone();
+    assert!(
+        first.name.ends_with("self_attn.attn_output"),
+        "{}",
+        first.name
+    );
     assert_eq!(first.phase, dec);
     select(&mut a, first.phase, &first.name);
     a.tab = Tab::Compare;
@@ -592,7 +618,10 @@ fn record_output_buffer_disconnect() {
         .find(|r| r.phase == dec && r.inputs.iter().any(|b| b.id.0 == handed))
         .unwrap()
         .clone();
-    assert!(!run.events.iter().any(|r| r.phase == dec && r.inputs.iter().any(|b| b.id.0 == wrote)));
+    assert!(!run
+        .events
+        .iter()
+        .any(|r| r.phase == dec && r.inputs.iter().any(|b| b.id.0 == wrote)));
     select(&mut a, dec, &reader.name);
     note(&mut a, &format!("{}, the next op of the chain, reads buffer #{handed} (the poison) and nothing reads #{wrote}, where the attention output really is: the kernel writes one buffer and the wrapper hands on another. That is the vLLM garbage-output bug; the fix is to hand the kernel the output buffer the wrapper returns.", reader.name));
     save(&mut a, "output-buffer-disconnect.ron");
@@ -697,8 +726,14 @@ fn record_dsa_tie() {
         .collect();
     let left: Vec<usize> = (0..scores.len()).filter(|k| !kept.contains(k)).collect();
     // The lowest kept score equals the highest left out: a tie at the boundary.
-    let low = kept.iter().map(|&k| scores[k]).fold(f32::INFINITY, f32::min);
-    let high = left.iter().map(|&k| scores[k]).fold(f32::NEG_INFINITY, f32::max);
+    let low = kept
+        .iter()
+        .map(|&k| scores[k])
+        .fold(f32::INFINITY, f32::min);
+    let high = left
+        .iter()
+        .map(|&k| scores[k])
+        .fold(f32::NEG_INFINITY, f32::max);
     assert_eq!(low, high, "scores {scores:?}, kept {kept:?}");
     let tied: Vec<usize> = (0..scores.len()).filter(|&k| scores[k] == low).collect();
     select(&mut a, dec, scores_name);
@@ -751,7 +786,10 @@ fn example_sessions_replay_and_verify() {
         "output-buffer-disconnect.ron",
         "weight-absorption.ron",
     ] {
-        assert!(names.iter().any(|n| n == want), "sessions/ lacks {want}: {names:?}");
+        assert!(
+            names.iter().any(|n| n == want),
+            "sessions/ lacks {want}: {names:?}"
+        );
     }
     for path in &found {
         let s = Session::load(path).unwrap();
@@ -785,8 +823,13 @@ fn assert_at_note(app: &mut App, i: usize, what: &str) {
     use mladb::tui::app::Overlay;
     let note = app.tour.notes[i].clone();
     assert_eq!(app.tour.at, Some(i), "{what}");
-    let about = note.about.as_ref().expect("every shipped note names its op");
-    let (_, e) = app.selected_op().unwrap_or_else(|| panic!("{what}: nothing selected"));
+    let about = note
+        .about
+        .as_ref()
+        .expect("every shipped note names its op");
+    let (_, e) = app
+        .selected_op()
+        .unwrap_or_else(|| panic!("{what}: nothing selected"));
     assert_eq!(
         (e.phase, e.name.as_str()),
         (about.phase, about.op.as_str()),
@@ -906,7 +949,10 @@ fn a_tour_of_a_session_without_notes_says_so() {
         about: None,
         pane: Some(mladb::session::recorded::Pane::Buffers),
     });
-    let text = s.to_ron().unwrap().replace("Some(buffers)", "Some(histogram)");
+    let text = s
+        .to_ron()
+        .unwrap()
+        .replace("Some(buffers)", "Some(histogram)");
     let bad = dir.path().join("bad.ron");
     std::fs::write(&bad, text).unwrap();
     let (rc, _, err) = mladb(&["replay", bad.to_str().unwrap(), "--tour"]);
@@ -959,7 +1005,11 @@ fn a_note_longer_than_its_pane_scrolls() {
     rows(&mut app);
     let most = app.tour.scroll;
     press(&mut app, "K");
-    assert_eq!(app.tour.scroll, most - 1, "K scrolls back; the bottom was clamped");
+    assert_eq!(
+        app.tour.scroll,
+        most - 1,
+        "K scrolls back; the bottom was clamped"
+    );
 }
 
 #[test]

@@ -178,11 +178,36 @@ fn a_tour_of_the_garbage_output_hunt_under_tmux() {
     assert!(screen.contains("} next · { previous"), "{screen}");
     // Each stop: its note, its op in the right pane's title, its pane.
     let stops = [
-        ("note 2 of 7", "Prefill is right", "prefill · logits", "nan 0"),
-        ("note 3 of 7", "Decode is garbage", "decode.0 · logits", "nan 2048"),
-        ("note 4 of 7", "MLA disable on", "decode.0 · logits", "vs run 0"),
-        ("note 5 of 7", "MLA disable off again", "self_attn.attn_output", "whole prefill"),
-        ("note 6 of 7", "The Buffers pane", "self_attn.attn_latent", "DISCONNECTED"),
+        (
+            "note 2 of 7",
+            "Prefill is right",
+            "prefill · logits",
+            "nan 0",
+        ),
+        (
+            "note 3 of 7",
+            "Decode is garbage",
+            "decode.0 · logits",
+            "nan 2048",
+        ),
+        (
+            "note 4 of 7",
+            "MLA disable on",
+            "decode.0 · logits",
+            "vs run 0",
+        ),
+        (
+            "note 5 of 7",
+            "MLA disable off again",
+            "self_attn.attn_output",
+            "whole prefill",
+        ),
+        (
+            "note 6 of 7",
+            "The Buffers pane",
+            "self_attn.attn_latent",
+            "DISCONNECTED",
+        ),
     ];
     for (title, text, op, pane) in stops {
         tmux.keys(&["}"]);

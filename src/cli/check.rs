@@ -117,7 +117,12 @@ fn comparison_runs(
     job: &Job,
     report: &CheckReport,
     flags: crate::debug::Flags,
-) -> Result<Vec<(crate::session::recorded::RecordedRun, Vec<std::sync::Arc<crate::tensor::Tensor>>)>> {
+) -> Result<
+    Vec<(
+        crate::session::recorded::RecordedRun,
+        Vec<std::sync::Arc<crate::tensor::Tensor>>,
+    )>,
+> {
     use crate::debug::paired::{compare_paired, Pairing};
     use crate::engine::generate::Schedule;
     use crate::engine::trace::Phase;

@@ -156,7 +156,10 @@ pub enum Update {
     Tour(Vec<Annotation>),
     /// The replay reached note `index` of the tour: `moved` when it went there for `GotoNote`
     /// (the UI then shows the note's pane), not when a step merely passed it.
-    NoteReached { index: usize, moved: bool },
+    NoteReached {
+        index: usize,
+        moved: bool,
+    },
     Error(String),
     /// `Some(what)` while a command runs, `None` when the debugger is idle again.
     Busy(Option<String>),

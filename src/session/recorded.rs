@@ -330,7 +330,10 @@ mod tests {
             s.annotations[0].pane = Some(pane);
             let text = s.to_ron().unwrap();
             assert!(text.contains(&format!("pane: Some({})", pane.name())));
-            assert_eq!(Session::parse(&text).unwrap().annotations[0].pane, Some(pane));
+            assert_eq!(
+                Session::parse(&text).unwrap().annotations[0].pane,
+                Some(pane)
+            );
         }
         let bad = text.replace("pane: Some(learn)", "pane: Some(heatmap)");
         let err = Session::parse(&bad).unwrap_err();
@@ -363,6 +366,9 @@ mod tests {
         assert!(check_annotations(&[note(0)], std::slice::from_ref(&run)).is_ok());
         let err = check_annotations(&[note(0), note(1)], &[run]).unwrap_err();
         assert!(err.contains("annotations[1].run: 1"), "{err}");
-        assert!(check_annotations(&[note(5)], &[]).is_ok(), "nothing recorded: nothing to check");
+        assert!(
+            check_annotations(&[note(5)], &[]).is_ok(),
+            "nothing recorded: nothing to check"
+        );
     }
 }

@@ -22,7 +22,9 @@ impl ReplayHost {
     pub(super) fn goto_note(&mut self, index: usize) -> Result<()> {
         let Some(note) = self.tour.get(index).cloned() else {
             return Err(Error::invalid(match self.tour.len() {
-                0 => "this session has no notes placed in its timeline: nothing to tour".to_string(),
+                0 => {
+                    "this session has no notes placed in its timeline: nothing to tour".to_string()
+                }
                 n => format!("there is no note {}: this session has {n}", index + 1),
             }));
         };

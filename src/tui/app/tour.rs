@@ -27,7 +27,11 @@ pub struct Tour {
 pub fn is_tour_action(action: Action) -> bool {
     matches!(
         action,
-        Action::NextNote | Action::PreviousNote | Action::Notes | Action::NotesDown | Action::NotesUp
+        Action::NextNote
+            | Action::PreviousNote
+            | Action::Notes
+            | Action::NotesDown
+            | Action::NotesUp
     )
 }
 
@@ -147,8 +151,7 @@ impl App {
 
     /// The pane a note typed now is about.
     pub(super) fn pane_now(&self) -> Pane {
-        if self.tour.learn_under_prompt.is_some() || matches!(self.overlay, Overlay::Learn { .. })
-        {
+        if self.tour.learn_under_prompt.is_some() || matches!(self.overlay, Overlay::Learn { .. }) {
             return Pane::Learn;
         }
         match self.tab {

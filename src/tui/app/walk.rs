@@ -2,10 +2,10 @@
 //! `n` / `p` keys that move the selection to each step's op in the trace.
 
 use super::{App, Node, Overlay};
-use crate::tui::keys::Action;
-use ratatui::crossterm::event::{KeyCode, KeyEvent};
 use crate::engine::trace::Phase;
 use crate::engine::MlaPath;
+use crate::tui::keys::Action;
+use ratatui::crossterm::event::{KeyCode, KeyEvent};
 
 /// One stop of the walk: the op (its name under `model.layers.N.self_attn.`) and the path it
 /// belongs to (`None`: both paths run it).

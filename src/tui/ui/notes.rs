@@ -48,10 +48,9 @@ pub fn draw(frame: &mut Frame, app: &mut App, area: Rect) {
     app.tour.scroll = app.tour.scroll.min(most);
     let title = match app.tour.current() {
         Some((i, a)) => {
-            let about = a
-                .about
-                .as_ref()
-                .map_or(String::new(), |c| format!(" · {} {}", c.phase, short_name(&c.op)));
+            let about = a.about.as_ref().map_or(String::new(), |c| {
+                format!(" · {} {}", c.phase, short_name(&c.op))
+            });
             let pane = a.pane.map_or(String::new(), |p| format!(" · {}", p.name()));
             format!(" note {} of {}{about}{pane} ", i + 1, app.tour.notes.len())
         }
