@@ -335,6 +335,9 @@ mod tests {
                 Some(pane)
             );
         }
+        // The loop left the last pane, learn, in place.
+        let text = s.to_ron().unwrap();
+        assert!(text.contains("pane: Some(learn)"), "{text}");
         let bad = text.replace("pane: Some(learn)", "pane: Some(heatmap)");
         let err = Session::parse(&bad).unwrap_err();
         assert!(err.contains("heatmap") && err.contains("line "), "{err}");
