@@ -219,6 +219,35 @@ fn a_saved_session_records_every_run_and_loads_back() {
 }
 
 #[test]
+fn a_note_typed_over_the_learn_view_is_about_it() {
+    use mladb::session::recorded::Pane;
+    use mladb::tui::app::Overlay;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("learn.ron");
+    let mut a = common::tiny_app("");
+    press(&mut a, "c");
+    press(&mut a, "l");
+    press(&mut a, "jj");
+    // `:` opens the command line over the view, which comes back once the note is typed.
+    command(&mut a, "note the latent is 64 wide");
+    assert_eq!(a.overlay, Overlay::Learn { scroll: 2 });
+    press(&mut a, ":");
+    a.on_key(KeyEvent::new(KeyCode::Esc, KeyModifiers::NONE));
+    assert_eq!(a.overlay, Overlay::Learn { scroll: 2 }, "Esc too");
+    a.on_key(KeyEvent::new(KeyCode::Esc, KeyModifiers::NONE));
+    assert_eq!(a.overlay, Overlay::None);
+    a.tab = Tab::Buffers;
+    command(&mut a, "note and here the buffers");
+    command(&mut a, &format!("save {}", path.display()));
+    let s = Session::load(&path).unwrap();
+    let panes: Vec<_> = s.annotations.iter().map(|n| n.pane).collect();
+    assert_eq!(panes, [Some(Pane::Learn), Some(Pane::Buffers)]);
+    // A live session has nothing to tour: the keys say so.
+    press(&mut a, "}");
+    assert!(a.notice.as_ref().unwrap().contains("no notes placed"));
+}
+
+#[test]
 fn damaged_files_are_rejected_with_line_and_field() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("r.ron");
