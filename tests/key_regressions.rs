@@ -46,7 +46,7 @@ fn step_with_a_huge_count_ends() {
     });
     assert!(end && ops > 100, "ran to the end: {ops} ops");
     let (run, finished) = within(Duration::from_secs(60), || {
-        let mut app = shipped("weight-absorption.ron");
+        let mut app = shipped("output-buffer-disconnect.ron");
         app.act(mladb::tui::keys::Action::Restart);
         command(&mut app, "step 18446744073709551615");
         let m = &app.mirror;

@@ -55,7 +55,7 @@ enum Input {
 }
 
 fn key_code() -> impl Strategy<Value = KeyCode> {
-    let bound: Vec<char> = "kjgGsncRbmfidlh.[]?:q /NP".chars().collect();
+    let bound: Vec<char> = "kjgGsncRbmfidlh.[]?:q /NP{}oJK".chars().collect();
     prop_oneof![
         4 => prop::sample::select(bound).prop_map(KeyCode::Char),
         1 => any::<char>().prop_map(KeyCode::Char),
@@ -225,7 +225,7 @@ fn target() -> impl Strategy<Value = Target> {
     prop_oneof![
         Just(Target::Live("glm5-tiny")),
         Just(Target::Live("deepseek-v3-tiny")),
-        (0usize..3).prop_map(Target::Replay),
+        (0usize..4).prop_map(Target::Replay),
     ]
 }
 
@@ -252,7 +252,7 @@ fn sessions() -> &'static [(PathBuf, Session)] {
             .filter(|p| p.extension().is_some_and(|x| x == "ron"))
             .collect();
         paths.sort();
-        assert_eq!(paths.len(), 3, "the shipped sessions in {}", dir.display());
+        assert_eq!(paths.len(), 4, "the shipped sessions in {}", dir.display());
         paths
             .into_iter()
             .map(|p| {

@@ -213,6 +213,11 @@ fn compare_pane_of_a_sampled_replay_says_what_it_compared() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("sessions/output-buffer-disconnect.ron");
     let driver = ReplayDriver::open(&path).unwrap();
     let mut app = App::new(Box::new(driver), Keymap::default(), Theme::plain());
+    // The replay opens at its first note; the last is at the end of run 2, after `d`.
+    for _ in 0..app.tour.notes.len() {
+        app.act(Action::NextNote);
+    }
+    assert_eq!(app.mirror.current_number(), 2);
     app.act(Action::Compare);
     let run = app.mirror.current().unwrap();
     let i = run

@@ -98,19 +98,22 @@ fn replay_shows_the_live_screens_step_by_step() {
     command(&mut a, &format!("save --tensors {}", path.display()));
     assert!(a.log.last().unwrap().contains("saved"), "{:?}", a.log);
 
-    // Opened at the saved cursor: the same screens, every tab.
+    // Opened at its note, which is where the cursor was saved: the same screens, every tab,
+    // once the notes pane is hidden.
     let mut b = replay(&path);
+    assert_eq!(b.tour.at, Some(0));
+    assert!(b.tour.open);
+    press(&mut b, "o");
     same_screens(&mut a, &mut b, "at the saved cursor");
     assert!(b.log.iter().any(|l| l.contains("replaying")));
 
-    // From the start (a copy without a cursor opens there), stepping through the recorded ops
-    // and the flag change in order: a flag change is crossed with a step where the live session
-    // pressed `m`.
-    let mut s = Session::load(&path).unwrap();
-    s.cursor = None;
-    let start = dir.path().join("from-start.ron");
-    s.save(&start).unwrap();
-    let mut b = replay(&start);
+    // From the start (R goes back there), stepping through the recorded ops and the flag change
+    // in order: a flag change is crossed with a step where the live session pressed `m`.
+    press(&mut b, "R");
+    assert!(
+        !b.tour.open && b.tour.at.is_none(),
+        "back at the start, before any note"
+    );
     b.tab = Tab::Tensor;
     assert_eq!(screen(&mut b, 120, 34), screens[0], "start");
     for (i, keys) in script.iter().enumerate() {
@@ -198,12 +201,50 @@ fn a_saved_session_records_every_run_and_loads_back() {
     assert_eq!(s.runs.len(), 4, "two comparison runs recorded");
     assert_eq!(s.annotations.len(), 1);
     assert_eq!(s.annotations[0].run, 1);
+    // The note records where the user stood: the op selected and the pane shown (d showed
+    // the Compare pane).
+    let about = s.annotations[0].about.clone().unwrap();
+    let (_, e) = a.selected_op().unwrap();
+    assert_eq!((about.phase, about.op.as_str()), (e.phase, e.name.as_str()));
+    assert_eq!(
+        s.annotations[0].pane,
+        Some(mladb::session::recorded::Pane::Compare)
+    );
     let op = &main[0].ops[40];
     assert_eq!(op.sample.len(), 32.min(op.event.shape.iter().product()));
     // A v2 file still opens live (recomputing) through :load.
     let mut b = common::tiny_app("");
     command(&mut b, &format!("load {}", path.display()));
     assert!(b.mirror.flags.mla_disable);
+}
+
+#[test]
+fn a_note_typed_over_the_learn_view_is_about_it() {
+    use mladb::session::recorded::Pane;
+    use mladb::tui::app::Overlay;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("learn.ron");
+    let mut a = common::tiny_app("");
+    press(&mut a, "c");
+    press(&mut a, "l");
+    press(&mut a, "jj");
+    // `:` opens the command line over the view, which comes back once the note is typed.
+    command(&mut a, "note the latent is 64 wide");
+    assert_eq!(a.overlay, Overlay::Learn { scroll: 2 });
+    press(&mut a, ":");
+    a.on_key(KeyEvent::new(KeyCode::Esc, KeyModifiers::NONE));
+    assert_eq!(a.overlay, Overlay::Learn { scroll: 2 }, "Esc too");
+    a.on_key(KeyEvent::new(KeyCode::Esc, KeyModifiers::NONE));
+    assert_eq!(a.overlay, Overlay::None);
+    a.tab = Tab::Buffers;
+    command(&mut a, "note and here the buffers");
+    command(&mut a, &format!("save {}", path.display()));
+    let s = Session::load(&path).unwrap();
+    let panes: Vec<_> = s.annotations.iter().map(|n| n.pane).collect();
+    assert_eq!(panes, [Some(Pane::Learn), Some(Pane::Buffers)]);
+    // A live session has nothing to tour: the keys say so.
+    press(&mut a, "}");
+    assert!(a.notice.as_ref().unwrap().contains("no notes placed"));
 }
 
 #[test]
@@ -283,6 +324,21 @@ fn verify_passes_bit_exact_and_names_the_first_mismatch() {
     let (rc, out, err) = mladb(&["replay", path.to_str().unwrap(), "--verify"]);
     assert_eq!(rc, 0, "{out}{err}");
     assert!(out.contains("bit for bit"), "{out}");
+    assert!(
+        out.contains("other-path of run 0") && out.contains("whole-prefill of run 0"),
+        "the comparison runs are recorded and verified: {out}"
+    );
+    // The replay's Compare pane shows them once the run has ended.
+    let mut b = replay(&path);
+    press(&mut b, "c");
+    assert!(b.mirror.aux(mladb::tui::host::AuxKind::OtherPath).is_some());
+    b.tab = Tab::Compare;
+    let text = screen(&mut b, 120, 34).join("\n");
+    assert!(
+        text.contains("absorbed vs naive") && text.contains("whole prefill"),
+        "{text}"
+    );
+    assert!(!text.contains("press d to compute"), "{text}");
 
     // One recorded statistic changed in its last digit: verify names the op and the field.
     let text = std::fs::read_to_string(&path).unwrap();
@@ -313,7 +369,11 @@ fn verify_passes_bit_exact_and_names_the_first_mismatch() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(lines.iter().filter(|v| v["type"] == "op").count(), 780);
+    // The checked run and the two comparison runs behind its verdicts.
+    assert_eq!(
+        lines.iter().filter(|v| v["type"] == "op").count(),
+        780 + 788 + 130
+    );
     assert_eq!(lines.last().unwrap()["type"], "summary");
     let dump = dir.path().join("d.safetensors");
     let (rc, _, err) = mladb(&[
@@ -403,25 +463,55 @@ fn sessions_dir() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("sessions")
 }
 
-fn debugger(layout: &str, quant: Option<&str>, flags: &str, prefill: usize, total: usize) -> App {
-    let mut args = mladb::cli::args::ModelArgs::with_layout(layout);
-    args.quant = quant.map(str::to_string);
+/// How an example session's debugger starts: a built-in layout with synthetic weights, a few
+/// of its layers (the files stay a few hundred KB), a prompt and a schedule.
+struct Setup<'a> {
+    layout: &'a str,
+    quant: Option<&'a str>,
+    seed: u64,
+    flags: &'a str,
+    prompt: Vec<u32>,
+    prefill: usize,
+    decode: usize,
+    layers: std::ops::Range<usize>,
+}
+
+impl Setup<'_> {
+    /// glm5-tiny's layer 0 over a 10-token prompt: 9 prefilled, the 10th decoded.
+    fn tiny(flags: &str) -> Setup<'_> {
+        Setup {
+            layout: "glm5-tiny",
+            quant: None,
+            seed: 0,
+            flags,
+            prompt: common::prompt(2048, 10),
+            prefill: 9,
+            decode: 1,
+            layers: 0..1,
+        }
+    }
+}
+
+fn debugger(s: Setup) -> App {
+    let mut args = mladb::cli::args::ModelArgs::with_layout(s.layout);
+    args.quant = s.quant.map(str::to_string);
+    args.seed = s.seed;
     let model = Arc::new(args.load().unwrap());
     let spec = HostSpec {
         schedule: Schedule {
-            prompt: common::prompt(model.layout.vocab_size, total),
-            prefill_len: prefill,
-            decode_steps: 1,
+            prompt: s.prompt,
+            prefill_len: s.prefill,
+            decode_steps: s.decode,
         },
-        layers: 0..model.layout.num_layers,
+        layers: s.layers,
         model,
         source: ModelSource::Layout {
-            layout: layout.into(),
-            seed: 0,
-            quant: quant.map(str::to_string),
+            layout: s.layout.into(),
+            seed: s.seed,
+            quant: s.quant.map(str::to_string),
         },
         backend: Arc::new(CpuBackend),
-        flags: Flags::parse(flags).unwrap(),
+        flags: Flags::parse(s.flags).unwrap(),
         max_memory_gb: None,
         text: None,
         reference: None,
@@ -433,8 +523,18 @@ fn debugger(layout: &str, quant: Option<&str>, flags: &str, prefill: usize, tota
     )
 }
 
+/// Selects the op of the current run named so in `phase` (the last one matching `*name`, when
+/// the name starts with `*`).
 fn select(app: &mut App, phase: mladb::engine::trace::Phase, name: &str) {
-    let i = app.mirror.current().unwrap().find(phase, name).unwrap();
+    let run = app.mirror.current().unwrap();
+    let i = match name.strip_prefix('*') {
+        Some(end) => run
+            .events
+            .iter()
+            .rposition(|e| e.phase == phase && e.name.ends_with(end))
+            .unwrap(),
+        None => run.find(phase, name).unwrap(),
+    };
     app.follow = false;
     app.select(mladb::tui::app::Node::Op(i));
 }
@@ -453,33 +553,66 @@ fn outcome(app: &App) -> String {
     )
 }
 
+fn save(app: &mut App, name: &str) {
+    command(
+        app,
+        &format!("save {}", sessions_dir().join(name).display()),
+    );
+    assert!(
+        app.log.last().unwrap().contains("saved"),
+        "{:?}",
+        app.log.last()
+    );
+}
+
+/// The selected op's event.
+fn selected(app: &App) -> mladb::engine::trace::OpEvent {
+    app.selected_op().unwrap().1.clone()
+}
+
 #[test]
 #[ignore = "regenerates sessions/*.ron"]
 fn record_example_sessions() {
-    use mladb::engine::trace::Phase;
-    let dir = sessions_dir();
-    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::create_dir_all(sessions_dir()).unwrap();
+    record_output_buffer_disconnect();
+    record_weight_absorption();
+    record_force_dequant();
+    record_dsa_tie();
+}
 
-    // The garbage-output hunt.
-    let mut a = debugger(
-        "glm5-tiny",
-        None,
-        "inject=output-buffer-disconnect@decode",
-        9,
-        10,
-    );
-    note(&mut a, "glm5-tiny, 9 prompt tokens prefilled, the 10th and one generated token decoded; a bug is planted in the MLA decode backend (fault output-buffer-disconnect@decode). Step with s/n/c: the flag changes replay in order.");
+/// The garbage-output hunt: prefill right and decode garbage; MLA disable fixes it; prefill vs
+/// decode isolates the decode attention; the Buffers pane shows the disconnect.
+fn record_output_buffer_disconnect() {
+    use mladb::engine::trace::Phase;
+    let (pre, dec) = (Phase::Prefill, Phase::Decode(0));
+    let mut a = debugger(Setup::tiny("inject=output-buffer-disconnect@decode"));
+    a.tab = Tab::Tensor;
+    note(&mut a, "The hunt for garbage output, in seven stops (} next, { back; s/n/c still step). glm5-tiny, layer 0 only to keep the file small: 9 prompt tokens prefilled, the 10th decoded. A bug is planted in the MLA decode backend (fault output-buffer-disconnect@decode), as in vLLM reports of MLA models answering with garbage. We pretend not to know where.");
     press(&mut a, "c");
-    let garbage = outcome(&a);
-    note(&mut a, &format!("run 0 finished with garbage: {garbage}. In every decode step the tree marks layer 0's self_attn.attn_latent with x (its kernel wrote another buffer than the one handed on) and every op after it with ! (NaN): the decode logits are all NaN."));
+    assert!(
+        a.mirror
+            .current()
+            .unwrap()
+            .outcome
+            .as_ref()
+            .unwrap()
+            .next_non_finite
+    );
+    select(&mut a, pre, "logits");
+    let e = selected(&a);
+    assert_eq!(e.stats.nan, 0);
+    note(&mut a, &format!("Run 0 has finished. Prefill is right: the prefill logits are finite (nan 0, min {:.3}, max {:.3}) and look like any logits in the Tensor pane. Nothing in prefill hints at a problem.", e.stats.min, e.stats.max));
+    select(&mut a, dec, "logits");
+    let e = selected(&a);
+    assert_eq!(e.stats.nan, e.stats.count);
+    note(&mut a, &format!("Decode is garbage: all {} decode logits are NaN, so the token taken from them means nothing (the log says it came from non-finite logits). In the tree, decode's self_attn.attn_latent is marked x (disconnected) and every op after it ! (NaN).", e.stats.count));
     press(&mut a, "m");
     let clean = outcome(&a);
-    note(&mut a, &format!("MLA disable on (run 1, naive attention everywhere, as VLLM_MLA_DISABLE=1): {clean}, no NaN. The bug lives in the MLA backend, not in the model."));
+    select(&mut a, dec, "logits");
+    assert_eq!(selected(&a).stats.nan, 0);
+    a.tab = Tab::Compare;
+    note(&mut a, &format!("MLA disable on (m, run 1): naive attention in every phase, served around the MLA backend, as VLLM_MLA_DISABLE=1 does. The decode logits are clean again ({clean}); the Compare pane puts them against run 0's NaN. The bug lives in the MLA backend, not in the model."));
     press(&mut a, "m");
-    note(
-        &mut a,
-        "MLA disable off again (run 2): the garbage is back. Now narrow it: prefill vs decode.",
-    );
     press(&mut a, "d");
     let heads = a.mirror.layout().unwrap().num_heads;
     let run = a.mirror.current().unwrap();
@@ -489,39 +622,45 @@ fn record_example_sessions() {
         .unwrap();
     let tolerances = mladb::debug::tolerance::Tolerances::Table(run.flags.dtype);
     let list = mladb::debug::compare::prefill_vs_decode(run, whole, heads, &tolerances);
-    let first = mladb::debug::compare::first_divergence(&list).unwrap();
-    let prefill_nan = run
-        .events
-        .iter()
-        .filter(|e| e.phase == Phase::Prefill)
-        .all(|e| e.stats.nan == 0);
-    assert!(prefill_nan);
-    note(&mut a, &format!("Compare (d) fed the same tokens to one whole prefill: every prefill op is clean (no NaN), and the first decode op that differs from its token's row in the whole prefill is {} {}. The bug is on the decode path.", first.phase, first.name));
-    select(
-        &mut a,
-        Phase::Decode(0),
-        "model.layers.0.self_attn.attn_latent",
+    let first = mladb::debug::compare::first_divergence(&list)
+        .unwrap()
+        .clone();
+    assert!(
+        first.name.ends_with("self_attn.attn_output"),
+        "{}",
+        first.name
     );
+    assert_eq!(first.phase, dec);
+    select(&mut a, first.phase, &first.name);
+    a.tab = Tab::Compare;
+    note(&mut a, &format!("MLA disable off again (run 2: the garbage is back), then d: the same tokens prefilled at once, as one whole-sequence prefill. Each decode op is compared with its token's row there: everything agrees up to the attention, and the first op that differs is {} {}, the attention's output. The op just before it, self_attn.attn_latent, is the absorbed decode kernel, which the naive prefill has no counterpart of.", first.phase, first.name));
+    select(&mut a, dec, "model.layers.0.self_attn.attn_latent");
     a.tab = Tab::Buffers;
-    let e = &a.selected_op().unwrap().1.clone();
+    let e = selected(&a);
     let (wrote, handed) = (e.kernel_wrote.unwrap().id.0, e.output.id.0);
     assert_ne!(wrote, handed);
-    note(&mut a, &format!("Buffers of decode.0 layer 0 attn_latent (the absorbed decode kernel's output): the kernel wrote buffer #{wrote}, the op handed on buffer #{handed}, which nobody wrote (all {} elements still poison) and which the next op read. The attention output went to a buffer nobody reads: the vLLM garbage-output bug.", e.stats.count));
-    command(
-        &mut a,
-        &format!(
-            "save {}",
-            dir.join("output-buffer-disconnect.ron").display()
-        ),
-    );
-    assert!(
-        a.log.last().unwrap().contains("saved"),
-        "{:?}",
-        a.log.last()
-    );
+    note(&mut a, &format!("The Buffers pane of that op: its kernel wrote buffer #{wrote}, but the op handed on buffer #{handed}, which no kernel wrote: all {} elements are still the poison the debugger fills buffers with.", e.stats.count));
+    let run = a.mirror.current().unwrap();
+    let reader = run
+        .events
+        .iter()
+        .find(|r| r.phase == dec && r.inputs.iter().any(|b| b.id.0 == handed))
+        .unwrap()
+        .clone();
+    assert!(!run
+        .events
+        .iter()
+        .any(|r| r.phase == dec && r.inputs.iter().any(|b| b.id.0 == wrote)));
+    select(&mut a, dec, &reader.name);
+    note(&mut a, &format!("{}, the next op of the chain, reads buffer #{handed} (the poison) and nothing reads #{wrote}, where the attention output really is: the kernel writes one buffer and the wrapper hands on another. That is the vLLM garbage-output bug; the fix is to hand the kernel the output buffer the wrapper returns.", reader.name));
+    save(&mut a, "output-buffer-disconnect.ron");
+}
 
-    // Weight absorption, one layer's two paths.
-    let mut a = debugger("glm5-tiny", None, "", 9, 10);
+/// Weight absorption, walked through the Learn view on the recorded numbers.
+fn record_weight_absorption() {
+    use mladb::engine::trace::Phase;
+    let (pre, dec) = (Phase::Prefill, Phase::Decode(0));
+    let mut a = debugger(Setup::tiny(""));
     let l = a.mirror.layout().unwrap().clone();
     let (h, r, nope, rope, v) = (
         l.num_heads,
@@ -530,92 +669,172 @@ fn record_example_sessions() {
         l.qk_rope_head_dim,
         l.v_head_dim,
     );
-    note(&mut a, &format!("glm5-tiny: {h} heads, latent (kv_lora_rank) {r}, qk_nope {nope}, qk_rope {rope}, v_head_dim {v}. Default paths: naive prefill, absorbed decode, as production backends run."));
-    command(&mut a, "break op model.layers.0.self_attn.attn_output");
-    press(&mut a, "c");
-    note(&mut a, &format!("Prefill, layer 0, naive path: kv_b_proj decompresses the {r}-wide latent into per-head K ({nope}+{rope}) and V ({v}) for every cached token (kv_cache), then ordinary attention. KV cache read per token: {h}x({}+{v}) = {} values.", nope + rope, h * (nope + rope + v)));
-    press(&mut a, "c");
-    note(&mut a, &format!("Decode, layer 0, absorbed path: W_UK is folded into the query (q_absorbed, {h}x{r}), attention runs over the {}-wide latent cache directly (attn_latent), and W_UV is applied after. KV cache read per token: {} values, shared by all heads; that is the Learn view's KV-bytes figure (l).", r + rope, r + rope));
-    command(&mut a, "delete op model.layers.0.self_attn.attn_output");
+    note(&mut a, &format!("MLA weight absorption on glm5-tiny's layer 0: {h} heads, a latent (kv_lora_rank) of {r}, qk_nope {nope}, qk_rope {rope}, v_head_dim {v}. Default paths, as production runs them: naive prefill, absorbed decode. The run goes to its end, then d computes the same tokens on the other path; the next stops walk the Learn view (l)."));
     press(&mut a, "c");
     press(&mut a, "d");
-    note(&mut a, "Compare (d) ran every phase on the other path: the Learn view (l) shows both paths' attn_output rows side by side; they agree within float rounding (tests/engine_math.rs holds every layer to 1e-5), which is the whole point of absorption.");
-    command(&mut a, "set prefill-path absorbed");
-    note(&mut a, "Flipped: prefill absorbed (run 1). Re-executed from the first prefill attention op; the Compare tab puts run 0 against run 1, op by op.");
-    command(&mut a, "set decode-path naive");
-    note(&mut a, "Flipped: decode naive too (run 2): after an absorbed prefill the naive decode first expands the latent cache (expand_cache, kv_cache_backfill). The Compare tab shows run 1 against run 2.");
-    select(
-        &mut a,
-        Phase::Decode(0),
-        "model.layers.0.self_attn.attn_output",
-    );
-    command(
-        &mut a,
-        &format!("save {}", dir.join("weight-absorption.ron").display()),
-    );
-    assert!(
-        a.log.last().unwrap().contains("saved"),
-        "{:?}",
-        a.log.last()
-    );
+    assert!(a.mirror.aux(mladb::tui::host::AuxKind::OtherPath).is_some());
+    press(&mut a, "l");
+    let name = |op: &str| format!("model.layers.0.self_attn.{op}");
+    select(&mut a, pre, &name("kv_a_proj_with_mqa"));
+    note(&mut a, &format!("The latent: kv_a_proj_with_mqa squeezes each token's hidden state into {r} latent values plus {rope} RoPE values. That is all MLA caches per token and layer, {} values shared by the {h} heads, where plain multi-head attention would cache {h}x({}+{v}) = {} for K and V.", r + rope, nope + rope, h * (nope + rope + v)));
+    select(&mut a, pre, &name("kv_b_proj"));
+    note(&mut a, &format!("The naive path (prefill): kv_b_proj decompresses the latent of every cached token into per-head K_nope ({nope}) and V ({v}), then attention runs as usual. Cheap when many queries share the work; in decode it means re-expanding the whole cache for one query."));
+    select(&mut a, dec, &name("q_absorbed"));
+    note(&mut a, &format!("The absorbed path (decode): W_UK, the K half of kv_b_proj, is folded into the query instead: q_absorbed = q_nope x W_UK, {h} heads x {r}. A score q.k equals q_absorbed.latent, so no K is ever built. The Learn view's live values compute one score both ways."));
+    select(&mut a, dec, &name("attn_latent"));
+    note(&mut a, &format!("attn_latent: attention over the {}-wide latent cache directly, the same cache rows for every head. The cost table in the Learn view shows why this pays at long contexts: the naive path reads the expanded K and V, the absorbed one only the latent.", r + rope));
+    select(&mut a, dec, &name("attn_output"));
+    note(&mut a, "attn_output: W_UV, the V half of kv_b_proj, applied after attention, to the latent output of each head. The Learn view puts this output beside the same op of the naive-path run (d computed it): both paths give the same numbers within float rounding, which is the whole point of absorption.");
+    a.overlay = mladb::tui::app::Overlay::None;
+    a.tab = Tab::Compare;
+    note(&mut a, "The Compare pane says the same op by op: absorbed vs naive over every op of the run, each within its tolerance. Flip a path live (:set decode-path naive in mladb tui) and the run re-executes from the first attention op it changes.");
+    save(&mut a, "weight-absorption.ron");
+}
 
-    // A Q4_K kv_b_proj: through the identity matrix vs force-dequantized.
-    let mut a = debugger(
-        "glm5-tiny-wide",
-        Some("q4_k"),
-        "decode-path=absorbed",
-        9,
-        10,
-    );
-    note(&mut a, "glm5-tiny-wide with projection weights quantized to Q4_K (--quant q4_k). The absorbed path needs W_UK and W_UV as plain matrices: without force-dequant they are derived by running the quantized kv_b_proj on the identity matrix (op self_attn.kv_b_identity).");
+/// A Q4_K kv_b_proj: W_UK / W_UV through the identity matrix, then force-dequantized.
+fn record_force_dequant() {
+    use mladb::engine::trace::Phase;
+    let mut a = debugger(Setup {
+        layout: "glm5-tiny-wide",
+        quant: Some("q4_k"),
+        flags: "decode-path=absorbed",
+        ..Setup::tiny("")
+    });
+    note(&mut a, "glm5-tiny-wide (layer 0) with its projections quantized to Q4_K (--quant q4_k), as a GGUF checkpoint would store them. The absorbed path needs W_UK and W_UV as plain matrices; without force-dequant they come from running the quantized kv_b_proj on the identity matrix.");
     command(&mut a, "break op *kv_b_identity");
     press(&mut a, "c");
-    note(&mut a, "Here: kv_b_identity, the quantized matmul applied to I, giving kv_b_proj's dequantized values through the same kernel production runs.");
-    command(&mut a, "delete op *kv_b_identity");
+    command(&mut a, "delete all");
+    let e = selected(&a);
+    assert!(e.name.ends_with("kv_b_identity"), "{}", e.name);
+    note(&mut a, &format!("kv_b_identity: the quantized matmul applied to I ({:?}), which yields kv_b_proj's dequantized values through the very kernel production runs, Q4_K block scales included. Absorption then splits them into W_UK and W_UV.", e.shape));
     press(&mut a, "c");
     let before = outcome(&a);
     command(&mut a, "set force-dequant on");
     let after = outcome(&a);
-    note(&mut a, &format!("force-dequant on (run 1): kv_b_proj is dequantized once up front (op self_attn.kv_b_dequant) and re-executed from the first kv_b op. Run 0: {before}; run 1: {after}. The Compare tab shows how far the two derivations are."));
     let cur = a.mirror.current().unwrap();
     let at = cur
         .events
         .iter()
-        .rev()
         .find(|e| e.name.ends_with("self_attn.kv_b_dequant"))
         .unwrap();
     let (ph, name) = (at.phase, at.name.clone());
     select(&mut a, ph, &name);
+    a.tab = Tab::Tensor;
+    note(&mut a, "force-dequant on (f, here :set force-dequant on; run 1): kv_b_proj is dequantized once up front instead (op self_attn.kv_b_dequant), and the run re-executes from the first op that uses it.");
+    select(&mut a, Phase::Decode(0), "*self_attn.attn_output");
     a.tab = Tab::Compare;
-    command(
-        &mut a,
-        &format!("save {}", dir.join("force-dequant.ron").display()),
-    );
-    assert!(
-        a.log.last().unwrap().contains("saved"),
-        "{:?}",
-        a.log.last()
-    );
+    note(&mut a, &format!("The two derivations side by side: run 0 {before}; run 1 {after}. The Compare pane shows how far the two routes to W_UV are apart at the absorbed attention output: the rounding of one dequantization against another, not a bug."));
+    save(&mut a, "force-dequant.ron");
+}
+
+/// A DSA top-k choice on an exact bf16 tie, broken the other way by the comparison run.
+fn record_dsa_tie() {
+    use mladb::engine::trace::Phase;
+    let dec = Phase::Decode(0);
+    let mut a = debugger(Setup {
+        seed: 10,
+        flags: "dtype=bf16",
+        prompt: mladb::setup::default_prompt(2048, 11),
+        prefill: 10,
+        decode: 0,
+        layers: 0..2,
+        ..Setup::tiny("")
+    });
+    note(&mut a, "DeepSeek sparse attention (DSA) chooses which keys each query attends to: an indexer scores every cached key and keeps the top 8. glm5-tiny, seed 10, layers 0 and 1, bf16 storage: 10 tokens prefilled, the 11th decoded, so at position 10 the indexer keeps 8 of 11 keys.");
+    press(&mut a, "c");
+    let scores_name = "model.layers.1.self_attn.indexer.scores";
+    let topk_name = "model.layers.1.self_attn.indexer.topk";
+    let run = a.mirror.current().unwrap();
+    let scores = run.output(dec, scores_name).unwrap().data().to_vec();
+    let kept: Vec<usize> = run
+        .output(dec, topk_name)
+        .unwrap()
+        .data()
+        .iter()
+        .map(|&k| k as usize)
+        .collect();
+    let left: Vec<usize> = (0..scores.len()).filter(|k| !kept.contains(k)).collect();
+    // The lowest kept score equals the highest left out: a tie at the boundary.
+    let low = kept
+        .iter()
+        .map(|&k| scores[k])
+        .fold(f32::INFINITY, f32::min);
+    let high = left
+        .iter()
+        .map(|&k| scores[k])
+        .fold(f32::NEG_INFINITY, f32::max);
+    assert_eq!(low, high, "scores {scores:?}, kept {kept:?}");
+    let tied: Vec<usize> = (0..scores.len()).filter(|&k| scores[k] == low).collect();
+    select(&mut a, dec, scores_name);
+    note(&mut a, &format!("Layer 1's indexer scores for the decoded token (one per cached key). Keys {tied:?} score exactly the same, {low}, in bf16, and that value sits right at the top-k boundary: one of them must be left out, and nothing in the scores says which."));
+    select(&mut a, dec, topk_name);
+    note(&mut a, &format!("The top-k keeps {kept:?} and leaves out {left:?}: the tie was broken by index. Another run whose scores differ by one rounding step may break it the other way, and attention then reads a different set of keys."));
+    press(&mut a, "d");
+    let flip = a
+        .log
+        .iter()
+        .find(|l| l.contains("selection flip within noise") && l.contains(topk_name))
+        .unwrap_or_else(|| panic!("{:#?}", a.log))
+        .clone();
+    let other = a.mirror.aux(mladb::tui::host::AuxKind::OtherPath).unwrap();
+    assert!(!other.forced.is_empty());
+    let heads = a.mirror.layout().unwrap().num_heads;
+    let run = a.mirror.current().unwrap();
+    let tolerances = mladb::debug::tolerance::Tolerances::Table(run.flags.dtype);
+    let list = mladb::debug::compare::compare_runs(run, other, heads, &tolerances);
+    assert!(mladb::debug::compare::first_divergence(&list).is_none());
+    a.tab = Tab::Compare;
+    let detail = flip.split_once(": ").map_or(flip.as_str(), |(_, d)| d);
+    note(&mut a, &format!("d ran the same tokens on the other MLA path. Its layer 1 input differs from this run's by bf16 rounding, and its indexer broke the tie the other way. The log said: {detail}. A flip on a tie is not a bug, so the comparison run was made again with this run's choice there."));
+    select(&mut a, dec, "logits");
+    note(&mut a, "With the choice forced, every op agrees with the other path within its tolerance: no op of the tree is marked as diverging, down to the logits. Without the forcing, each op after the top-k would differ. mladb check does the same and prints a selection-flip note, not a finding (try mladb check --layout glm5-tiny --seed 10 --dtype bf16 --layers 0..2 --prefill 10 --decode 1).");
+    save(&mut a, "dsa-topk-tie.ron");
+}
+
+/// The example sessions, in a stable order.
+fn example_sessions() -> Vec<std::path::PathBuf> {
+    let mut found: Vec<_> = std::fs::read_dir(sessions_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "ron"))
+        .collect();
+    found.sort();
+    found
 }
 
 #[test]
 fn example_sessions_replay_and_verify() {
-    let mut found = 0;
-    for entry in std::fs::read_dir(sessions_dir()).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_none_or(|e| e != "ron") {
-            continue;
-        }
-        found += 1;
-        let s = Session::load(&path).unwrap();
+    let found = example_sessions();
+    let names: Vec<String> = found
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    for want in [
+        "dsa-topk-tie.ron",
+        "force-dequant.ron",
+        "output-buffer-disconnect.ron",
+        "weight-absorption.ron",
+    ] {
         assert!(
-            s.runs.len() >= 2 && !s.annotations.is_empty(),
+            names.iter().any(|n| n == want),
+            "sessions/ lacks {want}: {names:?}"
+        );
+    }
+    for path in &found {
+        let s = Session::load(path).unwrap();
+        assert!(
+            s.runs.len() >= 2 && s.annotations.len() >= 4,
             "{}",
             path.display()
         );
-        // Opens without a model, at its cursor.
-        let mut app = replay(&path);
+        // Small enough to read and to keep in the repository.
+        let size = std::fs::metadata(path).unwrap().len();
+        assert!(size < 600_000, "{}: {size} bytes", path.display());
+        // Opens without a model, at its first note.
+        let mut app = replay(path);
         screen(&mut app, 120, 34);
+        assert_eq!(app.tour.at, Some(0), "{}", path.display());
+        assert!(app.tour.open);
         assert!(
             app.log.iter().any(|l| l.starts_with("note:")),
             "{}",
@@ -625,5 +844,217 @@ fn example_sessions_replay_and_verify() {
         assert_eq!(rc, 0, "{}: {out}{err}", path.display());
         assert!(out.contains("all match"), "{out}");
     }
-    assert!(found >= 3, "sessions/ holds the example sessions");
+}
+
+/// Where a tour stands: the selected op and the pane shown are the note's.
+fn assert_at_note(app: &mut App, i: usize, what: &str) {
+    use mladb::session::recorded::Pane;
+    use mladb::tui::app::Overlay;
+    let note = app.tour.notes[i].clone();
+    assert_eq!(app.tour.at, Some(i), "{what}");
+    let about = note
+        .about
+        .as_ref()
+        .expect("every shipped note names its op");
+    let (_, e) = app
+        .selected_op()
+        .unwrap_or_else(|| panic!("{what}: nothing selected"));
+    assert_eq!(
+        (e.phase, e.name.as_str()),
+        (about.phase, about.op.as_str()),
+        "{what}: note {i}"
+    );
+    let learn = matches!(app.overlay, Overlay::Learn { .. });
+    match note.pane.expect("every shipped note names its pane") {
+        Pane::Learn => assert!(learn, "{what}: note {i} opens the Learn view"),
+        pane => {
+            assert!(!learn, "{what}: note {i} closes the Learn view");
+            let tab = match pane {
+                Pane::Tensor => Tab::Tensor,
+                Pane::Buffers => Tab::Buffers,
+                _ => Tab::Compare,
+            };
+            assert_eq!(app.tab, tab, "{what}: note {i}");
+        }
+    }
+    // The notes pane shows the note's start and says which it is.
+    let text = screen(app, 120, 34).join("\n");
+    let start: String = note.text.chars().take(30).collect();
+    let first_word = start.split(' ').next().unwrap();
+    assert!(
+        text.contains(&format!("note {} of {}", i + 1, app.tour.notes.len()))
+            && text.contains(first_word),
+        "{what}: note {i}\n{text}"
+    );
+}
+
+#[test]
+fn every_tour_stops_at_each_notes_op_and_pane() {
+    for path in example_sessions() {
+        let what = path.display().to_string();
+        let mut app = replay(&path);
+        let n = app.tour.notes.len();
+        assert!(n >= 4, "{what}");
+        assert_at_note(&mut app, 0, &what);
+        for i in 1..n {
+            press(&mut app, "}");
+            assert_at_note(&mut app, i, &what);
+        }
+        // Past the last: it stays, and says so.
+        press(&mut app, "}");
+        assert_eq!(app.tour.at, Some(n - 1));
+        assert!(app.notice.as_ref().unwrap().contains("the last note"));
+        // Back, across runs too (the replay returns to the start and replays forward).
+        for i in (0..n - 1).rev() {
+            press(&mut app, "{");
+            assert_at_note(&mut app, i, &what);
+        }
+        // Hidden and shown again.
+        press(&mut app, "o");
+        assert!(!app.tour.open);
+        press(&mut app, "o");
+        assert!(app.tour.open);
+    }
+}
+
+#[test]
+fn the_weight_absorption_tour_shows_the_side_by_side() {
+    use mladb::tui::app::Overlay;
+    let mut app = replay(&sessions_dir().join("weight-absorption.ron"));
+    while !matches!(app.overlay, Overlay::Learn { .. }) {
+        press(&mut app, "}");
+    }
+    let mut seen = String::new();
+    for _ in 0..12 {
+        seen.push_str(&screen(&mut app, 120, 40).join("\n"));
+        press(&mut app, &"j".repeat(15));
+    }
+    let seen = seen.replace(['│', '\n'], " ");
+    let seen = seen.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(seen.contains("The two paths' outputs"), "{seen}");
+    assert!(!seen.contains("no comparison runs"), "{seen}");
+    assert!(!seen.contains("finish the run"), "{seen}");
+}
+
+#[test]
+fn a_tour_of_a_session_without_notes_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("plain.ron");
+    let (rc, _, err) = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--layers",
+        "0..1",
+        "--decode",
+        "1",
+        "--record",
+        path.to_str().unwrap(),
+    ]);
+    assert_eq!(rc, 0, "{err}");
+    let (rc, out, err) = mladb(&["replay", path.to_str().unwrap(), "--tour"]);
+    assert_eq!(rc, 2, "{out}{err}");
+    assert!(
+        err.starts_with("error: ") && err.contains("no notes") && err.lines().count() == 1,
+        "{err}"
+    );
+    let (rc, _, err) = mladb(&["replay", path.to_str().unwrap(), "--tour", "--verify"]);
+    assert_eq!(rc, 2, "{err}");
+    // In the debugger, the keys say it plainly.
+    let mut app = replay(&path);
+    press(&mut app, "}");
+    assert!(
+        app.notice.as_ref().unwrap().contains("no notes placed"),
+        "{:?}",
+        app.notice
+    );
+    assert_eq!(app.tour.at, None);
+    // A file naming a pane that does not exist: one error line, exit 2.
+    let mut s = Session::load(&path).unwrap();
+    s.annotations.push(mladb::session::recorded::Annotation {
+        run: 0,
+        op: 3,
+        text: "x".into(),
+        about: None,
+        pane: Some(mladb::session::recorded::Pane::Buffers),
+    });
+    let text = s
+        .to_ron()
+        .unwrap()
+        .replace("Some(buffers)", "Some(histogram)");
+    let bad = dir.path().join("bad.ron");
+    std::fs::write(&bad, text).unwrap();
+    let (rc, _, err) = mladb(&["replay", bad.to_str().unwrap(), "--tour"]);
+    assert_eq!(rc, 2, "{err}");
+    assert!(
+        err.starts_with("error: ") && err.contains("histogram") && err.contains("pane"),
+        "{err}"
+    );
+}
+
+fn snapshot(name: &str, text: &str) {
+    let mut settings = insta::Settings::clone_current();
+    settings.add_filter(r"@0x[0-9a-f]{12}", "@[address    ]");
+    settings.set_snapshot_path("snapshots");
+    settings.bind(|| insta::assert_snapshot!(name, text));
+}
+
+fn full_screen(app: &mut App, w: u16, h: u16) -> String {
+    let mut terminal = Terminal::new(TestBackend::new(w, h)).unwrap();
+    terminal.draw(|f| ui::draw(f, app)).unwrap();
+    terminal.backend().to_string()
+}
+
+#[test]
+fn snapshot_notes_pane_80x24() {
+    let mut app = replay(&sessions_dir().join("output-buffer-disconnect.ron"));
+    let first = full_screen(&mut app, 80, 24);
+    while app.tab != Tab::Buffers {
+        press(&mut app, "}");
+    }
+    let buffers = full_screen(&mut app, 80, 24);
+    snapshot(
+        "notes_80x24",
+        &format!("{first}\n--- the Buffers stop ---\n{buffers}"),
+    );
+}
+
+#[test]
+fn a_note_longer_than_its_pane_scrolls() {
+    let mut app = replay(&sessions_dir().join("output-buffer-disconnect.ron"));
+    // 60×20: the first note takes more lines than the pane's rows.
+    let rows = |app: &mut App| full_screen(app, 60, 20);
+    let text = rows(&mut app);
+    assert!(text.contains("scroll (1/"), "{text}");
+    press(&mut app, "J");
+    let text = rows(&mut app);
+    assert!(text.contains("scroll (2/"), "{text}");
+    assert_eq!(app.tour.scroll, 1);
+    press(&mut app, &"J".repeat(40));
+    rows(&mut app);
+    let most = app.tour.scroll;
+    press(&mut app, "K");
+    assert_eq!(
+        app.tour.scroll,
+        most - 1,
+        "K scrolls back; the bottom was clamped"
+    );
+}
+
+#[test]
+fn snapshot_notes_pane_160x48() {
+    let mut app = replay(&sessions_dir().join("output-buffer-disconnect.ron"));
+    while app.tab != Tab::Buffers {
+        press(&mut app, "}");
+    }
+    let buffers = full_screen(&mut app, 160, 48);
+    let mut app = replay(&sessions_dir().join("weight-absorption.ron"));
+    while !matches!(app.overlay, mladb::tui::app::Overlay::Learn { .. }) {
+        press(&mut app, "}");
+    }
+    let learn = full_screen(&mut app, 160, 48);
+    snapshot(
+        "notes_160x48",
+        &format!("{buffers}\n--- weight absorption, the first Learn stop ---\n{learn}"),
+    );
 }

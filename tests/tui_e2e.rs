@@ -1,5 +1,6 @@
 //! The real binary under tmux: start the debugger, step, search, toggle MLA disable, open the
-//! Learn view, quit, and check the screen at each stage with capture-pane. Skips (with the reason printed)
+//! Learn view, quit; and follow a shipped session's tour from note to note. The screen is
+//! checked at each stage with capture-pane. Skips (with the reason printed)
 //! where tmux is not installed; .ci/run installs it.
 
 use std::process::Command;
@@ -17,8 +18,9 @@ impl Tmux {
             .is_ok_and(|o| o.status.success())
     }
 
-    fn start(command: &str, w: u16, h: u16) -> Tmux {
-        let session = format!("mladb-e2e-{}", std::process::id());
+    /// A tmux session of its own (`tag` tells tests of one process apart).
+    fn start(tag: &str, command: &str, w: u16, h: u16) -> Tmux {
+        let session = format!("mladb-e2e-{}-{tag}", std::process::id());
         let status = Command::new("tmux")
             .args([
                 "new-session",
@@ -91,6 +93,7 @@ fn a_newcomer_session_under_tmux() {
     let bin = env!("CARGO_BIN_EXE_mladb");
     let log = std::env::temp_dir().join(format!("mladb-e2e-{}.log", std::process::id()));
     let tmux = Tmux::start(
+        "newcomer",
         &format!("MLADB_LOG={} {bin} tui --layout glm5-tiny --prefill 9 --decode 2; echo MLADB-EXIT-$?; sleep 60", log.display()),
         100,
         30,
@@ -145,5 +148,80 @@ fn a_newcomer_session_under_tmux() {
     // Logs went to the file, not the screen.
     let logged = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(logged.contains("re-executed from op #149"), "{logged}");
+    let _ = std::fs::remove_file(&log);
+}
+
+#[test]
+fn a_tour_of_the_garbage_output_hunt_under_tmux() {
+    if !Tmux::available() {
+        eprintln!("skipped: tmux is not installed (.ci/run installs it)");
+        return;
+    }
+    let bin = env!("CARGO_BIN_EXE_mladb");
+    let file = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/sessions/output-buffer-disconnect.ron"
+    );
+    let log = std::env::temp_dir().join(format!("mladb-e2e-tour-{}.log", std::process::id()));
+    let tmux = Tmux::start(
+        "tour",
+        &format!(
+            "MLADB_LOG={} {bin} replay {file} --tour; echo MLADB-EXIT-$?; sleep 60",
+            log.display()
+        ),
+        100,
+        30,
+    );
+    // Opens at the first note, the pane open, the note whole.
+    let screen = tmux.wait_for("note 1 of 7");
+    assert!(screen.contains("The hunt for garbage output"), "{screen}");
+    assert!(screen.contains("} next · { previous"), "{screen}");
+    // Each stop: its note, its op in the right pane's title, its pane.
+    let stops = [
+        (
+            "note 2 of 7",
+            "Prefill is right",
+            "prefill · logits",
+            "nan 0",
+        ),
+        (
+            "note 3 of 7",
+            "Decode is garbage",
+            "decode.0 · logits",
+            "nan 2048",
+        ),
+        (
+            "note 4 of 7",
+            "MLA disable on",
+            "decode.0 · logits",
+            "vs run 0",
+        ),
+        (
+            "note 5 of 7",
+            "MLA disable off again",
+            "self_attn.attn_output",
+            "whole prefill",
+        ),
+        (
+            "note 6 of 7",
+            "The Buffers pane",
+            "self_attn.attn_latent",
+            "DISCONNECTED",
+        ),
+    ];
+    for (title, text, op, pane) in stops {
+        tmux.keys(&["}"]);
+        let screen = tmux.wait_for(title);
+        for want in [text, op, pane] {
+            assert!(screen.contains(want), "{title}: no {want:?} in\n{screen}");
+        }
+    }
+    // And back one: the Compare pane again.
+    tmux.keys(&["{"]);
+    let screen = tmux.wait_for("note 5 of 7");
+    assert!(screen.contains("whole prefill"), "{screen}");
+    tmux.keys(&["q"]);
+    let screen = tmux.wait_for("MLADB-EXIT-");
+    assert!(screen.contains("MLADB-EXIT-0"), "{screen}");
     let _ = std::fs::remove_file(&log);
 }

@@ -81,6 +81,11 @@ pub fn run(args: &CheckArgs) -> Result<bool> {
         let mut run = RecordedRun::of(&report.run, RunRole::Check, true);
         run.started_at = 1.min(run.ops.len());
         session.runs.push(run);
+        let mut outputs = vec![report.run.outputs.clone()];
+        for (aux, outs) in comparison_runs(&job, &report, flags)? {
+            session.runs.push(aux);
+            outputs.push(outs);
+        }
         session.check = Some(RecordedCheck {
             findings: report.findings.clone(),
             notes: report
@@ -92,7 +97,7 @@ pub fn run(args: &CheckArgs) -> Result<bool> {
             tolerance: report.tolerances.floor_range().1,
         });
         if args.record.record_tensors {
-            session.save_with_tensors(path, std::slice::from_ref(&report.run.outputs))?;
+            session.save_with_tensors(path, &outputs)?;
         } else {
             session.save(path)?;
         }
@@ -103,6 +108,68 @@ pub fn run(args: &CheckArgs) -> Result<bool> {
         print_text(&report, &p.model.layout.name, seconds)?;
     }
     Ok(!report.findings.is_empty())
+}
+
+/// The comparison runs behind check's absorbed-vs-naive and prefill-vs-decode verdicts, made
+/// again as check made them (the same inputs give the same runs, forced choices included), so
+/// that a replay's Compare pane shows them: each as a recorded run with its outputs.
+fn comparison_runs(
+    job: &Job,
+    report: &CheckReport,
+    flags: crate::debug::Flags,
+) -> Result<
+    Vec<(
+        crate::session::recorded::RecordedRun,
+        Vec<std::sync::Arc<crate::tensor::Tensor>>,
+    )>,
+> {
+    use crate::debug::paired::{compare_paired, Pairing};
+    use crate::engine::generate::Schedule;
+    use crate::engine::trace::Phase;
+    use crate::engine::MlaPath;
+    use crate::service::AuxKind;
+    use crate::session::recorded::{RecordedRun, RecordedSchedule, RunRole};
+    let run = &report.run;
+    let Some(outcome) = &run.outcome else {
+        return Ok(Vec::new());
+    };
+    let tokens = outcome.tokens.clone();
+    let forced = Schedule {
+        prompt: tokens.clone(),
+        prefill_len: job.schedule.prefill_len,
+        decode_steps: 0,
+    };
+    let whole = Schedule {
+        prefill_len: tokens.len(),
+        prompt: tokens,
+        decode_steps: 0,
+    };
+    let flip = |p| match p {
+        MlaPath::Naive => MlaPath::Absorbed,
+        MlaPath::Absorbed => MlaPath::Naive,
+    };
+    let mut wanted = Vec::new();
+    if !flags.mla_disable {
+        let mut other = flags;
+        other.prefill_path = flip(flags.prefill_path);
+        other.decode_path = flip(flags.decode_path);
+        wanted.push((AuxKind::OtherPath, other, forced, Pairing::SameSchedule));
+    }
+    if run.phases().iter().any(|p| matches!(p, Phase::Decode(_))) {
+        wanted.push((AuxKind::WholePrefill, flags, whole, Pairing::DecodeRows));
+    }
+    let mut out = Vec::new();
+    for (kind, flags_b, schedule, pairing) in wanted {
+        let paired = compare_paired(job, run, flags_b, &schedule, pairing, &report.tolerances)?;
+        let role = RunRole::Aux {
+            of: 0,
+            kind: kind.name().to_string(),
+        };
+        let mut recorded = RecordedRun::of(&paired.other, role, true);
+        recorded.schedule = Some(RecordedSchedule::of(&schedule));
+        out.push((recorded, paired.other.outputs));
+    }
+    Ok(out)
 }
 
 fn print_json(report: &CheckReport, seconds: f64) -> Result<()> {

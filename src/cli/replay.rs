@@ -47,6 +47,12 @@ pub struct ReplayArgs {
     /// Key bindings to override (as `mladb tui --keys`).
     #[arg(long)]
     pub keys: Option<PathBuf>,
+    /// Open as a tour: at the first note, the notes pane open (`}` / `{` go from note to note,
+    /// each moving the selection to the note's op and switching to its pane). A session with no
+    /// notes placed in its timeline is refused. (Any replay of a session with notes opens at the
+    /// first; this says that one is wanted.)
+    #[arg(long, conflicts_with_all = ["verify", "json", "dump", "bench"])]
+    pub tour: bool,
     /// With --verify: refuse a recomputation whose largest buffers would need more than this
     /// many GB (default: the memory the machine has available), as `mladb run` does.
     #[arg(long)]
@@ -56,7 +62,7 @@ pub struct ReplayArgs {
 /// Runs `mladb replay`; returns whether `--verify` found a mismatch.
 pub fn run(args: &ReplayArgs) -> Result<bool> {
     if !(args.verify || args.json || args.dump.is_some() || args.bench) {
-        crate::tui::run_replay(&args.file, args.keys.clone())?;
+        crate::tui::run_replay(&args.file, args.keys.clone(), args.tour)?;
         return Ok(false);
     }
     if let Some(out) = &args.dump {

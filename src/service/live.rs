@@ -146,6 +146,9 @@ impl Host {
             Command::Goto(Goto::Op(index)) => self.goto(index)?,
             Command::Compare => self.compare()?,
             Command::Load(path) => self.load(path)?,
+            Command::GotoNote(_) => self.log(
+                "notes are toured in a replay: :save FILE, then mladb replay FILE (} and { go from note to note)",
+            ),
             // The shared commands never reach here (see `DebugService::dispatch`).
             other => unreachable!("{other:?} is handled by DebugService::dispatch"),
         }

@@ -20,7 +20,7 @@ use crate::engine::generate::{Outcome, Schedule};
 use crate::engine::trace::{OpEvent, Phase};
 use crate::error::{Error, Result};
 use crate::model::{Layout, Model};
-use crate::session::recorded::Annotation;
+use crate::session::recorded::{Annotation, Pane};
 use crate::session::{Cursor, ModelSource};
 use crate::setup::{FlagOptions, RunSpec};
 use crate::tensor::Tensor;
@@ -61,8 +61,14 @@ pub enum Command {
     },
     Load(PathBuf),
     /// A note typed now: the host places it in the timeline (the current run, after its ops so
-    /// far) for the saved session.
-    Note(String),
+    /// far) for the saved session, with the op selected and the pane shown as it was typed.
+    Note {
+        text: String,
+        about: Option<Cursor>,
+        pane: Option<Pane>,
+    },
+    /// Go to note N of the session's tour: its place in the timeline, its op selected.
+    GotoNote(usize),
 }
 
 /// Where `:goto` goes.
@@ -146,6 +152,14 @@ pub enum Update {
     Autosaved(PathBuf),
     /// The notes of a loaded session: they become the UI's notes, so the next save keeps them.
     Notes(Vec<String>),
+    /// The notes placed in a replayed session's timeline, in the order a tour visits them.
+    Tour(Vec<Annotation>),
+    /// The replay reached note `index` of the tour: `moved` when it went there for `GotoNote`
+    /// (the UI then shows the note's pane), not when a step merely passed it.
+    NoteReached {
+        index: usize,
+        moved: bool,
+    },
     Error(String),
     /// `Some(what)` while a command runs, `None` when the debugger is idle again.
     Busy(Option<String>),
@@ -302,9 +316,15 @@ pub trait DebugService {
                 (Err(e), false) => return Err(e),
                 (Err(e), true) => self.log(format!("autosave failed: {e}")),
             },
-            Command::Note(text) => {
+            Command::Note { text, about, pane } => {
                 let (run, op) = self.place();
-                self.annotations_mut().push(Annotation { run, op, text });
+                self.annotations_mut().push(Annotation {
+                    run,
+                    op,
+                    text,
+                    about,
+                    pane,
+                });
             }
             other => self.execute(other)?,
         }
@@ -361,7 +381,8 @@ fn describe(c: &Command) -> String {
         Command::Bisect => "bisect".into(),
         Command::Save { .. } => "save".into(),
         Command::Load(_) => "load".into(),
-        Command::Note(_) => "note".into(),
+        Command::Note { .. } => "note".into(),
+        Command::GotoNote(_) => "note".into(),
         _ => "breakpoints".into(),
     }
 }

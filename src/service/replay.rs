@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod commands;
+mod tour;
 
 /// A recorded session, as the debugger host the UI talks to.
 pub struct ReplayHost {
@@ -40,6 +41,8 @@ pub struct ReplayHost {
     breakpoints: Vec<Breakpoint>,
     /// Notes typed during the replay (saved with the session).
     annotations: Vec<crate::session::recorded::Annotation>,
+    /// The session's notes in timeline order: the stops of a tour.
+    tour: Vec<crate::session::recorded::Annotation>,
     /// How kv_b_proj was stored, and the flags last reported as having nothing to act on.
     kv_b: KvBStorage,
     idle: Vec<Idle>,
@@ -91,7 +94,9 @@ impl ReplayHost {
             layers: session.layers.0..session.layers.1,
         };
         let session_kv_b = session.kv_b.clone().unwrap_or_else(KvBStorage::unknown);
+        let tour = tour::stops(&session);
         let mut host = ReplayHost {
+            tour,
             breakpoints: session.breakpoints.clone(),
             session,
             path: path.to_path_buf(),
@@ -108,7 +113,12 @@ impl ReplayHost {
             idle: Vec::new(),
         };
         host.start();
-        host.go_to_cursor();
+        // A session with notes opens at the first: it was saved to be read from there.
+        if host.tour.is_empty() {
+            host.go_to_cursor();
+        } else {
+            host.goto_note(0)?;
+        }
         host.report_idle();
         Ok(host)
     }
@@ -118,18 +128,9 @@ impl ReplayHost {
         self.full
     }
 
-    /// The UI's state at the start of the timeline.
+    /// The UI's state at the start of the timeline, saying what is replayed.
     fn start(&mut self) {
-        (self.send)(Update::Loaded(Box::new(self.info.clone())));
-        let first = &self.session.runs[self.timeline[0]];
-        (self.send)(Update::Flags(first.flags));
-        (self.send)(Update::Breakpoints(self.breakpoints.clone()));
-        self.at = 0;
-        self.shown = 0;
-        self.end_shown = false;
-        let until = first.started_at.max(1);
-        while self.shown < until && self.deliver() {}
-        (self.send)(Update::Stopped(Stop::Stepped));
+        self.reset();
         let s = &self.session;
         let ops: usize = self.timeline.iter().map(|&i| s.runs[i].ops.len()).sum();
         self.log(format!(
@@ -152,7 +153,22 @@ impl ReplayHost {
                     .unwrap_or_default()
             ));
         }
+    }
+
+    /// The UI's state at the start of the timeline.
+    fn reset(&mut self) {
+        (self.send)(Update::Loaded(Box::new(self.info.clone())));
+        (self.send)(Update::Tour(self.tour.clone()));
+        let first = &self.session.runs[self.timeline[0]];
+        (self.send)(Update::Flags(first.flags));
+        (self.send)(Update::Breakpoints(self.breakpoints.clone()));
+        self.at = 0;
+        self.shown = 0;
+        self.end_shown = false;
         self.annotate();
+        let until = first.started_at.max(1);
+        while self.shown < until && self.deliver() {}
+        (self.send)(Update::Stopped(Stop::Stepped));
     }
 
     /// Steps to the saved cursor: through the timeline to the last run, up to the cursor's op.
@@ -169,6 +185,7 @@ impl ReplayHost {
             if !self.exhausted() {
                 self.deliver();
             } else if self.at < last {
+                self.pass_end();
                 self.next_run();
             } else {
                 break;
@@ -223,15 +240,31 @@ impl ReplayHost {
         true
     }
 
-    /// Logs the notes placed at this point of the timeline.
+    /// Logs the notes placed at this point of the timeline, telling the UI which stops of the
+    /// tour it passed.
     fn annotate(&self) {
-        let mut all: Vec<&crate::session::recorded::Annotation> =
-            self.session.annotations.iter().collect();
-        all.extend(self.annotations.iter());
-        for a in all {
+        for (index, a) in self.tour.iter().enumerate() {
+            if a.run == self.at && a.op == self.shown {
+                self.log(format!("note: {}", a.text));
+                (self.send)(Update::NoteReached {
+                    index,
+                    moved: false,
+                });
+            }
+        }
+        for a in &self.annotations {
             if a.run == self.at && a.op == self.shown {
                 self.log(format!("note: {}", a.text));
             }
+        }
+    }
+
+    /// At the end of a run's recording on the way to a later run: its outcome and comparison
+    /// runs, which a finished run shows live (the Learn view's side-by-side needs them).
+    fn pass_end(&mut self) {
+        let run = self.current_run();
+        if !self.end_shown && (run.outcome.is_some() || run.error.is_some()) {
+            self.finished();
         }
     }
 
@@ -454,6 +487,7 @@ impl ReplayHost {
                 let next = ReplayHost::open(&path, self.send.clone())?;
                 *self = next;
             }
+            Command::GotoNote(index) => self.goto_note(index)?,
             // The shared commands never reach here (see `DebugService::dispatch`).
             other => unreachable!("{other:?} is handled by DebugService::dispatch"),
         }

@@ -115,7 +115,11 @@ fn breakpoint_commands_are_answered_alike_by_every_host() {
 #[test]
 fn notes_saves_and_comparisons_are_shared_and_the_rest_goes_to_the_host() {
     let (mut host, updates) = bare();
-    host.handle(Command::Note("here".into()));
+    host.handle(Command::Note {
+        text: "here".into(),
+        about: None,
+        pane: None,
+    });
     assert_eq!(
         (host.annotations[0].run, host.annotations[0].op),
         (2, 7),

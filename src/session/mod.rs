@@ -263,6 +263,7 @@ impl Session {
                 session.version
             ));
         }
+        recorded::check_annotations(&session.annotations, &session.runs)?;
         for (n, run) in session.runs.iter().enumerate() {
             for (i, op) in run.ops.iter().enumerate() {
                 let Some(numel) = crate::debug::sample::numel(&op.event.shape) else {

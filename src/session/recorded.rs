@@ -215,12 +215,65 @@ pub fn sampled_tensor(op: &RecordedOp) -> Tensor {
     }
 }
 
-/// A note typed at a point of the timeline: main run `run`, after its first `op` ops.
+/// A note typed at a point of the timeline: main run `run`, after its first `op` ops. A tour
+/// (`replay --tour`, `}` / `{`) stops at each, moving the selection to the op it is about and
+/// switching to the pane it is about; files written before these two existed load without them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Annotation {
     pub run: usize,
     pub op: usize,
     pub text: String,
+    /// The op the note is about (the selection when it was typed), in run `run`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub about: Option<super::Cursor>,
+    /// The pane the note is about (the one shown when it was typed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pane: Option<Pane>,
+}
+
+/// Where a note looks: one of the right-hand tabs, or the Learn view over them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pane {
+    Tensor,
+    Buffers,
+    Compare,
+    Learn,
+}
+
+impl Pane {
+    pub const ALL: [Pane; 4] = [Pane::Tensor, Pane::Buffers, Pane::Compare, Pane::Learn];
+
+    /// The name files and the notes pane use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pane::Tensor => "tensor",
+            Pane::Buffers => "buffers",
+            Pane::Compare => "compare",
+            Pane::Learn => "learn",
+        }
+    }
+}
+
+/// The notes' places, checked against the runs recorded: a note in a run the timeline does not
+/// hold could never be reached (a hand-edited file), so it is named rather than skipped.
+pub fn check_annotations(annotations: &[Annotation], runs: &[RecordedRun]) -> Result<(), String> {
+    if runs.is_empty() {
+        return Ok(());
+    }
+    let timeline = runs
+        .iter()
+        .filter(|r| matches!(r.role, RunRole::Main | RunRole::Check))
+        .count();
+    for (i, a) in annotations.iter().enumerate() {
+        if a.run >= timeline {
+            return Err(format!(
+                "annotations[{i}].run: {} is not a run of this session's timeline (runs 0..{timeline})",
+                a.run
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// What `mladb check` found (the checked run is the session's `Check` run).
@@ -229,4 +282,96 @@ pub struct RecordedCheck {
     pub findings: Vec<Finding>,
     pub notes: Vec<String>,
     pub tolerance: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::session::Session;
+
+    /// A version 2 session as written before notes held their op and pane.
+    const OLD: &str = r#"// mladb session
+(
+    version: 2,
+    model: Layout(layout: "glm5-tiny", seed: 0),
+    prompt: [1, 2, 3],
+    prefill: 2,
+    decode: 1,
+    layers: (0, 1),
+    flags: (mla_disable: false, prefill_path: naive, decode_path: absorbed, force_dequant: false, device: cpu, dtype: f32, faults: []),
+    annotations: [
+        (run: 0, op: 4, text: "an old note"),
+    ],
+    runs: [],
+)
+"#;
+
+    #[test]
+    fn notes_from_before_op_and_pane_load_without_them() {
+        let s = Session::parse(OLD).unwrap();
+        assert_eq!(s.annotations.len(), 1);
+        let a = &s.annotations[0];
+        assert_eq!((a.run, a.op, a.text.as_str()), (0, 4, "an old note"));
+        assert_eq!((a.about.clone(), a.pane), (None, None));
+    }
+
+    #[test]
+    fn op_and_pane_round_trip_and_a_bad_pane_is_named() {
+        let mut s = Session::parse(OLD).unwrap();
+        s.annotations[0].about = Some(crate::session::Cursor {
+            phase: crate::engine::trace::Phase::Decode(0),
+            op: "model.layers.0.self_attn.attn_latent".into(),
+        });
+        s.annotations[0].pane = Some(Pane::Buffers);
+        let text = s.to_ron().unwrap();
+        assert!(text.contains("pane: Some(buffers)"), "{text}");
+        assert_eq!(Session::parse(&text).unwrap(), s);
+        for pane in Pane::ALL {
+            s.annotations[0].pane = Some(pane);
+            let text = s.to_ron().unwrap();
+            assert!(text.contains(&format!("pane: Some({})", pane.name())));
+            assert_eq!(
+                Session::parse(&text).unwrap().annotations[0].pane,
+                Some(pane)
+            );
+        }
+        // The loop left the last pane, learn, in place.
+        let text = s.to_ron().unwrap();
+        assert!(text.contains("pane: Some(learn)"), "{text}");
+        let bad = text.replace("pane: Some(learn)", "pane: Some(heatmap)");
+        let err = Session::parse(&bad).unwrap_err();
+        assert!(err.contains("heatmap") && err.contains("line "), "{err}");
+        assert!(err.contains("annotations[0].pane"), "{err}");
+    }
+
+    #[test]
+    fn a_note_in_a_run_never_recorded_is_refused() {
+        let run = RecordedRun {
+            role: RunRole::Main,
+            flags: crate::debug::Flags::default(),
+            poison: true,
+            schedule: None,
+            first_affected: None,
+            started_at: 0,
+            compared_with: None,
+            outcome: None,
+            error: None,
+            forced: Vec::new(),
+            ops: Vec::new(),
+        };
+        let note = |run| Annotation {
+            run,
+            op: 0,
+            text: "x".into(),
+            about: None,
+            pane: None,
+        };
+        assert!(check_annotations(&[note(0)], std::slice::from_ref(&run)).is_ok());
+        let err = check_annotations(&[note(0), note(1)], &[run]).unwrap_err();
+        assert!(err.contains("annotations[1].run: 1"), "{err}");
+        assert!(
+            check_annotations(&[note(5)], &[]).is_ok(),
+            "nothing recorded: nothing to check"
+        );
+    }
 }

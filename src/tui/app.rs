@@ -12,7 +12,7 @@ use crate::debug::{Flags, RunRecord};
 use crate::engine::faults::Scope;
 use crate::engine::trace::{OpEvent, Phase};
 use crate::service::{cursor_of, AuxKind, Command, Info, Update};
-use ratatui::crossterm::event::{KeyCode, KeyEvent};
+use ratatui::crossterm::event::KeyEvent;
 use ratatui::layout::Rect;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -24,11 +24,13 @@ mod navigation;
 mod progress;
 mod search;
 mod summary;
+mod tour;
 mod walk;
 
 pub use derived::{Against, Divergence, Marks};
 pub use progress::{system_clock, Clock, Started};
 pub use summary::{op_health, Health, LayerSummary, Summaries};
+pub use tour::{Tour, NO_NOTES};
 pub use walk::{WalkStep, WalkTarget, WALK};
 
 /// The right-hand pane.
@@ -187,6 +189,8 @@ pub struct App {
     pub learn_step: Option<usize>,
     /// The phase the walk's last step moved the selection from.
     pub learn_from: Option<Phase>,
+    /// The notes pane and where a replay's tour stands.
+    pub tour: Tour,
 }
 
 /// The autosave: a path, an interval, and when it last ran.
@@ -260,6 +264,7 @@ impl App {
             rank_view: None,
             learn_step: None,
             learn_from: None,
+            tour: Tour::default(),
         };
         app.tick();
         app
@@ -348,6 +353,7 @@ impl App {
                 m.comparison = None;
                 self.selected = None;
                 self.follow = true;
+                self.tour_reset();
             }
             Update::Op {
                 run,
@@ -424,6 +430,7 @@ impl App {
                 tracing::info!("autosaved to {}", path.display())
             }
             Update::Notes(notes) => self.notes = notes,
+            u @ (Update::Tour(_) | Update::NoteReached { .. }) => self.tour_update(u),
             Update::Error(e) => self.say(format!("error: {e}")),
             Update::Busy(b) => {
                 m.busy = b;
@@ -465,41 +472,7 @@ impl App {
                 }
                 return;
             }
-            Overlay::Learn { scroll } => {
-                // n / p walk the layer's ops, whatever the key map binds them to elsewhere.
-                if let (KeyCode::Char(c @ ('n' | 'p')), true) = (key.code, key.modifiers.is_empty())
-                {
-                    return self.walk(c == 'n');
-                }
-                match self.keymap.action(&key) {
-                    Some(Action::Down) => {
-                        self.overlay = Overlay::Learn {
-                            scroll: scroll.saturating_add(1),
-                        }
-                    }
-                    Some(Action::Up) => {
-                        self.overlay = Overlay::Learn {
-                            scroll: scroll.saturating_sub(1),
-                        }
-                    }
-                    Some(Action::PageDown) => {
-                        self.overlay = Overlay::Learn {
-                            scroll: scroll.saturating_add(10),
-                        }
-                    }
-                    Some(Action::PageUp) => {
-                        self.overlay = Overlay::Learn {
-                            scroll: scroll.saturating_sub(10),
-                        }
-                    }
-                    Some(Action::NextHead) => self.head += 1,
-                    Some(Action::Quit) | Some(Action::Cancel) | Some(Action::Learn) => {
-                        self.overlay = Overlay::None
-                    }
-                    _ => {}
-                }
-                return;
-            }
+            Overlay::Learn { scroll } => return self.learn_key(key, scroll),
             Overlay::None => {}
         }
         if let Some(action) = self.keymap.action(&key) {
@@ -595,6 +568,11 @@ impl App {
                 self.head = (self.head + 1) % heads.max(1);
             }
             Action::NextRank => self.next_rank(),
+            Action::NextNote
+            | Action::PreviousNote
+            | Action::Notes
+            | Action::NotesDown
+            | Action::NotesUp => self.tour_action(action),
             Action::Follow => {
                 self.follow = true;
                 self.select_position();

@@ -97,9 +97,18 @@ pub fn run(args: &TuiArgs) -> Result<()> {
     term::run_terminal(app)
 }
 
-/// `mladb replay FILE`: the recorded session in the debugger, with no model and no computation.
-pub fn run_replay(path: &std::path::Path, keys: Option<PathBuf>) -> Result<()> {
-    let driver = driver::ReplayDriver::open(path)?;
+/// `mladb replay FILE [--tour]`: the recorded session in the debugger, with no model and no
+/// computation; a tour of a session without notes is refused before the screen changes.
+pub fn run_replay(path: &std::path::Path, keys: Option<PathBuf>, tour: bool) -> Result<()> {
+    let session = crate::session::Session::load(path)?;
+    if tour && session.annotations.is_empty() {
+        return Err(crate::Error::parse(
+            path,
+            "--tour: no notes are placed in this session's timeline, so there is nothing to tour \
+             (open it without --tour; in the debugger :note TEXT places one, :save FILE keeps it)",
+        ));
+    }
+    let driver = driver::ReplayDriver::new(session, path)?;
     let keymap = match keys.or_else(keys::Keymap::default_path) {
         Some(path) => keys::Keymap::with_overrides(&path)?,
         None => keys::Keymap::default(),

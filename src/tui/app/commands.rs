@@ -68,10 +68,14 @@ impl App {
 
     pub(super) fn command_key(&mut self, key: KeyEvent, mut input: String) {
         match key.code {
-            KeyCode::Esc => self.overlay = Overlay::None,
+            KeyCode::Esc => {
+                self.overlay = Overlay::None;
+                self.back_to_learn();
+            }
             KeyCode::Enter => {
                 self.overlay = Overlay::None;
                 self.execute(input.trim());
+                self.back_to_learn();
             }
             KeyCode::Backspace => {
                 input.pop();
@@ -148,7 +152,14 @@ impl App {
             "load" if !rest.is_empty() => self.send(Command::Load(PathBuf::from(rest))),
             "note" if !rest.is_empty() => {
                 self.notes.push(rest.to_string());
-                self.driver.send(Command::Note(rest.to_string()));
+                // Where the user stands: the op selected and the pane shown, for a tour.
+                let about = self.selected_op().map(|(_, e)| cursor_of(e));
+                let pane = Some(self.pane_now());
+                self.driver.send(Command::Note {
+                    text: rest.to_string(),
+                    about,
+                    pane,
+                });
                 self.say(format!("noted: {rest}"));
             }
             "quit" | "q" => self.quit = true,

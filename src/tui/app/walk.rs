@@ -1,9 +1,11 @@
 //! The Learn view's walk: one MLA layer's ops in the order they explain absorption, and the
 //! `n` / `p` keys that move the selection to each step's op in the trace.
 
-use super::{App, Node};
+use super::{App, Node, Overlay};
 use crate::engine::trace::Phase;
 use crate::engine::MlaPath;
+use crate::tui::keys::Action;
+use ratatui::crossterm::event::{KeyCode, KeyEvent};
 
 /// One stop of the walk: the op (its name under `model.layers.N.self_attn.`) and the path it
 /// belongs to (`None`: both paths run it).
@@ -163,6 +165,33 @@ impl App {
         if let WalkTarget::Found { index, .. } = self.walk_target(next) {
             self.follow = false;
             self.select(Node::Op(index));
+        }
+    }
+
+    /// Keys in the Learn view: `n` / `p` walk the layer's ops whatever the key map binds them
+    /// to elsewhere; the tour's keys go from note to note; `:` opens the command line over it.
+    pub(super) fn learn_key(&mut self, key: KeyEvent, scroll: u16) {
+        if let (KeyCode::Char(c @ ('n' | 'p')), true) = (key.code, key.modifiers.is_empty()) {
+            return self.walk(c == 'n');
+        }
+        let to = |scroll| Overlay::Learn { scroll };
+        match self.keymap.action(&key) {
+            Some(Action::Down) => self.overlay = to(scroll.saturating_add(1)),
+            Some(Action::Up) => self.overlay = to(scroll.saturating_sub(1)),
+            Some(Action::PageDown) => self.overlay = to(scroll.saturating_add(10)),
+            Some(Action::PageUp) => self.overlay = to(scroll.saturating_sub(10)),
+            Some(Action::NextHead) => self.head += 1,
+            Some(Action::Command) => {
+                self.tour.learn_under_prompt = Some(scroll);
+                self.overlay = Overlay::Command {
+                    input: String::new(),
+                };
+            }
+            Some(a) if super::tour::is_tour_action(a) => self.tour_action(a),
+            Some(Action::Quit) | Some(Action::Cancel) | Some(Action::Learn) => {
+                self.overlay = Overlay::None
+            }
+            _ => {}
         }
     }
 }

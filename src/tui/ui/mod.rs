@@ -11,6 +11,7 @@
 mod buffers;
 mod compare;
 mod learn;
+mod notes;
 mod overlays;
 mod tensor;
 mod tree;
@@ -33,10 +34,14 @@ use ratatui::Frame;
 pub fn draw(frame: &mut Frame, app: &mut App) {
     app.refresh_comparisons();
     let area = frame.area();
-    let [flags, main, log, status] = Layout::vertical([
+    // The notes pane, when open, takes rows from the log (two stay) and the panes.
+    let notes_rows = notes::height(app, area);
+    let log_rows = if notes_rows > 0 { 2 } else { 4 };
+    let [flags, main, notes_area, log, status] = Layout::vertical([
         Constraint::Length(1),
         Constraint::Min(8),
-        Constraint::Length(4),
+        Constraint::Length(notes_rows),
+        Constraint::Length(log_rows),
         Constraint::Length(1),
     ])
     .areas(area);
@@ -50,11 +55,23 @@ pub fn draw(frame: &mut Frame, app: &mut App) {
     right_pane(frame, app, right);
     log_pane(frame, app, log);
     status_line(frame, app, status);
+    if notes_rows > 0 {
+        notes::draw(frame, app, notes_area);
+    }
+    // The Learn view leaves the notes pane below it in view.
+    let above_notes = Rect {
+        height: if notes_rows > 0 {
+            notes_area.y - area.y
+        } else {
+            area.height
+        },
+        ..area
+    };
     match &app.overlay {
         Overlay::Help => overlays::help(frame, app, area),
         Overlay::Learn { scroll } => {
             let wanted = *scroll;
-            let kept = learn::draw(frame, app, area, wanted);
+            let kept = learn::draw(frame, app, above_notes, wanted);
             app.overlay = Overlay::Learn { scroll: kept };
         }
         Overlay::Inject { selected, scope } => {

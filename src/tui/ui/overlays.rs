@@ -76,7 +76,7 @@ pub fn help(frame: &mut Frame, app: &mut App, area: Rect) {
 }
 
 /// `text` cut into lines of at most `width` characters, at spaces where it can be.
-fn wrap(text: &str, width: usize) -> Vec<String> {
+pub(super) fn wrap(text: &str, width: usize) -> Vec<String> {
     // Leading spaces indent every line.
     let body = text.trim_start();
     let lead = &text[..text.len() - body.len()];
