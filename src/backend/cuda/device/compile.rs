@@ -130,7 +130,14 @@ fn source_in(dir: &std::path::Path, file: &str) -> Option<String> {
     }
     match crate::input::read_text_capped(&path, 4 << 20) {
         Ok(text) => {
-            eprintln!("note: kernel source {file} taken from {}", path.display());
+            // Once per file and process: it is read for every file that includes it.
+            static TOLD: std::sync::Mutex<Vec<std::path::PathBuf>> =
+                std::sync::Mutex::new(Vec::new());
+            let mut told = TOLD.lock().unwrap_or_else(|e| e.into_inner());
+            if !told.contains(&path) {
+                eprintln!("note: kernel source {file} taken from {}", path.display());
+                told.push(path);
+            }
             Some(text)
         }
         Err(e) => {
@@ -158,6 +165,7 @@ pub struct Compiled {
 }
 
 /// Compiles `name` for `arch`: `compute_XY` gives PTX, `sm_XY` a cubin (with ptxas' report).
+/// A file of the same name in [`KERNEL_SRC_ENV`]'s folder replaces `src`.
 /// NVRTC's flags beside the target (the kernel cache's key holds them).
 pub const NVRTC_FLAGS: &[&str] = &["--std=c++17", "--fmad=true", "-default-device"];
 
@@ -167,6 +175,8 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
             "NVRTC (libnvrtc.so) is not on the library path: CUDA kernels cannot be compiled",
         ));
     }
+    let replaced = override_source(name);
+    let src = replaced.as_deref().unwrap_or(src);
     let cubin = arch.starts_with("sm_");
     let source = CString::new(full_source(src))
         .map_err(|_| Error::invalid(format!("{name}: NUL in source")))?;
