@@ -406,6 +406,17 @@ extern "C" __global__ void mla_decode_combine(const float* part_o, const float* 
     const int b = blockIdx.x, h = blockIdx.y, d0 = blockIdx.z * 128;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     wait_for_prior_kernel();  // launched as a dependent of the split kernel
+    // The first PREFETCH splits of this warp are loaded before their weights are known, so that
+    // their latency overlaps the log-sum-exps' (a batch-1 decode waits for this merge).
+    const u64 stride = (u64)heads * DV;
+    const float* base = part_o + ((u64)b * splits * heads + h) * DV + d0 + lane * 4;
+    constexpr int PREFETCH = 8;
+    float4 early[PREFETCH];
+#pragma unroll
+    for (int i = 0; i < PREFETCH; i++) {
+        const int s = warp + i * warps;
+        early[i] = s < splits ? *(const float4*)(base + s * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
     float top = -INFINITY;
     for (int s = threadIdx.x; s < splits; s += blockDim.x) top = fmaxf(top, merge_lse(part_lse[((u64)b * splits + s) * heads + h], faults));
     top = block_max(top, scratch);
@@ -418,11 +429,20 @@ extern "C" __global__ void mla_decode_combine(const float* part_o, const float* 
         total += e;
     }
     total = block_sum(total, scratch);  // its barriers also order the writes of w before the reads
-    const u64 stride = (u64)heads * DV;
-    const float* base = part_o + ((u64)b * splits * heads + h) * DV + d0 + lane * 4;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int i = 0; i < PREFETCH; i++) {
+        const int s = warp + i * warps;
+        const float ws = s < splits ? w[s] : 0.0f;
+        if (ws > 0.0f) {
+            acc.x += ws * early[i].x;
+            acc.y += ws * early[i].y;
+            acc.z += ws * early[i].z;
+            acc.w += ws * early[i].w;
+        }
+    }
 #pragma unroll 4
-    for (int s = warp; s < splits; s += warps) {
+    for (int s = warp + PREFETCH * warps; s < splits; s += warps) {
         float ws = w[s];
         if (ws > 0.0f) {
             float4 v = *(const float4*)(base + s * stride);

@@ -10,7 +10,9 @@
 // multiprocessor does the rest and signals a shared-memory barrier) reaches 85–94%.
 //
 // Block = (split, sequence, group of 64 heads), two warpgroups, one block per multiprocessor
-// (Q 72 KB + four 36 KB stages of 32 tokens + P 4 KB = 220 KB of shared memory). The last group
+// (Q 72 KB + four 36 KB stages of 32 tokens + P 4 KB = 220 KB of shared memory). Q comes by TMA
+// too, in nine swizzled boxes of 64 rows × 64 dims: as 128 threads' cp.async chunks it took
+// 4 µs to land, a fifth of a batch-1 decode (on the H200, stamped with %globaltimer). The last group
 // of a head count off a multiple of 64 is padded as in mla_decode.cu: zero query rows, whose
 // results are never written.
 //   Warpgroup 0: S = Q·Kᵀ (64 heads × 32 tokens, 36 MMAs over the 576 dims), the online softmax
@@ -24,10 +26,10 @@
 //
 // Shared layouts. KV tiles: as TMA's 128-byte swizzle writes them, nine boxes of 32 tokens × 64
 // dims (128-byte rows, 16-byte chunks permuted within 8-row atoms); the same tile is K-major B
-// for S (tokens = N, dims = K) and N-major B for P·V (tokens = K, dims = N). Q and P: 8×8 core
-// matrices (8 rows of 8 bf16, 128 contiguous bytes) without swizzling; Q as 8-head "slabs" of
-// 72 core matrices (9216 bytes): byte (r/8)·9216 + (c/8)·128 + (r%8)·16 + (c%8)·2 holds (r, c),
-// so a 16-byte cp.async chunk i lands at byte 16·i when it is row 8·(i/576) + i%8.
+// for S (tokens = N, dims = K) and N-major B for P·V (tokens = K, dims = N). Q the same way in
+// boxes of 64 rows (K-major A for S). The box of a group of fewer than 64 heads holds the next
+// sequence's rows (or TMA's zeros past the last): those rows are computed, never written. P: 8×8
+// core matrices (8 rows of 8 bf16, 128 contiguous bytes) without swizzling.
 // Rows of a split's last tile past its end are zeroed after the copy lands (P = 0 there, and
 // 0 · NaN would still be NaN).
 //
@@ -64,8 +66,9 @@
 #define W_PAGE 64
 #define W_TILE (mla_decode_wgmma_v.tile)      // tokens per tile (half a page of the cache)
 #define W_STAGES (mla_decode_wgmma_v.stages)
-#define W_SLAB 9216
+#define W_SLAB 9216                            // 8 rows of 576
 #define W_Q_BYTES (8 * W_SLAB)                 // 64 rows of 576
+#define W_QBOX_BYTES (W_HEADS * 128)           // one TMA box of Q: 64 rows × 64 dims
 #define W_TILE_BYTES (W_TILE / 8 * W_SLAB)     // W_TILE rows of 576
 #define W_P_BYTES (W_HEADS * W_TILE * 2)
 #define W_SC (W_TILE / 2)                      // S accumulators per thread
@@ -73,10 +76,10 @@
 
 #define W_BOX_BYTES (W_TILE * 128)             // one TMA box: W_TILE rows × 64 dims
 
-// Q, the KV stages, P, the rescale factors, row sums and row maxima, the TMA barriers, 1 KB of
-// alignment slack: the bytes of the kernel's row in variants.cuh.
+// Q, the KV stages, P, the rescale factors, row sums and row maxima, the TMA barriers (one per
+// stage, one for Q), 1 KB of alignment slack: the bytes of the kernel's row in variants.cuh.
 static_assert(mla_decode_wgmma_v.rows == W_HEADS &&
-                  W_Q_BYTES + W_STAGES * W_TILE_BYTES + W_P_BYTES + 3 * W_HEADS * 4 + W_STAGES * 8 + 1024 == mla_decode_wgmma_v.shared,
+                  W_Q_BYTES + W_STAGES * W_TILE_BYTES + W_P_BYTES + 3 * W_HEADS * 4 + (W_STAGES + 1) * 8 + 1024 == mla_decode_wgmma_v.shared,
               "mla_decode_wgmma: variants.cuh and the layout differ");
 // The sparse twin: the same, and the key bits of each stage's tile.
 static_assert(mla_sparse_wgmma_v.rows == W_HEADS && mla_sparse_wgmma_v.tile == W_TILE && mla_sparse_wgmma_v.stages == W_STAGES &&
@@ -85,24 +88,7 @@ static_assert(mla_sparse_wgmma_v.rows == W_HEADS && mla_sparse_wgmma_v.tile == W
 #define BAR_EMPTY 1  // + stage
 #define BAR_P_FULL (1 + W_STAGES)
 #define BAR_P_EMPTY (2 + W_STAGES)
-#define BAR_WG0 (3 + W_STAGES)
-#define BAR_TAIL (4 + W_STAGES)
-
-// ROWS rows of 576 bf16 (row r at src + r·576) into the core-matrix layout at `dst`, by the
-// 128 threads of one warpgroup; rows from `valid` on are zeroed. (Q only.)
-template <int ROWS>
-__device__ __forceinline__ void load_block(unsigned dst, const bf16_t* src, int valid, int tid) {
-#pragma unroll 2
-    for (int k = 0; k < ROWS * 72 / 128; k++) {
-        const int i = k * 128 + tid;
-        const int row = (i / 576) * 8 + (i & 7), chunk = (i % 576) >> 3;
-        if (row < valid)
-            cp_async16(dst + i * 16, src + row * W_DQK + chunk * 8);
-        else
-            st_shared_zero16(dst + i * 16);
-    }
-    cp_async_commit();
-}
+#define BAR_TAIL (3 + W_STAGES)
 
 // Thread-block clusters: the blocks in this one, a barrier over all their threads, and a store
 // into the shared memory of block `rank` of the cluster at the place of `addr` in ours.
@@ -219,7 +205,7 @@ struct RowsAhead {
 };
 
 template <bool SPARSE>
-__device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
+__device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaMap* q_map, const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
                                              const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o,
                                              float* part_lse, int splits, int total_heads, bf16_t* out, float* lse_out) {
     // The swizzled stages need 1024-byte alignment; the host gives 1 KB of slack for it.
@@ -231,7 +217,8 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const bf16
     float* sL = sAlpha + W_HEADS;                  // [64] row sums at the end
     float* sM = sL + W_HEADS;                      // [64] row maxima (base 2) at the end
     const unsigned mbar = smem_addr(sM + W_HEADS); // [W_STAGES] 8-byte TMA barriers
-    const unsigned sKeys = mbar + 8 * W_STAGES;    // SPARSE: [W_STAGES] key bits of each tile
+    const unsigned mbar_q = mbar + 8 * W_STAGES;   // Q's TMA barrier
+    const unsigned sKeys = mbar_q + 8;             // SPARSE: [W_STAGES] key bits of each tile
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * W_HEADS;
     const int heads_here = min(W_HEADS, total_heads - head0);  // the rest of the group is padding
@@ -252,7 +239,12 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const bf16
     if (threadIdx.x == 0) {
         // Dense: the TMA issuer's arrival. Sparse: warpgroup 1's 128 copy arrivals and thread 0's.
         for (int st = 0; st < W_STAGES; st++) mbar_init(mbar + 8 * st, SPARSE ? 129 : 1);
+        mbar_init(mbar_q, 1);
         mbar_init_fence();
+        // Q: the group's 64 rows of this sequence, from row b·heads + head0 of q [rows, 576].
+        mbar_expect_bytes(mbar_q, W_Q_BYTES);
+#pragma unroll
+        for (int c = 0; c < W_DQK / 64; c++) tma_load_2d(sQ + c * W_QBOX_BYTES, q_map, mbar_q, c * 64, b * total_heads + head0);
     }
     __syncthreads();
 
@@ -274,11 +266,8 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const bf16
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
 
     if (wg == 0) {
-        load_block<W_HEADS>(sQ, q + ((u64)b * total_heads + head0) * W_DQK, heads_here, tid);
-        cp_async_wait<0>();
-        fence_proxy_async();
-        bar_sync(BAR_WG0, 128);  // Q landed
-        const u64 dq = wg_desc(sQ, 128, W_SLAB);
+        mbar_wait(mbar_q, 0);  // Q landed
+        const u64 dq = wg_desc_sw128(sQ, 16, 1024);
         unsigned pa[4 * W_KS];  // P as the A operand of the k-steps of P·V
         for (int j = 0; j < n_tiles; j++) {
             const int s = j % W_STAGES, t0 = t_begin + j * W_TILE;
@@ -301,10 +290,11 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const bf16
 #pragma unroll
             for (int kk = 0; kk < W_DQK / 16; kk++) {
                 const u64 dkk = dk + (kk / 4) * (W_BOX_BYTES / 16) + (kk % 4) * 2;
+                const u64 dqk = dq + (kk / 4) * (W_QBOX_BYTES / 16) + (kk % 4) * 2;
                 if constexpr (W_TILE == 32)
-                    wgmma_m64n32_ss(sc, dq + kk * 16, dkk, kk > 0);
+                    wgmma_m64n32_ss(sc, dqk, dkk, kk > 0);
                 else
-                    wgmma_m64n64_ss(sc, dq + kk * 16, dkk, kk > 0);
+                    wgmma_m64n64_ss(sc, dqk, dkk, kk > 0);
             }
             wg_commit();
             if (j > 0) {
@@ -470,37 +460,44 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const bf16
         return;
     }
 
+    // Lanes qd and qd ^ 1 trade halves so that each stores four adjacent columns of one row
+    // (the even lane row r0, the odd lane row r1): half the store instructions of two columns
+    // each, which the end of a batch-1 decode waits for.
     const float inv0 = sL[r0] > 0.0f ? 1.0f / sL[r0] : 0.0f, inv1 = sL[r1] > 0.0f ? 1.0f / sL[r1] : 0.0f;
-    const int col0 = wg * 256 + 2 * qd;
+    const bool odd = qd & 1;
+    const int row = odd ? r1 : r0, col0 = wg * 256 + 2 * (qd & ~1);
+    const float inv = odd ? inv1 : inv0, give = odd ? inv0 : inv1;
 #pragma unroll
-    for (int n = 0; n < 32; n++)
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int row = r ? r1 : r0;
-            if (row >= heads_here) continue;  // padding: not written
-            const float inv = r ? inv1 : inv0;
-            const float x = o[4 * n + 2 * r] * inv, y = o[4 * n + 2 * r + 1] * inv;
-            if (splits == 1)
-                *(unsigned*)(out + ((u64)b * total_heads + head0 + row) * W_DV + col0 + 8 * n) = pack_bf16(x, y);
-            else
-                *(float2*)(part_o + (out_row + row) * W_DV + col0 + 8 * n) = make_float2(x, y);
-        }
+    for (int n = 0; n < 32; n++) {
+        // What the partner keeps: row r0 from the odd lane, row r1 from the even one.
+        // (Selects of constant indices: an index that depends on the lane would put o in local memory.)
+        const float g0 = __shfl_xor_sync(0xffffffffu, (odd ? o[4 * n] : o[4 * n + 2]) * give, 1);
+        const float g1 = __shfl_xor_sync(0xffffffffu, (odd ? o[4 * n + 1] : o[4 * n + 3]) * give, 1);
+        const float m0 = (odd ? o[4 * n + 2] : o[4 * n]) * inv, m1 = (odd ? o[4 * n + 3] : o[4 * n + 1]) * inv;
+        const float4 v = odd ? make_float4(g0, g1, m0, m1) : make_float4(m0, m1, g0, g1);
+        if (row >= heads_here) continue;  // padding: not written
+        if (splits == 1)
+            *(uint2*)(out + ((u64)b * total_heads + head0 + row) * W_DV + col0 + 8 * n) = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+        else
+            *(float4*)(part_o + (out_row + row) * W_DV + col0 + 8 * n) = v;
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __grid_constant__ TmaMap cache_map, const bf16_t* q, const bf16_t* cache,
+extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __grid_constant__ TmaMap cache_map, const __grid_constant__ TmaMap q_map,
+                                                                   const bf16_t* q, const bf16_t* cache,
                                                                    const int* block_table, int max_pages, const int* seq_lens, float scale_log2,
                                                                    float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                    float* lse_out) {
-    decode_wgmma<false>(&cache_map, q, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out,
+    decode_wgmma<false>(&cache_map, &q_map, q, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out,
                         lse_out);
 }
 
 // The sparse twin: lens[b] is the length of row b of `indices` ([batch, topk] positions, -1
-// padding); its rows are copied by cp.async (no tensor map).
-extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma(const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
+// padding); its rows are copied by cp.async (Q's tensor map only).
+extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma(const __grid_constant__ TmaMap q_map, const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
                                                                    const int* indices, int topk, const int* lens, float scale_log2,
                                                                    float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                    float* lse_out) {
-    decode_wgmma<true>(nullptr, q, cache, block_table, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, total_heads, out,
+    decode_wgmma<true>(nullptr, &q_map, q, cache, block_table, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, total_heads, out,
                        lse_out);
 }

@@ -20,7 +20,7 @@ struct KernelVariant {
     constexpr KernelVariant kernel##_v{rows, tile, stages, shared};
 
 // The dense decode (mla_decode_sm90.cu, mla_decode_splitk.cu, mla_decode.cu).
-KERNEL_VARIANT(mla_decode_wgmma, 64, 32, 4, 227104)
+KERNEL_VARIANT(mla_decode_wgmma, 64, 32, 4, 227112)
 KERNEL_VARIANT(mla_decode_kt3, 64, 32, 3, 226328)
 KERNEL_VARIANT(mla_decode_kt16, 32, 16, 4, 85536)
 KERNEL_VARIANT(mla_decode_ks3, 64, 32, 3, 226816)
@@ -32,7 +32,7 @@ KERNEL_VARIANT(mla_decode_ks3_o32, 64, 32, 3, 226816)
 KERNEL_VARIANT(mla_decode_t16_o32, 64, 16, 1, 97792)
 // The sparse decode: its dense twin's layout and a ring of row lookups (sparse.cuh); the
 // wgmma one its twin's and the key bits of each stage.
-KERNEL_VARIANT(mla_sparse_wgmma, 64, 32, 4, 227120)
+KERNEL_VARIANT(mla_sparse_wgmma, 64, 32, 4, 227128)
 KERNEL_VARIANT(mla_sparse_ks3, 64, 32, 3, 228864)
 KERNEL_VARIANT(mla_sparse_ks2, 64, 32, 2, 191488)
 KERNEL_VARIANT(mla_sparse_t32, 64, 32, 2, 157952)

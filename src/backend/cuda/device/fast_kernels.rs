@@ -14,18 +14,29 @@ const DECODE: [super::signature::Param; 12] = [
 const DECODE_TMA: [super::signature::Param; 13] = [
     Map, Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
 ];
+/// The wgmma decode: the cache's tensor map, then the query's.
+const DECODE_WGMMA: [super::signature::Param; 14] = [
+    Map, Map, Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr,
+    F32Ptr,
+];
 /// The sparse twins: the dense list with the key lists (indices, topk) after the block table.
 const SPARSE: [super::signature::Param; 14] = [
     Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr,
     F32Ptr,
 ];
+/// The sparse wgmma decode: the query's tensor map, then the sparse list.
+const SPARSE_WGMMA: [super::signature::Param; 15] = [
+    Map, Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int,
+    Bf16Ptr, F32Ptr,
+];
 pub const MLA_DECODE_TILED: Sig = Sig::new("mla_decode_t*", &DECODE);
 pub const MLA_DECODE_SPLIT_K: Sig = Sig::new("mla_decode_ks*", &DECODE);
 /// The split-k kernels fed by TMA (`mla_decode_kt3`, `mla_decode_kt16`).
 pub const MLA_DECODE_KT: Sig = Sig::new("mla_decode_kt*", &DECODE_TMA);
-pub const MLA_DECODE_WGMMA: Sig = Sig::new("mla_decode_wgmma", &DECODE_TMA);
-/// The sparse twin of [`MLA_DECODE_WGMMA`] (rows gathered by cp.async: no tensor map).
-pub const MLA_SPARSE_WGMMA: Sig = Sig::new("mla_sparse_wgmma", &SPARSE);
+pub const MLA_DECODE_WGMMA: Sig = Sig::new("mla_decode_wgmma", &DECODE_WGMMA);
+/// The sparse twin of [`MLA_DECODE_WGMMA`] (rows gathered by cp.async: the query's tensor map
+/// alone).
+pub const MLA_SPARSE_WGMMA: Sig = Sig::new("mla_sparse_wgmma", &SPARSE_WGMMA);
 pub const MLA_SPARSE_TILED: Sig = Sig::new("mla_sparse_t*", &SPARSE);
 pub const MLA_SPARSE_SPLIT_K: Sig = Sig::new("mla_sparse_ks*", &SPARSE);
 pub const MLA_SPARSE_FEW_HEADS: Sig = Sig::new("mla_sparse_h*", &SPARSE);
@@ -322,15 +333,24 @@ impl Gpu {
                 if sparse { "" } else { "no " }
             )));
         }
-        let mut args = Vec::with_capacity(14);
+        let mut args = Vec::with_capacity(15);
+        let width = LATENT + ROPE;
         if tma {
             // Boxes of a tile's rows × 64 columns of the cache, in the 128-byte swizzle.
-            let width = LATENT + ROPE;
             let tile = super::variants::variant(d.kernel).map_or(32, |v| v.tile);
             args.push(Arg::Map(self.tensor_map_bf16(
                 d.cache,
                 &[width, d.cache.len() / width],
                 tile as u32,
+            )?));
+        }
+        if MLA_DECODE_WGMMA.matches(d.kernel) || MLA_SPARSE_WGMMA.matches(d.kernel) {
+            // The query by TMA too: boxes of a head group's 64 rows × 64 columns (rows past the
+            // batch's last come as zeros).
+            args.push(Arg::Map(self.tensor_map_bf16(
+                d.q,
+                &[width, d.batch * d.heads],
+                HEAD_GROUP as u32,
             )?));
         }
         args.extend([a.q, a.cache, a.table, int(d.max_pages, "pages")?]);
@@ -368,7 +388,9 @@ impl Gpu {
             return unsafe { self.launch_cluster(sig, d.kernel, cfg, &args, 2) };
         }
         // SAFETY: block (split, b, group) reads the group's heads of q of sequence b (the last
-        // group's rows past `heads` are zeroed in shared memory, not read), pages
+        // group's rows past `heads` are zeroed in shared memory, not read; the wgmma kernels'
+        // TMA box reads the rows after them inside q, zeros past its end, and never writes
+        // their results), pages
         // bt[b][0..⌈len_b/64⌉] of the cache (table entries in 0..pages, lengths ≤ max_pages·64:
         // the uploaded ranges) or, sparse, entries 0..len_b ≤ topk of row b of the key lists and
         // the pages bt[b][pos/64] of their positions pos ≥ 0 (all < max_pages·64), and writes
