@@ -21,6 +21,7 @@ use std::sync::Arc;
 mod commands;
 mod derived;
 mod navigation;
+mod pane;
 mod progress;
 mod search;
 mod summary;
@@ -28,6 +29,7 @@ mod tour;
 mod walk;
 
 pub use derived::{Against, Divergence, Marks};
+pub use pane::PaneScroll;
 pub use progress::{system_clock, Clock, Started};
 pub use summary::{op_health, Health, LayerSummary, Summaries};
 pub use tour::{Tour, NO_NOTES};
@@ -157,6 +159,8 @@ pub struct App {
     pub help_scroll: u16,
     /// First tree row shown.
     pub scroll: usize,
+    /// How far the right pane is scrolled.
+    pub pane_scroll: PaneScroll,
     /// The selection follows the execution position.
     pub follow: bool,
     /// Attention head shown in heat maps and per-head figures.
@@ -228,6 +232,8 @@ impl Autosave {
 pub struct Areas {
     pub tree: Rect,
     pub tabs: Rect,
+    /// The right pane's body (the mouse wheel scrolls it there).
+    pub pane: Rect,
 }
 
 impl App {
@@ -248,6 +254,7 @@ impl App {
             started: None,
             help_scroll: 0,
             scroll: 0,
+            pane_scroll: PaneScroll::default(),
             follow: true,
             head: 0,
             tree_percent: 40,
@@ -577,6 +584,8 @@ impl App {
                 self.follow = true;
                 self.select_position();
             }
+            Action::PaneDown => self.scroll_pane(1),
+            Action::PaneUp => self.scroll_pane(-1),
             Action::Narrower => self.tree_percent = self.tree_percent.saturating_sub(5).max(20),
             Action::Wider => self.tree_percent = (self.tree_percent + 5).min(70),
             Action::Help => {
