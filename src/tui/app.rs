@@ -23,6 +23,7 @@ mod derived;
 mod navigation;
 mod pane;
 mod progress;
+mod quit;
 mod search;
 mod summary;
 mod tour;
@@ -185,6 +186,10 @@ pub struct App {
     pub summary_cache: HashMap<(usize, Option<usize>), Summaries>,
     /// Where and how often the session is saved unasked (and on quit); `None`: never.
     pub autosave: Option<Autosave>,
+    /// Why a live session has no autosave, said on quit (`None` in replays: nothing to say).
+    pub autosave_off: Option<String>,
+    /// The last autosave's result, once the debugger reported it.
+    pub autosave_result: Option<Result<PathBuf, String>>,
     /// MLA disable came on from `VLLM_MLA_DISABLE` (the header says so).
     pub mla_disable_env: bool,
     /// The tensor-parallel rank whose ops the tree shows; `None`: every rank's.
@@ -267,6 +272,8 @@ impl App {
             reference_marks: HashMap::new(),
             summary_cache: HashMap::new(),
             autosave: None,
+            autosave_off: None,
+            autosave_result: None,
             mla_disable_env: false,
             rank_view: None,
             learn_step: None,
@@ -282,9 +289,10 @@ impl App {
         let Some(a) = &mut self.autosave else { return };
         a.last = std::time::Instant::now();
         let path = a.path.clone();
+        self.autosave_result = None;
         if let Some(dir) = path.parent() {
             if let Err(e) = std::fs::create_dir_all(dir) {
-                self.say(format!("autosave failed: {}: {e}", dir.display()));
+                self.autosaved(Err(format!("{}: {e}", dir.display())));
                 return;
             }
         }
@@ -433,9 +441,7 @@ impl App {
                 self.select(Node::Op(index));
             }
             Update::Log(line) => self.say(line),
-            Update::Autosaved(path) => {
-                tracing::info!("autosaved to {}", path.display())
-            }
+            Update::Autosaved(result) => self.autosaved(result),
             Update::Notes(notes) => self.notes = notes,
             u @ (Update::Tour(_) | Update::NoteReached { .. }) => self.tour_update(u),
             Update::Error(e) => self.say(format!("error: {e}")),
