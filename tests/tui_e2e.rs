@@ -247,7 +247,9 @@ fn quitting_prints_where_the_session_was_saved() {
             30,
         );
         tmux.wait_for("#0 prefill model.embed_tokens");
-        tmux.keys(&["s", "q"]);
+        tmux.keys(&["s"]);
+        tmux.wait_for("L0 input_layernorm");
+        tmux.keys(&["q"]);
         let screen = tmux.wait_for("MLADB-EXIT-");
         assert!(screen.contains("MLADB-EXIT-0"), "{screen}");
         screen
