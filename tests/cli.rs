@@ -184,7 +184,10 @@ fn layout_commands() {
     }
     let text = stdout(&mladb(&["layout", "show", "glm5"]));
     assert!(text.contains("keeps the top 2048 keys"), "{text}");
-    assert!(text.contains("theta 1000000 · interleaved · no scaling"), "{text}");
+    assert!(
+        text.contains("theta 1000000 · interleaved · no scaling"),
+        "{text}"
+    );
     for debug in ["r#None", "Glm5", "FirstDense", "Some("] {
         assert!(!text.contains(debug), "{debug} in\n{text}");
     }
@@ -226,8 +229,19 @@ fn check_names_the_flags_in_the_readme_words() {
         text.contains("flags: mla-disable off · prefill naive · decode absorbed · force-dequant off · cpu · f32 · inject none"),
         "{text}"
     );
-    let o = mladb(&["check", "--layout", "glm5-tiny", "--decode", "2", "--mla-disable"]);
-    assert!(stdout(&o).contains("prefill naive · decode naive"), "{}", stdout(&o));
+    let o = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--decode",
+        "2",
+        "--mla-disable",
+    ]);
+    assert!(
+        stdout(&o).contains("prefill naive · decode naive"),
+        "{}",
+        stdout(&o)
+    );
     for debug in ["Naive", "Absorbed", "Cpu", "F32"] {
         assert!(!text.contains(debug), "{debug} in\n{text}");
     }

@@ -1097,7 +1097,10 @@ fn a_live_load_keeps_the_notes_places_through_a_save() {
             .collect::<Vec<_>>()
     };
     assert_eq!(places(&saved), places(&original));
-    assert_eq!(saved.notes, original.notes, "placed notes are not plain notes");
+    assert_eq!(
+        saved.notes, original.notes,
+        "placed notes are not plain notes"
+    );
     // The saved file tours as the original does: the Buffers note moves to its op.
     let mut r = replay(&again);
     while r.tab != Tab::Buffers {

@@ -61,7 +61,11 @@ fn the_header_uses_the_readme_words_and_fits_80_columns() {
     let narrow = header(&mut app, 80);
     assert_eq!(narrow.len(), 1, "{narrow:?}");
     assert!(narrow[0].chars().count() <= 80);
-    for want in ["MLA-disable off", "prefill naive · decode absorbed", "inject none"] {
+    for want in [
+        "MLA-disable off",
+        "prefill naive · decode absorbed",
+        "inject none",
+    ] {
         assert!(narrow[0].contains(want), "{want:?} in {narrow:?}");
     }
     // A fault changed from its default is never left out or cut; defaults make room for it.
@@ -107,7 +111,10 @@ fn the_header_uses_the_readme_words_and_fits_80_columns() {
 #[test]
 fn snapshot_header_80x24_and_160x48() {
     let mut app = common::tiny_app("");
-    let mut shots = vec![screen_text(&mut app, 80, 24), screen_text(&mut app, 160, 48)];
+    let mut shots = vec![
+        screen_text(&mut app, 80, 24),
+        screen_text(&mut app, 160, 48),
+    ];
     command(&mut app, "set inject output-buffer-disconnect@decode");
     shots.push(screen_text(&mut app, 80, 24));
     shots.push(screen_text(&mut app, 160, 48));
@@ -127,7 +134,11 @@ fn the_fault_menu_shows_the_selected_description_whole_at_80x24() {
     );
     assert!(first.contains("Esc closes"), "{first}");
     // Every fault's row stays in view, and the description follows the selection.
-    for name in ["tp-absorb-unsliced", "kv-cache-off-by-one", "page-index-overflow"] {
+    for name in [
+        "tp-absorb-unsliced",
+        "kv-cache-off-by-one",
+        "page-index-overflow",
+    ] {
         assert!(first.contains(name), "{name}:\n{first}");
     }
     press(&mut app, "j");
@@ -140,7 +151,9 @@ fn the_fault_menu_shows_the_selected_description_whole_at_80x24() {
     // At 160 columns the rows hold their descriptions whole, with no line below.
     let wide = screen_text(&mut app, 160, 48);
     assert!(
-        wide.contains("attention kernel writes a phantom buffer; the wrapper returns its own, unwritten"),
+        wide.contains(
+            "attention kernel writes a phantom buffer; the wrapper returns its own, unwritten"
+        ),
         "{wide}"
     );
     assert!(!wide.contains("softmax-scale-latent: "), "{wide}");
@@ -164,7 +177,10 @@ fn the_right_pane_scrolls_where_its_content_is_taller() {
     let top = screen_text(&mut app, 80, 24);
     let most = app.pane_scroll.most;
     assert!(most > 0, "the Compare pane fits?\n{top}");
-    assert!(top.contains(&format!(">/< scroll (1/{})", most + 1)), "{top}");
+    assert!(
+        top.contains(&format!(">/< scroll (1/{})", most + 1)),
+        "{top}"
+    );
     press(&mut app, ">");
     let one = screen_text(&mut app, 80, 24);
     assert!(one.contains(&format!("(2/{})", most + 1)), "{one}");
@@ -173,7 +189,10 @@ fn the_right_pane_scrolls_where_its_content_is_taller() {
     press(&mut app, &">".repeat(200));
     let bottom = screen_text(&mut app, 80, 24);
     assert_eq!(app.pane_scroll.offset, most);
-    assert!(bottom.contains(&format!("({}/{})", most + 1, most + 1)), "{bottom}");
+    assert!(
+        bottom.contains(&format!("({}/{})", most + 1, most + 1)),
+        "{bottom}"
+    );
     press(&mut app, "<");
     assert_eq!(app.pane_scroll.offset, most - 1);
     // At 160×48 the same pane needs less scrolling, or none.

@@ -41,7 +41,11 @@ fn ranges(layers: &[usize]) -> String {
 }
 
 fn mlp(l: &Layout) -> String {
-    let of = |kind| -> Vec<usize> { (0..l.num_layers).filter(|&i| l.mlp_kind(i) == kind).collect() };
+    let of = |kind| -> Vec<usize> {
+        (0..l.num_layers)
+            .filter(|&i| l.mlp_kind(i) == kind)
+            .collect()
+    };
     let (dense, moe) = (of(MlpKind::Dense), of(MlpKind::Moe));
     match (dense.is_empty(), moe.is_empty()) {
         (_, true) => format!("every layer dense (width {})", l.intermediate_size),
@@ -58,7 +62,10 @@ fn mlp(l: &Layout) -> String {
 
 fn moe(m: &MoeLayout) -> String {
     let groups = if m.n_group > 1 {
-        format!(", {} groups of which {} may be chosen", m.n_group, m.topk_group)
+        format!(
+            ", {} groups of which {} may be chosen",
+            m.n_group, m.topk_group
+        )
     } else {
         String::new()
     };
@@ -84,7 +91,10 @@ fn indexer(l: &Layout, ix: &IndexerLayout) -> String {
     let modes = if shared.is_empty() {
         "every layer runs its own".to_string()
     } else {
-        format!("layers {} reuse the previous layer's selection", ranges(&shared))
+        format!(
+            "layers {} reuse the previous layer's selection",
+            ranges(&shared)
+        )
     };
     format!(
         "DeepSeek sparse attention: {} heads × {} · keeps the top {} keys · {} RoPE · {modes}",
@@ -220,7 +230,14 @@ mod tests {
     fn the_summary_of_every_builtin_has_no_debug_names() {
         for name in Layout::builtin_names() {
             let text = summary(&Layout::resolve(name).unwrap());
-            for debug in ["r#None", "Some(", "FirstDense", "Glm5", "DeepseekV3", "Yarn {"] {
+            for debug in [
+                "r#None",
+                "Some(",
+                "FirstDense",
+                "Glm5",
+                "DeepseekV3",
+                "Yarn {",
+            ] {
                 assert!(!text.contains(debug), "{name}: {debug} in\n{text}");
             }
             assert!(text.contains("latent (kv_lora_rank)"), "{text}");

@@ -10,10 +10,7 @@ impl Autosave {
     /// Why [`Autosave::from_env`] found no place to save, for the line printed on quit.
     pub fn why_off() -> String {
         match std::env::var_os("MLADB_AUTOSAVE") {
-            Some(v) => format!(
-                "autosave is off (MLADB_AUTOSAVE={})",
-                v.to_string_lossy()
-            ),
+            Some(v) => format!("autosave is off (MLADB_AUTOSAVE={})", v.to_string_lossy()),
             None => "autosave is off: neither $XDG_STATE_HOME nor $HOME is set".to_string(),
         }
     }
