@@ -375,6 +375,7 @@ fn verify_passes_bit_exact_and_names_the_first_mismatch() {
         780 + 788 + 130
     );
     assert_eq!(lines.last().unwrap()["type"], "summary");
+    assert_eq!(lines.last().unwrap()["model"], "layout glm5-tiny, seed 0");
     let dump = dir.path().join("d.safetensors");
     let (rc, _, err) = mladb(&[
         "replay",

@@ -340,7 +340,9 @@ impl Keymap {
             })?;
             let keys = keys
                 .iter()
-                .map(|k| Key::parse(k).map_err(|e| Error::parse(path, format!("{action:?}: {e}"))))
+                .map(|k| {
+                    Key::parse(k).map_err(|e| Error::parse(path, format!("{}: {e}", action.name())))
+                })
                 .collect::<Result<Vec<Key>>>()?;
             if keys.is_empty() {
                 return Err(Error::parse(
