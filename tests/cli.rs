@@ -164,12 +164,87 @@ fn layout_commands() {
     let o = mladb(&["layout", "list"]);
     assert!(o.status.success());
     assert!(stdout(&o).contains("glm5-tiny") && stdout(&o).contains("deepseek-v3"));
-    let o = mladb(&["layout", "show", "glm5"]);
-    assert!(stdout(&o).contains("kv_lora_rank: 512"));
+    assert!(!stdout(&o).contains("DeepseekV3"), "{}", stdout(&o));
+    assert!(stdout(&o).contains("DeepSeek-V3"));
+    // A plain summary by default, in the README's words, with no Rust names in it.
+    let o = mladb(&["layout", "show", "deepseek-v3"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    for want in [
+        "deepseek-v3: DeepSeek-V3 (HF model_type deepseek_v3)",
+        "61 layers · hidden 7168",
+        "MLA, 128 heads · latent (kv_lora_rank) 512 · per head qk 192 (128 + 64 rope), v 128",
+        "dense (width 18432) in layers 0-2, MoE in 3-60",
+        "256 routed experts, 8 per token, 8 groups of which 4 may be chosen, 1 shared",
+        "indexer    none (dense attention)",
+        "YaRN: factor 40 over 4096 original positions, beta fast 32 / slow 1, mscale 1",
+        "RMSNorm eps 1e-6",
+    ] {
+        assert!(text.contains(want), "{want:?} in\n{text}");
+    }
+    let text = stdout(&mladb(&["layout", "show", "glm5"]));
+    assert!(text.contains("keeps the top 2048 keys"), "{text}");
+    assert!(
+        text.contains("theta 1000000 · interleaved · no scaling"),
+        "{text}"
+    );
+    for debug in ["r#None", "Glm5", "FirstDense", "Some("] {
+        assert!(!text.contains(debug), "{debug} in\n{text}");
+    }
     let config = fixture("deepseek-v3-yarn").join("config.json");
     let o = mladb(&["layout", "import", config.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("Yarn"));
+}
+
+#[test]
+fn layout_show_ron_loads_back_as_the_same_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in mladb::model::Layout::builtin_names() {
+        let o = mladb(&["layout", "show", name, "--ron"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(stdout(&o).contains("kv_lora_rank:"), "{}", stdout(&o));
+        let file = dir.path().join(format!("{name}.ron"));
+        std::fs::write(&file, stdout(&o)).unwrap();
+        assert_eq!(
+            mladb::model::Layout::resolve(file.to_str().unwrap()).unwrap(),
+            mladb::model::Layout::resolve(name).unwrap(),
+            "{name}"
+        );
+        // The file and the name describe one layout.
+        let plain = |l: &str| stdout(&mladb(&["layout", "show", l]));
+        assert_eq!(plain(file.to_str().unwrap()), plain(name));
+    }
+    // And runs through --layout FILE.
+    let file = dir.path().join("glm5-tiny.ron");
+    let o = mladb(&["run", "--layout", file.to_str().unwrap(), "--decode", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn check_names_the_flags_in_the_readme_words() {
+    let o = mladb(&["check", "--layout", "glm5-tiny", "--decode", "2"]);
+    let text = stdout(&o);
+    assert!(
+        text.contains("flags: mla-disable off · prefill naive · decode absorbed · force-dequant off · cpu · f32 · inject none"),
+        "{text}"
+    );
+    let o = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--decode",
+        "2",
+        "--mla-disable",
+    ]);
+    assert!(
+        stdout(&o).contains("prefill naive · decode naive"),
+        "{}",
+        stdout(&o)
+    );
+    for debug in ["Naive", "Absorbed", "Cpu", "F32"] {
+        assert!(!text.contains(debug), "{debug} in\n{text}");
+    }
 }
 
 #[test]

@@ -375,6 +375,7 @@ fn verify_passes_bit_exact_and_names_the_first_mismatch() {
         780 + 788 + 130
     );
     assert_eq!(lines.last().unwrap()["type"], "summary");
+    assert_eq!(lines.last().unwrap()["model"], "layout glm5-tiny, seed 0");
     let dump = dir.path().join("d.safetensors");
     let (rc, _, err) = mladb(&[
         "replay",
@@ -1057,4 +1058,98 @@ fn snapshot_notes_pane_160x48() {
         "notes_160x48",
         &format!("{buffers}\n--- weight absorption, the first Learn stop ---\n{learn}"),
     );
+}
+
+#[test]
+fn the_buffers_stop_shows_the_whole_chain_at_80x24_and_160x48() {
+    for (w, h) in [(80, 24), (160, 48)] {
+        let mut app = replay(&sessions_dir().join("output-buffer-disconnect.ron"));
+        while app.tab != Tab::Buffers {
+            press(&mut app, "}");
+        }
+        let text = full_screen(&mut app, w, h);
+        for want in [
+            "attention chain, layer 0, decode.0",
+            "kernel (self_attn.attn_latent) wrote buf 588",
+            "→ the wrapper returned buf 587",
+            "→ self_attn.attn_output read buf 587",
+            "DISCONNECTED ✗",
+        ] {
+            assert!(text.contains(want), "{w}×{h}: no {want:?} in\n{text}");
+        }
+    }
+}
+
+#[test]
+fn a_live_load_keeps_the_notes_places_through_a_save() {
+    let file = sessions_dir().join("output-buffer-disconnect.ron");
+    let original = Session::load(&file).unwrap();
+    assert!(original.annotations.iter().all(|a| a.about.is_some()));
+    let dir = tempfile::tempdir().unwrap();
+    let again = dir.path().join("again.ron");
+    let mut a = common::tiny_app("");
+    command(&mut a, &format!("load {}", file.display()));
+    command(&mut a, &format!("save {}", again.display()));
+    let saved = Session::load(&again).unwrap();
+    let places = |s: &Session| {
+        s.annotations
+            .iter()
+            .map(|a| (a.text.clone(), a.about.clone(), a.pane))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(places(&saved), places(&original));
+    assert_eq!(
+        saved.notes, original.notes,
+        "placed notes are not plain notes"
+    );
+    // The saved file tours as the original does: the Buffers note moves to its op.
+    let mut r = replay(&again);
+    while r.tab != Tab::Buffers {
+        press(&mut r, "}");
+    }
+    let (_, e) = r.selected_op().unwrap();
+    assert!(e.name.ends_with("self_attn.attn_latent"), "{}", e.name);
+}
+
+#[test]
+fn quitting_says_where_the_session_was_saved_or_why_not() {
+    let wait = std::time::Duration::from_secs(30);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state").join("autosave.ron");
+    let mut a = common::tiny_app("");
+    press(&mut a, "n");
+    a.autosave = Some(Autosave {
+        path: path.clone(),
+        every: std::time::Duration::from_secs(300),
+        last: std::time::Instant::now(),
+    });
+    a.save_on_quit();
+    let p = path.display();
+    assert_eq!(
+        a.quit_line(wait).unwrap(),
+        format!("session saved to {p} (mladb replay {p})")
+    );
+    assert_eq!(Session::load(&path).unwrap().runs.len(), 1);
+    // A place it cannot write to: said plainly.
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    a.autosave.as_mut().unwrap().path = file.join("autosave.ron");
+    a.save_on_quit();
+    let line = a.quit_line(wait).unwrap();
+    assert!(
+        line.starts_with("session not saved: autosave failed: ") && line.contains("a-file"),
+        "{line}"
+    );
+    // Autosave off in a live session: said too.
+    let mut b = common::tiny_app("");
+    b.autosave_off = Some("autosave is off (MLADB_AUTOSAVE=off)".into());
+    b.save_on_quit();
+    assert_eq!(
+        b.quit_line(wait).unwrap(),
+        "session not saved: autosave is off (MLADB_AUTOSAVE=off) (:save FILE saves one)"
+    );
+    // A replay saves nothing unasked and has nothing to say.
+    let mut r = replay(&sessions_dir().join("output-buffer-disconnect.ron"));
+    r.save_on_quit();
+    assert_eq!(r.quit_line(wait), None);
 }

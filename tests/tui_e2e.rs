@@ -225,3 +225,46 @@ fn a_tour_of_the_garbage_output_hunt_under_tmux() {
     assert!(screen.contains("MLADB-EXIT-0"), "{screen}");
     let _ = std::fs::remove_file(&log);
 }
+
+#[test]
+fn quitting_prints_where_the_session_was_saved() {
+    if !Tmux::available() {
+        eprintln!("skipped: tmux is not installed (.ci/run installs it)");
+        return;
+    }
+    let bin = env!("CARGO_BIN_EXE_mladb");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state").join("autosave.ron");
+    let log = dir.path().join("mladb.log");
+    let run = |tag: &str, autosave: &str| {
+        let tmux = Tmux::start(
+            tag,
+            &format!(
+                "MLADB_LOG={} MLADB_AUTOSAVE={autosave} {bin} tui --layout glm5-tiny --prefill 9 --decode 2; echo MLADB-EXIT-$?; sleep 60",
+                log.display()
+            ),
+            120,
+            30,
+        );
+        tmux.wait_for("#0 prefill model.embed_tokens");
+        tmux.keys(&["s"]);
+        tmux.wait_for("L0 input_layernorm");
+        tmux.keys(&["q"]);
+        let screen = tmux.wait_for("MLADB-EXIT-");
+        assert!(screen.contains("MLADB-EXIT-0"), "{screen}");
+        screen
+    };
+    let screen = run("autosave", &path.display().to_string());
+    let p = path.display();
+    assert!(
+        screen.contains(&format!("session saved to {p} (mladb replay {p})")),
+        "{screen}"
+    );
+    let session = mladb::session::Session::load(&path).unwrap();
+    assert_eq!(session.cursor.unwrap().op, "model.layers.0.input_layernorm");
+    let screen = run("autosave-off", "off");
+    assert!(
+        screen.contains("session not saved: autosave is off (MLADB_AUTOSAVE=off)"),
+        "{screen}"
+    );
+}

@@ -266,7 +266,7 @@ pub fn bench_check(
         .count();
     writeln!(
         Out,
-        "check ({} {:?}): {checked:.3}s against a plain run's {plain:.3}s ({:.2}×): {} ops computed against {plain_ops}; {flips} selection flips forced in {} re-runs; {} findings",
+        "check ({} {}): {checked:.3}s against a plain run's {plain:.3}s ({:.2}×): {} ops computed against {plain_ops}; {flips} selection flips forced in {} re-runs; {} findings",
         backend.name(),
         flags.dtype,
         checked / plain,

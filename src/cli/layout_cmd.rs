@@ -1,5 +1,6 @@
-//! `mladb layout`: list the built-in layouts, print one as RON, convert an HF config.json, write
-//! a layout's synthetic weights as an HF checkpoint, or verify such a checkpoint.
+//! `mladb layout`: list the built-in layouts, describe one (or print it as RON), convert an HF
+//! config.json, write a layout's synthetic weights as an HF checkpoint, or verify such a
+//! checkpoint.
 
 use super::Out;
 use crate::error::Result;
@@ -19,8 +20,15 @@ pub struct LayoutArgs {
 pub enum LayoutAction {
     /// List the built-in layouts.
     List,
-    /// Print a layout (built-in name or .ron file) as RON.
-    Show { layout: String },
+    /// Describe a layout (built-in name or .ron file): sizes, attention, MoE, indexer, RoPE,
+    /// norms.
+    Show {
+        layout: String,
+        /// Print it as RON instead, a layout file that `--layout FILE` reads back as the same
+        /// layout.
+        #[arg(long)]
+        ron: bool,
+    },
     /// Convert an HF config.json (glm_moe_dsa or deepseek_v3) to a layout and print it as RON.
     Import { config: PathBuf },
     /// Write a layout's synthetic weights as an HF checkpoint directory (config.json, sharded
@@ -86,15 +94,22 @@ pub fn layout(args: &LayoutArgs) -> Result<()> {
                 let l = Layout::resolve(name)?;
                 writeln!(
                     Out,
-                    "{name:<18} {:<10?} {:>3} layers, hidden {:>5}, {:.3e} parameters",
-                    l.family,
+                    "{name:<18} {:<11} {:>3} layers, hidden {:>5}, {:.3e} parameters",
+                    super::layout_show::family_name(l.family),
                     l.num_layers,
                     l.hidden_size,
                     l.parameter_count() as f64
                 )?;
             }
         }
-        LayoutAction::Show { layout } => writeln!(Out, "{}", Layout::resolve(layout)?.to_ron())?,
+        LayoutAction::Show { layout, ron } => {
+            let l = Layout::resolve(layout)?;
+            if *ron {
+                writeln!(Out, "{}", l.to_ron())?
+            } else {
+                writeln!(Out, "{}", super::layout_show::summary(&l))?
+            }
+        }
         LayoutAction::Import { config } => {
             writeln!(Out, "{}", layout_from_config_file(config)?.to_ron())?
         }

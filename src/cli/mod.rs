@@ -25,6 +25,7 @@ pub mod gguf_cmd;
 pub mod import;
 pub mod kernels;
 pub mod layout_cmd;
+pub mod layout_show;
 pub mod replay;
 pub mod run;
 pub mod table;

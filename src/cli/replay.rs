@@ -130,7 +130,8 @@ fn print_json(session: &Session, out: &mut dyn std::io::Write) -> std::io::Resul
         json!({
             "type": "summary",
             "version": session.version,
-            "model": format!("{:?}", session.model),
+            // In words, as the dump's metadata has it (`layout glm5-tiny, seed 0`).
+            "model": super::dump::model_text(&session.model),
             "runs": session.runs.len(),
             "ops": session.runs.iter().map(|r| r.ops.len()).sum::<usize>(),
             "findings": session.check.as_ref().map(|c| &c.findings),

@@ -317,7 +317,7 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
         flipped.prefill_path = other(flags.prefill_path);
         flipped.decode_path = other(flags.decode_path);
         let describe = [Phase::Prefill, Phase::Decode(0)]
-            .map(|p| format!("{:?} vs {:?}", flags.path_of(p), flipped.path_of(p)).to_lowercase());
+            .map(|p| format!("{} vs {}", flags.path_of(p), flipped.path_of(p)));
         v.add(
             paired(flipped, &forced, Pairing::SameSchedule)?,
             Comparison {

@@ -20,6 +20,16 @@ pub enum DeviceFlag {
     Cuda,
 }
 
+/// The name `--device` takes (`cpu`, `cuda`).
+impl fmt::Display for DeviceFlag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(match self {
+            DeviceFlag::Cpu => "cpu",
+            DeviceFlag::Cuda => "cuda",
+        })
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Flags {
     /// Route attention around the MLA backend: naive everywhere (`VLLM_MLA_DISABLE=1`).
@@ -351,10 +361,10 @@ impl Flags {
         let (a, b) = (self.paths(), new.paths());
         if !self.mla_disable && !new.mla_disable {
             if a.prefill != b.prefill {
-                out.push(format!("prefill {:?} → {:?}", a.prefill, b.prefill).to_lowercase());
+                out.push(format!("prefill {} → {}", a.prefill, b.prefill));
             }
             if a.decode != b.decode {
-                out.push(format!("decode {:?} → {:?}", a.decode, b.decode).to_lowercase());
+                out.push(format!("decode {} → {}", a.decode, b.decode));
             }
         }
         if self.force_dequant != new.force_dequant {
@@ -372,10 +382,10 @@ impl Flags {
             ));
         }
         if self.device != new.device {
-            out.push(format!("device {:?} → {:?}", self.device, new.device).to_lowercase());
+            out.push(format!("device {} → {}", self.device, new.device));
         }
         if self.dtype != new.dtype {
-            out.push(format!("dtype {:?} → {:?}", self.dtype, new.dtype).to_lowercase());
+            out.push(format!("dtype {} → {}", self.dtype, new.dtype));
         }
         if self.faults != new.faults {
             out.push(format!("inject {} → {}", self.faults, new.faults));
@@ -419,13 +429,12 @@ pub fn kernels_text(k: &AttnKernels) -> String {
 
 impl fmt::Display for Flags {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let paths = self.paths();
+        // The README's words: `prefill naive · decode absorbed`, `cpu · f32`.
         write!(
             f,
-            "mla-disable {} · prefill {:?} · decode {:?} · force-dequant {} · device {:?} · dtype {:?} · inject {}",
+            "mla-disable {} · {} · force-dequant {} · {} · {} · inject {}",
             if self.mla_disable { "on" } else { "off" },
-            paths.prefill,
-            paths.decode,
+            self.paths(),
             if self.force_dequant { "on" } else { "off" },
             self.device,
             self.dtype,

@@ -33,11 +33,28 @@ pub enum MlaPath {
     Absorbed,
 }
 
+/// The README's word for the path (`naive`, `absorbed`), as headers and logs show it.
+impl std::fmt::Display for MlaPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(match self {
+            MlaPath::Naive => "naive",
+            MlaPath::Absorbed => "absorbed",
+        })
+    }
+}
+
 /// The path of each phase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MlaPaths {
     pub prefill: MlaPath,
     pub decode: MlaPath,
+}
+
+/// `prefill naive · decode absorbed`: the words the header, `check` and the README use.
+impl std::fmt::Display for MlaPaths {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "prefill {} · decode {}", self.prefill, self.decode)
+    }
 }
 
 impl MlaPaths {

@@ -33,6 +33,16 @@ pub enum StorageDtype {
     Bf16,
 }
 
+/// The name `--dtype` takes (`f32`, `bf16`), for headers and logs.
+impl std::fmt::Display for StorageDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(match self {
+            StorageDtype::F32 => "f32",
+            StorageDtype::Bf16 => "bf16",
+        })
+    }
+}
+
 impl std::str::FromStr for StorageDtype {
     type Err = crate::Error;
     fn from_str(s: &str) -> crate::error::Result<StorageDtype> {

@@ -148,8 +148,9 @@ pub enum Update {
     /// Move the selection to op `index` of the current run.
     Select(usize),
     Log(String),
-    /// The session was autosaved there: worth a line in the log file, not on the screen.
-    Autosaved(PathBuf),
+    /// An autosave's result: the path saved to (worth a line in the log file, not on the
+    /// screen), or why it failed. Quitting waits for it to say where the session went.
+    Autosaved(std::result::Result<PathBuf, String>),
     /// The notes of a loaded session: they become the UI's notes, so the next save keeps them.
     Notes(Vec<String>),
     /// The notes placed in a replayed session's timeline, in the order a tour visits them.
@@ -312,9 +313,9 @@ pub trait DebugService {
                 autosave,
             } => match (self.save(&path, cursor, notes, tensors), autosave) {
                 (Ok(()), false) => self.log(format!("saved session to {}", path.display())),
-                (Ok(()), true) => (self.sender())(Update::Autosaved(path)),
+                (Ok(()), true) => (self.sender())(Update::Autosaved(Ok(path))),
                 (Err(e), false) => return Err(e),
-                (Err(e), true) => self.log(format!("autosave failed: {e}")),
+                (Err(e), true) => (self.sender())(Update::Autosaved(Err(e.to_string()))),
             },
             Command::Note { text, about, pane } => {
                 let (run, op) = self.place();

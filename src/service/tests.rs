@@ -80,7 +80,8 @@ fn lines(updates: &Mutex<Vec<Update>>) -> Vec<String> {
         .filter_map(|u| match u {
             Update::Log(l) => Some(l),
             Update::Error(e) => Some(format!("error: {e}")),
-            Update::Autosaved(p) => Some(format!("autosaved {}", p.display())),
+            Update::Autosaved(Ok(p)) => Some(format!("autosaved {}", p.display())),
+            Update::Autosaved(Err(e)) => Some(format!("autosave failed: {e}")),
             _ => None,
         })
         .collect()

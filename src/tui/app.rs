@@ -21,13 +21,16 @@ use std::sync::Arc;
 mod commands;
 mod derived;
 mod navigation;
+mod pane;
 mod progress;
+mod quit;
 mod search;
 mod summary;
 mod tour;
 mod walk;
 
 pub use derived::{Against, Divergence, Marks};
+pub use pane::PaneScroll;
 pub use progress::{system_clock, Clock, Started};
 pub use summary::{op_health, Health, LayerSummary, Summaries};
 pub use tour::{Tour, NO_NOTES};
@@ -157,6 +160,8 @@ pub struct App {
     pub help_scroll: u16,
     /// First tree row shown.
     pub scroll: usize,
+    /// How far the right pane is scrolled.
+    pub pane_scroll: PaneScroll,
     /// The selection follows the execution position.
     pub follow: bool,
     /// Attention head shown in heat maps and per-head figures.
@@ -181,6 +186,10 @@ pub struct App {
     pub summary_cache: HashMap<(usize, Option<usize>), Summaries>,
     /// Where and how often the session is saved unasked (and on quit); `None`: never.
     pub autosave: Option<Autosave>,
+    /// Why a live session has no autosave, said on quit (`None` in replays: nothing to say).
+    pub autosave_off: Option<String>,
+    /// The last autosave's result, once the debugger reported it.
+    pub autosave_result: Option<Result<PathBuf, String>>,
     /// MLA disable came on from `VLLM_MLA_DISABLE` (the header says so).
     pub mla_disable_env: bool,
     /// The tensor-parallel rank whose ops the tree shows; `None`: every rank's.
@@ -228,6 +237,8 @@ impl Autosave {
 pub struct Areas {
     pub tree: Rect,
     pub tabs: Rect,
+    /// The right pane's body (the mouse wheel scrolls it there).
+    pub pane: Rect,
 }
 
 impl App {
@@ -248,6 +259,7 @@ impl App {
             started: None,
             help_scroll: 0,
             scroll: 0,
+            pane_scroll: PaneScroll::default(),
             follow: true,
             head: 0,
             tree_percent: 40,
@@ -260,6 +272,8 @@ impl App {
             reference_marks: HashMap::new(),
             summary_cache: HashMap::new(),
             autosave: None,
+            autosave_off: None,
+            autosave_result: None,
             mla_disable_env: false,
             rank_view: None,
             learn_step: None,
@@ -275,9 +289,10 @@ impl App {
         let Some(a) = &mut self.autosave else { return };
         a.last = std::time::Instant::now();
         let path = a.path.clone();
+        self.autosave_result = None;
         if let Some(dir) = path.parent() {
             if let Err(e) = std::fs::create_dir_all(dir) {
-                self.say(format!("autosave failed: {}: {e}", dir.display()));
+                self.autosaved(Err(format!("{}: {e}", dir.display())));
                 return;
             }
         }
@@ -426,9 +441,7 @@ impl App {
                 self.select(Node::Op(index));
             }
             Update::Log(line) => self.say(line),
-            Update::Autosaved(path) => {
-                tracing::info!("autosaved to {}", path.display())
-            }
+            Update::Autosaved(result) => self.autosaved(result),
             Update::Notes(notes) => self.notes = notes,
             u @ (Update::Tour(_) | Update::NoteReached { .. }) => self.tour_update(u),
             Update::Error(e) => self.say(format!("error: {e}")),
@@ -577,6 +590,8 @@ impl App {
                 self.follow = true;
                 self.select_position();
             }
+            Action::PaneDown => self.scroll_pane(1),
+            Action::PaneUp => self.scroll_pane(-1),
             Action::Narrower => self.tree_percent = self.tree_percent.saturating_sub(5).max(20),
             Action::Wider => self.tree_percent = (self.tree_percent + 5).min(70),
             Action::Help => {

@@ -37,6 +37,8 @@ pub enum Action {
     Notes,
     NotesDown,
     NotesUp,
+    PaneDown,
+    PaneUp,
     Follow,
     Narrower,
     Wider,
@@ -46,7 +48,7 @@ pub enum Action {
 }
 
 impl Action {
-    pub const ALL: [Action; 35] = [
+    pub const ALL: [Action; 37] = [
         Action::Up,
         Action::Down,
         Action::PageUp,
@@ -76,6 +78,8 @@ impl Action {
         Action::Notes,
         Action::NotesDown,
         Action::NotesUp,
+        Action::PaneDown,
+        Action::PaneUp,
         Action::Follow,
         Action::Narrower,
         Action::Wider,
@@ -139,6 +143,8 @@ impl Action {
             Action::Notes => "show / hide the notes pane",
             Action::NotesDown => "scroll the notes pane down",
             Action::NotesUp => "scroll the notes pane up",
+            Action::PaneDown => "scroll the right pane (tensor / buffers / compare) down",
+            Action::PaneUp => "scroll the right pane up",
             Action::Follow => "jump to the execution position",
             Action::Narrower => "narrower execution tree",
             Action::Wider => "wider execution tree",
@@ -179,6 +185,8 @@ impl Action {
             Action::Notes => &["o"],
             Action::NotesDown => &["J"],
             Action::NotesUp => &["K"],
+            Action::PaneDown => &[">"],
+            Action::PaneUp => &["<"],
             Action::Follow => &["."],
             Action::Narrower => &["["],
             Action::Wider => &["]"],
@@ -332,7 +340,9 @@ impl Keymap {
             })?;
             let keys = keys
                 .iter()
-                .map(|k| Key::parse(k).map_err(|e| Error::parse(path, format!("{action:?}: {e}"))))
+                .map(|k| {
+                    Key::parse(k).map_err(|e| Error::parse(path, format!("{}: {e}", action.name())))
+                })
                 .collect::<Result<Vec<Key>>>()?;
             if keys.is_empty() {
                 return Err(Error::parse(

@@ -94,6 +94,9 @@ pub fn run(args: &TuiArgs) -> Result<()> {
         app.say(format!("note: {}", crate::setup::VLLM_MLA_DISABLE_NOTE));
     }
     app.autosave = app::Autosave::from_env();
+    if app.autosave.is_none() {
+        app.autosave_off = Some(app::Autosave::why_off());
+    }
     term::run_terminal(app)
 }
 

@@ -89,7 +89,7 @@ pub fn run_loop<B: Backend, E: EventSource>(
         dirty = true;
     }
     // On quit, the session is saved unasked too (when an autosave is set).
-    app.autosave_now();
+    app.save_on_quit();
     Ok(())
 }
 
@@ -113,6 +113,10 @@ pub fn run_terminal(mut app: App) -> Result<()> {
     ratatui::restore();
     // The cursor too (leaving the alternate screen does not show it again in every terminal).
     let _ = execute!(std::io::stdout(), ratatui::crossterm::cursor::Show);
+    // Where the session went, on the restored terminal (the save may still be finishing).
+    if let Some(line) = app.quit_line(Duration::from_secs(120)) {
+        eprintln!("{line}");
+    }
     // Ended by a signal: the terminal is restored and the session saved as on `q`; the exit
     // status says which signal, as the shell's would.
     let sig = signal_received();

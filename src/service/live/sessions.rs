@@ -170,6 +170,19 @@ impl Host {
             (self.send)(Update::Stopped(Stop::Stepped));
             next.finish_if_done();
         }
+        // Placed notes keep their op and pane; the timeline they were placed in is not
+        // recomputed (only the last run is, to the cursor), so they are placed where the
+        // loaded debugger stands.
+        let (run, op) = next.place();
+        next.annotations = session
+            .annotations
+            .iter()
+            .map(|a| crate::session::recorded::Annotation {
+                run,
+                op,
+                ..a.clone()
+            })
+            .collect();
         let placed = session.annotations.iter().map(|a| &a.text);
         let notes: Vec<String> = session.notes.iter().chain(placed).cloned().collect();
         for note in &notes {

@@ -188,8 +188,14 @@ impl App {
 
     pub fn on_mouse(&mut self, m: MouseEvent) {
         match m.kind {
-            MouseEventKind::ScrollDown => self.move_selection(3),
-            MouseEventKind::ScrollUp => self.move_selection(-3),
+            MouseEventKind::ScrollDown | MouseEventKind::ScrollUp => {
+                let down = m.kind == MouseEventKind::ScrollDown;
+                if self.areas.pane.contains((m.column, m.row).into()) {
+                    self.scroll_pane(if down { 3 } else { -3 });
+                } else {
+                    self.move_selection(if down { 3 } else { -3 });
+                }
+            }
             MouseEventKind::Down(MouseButton::Left) => {
                 let (x, y) = (m.column, m.row);
                 let tree = self.areas.tree;

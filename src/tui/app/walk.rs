@@ -133,7 +133,7 @@ impl App {
                 moved: first.is_some(),
             };
         }
-        let path_name = |p: MlaPath| format!("{p:?}").to_lowercase();
+        let path_name = |p: MlaPath| p.to_string();
         WalkTarget::Missing(match step.path {
             Some(w) => {
                 let ran = run.flags.paths();

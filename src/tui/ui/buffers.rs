@@ -4,11 +4,12 @@
 
 use super::short_name;
 use crate::debug::forensics::{attention_chain_of_rank, consumers};
-use crate::engine::trace::{BufferRef, BufferRole};
+use crate::debug::RunRecord;
+use crate::engine::trace::{BufferRef, BufferRole, OpEvent};
 use crate::tui::app::App;
 use ratatui::layout::Rect;
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Paragraph, Wrap};
+use ratatui::widgets::Paragraph;
 use ratatui::Frame;
 
 fn buf(b: &BufferRef) -> String {
@@ -35,11 +36,12 @@ fn bytes(n: usize) -> String {
     }
 }
 
-pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
+/// Returns how far the pane can scroll (see [`super::scrolled`]).
+pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) -> u16 {
     let t = &app.theme;
     let Some((index, e)) = app.selected_op() else {
         frame.render_widget(Paragraph::new("Select an op to see its buffers."), area);
-        return;
+        return 0;
     };
     let run = app.mirror.current().expect("an op is selected");
     let label = |k: &str| Span::styled(format!("{k:<9}"), t.dim());
@@ -73,6 +75,8 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             ]));
         }
     }
+    // The chain comes before the lists of buffers, so that a disconnect shows on a small screen.
+    lines.extend(chain_lines(app, run, e));
     let s = &e.stats;
     lines.push(Line::from(vec![
         label("written"),
@@ -114,40 +118,50 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             from,
         ]));
     }
-    if let Some(layer) = e.layer {
-        if let Some(chain) = attention_chain_of_rank(run, e.phase, layer, e.rank) {
-            let rank = e.rank.map_or(String::new(), |r| format!(", rank {r}"));
-            lines.push(Line::from(Span::styled(
-                format!("attention chain, layer {layer}, {}{rank}", e.phase),
-                t.dim(),
-            )));
-            lines.push(Line::from(format!(
-                "  kernel ({}) wrote buf {:<7}",
-                short_name(&chain.kernel_op),
-                chain.kernel_wrote.id.0
-            )));
-            lines.push(Line::from(format!(
-                "  → the wrapper returned buf {}",
-                chain.returned.id.0
-            )));
-            lines.push(Line::from(
-                match (&chain.consumer_op, &chain.consumer_read) {
-                    (Some(op), Some(b)) => format!("  → {} read buf {:<7}", short_name(op), b.id.0),
-                    _ => "  → no op read it (yet)".to_string(),
-                },
-            ));
-            lines.push(Line::from(if chain.connected {
-                Span::styled("  connected ✓", t.ok())
-            } else {
-                Span::styled(
-                    format!(
-                        "  DISCONNECTED ✗ ({} elements of the returned buffer unwritten)",
-                        chain.unwritten
-                    ),
-                    t.bad(),
-                )
-            }));
-        }
-    }
-    frame.render_widget(Paragraph::new(lines).wrap(Wrap { trim: false }), area);
+    super::scrolled(frame, lines, area, scroll)
+}
+
+/// The attention chain of the op's layer: the kernel's buffer, the one the wrapper returned,
+/// the one the next op read, and whether they are one.
+fn chain_lines(app: &App, run: &RunRecord, e: &OpEvent) -> Vec<Line<'static>> {
+    let t = &app.theme;
+    let mut lines = Vec::new();
+    let Some(layer) = e.layer else {
+        return lines;
+    };
+    let Some(chain) = attention_chain_of_rank(run, e.phase, layer, e.rank) else {
+        return lines;
+    };
+    let rank = e.rank.map_or(String::new(), |r| format!(", rank {r}"));
+    lines.push(Line::from(Span::styled(
+        format!("attention chain, layer {layer}, {}{rank}", e.phase),
+        t.dim(),
+    )));
+    lines.push(Line::from(format!(
+        "  kernel ({}) wrote buf {}",
+        short_name(&chain.kernel_op),
+        chain.kernel_wrote.id.0
+    )));
+    lines.push(Line::from(format!(
+        "  → the wrapper returned buf {}",
+        chain.returned.id.0
+    )));
+    lines.push(Line::from(
+        match (&chain.consumer_op, &chain.consumer_read) {
+            (Some(op), Some(b)) => format!("  → {} read buf {}", short_name(op), b.id.0),
+            _ => "  → no op read it (yet)".to_string(),
+        },
+    ));
+    lines.push(Line::from(if chain.connected {
+        Span::styled("  connected ✓", t.ok())
+    } else {
+        Span::styled(
+            format!(
+                "  DISCONNECTED ✗ ({} elements of the returned buffer unwritten)",
+                chain.unwritten
+            ),
+            t.bad(),
+        )
+    }));
+    lines
 }

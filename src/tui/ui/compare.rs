@@ -13,7 +13,7 @@ use crate::tui::app::{Against, App};
 use crate::tui::keys::Action;
 use ratatui::layout::Rect;
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Paragraph, Wrap};
+use ratatui::widgets::Paragraph;
 use ratatui::Frame;
 
 /// The tolerances of the selected run's dtype (the table `check` uses).
@@ -161,11 +161,12 @@ fn first<'a>(
     (lines, tolerance)
 }
 
-pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
+/// Returns how far the pane can scroll (see [`super::scrolled`]).
+pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) -> u16 {
     let t = &app.theme;
     let Some((i, e)) = app.selected_op() else {
         frame.render_widget(Paragraph::new("Select an op to compare it."), area);
-        return;
+        return 0;
     };
     let run = app.mirror.current().expect("an op is selected");
     let mut lines = Vec::new();
@@ -228,7 +229,7 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
     if let Some(other) = other_path {
         let paths = (run.flags.path_of(e.phase), other.flags.path_of(e.phase));
         lines.push(Line::from(Span::styled(
-            format!("{:?} vs {:?} ({})", paths.0, paths.1, e.phase).to_lowercase(),
+            format!("{} vs {} ({})", paths.0, paths.1, e.phase),
             t.title(),
         )));
         let against = Against::Aux(AuxKind::OtherPath);
@@ -271,5 +272,5 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
         }
         lines.extend(first_line);
     }
-    frame.render_widget(Paragraph::new(lines).wrap(Wrap { trim: false }), area);
+    super::scrolled(frame, lines, area, scroll)
 }

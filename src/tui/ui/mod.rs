@@ -10,6 +10,7 @@
 
 mod buffers;
 mod compare;
+mod header;
 mod learn;
 mod notes;
 mod overlays;
@@ -17,10 +18,9 @@ mod tensor;
 mod tree;
 
 use super::app::{App, Overlay, Tab};
+use super::keys::Action;
 use crate::debug::compare::{compare_outputs, Diff};
 use crate::debug::controller::Stop;
-use crate::debug::idle::Subject;
-use crate::engine::faults::{spec_of, Fault};
 use crate::engine::trace::OpEvent;
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::Style;
@@ -37,8 +37,9 @@ pub fn draw(frame: &mut Frame, app: &mut App) {
     // The notes pane, when open, takes rows from the log (two stay) and the panes.
     let notes_rows = notes::height(app, area);
     let log_rows = if notes_rows > 0 { 2 } else { 4 };
+    let header_rows = header::height(app, area.width);
     let [flags, main, notes_area, log, status] = Layout::vertical([
-        Constraint::Length(1),
+        Constraint::Length(header_rows),
         Constraint::Min(8),
         Constraint::Length(notes_rows),
         Constraint::Length(log_rows),
@@ -82,95 +83,7 @@ pub fn draw(frame: &mut Frame, app: &mut App) {
 }
 
 fn flags_bar(frame: &mut Frame, app: &App, area: Rect) {
-    let t = &app.theme;
-    let f = &app.mirror.flags;
-    let onoff = |on: bool| if on { "on" } else { "off" };
-    let item = |name: &str, value: String, on: bool| {
-        let label = if name.is_empty() {
-            String::new()
-        } else {
-            format!("{name} ")
-        };
-        vec![
-            Span::styled(label, t.dim()),
-            Span::styled(value, if on { t.on() } else { t.base() }),
-            Span::styled(" │ ", t.dim()),
-        ]
-    };
-    let paths = f.paths();
-    // A flag that had nothing to act on says so.
-    let idle = |s: Subject| app.mirror.idle.iter().any(|i| i.subject == s);
-    let marked = |text: String, is_idle: bool| {
-        if is_idle {
-            format!("{text} (idle)")
-        } else {
-            text
-        }
-    };
-    let mut spans = vec![
-        Span::styled(" mladb ", t.title()),
-        Span::styled("│ ", t.dim()),
-    ];
-    let mla_idle = idle(Subject::MlaDisable);
-    if f.mla_disable && app.mla_disable_env {
-        spans.extend(item(
-            "",
-            marked("VLLM_MLA_DISABLE=1".into(), mla_idle),
-            true,
-        ));
-    } else {
-        spans.extend(item(
-            "MLA-disable",
-            marked(onoff(f.mla_disable).into(), mla_idle),
-            f.mla_disable,
-        ));
-    }
-    spans.extend(item(
-        "",
-        marked(
-            format!("{:?}/{:?}", paths.prefill, paths.decode).to_lowercase(),
-            idle(Subject::PrefillPath) || idle(Subject::DecodePath),
-        ),
-        false,
-    ));
-    spans.extend(item(
-        "dequant",
-        marked(onoff(f.force_dequant).into(), idle(Subject::ForceDequant)),
-        f.force_dequant,
-    ));
-    // The latent cache's storage, when it is not bf16.
-    let kv = match f.kv_cache {
-        crate::ops::KvCacheDtype::Bf16 => String::new(),
-        other => format!(" kv {other}"),
-    };
-    spans.extend(item(
-        "",
-        format!("{:?} {:?}{kv}", f.device, f.dtype).to_lowercase(),
-        f.dtype != Default::default() || !kv.is_empty(),
-    ));
-    // The attention kernels mean something on the GPU only.
-    if f.device == crate::debug::flags::DeviceFlag::Cuda {
-        spans.extend(item(
-            "attn",
-            crate::debug::flags::kernels_text(&f.kernels),
-            f.kernels != Default::default(),
-        ));
-    }
-    let faults: Vec<String> = Fault::ALL
-        .into_iter()
-        .filter_map(|fault| {
-            let spec = spec_of(fault, f.faults.scope(fault)?);
-            Some(marked(spec, idle(Subject::Fault(fault))))
-        })
-        .collect();
-    let faults = if faults.is_empty() {
-        "none".to_string()
-    } else {
-        faults.join(",")
-    };
-    spans.extend(item("inject", faults, !f.faults.is_empty()));
-    spans.pop();
-    frame.render_widget(Paragraph::new(Line::from(spans)), area);
+    frame.render_widget(Paragraph::new(header::lines(app, area.width)), area);
 }
 
 fn right_pane(frame: &mut Frame, app: &mut App, area: Rect) {
@@ -194,12 +107,38 @@ fn right_pane(frame: &mut Frame, app: &mut App, area: Rect) {
         t.title(),
     ));
     let inner = block.inner(body);
+    app.areas.pane = inner;
+    let scroll = app.pane_scroll.offset_for(app.tab, app.selected);
+    let most = match app.tab {
+        Tab::Tensor => tensor::draw(frame, app, inner, scroll),
+        Tab::Buffers => buffers::draw(frame, app, inner, scroll),
+        Tab::Compare => compare::draw(frame, app, inner, scroll),
+    };
+    app.pane_scroll.drawn(most);
+    // Content taller than the pane says so, and where it stands, on the bottom border.
+    let block = if most > 0 {
+        let key = |a| app.keymap.key_of(a);
+        let hint = format!(
+            " {}/{} scroll ({}/{}) ",
+            key(Action::PaneDown),
+            key(Action::PaneUp),
+            app.pane_scroll.offset + 1,
+            most + 1
+        );
+        block.title_bottom(Line::from(Span::styled(hint, t.dim())).right_aligned())
+    } else {
+        block
+    };
     frame.render_widget(block, body);
-    match app.tab {
-        Tab::Tensor => tensor::draw(frame, app, inner),
-        Tab::Buffers => buffers::draw(frame, app, inner),
-        Tab::Compare => compare::draw(frame, app, inner),
-    }
+}
+
+/// Draws a pane's lines wrapped to `area` from line `scroll` on; returns how many lines are
+/// below the pane when it shows the first (how far it can scroll).
+fn scrolled(frame: &mut Frame, lines: Vec<Line>, area: Rect, scroll: u16) -> u16 {
+    let text = Paragraph::new(lines).wrap(Wrap { trim: false });
+    let most = (text.line_count(area.width) as u16).saturating_sub(area.height);
+    frame.render_widget(text.scroll((scroll.min(most), 0)), area);
+    most
 }
 
 fn log_pane(frame: &mut Frame, app: &App, area: Rect) {

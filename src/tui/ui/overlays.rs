@@ -105,10 +105,23 @@ pub(super) fn wrap(text: &str, width: usize) -> Vec<String> {
     out.into_iter().map(|l| format!("{lead}{l}")).collect()
 }
 
+/// The fault menu. Where the screen is too narrow for the descriptions (80 columns), each row's
+/// is cut short and the selected fault's is shown whole below the list; where it is too short
+/// for every row, the list scrolls with the selection.
 pub fn inject(frame: &mut Frame, app: &App, area: Rect, selected: usize, scope: Scope) {
     let t = &app.theme;
     let faults = app.mirror.flags.faults;
-    let lines: Vec<Line> = Fault::ALL
+    const LEAD: usize = 4 + 26 + 10;
+    let longest = Fault::ALL
+        .iter()
+        .map(|f| f.description().chars().count())
+        .max()
+        .unwrap_or(0);
+    let r = centred(area, (LEAD + longest + 2) as u16, area.height);
+    let inner = r.width.saturating_sub(2) as usize;
+    let room = inner.saturating_sub(LEAD);
+    let cut = room < longest;
+    let rows: Vec<Line> = Fault::ALL
         .iter()
         .enumerate()
         .map(|(i, f)| {
@@ -123,6 +136,13 @@ pub fn inject(frame: &mut Frame, app: &App, area: Rect, selected: usize, scope: 
                 }
                 (false, None) => (String::new(), t.base()),
             };
+            let about = f.description();
+            let about = if about.chars().count() > room {
+                let kept: String = about.chars().take(room.saturating_sub(1)).collect();
+                format!("{kept}…")
+            } else {
+                about.to_string()
+            };
             let line = Line::from(vec![
                 Span::styled(
                     if active.is_some() { "[x] " } else { "[ ] " },
@@ -130,7 +150,7 @@ pub fn inject(frame: &mut Frame, app: &App, area: Rect, selected: usize, scope: 
                 ),
                 Span::raw(format!("{:<26}", f.name())),
                 Span::styled(format!("{scope_text:<10}"), style),
-                Span::styled(f.description(), t.dim()),
+                Span::styled(about, t.dim()),
             ]);
             if i == selected {
                 line.style(t.selected())
@@ -139,13 +159,35 @@ pub fn inject(frame: &mut Frame, app: &App, area: Rect, selected: usize, scope: 
             }
         })
         .collect();
-    let r = centred(area, 124, lines.len() as u16 + 2);
+    // The selected fault's description, whole, under a rule.
+    let mut footer: Vec<Line> = Vec::new();
+    if cut {
+        let fault = Fault::ALL[selected.min(Fault::ALL.len() - 1)];
+        footer.push(Line::from(Span::styled("─".repeat(inner), t.dim())));
+        let text = format!("{}: {}", fault.name(), fault.description());
+        footer.extend(wrap(&text, inner).into_iter().map(Line::from));
+    }
+    let shown = (area.height.saturating_sub(2) as usize)
+        .saturating_sub(footer.len())
+        .clamp(1, rows.len());
+    let first = selected.saturating_sub(shown - 1);
+    let mut lines: Vec<Line> = rows.into_iter().skip(first).take(shown).collect();
+    lines.extend(footer);
+    let r = centred(area, r.width, lines.len() as u16 + 2);
     frame.render_widget(Clear, r);
     frame.render_widget(
-        Paragraph::new(lines).block(Block::default().borders(Borders::ALL).title(Span::styled(
-            " inject a fault (Enter toggles it in the scope shown, ←/→ prefill/decode/both, Esc closes) ",
-            t.title(),
-        ))),
+        Paragraph::new(lines).block(
+            Block::default()
+                .borders(Borders::ALL)
+                .title(Span::styled(" inject a fault ", t.title()))
+                .title_bottom(
+                    Line::from(Span::styled(
+                        " Enter toggles it in the scope shown · ←/→ prefill/decode/both · Esc closes ",
+                        t.dim(),
+                    ))
+                    .right_aligned(),
+                ),
+        ),
         r,
     );
 }

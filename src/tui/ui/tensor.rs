@@ -16,14 +16,15 @@ use ratatui::Frame;
 
 const BARS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
 
-pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
+/// Returns how far the pane can scroll (see [`super::scrolled`]).
+pub fn draw(frame: &mut Frame, app: &App, area: Rect, scroll: u16) -> u16 {
     let t = &app.theme;
     let Some((index, e)) = app.selected_op() else {
         frame.render_widget(
             Paragraph::new("Select an op in the execution tree (j/k, Enter)."),
             area,
         );
-        return;
+        return 0;
     };
     let run = app.mirror.current().expect("an op is selected");
     let out = &run.outputs[index];
@@ -151,11 +152,7 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             ),
             t.dim(),
         )));
-        frame.render_widget(
-            Paragraph::new(lines).wrap(ratatui::widgets::Wrap { trim: false }),
-            area,
-        );
-        return;
+        return super::scrolled(frame, lines, area, scroll);
     }
     let heads = app.heads_of_op(e);
     if let Some(layout) = heads_of(e, heads) {
@@ -210,10 +207,7 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             area.width as usize,
         ));
     }
-    frame.render_widget(
-        Paragraph::new(lines).wrap(ratatui::widgets::Wrap { trim: false }),
-        area,
-    );
+    super::scrolled(frame, lines, area, scroll)
 }
 
 /// A one-line histogram of the finite values over [min, max].

@@ -270,7 +270,7 @@ fn outputs(app: &App, layer: usize) -> Vec<Line<'static>> {
             .map(|v| format!("{:>9}", num(*v as f64)))
             .collect::<String>()
     };
-    let path = |p: MlaPath| format!("{:<9}", format!("{p:?}").to_lowercase());
+    let path = |p: MlaPath| format!("{p:<9}");
     let d = diff(ra, rb, &[cols], None);
     head.extend([
         Line::from(format!(

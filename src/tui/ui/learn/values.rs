@@ -201,7 +201,7 @@ fn part<'b>(
 }
 
 fn path(p: MlaPath) -> String {
-    format!("{p:?}").to_lowercase()
+    p.to_string()
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f64 {

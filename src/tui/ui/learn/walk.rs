@@ -36,7 +36,7 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
     };
     let step = WALK[i];
     let path = match step.path {
-        Some(p) => format!(" ({} path)", format!("{p:?}").to_lowercase()),
+        Some(p) => format!(" ({p} path)"),
         None => " (both paths)".to_string(),
     };
     let mut lines = vec![Line::from(vec![
@@ -58,7 +58,7 @@ pub fn draw(frame: &mut Frame, app: &App, area: Rect) {
             let why = match (app.learn_from, app.mirror.current()) {
                 (Some(from), Some(run)) if from != phase && step.path.is_some() => format!(
                     " (not in {from}: it ran the {} path)",
-                    format!("{:?}", run.flags.path_of(from)).to_lowercase()
+                    run.flags.path_of(from)
                 ),
                 _ => String::new(),
             };
