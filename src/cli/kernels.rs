@@ -4,7 +4,7 @@
 
 use super::Out;
 use crate::backend::cuda::compile::{
-    compile, describe_version, hopper_target, resources, HOPPER_SOURCES, SOURCES,
+    compile, describe_version, hopper_target, kernel_source, resources, HOPPER_SOURCES, SOURCES,
 };
 use crate::error::{Error, Result};
 use clap::Args;
@@ -54,7 +54,7 @@ pub fn run(args: &KernelsArgs) -> Result<bool> {
             );
         for (file, src, target) in files {
             let arch = &target;
-            match compile(file, src, arch) {
+            match compile(file, &kernel_source(file, src), arch) {
                 Ok(c) => {
                     let res = resources(&c.log);
                     writeln!(Out, "{arch:<8} {file:<16} ok ({} bytes)", c.code.len())?;

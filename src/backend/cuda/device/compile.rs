@@ -84,11 +84,9 @@ pub fn hopper_target(arch: &str) -> Option<String> {
 }
 
 /// The source with `common.cuh`, `mma.cuh`, `wgmma.cuh`, `tma.cuh`, `kv_fp8.cuh`, `sparse.cuh`
-/// and `variants.cuh` inlined (NVRTC is given no include files), each header taken from
-/// [`KERNEL_SRC_ENV`]'s folder where it holds one.
+/// and `variants.cuh` inlined (NVRTC is given no include files), each header as
+/// [`kernel_source`] gives it.
 pub fn full_source(src: &str) -> String {
-    let header =
-        |file: &str, embedded: &str| override_source(file).unwrap_or_else(|| embedded.to_string());
     [
         ("common.cuh", COMMON),
         ("mma.cuh", MMA),
@@ -102,7 +100,7 @@ pub fn full_source(src: &str) -> String {
     .fold(src.to_string(), |text, &(file, embedded)| {
         let include = format!("#include \"{file}\"");
         if text.contains(&include) {
-            text.replace(&include, &header(file, embedded))
+            text.replace(&include, &kernel_source(file, embedded))
         } else {
             text
         }
@@ -114,10 +112,17 @@ pub fn full_source(src: &str) -> String {
 /// signatures and the shared-memory sizes of `variants.cuh` stay the binary's own.
 pub const KERNEL_SRC_ENV: &str = "MLADB_KERNEL_SRC";
 
-/// The text of `file` in [`KERNEL_SRC_ENV`]'s folder, when it is set and holds that file.
-pub fn override_source(file: &str) -> Option<String> {
-    let dir = std::env::var_os(KERNEL_SRC_ENV).filter(|d| !d.is_empty())?;
-    source_in(std::path::Path::new(&dir), file)
+/// The source of kernel file `file`: the one in [`KERNEL_SRC_ENV`]'s folder when it is set and
+/// holds that file, else the embedded one. Callers take a `.cu` file's source from here once,
+/// before they compile or key it; headers are taken by [`full_source`].
+pub fn kernel_source<'a>(file: &str, embedded: &'a str) -> std::borrow::Cow<'a, str> {
+    std::env::var_os(KERNEL_SRC_ENV)
+        .filter(|d| !d.is_empty())
+        .and_then(|dir| source_in(std::path::Path::new(&dir), file))
+        .map_or(
+            std::borrow::Cow::Borrowed(embedded),
+            std::borrow::Cow::Owned,
+        )
 }
 
 /// `dir/file`'s text if it is a file (one that cannot be read, or is over 4 MiB, is reported on
@@ -164,19 +169,16 @@ pub struct Compiled {
     pub log: String,
 }
 
-/// Compiles `name` for `arch`: `compute_XY` gives PTX, `sm_XY` a cubin (with ptxas' report).
-/// A file of the same name in [`KERNEL_SRC_ENV`]'s folder replaces `src`.
 /// NVRTC's flags beside the target (the kernel cache's key holds them).
 pub const NVRTC_FLAGS: &[&str] = &["--std=c++17", "--fmad=true", "-default-device"];
 
+/// Compiles `name` for `arch`: `compute_XY` gives PTX, `sm_XY` a cubin (with ptxas' report).
 pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     if !nvrtc_present() {
         return Err(Error::invalid(
             "NVRTC (libnvrtc.so) is not on the library path: CUDA kernels cannot be compiled",
         ));
     }
-    let replaced = override_source(name);
-    let src = replaced.as_deref().unwrap_or(src);
     let cubin = arch.starts_with("sm_");
     let source = CString::new(full_source(src))
         .map_err(|_| Error::invalid(format!("{name}: NUL in source")))?;

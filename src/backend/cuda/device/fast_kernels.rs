@@ -313,18 +313,19 @@ impl Gpu {
     /// The decode kernel over every split (with one split it writes `out` and `lse` itself).
     pub fn mla_decode_splits(&self, d: &Decode) -> Result<Launched> {
         let a = d.check()?;
-        let (sig, tma, sparse) = [
-            (&MLA_DECODE_WGMMA, true, false),
-            (&MLA_DECODE_KT, true, false),
-            (&MLA_SPARSE_WGMMA, false, true),
-            (&MLA_DECODE_SPLIT_K, false, false),
-            (&MLA_DECODE_TILED, false, false),
-            (&MLA_SPARSE_SPLIT_K, false, true),
-            (&MLA_SPARSE_TILED, false, true),
-            (&MLA_SPARSE_FEW_HEADS, false, true),
+        // (signature, cache by TMA, query by TMA, sparse)
+        let (sig, tma, q_tma, sparse) = [
+            (&MLA_DECODE_WGMMA, true, true, false),
+            (&MLA_DECODE_KT, true, false, false),
+            (&MLA_SPARSE_WGMMA, false, true, true),
+            (&MLA_DECODE_SPLIT_K, false, false, false),
+            (&MLA_DECODE_TILED, false, false, false),
+            (&MLA_SPARSE_SPLIT_K, false, false, true),
+            (&MLA_SPARSE_TILED, false, false, true),
+            (&MLA_SPARSE_FEW_HEADS, false, false, true),
         ]
         .into_iter()
-        .find(|(s, _, _)| s.matches(d.kernel))
+        .find(|(s, ..)| s.matches(d.kernel))
         .ok_or_else(|| Error::invalid(format!("{} is no MLA decode kernel", d.kernel)))?;
         if sparse != a.sparse.is_some() {
             return Err(Error::invalid(format!(
@@ -344,7 +345,7 @@ impl Gpu {
                 tile as u32,
             )?));
         }
-        if MLA_DECODE_WGMMA.matches(d.kernel) || MLA_SPARSE_WGMMA.matches(d.kernel) {
+        if q_tma {
             // The query by TMA too: boxes of a head group's 64 rows × 64 columns (rows past the
             // batch's last come as zeros).
             args.push(Arg::Map(self.tensor_map_bf16(

@@ -222,8 +222,8 @@ impl Gpu {
             }));
         let mut unavailable = Vec::new();
         for (file, embedded, target, required) in files {
-            let replaced = compile::override_source(file);
-            let src = replaced.as_deref().unwrap_or(embedded);
+            let source = compile::kernel_source(file, embedded);
+            let src = &*source;
             let loaded = (|| -> Result<Vec<(String, Kernel)>> {
                 let code = kernel_cache::compile_cached(file, src, &target)?;
                 let ptx = Ptx::from_src(String::from_utf8_lossy(&code).into_owned());
