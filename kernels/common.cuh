@@ -38,6 +38,29 @@ template <> struct St<bf16_t> {
 template <typename T> __device__ __forceinline__ float ld(const T* p, u64 i) { return St<T>::ld(p, i); }
 template <typename T> __device__ __forceinline__ void st(T* p, u64 i, float v) { St<T>::st(p, i, v); }
 
+// Storage values a lane loads at once: 16 bytes.
+template <typename T> struct Vec16;
+template <> struct Vec16<float> {
+    static const int N = 4;
+    typedef float4 Raw;
+    static __device__ __forceinline__ float get(const Raw& r, int i) {
+        return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w;
+    }
+};
+template <> struct Vec16<bf16_t> {
+    static const int N = 8;
+    typedef uint4 Raw;
+    static __device__ __forceinline__ float get(const Raw& r, int i) {
+        u32 word = i < 2 ? r.x : i < 4 ? r.y : i < 6 ? r.z : r.w;
+        return __uint_as_float((i & 1) ? (word & 0xffff0000u) : (word << 16));
+    }
+};
+
+// The value as the storage type holds it.
+template <typename T> __device__ __forceinline__ float stored(float v);
+template <> __device__ __forceinline__ float stored<float>(float v) { return v; }
+template <> __device__ __forceinline__ float stored<bf16_t>(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -179,6 +179,39 @@ fn linear_norms_rope_and_elementwise_ops(gpu: bool) {
     }
 }
 
+/// Linear layers of few rows, as decode steps run them (the device takes up to 8 rows through
+/// its own weight-streaming kernel instead of cuBLAS), against the CPU: every row count from 1
+/// to 9, inner sizes that fill a 16-byte vector and one that does not (cuBLAS in bf16), output
+/// counts that leave a warp's band of rows part empty, and enough of them that 4, 2 and 1 warps
+/// share a band.
+fn linear_of_few_rows(gpu: bool) {
+    let cpu = CpuBackend;
+    for u in backends(gpu) {
+        let b = &*u.backend;
+        for (k, out) in [
+            (8, 1),
+            (96, 5),
+            (200, 33),
+            (20, 70),
+            (6152, 300),
+            (64, 3000),
+            (24, 5000),
+            (16, 9000),
+        ] {
+            let w = random(&[out, k], "few.w", 0.1);
+            for n in 1..=9 {
+                let x = random(&[n, k], "few.x", 1.0);
+                check(
+                    &u,
+                    &format!("linear {n}×{k} → {out}"),
+                    &b.linear(&x, &w, None).unwrap(),
+                    &cpu.linear(&x, &w, None).unwrap(),
+                );
+            }
+        }
+    }
+}
+
 fn statistics_count_everything_on_every_backend(gpu: bool) {
     let mut t = random(&[1000], "s", 3.0);
     t.data_mut()[10] = f32::NAN;
@@ -810,6 +843,7 @@ fn routed_experts_match_the_cpu_one_by_one(gpu: bool) {
 
 cpu_and_gpu!(
     linear_norms_rope_and_elementwise_ops,
+    linear_of_few_rows,
     statistics_count_everything_on_every_backend,
     statistics_of_many_tensors_come_back_together,
     a_statistics_batch_keeps_each_tensor_as_it_was_when_started,

@@ -164,6 +164,82 @@ impl SumClock {
     }
 }
 
+/// A kind of call into the device's driver or libraries, as [`DriverCalls`] counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DriverCall {
+    Alloc,
+    Launch,
+    Gemm,
+    Upload,
+    Download,
+    Copy,
+    TensorMap,
+    Wait,
+}
+
+impl DriverCall {
+    pub const ALL: [DriverCall; 8] = [
+        DriverCall::Alloc,
+        DriverCall::Launch,
+        DriverCall::Gemm,
+        DriverCall::Upload,
+        DriverCall::Download,
+        DriverCall::Copy,
+        DriverCall::TensorMap,
+        DriverCall::Wait,
+    ];
+
+    /// The kind in a word, for tables.
+    pub fn word(self) -> &'static str {
+        match self {
+            DriverCall::Alloc => "allocations",
+            DriverCall::Launch => "kernel launches",
+            DriverCall::Gemm => "cuBLAS GEMMs",
+            DriverCall::Upload => "uploads",
+            DriverCall::Download => "downloads",
+            DriverCall::Copy => "device copies",
+            DriverCall::TensorMap => "tensor maps",
+            DriverCall::Wait => "waits",
+        }
+    }
+}
+
+/// Calls into the driver and their host time, per [`DriverCall`] kind (indexed by it), added up
+/// since the device was opened: subtract two to charge what happened between them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DriverCalls {
+    pub calls: [u64; DriverCall::ALL.len()],
+    pub nanos: [u64; DriverCall::ALL.len()],
+}
+
+impl DriverCalls {
+    /// What was added between `earlier` and `self`.
+    pub fn since(&self, earlier: &DriverCalls) -> DriverCalls {
+        let mut d = DriverCalls::default();
+        for i in 0..DriverCall::ALL.len() {
+            d.calls[i] = self.calls[i].saturating_sub(earlier.calls[i]);
+            d.nanos[i] = self.nanos[i].saturating_sub(earlier.nanos[i]);
+        }
+        d
+    }
+
+    /// Adds `other` in.
+    pub fn add(&mut self, other: &DriverCalls) {
+        for i in 0..DriverCall::ALL.len() {
+            self.calls[i] += other.calls[i];
+            self.nanos[i] += other.nanos[i];
+        }
+    }
+
+    /// Every call, and their host seconds.
+    pub fn total(&self) -> (u64, f64) {
+        (
+            self.calls.iter().sum(),
+            self.nanos.iter().sum::<u64>() as f64 * 1e-9,
+        )
+    }
+}
+
 /// The numerical ops of the forward pass. Shapes are row-major; "[n, ...]" means one row per token.
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
@@ -187,6 +263,11 @@ pub trait Backend: Send + Sync {
 
     /// The device's free and total memory in bytes (`None`: a host backend).
     fn device_memory(&self) -> Option<(usize, usize)> {
+        None
+    }
+
+    /// The calls into the device's driver so far, and their host time (`None`: no device).
+    fn driver_calls(&self) -> Option<DriverCalls> {
         None
     }
 

@@ -4,7 +4,7 @@
 //! little. A profile for finding what to make faster, not a figure to report.
 
 use super::Out;
-use crate::backend::Backend;
+use crate::backend::{Backend, DriverCall, DriverCalls};
 use crate::engine::trace::{Observer, OpEvent, Phase};
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -14,12 +14,25 @@ use std::time::Instant;
 /// Wall time per op name (the layer's prefix taken off, so layers add up), per phase kind, and
 /// the host's part of it: the time until the op was handed to the observer, before the wait
 /// (the device was idle at its start, so that is what the host spent issuing the op, plus any
-/// wait of its own, such as the router's ids coming back).
+/// wait of its own, such as the router's ids coming back); and of that, the calls into the
+/// driver and their time, where the backend has a device.
 pub struct OpTimer<'b> {
     backend: &'b dyn Backend,
     last: Instant,
-    /// (decode?, op name) → (calls, seconds, host seconds).
-    times: HashMap<(bool, String), (usize, f64, f64)>,
+    /// The driver's calls until `last` (before the wait that closed the op).
+    calls: Option<DriverCalls>,
+    /// (decode?, op name) → its times.
+    times: HashMap<(bool, String), OpTime>,
+}
+
+/// What an op took over its calls.
+#[derive(Default, Clone)]
+pub struct OpTime {
+    pub calls: usize,
+    pub seconds: f64,
+    pub host_seconds: f64,
+    /// The driver's calls issuing it (the wait that closes it left out).
+    pub driver: DriverCalls,
 }
 
 impl<'b> OpTimer<'b> {
@@ -27,6 +40,7 @@ impl<'b> OpTimer<'b> {
         OpTimer {
             backend,
             last: Instant::now(),
+            calls: backend.driver_calls(),
             times: HashMap::new(),
         }
     }
@@ -35,18 +49,23 @@ impl<'b> OpTimer<'b> {
     pub fn restart(&mut self) -> Result<()> {
         self.backend.synchronize()?;
         self.last = Instant::now();
+        self.calls = self.backend.driver_calls();
         Ok(())
     }
 
-    /// The ops of one phase kind, slowest first: (name, calls, seconds, host seconds).
-    pub fn slowest(&self, decode: bool) -> Vec<(String, usize, f64, f64)> {
-        let mut rows: Vec<(String, usize, f64, f64)> = self
+    /// The ops of one phase kind, slowest first.
+    pub fn slowest(&self, decode: bool) -> Vec<(String, OpTime)> {
+        let mut rows: Vec<(String, OpTime)> = self
             .times
             .iter()
             .filter(|((d, _), _)| *d == decode)
-            .map(|((_, name), &(calls, secs, host))| (name.clone(), calls, secs, host))
+            .map(|((_, name), t)| (name.clone(), t.clone()))
             .collect();
-        rows.sort_by(|a, b| b.2.total_cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
+        rows.sort_by(|a, b| {
+            (b.1.seconds)
+                .total_cmp(&a.1.seconds)
+                .then_with(|| a.0.cmp(&b.0))
+        });
         rows
     }
 }
@@ -62,6 +81,7 @@ fn without_layer(name: &str) -> &str {
 impl Observer for OpTimer<'_> {
     fn on_op(&mut self, event: &OpEvent, _: &Tensor) -> Result<()> {
         let issued = Instant::now();
+        let calls = self.backend.driver_calls();
         self.backend.synchronize()?;
         let now = Instant::now();
         let decode = matches!(event.phase, Phase::Decode(_));
@@ -69,10 +89,14 @@ impl Observer for OpTimer<'_> {
             .times
             .entry((decode, without_layer(&event.name).to_string()))
             .or_default();
-        slot.0 += 1;
-        slot.1 += (now - self.last).as_secs_f64();
-        slot.2 += (issued - self.last).as_secs_f64();
+        slot.calls += 1;
+        slot.seconds += (now - self.last).as_secs_f64();
+        slot.host_seconds += (issued - self.last).as_secs_f64();
+        if let (Some(before), Some(after)) = (&self.calls, &calls) {
+            slot.driver.add(&after.since(before));
+        }
         self.last = now;
+        self.calls = self.backend.driver_calls();
         Ok(())
     }
 
@@ -89,30 +113,57 @@ pub fn print(timer: &OpTimer, layers: usize, steps: usize) -> Result<()> {
         (true, "a decode step", steps.max(1)),
     ] {
         let rows = timer.slowest(decode);
-        let total: f64 = rows.iter().map(|r| r.2).sum();
-        let host: f64 = rows.iter().map(|r| r.3).sum();
+        let total: f64 = rows.iter().map(|r| r.1.seconds).sum();
+        let host: f64 = rows.iter().map(|r| r.1.host_seconds).sum();
         if rows.is_empty() {
             continue;
         }
+        let ms = |secs: f64| secs / per as f64 * 1e3;
         writeln!(
             Out,
             "\nops of {what} over {layers} layer(s), the device synchronised after each op: {:.3} ms in all, {:.3} ms of it on the host before the wait",
-            total / per as f64 * 1e3,
-            host / per as f64 * 1e3
+            ms(total),
+            ms(host)
         )?;
         writeln!(
             Out,
-            "{:<44} {:>6} {:>10} {:>7} {:>10}",
-            "op", "calls", "ms", "share", "host ms"
+            "{:<44} {:>6} {:>10} {:>7} {:>10} {:>13} {:>10}",
+            "op", "calls", "ms", "share", "host ms", "driver calls", "driver ms"
         )?;
-        for (name, calls, secs, host) in rows.iter().take(32) {
+        let mut driver = DriverCalls::default();
+        for (_, t) in &rows {
+            driver.add(&t.driver);
+        }
+        for (name, t) in rows.iter().take(32) {
+            let (n, secs) = t.driver.total();
             writeln!(
                 Out,
-                "{name:<44} {:>6} {:>10.3} {:>6.1}% {:>10.3}",
-                calls / per,
-                secs / per as f64 * 1e3,
-                100.0 * secs / total.max(f64::MIN_POSITIVE),
-                host / per as f64 * 1e3
+                "{name:<44} {:>6} {:>10.3} {:>6.1}% {:>10.3} {:>13} {:>10.3}",
+                t.calls / per,
+                ms(t.seconds),
+                100.0 * t.seconds / total.max(f64::MIN_POSITIVE),
+                ms(t.host_seconds),
+                n / per as u64,
+                ms(secs)
+            )?;
+        }
+        if driver.total().0 > 0 {
+            let kinds: Vec<String> = DriverCall::ALL
+                .iter()
+                .filter(|&&k| driver.calls[k as usize] > 0)
+                .map(|&k| {
+                    format!(
+                        "{} {} ({:.3} ms)",
+                        driver.calls[k as usize] / per as u64,
+                        k.word(),
+                        ms(driver.nanos[k as usize] as f64 * 1e-9)
+                    )
+                })
+                .collect();
+            writeln!(
+                Out,
+                "calls into the driver issuing {what}: {}",
+                kinds.join(", ")
             )?;
         }
     }

@@ -263,6 +263,10 @@ impl Backend for CudaBackend {
         self.gpu.memory().ok()
     }
 
+    fn driver_calls(&self) -> Option<super::DriverCalls> {
+        Some(self.gpu.driver_calls())
+    }
+
     fn alloc(&self, shape: &[usize], poison: bool) -> Result<Tensor> {
         let n = crate::tensor::checked_numel(shape, "device tensor")?;
         let buf = self.gpu.alloc(n, self.elem)?;

@@ -128,7 +128,13 @@ pub(super) fn dsa_selection(
     // Top-k among each query's causal keys; a query with no more than topk of them keeps all.
     let context = keys.len();
     let k_keep = ix.topk.min(context);
-    let mut kept = b.index_topk(&scores, ctx.positions, ix.topk)?;
+    let sparse = ctx.positions.iter().any(|&p| p + 1 > ix.topk);
+    // Where every query has no more causal keys than top-k, each keeps them all: no need to
+    // bring the scores' choice back from the device (a wait in the middle of the layer).
+    let mut kept = match sparse {
+        true => b.index_topk(&scores, ctx.positions, ix.topk)?,
+        false => ctx.positions.iter().map(|&p| (0..=p).collect()).collect(),
+    };
     let topk_name = ctx.name("self_attn.indexer.topk");
     ctx.forced.apply(ctx.phase, &topk_name, &mut kept, |row| {
         ctx.positions[row] + 1
@@ -136,7 +142,6 @@ pub(super) fn dsa_selection(
     for chosen in &mut kept {
         chosen.sort_unstable();
     }
-    let sparse = ctx.positions.iter().any(|&p| p + 1 > ix.topk);
     sink.op(l, &topk_name, OpKind::IndexTopK, &[&scores], |_| {
         let mut listing = Vec::with_capacity(kept.len() * k_keep);
         for chosen in &kept {

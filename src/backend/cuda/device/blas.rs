@@ -1,7 +1,12 @@
 //! The two other foreign calls on device buffers: the cuBLAS GEMM behind every linear layer, and
 //! the driver's encoding of TMA tensor maps for the Hopper kernels. Both check their buffers.
 
-use super::{DevBuf, Elem, Gpu};
+use super::kernels::{name, need, GEMV1, GEMV8};
+use super::{Arg, DevBuf, Elem, Gpu, Launch};
+use crate::backend::DriverCall;
+
+/// Rows of x up to which [`Gpu::gemm_xwt`] runs gemv.cu instead of cuBLAS (its GEMV_TOKENS).
+pub const GEMV_TOKENS: usize = 8;
 use crate::error::{CudaError, Error, Result};
 
 /// A Hopper TMA descriptor (CUtensorMap: 128 opaque bytes, 64-byte aligned), made on the host
@@ -52,6 +57,9 @@ impl Gpu {
         if n == 0 || out == 0 {
             return Ok(());
         }
+        if n <= GEMV_TOKENS && k.is_multiple_of(16 / elem.size()) {
+            return self.gemv(x, w, y, n, k, out);
+        }
         // cuBLAS runs on the context current to the thread; another rank's device may be.
         self.ctx
             .bind_to_thread()
@@ -65,30 +73,82 @@ impl Gpu {
         // times x' (ldb = k); alpha and beta are host f32 as CUBLAS_COMPUTE_32F expects.
         // SAFETY: the three buffers are live and hold n·k, out·k and n·out elements of the type
         // passed (checked above); alpha and beta outlive the call.
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                oi,
-                ni,
-                ki,
-                (&alpha) as *const f32 as *const _,
-                w.ptr() as *const _,
-                ty,
-                ki,
-                x.ptr() as *const _,
-                ty,
-                ki,
-                (&beta) as *const f32 as *const _,
-                y.ptr() as *mut _,
-                ty,
-                oi,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
+        super::ledger::LEDGER
+            .time(DriverCall::Gemm, || unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *self.blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    oi,
+                    ni,
+                    ki,
+                    (&alpha) as *const f32 as *const _,
+                    w.ptr() as *const _,
+                    ty,
+                    ki,
+                    x.ptr() as *const _,
+                    ty,
+                    ki,
+                    (&beta) as *const f32 as *const _,
+                    y.ptr() as *mut _,
+                    ty,
+                    oi,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            })
+            .map_err(CudaError::blas("GEMM"))
+    }
+
+    /// [`Gpu::gemm_xwt`] for at most [`GEMV_TOKENS`] rows, `k` a multiple of 16 bytes of
+    /// values: a weight-streaming kernel (gemv.cu) in place of cuBLAS, whose host call costs a
+    /// decode step's linear layers several times a launch.
+    fn gemv(
+        &self,
+        x: &DevBuf,
+        w: &DevBuf,
+        y: &DevBuf,
+        n: usize,
+        k: usize,
+        out: usize,
+    ) -> Result<()> {
+        let e = y.elem();
+        // Warps sharing each band of 4 rows, each a share of k: the fewest that make two blocks
+        // a multiprocessor (a layer of few rows would leave most of the GPU idle otherwise).
+        let target = 2 * self.multiprocessors();
+        let parts = [1usize, 2, 4, 8]
+            .into_iter()
+            .find(|p| (out * p).div_ceil(32) >= target)
+            .unwrap_or(8);
+        let args = [
+            need("gemv", x, n * k, e)?,
+            need("gemv", w, out * k, e)?,
+            need("gemv", y, n * out, e)?,
+            Arg::U64(n as u64),
+            Arg::U64(k as u64),
+            Arg::U64(out as u64),
+            Arg::U64(parts as u64),
+        ];
+        // The kernel loads 16 bytes at a time from every row of x and w.
+        if ![x, w].iter().all(|b| b.ptr().is_multiple_of(16)) {
+            return Err(Error::invalid("gemv: buffers not 16-byte aligned"));
         }
-        .map_err(CudaError::blas("GEMM"))
+        let (sig, base) = match n {
+            1 => (&GEMV1, "gemv1"),
+            _ => (&GEMV8, "gemv8"),
+        };
+        // 8 warps a block (gemv.cu's GEMV_THREADS), bands of 4 rows (GEMV_ROWS), `parts` warps
+        // a band.
+        let cfg = Launch {
+            grid: ((out * parts).div_ceil(32) as u32, 1, 1),
+            block: 256,
+            shared: 0,
+        };
+        // SAFETY: the kernel reads n·k values of x and out·k of w (rows past `out` read row
+        // 0 of the warp's band, in bounds) and writes n·out of y, all checked above; its 16-byte
+        // loads need k a multiple of the vector (the caller's condition) and aligned buffers
+        // (checked above).
+        unsafe { self.launch(sig, &name(base, e), cfg, &args) }
     }
 
     /// A tensor map over a dense row-major bf16 tensor at `buf` with dimensions `dims`
@@ -128,7 +188,7 @@ impl Gpu {
         // SAFETY: every pointer is to a live local of the length the driver reads (`rank`, or
         // `rank` − 1 strides); the global address is a live device allocation of the tensor,
         // whose extent the dimensions do not exceed (checked above).
-        let r = unsafe {
+        let r = super::ledger::LEDGER.time(DriverCall::TensorMap, || unsafe {
             sys::cuTensorMapEncodeTiled(
                 &mut map,
                 sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -143,7 +203,7 @@ impl Gpu {
                 sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
             )
-        };
+        });
         r.result()
             .map_err(CudaError::driver("cuTensorMapEncodeTiled"))?;
         Ok(TensorMap(map.opaque))

@@ -7,6 +7,7 @@
 //! buffer's pointer reaches a kernel only through a typed launcher.
 
 use super::{Allocation, Gpu};
+use crate::backend::DriverCall;
 use crate::error::{CudaError, Error, Result};
 use crate::tensor::{DeviceBuffer, POISON_BITS};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
@@ -142,13 +143,15 @@ fn read_bytes(
     len: usize,
 ) -> Result<Vec<u8>> {
     let mut out = vec![0u8; len];
-    if len > 0 {
-        let view = slice.slice(from..from + len);
-        stream
-            .memcpy_dtoh(&view, &mut out)
-            .map_err(CudaError::driver("download"))?;
-    }
-    stream.synchronize().map_err(CudaError::driver("kernel"))?;
+    super::ledger::LEDGER.time(DriverCall::Download, || {
+        if len > 0 {
+            let view = slice.slice(from..from + len);
+            stream
+                .memcpy_dtoh(&view, &mut out)
+                .map_err(CudaError::driver("download"))?;
+        }
+        stream.synchronize().map_err(CudaError::driver("kernel"))
+    })?;
     Ok(out)
 }
 
@@ -289,18 +292,21 @@ impl Gpu {
     /// `bytes` of uninitialised device memory, numbered in the registry.
     fn alloc_bytes(&self, bytes: usize) -> Result<(CudaSlice<u8>, u64, u64)> {
         let bytes = bytes.max(4);
-        // SAFETY: device memory is only ever copied as plain bytes (every bit pattern is a valid
-        // f32, bf16, i32, byte or f64), so memory no kernel has written yet reads as garbage,
-        // never as undefined behaviour; every caller fills what it reads.
-        let slice = match unsafe { self.stream.alloc::<u8>(bytes) } {
+        let alloc = || {
+            // SAFETY: device memory is only ever copied as plain bytes (every bit pattern is
+            // a valid f32, bf16, i32, byte or f64), so memory no kernel has written yet reads
+            // as garbage, never as undefined behaviour; every caller fills what it reads.
+            super::ledger::LEDGER.time(DriverCall::Alloc, || unsafe {
+                self.stream.alloc::<u8>(bytes)
+            })
+        };
+        let slice = match alloc() {
             Ok(slice) => slice,
             // The pool keeps freed memory (`keep_freed_memory`): a full device gets it back and
             // the allocation is tried once more.
             Err(_) => {
                 self.release_kept_memory()?;
-                // SAFETY: as above.
-                unsafe { self.stream.alloc::<u8>(bytes) }
-                    .map_err(CudaError::driver(format!("alloc of {bytes} bytes")))?
+                alloc().map_err(CudaError::driver(format!("alloc of {bytes} bytes")))?
             }
         };
         let ptr = {
@@ -367,8 +373,10 @@ impl Gpu {
         };
         let offset = at * buf.elem.size();
         let mut view = buf.slice.slice_mut(offset..offset + bytes.len());
-        self.stream
-            .memcpy_htod(&bytes, &mut view)
+        super::ledger::LEDGER
+            .time(DriverCall::Upload, || {
+                self.stream.memcpy_htod(&bytes, &mut view)
+            })
             .map_err(CudaError::driver("upload"))?;
         Ok(())
     }
@@ -382,8 +390,10 @@ impl Gpu {
         }
         if !bytes.is_empty() {
             let mut view = buf.slice.slice_mut(0..bytes.len());
-            self.stream
-                .memcpy_htod(&bytes, &mut view)
+            super::ledger::LEDGER
+                .time(DriverCall::Upload, || {
+                    self.stream.memcpy_htod(&bytes, &mut view)
+                })
                 .map_err(CudaError::driver("upload"))?;
         }
         let indices: Option<Vec<i64>> = data.iter().map(|v| v.as_index()).collect();
@@ -424,8 +434,10 @@ impl Gpu {
         }
         if bytes > 0 {
             let view = buf.slice.slice(0..bytes);
-            self.stream
-                .memcpy_dtoh(&view, &mut pinned.0)
+            super::ledger::LEDGER
+                .time(DriverCall::Download, || {
+                    self.stream.memcpy_dtoh(&view, &mut pinned.0)
+                })
                 .map_err(CudaError::driver("download"))?;
         }
         self.synchronize()?;
@@ -486,14 +498,15 @@ impl Gpu {
             .map_err(CudaError::driver("copy"))?;
         // SAFETY: both ranges lie within live allocations of this context and do not overlap
         // (checked above); the copy is queued on the one stream every kernel uses.
-        unsafe {
-            cudarc::driver::result::memcpy_dtod_async(
-                dst.ptr + (to * s) as u64,
-                src.ptr + (from * s) as u64,
-                len * s,
-                self.stream.cu_stream(),
-            )
-        }
-        .map_err(CudaError::driver("copy"))
+        super::ledger::LEDGER
+            .time(DriverCall::Copy, || unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    dst.ptr + (to * s) as u64,
+                    src.ptr + (from * s) as u64,
+                    len * s,
+                    self.stream.cu_stream(),
+                )
+            })
+            .map_err(CudaError::driver("copy"))
     }
 }

@@ -61,6 +61,7 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("../../../../kernels/cache_write.cu"),
     ),
     ("experts.cu", include_str!("../../../../kernels/experts.cu")),
+    ("gemv.cu", include_str!("../../../../kernels/gemv.cu")),
 ];
 
 /// Kernel files for Hopper alone (compute capability 9.0, compiled for `sm_90a`: wgmma has no

@@ -17,6 +17,15 @@ pub const SYNTHETIC_FILL: Sig = Sig::new(
     &[Storage, U64, U64, Float, Float, U64],
 );
 pub const ADD: Sig = Sig::new("add_{e}", &[Storage, Storage, Storage, U64]);
+/// The few-rows linear layer (gemv.cu): one token, and up to [`super::blas::GEMV_TOKENS`].
+pub const GEMV1: Sig = Sig::new(
+    "gemv1_{e}",
+    &[Storage, Storage, Storage, U64, U64, U64, U64],
+);
+pub const GEMV8: Sig = Sig::new(
+    "gemv8_{e}",
+    &[Storage, Storage, Storage, U64, U64, U64, U64],
+);
 pub const SILU_MUL: Sig = Sig::new("silu_mul_{e}", &[Storage, Storage, Storage, U64]);
 pub const SCALE: Sig = Sig::new("scale_{e}", &[Storage, Float, Storage, U64]);
 pub const ADD_BIAS: Sig = Sig::new("add_bias_{e}", &[Storage, Storage, U64, U64]);
@@ -98,6 +107,8 @@ pub const SIGNATURES: &[&Sig] = &[
     &FILL_RANDOM,
     &SYNTHETIC_FILL,
     &ADD,
+    &GEMV1,
+    &GEMV8,
     &SILU_MUL,
     &SCALE,
     &ADD_BIAS,

@@ -17,6 +17,7 @@ pub mod fast_kernels;
 pub mod fp8_kernels;
 mod kernel_cache;
 pub mod kernels;
+mod ledger;
 pub mod mla_kernels;
 pub mod model_kernels;
 pub mod nccl;
@@ -27,6 +28,7 @@ pub mod variants;
 pub use blas::TensorMap;
 pub use buffer::{DevBuf, DevBytes, DevF64, DevI32, DevVec, Elem};
 
+use crate::backend::{DriverCall, DriverCalls};
 use crate::error::{CudaError, Error, Result};
 use compile::{hopper_target, HOPPER_SOURCES, SOURCES};
 use cudarc::cublas::CudaBlas;
@@ -405,8 +407,11 @@ impl Gpu {
         if mode != LaunchMode::Plain {
             // SAFETY: as below; the values behind the parameter pointers live until the call
             // returns, and the driver copies them.
-            return unsafe { self.launch_ex(&kernel.function, cfg, args, mode) }
-                .map_err(CudaError::driver(format!("launch of {name}")));
+            return ledger::LEDGER
+                .time(DriverCall::Launch, || unsafe {
+                    self.launch_ex(&kernel.function, cfg, args, mode)
+                })
+                .map_err(|e| CudaError::driver(format!("launch of {name}"))(e));
         }
         let mut b = self.stream.launch_builder(&kernel.function);
         for a in args {
@@ -424,10 +429,14 @@ impl Gpu {
             block_dim: (cfg.block, 1, 1),
             shared_mem_bytes: cfg.shared,
         };
-        // SAFETY: the argument list matches the kernel's parameters in count and type (checked
-        // above); the caller vouches for the pointers. `args` outlives the launch call, which
-        // copies the values.
-        unsafe { b.launch(config) }.map_err(CudaError::driver(format!("launch of {name}")))?;
+        ledger::LEDGER
+            .time(DriverCall::Launch, || {
+                // SAFETY: the argument list matches the kernel's parameters in count and type
+                // (checked above); the caller vouches for the pointers. `args` outlives the
+                // launch call, which copies the values.
+                unsafe { b.launch(config) }
+            })
+            .map_err(|e| CudaError::driver(format!("launch of {name}"))(e))?;
         Ok(())
     }
 
@@ -540,9 +549,15 @@ impl Gpu {
 
     /// Waits for the stream (kernel errors surface here).
     pub fn synchronize(&self) -> Result<()> {
-        self.stream
-            .synchronize()
+        ledger::LEDGER
+            .time(DriverCall::Wait, || self.stream.synchronize())
             .map_err(CudaError::driver("kernel"))
+    }
+
+    /// The driver and cuBLAS calls made so far (by every device of the process), and their
+    /// host time.
+    pub fn driver_calls(&self) -> DriverCalls {
+        ledger::LEDGER.totals()
     }
 
     /// The most shared memory one block may ask for (the opt-in limit).
