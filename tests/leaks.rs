@@ -145,3 +145,37 @@ fn used_memory(cuda: &CudaBackend) -> usize {
     cuda.gpu().synchronize().unwrap();
     cuda.gpu().buffers_in_use().unwrap()
 }
+
+/// A device buffer dropped is kept for the next allocation of its size, which takes it without
+/// calling the driver (a decode step allocates the same sizes every layer); kept buffers are not
+/// counted as in use, and another size still goes to the driver.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn a_dropped_device_buffer_is_taken_again_without_the_driver() {
+    use mladb::backend::cuda::device::Elem;
+    use mladb::backend::DriverCall;
+    use mladb::tensor::DeviceBuffer;
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let cuda = common::cuda_backend(StorageDtype::Bf16);
+    let gpu = cuda.gpu();
+    let allocations = || gpu.driver_calls().calls[DriverCall::Alloc as usize];
+    let first = gpu.alloc(12_345, Elem::Bf16).unwrap();
+    let address = first.address();
+    let in_use = used_memory(&cuda);
+    drop(first);
+    assert!(
+        used_memory(&cuda) < in_use,
+        "a kept buffer still counts as in use"
+    );
+    let before = allocations();
+    let again = gpu.alloc(12_345, Elem::Bf16).unwrap();
+    assert_eq!(again.address(), address, "the kept buffer was not taken");
+    assert_eq!(allocations(), before, "the driver was called");
+    let other = gpu.alloc(12_346, Elem::Bf16).unwrap();
+    assert_eq!(
+        allocations(),
+        before + 1,
+        "another size did not go to the driver"
+    );
+    assert_ne!(other.address(), address);
+}

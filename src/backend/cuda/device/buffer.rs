@@ -6,6 +6,7 @@
 //! kernel will read from it (block tables, row lists) before the launch. Fields are private: a
 //! buffer's pointer reaches a kernel only through a typed launcher.
 
+use super::free_list::Block;
 use super::{Allocation, Gpu};
 use crate::backend::DriverCall;
 use crate::error::{CudaError, Error, Result};
@@ -70,7 +71,7 @@ fn from_bf16(b: u16) -> f32 {
 
 /// One device allocation of storage values (f32 or bf16). The registry numbers every allocation.
 pub struct DevBuf {
-    slice: CudaSlice<u8>,
+    slice: Block,
     ptr: u64,
     elem: Elem,
     /// Elements (of `elem`), not bytes.
@@ -219,7 +220,7 @@ impl Plain for f64 {
 
 /// A device buffer of plain values of type `T`.
 pub struct DevVec<T: Plain> {
-    slice: CudaSlice<u8>,
+    slice: Block,
     ptr: u64,
     len: usize,
     serial: u64,
@@ -289,8 +290,9 @@ fn byte_count(len: usize, size: usize) -> Result<usize> {
 }
 
 impl Gpu {
-    /// `bytes` of uninitialised device memory, numbered in the registry.
-    fn alloc_bytes(&self, bytes: usize) -> Result<(CudaSlice<u8>, u64, u64)> {
+    /// `bytes` of uninitialised device memory (a kept buffer of that size, or a new one),
+    /// numbered in the registry.
+    fn alloc_bytes(&self, bytes: usize) -> Result<(Block, u64, u64)> {
         let bytes = bytes.max(4);
         let alloc = || {
             // SAFETY: device memory is only ever copied as plain bytes (every bit pattern is
@@ -300,11 +302,12 @@ impl Gpu {
                 self.stream.alloc::<u8>(bytes)
             })
         };
-        let slice = match alloc() {
+        let slice = match self.free.take(bytes).map_or_else(alloc, Ok) {
             Ok(slice) => slice,
-            // The pool keeps freed memory (`keep_freed_memory`): a full device gets it back and
-            // the allocation is tried once more.
+            // The free list and the pool keep freed memory (`keep_freed_memory`): a full device
+            // gets it back and the allocation is tried once more.
             Err(_) => {
+                self.free.clear();
                 self.release_kept_memory()?;
                 alloc().map_err(CudaError::driver(format!("alloc of {bytes} bytes")))?
             }
@@ -319,7 +322,7 @@ impl Gpu {
         if reg.len() > 4096 {
             reg.drain(..1024);
         }
-        Ok((slice, ptr, serial))
+        Ok((Block::new(slice, self.free.clone()), ptr, serial))
     }
 
     /// Allocates `len` elements of `elem` (contents undefined until written).

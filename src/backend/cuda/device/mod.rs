@@ -15,6 +15,7 @@ pub mod compile;
 pub mod expert_kernels;
 pub mod fast_kernels;
 pub mod fp8_kernels;
+mod free_list;
 mod kernel_cache;
 pub mod kernels;
 mod ledger;
@@ -169,6 +170,8 @@ pub struct Gpu {
     /// Optional (Hopper-only) kernel files that did not build or load here, with the reason:
     /// their work falls to the portable kernels.
     pub unavailable: Vec<String>,
+    /// Buffers dropped, kept for the next allocations of their sizes.
+    free: Arc<free_list::FreeList>,
 }
 
 /// Whether the CUDA driver library can be loaded (cudarc panics on its first call without it).
@@ -269,6 +272,7 @@ impl Gpu {
             next_serial: AtomicU64::new(1),
             registry: Mutex::new(Vec::new()),
             unavailable,
+            free: Arc::default(),
         })
     }
 

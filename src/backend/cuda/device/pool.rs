@@ -38,7 +38,8 @@ pub(super) fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
 }
 
 impl Gpu {
-    /// Bytes of the buffers alive now (the pool's memory in use, without what it keeps).
+    /// Bytes of the buffers alive now (the pool's memory in use, without what it or the free
+    /// list keeps).
     pub fn buffers_in_use(&self) -> Result<usize> {
         use cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT;
         let pool = default_pool(&self.ctx)?;
@@ -53,10 +54,11 @@ impl Gpu {
         }
         .result()
         .map_err(CudaError::driver("memory pool use"))?;
-        Ok(used as usize)
+        Ok((used as usize).saturating_sub(self.free.bytes()))
     }
 
-    /// Gives the memory the pool keeps for later allocations back to the driver.
+    /// Gives the memory the pool keeps for later allocations back to the driver (the free
+    /// list's buffers go back to the pool first, by the caller).
     pub(super) fn release_kept_memory(&self) -> Result<()> {
         let pool = default_pool(&self.ctx)?;
         self.synchronize()?;
