@@ -205,7 +205,7 @@ impl DriverCall {
 }
 
 /// Calls into the driver and their host time, per [`DriverCall`] kind (indexed by it), added up
-/// since the device was opened: subtract two to charge what happened between them.
+/// since the process started (every device): subtract two to charge what happened between them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DriverCalls {
     pub calls: [u64; DriverCall::ALL.len()],

@@ -175,6 +175,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn driver_calls_between_two_readings_are_their_difference() {
+        let mut earlier = DriverCalls::default();
+        earlier.calls[DriverCall::Launch as usize] = 3;
+        earlier.nanos[DriverCall::Launch as usize] = 9_000;
+        let mut later = earlier;
+        later.calls[DriverCall::Launch as usize] = 5;
+        later.nanos[DriverCall::Launch as usize] = 17_000;
+        later.calls[DriverCall::Wait as usize] = 1;
+        later.nanos[DriverCall::Wait as usize] = 2_000;
+        let d = later.since(&earlier);
+        assert_eq!(d.total(), (3, 10e-6));
+        let mut sum = d;
+        sum.add(&d);
+        assert_eq!(sum.calls[DriverCall::Launch as usize], 4);
+        assert_eq!(sum.total().0, 6);
+    }
+
+    #[test]
     fn layer_prefixes_are_taken_off_and_other_names_kept() {
         assert_eq!(
             without_layer("model.layers.12.self_attn.q_a_proj"),

@@ -1,13 +1,14 @@
-//! The two other foreign calls on device buffers: the cuBLAS GEMM behind every linear layer, and
-//! the driver's encoding of TMA tensor maps for the Hopper kernels. Both check their buffers.
+//! The two other foreign calls on device buffers: the cuBLAS GEMM behind every linear layer (a
+//! kernel of mladb's own for the few rows of a decode step), and the driver's encoding of TMA
+//! tensor maps for the Hopper kernels. Both check their buffers.
 
 use super::kernels::{name, need, GEMV1, GEMV8};
 use super::{Arg, DevBuf, Elem, Gpu, Launch};
 use crate::backend::DriverCall;
+use crate::error::{CudaError, Error, Result};
 
 /// Rows of x up to which [`Gpu::gemm_xwt`] runs gemv.cu instead of cuBLAS (its GEMV_TOKENS).
 pub const GEMV_TOKENS: usize = 8;
-use crate::error::{CudaError, Error, Result};
 
 /// A Hopper TMA descriptor (CUtensorMap: 128 opaque bytes, 64-byte aligned), made on the host
 /// by the driver and passed to a kernel by value.
@@ -144,8 +145,8 @@ impl Gpu {
             block: 256,
             shared: 0,
         };
-        // SAFETY: the kernel reads n·k values of x and out·k of w (rows past `out` read row
-        // 0 of the warp's band, in bounds) and writes n·out of y, all checked above; its 16-byte
+        // SAFETY: the kernel reads n·k values of x and out·k of w (a band's rows past `out`
+        // read its first row again, in bounds) and writes n·out of y, all checked above; its 16-byte
         // loads need k a multiple of the vector (the caller's condition) and aligned buffers
         // (checked above).
         unsafe { self.launch(sig, &name(base, e), cfg, &args) }
