@@ -92,9 +92,15 @@ fn a_newcomer_session_under_tmux() {
     }
     let bin = env!("CARGO_BIN_EXE_mladb");
     let log = std::env::temp_dir().join(format!("mladb-e2e-{}.log", std::process::id()));
+    // The session is saved on quit to a file of the test's own (not the user's state folder).
+    let saved = std::env::temp_dir().join(format!("mladb-e2e-{}.ron", std::process::id()));
     let tmux = Tmux::start(
         "newcomer",
-        &format!("MLADB_LOG={} {bin} tui --layout glm5-tiny --prefill 9 --decode 2; echo MLADB-EXIT-$?; sleep 60", log.display()),
+        &format!(
+            "MLADB_LOG={} MLADB_AUTOSAVE={} {bin} tui --layout glm5-tiny --prefill 9 --decode 2; echo MLADB-EXIT-$?; sleep 60",
+            log.display(),
+            saved.display()
+        ),
         100,
         30,
     );
@@ -145,6 +151,14 @@ fn a_newcomer_session_under_tmux() {
         !screen.contains("execution ·"),
         "the alternate screen is gone:\n{screen}"
     );
+    // The line says where the session went, and it is there.
+    assert!(
+        screen.contains(&format!("session saved to {}", saved.display())),
+        "{screen}"
+    );
+    let session = std::fs::read_to_string(&saved).unwrap_or_default();
+    let _ = std::fs::remove_file(&saved);
+    assert!(session.contains("glm5-tiny"), "the saved session:\n{session}");
     // Logs went to the file, not the screen.
     let logged = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(logged.contains("re-executed from op #149"), "{logged}");
