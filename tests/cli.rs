@@ -557,3 +557,39 @@ fn bisect_names_the_first_divergent_op() {
         "--a",
     );
 }
+
+/// `bench --op-times` on the CPU: every op of a decode step by name (the layer's prefix taken
+/// off), the host's time between passes (sampling the last token) in a row of its own instead
+/// of charged to the embedding, and no driver columns where there is no device.
+#[test]
+fn bench_op_times_charges_the_time_between_passes_to_no_op() {
+    let o = mladb(&[
+        "bench",
+        "--layout",
+        "glm5-tiny",
+        "--prompt",
+        "4",
+        "--decode",
+        "2",
+        "--op-times",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let decode = out
+        .split("ops of a decode step")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no decode table:\n{out}"));
+    for needle in [
+        "(between passes: sampling, set-up)",
+        "model.embed_tokens",
+        "self_attn.q_a_proj",
+        "host ms",
+    ] {
+        assert!(decode.contains(needle), "{needle} missing:\n{decode}");
+    }
+    assert!(!out.contains("driver calls"), "{out}");
+    assert!(
+        decode.lines().any(|l| l.starts_with("self_attn.q_a_proj ")),
+        "the layer's prefix kept:\n{decode}"
+    );
+}

@@ -158,7 +158,10 @@ fn a_newcomer_session_under_tmux() {
     );
     let session = std::fs::read_to_string(&saved).unwrap_or_default();
     let _ = std::fs::remove_file(&saved);
-    assert!(session.contains("glm5-tiny"), "the saved session:\n{session}");
+    assert!(
+        session.contains("glm5-tiny"),
+        "the saved session:\n{session}"
+    );
     // Logs went to the file, not the screen.
     let logged = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(logged.contains("re-executed from op #149"), "{logged}");

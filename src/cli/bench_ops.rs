@@ -78,25 +78,49 @@ fn without_layer(name: &str) -> &str {
     rest.split_once('.').map_or(name, |(_, op)| op)
 }
 
-impl Observer for OpTimer<'_> {
-    fn on_op(&mut self, event: &OpEvent, _: &Tensor) -> Result<()> {
-        let issued = Instant::now();
-        let calls = self.backend.driver_calls();
-        self.backend.synchronize()?;
-        let now = Instant::now();
-        let decode = matches!(event.phase, Phase::Decode(_));
-        let slot = self
-            .times
-            .entry((decode, without_layer(&event.name).to_string()))
-            .or_default();
+/// The row that takes the host's time between passes (sampling the last step's token, setting
+/// up the next pass), which belongs to no op.
+const BETWEEN_PASSES: &str = "(between passes: sampling, set-up)";
+
+impl OpTimer<'_> {
+    /// Charges row `name` of the phase kind with the time since the last charge: in all until
+    /// `done`, on the host until `issued`, and the driver's calls made until `calls` was read.
+    fn charge(
+        &mut self,
+        decode: bool,
+        name: &str,
+        issued: Instant,
+        calls: Option<DriverCalls>,
+        done: Instant,
+    ) {
+        let slot = self.times.entry((decode, name.to_string())).or_default();
         slot.calls += 1;
-        slot.seconds += (now - self.last).as_secs_f64();
+        slot.seconds += (done - self.last).as_secs_f64();
         slot.host_seconds += (issued - self.last).as_secs_f64();
         if let (Some(before), Some(after)) = (&self.calls, &calls) {
             slot.driver.add(&after.since(before));
         }
-        self.last = now;
+        self.last = done;
         self.calls = self.backend.driver_calls();
+    }
+}
+
+impl Observer for OpTimer<'_> {
+    fn on_pass_start(&mut self, phase: Phase) {
+        // The device is idle since the last op's wait: all of this is host time.
+        let now = Instant::now();
+        let calls = self.backend.driver_calls();
+        let decode = matches!(phase, Phase::Decode(_));
+        self.charge(decode, BETWEEN_PASSES, now, calls, now);
+    }
+
+    fn on_op(&mut self, event: &OpEvent, _: &Tensor) -> Result<()> {
+        let issued = Instant::now();
+        let calls = self.backend.driver_calls();
+        self.backend.synchronize()?;
+        let done = Instant::now();
+        let decode = matches!(event.phase, Phase::Decode(_));
+        self.charge(decode, without_layer(&event.name), issued, calls, done);
         Ok(())
     }
 
@@ -125,10 +149,16 @@ pub fn print(timer: &OpTimer, layers: usize, steps: usize) -> Result<()> {
             ms(total),
             ms(host)
         )?;
+        // The driver's columns where there is a device.
+        let device = timer.calls.is_some();
+        let driver_head = match device {
+            true => format!(" {:>13} {:>10}", "driver calls", "driver ms"),
+            false => String::new(),
+        };
         writeln!(
             Out,
-            "{:<44} {:>6} {:>10} {:>7} {:>10} {:>13} {:>10}",
-            "op", "calls", "ms", "share", "host ms", "driver calls", "driver ms"
+            "{:<44} {:>6} {:>10} {:>7} {:>10}{driver_head}",
+            "op", "calls", "ms", "share", "host ms"
         )?;
         let mut driver = DriverCalls::default();
         for (_, t) in &rows {
@@ -136,15 +166,17 @@ pub fn print(timer: &OpTimer, layers: usize, steps: usize) -> Result<()> {
         }
         for (name, t) in rows.iter().take(32) {
             let (n, secs) = t.driver.total();
+            let driver_cells = match device {
+                true => format!(" {:>13} {:>10.3}", n / per as u64, ms(secs)),
+                false => String::new(),
+            };
             writeln!(
                 Out,
-                "{name:<44} {:>6} {:>10.3} {:>6.1}% {:>10.3} {:>13} {:>10.3}",
+                "{name:<44} {:>6} {:>10.3} {:>6.1}% {:>10.3}{driver_cells}",
                 t.calls / per,
                 ms(t.seconds),
                 100.0 * t.seconds / total.max(f64::MIN_POSITIVE),
                 ms(t.host_seconds),
-                n / per as u64,
-                ms(secs)
             )?;
         }
         if driver.total().0 > 0 {

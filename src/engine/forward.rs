@@ -287,6 +287,7 @@ impl<'m> Engine<'m> {
         path: super::MlaPath,
         observer: &mut dyn Observer,
     ) -> Result<Tensor> {
+        observer.on_pass_start(phase);
         let model = self.model;
         let layout = &model.layout;
         for &t in tokens {

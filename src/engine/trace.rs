@@ -289,6 +289,10 @@ pub trait Replay: Sync {
 pub trait Observer {
     fn on_op(&mut self, event: &OpEvent, output: &Tensor) -> Result<()>;
 
+    /// A forward pass of `phase` begins (before its first op): what the host did since the last
+    /// op, such as sampling the previous step's token, belongs to no op.
+    fn on_pass_start(&mut self, _phase: Phase) {}
+
     /// Whether events need their statistics (one pass over every output). An observer that
     /// never reads them says no, and the run skips that pass.
     fn wants_stats(&self) -> bool {
