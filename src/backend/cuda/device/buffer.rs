@@ -435,15 +435,18 @@ impl Gpu {
         if count > buf.len || bytes > pinned.0.len() {
             return Err(Error::invalid("device read past the end of a buffer"));
         }
-        if bytes > 0 {
-            let view = buf.slice.slice(0..bytes);
-            super::ledger::LEDGER
-                .time(DriverCall::Download, || {
-                    self.stream.memcpy_dtoh(&view, &mut pinned.0)
-                })
-                .map_err(CudaError::driver("download"))?;
-        }
-        self.synchronize()?;
+        // A download and its wait are one call, as `read_bytes` counts them.
+        super::ledger::LEDGER.time(DriverCall::Download, || {
+            if bytes > 0 {
+                let view = buf.slice.slice(0..bytes);
+                self.stream
+                    .memcpy_dtoh(&view, &mut pinned.0)
+                    .map_err(CudaError::driver("download"))?;
+            }
+            self.stream
+                .synchronize()
+                .map_err(CudaError::driver("kernel"))
+        })?;
         let host = pinned.0.as_slice().map_err(CudaError::driver("download"))?;
         Ok(host[..bytes]
             .chunks_exact(T::SIZE)

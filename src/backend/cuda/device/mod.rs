@@ -172,6 +172,7 @@ pub struct Gpu {
     pub unavailable: Vec<String>,
     /// Buffers dropped, kept for the next allocations of their sizes.
     free: Arc<free_list::FreeList>,
+    limits: Limits,
 }
 
 /// Whether the CUDA driver library can be loaded (cudarc panics on its first call without it).
@@ -261,6 +262,7 @@ impl Gpu {
                 Err(e) => unavailable.push(format!("{file} ({target}): {e}")),
             }
         }
+        let limits = Limits::of(&ctx);
         Ok(Gpu {
             ctx,
             stream,
@@ -273,6 +275,7 @@ impl Gpu {
             registry: Mutex::new(Vec::new()),
             unavailable,
             free: Arc::default(),
+            limits,
         })
     }
 
@@ -566,14 +569,12 @@ impl Gpu {
 
     /// The most shared memory one block may ask for (the opt-in limit).
     pub fn max_shared_per_block(&self) -> usize {
-        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN;
-        self.ctx.attribute(OPTIN).map_or(48 * 1024, |v| v as usize)
+        self.limits.shared_per_block
     }
 
     /// Shared memory of one multiprocessor (what its resident blocks share).
     pub fn max_shared_per_multiprocessor(&self) -> usize {
-        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR as PER_SM;
-        self.ctx.attribute(PER_SM).map_or(48 * 1024, |v| v as usize)
+        self.limits.shared_per_multiprocessor
     }
 
     /// How many blocks of kernel `name` (`threads` threads and `shared` bytes of dynamic shared
@@ -593,7 +594,29 @@ impl Gpu {
 
     /// Streaming multiprocessors of the device.
     pub fn multiprocessors(&self) -> usize {
-        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS;
-        self.ctx.attribute(SMS).map_or(1, |v| v.max(1) as usize)
+        self.limits.multiprocessors
+    }
+}
+
+/// What the launchers ask of the device on every call (variants, split counts, the GEMV's
+/// grid), read from the driver once when it is opened.
+struct Limits {
+    shared_per_block: usize,
+    shared_per_multiprocessor: usize,
+    multiprocessors: usize,
+}
+
+impl Limits {
+    fn of(ctx: &CudaContext) -> Limits {
+        use cudarc::driver::sys::CUdevice_attribute::{
+            CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN as OPTIN,
+            CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR as PER_SM,
+            CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT as SMS,
+        };
+        Limits {
+            shared_per_block: ctx.attribute(OPTIN).map_or(48 * 1024, |v| v as usize),
+            shared_per_multiprocessor: ctx.attribute(PER_SM).map_or(48 * 1024, |v| v as usize),
+            multiprocessors: ctx.attribute(SMS).map_or(1, |v| v.max(1) as usize),
+        }
     }
 }
