@@ -179,3 +179,106 @@ fn a_dropped_device_buffer_is_taken_again_without_the_driver() {
     );
     assert_ne!(other.address(), address);
 }
+
+/// Counts the downloads made for each decode op (between its event and the previous one).
+struct Downloads<'b> {
+    backend: &'b dyn Backend,
+    last: u64,
+    per_op: Vec<(String, u64)>,
+}
+
+impl Downloads<'_> {
+    fn now(&self) -> u64 {
+        let calls = self
+            .backend
+            .driver_calls()
+            .expect("a device backend counts");
+        calls.calls[mladb::backend::DriverCall::Download as usize]
+    }
+}
+
+impl mladb::engine::trace::Observer for Downloads<'_> {
+    fn on_op(
+        &mut self,
+        event: &mladb::engine::trace::OpEvent,
+        _: &mladb::tensor::Tensor,
+    ) -> mladb::error::Result<()> {
+        let now = self.now();
+        if matches!(event.phase, mladb::engine::trace::Phase::Decode(_)) {
+            self.per_op.push((event.name.clone(), now - self.last));
+        }
+        self.last = now;
+        Ok(())
+    }
+
+    fn wants_stats(&self) -> bool {
+        false
+    }
+}
+
+/// A decode step's new latent row goes from the op that made it into the cache's device mirror
+/// by a device copy: nothing comes to the host for it (it used to be read back, a wait in the
+/// middle of every layer, and uploaded again).
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn a_decode_step_keeps_its_latent_rows_on_the_device() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    for (name, backend, _) in common::gpu_backends() {
+        let model = model();
+        let s = schedule(&model);
+        let options = EngineOptions::all_layers(&model, MlaPaths::production());
+        let mut engine = Engine::new(&model, &*backend, options).unwrap();
+        let mut seen = Downloads {
+            backend: &*backend,
+            last: 0,
+            per_op: Vec::new(),
+        };
+        seen.last = seen.now();
+        generate::run(&mut engine, &s, &mut seen).unwrap();
+        let writes: Vec<&(String, u64)> = seen
+            .per_op
+            .iter()
+            .filter(|(op, _)| op.ends_with("self_attn.latent_cache"))
+            .collect();
+        eprintln!("{name}: downloads of the decode ops' cache writes: {writes:?}");
+        assert!(
+            writes.len() >= s.decode_steps * model.layout.num_layers,
+            "{name}: the decode steps wrote no latent rows"
+        );
+        assert!(
+            writes.iter().all(|(_, n)| *n == 0),
+            "{name}: a latent cache write read its rows back"
+        );
+    }
+}
+
+/// The small arrays a step repeats in every layer (its positions, the RoPE frequencies) go to
+/// the device once: a second call with the same ones uploads nothing, and the result is the
+/// same; other positions go up.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn repeated_positions_and_frequencies_go_up_once() {
+    use mladb::backend::DriverCall;
+    use mladb::ops::RopeTable;
+    use mladb::tensor::Tensor;
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let cuda = common::cuda_backend(StorageDtype::F32);
+    let uploads = || cuda.gpu().driver_calls().calls[DriverCall::Upload as usize];
+    let table = RopeTable {
+        inv_freq: vec![1.0, 0.25, 0.0625, 0.015625],
+        attention_factor: 1.0,
+    };
+    let x = Tensor::from_vec(&[2, 3 * 8], (0..48).map(|i| i as f32 * 0.1).collect());
+    let first = cuda.rope(&x, 3, &table, &[5, 6], true).unwrap();
+    let before = uploads();
+    let again = cuda.rope(&x, 3, &table, &[5, 6], true).unwrap();
+    assert_eq!(
+        uploads(),
+        before,
+        "the same positions and frequencies went up again"
+    );
+    assert_eq!(first.data(), again.data());
+    let other = cuda.rope(&x, 3, &table, &[7, 8], true).unwrap();
+    assert_eq!(uploads(), before + 1, "new positions did not go up");
+    assert_ne!(first.data(), other.data());
+}

@@ -15,16 +15,24 @@ use crate::tensor::{checked_numel, BufferId, Tensor};
 
 pub use crate::ops::rows::{RowSource, PAGE_SIZE};
 
-/// One layer's paged latent cache.
+/// One layer's paged latent cache. Rows are kept as the tensors they were written in (a device
+/// backend's stay on the device, and its mirror is filled from them by device copies); a row
+/// comes to the host only when something reads it there. The pages are the slot mapping's: the
+/// block table places each slot's row in the device mirror, as vLLM's and FlashMLA's paged caches
+/// do, so that slot-mapping faults have a place to live.
 #[derive(Debug)]
 pub struct LatentCache {
     width: usize,
-    /// New pages are filled with the poison pattern, so a slot nothing wrote reads as such.
+    /// Slots nothing wrote hold the poison pattern (else zeros).
     poison: bool,
-    /// Physical pages, each PAGE_SIZE rows of `width`.
-    pages: Vec<Vec<f32>>,
+    /// What a slot nothing wrote reads as.
+    unwritten: Vec<f32>,
     /// Logical page i of the sequence lives in physical page block_table[i].
     block_table: Vec<usize>,
+    /// The written tensors, in order.
+    chunks: Vec<Tensor>,
+    /// Per slot, the chunk and row last written to it.
+    slots: Vec<Option<(usize, usize)>>,
     len: usize,
     id: BufferId,
     writes: Vec<usize>,
@@ -40,13 +48,16 @@ impl LatentCache {
         LatentCache::with_dtype(width, poison, KvCacheDtype::Bf16)
     }
 
-    /// A cache whose rows are stored as `dtype` (fp8_ds_mla: written by [`LatentCache::push_fp8`]).
+    /// A cache whose rows are stored as `dtype` (fp8_ds_mla: written by
+    /// [`LatentCache::push_fp8_rows`]).
     pub fn with_dtype(width: usize, poison: bool, dtype: KvCacheDtype) -> LatentCache {
         LatentCache {
             width,
             poison,
-            pages: Vec::new(),
+            unwritten: vec![unwritten_value(poison); width],
             block_table: Vec::new(),
+            chunks: Vec::new(),
+            slots: Vec::new(),
             len: 0,
             id: BufferId::fresh_cache(),
             writes: Vec::new(),
@@ -72,81 +83,108 @@ impl LatentCache {
     /// Appends one token, writing its row to `slot` (≤ the new token's position). The slot
     /// mapping is the caller's: a wrong one leaves the token's own slot unwritten.
     pub fn push_at(&mut self, row: &[f32], slot: usize) -> Result<()> {
-        self.push_with(row, None, slot)
-    }
-
-    /// Appends one token to an fp8_ds_mla cache: `stored` (the row after the format's round
-    /// trip, what attention reads) at `slot`, keeping `written` (the row before it) and the
-    /// codec faults of the write.
-    pub fn push_fp8(
-        &mut self,
-        stored: &[f32],
-        written: &[f32],
-        faults: Fp8Faults,
-        slot: usize,
-    ) -> Result<()> {
-        assert_eq!(written.len(), self.width, "latent row of the wrong width");
-        self.push_with(stored, Some((written, faults)), slot)
-    }
-
-    fn push_with(
-        &mut self,
-        row: &[f32],
-        fp8: Option<(&[f32], Fp8Faults)>,
-        slot: usize,
-    ) -> Result<()> {
         assert_eq!(row.len(), self.width, "latent row of the wrong width");
+        let row = Tensor::from_vec(&[1, self.width], row.to_vec());
+        self.push_rows_at(row, &[slot])
+    }
+
+    /// Appends one token per row of `rows` ([n, width]), row i written to `slots[i]` (each ≤
+    /// its token's position), without reading them.
+    pub fn push_rows_at(&mut self, rows: Tensor, slots: &[usize]) -> Result<()> {
+        self.append(rows, None, slots)
+    }
+
+    /// Appends tokens to an fp8_ds_mla cache: `stored` (the rows after the format's round trip,
+    /// what attention reads) at `slots`, keeping `written` (the rows before it) and the codec
+    /// faults of the write.
+    pub fn push_fp8_rows(
+        &mut self,
+        stored: Tensor,
+        written: &Tensor,
+        faults: Fp8Faults,
+        slots: &[usize],
+    ) -> Result<()> {
+        assert_eq!(written.shape(), stored.shape(), "fp8 rows of another shape");
+        self.append(stored, Some((written, faults)), slots)
+    }
+
+    fn append(
+        &mut self,
+        rows: Tensor,
+        fp8: Option<(&Tensor, Fp8Faults)>,
+        slots: &[usize],
+    ) -> Result<()> {
+        assert_eq!(
+            rows.numel(),
+            slots.len() * self.width,
+            "latent rows of the wrong width or count"
+        );
         assert_eq!(
             fp8.is_some(),
             self.dtype == KvCacheDtype::Fp8DsMla,
             "a latent row written past its cache's format"
         );
-        assert!(
-            slot <= self.len,
-            "slot {slot} past the token being appended"
-        );
-        if self.len.is_multiple_of(PAGE_SIZE) {
-            checked_numel(&[PAGE_SIZE, self.width], "latent cache page")?;
-            let fill = if self.poison {
-                f32::from_bits(crate::tensor::POISON_BITS)
-            } else {
-                0.0
-            };
-            self.block_table.push(self.pages.len());
-            self.pages.push(vec![fill; PAGE_SIZE * self.width]);
-            if fp8.is_some() {
-                let faults = vec![Fp8Faults::default(); PAGE_SIZE];
-                self.fp8_pages
-                    .push((vec![fill; PAGE_SIZE * self.width], faults));
-            }
+        if slots.is_empty() {
+            return Ok(());
         }
-        self.len += 1;
         let w = self.width;
-        let page = self.block_table[slot / PAGE_SIZE];
-        let at = slot % PAGE_SIZE * w;
-        self.pages[page][at..at + w].copy_from_slice(row);
-        if let Some((written, faults)) = fp8 {
-            let (rows, slot_faults) = &mut self.fp8_pages[page];
-            rows[at..at + w].copy_from_slice(written);
-            slot_faults[slot % PAGE_SIZE] = faults;
+        let chunk = self.chunks.len();
+        for (r, &slot) in slots.iter().enumerate() {
+            assert!(
+                slot <= self.len,
+                "slot {slot} past the token being appended"
+            );
+            if self.len.is_multiple_of(PAGE_SIZE) {
+                checked_numel(&[PAGE_SIZE, w], "latent cache page")?;
+                self.block_table.push(self.block_table.len());
+                if fp8.is_some() {
+                    let fill = unwritten_value(self.poison);
+                    let faults = vec![Fp8Faults::default(); PAGE_SIZE];
+                    self.fp8_pages.push((vec![fill; PAGE_SIZE * w], faults));
+                }
+            }
+            self.len += 1;
+            self.slots.push(None);
+            self.slots[slot] = Some((chunk, r));
+            if let Some((written, faults)) = fp8 {
+                let (page_rows, slot_faults) =
+                    &mut self.fp8_pages[self.block_table[slot / PAGE_SIZE]];
+                let at = slot % PAGE_SIZE * w;
+                page_rows[at..at + w].copy_from_slice(written.row(r));
+                slot_faults[slot % PAGE_SIZE] = faults;
+            }
+            self.writes.push(slot);
         }
-        self.writes.push(slot);
+        self.chunks.push(rows.reshaped(&[slots.len(), w]));
         Ok(())
     }
 
-    /// Address of the first page (0 while empty): the cache's "device pointer".
+    /// Address of the first rows written (0 while empty): on the device where they live there,
+    /// else on the host; the cache's "device pointer".
     pub fn address(&self) -> u64 {
-        self.pages.first().map_or(0, |p| p.as_ptr() as u64)
+        self.chunks.first().map_or(0, |t| match t.device() {
+            Some(d) => d.address(),
+            None => t.data().as_ptr() as u64,
+        })
     }
 
     /// Bytes held (whole pages).
     pub fn bytes(&self) -> usize {
-        self.pages.len() * PAGE_SIZE * self.width * 4
+        self.block_table.len() * PAGE_SIZE * self.width * 4
     }
 
     /// The block table: logical page → physical page.
     pub fn block_table(&self) -> &[usize] {
         &self.block_table
+    }
+}
+
+/// The value of a cache slot nothing wrote.
+fn unwritten_value(poison: bool) -> f32 {
+    if poison {
+        f32::from_bits(crate::tensor::POISON_BITS)
+    } else {
+        0.0
     }
 }
 
@@ -180,10 +218,16 @@ impl RowSource for LatentCache {
     }
 
     fn row(&self, t: usize) -> &[f32] {
+        match self.pushed_rows(t) {
+            Some((tensor, r)) => tensor.row(r),
+            None => &self.unwritten,
+        }
+    }
+
+    fn pushed_rows(&self, t: usize) -> Option<(&Tensor, usize)> {
         assert!(t < self.len, "latent cache read past its end");
-        let page = self.block_table[t / PAGE_SIZE];
-        let slot = t % PAGE_SIZE;
-        &self.pages[page][slot * self.width..(slot + 1) * self.width]
+        let (chunk, r) = self.slots[t]?;
+        Some((&self.chunks[chunk], r))
     }
 
     fn kv_cache_dtype(&self) -> KvCacheDtype {
@@ -418,6 +462,30 @@ mod tests {
         assert!(c.push_rows(Tensor::from_vec(&[3], vec![0.0; 3])).is_err());
         c.push_rows(Tensor::from_vec(&[0, 2], Vec::new())).unwrap();
         assert_eq!(c.len(), 5);
+    }
+
+    #[test]
+    fn a_latent_cache_keeps_written_tensors_and_reads_them_only_when_asked() {
+        use crate::tensor::test_device::FakeDevice;
+        use std::sync::atomic::Ordering;
+        let mut c = LatentCache::new(2, true);
+        c.push(&[0.0, 0.5]).unwrap();
+        // Three rows of a device output: the first two at their own slots, the third one slot
+        // early (it overwrites slot 2 and leaves slot 3 unwritten).
+        let d = FakeDevice::holding(&[1.0, 1.5, 2.0, 2.5, 3.0, 3.5]);
+        c.push_rows_at(Tensor::from_device(&[3, 2], d.clone()), &[1, 2, 2])
+            .unwrap();
+        assert_eq!((c.len(), c.writes()), (4, &[0, 1, 2, 2][..]));
+        assert_eq!(d.downloads.load(Ordering::Relaxed), 0, "nothing read yet");
+        let (t, r) = c.pushed_rows(2).unwrap();
+        assert_eq!((t.shape(), r), (&[3, 2][..], 2), "the slot's last write");
+        assert!(c.pushed_rows(3).is_none(), "an unwritten slot");
+        assert_eq!(c.row(0), &[0.0, 0.5]);
+        assert_eq!(c.row(1), &[1.0, 1.5]);
+        assert_eq!(c.row(2), &[3.0, 3.5]);
+        assert_eq!(c.row(3)[1].to_bits(), crate::tensor::POISON_BITS);
+        assert_eq!(d.downloads.load(Ordering::Relaxed), 1, "read once");
+        assert_eq!((c.block_table(), c.bytes()), (&[0][..], PAGE_SIZE * 2 * 4));
     }
 
     #[test]

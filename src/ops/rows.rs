@@ -44,8 +44,9 @@ pub trait RowSource: Sync {
     }
     /// Where a device backend keeps its copy of these rows, freed with the cache.
     fn mirror(&self) -> &MirrorSlot;
-    /// For a cache of unpaged rows kept as the tensors they were pushed in: the tensor holding
-    /// row `t` and the row's index in it (a device backend copies such rows on the device).
+    /// For a cache whose rows are kept as the tensors they were pushed in: the tensor holding
+    /// row `t` and the row's index in it (a device backend copies such rows on the device), or
+    /// none for a slot nothing wrote.
     fn pushed_rows(&self, _t: usize) -> Option<(&crate::tensor::Tensor, usize)> {
         None
     }

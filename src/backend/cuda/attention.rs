@@ -128,7 +128,7 @@ impl CudaBackend {
             None => BatchTable {
                 row: row.to_vec(),
                 batch,
-                table: Arc::new(self.gpu.repeat_rows_i32(&self.indices(row)?, batch)?),
+                table: Arc::new(self.gpu.repeat_rows_i32(&*self.indices(row)?, batch)?),
             },
         };
         let table = kept.table.clone();
@@ -178,9 +178,7 @@ impl CudaBackend {
         let mut fresh: Vec<usize> = src.writes()[mirror.applied..].to_vec();
         fresh.sort_unstable();
         fresh.dedup();
-        if src.block_table().is_none() {
-            fresh = self.copy_pushed_rows(src, &fresh, &mirror.buf)?;
-        }
+        fresh = self.copy_pushed_rows(src, &fresh, &physical, &mirror.buf)?;
         if !fresh.is_empty() {
             let rows: Vec<f32> = fresh.iter().flat_map(|&s| src.row(s).to_vec()).collect();
             let rows = self.gpu.upload(&rows, self.elem)?;
@@ -195,13 +193,14 @@ impl CudaBackend {
         Ok(slot)
     }
 
-    /// Copies the rows of an unpaged cache that were pushed as this device's tensors into its
-    /// mirror, on the device (runs of consecutive rows of one tensor in one copy); returns the
-    /// rows left for the host path.
+    /// Copies the rows of a cache that were pushed as this device's tensors into its mirror, on
+    /// the device, each to the physical row `physical` gives (runs of rows consecutive in one
+    /// tensor and in the mirror in one copy); returns the rows left for the host path.
     fn copy_pushed_rows(
         &self,
         src: &dyn RowSource,
         fresh: &[usize],
+        physical: &dyn Fn(usize) -> usize,
         mirror: &DevBuf,
     ) -> Result<Vec<usize>> {
         let width = src.width();
@@ -211,19 +210,26 @@ impl CudaBackend {
             let s = fresh[i];
             let on_device = src.pushed_rows(s).and_then(|(t, r)| {
                 let d = t.device().filter(|d| self.holds(d, self.elem))?;
-                Some((t.rows(), d, r))
+                Some((t, d, r))
             });
-            let Some((rows, d, r)) = on_device else {
+            let Some((t, d, r)) = on_device else {
                 left.push(s);
                 i += 1;
                 continue;
             };
+            let at = physical(s);
             let mut n = 1;
-            while i + n < fresh.len() && fresh[i + n] == s + n && r + n < rows {
+            while i + n < fresh.len()
+                && fresh[i + n] == s + n
+                && physical(s + n) == at + n
+                && src
+                    .pushed_rows(s + n)
+                    .is_some_and(|(u, q)| std::ptr::eq(u, t) && q == r + n)
+            {
                 n += 1;
             }
             self.gpu
-                .copy(buf(d), r * width, mirror, s * width, n * width)?;
+                .copy(buf(d), r * width, mirror, at * width, n * width)?;
             i += n;
         }
         Ok(left)

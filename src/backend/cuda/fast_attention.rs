@@ -275,7 +275,7 @@ impl CudaBackend {
             indices,
             topk: *topk,
         });
-        let lens = sparse.as_ref().map_or(&seq_lens, |(_, _, counts)| counts);
+        let lens = sparse.as_ref().map_or(&*seq_lens, |(_, _, counts)| counts);
         let (mirror, pool, launches, address, bytes) = if fp8 {
             let mirror = self.sync_fp8_cache(cache)?;
             let pages = fp8_bytes(&mirror);

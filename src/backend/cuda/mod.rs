@@ -13,6 +13,7 @@
 #![deny(unsafe_code)]
 
 mod attention;
+mod constants;
 #[allow(unsafe_code)]
 pub mod device;
 mod experts;
@@ -56,6 +57,8 @@ pub struct CudaBackend {
     /// The backends of tensor-parallel ranks asked for so far, by rank count (their devices
     /// opened and NCCL set up once).
     ranks: ranks::RanksCache,
+    /// Small read-only arrays kept on the device by content (positions, lengths, frequencies).
+    constants: constants::Constants,
 }
 
 /// Whether a CUDA device can be used, and if not, why.
@@ -94,6 +97,7 @@ impl CudaBackend {
             stats_scratch: Mutex::new(None),
             batch_scratch: Mutex::new(None),
             ranks: ranks::RanksCache::default(),
+            constants: constants::Constants::default(),
         }
     }
 
@@ -185,12 +189,12 @@ impl CudaBackend {
         Ok(out)
     }
 
-    fn indices(&self, values: &[usize]) -> Result<DevI32> {
+    fn indices(&self, values: &[usize]) -> Result<Arc<DevI32>> {
         let v: Vec<i32> = values
             .iter()
             .map(|&p| i32::try_from(p).map_err(|_| Error::invalid(format!("index {p} past i32"))))
             .collect::<Result<_>>()?;
-        self.gpu.upload_i32(&v)
+        self.constants.i32s(&self.gpu, &v)
     }
 }
 
@@ -327,7 +331,7 @@ impl Backend for CudaBackend {
         let d = checks::rope(x, heads, table, n)?;
         let xd = self.dev(x)?;
         let pos = self.indices(positions)?;
-        let freq = self.gpu.upload(&table.inv_freq, Elem::F32)?;
+        let freq = self.constants.f32s(&self.gpu, &table.inv_freq)?;
         let out = self.out(x.numel())?;
         self.gpu.rope(
             buf(&xd),
@@ -439,7 +443,7 @@ impl Backend for CudaBackend {
             Some(d) if self.holds(d, self.elem) => d.clone(),
             _ => Arc::new(self.gpu.upload(logits.data(), Elem::F32)?),
         };
-        let b = self.gpu.upload(bias.data(), Elem::F32)?;
+        let b = self.constants.f32s(&self.gpu, bias.data())?;
         let out = self.gpu.alloc(tokens * 2 * k, Elem::F32)?;
         self.gpu.route(buf(&l), &b, moe, tokens, &out)?;
         let routed = self.gpu.download(&out)?;

@@ -28,29 +28,34 @@ pub(super) fn write_latent(
     let width = dims.latent + dims.rope;
     let written = written.reshaped(&[ctx.positions.len(), width]);
     let fp8 = ctx.kv_cache == KvCacheDtype::Fp8DsMla;
-    let faults = ctx.faults.fp8(ctx.phase);
-    let mut stored = Vec::with_capacity(if fp8 { written.numel() } else { 0 });
-    for (t, &pos) in ctx.positions.iter().enumerate() {
-        let slot = if ctx.fault(Fault::KvCacheOffByOne) {
-            pos.saturating_sub(1)
-        } else {
-            pos
-        };
-        if fp8 {
-            let row = kv_fp8::round_trip(written.row(t), faults)?;
-            cache.latent.push_fp8(&row, written.row(t), faults, slot)?;
-            stored.extend(row);
-        } else {
-            cache.latent.push_at(written.row(t), slot)?;
-        }
-    }
+    let slots: Vec<usize> = ctx
+        .positions
+        .iter()
+        .map(|&pos| {
+            if ctx.fault(Fault::KvCacheOffByOne) {
+                pos.saturating_sub(1)
+            } else {
+                pos
+            }
+        })
+        .collect();
     let reads = vec![BufferRef::of(&chunk.c_kv), BufferRef::of(&chunk.k_pe)];
     let (report, cached) = if fp8 {
-        let stored = Tensor::from_vec(&[ctx.positions.len(), width], stored);
+        // The format's round trip is the CPU codec's: the rows come to the host for it.
+        let faults = ctx.faults.fp8(ctx.phase);
+        let mut rows = Vec::with_capacity(written.numel());
+        for t in 0..slots.len() {
+            rows.extend(kv_fp8::round_trip(written.row(t), faults)?);
+        }
+        let stored = Tensor::from_vec(&[slots.len(), width], rows);
+        cache
+            .latent
+            .push_fp8_rows(stored.alias(), &written, faults, &slots)?;
         let c_kv = b.slice_groups(&stored, 1, 0, dims.latent)?;
         let k_pe = b.slice_groups(&stored, 1, dims.latent, dims.rope)?;
         (stored, Some((c_kv, k_pe)))
     } else {
+        cache.latent.push_rows_at(written.alias(), &slots)?;
         (written, None)
     };
     sink.report(
