@@ -511,8 +511,9 @@ pub trait Backend: Send + Sync {
 
 /// Statistics started as ops finish (see [`Backend::stats_batch`]).
 pub trait StatsBatch {
-    /// Starts the statistics of each of `ts` as it is now (later writes to its buffer do not
-    /// change them); a device backend launches one pass for several tensors.
+    /// Starts the statistics of each of `ts` as its op left it. A device backend holds a tensor
+    /// (and so its buffer) until it launches one pass for several, so `ts` must not be written
+    /// in place afterwards, which no op output is.
     fn start(&mut self, ts: &[&Tensor]) -> Result<()>;
 
     /// The statistics of every tensor started since the last collect, in the order started.

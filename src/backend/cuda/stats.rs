@@ -1,7 +1,7 @@
 //! Tensor statistics of device outputs: one launch for up to 16 tensors, each tensor's last
-//! block writing its row of results; a batch of them, started op by op (a traced pass) or all at
-//! once (an attention call's outputs), comes back in one copy with one wait
-//! ([`DeviceStatsBatch`]). Small tensors already on the host are summed there.
+//! block writing its row of results; a batch of them, started op by op (a traced pass: launched
+//! 16 at a time) or all at once (an attention call's outputs), comes back in one copy with one
+//! wait ([`DeviceStatsBatch`]). Small tensors already on the host are summed there.
 
 use super::device::buffer::PinnedBytes;
 use super::device::kernels::{
@@ -12,8 +12,8 @@ use super::CudaBackend;
 use crate::backend::StatsBatch;
 use crate::error::Result;
 use crate::stats::TensorStats;
-use crate::tensor::{DType, Tensor};
-use std::sync::Mutex;
+use crate::tensor::{DType, DeviceBuffer, Tensor};
+use std::sync::{Arc, Mutex};
 
 /// Blocks of one tensor's statistics at most (its rows of partials).
 const MAX_BLOCKS: usize = 512;
@@ -99,17 +99,21 @@ enum Part {
     Row(usize, usize),
 }
 
-/// [`StatsBatch`] on the device: each tensor's pass is launched when started (so that later
-/// writes to its buffer do not reach it) into a result row of its own, and the rows come back in
-/// one copy when collected.
+/// [`StatsBatch`] on the device: each tensor's pass goes into a result row of its own, launched
+/// for up to [`SLOTS`] tensors at once (a launch costs the host about as much as the op whose
+/// output it sums), and the rows come back in one copy when collected. A tensor waiting for its
+/// launch is held (its buffer cannot be reused meanwhile); outputs are never written after their
+/// op, so the launch sees what the op wrote.
 pub struct DeviceStatsBatch<'a> {
     backend: &'a CudaBackend,
     /// Where the scratch is kept between batches.
     slot: &'a Mutex<Option<StatsScratch>>,
     scratch: Option<StatsScratch>,
     parts: Vec<Part>,
-    /// Result rows in use.
+    /// Result rows in use, the last `waiting.len()` of them not launched yet.
     used: usize,
+    /// The buffers whose pass is not launched yet, in row order.
+    waiting: Vec<Arc<dyn DeviceBuffer>>,
 }
 
 impl<'a> DeviceStatsBatch<'a> {
@@ -126,11 +130,30 @@ impl<'a> DeviceStatsBatch<'a> {
             scratch: kept,
             parts: Vec::new(),
             used: 0,
+            waiting: Vec::new(),
         }
+    }
+
+    /// Launches the pass of the waiting buffers, one launch for all.
+    fn launch(&mut self) -> Result<()> {
+        let Some(scratch) = &self.scratch else {
+            return Ok(());
+        };
+        if self.waiting.is_empty() {
+            return Ok(());
+        }
+        let bufs: Vec<&DevBuf> = self.waiting.iter().filter_map(|d| dev_buf(d)).collect();
+        let first = self.used - self.waiting.len();
+        self.backend
+            .gpu
+            .stats_many(&bufs, &scratch.partials, &scratch.results, first)?;
+        self.waiting.clear();
+        Ok(())
     }
 
     /// The rows in use copied back: every waiting part made ready, the rows free again.
     fn drain(&mut self) -> Result<()> {
+        self.launch()?;
         let (Some(scratch), true) = (&mut self.scratch, self.used > 0) else {
             return Ok(());
         };
@@ -144,48 +167,47 @@ impl<'a> DeviceStatsBatch<'a> {
         self.used = 0;
         Ok(())
     }
+
+    /// The result row of device buffer `d`: the row of its earlier start if it still waits (an
+    /// alias is summed once), else a new one, launched with the others once there are
+    /// [`SLOTS`].
+    fn row_of(&mut self, d: &Arc<dyn DeviceBuffer>, serial: u64) -> Result<usize> {
+        let first = self.used - self.waiting.len();
+        let same = |w: &Arc<dyn DeviceBuffer>| dev_buf(w).is_some_and(|b| b.serial() == serial);
+        if let Some(i) = self.waiting.iter().position(same) {
+            return Ok(first + i);
+        }
+        if self.used == BATCH_ROWS {
+            self.drain()?;
+        }
+        self.waiting.push(d.clone());
+        self.used += 1;
+        let row = self.used - 1;
+        if self.waiting.len() == SLOTS {
+            self.launch()?;
+        }
+        Ok(row)
+    }
+}
+
+/// The [`DevBuf`] behind a device tensor's buffer.
+fn dev_buf(d: &Arc<dyn DeviceBuffer>) -> Option<&DevBuf> {
+    d.as_any().downcast_ref::<DevBuf>()
 }
 
 impl StatsBatch for DeviceStatsBatch<'_> {
     fn start(&mut self, ts: &[&Tensor]) -> Result<()> {
-        if ts.len() > BATCH_ROWS {
-            return ts.chunks(BATCH_ROWS).try_for_each(|c| self.start(c));
-        }
         if self.scratch.is_none() {
             self.scratch = Some(StatsScratch::new(self.backend)?);
         }
-        // One pass per distinct buffer (an alias is summed once), SLOTS to a launch.
-        let mut distinct: Vec<&DevBuf> = Vec::new();
-        let mut rows = Vec::with_capacity(ts.len());
         let ordinal = self.backend.gpu().ordinal();
         for t in ts {
-            rows.push(on_device(t, ordinal).map(|b| {
-                distinct
-                    .iter()
-                    .position(|d| d.serial() == b.serial())
-                    .unwrap_or_else(|| {
-                        distinct.push(b);
-                        distinct.len() - 1
-                    })
-            }));
+            let part = match (on_device(t, ordinal), t.device()) {
+                (Some(b), Some(d)) => Part::Row(self.row_of(d, b.serial())?, b.len()),
+                _ => Part::Ready(TensorStats::of_unordered(t.data())),
+            };
+            self.parts.push(part);
         }
-        if self.used + distinct.len() > BATCH_ROWS {
-            self.drain()?;
-        }
-        let scratch = self.scratch.as_ref().expect("made above");
-        for (i, chunk) in distinct.chunks(SLOTS).enumerate() {
-            let first = self.used + i * SLOTS;
-            self.backend
-                .gpu
-                .stats_many(chunk, &scratch.partials, &scratch.results, first)?;
-        }
-        for (t, row) in ts.iter().zip(rows) {
-            self.parts.push(match row {
-                Some(r) => Part::Row(self.used + r, distinct[r].len()),
-                None => Part::Ready(TensorStats::of_unordered(t.data())),
-            });
-        }
-        self.used += distinct.len();
         Ok(())
     }
 
