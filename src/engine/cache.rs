@@ -1,9 +1,10 @@
 //! KV caches, one set per decoder layer.
 //!
 //! * [`LatentCache`]: what MLA really stores, the normalised c_kv (kv_lora_rank) followed by the
-//!   roped k_pe (qk_rope_head_dim) of every token: 576 values per token for GLM-5. Stored in
-//!   fixed-size pages reached through a block table, like vLLM's paged cache and FlashMLA's, so
-//!   that slot-mapping faults have a place to live.
+//!   roped k_pe (qk_rope_head_dim) of every token: 576 values per token for GLM-5. Its slots are
+//!   in fixed-size pages reached through a block table, like vLLM's paged cache and FlashMLA's,
+//!   so that slot-mapping faults have a place to live; a device backend's mirror is laid out
+//!   by those pages.
 //! * [`ExpandedCache`]: per-head K (qk_nope + qk_rope) and V (v_head_dim) of every token, what the
 //!   MLA-disabled (naive) path attends over in decode. Filled from the latent cache on demand.
 //! * [`IndexKeyCache`]: the DSA indexer's keys.

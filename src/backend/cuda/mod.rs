@@ -2,11 +2,12 @@
 //! device's compute capability) and cuBLAS GEMMs, through cudarc with dynamic loading so that the
 //! crate builds and runs anywhere (no GPU: a clear error, never a panic).
 //!
-//! Tensors keep a host copy (the trace, the debugger and the TUI read it) and carry their device
-//! buffer as a mirror: inputs found resident are used in place, weights are uploaded once and
-//! stay with their cached tensor, outputs are computed on the device and copied back. KV caches
-//! keep their device mirrors in their own slot ([`crate::ops::MirrorSlot`]), replaying the host
-//! cache's writes, so a mirror is freed with its cache. Storage on the device is bf16 or f32
+//! Tensors carry their device buffer: inputs found resident are used in place, weights are made
+//! or uploaded once and stay with their cached tensor, outputs are computed on the device and
+//! stay there, their host copy made when something reads it (the trace's statistics are
+//! computed on the device). KV caches keep their device mirrors in their own slot
+//! ([`crate::ops::MirrorSlot`]), replaying the cache's writes (rows that are this device's
+//! tensors by device copies), so a mirror is freed with its cache. Storage on the device is bf16 or f32
 //! (arithmetic is f32 in both).
 //!
 //! `unsafe` lives in [`device`] alone; this module and its other files deny it.
