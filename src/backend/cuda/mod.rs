@@ -7,8 +7,8 @@
 //! stay there, their host copy made when something reads it (the trace's statistics are
 //! computed on the device). KV caches keep their device mirrors in their own slot
 //! ([`crate::ops::MirrorSlot`]), replaying the cache's writes (rows that are this device's
-//! tensors by device copies), so a mirror is freed with its cache. Storage on the device is bf16 or f32
-//! (arithmetic is f32 in both).
+//! tensors by device copies), so a mirror is freed with its cache. Storage on the device is bf16
+//! or f32 (arithmetic is f32 in both).
 //!
 //! `unsafe` lives in [`device`] alone; this module and its other files deny it.
 #![deny(unsafe_code)]
