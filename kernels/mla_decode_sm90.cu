@@ -132,14 +132,18 @@ __device__ __forceinline__ void pair_merge(unsigned char* smem, const float* o, 
     const int col0 = wg * 256 + 2 * qd;
     cluster_sync();  // both blocks are past their tiles: block 0's stages are free
     if (cluster_rank() == 1) {
+        // Only the group's real rows: block 0 merges no padding row (a rank's 8 heads are an
+        // eighth of the exchange).
 #pragma unroll
         for (int n = 0; n < 32; n++) {
-            st_cluster_f32x2(smem_addr(xo + r0 * PAIR_STRIDE + col0 + 8 * n), 0, o[4 * n] * inv0, o[4 * n + 1] * inv0);
-            st_cluster_f32x2(smem_addr(xo + r1 * PAIR_STRIDE + col0 + 8 * n), 0, o[4 * n + 2] * inv1, o[4 * n + 3] * inv1);
+            if (r0 < heads_here)
+                st_cluster_f32x2(smem_addr(xo + r0 * PAIR_STRIDE + col0 + 8 * n), 0, o[4 * n] * inv0, o[4 * n + 1] * inv0);
+            if (r1 < heads_here)
+                st_cluster_f32x2(smem_addr(xo + r1 * PAIR_STRIDE + col0 + 8 * n), 0, o[4 * n + 2] * inv1, o[4 * n + 3] * inv1);
         }
         if (wg == 0 && qd == 0) {
-            st_cluster_f32(smem_addr(xlse + r0), 0, lse2(r0));
-            st_cluster_f32(smem_addr(xlse + r1), 0, lse2(r1));
+            if (r0 < heads_here) st_cluster_f32(smem_addr(xlse + r0), 0, lse2(r0));
+            if (r1 < heads_here) st_cluster_f32(smem_addr(xlse + r1), 0, lse2(r1));
         }
         cluster_sync();  // block 1's rows are in block 0
         return;

@@ -180,12 +180,13 @@ pub fn planted_decode_work(
 }
 
 /// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
-/// walks (plus a fixed cost per split for its start), plus the partials every split of every
-/// head group writes and the merge reads back (64 heads × 512 f32, twice), at no fewer than 64
-/// tokens per split. The partials are weighed for the TMA-fed kernels only, whose blocks walk
-/// their tokens fast enough that they matter: on the H200 about four tokens of a block's time
-/// per split and group (B1 × 8k: 27.6 → 22.0 µs); the cp.async kernels (FP8 among them) went
-/// slower with fewer splits (FP8 B1 × 8k: 25.5 → 34.5 µs), so they keep the plain count.
+/// walks (plus a fixed cost per split for its start), plus the partials every split writes and
+/// the merge reads back (512 f32 per sequence and head, twice), at no fewer than 64 tokens per
+/// split. The partials are weighed for the TMA-fed kernels only, whose blocks walk their tokens
+/// fast enough that they matter: on the H200 about four tokens of a block's time per split and
+/// group of 64 heads (B1 × 8k: 27.6 → 22.0 µs), a share of that for fewer heads; the cp.async
+/// kernels (FP8 among them) went slower with fewer splits (FP8 B1 × 8k: 25.5 → 34.5 µs), so
+/// they keep the plain count.
 pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&str, u32)) -> usize {
     // Blocks per multiprocessor: its shared memory over the block's (plus the 1 KB the driver
     // reserves per block), or fewer where the kernel's registers allow fewer.
@@ -206,13 +207,21 @@ pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&s
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(4)
         * usize::from(reads_cache_by_tma(kernel) || kernel == "mla_sparse_wgmma");
+    let group = head_group(kernel);
     split_count(SplitCosts {
         slots,
-        groups: shape.batch * shape.heads.div_ceil(head_group(kernel)),
+        groups: shape.batch * shape.heads.div_ceil(group),
         max_len: shape.max_len,
         fixed,
-        merge,
+        merge: partials_cost(merge, shape.batch, shape.heads, group),
     })
+}
+
+/// What one split's partials cost, in tokens of a block's time: `per_group` for each group of
+/// `group` heads' rows. The partials are a row per head, so a group of fewer heads than the
+/// kernel's rows (a rank's 8 of 64) writes and reads back that share of them.
+fn partials_cost(per_group: usize, batch: usize, heads: usize, group: usize) -> usize {
+    (per_group * batch * heads).div_ceil(group)
 }
 
 /// The heads a block of a decode kernel takes: its variant's rows ([`HEAD_GROUP`] for the
@@ -235,7 +244,8 @@ pub(super) fn for_heads(
 }
 
 /// What [`decode_splits`] weighs: block slots on the device, blocks per split (sequences × head
-/// groups), the longest sequence, and the per-split costs in tokens of a block's time.
+/// groups), the longest sequence, and the per-split costs in tokens of a block's time: `fixed`
+/// per block, `merge` for all the partials of one split.
 struct SplitCosts {
     slots: usize,
     groups: usize,
@@ -255,7 +265,7 @@ fn split_count(c: SplitCosts) -> usize {
             continue;
         }
         let waves = (c.groups * s).div_ceil(c.slots);
-        let partials = if s > 1 { c.merge * s * c.groups } else { 0 };
+        let partials = if s > 1 { c.merge * s } else { 0 };
         let cost = waves * (c.max_len.div_ceil(s) + c.fixed) + partials;
         if cost < best.0 {
             best = (cost, s);
@@ -513,7 +523,7 @@ mod tests {
             groups,
             max_len,
             fixed: 192,
-            merge,
+            merge: merge * groups,
         })
     }
 
@@ -528,6 +538,23 @@ mod tests {
         assert_eq!(h200(64, 8192, 4), 2);
         // A long batch needs no split at all.
         assert_eq!(h200(128, 4096, 4), 1);
+        // A rank's 8 heads in a group of 64 write an eighth of the partials: more splits pay
+        // (batch 1 × 8k: 86 rather than 43; batch 64 × 1k: two rather than one).
+        assert_eq!(partials_cost(4, 1, 64, 64), 4);
+        assert_eq!(partials_cost(4, 64, 128, 64), 512);
+        assert_eq!(partials_cost(4, 1, 8, 64), 1);
+        let eighth = |batch, max_len| {
+            split_count(SplitCosts {
+                slots: 132,
+                groups: batch,
+                max_len,
+                fixed: 192,
+                merge: partials_cost(4, batch, 8, 64),
+            })
+        };
+        assert_eq!(eighth(1, 8192), 86);
+        assert_eq!(eighth(64, 1024), 2);
+        assert_eq!(h200(64, 1024, 4), 1, "at 64 heads one split still");
         // No count leaves a split empty after the rounding to 32-token tiles.
         for len in [100, 1000, 4096, 5000, 8192, 32768] {
             for merge in [0, 4] {
