@@ -8,6 +8,7 @@
 use super::device::{DevBuf, DevI32, Elem, Gpu};
 use crate::error::Result;
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 
 /// Arrays longer than this are uploaded every time (they are not the repeated kind).
@@ -28,37 +29,40 @@ struct Kept {
 impl Constants {
     /// `values` on the device as i32.
     pub(super) fn i32s(&self, gpu: &Gpu, values: &[i32]) -> Result<Arc<DevI32>> {
-        if values.len() > MAX_LEN {
-            return Ok(Arc::new(gpu.upload_i32(values)?));
+        let upload = || gpu.upload_i32(values).map(Arc::new);
+        match values.len() > MAX_LEN {
+            true => upload(),
+            false => self.kept(values.to_vec(), |k| &mut k.i32s, upload),
         }
-        let mut kept = self.lock();
-        if let Some(buf) = kept.i32s.get(values) {
-            return Ok(buf.clone());
-        }
-        let buf = Arc::new(gpu.upload_i32(values)?);
-        kept.make_room();
-        kept.i32s.insert(values.to_vec(), buf.clone());
-        Ok(buf)
     }
 
     /// `values` on the device as f32.
     pub(super) fn f32s(&self, gpu: &Gpu, values: &[f32]) -> Result<Arc<DevBuf>> {
-        if values.len() > MAX_LEN {
-            return Ok(Arc::new(gpu.upload(values, Elem::F32)?));
+        let upload = || gpu.upload(values, Elem::F32).map(Arc::new);
+        match values.len() > MAX_LEN {
+            true => upload(),
+            false => {
+                let key = values.iter().map(|v| v.to_bits()).collect();
+                self.kept(key, |k| &mut k.f32s, upload)
+            }
         }
-        let key: Vec<u32> = values.iter().map(|v| v.to_bits()).collect();
-        let mut kept = self.lock();
-        if let Some(buf) = kept.f32s.get(&key) {
-            return Ok(buf.clone());
-        }
-        let buf = Arc::new(gpu.upload(values, Elem::F32)?);
-        kept.make_room();
-        kept.f32s.insert(key, buf.clone());
-        Ok(buf)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    /// The buffer kept under `key` in the map `of` picks, or `upload`'s, kept from now on.
+    fn kept<K: Eq + Hash, V: Clone>(
+        &self,
+        key: K,
+        of: fn(&mut Kept) -> &mut HashMap<K, V>,
+        upload: impl FnOnce() -> Result<V>,
+    ) -> Result<V> {
+        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(buf) = of(&mut kept).get(&key) {
+            return Ok(buf.clone());
+        }
+        let buf = upload()?;
+        kept.make_room();
+        of(&mut kept).insert(key, buf.clone());
+        Ok(buf)
     }
 }
 

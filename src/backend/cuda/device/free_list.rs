@@ -11,7 +11,6 @@ use cudarc::driver::CudaSlice;
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Bytes the list keeps at most, and the largest buffer it keeps (larger ones, such as weights,
@@ -19,46 +18,50 @@ use std::sync::{Arc, Mutex};
 const KEEP_BYTES: usize = 1 << 30;
 const KEEP_ONE_BYTES: usize = 64 << 20;
 
-/// One device's kept buffers, by size in bytes.
+/// One device's kept buffers.
 #[derive(Default)]
-pub struct FreeList {
-    kept: Mutex<HashMap<usize, Vec<CudaSlice<u8>>>>,
-    bytes: AtomicUsize,
+pub struct FreeList(Mutex<Kept>);
+
+/// The kept buffers by size in bytes, and their bytes in all.
+#[derive(Default)]
+struct Kept {
+    by_size: HashMap<usize, Vec<CudaSlice<u8>>>,
+    bytes: usize,
 }
 
 impl FreeList {
     /// A kept buffer of exactly `bytes`, if there is one.
     pub fn take(&self, bytes: usize) -> Option<CudaSlice<u8>> {
-        let slice = self.lock().get_mut(&bytes)?.pop()?;
-        self.bytes.fetch_sub(bytes, Ordering::Relaxed);
+        let mut kept = self.lock();
+        let slice = kept.by_size.get_mut(&bytes)?.pop()?;
+        kept.bytes -= bytes;
         Some(slice)
     }
 
     /// Keeps `slice` for reuse, or frees it when it is large or the list is full.
     fn keep(&self, slice: CudaSlice<u8>) {
         let n = slice.len();
-        let room = n <= KEEP_ONE_BYTES && self.bytes.load(Ordering::Relaxed) + n <= KEEP_BYTES;
-        if room {
-            self.bytes.fetch_add(n, Ordering::Relaxed);
-            self.lock().entry(n).or_default().push(slice);
+        let mut kept = self.lock();
+        if n <= KEEP_ONE_BYTES && kept.bytes + n <= KEEP_BYTES {
+            kept.bytes += n;
+            kept.by_size.entry(n).or_default().push(slice);
         }
     }
 
     /// Frees every kept buffer (a full device gets their memory back).
     pub fn clear(&self) {
         let kept = std::mem::take(&mut *self.lock());
-        self.bytes.store(0, Ordering::Relaxed);
         drop(kept);
     }
 
     /// Bytes kept now.
     pub fn bytes(&self) -> usize {
-        self.bytes.load(Ordering::Relaxed)
+        self.lock().bytes
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<usize, Vec<CudaSlice<u8>>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
         // A poisoned lock only means a thread panicked while holding it; the map is still whole.
-        self.kept.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
