@@ -6,7 +6,8 @@
 // of their squares, in f64) into a row per block, and the last block of the tensor to finish
 // adds those rows in a fixed order (so that a tensor's statistics are the same every time) and
 // writes the tensor's result: 11 doubles (sum, sum of squares, min, max, abs-max over the finite
-// elements, then the six counts), leaving the accumulator as it found it.
+// elements, then the six counts), leaving the accumulator as it found it. A tensor of one block
+// (the launcher gives small ones one) writes its result directly.
 #include "common.cuh"
 
 #define STATS 11
@@ -131,6 +132,19 @@ __device__ __forceinline__ void block_sums(double& sum, double& sum_sq) {
     }
 }
 
+// A tensor's result: the two sums, min, max and abs-max over the finite elements (infinities
+// where there are none), then the six counts.
+__device__ __forceinline__ void write_stats(double* out, double sum, double sum_sq, int lo, int hi, unsigned int abs_max,
+                                            const unsigned long long* counts) {
+    const bool fin = counts[0] != 0;
+    out[0] = sum;
+    out[1] = sum_sq;
+    out[2] = fin ? (double)key_value(lo) : (double)INFINITY;
+    out[3] = fin ? (double)key_value(hi) : -(double)INFINITY;
+    out[4] = (double)__uint_as_float(abs_max);
+    for (int c = 0; c < 6; c++) out[5 + c] = (double)counts[c];
+}
+
 // partials: two doubles (the sums) per block of the grid; rows: one StatsRow per tensor.
 extern "C" __global__ void __launch_bounds__(STATS_THREADS) stats_many(const __grid_constant__ StatsJobs jobs,
                                                                          double* partials, double* rows) {
@@ -177,22 +191,33 @@ extern "C" __global__ void __launch_bounds__(STATS_THREADS) stats_many(const __g
     }
     double sum = acc.sum, sum_sq = acc.sum_sq;
     block_sums(sum, sum_sq);  // (its barriers also make the shared values whole)
-    if (threadIdx.x == 0) {
-        if (keys[0] != INT_MAX_) atomicMin(&row->min_key, keys[0]);
-        if (keys[1] != INT_MIN_) atomicMax(&row->max_key, keys[1]);
-        if (block_abs_max != 0) atomicMax(&row->abs_max_bits, block_abs_max);
-        for (int c = 0; c < 6; c++)
-            if (block_counts[c] != 0) atomicAdd(&row->counts[c], (unsigned long long)block_counts[c]);
+    const int lane = threadIdx.x % 32;
+    if (blocks == 1) {
+        // A tensor of one block: the block's statistics are the tensor's, written straight to
+        // its row (no atomics, fences or partials: a small tensor's pass is all latency).
+        if (threadIdx.x == 0) {
+            unsigned long long totals[6];
+            for (int c = 0; c < 6; c++) totals[c] = block_counts[c];
+            write_stats(row->stats, sum, sum_sq, keys[0], keys[1], block_abs_max, totals);
+        }
+        return;
     }
 
-    // The last block of the tensor to arrive adds the blocks' sums in order and writes the
-    // result (the others' writes and atomics made visible by the fences).
+    // The block's share goes out from lanes of warp 0 side by side (one store or atomic each,
+    // instead of one thread's chain): the sums to the block's partial row, the rest into the
+    // tensor's accumulator. Then the last block of the tensor to arrive adds the blocks' sums in
+    // order and writes the result (the others' writes and atomics made visible by the fences).
     __shared__ bool last;
-    if (threadIdx.x == 0) {
-        partials[2 * (u64)blockIdx.x] = sum;
-        partials[2 * (u64)blockIdx.x + 1] = sum_sq;
+    if (threadIdx.x < 32) {
+        const double s0 = __shfl_sync(0xffffffffu, sum, 0), s1 = __shfl_sync(0xffffffffu, sum_sq, 0);
+        if (lane < 2) partials[2 * (u64)blockIdx.x + lane] = lane == 0 ? s0 : s1;
+        else if (lane == 2 && keys[0] != INT_MAX_) atomicMin(&row->min_key, keys[0]);
+        else if (lane == 3 && keys[1] != INT_MIN_) atomicMax(&row->max_key, keys[1]);
+        else if (lane == 4 && block_abs_max != 0) atomicMax(&row->abs_max_bits, block_abs_max);
+        else if (lane >= 5 && lane < 11 && block_counts[lane - 5] != 0) atomicAdd(&row->counts[lane - 5], (unsigned long long)block_counts[lane - 5]);
         __threadfence();
-        last = atomicAdd(&row->blocks_done, 1ull) == blocks - 1;
+        __syncwarp();
+        if (lane == 0) last = atomicAdd(&row->blocks_done, 1ull) == blocks - 1;
     }
     __syncthreads();
     if (!last) return;
@@ -204,22 +229,24 @@ extern "C" __global__ void __launch_bounds__(STATS_THREADS) stats_many(const __g
         sum_sq += __ldcg(partials + 2 * (u64)(first + r) + 1);
     }
     block_sums(sum, sum_sq);
-    if (threadIdx.x == 0) {
-        const unsigned long long fin = __ldcg(&row->counts[0]);
-        const int lo = __ldcg(&row->min_key), hi = __ldcg(&row->max_key);
-        double* out = row->stats;
-        out[0] = sum;
-        out[1] = sum_sq;
-        out[2] = fin ? (double)key_value(lo) : (double)INFINITY;
-        out[3] = fin ? (double)key_value(hi) : -(double)INFINITY;
-        out[4] = (double)__uint_as_float(__ldcg(&row->abs_max_bits));
-        for (int c = 0; c < 6; c++) {
-            out[5 + c] = (double)__ldcg(&row->counts[c]);
-            row->counts[c] = 0;
-        }
-        row->min_key = INT_MAX_;
-        row->max_key = INT_MIN_;
-        row->abs_max_bits = 0;
-        row->blocks_done = 0;
-    }
+    if (threadIdx.x >= 32) return;
+    // Lanes 0-10 read the accumulator's fields at once, lane 0 writes the row, and the
+    // accumulator is left at identity for the next launch.
+    const double s0 = __shfl_sync(0xffffffffu, sum, 0), s1 = __shfl_sync(0xffffffffu, sum_sq, 0);
+    unsigned long long field = 0;
+    if (lane == 2) field = (unsigned int)__ldcg(&row->min_key);
+    else if (lane == 3) field = (unsigned int)__ldcg(&row->max_key);
+    else if (lane == 4) field = __ldcg(&row->abs_max_bits);
+    else if (lane >= 5 && lane < 11) field = __ldcg(&row->counts[lane - 5]);
+    const int lo = (int)__shfl_sync(0xffffffffu, field, 2), hi = (int)__shfl_sync(0xffffffffu, field, 3);
+    const unsigned int abs_bits = (unsigned int)__shfl_sync(0xffffffffu, field, 4);
+    unsigned long long totals[6];
+#pragma unroll
+    for (int c = 0; c < 6; c++) totals[c] = __shfl_sync(0xffffffffu, field, 5 + c);
+    if (lane == 0) write_stats(row->stats, s0, s1, lo, hi, abs_bits, totals);
+    if (lane == 2) row->min_key = INT_MAX_;
+    if (lane == 3) row->max_key = INT_MIN_;
+    if (lane == 4) row->abs_max_bits = 0;
+    if (lane >= 5 && lane < 11) row->counts[lane - 5] = 0;
+    if (lane == 11) row->blocks_done = 0;
 }
