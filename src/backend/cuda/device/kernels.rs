@@ -408,15 +408,14 @@ impl Gpu {
             size(wa),
             size(wb),
         ];
+        // A block per row (the kernel walks rows by the grid's stride).
+        let cfg = Launch {
+            grid: (n.clamp(1, 65_535) as u32, 1, 1),
+            block: 256,
+            shared: 0,
+        };
         // SAFETY: rows 0..n of each, checked above.
-        unsafe {
-            self.launch(
-                &CONCAT_GROUPS,
-                &name("concat_groups", e),
-                grid_1d(total),
-                &args,
-            )
-        }
+        unsafe { self.launch(&CONCAT_GROUPS, &name("concat_groups", e), cfg, &args) }
     }
 
     /// out[i] = x[rows[i]] for `n` rows of `cols` elements.
