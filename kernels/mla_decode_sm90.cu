@@ -209,7 +209,7 @@ struct RowsAhead {
 };
 
 template <bool SPARSE>
-__device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaMap* q_map, const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
+__device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaMap* q_map, const TmaMap* qpe_map, const bf16_t* cache, const int* block_table, int max_pages,
                                              const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o,
                                              float* part_lse, int splits, int total_heads, bf16_t* out, float* lse_out) {
     // The swizzled stages need 1024-byte alignment; the host gives 1 KB of slack for it.
@@ -245,10 +245,14 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
         for (int st = 0; st < W_STAGES; st++) mbar_init(mbar + 8 * st, SPARSE ? 129 : 1);
         mbar_init(mbar_q, 1);
         mbar_init_fence();
-        // Q: the group's 64 rows of this sequence, from row b·heads + head0 of q [rows, 576].
+        // Q: the group's 64 rows of this sequence, from row b·heads + head0 of the latent part
+        // [rows, 512] (eight boxes) and the RoPE part [rows, 64] (the ninth), wherever the two lie.
         mbar_expect_bytes(mbar_q, W_Q_BYTES);
 #pragma unroll
-        for (int c = 0; c < W_DQK / 64; c++) tma_load_2d(sQ + c * W_QBOX_BYTES, q_map, mbar_q, c * 64, b * total_heads + head0);
+        for (int c = 0; c < W_DQK / 64; c++) {
+            const bool rope = c >= W_DV / 64;
+            tma_load_2d(sQ + c * W_QBOX_BYTES, rope ? qpe_map : q_map, mbar_q, rope ? 0 : c * 64, b * total_heads + head0);
+        }
     }
     __syncthreads();
 
@@ -488,20 +492,20 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __grid_constant__ TmaMap cache_map, const __grid_constant__ TmaMap q_map,
-                                                                   const bf16_t* q, const bf16_t* cache,
+                                                                   const __grid_constant__ TmaMap qpe_map, const bf16_t* cache,
                                                                    const int* block_table, int max_pages, const int* seq_lens, float scale_log2,
                                                                    float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                    float* lse_out) {
-    decode_wgmma<false>(&cache_map, &q_map, q, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out,
+    decode_wgmma<false>(&cache_map, &q_map, &qpe_map, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out,
                         lse_out);
 }
 
 // The sparse twin: lens[b] is the length of row b of `indices` ([batch, topk] positions, -1
-// padding); its rows are copied by cp.async (Q's tensor map only).
-extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma(const __grid_constant__ TmaMap q_map, const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
+// padding); its rows are copied by cp.async (Q's tensor maps only).
+extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap qpe_map, const bf16_t* cache, const int* block_table, int max_pages,
                                                                    const int* indices, int topk, const int* lens, float scale_log2,
                                                                    float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                    float* lse_out) {
-    decode_wgmma<true>(nullptr, &q_map, q, cache, block_table, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, total_heads, out,
+    decode_wgmma<true>(nullptr, &q_map, &qpe_map, cache, block_table, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, total_heads, out,
                        lse_out);
 }

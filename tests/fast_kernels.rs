@@ -5,7 +5,9 @@
 mod common;
 
 use mladb::backend::cuda::device::{DevBuf, DevI32, Elem, Gpu};
-use mladb::backend::cuda::fast::{self, DecodeShape, DecodeWork, HEAD_GROUP, LATENT, PAGE, ROPE};
+use mladb::backend::cuda::fast::{
+    self, DecodeQuery, DecodeShape, DecodeWork, HEAD_GROUP, LATENT, PAGE, ROPE,
+};
 use mladb::backend::cuda::CudaBackend;
 use mladb::engine::StorageDtype;
 
@@ -97,7 +99,8 @@ fn keys_reference(
 
 /// A decode's inputs on the device.
 struct DecodeInputs<'a> {
-    q: &'a DevBuf,
+    /// Joined for every kernel; in parts for those that read the query by TMA.
+    q: DecodeQuery<'a>,
     cache: &'a DevBuf,
     table: &'a DevI32,
     /// Tokens per sequence (sparse: entries of its key list).
@@ -145,7 +148,10 @@ fn run_decode(
         Some(keys) => fast::mla_decode_sparse(
             gpu,
             shape,
-            input.q,
+            match input.q {
+                DecodeQuery::Joined(q) => q,
+                DecodeQuery::Parts { .. } => panic!("the sparse decodes here take a joined query"),
+            },
             input.cache,
             input.table,
             keys,
@@ -265,7 +271,7 @@ fn tensor_core_decode_matches_reference() {
         .upload_i32(&lens.iter().map(|&l| l as i32).collect::<Vec<_>>())
         .unwrap();
     let input = DecodeInputs {
-        q: &d_q,
+        q: DecodeQuery::Joined(&d_q),
         cache: &d_cache,
         table: &d_table,
         lens: &d_lens,
@@ -361,7 +367,7 @@ fn decode_runs_every_head_count() {
                 let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
                 for (lens, d_lens) in &runs {
                     let input = DecodeInputs {
-                        q: &d_q,
+                        q: DecodeQuery::Joined(&d_q),
                         cache: &d_cache,
                         table: &d_table,
                         lens: d_lens,
@@ -387,6 +393,96 @@ fn decode_runs_every_head_count() {
     }
     for (variant, worst) in variants.iter().zip(&worst) {
         eprintln!("decode {variant}: worst relative error {worst:.2e} over heads 1 to 128, 1 and 5 splits");
+    }
+}
+
+/// The wgmma kernels read the query's latent and RoPE parts where the engine made them (no
+/// joined copy): the same bits as from the joined query, at head counts whose groups start at
+/// other rows, at one, two (paired) and five splits, in a padded batch whose last sequences
+/// have no rows in the parts (read as zeros). A kernel that reads the query by pointer refuses
+/// the parts.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn a_query_in_parts_decodes_as_the_joined_one() {
+    let backend = gpu();
+    let gpu: &Gpu = backend.gpu();
+    let seed = common::seed();
+    let mut rng = common::Lcg::new(seed ^ 0x9a27);
+    eprintln!("seed {seed}");
+    let width = LATENT + ROPE;
+    // Two sequences of padding at the end: no keys, and no rows in the query's parts.
+    let lens = [300usize, 1, 129, 0, 0];
+    let real = 3;
+    let batch = lens.len();
+    let (table, max_pages, total_pages) = shuffled_block_table(&mut rng, &lens);
+    let cache = random_bf16(&mut rng, total_pages * PAGE * width, 1.0);
+    let d_cache = gpu.upload(&cache, Elem::Bf16).unwrap();
+    let d_table = gpu.upload_i32(&table).unwrap();
+    let d_lens = gpu
+        .upload_i32(&lens.iter().map(|&l| l as i32).collect::<Vec<_>>())
+        .unwrap();
+    let variants = fast::decode_variants_for(gpu);
+    let (by_tma, by_pointer): (Vec<&str>, Vec<&str>) =
+        variants.iter().partition(|v| fast::reads_query_by_tma(v));
+    if by_tma.is_empty() {
+        eprintln!("skipped: no decode kernel on this device reads the query by TMA ({variants:?})");
+        return;
+    }
+    for heads in [8, 64, 128] {
+        let rows = real * heads;
+        let mut q = random_bf16(&mut rng, batch * heads * width, 1.0);
+        q[rows * width..].fill(0.0);
+        let latent: Vec<f32> = (0..rows)
+            .flat_map(|r| q[r * width..][..LATENT].to_vec())
+            .collect();
+        let rope: Vec<f32> = (0..rows)
+            .flat_map(|r| q[r * width + LATENT..][..ROPE].to_vec())
+            .collect();
+        let d_q = gpu.upload(&q, Elem::Bf16).unwrap();
+        let (d_latent, d_rope) = (
+            gpu.upload(&latent, Elem::Bf16).unwrap(),
+            gpu.upload(&rope, Elem::Bf16).unwrap(),
+        );
+        let parts = DecodeQuery::Parts {
+            latent: &d_latent,
+            rope: &d_rope,
+        };
+        let shape = DecodeShape {
+            batch,
+            heads,
+            max_pages,
+            max_len: *lens.iter().max().unwrap(),
+        };
+        let input = |q| DecodeInputs {
+            q,
+            cache: &d_cache,
+            table: &d_table,
+            lens: &d_lens,
+            scale: 0.07,
+            keys: None,
+        };
+        for variant in &by_tma {
+            for splits in [1, 2, 5] {
+                let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
+                let joined = run_decode(gpu, shape, &input(DecodeQuery::Joined(&d_q)), &work);
+                let apart = run_decode(gpu, shape, &input(parts), &work);
+                let what = format!("{variant}, {heads} heads, {splits} splits (seed {seed})");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert!(bits(&joined.0) == bits(&apart.0), "{what}: outputs differ");
+                assert!(bits(&joined.1) == bits(&apart.1), "{what}: lse differ");
+            }
+        }
+        for variant in &by_pointer {
+            let work = DecodeWork::with_variant(gpu, shape, 1, Some(variant)).unwrap();
+            let (out, lse) = (
+                gpu.alloc(batch * heads * LATENT, Elem::Bf16).unwrap(),
+                gpu.alloc(batch * heads, Elem::F32).unwrap(),
+            );
+            let r = fast::mla_decode(
+                gpu, shape, parts, &d_cache, &d_table, &d_lens, 0.07, &out, &lse, &work,
+            );
+            assert!(r.is_err(), "{variant} took a query in parts");
+        }
     }
 }
 
@@ -588,7 +684,7 @@ fn sparse_decode_matches_reference() {
             max_len: topk,
         };
         let input = DecodeInputs {
-            q: &d_q,
+            q: DecodeQuery::Joined(&d_q),
             cache: &d_cache,
             table: &d_table,
             lens: &d_lens,

@@ -6,10 +6,10 @@
 //! and take fault injections; these do neither, and are built for speed.
 
 use super::device::fast_kernels::decode_block;
+pub use super::device::fast_kernels::{reads_query_by_tma, DecodeQuery, MergeFaults, MAX_SPLITS};
 use super::device::fast_kernels::{
     Decode, Merge, SparseKeys, COMBINE_ROWS_MAX, PAIR_MERGE_KERNELS,
 };
-pub use super::device::fast_kernels::{MergeFaults, MAX_SPLITS};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{variants, DevBuf, DevI32, Elem, Gpu, Launched};
 pub use super::fast_fp8::{
@@ -354,15 +354,16 @@ impl DecodeWork {
     }
 }
 
-/// Absorbed MLA decode: `q` [batch, heads, 576] bf16 (q_nope·W_UK then q_pe), `cache` the paged
+/// Absorbed MLA decode: `q` [batch, heads, 576] bf16 (q_nope·W_UK then q_pe; or the two parts
+/// apart, [`DecodeQuery::Parts`], for the kernels that read the query by TMA), `cache` the paged
 /// latent cache [pages·64, 576] bf16, `block_table` [batch, max_pages] i32, `seq_lens` [batch]
 /// i32. Writes `out` [batch, heads, 512] bf16 (the latent output, before W_UV) and `lse`
 /// [batch, heads] f32. Returns the launches: the split kernel, then the merge when it split.
 #[allow(clippy::too_many_arguments)]
-pub fn mla_decode(
+pub fn mla_decode<'q>(
     gpu: &Gpu,
     shape: DecodeShape,
-    q: &DevBuf,
+    q: impl Into<DecodeQuery<'q>>,
     cache: &DevBuf,
     block_table: &DevI32,
     seq_lens: &DevI32,
@@ -374,7 +375,7 @@ pub fn mla_decode(
     decode_launches(
         gpu,
         shape,
-        q,
+        q.into(),
         cache,
         block_table,
         seq_lens,
@@ -391,7 +392,7 @@ pub fn mla_decode(
 pub(super) fn decode_launches(
     gpu: &Gpu,
     shape: DecodeShape,
-    q: &DevBuf,
+    q: DecodeQuery<'_>,
     cache: &DevBuf,
     block_table: &DevI32,
     seq_lens: &DevI32,

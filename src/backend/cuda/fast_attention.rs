@@ -12,7 +12,8 @@ use super::attention::mirror_buf;
 use super::device::fast_kernels::SparseKeys;
 use super::device::{DevBuf, Elem};
 use super::fast::{
-    self, DecodeShape, DecodeWork, KeyLists, MergeFaults, LATENT, MAX_SPLITS, PREFILL_DIMS, ROPE,
+    self, DecodeQuery, DecodeShape, DecodeWork, KeyLists, MergeFaults, LATENT, MAX_SPLITS,
+    PREFILL_DIMS, ROPE,
 };
 use super::fast_fp8::{fp8_kernel_of, fp8_launches};
 use super::fp8_cache::fp8_bytes;
@@ -184,7 +185,6 @@ impl CudaBackend {
         let padded = padded_batch(n, faults.skip_padded_rows);
         let pad = padded - n;
         let lists = lists.map(|l| l.padded(pad));
-        let qd = self.concat_on_device(q_lat, q_pe, heads, pad * q_lat.rows() / n)?;
         let lens: Vec<usize> = (mask.positions.iter().map(|&p| p + 1))
             .chain(std::iter::repeat_n(0, pad))
             .collect();
@@ -269,7 +269,21 @@ impl CudaBackend {
             },
         };
         work.merge_faults = merge_faults;
-        let (q, o) = (&qd, padded_out.as_ref().unwrap_or(buf(&od)));
+        // The wgmma kernels read the query's two parts where the engine made them; the others
+        // a joined copy, with zero rows for a padded batch.
+        let (q_lat_d, q_pe_d) = (self.dev(q_lat)?, self.dev(q_pe)?);
+        let joined = match !fp8 && fast::reads_query_by_tma(work.kernel) {
+            true => None,
+            false => Some(self.concat_on_device(q_lat, q_pe, heads, pad * heads)?),
+        };
+        let q = match &joined {
+            Some(q) => DecodeQuery::Joined(q),
+            None => DecodeQuery::Parts {
+                latent: buf(&q_lat_d),
+                rope: buf(&q_pe_d),
+            },
+        };
+        let o = padded_out.as_ref().unwrap_or(buf(&od));
         // A sparse selection: each sequence's key list, and its length in place of the context.
         let keys = sparse.as_ref().map(|(indices, topk, _)| SparseKeys {
             indices,
@@ -279,6 +293,9 @@ impl CudaBackend {
         let (mirror, pool, launches, address, bytes) = if fp8 {
             let mirror = self.sync_fp8_cache(cache)?;
             let pages = fp8_bytes(&mirror);
+            let q = joined
+                .as_ref()
+                .expect("an FP8 cache's kernels read a joined query");
             let inputs = (q, pages, block_table, lens, keys);
             let launches = fp8_launches(self.gpu(), shape, inputs, scale, (o, &lse), &work)?;
             let (address, bytes) = (pages.address(), pages.bytes());

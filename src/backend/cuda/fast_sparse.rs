@@ -7,7 +7,8 @@
 use super::device::fast_kernels::SparseKeys;
 use super::device::{variants, DevBuf, DevI32, Gpu};
 use super::fast::{
-    decode_launches, decode_splits, for_heads, pick_variant, runs_on, DecodeShape, DecodeWork,
+    decode_launches, decode_splits, for_heads, pick_variant, runs_on, DecodeQuery, DecodeShape,
+    DecodeWork,
 };
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
@@ -102,7 +103,7 @@ pub fn mla_decode_sparse(
     decode_launches(
         gpu,
         shape,
-        q,
+        DecodeQuery::Joined(q),
         cache,
         block_table,
         lens,

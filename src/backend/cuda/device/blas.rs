@@ -163,12 +163,60 @@ impl Gpu {
         dims: &[usize],
         box_rows: u32,
     ) -> Result<TensorMap> {
-        use cudarc::driver::sys;
         let count = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if !(2..=3).contains(&dims.len()) || count.is_none_or(|c| buf.len() < c) {
+            return Err(Error::invalid(
+                "tensor map: the buffer is not a bf16 tensor of whole 64-element boxes",
+            ));
+        }
+        // Bytes between consecutive indices of each dimension but the innermost.
+        let strides: Vec<u64> = (1..dims.len())
+            .map(|i| (dims[..i].iter().product::<usize>() * 2) as u64)
+            .collect();
+        self.encode_bf16(buf, 0, dims, &strides, box_rows)
+    }
+
+    /// The same over rows of `dims[0]` columns that lie `row_stride` elements apart from
+    /// element `offset` of `buf` on (`dims` = [columns, rows]): a column range of a wider
+    /// tensor, such as the RoPE part of a joined query.
+    pub(super) fn tensor_map_rows(
+        &self,
+        buf: &DevBuf,
+        offset: usize,
+        dims: [usize; 2],
+        row_stride: usize,
+        box_rows: u32,
+    ) -> Result<TensorMap> {
+        // The last row's end, which must lie within the buffer.
+        let end = dims[1]
+            .checked_sub(1)
+            .and_then(|r| r.checked_mul(row_stride))
+            .and_then(|e| e.checked_add(offset + dims[0]));
+        if dims[0] > row_stride || end.is_none_or(|e| buf.len() < e) || !offset.is_multiple_of(8) {
+            return Err(Error::invalid(
+                "tensor map: rows that do not lie within the buffer (or start off 16 bytes)",
+            ));
+        }
+        self.encode_bf16(buf, offset, &dims, &[(row_stride * 2) as u64], box_rows)
+    }
+
+    /// cuTensorMapEncodeTiled for a bf16 tensor from element `offset` of `buf`, with byte
+    /// `strides` for every dimension but the innermost, in the layout of [`Self::tensor_map_bf16`].
+    fn encode_bf16(
+        &self,
+        buf: &DevBuf,
+        offset: usize,
+        dims: &[usize],
+        strides: &[u64],
+        box_rows: u32,
+    ) -> Result<TensorMap> {
+        use cudarc::driver::sys;
         if buf.elem() != Elem::Bf16
-            || !(2..=3).contains(&dims.len())
-            || count.is_none_or(|c| buf.len() < c)
+            || dims.is_empty()
             || !dims[0].is_multiple_of(64)
+            || dims.contains(&0)
+            || strides.len() + 1 != dims.len()
+            || strides.iter().any(|s| s % 16 != 0)
             || !(1..=256).contains(&box_rows)
         {
             return Err(Error::invalid(
@@ -178,23 +226,20 @@ impl Gpu {
         let mut map = sys::CUtensorMap { opaque: [0; 16] };
         let rank = dims.len();
         let sizes: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
-        // Bytes between consecutive indices of each dimension but the innermost.
-        let strides: Vec<u64> = (1..rank)
-            .map(|i| (dims[..i].iter().product::<usize>() * 2) as u64)
-            .collect();
         let mut boxes = vec![1u32; rank];
         boxes[0] = 64;
         boxes[rank - 1] = box_rows;
         let steps = vec![1u32; rank];
+        let base = buf.ptr() + (offset * 2) as u64;
         // SAFETY: every pointer is to a live local of the length the driver reads (`rank`, or
-        // `rank` − 1 strides); the global address is a live device allocation of the tensor,
-        // whose extent the dimensions do not exceed (checked above).
+        // `rank` − 1 strides); the global address is inside a live device allocation from which
+        // the dimensions and strides do not reach past its end (checked by the callers).
         let r = super::ledger::LEDGER.time(DriverCall::TensorMap, || unsafe {
             sys::cuTensorMapEncodeTiled(
                 &mut map,
                 sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                 rank as u32,
-                buf.ptr() as *mut std::ffi::c_void,
+                base as *mut std::ffi::c_void,
                 sizes.as_ptr(),
                 strides.as_ptr(),
                 boxes.as_ptr(),

@@ -14,20 +14,19 @@ const DECODE: [super::signature::Param; 12] = [
 const DECODE_TMA: [super::signature::Param; 13] = [
     Map, Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
 ];
-/// The wgmma decode: the cache's tensor map, then the query's.
+/// The wgmma decode: the cache's tensor map, then the query's two (its latent and RoPE parts).
 const DECODE_WGMMA: [super::signature::Param; 14] = [
-    Map, Map, Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr,
-    F32Ptr,
+    Map, Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
 ];
 /// The sparse twins: the dense list with the key lists (indices, topk) after the block table.
 const SPARSE: [super::signature::Param; 14] = [
     Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr,
     F32Ptr,
 ];
-/// The sparse wgmma decode: the query's tensor map, then the sparse list.
+/// The sparse wgmma decode: the query's two tensor maps, then the sparse list.
 const SPARSE_WGMMA: [super::signature::Param; 15] = [
-    Map, Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int,
-    Bf16Ptr, F32Ptr,
+    Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr,
+    F32Ptr,
 ];
 pub const MLA_DECODE_TILED: Sig = Sig::new("mla_decode_t*", &DECODE);
 pub const MLA_DECODE_SPLIT_K: Sig = Sig::new("mla_decode_ks*", &DECODE);
@@ -154,8 +153,7 @@ pub struct Decode<'a> {
     /// Columns of the block table.
     pub max_pages: usize,
     pub splits: usize,
-    /// q [batch, heads, 576] bf16.
-    pub q: &'a DevBuf,
+    pub q: DecodeQuery<'a>,
     /// [pages·64, 576] bf16.
     pub cache: &'a DevBuf,
     /// [batch, max_pages] page numbers.
@@ -174,6 +172,32 @@ pub struct Decode<'a> {
     /// Two splits launched as clusters of two blocks that merge each other's results into `out`
     /// and `lse` (no partials, no merge kernel): the wgmma kernels at exactly two splits.
     pub pair_merge: bool,
+}
+
+/// A decode's query, bf16.
+#[derive(Clone, Copy)]
+pub enum DecodeQuery<'a> {
+    /// [batch, heads, 576]: the latent part (q_nope·W_UK) and the RoPE part side by side.
+    Joined(&'a DevBuf),
+    /// The two parts where the engine made them, [rows, 512] and [rows, 64] for the first
+    /// rows ≤ batch·heads (a padded batch's last sequences read zeros): read by the kernels that
+    /// load the query by TMA ([`reads_query_by_tma`]), which then need no joined copy.
+    Parts {
+        latent: &'a DevBuf,
+        rope: &'a DevBuf,
+    },
+}
+
+impl<'a> From<&'a DevBuf> for DecodeQuery<'a> {
+    fn from(q: &'a DevBuf) -> DecodeQuery<'a> {
+        DecodeQuery::Joined(q)
+    }
+}
+
+/// Whether a decode kernel loads its query by TMA (the wgmma kernels), so that it can read the
+/// query's two parts where they lie ([`DecodeQuery::Parts`]).
+pub fn reads_query_by_tma(kernel: &str) -> bool {
+    MLA_DECODE_WGMMA.matches(kernel) || MLA_SPARSE_WGMMA.matches(kernel)
 }
 
 /// The kernels that merge their two splits themselves when launched in clusters of two
@@ -216,7 +240,8 @@ impl MergeFaults {
 
 /// The pointer arguments every decode kernel and merge share, checked.
 struct DecodeArgs {
-    q: Arg,
+    /// The joined query's pointer (`None` for its parts, which only tensor maps read).
+    q: Option<Arg>,
     cache: Arg,
     table: Arg,
     lens: Arg,
@@ -274,8 +299,37 @@ impl Decode<'_> {
                  within the cache and the table",
             ));
         }
+        let q = match self.q {
+            DecodeQuery::Joined(q) => {
+                Some(need("MLA decode q", q, prod(&[b, h, width])?, Elem::Bf16)?)
+            }
+            DecodeQuery::Parts { latent, rope } => {
+                let rows = latent.len() / LATENT;
+                let whole = rows * LATENT == latent.len() && rope.len() == rows * ROPE;
+                if !whole
+                    || rows > b * h
+                    || !rows.is_multiple_of(h)
+                    || !reads_query_by_tma(self.kernel)
+                {
+                    return Err(Error::invalid(format!(
+                        "MLA decode: a query in parts of {} and {} values for {b} sequences of \
+                         {h} heads ({} takes {})",
+                        latent.len(),
+                        rope.len(),
+                        self.kernel,
+                        match reads_query_by_tma(self.kernel) {
+                            true => "whole rows of 512 and 64, at most a row per sequence and head",
+                            false => "a joined query only",
+                        }
+                    )));
+                }
+                need("MLA decode q", latent, 0, Elem::Bf16)?;
+                need("MLA decode q", rope, 0, Elem::Bf16)?;
+                None
+            }
+        };
         Ok(DecodeArgs {
-            q: need("MLA decode q", self.q, prod(&[b, h, width])?, Elem::Bf16)?,
+            q,
             cache: need("MLA decode cache", self.cache, 0, Elem::Bf16)?,
             table: Arg::Ptr(I32Ptr, self.block_table.ptr()),
             lens: Arg::Ptr(I32Ptr, self.seq_lens.ptr()),
@@ -346,15 +400,30 @@ impl Gpu {
             )?));
         }
         if q_tma {
-            // The query by TMA too: boxes of a head group's 64 rows × 64 columns (rows past the
-            // batch's last come as zeros).
-            args.push(Arg::Map(self.tensor_map_bf16(
-                d.q,
-                &[width, d.batch * d.heads],
-                HEAD_GROUP as u32,
-            )?));
+            // The query by TMA too: boxes of a head group's 64 rows × 64 columns, eight of the
+            // latent part and one of the RoPE part (rows past the last come as zeros).
+            let group = HEAD_GROUP as u32;
+            let (latent, rope) = match d.q {
+                DecodeQuery::Joined(q) => {
+                    let rows = d.batch * d.heads;
+                    (
+                        self.tensor_map_rows(q, 0, [LATENT, rows], width, group)?,
+                        self.tensor_map_rows(q, LATENT, [ROPE, rows], width, group)?,
+                    )
+                }
+                DecodeQuery::Parts { latent, rope } => {
+                    let rows = latent.len() / LATENT;
+                    (
+                        self.tensor_map_rows(latent, 0, [LATENT, rows], LATENT, group)?,
+                        self.tensor_map_rows(rope, 0, [ROPE, rows], ROPE, group)?,
+                    )
+                }
+            };
+            args.extend([Arg::Map(latent), Arg::Map(rope)]);
         }
-        args.extend([a.q, a.cache, a.table, int(d.max_pages, "pages")?]);
+        // The kernels that read the query by pointer take it joined (checked above).
+        args.extend(a.q.filter(|_| !q_tma));
+        args.extend([a.cache, a.table, int(d.max_pages, "pages")?]);
         args.extend(a.sparse.into_iter().flatten());
         args.extend([
             a.lens,
