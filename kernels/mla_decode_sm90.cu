@@ -227,20 +227,12 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * W_HEADS;
     const int heads_here = min(W_HEADS, total_heads - head0);  // the rest of the group is padding
     let_dependents_launch();  // the merge may take its place now; it waits for our end
-    const DecodeSplit range = decode_split(seq_lens[b], splits, split, W_TILE);
-    const int t_begin = range.begin, t_end = range.end;
-    const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
-
-    // Two splits launched as a cluster merge each other's results (see the end); an empty one
-    // still takes part, with no tiles.
-    const bool pair = cluster_ctas() == 2;
-    if (pair && splits != 2) __trap();  // the launcher pairs exactly two splits
-    if (t_begin >= t_end && !pair) {  // an empty split (or sequence): nothing to attend to
-        decode_empty_split(heads_here, W_DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
-        return;
-    }
-
+    // The query's copy first: it needs neither the length nor the block table, whose loads the
+    // tiles' copies wait for.
     if (threadIdx.x == 0) {
+        prefetch_tensormap(q_map);
+        prefetch_tensormap(qpe_map);
+        if (!SPARSE) prefetch_tensormap(cache_map);
         // Dense: the TMA issuer's arrival. Sparse: warpgroup 1's 128 copy arrivals and thread 0's.
         for (int st = 0; st < W_STAGES; st++) mbar_init(mbar + 8 * st, SPARSE ? 129 : 1);
         mbar_init(mbar_q, 1);
@@ -254,6 +246,20 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             tma_load_2d(sQ + c * W_QBOX_BYTES, rope ? qpe_map : q_map, mbar_q, rope ? 0 : c * 64, b * total_heads + head0);
         }
     }
+    const DecodeSplit range = decode_split(seq_lens[b], splits, split, W_TILE);
+    const int t_begin = range.begin, t_end = range.end;
+    const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
+
+    // Two splits launched as a cluster merge each other's results (see the end); an empty one
+    // still takes part, with no tiles.
+    const bool pair = cluster_ctas() == 2;
+    if (pair && splits != 2) __trap();  // the launcher pairs exactly two splits
+    if (t_begin >= t_end && !pair) {  // an empty split (or sequence): nothing to attend to
+        decode_empty_split(heads_here, W_DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
+        if (threadIdx.x == 0) mbar_wait(mbar_q, 0);  // the query's copy lands before the block leaves
+        return;
+    }
+
     __syncthreads();
 
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;

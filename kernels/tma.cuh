@@ -46,6 +46,11 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaMap* map, uns
         : "memory");
 }
 
+// Fetches a tensor map's descriptor ahead of its first copy.
+__device__ __forceinline__ void prefetch_tensormap(const TmaMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)map) : "memory");
+}
+
 // The same for a 3-D tensor (coordinates innermost first).
 __device__ __forceinline__ void tma_load_3d(unsigned dst, const TmaMap* map, unsigned mbar, int c0, int c1, int c2) {
     TMA_ASM(
