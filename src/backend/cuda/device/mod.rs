@@ -23,6 +23,7 @@ pub mod mla_kernels;
 pub mod model_kernels;
 pub mod nccl;
 mod pool;
+pub mod prefill_kernels;
 pub mod signature;
 pub mod variants;
 

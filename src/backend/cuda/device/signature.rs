@@ -212,7 +212,9 @@ fn declarations(text: &str) -> Vec<(String, Vec<String>)> {
 mod tests {
     use super::*;
     use crate::backend::cuda::device::compile::{HOPPER_SOURCES, SOURCES};
-    use crate::backend::cuda::device::{expert_kernels, fast_kernels, fp8_kernels, kernels, Elem};
+    use crate::backend::cuda::device::{
+        expert_kernels, fast_kernels, fp8_kernels, kernels, prefill_kernels, Elem,
+    };
 
     #[test]
     fn kernel_names_cover_plain_bounded_and_macro_declarations() {
@@ -247,6 +249,7 @@ mod tests {
         let declared: Vec<&Sig> = kernels::SIGNATURES
             .iter()
             .chain(fast_kernels::SIGNATURES.iter())
+            .chain(prefill_kernels::SIGNATURES.iter())
             .chain(fp8_kernels::SIGNATURES.iter())
             .chain(expert_kernels::SIGNATURES.iter())
             .copied()
