@@ -348,16 +348,16 @@ impl Gpu {
     /// The decode kernel over every split (with one split it writes `out` and `lse` itself).
     pub fn mla_decode_splits(&self, d: &Decode) -> Result<Launched> {
         let a = d.check()?;
-        // (signature, cache by TMA, query by TMA, sparse)
-        let (sig, tma, q_tma, sparse) = [
-            (&MLA_DECODE_WGMMA, true, true, false),
-            (&MLA_DECODE_KT, true, false, false),
-            (&MLA_SPARSE_WGMMA, false, true, true),
-            (&MLA_DECODE_SPLIT_K, false, false, false),
-            (&MLA_DECODE_TILED, false, false, false),
-            (&MLA_SPARSE_SPLIT_K, false, false, true),
-            (&MLA_SPARSE_TILED, false, false, true),
-            (&MLA_SPARSE_FEW_HEADS, false, false, true),
+        // (signature, cache by TMA, sparse); the query by TMA: `reads_query_by_tma`.
+        let (sig, tma, sparse) = [
+            (&MLA_DECODE_WGMMA, true, false),
+            (&MLA_DECODE_KT, true, false),
+            (&MLA_SPARSE_WGMMA, false, true),
+            (&MLA_DECODE_SPLIT_K, false, false),
+            (&MLA_DECODE_TILED, false, false),
+            (&MLA_SPARSE_SPLIT_K, false, true),
+            (&MLA_SPARSE_TILED, false, true),
+            (&MLA_SPARSE_FEW_HEADS, false, true),
         ]
         .into_iter()
         .find(|(s, ..)| s.matches(d.kernel))
@@ -369,6 +369,7 @@ impl Gpu {
                 if sparse { "" } else { "no " }
             )));
         }
+        let q_tma = reads_query_by_tma(d.kernel);
         let mut args = Vec::with_capacity(15);
         let width = LATENT + ROPE;
         if tma {
