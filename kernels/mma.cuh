@@ -81,6 +81,12 @@ __device__ __forceinline__ void cp_async4(unsigned dst, const void* src) {
 __device__ __forceinline__ void st_shared_zero16(unsigned dst) {
     asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(dst), "r"(0));
 }
+__device__ __forceinline__ void st_shared_u32(unsigned dst, unsigned x) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst), "r"(x) : "memory");
+}
+__device__ __forceinline__ void st_shared_f32x2(unsigned dst, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dst), "f"(x), "f"(y) : "memory");
+}
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 

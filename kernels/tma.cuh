@@ -66,3 +66,14 @@ __device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigne
             "r"(bytes), "r"(mbar)
             : "memory");
 }
+
+// `bytes` (a multiple of 16) of shared memory at src into global memory at dst (16-byte
+// aligned) by the copy engine: whole lines, off the load/store pipe. The issuing thread calls
+// bulk_store_wait before the shared memory is reused or its block ends.
+__device__ __forceinline__ void bulk_store(void* dst, unsigned src, unsigned bytes) {
+    TMA_ASM("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"((u64)dst), "r"(src), "r"(bytes) : "memory");
+}
+// Commits this thread's bulk stores and waits until they have read their shared memory.
+__device__ __forceinline__ void bulk_store_wait() {
+    TMA_ASM("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
