@@ -278,6 +278,17 @@ fn bad_input_is_one_error_line_and_exit_2() {
         &mladb(&["check", "--prefill-variant", "r32"]),
         "prefill variant 'r32' is not one of",
     );
+    // The bench's forced split count is bounded as the decode's scratch is (1 to 256); clap
+    // words it, with its usual hint line after the error.
+    for bad in ["0", "257"] {
+        let o = mladb(&["bench", "--decode-splits", bad]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.starts_with("error: ") && err.contains("1..=256"),
+            "{err}"
+        );
+    }
     if mladb::backend::cuda::probe().is_err() {
         assert_clean_error(&mladb(&["run", "--device", "cuda"]), "--device cuda: ");
     }

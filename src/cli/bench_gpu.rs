@@ -73,6 +73,7 @@ fn decode_shape(
     gpu: &Gpu,
     (batch, context, heads): (usize, usize, usize),
     variant: Option<&str>,
+    splits: Option<usize>,
     seed: u64,
 ) -> Result<(f64, f64, f64, usize)> {
     let width = LATENT + ROPE;
@@ -112,7 +113,10 @@ fn decode_shape(
         max_pages: pages_per_seq,
         max_len: context,
     };
-    let work = DecodeWork::for_variant(gpu, shape, variant)?;
+    let work = match splits {
+        Some(splits) => DecodeWork::with_variant(gpu, shape, splits, variant)?,
+        None => DecodeWork::for_variant(gpu, shape, variant)?,
+    };
     let scale = 1.0 / (192.0f32 + 64.0).sqrt();
     let mut turn = 0;
     let ms = time(gpu, 15, || {
@@ -312,6 +316,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
             .as_deref()
             .map(|v| v.parse::<PrefillVariant>().map(PrefillVariant::tag))
             .transpose()?;
+        let splits = args.decode_splits.map(usize::from);
         writeln!(
         Out,
             "\nMLA decode (absorbed, paged latent cache 512+64, bf16), one query token per sequence, kernel {}",
@@ -326,7 +331,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
             for (b, ctx) in decode_shapes(args)? {
                 let seed = (b * 100_000 + ctx + heads) as u64;
                 let (ms, gbs, err, splits) =
-                    decode_shape(gpu, (b, ctx, heads), decode_variant, seed)?;
+                    decode_shape(gpu, (b, ctx, heads), decode_variant, splits, seed)?;
                 writeln!(
                     Out,
                     "{heads:>6} {b:>6} {ctx:>8} {:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e}",
