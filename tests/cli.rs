@@ -278,17 +278,18 @@ fn bad_input_is_one_error_line_and_exit_2() {
         &mladb(&["check", "--prefill-variant", "r32"]),
         "prefill variant 'r32' is not one of",
     );
-    // The bench's forced split count is bounded as the decode's scratch is (1 to 256); clap
-    // words it, with its usual hint line after the error.
+    // Flags that clap itself checks are one line too (its usage and hint lines left out): the
+    // bench's forced split count is bounded as the decode's scratch is (1 to 256).
     for bad in ["0", "257"] {
-        let o = mladb(&["bench", "--decode-splits", bad]);
-        let err = stderr(&o);
-        assert_eq!(o.status.code(), Some(2), "{err}");
-        assert!(
-            err.starts_with("error: ") && err.contains("1..=256"),
-            "{err}"
-        );
+        assert_clean_error(&mladb(&["bench", "--decode-splits", bad]), "1..=256");
     }
+    assert_clean_error(&mladb(&["bench", "--prompt", "x"]), "--prompt");
+    assert_clean_error(&mladb(&["run", "--no-such-flag"]), "--no-such-flag");
+    assert_clean_error(&mladb(&["no-such-command"]), "no-such-command");
+    // Help is not an error: it goes to stdout with exit 0.
+    let help = mladb(&["bench", "--help"]);
+    assert_eq!(help.status.code(), Some(0));
+    assert!(stdout(&help).contains("--decode-splits"));
     if mladb::backend::cuda::probe().is_err() {
         assert_clean_error(&mladb(&["run", "--device", "cuda"]), "--device cuda: ");
     }
