@@ -316,7 +316,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
             .as_deref()
             .map(|v| v.parse::<PrefillVariant>().map(PrefillVariant::tag))
             .transpose()?;
-        let splits = args.decode_splits.map(usize::from);
+        let forced_splits = args.decode_splits.map(usize::from);
         writeln!(
         Out,
             "\nMLA decode (absorbed, paged latent cache 512+64, bf16), one query token per sequence, kernel {}",
@@ -331,7 +331,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
             for (b, ctx) in decode_shapes(args)? {
                 let seed = (b * 100_000 + ctx + heads) as u64;
                 let (ms, gbs, err, splits) =
-                    decode_shape(gpu, (b, ctx, heads), decode_variant, splits, seed)?;
+                    decode_shape(gpu, (b, ctx, heads), decode_variant, forced_splits, seed)?;
                 writeln!(
                     Out,
                     "{heads:>6} {b:>6} {ctx:>8} {:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e}",
