@@ -208,7 +208,7 @@ template <bool SPARSE, int TILE, int ROW = FP8_TOKEN_BYTES, int DST = ROW> struc
             if (lane != 0) return;
             const int valid = min(TILE, t_end - t0);
             const u64 row = (u64)bt[t0 / 64] * 64 + t0 % 64;
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(keys_at), "r"(valid == 32 ? 0xffffffffu : (1u << valid) - 1u) : "memory");
+            st_shared_u32(keys_at, valid == 32 ? 0xffffffffu : (1u << valid) - 1u);
             mbar_expect_bytes(mb, valid * ROW);
             bulk_load(dst, cache + row * ROW, valid * ROW, mb);
             return;
@@ -218,7 +218,7 @@ template <bool SPARSE, int TILE, int ROW = FP8_TOKEN_BYTES, int DST = ROW> struc
         const u64 row = (u64)page * 64 + pos % 64;
         const unsigned keys = __ballot_sync(0xffffffffu, key);
         if (lane == 0) {
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(keys_at), "r"(keys) : "memory");
+            st_shared_u32(keys_at, keys);
             mbar_expect_bytes(mb, __popc(keys) * ROW);
         }
         __syncwarp();

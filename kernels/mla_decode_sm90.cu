@@ -133,6 +133,17 @@ __device__ __forceinline__ void st_cluster_f32(unsigned addr, unsigned rank, flo
 // a warp's store fall in different banks.
 #define ROW_STRIDE 520
 #define HALF_STRIDE 264
+// How a pair weighs its two splits' rows, from their log-sum-exps (base 2): the share of each
+// and the merged natural LSE; a row with no keys in either split gives zeros and -inf.
+struct PairWeights {
+    float own, other, lse;
+};
+__device__ __forceinline__ PairWeights pair_weights(float own, float other) {
+    const float top = fmaxf(own, other);
+    const float w_own = top == -INFINITY ? 0.0f : exp2f(own - top), w_other = top == -INFINITY ? 0.0f : exp2f(other - top);
+    const float total = w_own + w_other, ln2 = 0.6931471805599453f;
+    return {total > 0.0f ? w_own / total : 0.0f, total > 0.0f ? w_other / total : 0.0f, total > 0.0f ? (top + log2f(total)) * ln2 : -INFINITY};
+}
 static_assert(W_HEADS * ROW_STRIDE * 4 + W_HEADS * 4 <= W_STAGES * W_TILE_BYTES, "the exchange fits the stages");
 __device__ __forceinline__ void pair_merge_halves(unsigned char* smem, const float* o, const float* sL, const float* sM, int r0, int r1, int wg,
                                                   int qd, int heads_here, bf16_t* out, float* lse_out) {
@@ -159,18 +170,14 @@ __device__ __forceinline__ void pair_merge_halves(unsigned char* smem, const flo
         return;
     }
     cluster_sync();
-    const float ln2 = 0.6931471805599453f;
     float a[2], c[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int row = r ? r1 : r0;
-        const float own = lse2(row), other = xlse[row], top = fmaxf(own, other);
-        // Each split's weight; a row with no keys in either split gives zeros and -inf.
-        const float w_own = top == -INFINITY ? 0.0f : exp2f(own - top), w_other = top == -INFINITY ? 0.0f : exp2f(other - top);
-        const float total = w_own + w_other;
-        a[r] = (total > 0.0f ? w_own / total : 0.0f) * (r ? inv1 : inv0);
-        c[r] = total > 0.0f ? w_other / total : 0.0f;
-        if (rank == 0 && qd == 0 && row < heads_here) lse_out[row] = total > 0.0f ? (top + log2f(total)) * ln2 : -INFINITY;
+        const PairWeights w = pair_weights(lse2(row), xlse[row]);
+        a[r] = w.own * (r ? inv1 : inv0);
+        c[r] = w.other;
+        if (rank == 0 && qd == 0 && row < heads_here) lse_out[row] = w.lse;
     }
     // The merged half rows go out through shared memory (Q's, free now) and the copy engine.
     const unsigned staged = smem_addr(smem);
@@ -214,16 +221,12 @@ __device__ __forceinline__ void pair_merge_one_way(unsigned char* smem, const fl
         return;
     }
     cluster_sync();
-    const float ln2 = 0.6931471805599453f;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int row = r ? r1 : r0;
         if (row >= heads_here) continue;  // padding: not written
-        const float own = lse2(row), other = xlse[row], top = fmaxf(own, other);
-        // Each split's weight; a row with no keys in either split gives zeros and -inf.
-        const float w_own = top == -INFINITY ? 0.0f : exp2f(own - top), w_other = top == -INFINITY ? 0.0f : exp2f(other - top);
-        const float total = w_own + w_other, a = total > 0.0f ? w_own / total : 0.0f, c = total > 0.0f ? w_other / total : 0.0f;
-        const float inv = (r ? inv1 : inv0) * a;
+        const PairWeights w = pair_weights(lse2(row), xlse[row]);
+        const float inv = (r ? inv1 : inv0) * w.own, c = w.other;
         const float* theirs = xo + row * ROW_STRIDE + col0;
 #pragma unroll
         for (int n = 0; n < 32; n++) {
@@ -231,7 +234,7 @@ __device__ __forceinline__ void pair_merge_one_way(unsigned char* smem, const fl
             *(unsigned*)(out + row * W_DV + col0 + 8 * n) =
                 pack_bf16(o[4 * n + 2 * r] * inv + t.x * c, o[4 * n + 2 * r + 1] * inv + t.y * c);
         }
-        if (wg == 0 && qd == 0) lse_out[row] = total > 0.0f ? (top + log2f(total)) * ln2 : -INFINITY;
+        if (wg == 0 && qd == 0) lse_out[row] = w.lse;
     }
 }
 
@@ -475,7 +478,7 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             cp_async_arrive(mb);
             const unsigned keys = __ballot_sync(0xffffffffu, mine >= 0);
             if (tid == 0) {
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sKeys + 4 * (j % W_STAGES)), "r"(keys) : "memory");
+                st_shared_u32(sKeys + 4 * (j % W_STAGES), keys);
                 mbar_arrive(mb);
             }
         };
@@ -555,8 +558,8 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             st_shared_u32(sKV + (r0 * ROW_STRIDE + col + 8 * n) * 2, pack_bf16(o[4 * n] * inv0, o[4 * n + 1] * inv0));
             st_shared_u32(sKV + (r1 * ROW_STRIDE + col + 8 * n) * 2, pack_bf16(o[4 * n + 2] * inv1, o[4 * n + 3] * inv1));
         } else {
-            st_shared_f32x2(sKV + (r0 * ROW_STRIDE + col + 8 * n) * 4, o[4 * n] * inv0, o[4 * n + 1] * inv0);
-            st_shared_f32x2(sKV + (r1 * ROW_STRIDE + col + 8 * n) * 4, o[4 * n + 2] * inv1, o[4 * n + 3] * inv1);
+            st_shared_f2(sKV + (r0 * ROW_STRIDE + col + 8 * n) * 4, o[4 * n] * inv0, o[4 * n + 1] * inv0);
+            st_shared_f2(sKV + (r1 * ROW_STRIDE + col + 8 * n) * 4, o[4 * n + 2] * inv1, o[4 * n + 3] * inv1);
         }
     }
     fence_proxy_async();  // written by st.shared, read by the copy engine

@@ -48,10 +48,6 @@ __device__ __forceinline__ void st_shared_f4(unsigned addr, float a, float b, fl
     asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d));
 }
 
-__device__ __forceinline__ void st_shared_f2(unsigned addr, float a, float b) {
-    asm volatile("st.shared.v2.f32 [%0], {%1,%2};\n" ::"r"(addr), "f"(a), "f"(b));
-}
-
 __device__ __forceinline__ float2 ld_shared_f2(unsigned addr) {
     float2 v;
     asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));

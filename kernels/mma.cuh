@@ -84,8 +84,8 @@ __device__ __forceinline__ void st_shared_zero16(unsigned dst) {
 __device__ __forceinline__ void st_shared_u32(unsigned dst, unsigned x) {
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst), "r"(x) : "memory");
 }
-__device__ __forceinline__ void st_shared_f32x2(unsigned dst, float x, float y) {
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dst), "f"(x), "f"(y) : "memory");
+__device__ __forceinline__ void st_shared_f2(unsigned addr, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1,%2};\n" ::"r"(addr), "f"(a), "f"(b));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -61,7 +61,7 @@ pub struct BenchArgs {
     pub decode_variant: Option<String>,
     /// With --device cuda: force the split count of the bf16 decode table (1 to 256) instead of
     /// the split model's choice, to weigh the model against the kernel.
-    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=256))]
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=crate::backend::cuda::fast::MAX_SPLITS as i64))]
     pub decode_splits: Option<u16>,
     /// With --device cuda: force a prefill kernel variant (wgmma, k128t64, r128t64, k64t32,
     /// r64t64, r128t32, r64t32).
