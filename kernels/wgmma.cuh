@@ -36,6 +36,13 @@ __device__ __forceinline__ u64 wg_desc_sw128(unsigned addr, unsigned lbo, unsign
 // maxima `m_run`, rescales the running sums `l_run` (per-thread partials) and the 128 O
 // accumulators `o`, and leaves P in `sc` and as the bf16 A fragments of P·V in `pa` (four per 16
 // columns). The rescale factors come back in `alpha`.
+// The running maximum is raised lazily: only when the tile's exceeds it by more than
+// LAZY_MAX_SLACK (base 2). Below that the tile is exponentiated against the old maximum (P up to
+// 2^8, the same relative precision in bf16, far inside f32's range for O and the sums) and
+// alpha is 1, so a warp whose rows all keep their maxima skips the 128 multiplies of O: once a
+// row's maximum has settled, most tiles. The result is the same softmax (O, the sum and the
+// maximum all stay relative to one base; the log-sum-exp is maximum + log2 of the sum).
+#define LAZY_MAX_SLACK 8.0f
 template <int NB>
 __device__ __forceinline__ void wg_online_softmax(float* sc, float* m_run, float* l_run, float* o, unsigned* pa,
                                                   float* alpha) {
@@ -46,7 +53,10 @@ __device__ __forceinline__ void wg_online_softmax(float* sc, float* m_run, float
     for (int r = 0; r < 2; r++) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        alpha[r] = raise_max(m_run[r], mx[r]);
+        // -inf + slack is -inf: a row's first finite score always raises it (alpha 0 then).
+        const bool raise = mx[r] > m_run[r] + LAZY_MAX_SLACK;
+        alpha[r] = raise ? fast_exp2(m_run[r] - mx[r]) : 1.0f;
+        if (raise) m_run[r] = mx[r];
         m_use[r] = exp_base(m_run[r]);
     }
 #pragma unroll
@@ -56,8 +66,10 @@ __device__ __forceinline__ void wg_online_softmax(float* sc, float* m_run, float
     }
     l_run[0] = l_run[0] * alpha[0] + sum[0];
     l_run[1] = l_run[1] * alpha[1] + sum[1];
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int i = 0; i < 128; i++) o[i] *= alpha[(i >> 1) & 1];
+        for (int i = 0; i < 128; i++) o[i] *= alpha[(i >> 1) & 1];
+    }
 #pragma unroll
     for (int i = 0; i < 2 * NB; i++) pa[i] = pack_bf16(sc[2 * i], sc[2 * i + 1]);
 }

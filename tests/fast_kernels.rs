@@ -396,6 +396,88 @@ fn decode_runs_every_head_count() {
     }
 }
 
+/// Scores that keep rising along a sequence, so that a row's running maximum is raised again
+/// and again, by more and by less than the Hopper kernels' lazy-rescale slack (8 in base 2),
+/// the rest of the tiles exponentiated against a maximum that is not the latest: every variant
+/// against the reference, as fast_kernels' random scores (which settle within a tile or two)
+/// cannot show. The ramp lives in the first RoPE dim, so the values stay random in [-1, 1).
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn rising_scores_decode_as_the_reference() {
+    let backend = gpu();
+    let gpu: &Gpu = backend.gpu();
+    let seed = common::seed();
+    let mut rng = common::Lcg::new(seed ^ 0x2a3e);
+    eprintln!("seed {seed}");
+    let width = LATENT + ROPE;
+    let lens = [40usize, 300, 1000, 2100];
+    let heads = 64;
+    let batch = lens.len();
+    let (table, max_pages, total_pages) = shuffled_block_table(&mut rng, &lens);
+    let mut cache = random_bf16(&mut rng, total_pages * PAGE * width, 1.0);
+    let mut q = random_bf16(&mut rng, batch * heads * width, 1.0);
+    // Key t of sequence b: -16 at its first token up to 16 at its last (a sawtooth of four
+    // teeth in the longest, so the maximum also stays put for a while); the queries' 32 there
+    // makes the scores span about 100 in base 2.
+    for (b, &len) in lens.iter().enumerate() {
+        for t in 0..len {
+            let frac = if b == batch - 1 {
+                (4 * t % len) as f32 / len as f32
+            } else {
+                t as f32 / len as f32
+            };
+            let page = table[b * max_pages + t / PAGE] as usize;
+            cache[(page * PAGE + t % PAGE) * width + LATENT] =
+                half::bf16::from_f32(-16.0 + 32.0 * frac).to_f32();
+        }
+        for h in 0..heads {
+            q[(b * heads + h) * width + LATENT] = 32.0;
+        }
+    }
+    let scale = 1.0 / (192.0f32).sqrt();
+    let shape = DecodeShape {
+        batch,
+        heads,
+        max_pages,
+        max_len: *lens.iter().max().unwrap(),
+    };
+    let want = decode_reference(&q, heads, &cache, (&table, max_pages), &lens, scale as f64);
+    let (d_q, d_cache) = (
+        gpu.upload(&q, Elem::Bf16).unwrap(),
+        gpu.upload(&cache, Elem::Bf16).unwrap(),
+    );
+    let d_table = gpu.upload_i32(&table).unwrap();
+    let d_lens = gpu
+        .upload_i32(&lens.iter().map(|&l| l as i32).collect::<Vec<_>>())
+        .unwrap();
+    let input = DecodeInputs {
+        q: DecodeQuery::Joined(&d_q),
+        cache: &d_cache,
+        table: &d_table,
+        lens: &d_lens,
+        scale,
+        keys: None,
+    };
+    let variants = fast::decode_variants_for(gpu);
+    assert!(!variants.is_empty(), "no decode variant fits the device");
+    for variant in variants {
+        for splits in [1, 2, 7] {
+            let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
+            let got = run_decode(gpu, shape, &input, &work);
+            let what = format!("{variant}, rising scores, {splits} splits (seed {seed})");
+            let worst = check_decode(
+                (&got.0, &got.1),
+                &lens,
+                heads,
+                |b, h| &want[b * heads + h],
+                &what,
+            );
+            eprintln!("decode {what}: worst relative error {worst:.2e}");
+            assert!(worst < 1e-2, "decode {what}: relative error {worst}");
+        }
+    }
+}
+
 /// The wgmma kernels read the query's latent and RoPE parts where the engine made them (no
 /// joined copy): the same bits as from the joined query, at head counts whose groups start at
 /// other rows, at one, two (paired) and five splits, in a padded batch whose last sequences
@@ -494,11 +576,22 @@ fn tensor_core_prefill_matches_reference() {
     let seed = common::seed();
     let mut rng = common::Lcg::new(seed ^ 0x5eed);
     eprintln!("seed {seed}");
-    // A length that ends mid-tile over several blocks, and one shorter than a tile.
-    for (n, heads) in [(300usize, 3usize), (45, 2)] {
+    // A length that ends mid-tile over several blocks, and one shorter than a tile; then scores
+    // that rise along the sequence (a ramp in the first dim: each row's running maximum is
+    // raised again and again, by more and by less than the Hopper kernel's lazy-rescale slack).
+    for (n, heads, rising) in [(300usize, 3usize, false), (45, 2, false), (700, 2, true)] {
         for (dqk, dv) in fast::PREFILL_DIMS {
-            let q = random_bf16(&mut rng, n * heads * dqk, 1.0);
-            let k = random_bf16(&mut rng, n * heads * dqk, 1.0);
+            let mut q = random_bf16(&mut rng, n * heads * dqk, 1.0);
+            let mut k = random_bf16(&mut rng, n * heads * dqk, 1.0);
+            if rising {
+                for j in 0..n {
+                    for h in 0..heads {
+                        q[(j * heads + h) * dqk] = 32.0;
+                        let ramp = -16.0 + 32.0 * j as f32 / n as f32;
+                        k[(j * heads + h) * dqk] = half::bf16::from_f32(ramp).to_f32();
+                    }
+                }
+            }
             let v = random_bf16(&mut rng, n * heads * dv, 1.0);
             let scale = 1.0 / (dqk as f32).sqrt();
             // The f64 reference: outputs and natural-log LSE per (row, head).
