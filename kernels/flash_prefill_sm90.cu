@@ -134,11 +134,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_prefill_wgmma_d256(co
 #pragma unroll
         for (int i = 0; i < 32; i++) {
             const int tok = t0 + 8 * (i / 4) + 2 * qd + (i & 1), row = row0 + 8 * ((i >> 1) & 1);
-            sc[i] *= scale_log2;
             if (edge && (tok > row || tok >= n)) sc[i] = -INFINITY;
         }
         float alpha[2];
-        wg_online_softmax<8>(sc, m_run, l_run, o, pa, alpha);
+        wg_online_softmax<8>(sc, scale_log2, m_run, l_run, o, pa, alpha);
         // V as N-major B: 64-dim boxes FP_BOX apart, 8-key row groups 1024 apart.
         const u64 dv = wg_desc_sw128(sV + s * FP_KV_BYTES, FP_BOX, 1024);
         wg_fence();

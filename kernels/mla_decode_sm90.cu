@@ -394,10 +394,10 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             for (int i = 0; i < W_SC; i++) {
                 const int r = 8 * (i / 4) + 2 * qd + (i & 1);
                 const bool key = SPARSE ? (keys >> r) & 1u : t0 + r < t_end;
-                sc[i] = key ? sc[i] * scale_log2 : -INFINITY;
+                if (!key) sc[i] = -INFINITY;
             }
             float alpha[2];
-            wg_online_softmax<W_TILE / 8>(sc, m_run, l_run, o, pa, alpha);
+            wg_online_softmax<W_TILE / 8>(sc, scale_log2, m_run, l_run, o, pa, alpha);
 
             // P (and the rescale factors) for warpgroup 1, once it has read the previous P.
             // P is K-major A: byte (r/8)·(W_TILE·16) + (t/8)·128 + (r%8)·16 + (t%8)·2.

@@ -31,7 +31,9 @@ __device__ __forceinline__ u64 wg_desc_sw128(unsigned addr, unsigned lbo, unsign
 
 
 // One online-softmax step (base 2) for the two rows of a thread in a warpgroup's 64-row MMA
-// tile, over NB·8 scores of a KV tile already scaled and masked (-inf) in `sc`, in the
+// tile, over NB·8 raw scores of a KV tile, masked (-inf), in `sc`, and their scale `scale_log2`
+// (> 0, so the raw maximum scaled is the scaled maximum; the scale goes into the exponent's
+// fused multiply-add instead of a multiply of its own), in the
 // accumulator layout (element 4·n + e: row e / 2, column 8·n + 2·qd + e % 2): moves the running
 // maxima `m_run`, rescales the running sums `l_run` (per-thread partials) and the 128 O
 // accumulators `o`, and leaves P in `sc` and as the bf16 A fragments of P·V in `pa` (four per 16
@@ -44,15 +46,15 @@ __device__ __forceinline__ u64 wg_desc_sw128(unsigned addr, unsigned lbo, unsign
 // maximum all stay relative to one base; the log-sum-exp is maximum + log2 of the sum).
 #define LAZY_MAX_SLACK 8.0f
 template <int NB>
-__device__ __forceinline__ void wg_online_softmax(float* sc, float* m_run, float* l_run, float* o, unsigned* pa,
-                                                  float* alpha) {
+__device__ __forceinline__ void wg_online_softmax(float* sc, float scale_log2, float* m_run, float* l_run, float* o,
+                                                  unsigned* pa, float* alpha) {
     float mx[2] = {-INFINITY, -INFINITY}, m_use[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < 4 * NB; i++) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sc[i]);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2)) * scale_log2;
         // -inf + slack is -inf: a row's first finite score always raises it (alpha 0 then).
         const bool raise = mx[r] > m_run[r] + LAZY_MAX_SLACK;
         alpha[r] = raise ? fast_exp2(m_run[r] - mx[r]) : 1.0f;
@@ -61,7 +63,7 @@ __device__ __forceinline__ void wg_online_softmax(float* sc, float* m_run, float
     }
 #pragma unroll
     for (int i = 0; i < 4 * NB; i++) {
-        sc[i] = fast_exp2(sc[i] - m_use[(i >> 1) & 1]);
+        sc[i] = fast_exp2(fmaf(sc[i], scale_log2, -m_use[(i >> 1) & 1]));
         sum[(i >> 1) & 1] += sc[i];
     }
     l_run[0] = l_run[0] * alpha[0] + sum[0];
