@@ -50,7 +50,8 @@ __device__ void flash_prefill_k(const bf16_t* q, const bf16_t* k, const bf16_t* 
     const unsigned sV = smem_addr(smem) + L::V;
     const unsigned mbar = smem_addr(smem) + L::BARS;  // [STAGES] copies landed, [STAGES] stage released
 
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * ROWS, h = blockIdx.y;
+    const LongestFirst block = longest_first();
+    const int q0 = block.q_tile * ROWS, h = block.head;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, qd = lane % 4, mi = lane / 8;
     const u64 kstride = (u64)heads * DQK, vstride = (u64)heads * DV;

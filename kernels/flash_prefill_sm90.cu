@@ -46,7 +46,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_prefill_wgmma_d256(co
     // [s]: warps done with stage s's tiles so far (the eighth of a tile refills the stage).
     int* const done = (int*)(smem + (bars - sQ) + 3 * 8);
 
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * FP_ROWS, h = blockIdx.y;
+    const LongestFirst block = longest_first();
+    const int q0 = block.q_tile * FP_ROWS, h = block.head;
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, qd = lane % 4;
     const int kv_end = min(n, q0 + FP_ROWS);

@@ -578,8 +578,15 @@ fn tensor_core_prefill_matches_reference() {
     eprintln!("seed {seed}");
     // A length that ends mid-tile over several blocks, and one shorter than a tile; then scores
     // that rise along the sequence (a ramp in the first dim: each row's running maximum is
-    // raised again and again, by more and by less than the Hopper kernel's lazy-rescale slack).
-    for (n, heads, rising) in [(300usize, 3usize, false), (45, 2, false), (700, 2, true)] {
+    // raised again and again, by more and by less than the Hopper kernel's lazy-rescale slack);
+    // then more heads than one chunk of the block order holds (kernels/common.cuh,
+    // `longest_first`: 70 heads of 300 tokens run in two chunks on 132 multiprocessors).
+    for (n, heads, rising) in [
+        (300usize, 3usize, false),
+        (45, 2, false),
+        (700, 2, true),
+        (300, 70, false),
+    ] {
         for (dqk, dv) in fast::PREFILL_DIMS {
             let mut q = random_bf16(&mut rng, n * heads * dqk, 1.0);
             let mut k = random_bf16(&mut rng, n * heads * dqk, 1.0);
