@@ -6,7 +6,8 @@
 // q, k: [n, heads, DQK] bf16; v: [n, heads, DV] bf16; out: [n, heads, DV] bf16, lse: [n, heads]
 // f32 (natural log). Block = (tile of ROWS queries, head), ROWS/16 warps, each warp owning 16
 // query rows and every key of the KV tile, so the softmax needs no cross-warp exchange and P goes
-// from the S accumulators straight into the A operand of P·V. Query tiles run longest-first.
+// from the S accumulators straight into the A operand of P·V. Query tiles run longest-first
+// (common.cuh, longest_first).
 #include "common.cuh"
 #include "mma.cuh"
 #include "tma.cuh"

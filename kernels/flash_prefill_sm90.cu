@@ -6,7 +6,8 @@
 //
 // q, k: [n, heads, 256] bf16; v: [n, heads, 256] bf16; out: [n, heads, 256] bf16, lse: [n, heads]
 // f32 (natural log; may be null). Block = (tile of 128 queries, head), two warpgroups of 64
-// query rows each; every K/V tile of 64 keys is shared by both. Query tiles run longest-first.
+// query rows each; every K/V tile of 64 keys is shared by both. Query tiles run longest-first
+// (common.cuh, longest_first).
 // Shared memory (all in TMA's 128-byte swizzle, boxes of 64 rows × 64 dims): Q 2 × 32 KB,
 // two stages of K and V (32 KB each) = 192 KB.
 // Per tile and warpgroup: S = Q·Kᵀ (16 MMAs of 64×64×16), the online softmax (exact row
