@@ -110,6 +110,37 @@ struct DecodeInputs<'a> {
     keys: Option<(&'a DevI32, usize)>,
 }
 
+/// A dense decode's device buffers: the joined query, the cache, the block table, the lengths.
+struct DenseBufs {
+    q: DevBuf,
+    cache: DevBuf,
+    table: DevI32,
+    lens: DevI32,
+}
+
+impl DenseBufs {
+    fn upload(gpu: &Gpu, q: &[f32], cache: &[f32], table: &[i32], lens: &[usize]) -> Self {
+        let lens: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+        DenseBufs {
+            q: gpu.upload(q, Elem::Bf16).unwrap(),
+            cache: gpu.upload(cache, Elem::Bf16).unwrap(),
+            table: gpu.upload_i32(table).unwrap(),
+            lens: gpu.upload_i32(&lens).unwrap(),
+        }
+    }
+
+    fn inputs(&self, scale: f32) -> DecodeInputs<'_> {
+        DecodeInputs {
+            q: DecodeQuery::Joined(&self.q),
+            cache: &self.cache,
+            table: &self.table,
+            lens: &self.lens,
+            scale,
+            keys: None,
+        }
+    }
+}
+
 /// Rows after the batch's in the output buffers, holding [`SENTINEL`]: a head group's padding
 /// rows (at most `HEAD_GROUP` − 1 of them) written by mistake would land there.
 const TAIL_ROWS: usize = HEAD_GROUP;
@@ -254,50 +285,54 @@ fn tensor_core_decode_matches_reference() {
     let (table, max_pages, total_pages) = shuffled_block_table(&mut rng, &lens);
     let cache = random_bf16(&mut rng, total_pages * PAGE * width, 1.0);
     let q = random_bf16(&mut rng, batch * heads * width, 1.0);
-    let scale = 1.0 / (192.0f32).sqrt();
-    let shape = DecodeShape {
-        batch,
-        heads,
-        max_pages,
-        max_len: *lens.iter().max().unwrap(),
-    };
-    let want = decode_reference(&q, heads, &cache, (&table, max_pages), &lens, scale as f64);
-    let (d_q, d_cache) = (
-        gpu.upload(&q, Elem::Bf16).unwrap(),
-        gpu.upload(&cache, Elem::Bf16).unwrap(),
-    );
-    let d_table = gpu.upload_i32(&table).unwrap();
-    let d_lens = gpu
-        .upload_i32(&lens.iter().map(|&l| l as i32).collect::<Vec<_>>())
-        .unwrap();
-    let input = DecodeInputs {
-        q: DecodeQuery::Joined(&d_q),
-        cache: &d_cache,
-        table: &d_table,
-        lens: &d_lens,
-        scale,
-        keys: None,
-    };
     // Every kernel variant the device can run; for each, the split count the device would
     // choose, one split (the kernel writes the result itself), two (as a full batch runs), an
     // odd count that leaves some splits of the short sequences empty (merged per row), and 40
     // (the block-wide merge).
+    let what = format!("{batch} sequences × {heads} heads (seed {seed})");
+    let case = (&q[..], &cache[..], (&table[..], max_pages), &lens[..]);
+    every_variant_matches(gpu, case, heads, &[1, 2, 7, 40], &what);
+}
+
+/// A dense decode's host inputs: query, cache, (block table, pages per sequence), lengths.
+type DenseCase<'a> = (&'a [f32], &'a [f32], (&'a [i32], usize), &'a [usize]);
+
+/// A dense decode on every decode
+/// variant the device can run, at the split count the device would choose and each of `splits`,
+/// against the f64 reference: each within 1e-2.
+fn every_variant_matches(
+    gpu: &Gpu,
+    (q, cache, (table, max_pages), lens): DenseCase,
+    heads: usize,
+    splits: &[usize],
+    what: &str,
+) {
+    let scale = 1.0 / (192.0f32).sqrt();
+    let shape = DecodeShape {
+        batch: lens.len(),
+        heads,
+        max_pages,
+        max_len: *lens.iter().max().unwrap(),
+    };
+    let want = decode_reference(q, heads, cache, (table, max_pages), lens, scale as f64);
+    let bufs = DenseBufs::upload(gpu, q, cache, table, lens);
+    let input = bufs.inputs(scale);
     let chosen = DecodeWork::new(gpu, shape).unwrap().splits;
     let variants = fast::decode_variants_for(gpu);
     assert!(!variants.is_empty(), "no decode variant fits the device");
     for variant in variants {
-        for splits in [chosen, 1, 2, 7, 40] {
+        for &splits in std::iter::once(&chosen).chain(splits) {
             let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
             let got = run_decode(gpu, shape, &input, &work);
-            let what = format!("{variant}, {splits} splits (seed {seed})");
+            let what = format!("{variant}, {splits} splits, {what}");
             let worst = check_decode(
                 (&got.0, &got.1),
-                &lens,
+                lens,
                 heads,
                 |b, h| &want[b * heads + h],
                 &what,
             );
-            eprintln!("decode {variant}: worst relative error {worst:.2e} over {batch} sequences × {heads} heads, {splits} splits");
+            eprintln!("decode {what}: worst relative error {worst:.2e}");
             assert!(worst < 1e-2, "decode {what}: relative error {worst}");
         }
     }
@@ -434,48 +469,9 @@ fn rising_scores_decode_as_the_reference() {
             q[(b * heads + h) * width + LATENT] = 32.0;
         }
     }
-    let scale = 1.0 / (192.0f32).sqrt();
-    let shape = DecodeShape {
-        batch,
-        heads,
-        max_pages,
-        max_len: *lens.iter().max().unwrap(),
-    };
-    let want = decode_reference(&q, heads, &cache, (&table, max_pages), &lens, scale as f64);
-    let (d_q, d_cache) = (
-        gpu.upload(&q, Elem::Bf16).unwrap(),
-        gpu.upload(&cache, Elem::Bf16).unwrap(),
-    );
-    let d_table = gpu.upload_i32(&table).unwrap();
-    let d_lens = gpu
-        .upload_i32(&lens.iter().map(|&l| l as i32).collect::<Vec<_>>())
-        .unwrap();
-    let input = DecodeInputs {
-        q: DecodeQuery::Joined(&d_q),
-        cache: &d_cache,
-        table: &d_table,
-        lens: &d_lens,
-        scale,
-        keys: None,
-    };
-    let variants = fast::decode_variants_for(gpu);
-    assert!(!variants.is_empty(), "no decode variant fits the device");
-    for variant in variants {
-        for splits in [1, 2, 7] {
-            let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
-            let got = run_decode(gpu, shape, &input, &work);
-            let what = format!("{variant}, rising scores, {splits} splits (seed {seed})");
-            let worst = check_decode(
-                (&got.0, &got.1),
-                &lens,
-                heads,
-                |b, h| &want[b * heads + h],
-                &what,
-            );
-            eprintln!("decode {what}: worst relative error {worst:.2e}");
-            assert!(worst < 1e-2, "decode {what}: relative error {worst}");
-        }
-    }
+    let what = format!("rising scores (seed {seed})");
+    let case = (&q[..], &cache[..], (&table[..], max_pages), &lens[..]);
+    every_variant_matches(gpu, case, heads, &[1, 2, 7], &what);
 }
 
 /// The wgmma kernels read the query's latent and RoPE parts where the engine made them (no
