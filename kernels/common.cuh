@@ -168,7 +168,7 @@ __device__ __forceinline__ LongestFirst longest_first() {
     asm("mov.u32 %0, %%nsmid;\n" : "=r"(sms));
     const unsigned tiles = gridDim.x, heads = gridDim.y, lin = blockIdx.x + tiles * blockIdx.y;
     const unsigned most = min(heads, max(1u, (2 * sms + tiles) / (tiles + 1)));
-    const unsigned chunk = (heads + (heads + most - 1) / most - 1) / ((heads + most - 1) / most);  // even chunks
+    const unsigned chunks = (heads + most - 1) / most, chunk = (heads + chunks - 1) / chunks;  // even chunks
     const unsigned c = lin / (tiles * chunk), in_chunk = lin - c * tiles * chunk;
     const unsigned here = min(chunk, heads - c * chunk);  // the last chunk may have fewer heads
     return {(int)(tiles - 1 - in_chunk / here), (int)(c * chunk + in_chunk % here)};

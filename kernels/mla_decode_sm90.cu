@@ -508,11 +508,7 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             bar_sync(BAR_P_FULL, 256);
             mbar_wait(mbar + 8 * s, (j / W_STAGES) & 1);  // long done: makes the copy visible here
             if constexpr (SPARSE) fence_proxy_async();     // written by cp.async, read by wgmma
-            const float a0 = sAlpha[r0], a1 = sAlpha[r1];  // mostly 1 (wg_online_softmax)
-            if (__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f)) {
-#pragma unroll
-                for (int i = 0; i < 128; i++) o[i] *= (i & 2) ? a1 : a0;
-            }
+            wg_rescale_o(o, sAlpha[r0], sAlpha[r1]);
             const u64 dv = wg_desc_sw128(sKV + s * W_TILE_BYTES + 4 * W_BOX_BYTES, W_BOX_BYTES, 1024);
             wg_fence();
 #pragma unroll

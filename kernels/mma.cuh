@@ -131,6 +131,16 @@ __device__ __forceinline__ float raise_max(float& m_run, float mx) {
     m_run = m_new;
     return alpha;
 }
+// The same raised lazily (the Hopper kernels, wgmma.cuh): only when `mx` passes the maximum by
+// more than `slack`, so the factor is exactly 1 on most tiles and the scores may be
+// exponentiated against a maximum up to `slack` below theirs. -inf + slack is -inf: a row's
+// first finite score always raises it (factor 0).
+__device__ __forceinline__ float raise_max_lazy(float& m_run, float mx, float slack) {
+    if (!(mx > m_run + slack)) return 1.0f;
+    const float alpha = fast_exp2(m_run - mx);
+    m_run = mx;
+    return alpha;
+}
 // The maximum a row's scores are exponentiated against: 0 while it is -inf, so that a masked
 // score gives 2^-inf = 0 rather than NaN.
 __device__ __forceinline__ float exp_base(float m_run) { return m_run == -INFINITY ? 0.0f : m_run; }

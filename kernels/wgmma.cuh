@@ -45,6 +45,14 @@ __device__ __forceinline__ u64 wg_desc_sw128(unsigned addr, unsigned lbo, unsign
 // row's maximum has settled, most tiles. The result is the same softmax (O, the sum and the
 // maximum all stay relative to one base; the log-sum-exp is maximum + log2 of the sum).
 #define LAZY_MAX_SLACK 8.0f
+// O's 128 accumulators of a thread (64×256 in the accumulator layout) times the rescale factors
+// of its two rows, skipped when no row of the warp moved its maximum: with the lazy rescale,
+// most tiles.
+__device__ __forceinline__ void wg_rescale_o(float* o, float a0, float a1) {
+    if (!__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f)) return;
+#pragma unroll
+    for (int i = 0; i < 128; i++) o[i] *= (i & 2) ? a1 : a0;
+}
 template <int NB>
 __device__ __forceinline__ void wg_online_softmax(float* sc, float scale_log2, float* m_run, float* l_run, float* o,
                                                   unsigned* pa, float* alpha) {
@@ -55,10 +63,7 @@ __device__ __forceinline__ void wg_online_softmax(float* sc, float scale_log2, f
     for (int r = 0; r < 2; r++) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2)) * scale_log2;
-        // -inf + slack is -inf: a row's first finite score always raises it (alpha 0 then).
-        const bool raise = mx[r] > m_run[r] + LAZY_MAX_SLACK;
-        alpha[r] = raise ? fast_exp2(m_run[r] - mx[r]) : 1.0f;
-        if (raise) m_run[r] = mx[r];
+        alpha[r] = raise_max_lazy(m_run[r], mx[r], LAZY_MAX_SLACK);
         m_use[r] = exp_base(m_run[r]);
     }
 #pragma unroll
@@ -68,10 +73,7 @@ __device__ __forceinline__ void wg_online_softmax(float* sc, float scale_log2, f
     }
     l_run[0] = l_run[0] * alpha[0] + sum[0];
     l_run[1] = l_run[1] * alpha[1] + sum[1];
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-        for (int i = 0; i < 128; i++) o[i] *= alpha[(i >> 1) & 1];
-    }
+    wg_rescale_o(o, alpha[0], alpha[1]);
 #pragma unroll
     for (int i = 0; i < 2 * NB; i++) pa[i] = pack_bf16(sc[2 * i], sc[2 * i + 1]);
 }
