@@ -182,11 +182,13 @@ pub fn planted_decode_work(
 /// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
 /// walks (plus a fixed cost per split for its start), plus the partials every split writes and
 /// the merge reads back (512 f32 per sequence and head, twice), at no fewer than 64 tokens per
-/// split. The partials are weighed for the TMA-fed kernels only, whose blocks walk their tokens
-/// fast enough that they matter: on the H200 about four tokens of a block's time per split and
-/// group of 64 heads (B1 × 8k: 27.6 → 22.0 µs), a share of that for fewer heads; the cp.async
-/// kernels (FP8 among them) went slower with fewer splits (FP8 B1 × 8k: 25.5 → 34.5 µs), so
-/// they keep the plain count.
+/// split, a block's tokens rounded up to whole tiles as the kernels round them. The partials
+/// are weighed for the TMA-fed kernels only, whose blocks walk their tokens fast enough that
+/// they matter: on the H200 about two tokens of a block's time per split and group of 64 heads
+/// (a sweep of 16 to 128 splits over batches 1–8, contexts 1k–32k and 8, 64 and 128 heads on
+/// 2026-12-04: B1 × 8k 18.6 → 17.5 µs against four tokens, B1 × 32k 29.6 → 28.2, B4 × 8k 30.4 →
+/// 28.5), a share of that for fewer heads; the cp.async kernels (FP8 among them) went slower
+/// with fewer splits (FP8 B1 × 8k: 25.5 → 34.5 µs), so they keep the plain count.
 pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&str, u32)) -> usize {
     // Blocks per multiprocessor: its shared memory over the block's (plus the 1 KB the driver
     // reserves per block), or fewer where the kernel's registers allow fewer.
@@ -205,7 +207,7 @@ pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&s
     let merge = std::env::var("MLADB_DECODE_MERGE_COST")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(4)
+        .unwrap_or(2)
         * usize::from(reads_cache_by_tma(kernel) || kernel == "mla_sparse_wgmma");
     let group = head_group(kernel);
     split_count(SplitCosts {
@@ -266,7 +268,8 @@ fn split_count(c: SplitCosts) -> usize {
         }
         let waves = (c.groups * s).div_ceil(c.slots);
         let partials = if s > 1 { c.merge * s } else { 0 };
-        let cost = waves * (c.max_len.div_ceil(s) + c.fixed) + partials;
+        // A block walks whole tiles: its share rounded up, as the kernels round it.
+        let cost = waves * (chunk + c.fixed) + partials;
         if cost < best.0 {
             best = (cost, s);
         }
@@ -279,11 +282,17 @@ fn split_count(c: SplitCosts) -> usize {
 pub struct DecodeWork {
     pub kernel: &'static str,
     pub(super) shared: u32,
+    /// Allocated only where the launch writes them ([`DecodeWork::writes_partials`]): a split
+    /// decode that merges with the merge kernel; one split, or a pair merged inside the kernel,
+    /// leaves them empty.
     pub(super) part_o: DevBuf,
     pub(super) part_lse: DevBuf,
+    /// Sequences × heads of the shape the partials are for.
+    rows: usize,
     pub splits: usize,
-    /// Faults planted in the merge (the debugger's; none by default).
-    pub merge_faults: MergeFaults,
+    /// Faults planted in the merge (the debugger's; none by default): set by
+    /// [`DecodeWork::plant_merge_faults`].
+    merge_faults: MergeFaults,
 }
 
 impl DecodeWork {
@@ -315,6 +324,34 @@ impl DecodeWork {
         (self.part_o, self.part_lse)
     }
 
+    /// Whether the launch writes split partials for the merge kernel to read: it splits the
+    /// keys and does not merge its two splits inside the kernel.
+    pub fn writes_partials(&self, gpu: &Gpu) -> bool {
+        self.splits > 1 && !self.pairs_splits(gpu)
+    }
+
+    /// Plants faults in the merge (the merge kernel then runs, so the partials are made).
+    pub fn plant_merge_faults(&mut self, gpu: &Gpu, faults: MergeFaults) -> Result<()> {
+        self.merge_faults = faults;
+        self.make_partials(gpu)
+    }
+
+    /// The faults planted in the merge.
+    pub fn merge_faults(&self) -> MergeFaults {
+        self.merge_faults
+    }
+
+    /// The partials' buffers, at their size, where the launch writes them and they are not
+    /// there yet.
+    fn make_partials(&mut self, gpu: &Gpu) -> Result<()> {
+        let len = self.rows * self.splits * LATENT;
+        if self.writes_partials(gpu) && self.part_o.len() < len {
+            self.part_o = gpu.alloc(len, Elem::F32)?;
+            self.part_lse = gpu.alloc(self.rows * self.splits, Elem::F32)?;
+        }
+        Ok(())
+    }
+
     /// Scratch for a chosen number of splits (1 to 256; tests use it to cover both the
     /// single-split path, which writes the result directly, and the merge).
     pub fn with_splits(gpu: &Gpu, shape: DecodeShape, splits: usize) -> Result<DecodeWork> {
@@ -343,14 +380,17 @@ impl DecodeWork {
                 "MLA decode: {splits} splits (1 to {MAX_SPLITS})"
             )));
         }
-        Ok(DecodeWork {
+        let mut work = DecodeWork {
             kernel,
             shared,
-            part_o: gpu.alloc(shape.batch * splits * shape.heads * LATENT, Elem::F32)?,
-            part_lse: gpu.alloc(shape.batch * splits * shape.heads, Elem::F32)?,
+            part_o: gpu.alloc(0, Elem::F32)?,
+            part_lse: gpu.alloc(0, Elem::F32)?,
+            rows: shape.batch * shape.heads,
             splits,
             merge_faults: MergeFaults::default(),
-        })
+        };
+        work.make_partials(gpu)?;
+        Ok(work)
     }
 }
 
@@ -530,15 +570,23 @@ mod tests {
 
     #[test]
     fn split_counts_weigh_the_partials_and_leave_no_split_empty() {
-        // One sequence of 8k: 128 splits of 64 tokens without the partials' cost, 43 of 192
-        // with it (the counts the H200 benchmarks of 2026-12-01 ran).
+        // One sequence of 8k: 128 splits of 64 tokens without the partials' cost, 64 of 128
+        // at two tokens a split (the best count of the H200 sweep of 2026-12-04), 43 of 192 at
+        // four (the earlier weight).
         assert_eq!(h200(1, 8192, 0), 128);
+        assert_eq!(h200(1, 8192, 2), 64);
         assert_eq!(h200(1, 8192, 4), 43);
+        // 32k: 128 splits of 256 at two tokens (28.2 µs in the sweep, against 29.5 on 86).
+        assert_eq!(h200(1, 32768, 2), 128);
+        // Batch 4 × 8k: 32 splits, one wave of 128 blocks (28.5 µs, against 30.4 on 20).
+        assert_eq!(h200(4, 8192, 2), 32);
         // 64 sequences fill a wave with two splits either way.
         assert_eq!(h200(64, 8192, 0), 2);
         assert_eq!(h200(64, 8192, 4), 2);
+        assert_eq!(h200(64, 8192, 2), 2);
         // A long batch needs no split at all.
         assert_eq!(h200(128, 4096, 4), 1);
+        assert_eq!(h200(128, 4096, 2), 1);
         // A rank's 8 heads in a group of 64 write an eighth of the partials: more splits pay
         // (batch 1 × 8k: 86 rather than 43; batch 64 × 1k: two rather than one).
         assert_eq!(partials_cost(4, 1, 64, 64), 4);
@@ -558,7 +606,7 @@ mod tests {
         assert_eq!(h200(64, 1024, 4), 1, "at 64 heads one split still");
         // No count leaves a split empty after the rounding to 32-token tiles.
         for len in [100, 1000, 4096, 5000, 8192, 32768] {
-            for merge in [0, 4] {
+            for merge in [0, 2, 4] {
                 let s = h200(1, len, merge);
                 let chunk = len.div_ceil(s).div_ceil(32) * 32;
                 assert_eq!(

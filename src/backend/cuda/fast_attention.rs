@@ -268,7 +268,7 @@ impl CudaBackend {
                 None => DecodeWork::for_variant(self.gpu(), shape, forced)?,
             },
         };
-        work.merge_faults = merge_faults;
+        work.plant_merge_faults(self.gpu(), merge_faults)?;
         // The wgmma kernels read the query's two parts where the engine made them; the others
         // a joined copy, with zero rows for a padded batch.
         let (q_lat_d, q_pe_d) = (self.dev(q_lat)?, self.dev(q_pe)?);
@@ -357,9 +357,9 @@ impl CudaBackend {
         drop(pool); // after the launches are done with it
         let splits = work.splits;
         // Splits merged inside the kernel (clusters of two) leave no partials in memory.
-        let partials = match splits == 1 || work.pairs_splits(self.gpu()) {
-            true => None,
-            false => {
+        let partials = match work.writes_partials(self.gpu()) {
+            false => None,
+            true => {
                 // Left on the device beside their host copies: statistics run there.
                 let (po, pl) = work.into_partials();
                 let (po, pl) = (

@@ -315,16 +315,17 @@ impl Decode<'_> {
             table: Arg::Ptr(I32Ptr, self.block_table.ptr()),
             lens: Arg::Ptr(I32Ptr, self.seq_lens.ptr()),
             sparse,
+            // Partials are written only by a split launch that the merge kernel merges.
             part_o: need(
                 "MLA decode workspace",
                 self.part_o,
-                prod(&[b, s, h, LATENT])?,
+                partials(&[b, s, h, LATENT], s > 1 && !self.pair_merge)?,
                 Elem::F32,
             )?,
             part_lse: need(
                 "MLA decode workspace",
                 self.part_lse,
-                prod(&[b, s, h])?,
+                partials(&[b, s, h], s > 1 && !self.pair_merge)?,
                 Elem::F32,
             )?,
             out: need(
@@ -335,6 +336,16 @@ impl Decode<'_> {
             )?,
             lse: need("MLA decode lse", self.lse, prod(&[b, h])?, Elem::F32)?,
         })
+    }
+}
+
+/// The elements of a split decode's partials of shape `dims` that a launch touches: all of
+/// them where it `writes` partials, none where it writes its result itself.
+pub(super) fn partials(dims: &[usize], writes: bool) -> Result<usize> {
+    if writes {
+        prod(dims)
+    } else {
+        Ok(0)
     }
 }
 
@@ -382,22 +393,22 @@ impl Gpu {
             )?));
         }
         if q_tma {
-            // The query by TMA too: boxes of a head group's 64 rows × 64 columns, eight of the
+            // The query by TMA too: boxes of 64 rows (the MMAs') × 64 columns, eight of the
             // latent part and one of the RoPE part (rows past the last come as zeros).
-            let group = HEAD_GROUP as u32;
+            let box_rows = HEAD_GROUP as u32;
             let (latent, rope) = match d.q {
                 DecodeQuery::Joined(q) => {
                     let rows = d.batch * d.heads;
                     (
-                        self.tensor_map_rows(q, 0, [LATENT, rows], width, group)?,
-                        self.tensor_map_rows(q, LATENT, [ROPE, rows], width, group)?,
+                        self.tensor_map_rows(q, 0, [LATENT, rows], width, box_rows)?,
+                        self.tensor_map_rows(q, LATENT, [ROPE, rows], width, box_rows)?,
                     )
                 }
                 DecodeQuery::Parts { latent, rope } => {
                     let rows = latent.len() / LATENT;
                     (
-                        self.tensor_map_rows(latent, 0, [LATENT, rows], LATENT, group)?,
-                        self.tensor_map_rows(rope, 0, [ROPE, rows], ROPE, group)?,
+                        self.tensor_map_rows(latent, 0, [LATENT, rows], LATENT, box_rows)?,
+                        self.tensor_map_rows(rope, 0, [ROPE, rows], ROPE, box_rows)?,
                     )
                 }
             };

@@ -8,7 +8,7 @@
 //! is checked here; the variant and split count are `cuda::fast_fp8`'s.
 
 use super::fast_kernels::{
-    decode_block, key_list_args, SparseKeys, LATENT, MAX_SPLITS, PAGE, ROPE,
+    decode_block, key_list_args, partials, SparseKeys, LATENT, MAX_SPLITS, PAGE, ROPE,
 };
 use super::kernels::{blocks, blocks_yz, int, need, need_bytes, need_i32, prod, FILL_U32};
 use super::signature::{Param::*, Sig};
@@ -223,13 +223,13 @@ impl Fp8Decode<'_> {
             need(
                 "MLA decode workspace",
                 self.part_o,
-                prod(&[b, s, h, LATENT])?,
+                partials(&[b, s, h, LATENT], s > 1)?,
                 Elem::F32,
             )?,
             need(
                 "MLA decode workspace",
                 self.part_lse,
-                prod(&[b, s, h])?,
+                partials(&[b, s, h], s > 1)?,
                 Elem::F32,
             )?,
             need(
