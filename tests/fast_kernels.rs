@@ -6,7 +6,7 @@ mod common;
 
 use mladb::backend::cuda::device::{DevBuf, DevI32, Elem, Gpu};
 use mladb::backend::cuda::fast::{
-    self, DecodeQuery, DecodeShape, DecodeWork, HEAD_GROUP, LATENT, PAGE, ROPE,
+    self, DecodeQuery, DecodeShape, DecodeWork, MergeFaults, HEAD_GROUP, LATENT, PAGE, ROPE,
 };
 use mladb::backend::cuda::CudaBackend;
 use mladb::engine::StorageDtype;
@@ -197,7 +197,12 @@ fn run_decode(
     // The wgmma kernels at two splits merge them inside the kernel (clusters of two blocks):
     // one launch; other split decodes launch a merge after the split kernel.
     let paired = work.pairs_splits(gpu);
-    if ["mla_decode_wgmma", "mla_sparse_wgmma"].contains(&work.kernel) && work.splits == 2 {
+    // (A merge fault keeps them apart: the faults live in the merge kernel.)
+    let pairable = !work.merge_faults().any();
+    if ["mla_decode_wgmma", "mla_sparse_wgmma"].contains(&work.kernel)
+        && work.splits == 2
+        && pairable
+    {
         assert!(
             paired,
             "{}: two splits on this device pair in clusters",
@@ -428,6 +433,91 @@ fn decode_runs_every_head_count() {
     }
     for (variant, worst) in variants.iter().zip(&worst) {
         eprintln!("decode {variant}: worst relative error {worst:.2e} over heads 1 to 128, 1 and 5 splits");
+    }
+}
+
+/// A plan holds split partials only where its launch writes them: none at one split, none for
+/// two splits merged inside the kernel (the wgmma kernels' clusters of two), all of them at five;
+/// and a merge fault planted in a pair (the merge kernel then runs) makes them, the decode still
+/// matching the reference. Before, every plan held batch × splits × heads × 512 f32 (16.8 MB at
+/// batch 64 × 64 heads, paired) whether read or not.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn partials_are_made_only_where_the_merge_reads_them() {
+    let backend = gpu();
+    let gpu: &Gpu = backend.gpu();
+    let seed = common::seed();
+    let mut rng = common::Lcg::new(seed ^ 0x9a57);
+    eprintln!("seed {seed}");
+    let width = LATENT + ROPE;
+    let lens = [200usize, 64, 131];
+    let heads = 64;
+    let (table, max_pages, total_pages) = shuffled_block_table(&mut rng, &lens);
+    let cache = random_bf16(&mut rng, total_pages * PAGE * width, 1.0);
+    let q = random_bf16(&mut rng, lens.len() * heads * width, 1.0);
+    let scale = 1.0 / (192.0f32).sqrt();
+    let want = decode_reference(&q, heads, &cache, (&table, max_pages), &lens, scale as f64);
+    let bufs = DenseBufs::upload(gpu, &q, &cache, &table, &lens);
+    let shape = DecodeShape {
+        batch: lens.len(),
+        heads,
+        max_pages,
+        max_len: 200,
+    };
+    let rows = lens.len() * heads;
+    let held = |work: DecodeWork| {
+        let (o, l) = work.into_partials();
+        (o.len(), l.len())
+    };
+    let mut pairs = 0;
+    for variant in fast::decode_variants_for(gpu) {
+        for splits in [1, 2, 5] {
+            let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
+            let paired = work.pairs_splits(gpu);
+            pairs += usize::from(paired);
+            let writes = splits > 1 && !paired;
+            assert_eq!(
+                work.writes_partials(gpu),
+                writes,
+                "{variant}, {splits} splits"
+            );
+            let (o, l) = held(work);
+            let what = format!("{variant}, {splits} splits: partials of {o} and {l}");
+            if writes {
+                assert!(o >= rows * splits * LATENT && l >= rows * splits, "{what}");
+            } else {
+                assert!(o < LATENT && l < LATENT, "{what}, never read");
+            }
+            // A merge fault sends every split launch through the merge kernel. With every
+            // sequence holding keys, skip-padded-rows changes nothing: the reference's output.
+            let mut work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
+            let fault = MergeFaults {
+                lse_base: false,
+                skip_empty_rows: true,
+            };
+            work.plant_merge_faults(gpu, fault).unwrap();
+            assert_eq!(work.writes_partials(gpu), splits > 1, "{what}, planted");
+            let got = run_decode(gpu, shape, &bufs.inputs(scale), &work);
+            let what =
+                format!("{variant}, {splits} splits, skip-padded-rows planted (seed {seed})");
+            let worst = check_decode(
+                (&got.0, &got.1),
+                &lens,
+                heads,
+                |b, h| &want[b * heads + h],
+                &what,
+            );
+            assert!(worst < 1e-2, "decode {what}: relative error {worst}");
+            assert!(
+                held(work).0 >= rows * splits * LATENT || splits == 1,
+                "{what}"
+            );
+        }
+    }
+    if pairs == 0 {
+        eprintln!(
+            "note: no plan on this device merges its splits in the kernel (sm_90 wgmma only)"
+        );
     }
 }
 
