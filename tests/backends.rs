@@ -59,7 +59,8 @@ fn random(shape: &[usize], name: &str, scale: f32) -> Tensor {
     )
 }
 
-fn check(u: &Under, op: &str, got: &Tensor, want: &Tensor) {
+/// `got` has `want`'s shape and every element written.
+fn whole(u: &Under, op: &str, got: &Tensor, want: &Tensor) {
     assert_eq!(got.shape(), want.shape(), "{} {op}: shape", u.name);
     let stats = u.backend.stats(got);
     assert_eq!(
@@ -67,6 +68,10 @@ fn check(u: &Under, op: &str, got: &Tensor, want: &Tensor) {
         "{} {op}: {} elements unwritten",
         u.name, stats.unwritten
     );
+}
+
+fn check(u: &Under, op: &str, got: &Tensor, want: &Tensor) {
+    whole(u, op, got, want);
     // Masked scores (−∞ on both sides) agree; NaN and other infinities never do.
     let err = mladb::debug::compare::diff(got.data(), want.data(), got.shape(), None).error();
     assert!(
@@ -85,13 +90,7 @@ fn magnitudes(t: &Tensor) -> Tensor {
 /// As [`check`], with the error measured against `scale` (same shape) instead of `want`:
 /// ‖got − want‖ / ‖scale‖ within the tolerance.
 fn check_against_scale(u: &Under, op: &str, got: &Tensor, want: &Tensor, scale: &Tensor) {
-    assert_eq!(got.shape(), want.shape(), "{} {op}: shape", u.name);
-    let stats = u.backend.stats(got);
-    assert_eq!(
-        stats.unwritten, 0,
-        "{} {op}: {} elements unwritten",
-        u.name, stats.unwritten
-    );
+    whole(u, op, got, want);
     let (mut diff, mut norm) = (0.0f64, 0.0f64);
     for ((&g, &w), &s) in got.data().iter().zip(want.data()).zip(scale.data()) {
         diff += (g as f64 - w as f64).powi(2);
