@@ -199,10 +199,7 @@ fn run_decode(
     let paired = work.pairs_splits(gpu);
     // (A merge fault keeps them apart: the faults live in the merge kernel.)
     let pairable = !work.merge_faults().any();
-    if ["mla_decode_wgmma", "mla_sparse_wgmma"].contains(&work.kernel)
-        && work.splits == 2
-        && pairable
-    {
+    if fast::PAIR_MERGE_KERNELS.contains(&work.kernel) && work.splits == 2 && pairable {
         assert!(
             paired,
             "{}: two splits on this device pair in clusters",

@@ -6,10 +6,9 @@
 //! and take fault injections; these do neither, and are built for speed.
 
 use super::device::fast_kernels::decode_block;
+pub use super::device::fast_kernels::PAIR_MERGE_KERNELS;
 pub use super::device::fast_kernels::{reads_query_by_tma, DecodeQuery, MergeFaults, MAX_SPLITS};
-use super::device::fast_kernels::{
-    Decode, Merge, SparseKeys, COMBINE_ROWS_MAX, PAIR_MERGE_KERNELS,
-};
+use super::device::fast_kernels::{Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{variants, DevBuf, DevI32, Elem, Gpu, Launched};
 pub use super::fast_fp8::{
