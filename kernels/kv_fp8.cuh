@@ -395,3 +395,80 @@ __device__ __forceinline__ void column_lse_store(const float* m_run, const float
             part_lse[part_head + head] = lse;
     }
 }
+
+// ---- The FP8-cache decode on warpgroup MMAs (mla_decode_sm90.cu, sm_90a): a warpgroup turns
+// each tile's raw rows into the bf16 tile that TMA writes for the bf16 kernel, so the MMAs, and
+// their results bit for bit, are that kernel's over a bf16 copy of the decoded rows.
+
+#define FP8_RAW_TILE_BYTES (32 * FP8_TOKEN_BYTES)  // a raw tile of 32 rows, packed as in the cache
+
+// What one thread (warp w of a warpgroup's four, lane l) of the warpgroup converting half H of a
+// raw tile of 32 rows holds: row l's latent chunks w + 4k (16 bytes, 16 values) for k = 4H ..
+// 4H + 3 (half 0 the dims 0..255, half 1 256..511) with the scales of their two tiles, and its
+// RoPE chunk w + 4H (8 bf16 values). Lanes take rows, so a warp's 16-byte loads (rows 656 bytes
+// apart) and its swizzled stores hit distinct banks.
+struct Fp8HalfSlice {
+    uint4 latent[4];
+    float2 scales;
+    uint4 rope;
+};
+
+// Half H of row `lane` of the raw tile at `raw`; zeros for a row that holds no key (its bytes
+// are stale: a dense tile's rows past the split's end, a sparse tile's padding, never copied).
+template <int H> __device__ __forceinline__ Fp8HalfSlice fp8_slice_load(unsigned raw, int warp, int lane, bool key) {
+    Fp8HalfSlice s;
+    if (!key) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) s.latent[k] = make_uint4(0, 0, 0, 0);
+        s.scales = make_float2(0.0f, 0.0f);
+        s.rope = make_uint4(0, 0, 0, 0);
+        return s;
+    }
+    const unsigned row = raw + lane * FP8_TOKEN_BYTES;
+#pragma unroll
+    for (int k = 0; k < 4; k++) s.latent[k] = fp8_ld_shared16(row + 16 * (warp + 4 * (4 * H + k)));
+    asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];\n" : "=f"(s.scales.x), "=f"(s.scales.y) : "r"(row + FP8_SCALES_AT + 8 * H) : "memory");
+    s.rope = fp8_ld_shared16(row + FP8_ROPE_AT + 16 * (warp + 4 * H));
+    return s;
+}
+
+// An f16x2 as two floats (low half first), exactly.
+__device__ __forceinline__ float2 f16x2_to_f32x2(unsigned v) {
+    float2 r;
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n" : "=f"(r.x), "=f"(r.y) : "r"(v));
+    return r;
+}
+
+// Half H of the slice into a stage laid out as TMA's 128-byte swizzle lays out a bf16 tile of
+// 32 rows of 576: nine boxes of 64 dims, BOX bytes apart; row r's 16-byte chunk c of a box at
+// r·128 + (c ^ r%8)·16. Latent values: E4M3 × the tile's scale rounded to bf16 (both
+// conversions exact, so the bits of fp8_store16 and of the codec's bf16 copy); RoPE values as
+// they are. Half 0 writes boxes 0–3 and half the ninth, half 1 boxes 4–7 and the ninth's rest.
+template <int BOX, int H> __device__ __forceinline__ void fp8_slice_store(unsigned stage, const Fp8HalfSlice& s, int warp, int lane) {
+    const unsigned row = stage + lane * 128;
+    const int sw = lane % 8;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int c = warp + 4 * (4 * H + k);  // dims 16c..16c + 15: box c/4, its chunks 2(c%4) and 2(c%4) + 1
+        const float scale = k < 2 ? s.scales.x : s.scales.y;
+        const u32 w[4] = {s.latent[k].x, s.latent[k].y, s.latent[k].z, s.latent[k].w};
+        unsigned p[8];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float2 lo = f16x2_to_f32x2(e4m3x2_f16x2<0>(w[i])), hi = f16x2_to_f32x2(e4m3x2_f16x2<1>(w[i]));
+            p[2 * i] = pack_bf16(lo.x * scale, lo.y * scale);
+            p[2 * i + 1] = pack_bf16(hi.x * scale, hi.y * scale);
+        }
+        const unsigned box = row + (c / 4) * BOX;
+        const int at = 2 * (c % 4);
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(box + ((at ^ sw) << 4)), "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3])
+                     : "memory");
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(box + (((at + 1) ^ sw) << 4)), "r"(p[4]), "r"(p[5]), "r"(p[6]),
+                     "r"(p[7])
+                     : "memory");
+    }
+    const int c = warp + 4 * H;  // RoPE dims 8c..8c + 7: the ninth box's chunk c
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(row + 8 * BOX + ((c ^ sw) << 4)), "r"(s.rope.x), "r"(s.rope.y), "r"(s.rope.z),
+                 "r"(s.rope.w)
+                 : "memory");
+}

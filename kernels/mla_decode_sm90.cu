@@ -58,6 +58,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
+#include "kv_fp8.cuh"
 #include "wgmma.cuh"
 #include "variants.cuh"
 
@@ -86,157 +87,30 @@ static_assert(mla_decode_wgmma_v.rows == W_HEADS &&
 static_assert(mla_sparse_wgmma_v.rows == W_HEADS && mla_sparse_wgmma_v.tile == W_TILE && mla_sparse_wgmma_v.stages == W_STAGES &&
                   mla_decode_wgmma_v.shared + 4 * W_STAGES == mla_sparse_wgmma_v.shared,
               "mla_sparse_wgmma: variants.cuh and the layout differ");
+// The FP8-cache forms: three bf16 stages, then two raw stages (the bulk copies' 32 rows of 656
+// bytes), their two barriers each (landed, read) and key bits, the key bits of the bf16 stages
+// (dense too, so that both forms take the same bytes).
+#define W_FP8_STAGES (mla_decode_wgmma_fp8_v.stages)
+#define W_RAW_STAGES 2
+static_assert(mla_decode_wgmma_fp8_v.rows == W_HEADS && mla_decode_wgmma_fp8_v.tile == W_TILE &&
+                  W_Q_BYTES + W_FP8_STAGES * W_TILE_BYTES + W_RAW_STAGES * FP8_RAW_TILE_BYTES + W_P_BYTES + 3 * W_HEADS * 4 +
+                          (W_FP8_STAGES + 1) * 8 + W_RAW_STAGES * 20 + 4 * W_FP8_STAGES + 1024 ==
+                      mla_decode_wgmma_fp8_v.shared &&
+                  mla_sparse_wgmma_fp8_v.shared == mla_decode_wgmma_fp8_v.shared && mla_sparse_wgmma_fp8_v.stages == W_FP8_STAGES,
+              "mla_decode_wgmma_fp8: variants.cuh and the layout differ");
+static_assert(W_HEADS * 520 * 4 <= W_FP8_STAGES * W_TILE_BYTES + W_RAW_STAGES * FP8_RAW_TILE_BYTES, "the partials' rows fit the stages");
 #define BAR_EMPTY 1  // + stage
 #define BAR_P_FULL (1 + W_STAGES)
 #define BAR_P_EMPTY (2 + W_STAGES)
 #define BAR_TAIL (3 + W_STAGES)
 #define BAR_MERGED (4 + W_STAGES)  // the merging warpgroup of a pair has staged its rows
 
-// Thread-block clusters: the blocks in this one, a barrier over all their threads, and a store
-// into the shared memory of block `rank` of the cluster at the place of `addr` in ours.
-__device__ __forceinline__ unsigned cluster_ctas() {
-    unsigned n;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
-    return n;
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void st_cluster_f32x2(unsigned addr, unsigned rank, float x, float y) {
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};\n" ::"r"(remote), "f"(x), "f"(y) : "memory");
-}
-__device__ __forceinline__ void st_cluster_f32(unsigned addr, unsigned rank, float x) {
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(x) : "memory");
-}
-
-// The merge of a sequence's two splits launched as a cluster of two blocks (the split kernel's
-// grid is then split × ...: split s is rank s), instead of partials through global memory and a
-// merge kernel: the blocks trade normalised output rows and their log-sum-exps (base 2) through
-// their KV stages, free by then, and the merged rows are written from there. Saves the 2 × 128 KB
-// of f32 partials per sequence and head group written and read back. Two forms:
-//   halves (more than 32 real heads): each block merges half of the columns, block 0 the first
-//     256 (its warpgroup 0's slice), block 1 the last 256; each block's other warpgroup sends its
-//     slice to the partner, so the two halves cross at once. At 64 heads, batch 64 × 8k, this
-//     took 4–5 µs off 171–177 (on the H200) against block 1 sending all its rows one way.
-//   one way (a rank's few heads): block 1 sends its real rows, block 0 merges and writes them;
-//     at 8 heads the crossed halves were about 1 µs slower (batch 64 × 1k).
-// Staged rows: 512 values and 8 (ROW_STRIDE), or 256 and 8 (HALF_STRIDE), so that the 8 rows of
-// a warp's store fall in different banks.
-#define ROW_STRIDE 520
-#define HALF_STRIDE 264
-// How a pair weighs its two splits' rows, from their log-sum-exps (base 2): the share of each
-// and the merged natural LSE; a row with no keys in either split gives zeros and -inf.
-struct PairWeights {
-    float own, other, lse;
+// A half of an FP8 tile's conversion, as a type (the warpgroups' halves are compiled apart).
+template <int H> struct Half {
+    static constexpr int value = H;
 };
-__device__ __forceinline__ PairWeights pair_weights(float own, float other) {
-    const float top = fmaxf(own, other);
-    const float w_own = top == -INFINITY ? 0.0f : exp2f(own - top), w_other = top == -INFINITY ? 0.0f : exp2f(other - top);
-    const float total = w_own + w_other, ln2 = 0.6931471805599453f;
-    return {total > 0.0f ? w_own / total : 0.0f, total > 0.0f ? w_other / total : 0.0f, total > 0.0f ? (top + log2f(total)) * ln2 : -INFINITY};
-}
-static_assert(W_HEADS * ROW_STRIDE * 4 + W_HEADS * 4 <= W_STAGES * W_TILE_BYTES, "the exchange fits the stages");
-__device__ __forceinline__ void pair_merge_halves(unsigned char* smem, const float* o, const float* sL, const float* sM, int r0, int r1, int wg,
-                                                  int qd, int heads_here, bf16_t* out, float* lse_out) {
-    float* xo = (float*)(smem + W_Q_BYTES);  // [64][HALF_STRIDE] the partner's rows of our half
-    float* xlse = xo + W_HEADS * HALF_STRIDE; // [64] their log-sum-exps (base 2)
-    auto lse2 = [&](int r) { return sL[r] > 0.0f ? sM[r] + log2f(sL[r]) : -INFINITY; };
-    const float inv0 = sL[r0] > 0.0f ? 1.0f / sL[r0] : 0.0f, inv1 = sL[r1] > 0.0f ? 1.0f / sL[r1] : 0.0f;
-    const unsigned rank = cluster_rank();
-    const int col = 2 * qd;
-    cluster_sync();  // both blocks are past their tiles: the stages are free
-    if (wg != (int)rank) {
-#pragma unroll
-        for (int n = 0; n < 32; n++) {
-            if (r0 < heads_here)
-                st_cluster_f32x2(smem_addr(xo + r0 * HALF_STRIDE + col + 8 * n), rank ^ 1, o[4 * n] * inv0, o[4 * n + 1] * inv0);
-            if (r1 < heads_here)
-                st_cluster_f32x2(smem_addr(xo + r1 * HALF_STRIDE + col + 8 * n), rank ^ 1, o[4 * n + 2] * inv1, o[4 * n + 3] * inv1);
-        }
-        if (qd == 0) {
-            if (r0 < heads_here) st_cluster_f32(smem_addr(xlse + r0), rank ^ 1, lse2(r0));
-            if (r1 < heads_here) st_cluster_f32(smem_addr(xlse + r1), rank ^ 1, lse2(r1));
-        }
-        cluster_sync();  // our half is in the partner
-        return;
-    }
-    cluster_sync();
-    float a[2], c[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = r ? r1 : r0;
-        const PairWeights w = pair_weights(lse2(row), xlse[row]);
-        a[r] = w.own * (r ? inv1 : inv0);
-        c[r] = w.other;
-        if (rank == 0 && qd == 0 && row < heads_here) lse_out[row] = w.lse;
-    }
-    // The merged half rows go out through shared memory (Q's, free now) and the copy engine.
-    const unsigned staged = smem_addr(smem);
-#pragma unroll
-    for (int n = 0; n < 32; n++) {
-        const float2 x0 = *(const float2*)(xo + r0 * HALF_STRIDE + col + 8 * n), x1 = *(const float2*)(xo + r1 * HALF_STRIDE + col + 8 * n);
-        st_shared_u32(staged + (r0 * HALF_STRIDE + col + 8 * n) * 2, pack_bf16(o[4 * n] * a[0] + x0.x * c[0], o[4 * n + 1] * a[0] + x0.y * c[0]));
-        st_shared_u32(staged + (r1 * HALF_STRIDE + col + 8 * n) * 2, pack_bf16(o[4 * n + 2] * a[1] + x1.x * c[1], o[4 * n + 3] * a[1] + x1.y * c[1]));
-    }
-    fence_proxy_async();        // written by st.shared, read by the copy engine
-    bar_sync(BAR_MERGED, 128);  // this warpgroup's rows are staged
-    if (threadIdx.x % 128 < 32) {
-        for (int row = threadIdx.x % 128; row < heads_here; row += 32) bulk_store(out + row * W_DV + wg * 256, staged + row * HALF_STRIDE * 2, 256 * 2);
-        bulk_store_wait();
-    }
-}
 
-__device__ __forceinline__ void pair_merge_one_way(unsigned char* smem, const float* o, const float* sL, const float* sM, int r0, int r1, int wg,
-                                           int qd, int heads_here, bf16_t* out, float* lse_out) {
-    float* xo = (float*)(smem + W_Q_BYTES);  // [64][ROW_STRIDE] block 1's rows, in block 0
-    float* xlse = xo + W_HEADS * ROW_STRIDE; // [64] their log-sum-exps (base 2)
-    auto lse2 = [&](int r) { return sL[r] > 0.0f ? sM[r] + log2f(sL[r]) : -INFINITY; };
-    const float inv0 = sL[r0] > 0.0f ? 1.0f / sL[r0] : 0.0f, inv1 = sL[r1] > 0.0f ? 1.0f / sL[r1] : 0.0f;
-    const int col0 = wg * 256 + 2 * qd;
-    cluster_sync();  // both blocks are past their tiles: block 0's stages are free
-    if (cluster_rank() == 1) {
-        // Only the group's real rows: block 0 merges no padding row (a rank's 8 heads are an
-        // eighth of the exchange).
-#pragma unroll
-        for (int n = 0; n < 32; n++) {
-            if (r0 < heads_here)
-                st_cluster_f32x2(smem_addr(xo + r0 * ROW_STRIDE + col0 + 8 * n), 0, o[4 * n] * inv0, o[4 * n + 1] * inv0);
-            if (r1 < heads_here)
-                st_cluster_f32x2(smem_addr(xo + r1 * ROW_STRIDE + col0 + 8 * n), 0, o[4 * n + 2] * inv1, o[4 * n + 3] * inv1);
-        }
-        if (wg == 0 && qd == 0) {
-            if (r0 < heads_here) st_cluster_f32(smem_addr(xlse + r0), 0, lse2(r0));
-            if (r1 < heads_here) st_cluster_f32(smem_addr(xlse + r1), 0, lse2(r1));
-        }
-        cluster_sync();  // block 1's rows are in block 0
-        return;
-    }
-    cluster_sync();
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = r ? r1 : r0;
-        if (row >= heads_here) continue;  // padding: not written
-        const PairWeights w = pair_weights(lse2(row), xlse[row]);
-        const float inv = (r ? inv1 : inv0) * w.own, c = w.other;
-        const float* theirs = xo + row * ROW_STRIDE + col0;
-#pragma unroll
-        for (int n = 0; n < 32; n++) {
-            const float2 t = *(const float2*)(theirs + 8 * n);
-            *(unsigned*)(out + row * W_DV + col0 + 8 * n) =
-                pack_bf16(o[4 * n + 2 * r] * inv + t.x * c, o[4 * n + 2 * r + 1] * inv + t.y * c);
-        }
-        if (wg == 0 && qd == 0) lse_out[row] = w.lse;
-    }
-}
+#include "pair_merge_sm90.cuh"
 
 // A 16-byte cp.async that copies zeros instead when `real` is false (nothing is read then), and
 // the arrival on a barrier once this thread's earlier cp.async writes have landed.
@@ -276,21 +150,37 @@ struct RowsAhead {
     }
 };
 
-template <bool SPARSE>
-__device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaMap* q_map, const TmaMap* qpe_map, const bf16_t* cache, const int* block_table, int max_pages,
+// FP8 (mla_decode_wgmma_fp8, mla_sparse_wgmma_fp8): the cache is fp8_ds_mla rows (656 bytes),
+// copied raw into two raw stages by bulk copies (warp 0 of warpgroup 1, kv_fp8.cuh's
+// TileIssuer), and each tile is turned into the bf16 tile TMA writes for the bf16 kernel
+// (fp8_slice_*: E4M3 × scale rounded to bf16, as FlashMLA's FP8 decode also computes on bf16),
+// two tiles ahead of its use, half by each warpgroup while its own MMAs run. The MMAs are then
+// the bf16 kernel's, bit for bit. Three bf16 stages fit beside the raw ones. On the H200 this
+// is bound by shared memory, not by the cache's bytes: each tile's S re-reads Q (72 KB) and
+// the conversion adds the raw tile's reads and the bf16 tile's stores (57 KB) to the MMAs'
+// 144 KB; with no copies at all it took 197 µs at batch 64 × 8k, 64 heads (the bf16 kernel
+// 166 µs with its whole cache traffic).
+template <bool SPARSE, bool FP8>
+__device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaMap* q_map, const TmaMap* qpe_map, const void* cache_bytes, const int* block_table, int max_pages,
                                              const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o,
                                              float* part_lse, int splits, int total_heads, bf16_t* out, float* lse_out) {
     // The swizzled stages need 1024-byte alignment; the host gives 1 KB of slack for it.
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    const unsigned sQ = smem_addr(smem), sKV = sQ + W_Q_BYTES, sP = sKV + W_STAGES * W_TILE_BYTES;
-    unsigned char* p_base = smem + W_Q_BYTES + W_STAGES * W_TILE_BYTES;
+    constexpr int STAGES = FP8 ? W_FP8_STAGES : W_STAGES;
+    constexpr unsigned RAW_BYTES = FP8 ? W_RAW_STAGES * FP8_RAW_TILE_BYTES : 0;
+    const bf16_t* cache = (const bf16_t*)cache_bytes;
+    const unsigned sQ = smem_addr(smem), sKV = sQ + W_Q_BYTES, sRaw = sKV + STAGES * W_TILE_BYTES, sP = sRaw + RAW_BYTES;
+    unsigned char* p_base = smem + (sP - sQ);
     float* sAlpha = (float*)(p_base + W_P_BYTES);  // [64] rescale factors of the tile
     float* sL = sAlpha + W_HEADS;                  // [64] row sums at the end
     float* sM = sL + W_HEADS;                      // [64] row maxima (base 2) at the end
-    const unsigned mbar = smem_addr(sM + W_HEADS); // [W_STAGES] 8-byte TMA barriers
-    const unsigned mbar_q = mbar + 8 * W_STAGES;   // Q's TMA barrier
-    const unsigned sKeys = mbar_q + 8;             // SPARSE: [W_STAGES] key bits of each tile
+    const unsigned mbar = smem_addr(sM + W_HEADS); // [STAGES] 8-byte TMA barriers
+    const unsigned mbar_q = mbar + 8 * STAGES;     // Q's TMA barrier
+    const unsigned mbar_raw = mbar_q + 8;          // FP8: [W_RAW_STAGES] the raw stages' copies landed
+    const unsigned mbar_raw_read = mbar_raw + 8 * W_RAW_STAGES;          // FP8: [W_RAW_STAGES] read by all 256 threads
+    const unsigned sRawKeys = mbar_raw + (FP8 ? 16 * W_RAW_STAGES : 0);  // FP8: [W_RAW_STAGES] their key bits
+    const unsigned sKeys = sRawKeys + (FP8 ? 4 * W_RAW_STAGES : 0);     // SPARSE: [STAGES] key bits of each tile
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * W_HEADS;
     const int heads_here = min(W_HEADS, total_heads - head0);  // the rest of the group is padding
@@ -300,9 +190,15 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
     if (threadIdx.x == 0) {
         prefetch_tensormap(q_map);
         prefetch_tensormap(qpe_map);
-        if (!SPARSE) prefetch_tensormap(cache_map);
+        if (!SPARSE && !FP8) prefetch_tensormap(cache_map);
         // Dense: the TMA issuer's arrival. Sparse: warpgroup 1's 128 copy arrivals and thread 0's.
-        for (int st = 0; st < W_STAGES; st++) mbar_init(mbar + 8 * st, SPARSE ? 129 : 1);
+        // FP8: all 256 threads' arrivals once converted; a raw stage: its copy issuer's, and
+        // all 256 threads' once they have read it.
+        for (int st = 0; st < STAGES; st++) mbar_init(mbar + 8 * st, FP8 ? 256 : SPARSE ? 129 : 1);
+        for (int st = 0; FP8 && st < W_RAW_STAGES; st++) {
+            mbar_init(mbar_raw + 8 * st, 1);
+            mbar_init(mbar_raw_read + 8 * st, 256);
+        }
         mbar_init(mbar_q, 1);
         mbar_init_fence();
         // Q: the group's 64 rows of this sequence, from row b·heads + head0 of the latent part
@@ -338,7 +234,7 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
     // Whether tile j is the split's last and ends before its 32 rows do (the rows past the end
     // are zeroed by warpgroup 1 after the copy lands, and warpgroup 0 waits for that).
     // (Sparse tiles have no tail: their missing rows come as zeros, masked by the key bits.)
-    auto short_tile = [&](int j) { return !SPARSE && t_end - (t_begin + j * W_TILE) < W_TILE; };
+    auto short_tile = [&](int j) { return !SPARSE && !FP8 && t_end - (t_begin + j * W_TILE) < W_TILE; };
 
     // This warpgroup's 64 × 256 slice of O: element 4·n + e is row (e < 2 ? r0 : r1), column
     // 8·n + 2·qd + e % 2 of the slice.
@@ -347,14 +243,62 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
     for (int i = 0; i < 128; i++) o[i] = 0.0f;
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
 
+    // FP8: raw tile c into raw stage c % W_RAW_STAGES (warpgroup 1: dense, thread 0 copies the tile's valid
+    // rows, one page whose number it loaded a tile ahead; sparse, warp 0 a row per list entry,
+    // its lookups ahead), and its conversion into bf16 stage c % STAGES, half H by warpgroup H:
+    // warpgroup 0 the dims its own P·V reads (and half the RoPE), while its S of the tile two
+    // before runs; warpgroup 1 the rest, while its P·V of that tile runs. A raw stage is
+    // refilled with tile c + W_RAW_STAGES once all 256 threads have read tile c.
+    const unsigned char* cache8 = (const unsigned char*)cache_bytes;
+    TileIssuer<SPARSE, W_TILE> issuer{cache8, bt, SPARSE ? indices + (u64)b * topk : nullptr, t_begin, t_end};
+    int page_ahead = FP8 && !SPARSE && wg == 1 && tid == 0 ? bt[t_begin / W_PAGE] : 0;
+    auto issue_raw = [&](int c) {
+        const int rs = c % W_RAW_STAGES;
+        const unsigned dst = sRaw + rs * FP8_RAW_TILE_BYTES, mb = mbar_raw + 8 * rs;
+        if constexpr (SPARSE) {
+            if (warp == 0) issuer.issue(c, dst, mb, sRawKeys + 4 * rs, lane);
+        } else if (tid == 0) {
+            const int t0 = t_begin + c * W_TILE, valid = min(W_TILE, t_end - t0);
+            mbar_expect_bytes(mb, valid * FP8_TOKEN_BYTES);
+            bulk_load(dst, cache8 + ((u64)page_ahead * W_PAGE + t0 % W_PAGE) * FP8_TOKEN_BYTES, valid * FP8_TOKEN_BYTES, mb);
+            if (c + 1 < n_tiles) page_ahead = bt[(t0 + W_TILE) / W_PAGE];
+        }
+    };
+    auto convert = [&](int c, auto half) {  // the caller knows bf16 stage c % STAGES is free
+        constexpr int H = decltype(half)::value;
+        const int rs = c % W_RAW_STAGES, st = c % STAGES, round = (c / W_RAW_STAGES) & 1;
+        mbar_wait(mbar_raw + 8 * rs, round);
+        unsigned keys;
+        if constexpr (SPARSE) {
+            asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(keys) : "r"(sRawKeys + 4 * rs) : "memory");
+        } else {
+            const int valid = t_end - (t_begin + c * W_TILE);
+            keys = valid >= 32 ? 0xffffffffu : (1u << valid) - 1u;
+        }
+        const Fp8HalfSlice slice = fp8_slice_load<H>(sRaw + rs * FP8_RAW_TILE_BYTES, warp, lane, (keys >> lane) & 1u);
+        // The copy engine (the async proxy) refills the stage: these reads are ordered first.
+        fence_proxy_async();
+        mbar_arrive(mbar_raw_read + 8 * rs);
+        if (H == 1 && c + W_RAW_STAGES < n_tiles && (SPARSE ? warp == 0 : tid == 0)) {
+            mbar_wait(mbar_raw_read + 8 * rs, round);
+            issue_raw(c + W_RAW_STAGES);
+        }
+        fp8_slice_store<W_BOX_BYTES, H>(sKV + st * W_TILE_BYTES, slice, warp, lane);
+        if (SPARSE && H == 0 && tid == 0) st_shared_u32(sKeys + 4 * st, keys);
+        fence_proxy_async();  // written by st.shared, read by wgmma
+        mbar_arrive(mbar + 8 * st);
+    };
+
     if (wg == 0) {
+        if constexpr (FP8)
+            for (int c = 0; c < STAGES - 1 && c < n_tiles; c++) convert(c, Half<0>{});
         mbar_wait(mbar_q, 0);  // Q landed
         const u64 dq = wg_desc_sw128(sQ, 16, 1024);
         unsigned pa[4 * W_KS];  // P as the A operand of the k-steps of P·V
         for (int j = 0; j < n_tiles; j++) {
-            const int s = j % W_STAGES, t0 = t_begin + j * W_TILE;
+            const int s = j % STAGES, t0 = t_begin + j * W_TILE;
             const unsigned kv = sKV + s * W_TILE_BYTES;
-            mbar_wait(mbar + 8 * s, (j / W_STAGES) & 1);
+            mbar_wait(mbar + 8 * s, (j / STAGES) & 1);
             if (short_tile(j)) bar_sync(BAR_TAIL, 256);
             unsigned keys = 0;  // SPARSE: bit r set where row r of the tile is a key
             if constexpr (SPARSE) {
@@ -383,8 +327,12 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
                 wg_wait<1>();  // the previous tile's P·V is done: its stage may be reloaded
 #pragma unroll
                 for (int i = 0; i < 128; i++) wg_hold(o[i]);
-                if (j + W_STAGES - 1 < n_tiles) bar_arrive(BAR_EMPTY + (j - 1) % W_STAGES, 256);
+                if (j + STAGES - 1 < n_tiles) bar_arrive(BAR_EMPTY + (j - 1) % STAGES, 256);
             }
+            // FP8: this warpgroup's half of tile j + 2 into the stage of tile j − 1, whose reads by
+            // this warpgroup are done (the other's P·V reads only the other half).
+            if constexpr (FP8)
+                if (j + STAGES - 1 < n_tiles) convert(j + STAGES - 1, Half<0>{});
             wg_wait<0>();
 #pragma unroll
             for (int i = 0; i < W_SC; i++) wg_hold(sc[i]);
@@ -450,12 +398,41 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
                     part_lse[out_row + row] = lse;
             }
         }
+    } else if constexpr (FP8) {
+        if (SPARSE && warp == 0) issuer.start(lane);
+        for (int c = 0; c < W_RAW_STAGES && c < n_tiles; c++) issue_raw(c);
+        for (int c = 0; c < STAGES - 1 && c < n_tiles; c++) convert(c, Half<1>{});
+        const u64 dp = wg_desc(sP, 128, W_TILE * 16);
+        for (int j = 0; j < n_tiles; j++) {
+            const int s = j % STAGES;
+            bar_sync(BAR_P_FULL, 256);
+            mbar_wait(mbar + 8 * s, (j / STAGES) & 1);  // long done: makes the stores visible here
+            wg_rescale_o(o, sAlpha[r0], sAlpha[r1]);
+            const u64 dv = wg_desc_sw128(sKV + s * W_TILE_BYTES + 4 * W_BOX_BYTES, W_BOX_BYTES, 1024);
+            wg_fence();
+#pragma unroll
+            for (int i = 0; i < 128; i++) wg_hold(o[i]);
+#pragma unroll
+            for (int ks = 0; ks < W_KS; ks++) wgmma_m64n256_ss(o, dp + ks * 16, dv + ks * (2048 / 16), 1);
+            wg_commit();
+            // This warpgroup's half of tile j + 2, while the MMAs run, into the stage of tile
+            // j − 1, which warpgroup 0 gave back when it issued S of tile j.
+            const int next = j + STAGES - 1;
+            if (next < n_tiles) {
+                if (j > 0) bar_sync(BAR_EMPTY + (j - 1) % STAGES, 256);
+                convert(next, Half<1>{});
+            }
+            wg_wait<0>();
+#pragma unroll
+            for (int i = 0; i < 128; i++) wg_hold(o[i]);
+            if (j + 1 < n_tiles) bar_arrive(BAR_P_EMPTY, 256);
+        }
     } else {
         // Tile j of this split by TMA (one thread): nine boxes of 32 rows × 64 dims, swizzled.
         auto issue_tile = [&](int j) {
             const int t0 = t_begin + j * W_TILE;
             const int row = bt[t0 / W_PAGE] * W_PAGE + t0 % W_PAGE;
-            const unsigned dst = sKV + (j % W_STAGES) * W_TILE_BYTES, mb = mbar + 8 * (j % W_STAGES);
+            const unsigned dst = sKV + (j % STAGES) * W_TILE_BYTES, mb = mbar + 8 * (j % STAGES);
             mbar_expect_bytes(mb, W_TILE_BYTES);
 #pragma unroll
             for (int c = 0; c < W_DQK / 64; c++) tma_load_2d(dst + c * W_BOX_BYTES, cache_map, mb, c * 64, row);
@@ -466,7 +443,7 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
         RowsAhead ahead{indices + (u64)b * topk, bt, t_begin, t_end, tid % 32, 0, 0, 0};
         auto issue_rows = [&](int j) {
             const int mine = ahead.take(j);
-            const unsigned stage = sKV + (j % W_STAGES) * W_TILE_BYTES, mb = mbar + 8 * (j % W_STAGES);
+            const unsigned stage = sKV + (j % STAGES) * W_TILE_BYTES, mb = mbar + 8 * (j % STAGES);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int r = 8 * warp + lane / 8 + 4 * h, row = __shfl_sync(0xffffffffu, mine, r);
@@ -478,7 +455,7 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             cp_async_arrive(mb);
             const unsigned keys = __ballot_sync(0xffffffffu, mine >= 0);
             if (tid == 0) {
-                st_shared_u32(sKeys + 4 * (j % W_STAGES), keys);
+                st_shared_u32(sKeys + 4 * (j % STAGES), keys);
                 mbar_arrive(mb);
             }
         };
@@ -486,8 +463,8 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
         // so the swizzle does not matter), published to warpgroup 0.
         auto zero_tail = [&](int j) {
             const int valid = t_end - (t_begin + j * W_TILE);
-            const unsigned dst = sKV + (j % W_STAGES) * W_TILE_BYTES;
-            mbar_wait(mbar + 8 * (j % W_STAGES), (j / W_STAGES) & 1);
+            const unsigned dst = sKV + (j % STAGES) * W_TILE_BYTES;
+            mbar_wait(mbar + 8 * (j % STAGES), (j / STAGES) & 1);
             for (int i = tid; i < (W_TILE - valid) * (W_DQK / 8); i += 128) {
                 const int row = valid + i / (W_DQK / 8), box = (i / 8) % (W_DQK / 64), c16 = i % 8;
                 st_shared_zero16(dst + box * W_BOX_BYTES + row * 128 + c16 * 16);
@@ -497,16 +474,16 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
         };
         if (SPARSE) {
             ahead.start();
-            for (int j = 0; j < W_STAGES - 1 && j < n_tiles; j++) issue_rows(j);
+            for (int j = 0; j < STAGES - 1 && j < n_tiles; j++) issue_rows(j);
         } else if (!SPARSE && tid == 0) {
-            for (int j = 0; j < W_STAGES - 1 && j < n_tiles; j++) issue_tile(j);
+            for (int j = 0; j < STAGES - 1 && j < n_tiles; j++) issue_tile(j);
         }
         if (n_tiles > 0 && short_tile(0)) zero_tail(0);
         const u64 dp = wg_desc(sP, 128, W_TILE * 16);
         for (int j = 0; j < n_tiles; j++) {
-            const int s = j % W_STAGES;
+            const int s = j % STAGES;
             bar_sync(BAR_P_FULL, 256);
-            mbar_wait(mbar + 8 * s, (j / W_STAGES) & 1);  // long done: makes the copy visible here
+            mbar_wait(mbar + 8 * s, (j / STAGES) & 1);  // long done: makes the copy visible here
             if constexpr (SPARSE) fence_proxy_async();     // written by cp.async, read by wgmma
             wg_rescale_o(o, sAlpha[r0], sAlpha[r1]);
             const u64 dv = wg_desc_sw128(sKV + s * W_TILE_BYTES + 4 * W_BOX_BYTES, W_BOX_BYTES, 1024);
@@ -522,9 +499,9 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             if (j + 1 < n_tiles) bar_arrive(BAR_P_EMPTY, 256);
             // Tile j + 3 into the stage of tile j − 1 (fresh for j = 0), which warpgroup 0 gave
             // back when it issued S of tile j (so this never waits long).
-            const int next = j + W_STAGES - 1;
+            const int next = j + STAGES - 1;
             if (next < n_tiles) {
-                if (j > 0) bar_sync(BAR_EMPTY + (j - 1) % W_STAGES, 256);
+                if (j > 0) bar_sync(BAR_EMPTY + (j - 1) % STAGES, 256);
                 if (SPARSE)
                     issue_rows(next);
                 else if (!SPARSE && tid == 0)
@@ -578,7 +555,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
                                                                    const int* block_table, int max_pages, const int* seq_lens, float scale_log2,
                                                                    float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                    float* lse_out) {
-    decode_wgmma<false>(&cache_map, &q_map, &qpe_map, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out,
+    decode_wgmma<false, false>(&cache_map, &q_map, &qpe_map, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out,
                         lse_out);
 }
 
@@ -588,6 +565,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma(const __gr
                                                                    const int* indices, int topk, const int* lens, float scale_log2,
                                                                    float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                    float* lse_out) {
-    decode_wgmma<true>(nullptr, &q_map, &qpe_map, cache, block_table, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, total_heads, out,
+    decode_wgmma<true, false>(nullptr, &q_map, &qpe_map, cache, block_table, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, total_heads, out,
                        lse_out);
+}
+
+// The FP8-cache forms (fp8_ds_mla rows converted by warpgroup 1, see decode_wgmma): the query by
+// its tensor maps, the byte cache, then as their bf16 twins.
+extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma_fp8(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap qpe_map,
+                                                                       const unsigned char* cache, const int* block_table, int max_pages,
+                                                                       const int* seq_lens, float scale_log2, float* part_o, float* part_lse,
+                                                                       int splits, int total_heads, bf16_t* out, float* lse_out) {
+    decode_wgmma<false, true>(nullptr, &q_map, &qpe_map, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits,
+                              total_heads, out, lse_out);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma_fp8(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap qpe_map,
+                                                                       const unsigned char* cache, const int* block_table, int max_pages,
+                                                                       const int* indices, int topk, const int* lens, float scale_log2,
+                                                                       float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
+                                                                       float* lse_out) {
+    decode_wgmma<true, true>(nullptr, &q_map, &qpe_map, cache, block_table, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits,
+                             total_heads, out, lse_out);
 }

@@ -46,6 +46,11 @@ KERNEL_VARIANT(mla_decode_fp8_ks3, 64, 32, 3, 226816)
 KERNEL_VARIANT(mla_decode_fp8_ks2, 64, 32, 2, 189440)
 KERNEL_VARIANT(mla_decode_fp8_t32, 64, 32, 2, 155904)
 KERNEL_VARIANT(mla_decode_fp8_t16, 64, 16, 1, 97792)
+// The decode over an fp8_ds_mla cache on wgmma (Hopper): its bf16 twin's Q, three bf16 stages,
+// two raw stages of 32 rows of 656 bytes with two barriers each and key bits, P, row data, the
+// key bits of the bf16 stages; the sparse form the same.
+KERNEL_VARIANT(mla_decode_wgmma_fp8, 64, 32, 3, 232276)
+KERNEL_VARIANT(mla_sparse_wgmma_fp8, 64, 32, 3, 232276)
 // The FP8-cache decode for a rank's few heads (mla_decode_fp8.cu): 16 rows, raw 656-byte rows in
 // four stages, the four warps' partial S exchanged through two buffers, a barrier and the key
 // bits per stage.

@@ -161,9 +161,9 @@ fn decoded(bytes: &[u8], to_bf16: bool) -> Vec<f32> {
 }
 
 /// Every FP8-cache decode variant the device runs, at `heads` heads (`all`: every variant, else
-/// the few-heads kernel only), over sequences of `lens` tokens and 1, 4 and 40 splits: against
-/// the f64 reference over the decoded rows, and (the converting variants) bit for bit against
-/// the bf16 twin over a bf16 copy of them.
+/// the few-heads kernels and the wgmma one), over sequences of `lens` tokens and 1, 4 and 40
+/// splits: against the f64 reference over the decoded rows, and (the converting variants, the
+/// wgmma one among them) bit for bit against the bf16 twin over a bf16 copy of them.
 fn fp8_decode_case(gpu: &Gpu, heads: usize, lens: &[usize], all: bool) {
     let seed = common::seed();
     let mut rng = common::Lcg::new(seed ^ 0xdec8 ^ heads as u64);
@@ -215,7 +215,7 @@ fn fp8_decode_case(gpu: &Gpu, heads: usize, lens: &[usize], all: bool) {
     };
     let variants: Vec<&str> = fast::fp8_decode_variants_for(gpu)
         .into_iter()
-        .filter(|v| all || fast::fp8_twin(v).is_none())
+        .filter(|v| all || fast::fp8_twin(v).is_none() || v.contains("wgmma"))
         .collect();
     assert!(
         !variants.is_empty(),
@@ -253,15 +253,27 @@ fn fp8_decode_case(gpu: &Gpu, heads: usize, lens: &[usize], all: bool) {
                 )
                 .unwrap();
                 let (twin_out, twin_lse) = read(gpu, &want);
+                // Where they differ: (sequence, head, dim) of the first output value, and counts.
+                let differs: Vec<usize> = (0..out.len())
+                    .filter(|&i| out[i].to_bits() != twin_out[i].to_bits())
+                    .collect();
+                let lse_differs = (0..lse.len())
+                    .filter(|&i| lse[i].to_bits() != twin_lse[i].to_bits())
+                    .count();
                 assert!(
-                    out.iter()
-                        .zip(&twin_out)
-                        .all(|(a, b)| a.to_bits() == b.to_bits())
-                        && lse
-                            .iter()
-                            .zip(&twin_lse)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{what}: differs from {twin} over the decoded rows"
+                    differs.is_empty() && lse_differs == 0,
+                    "{what}: differs from {twin} over the decoded rows: {} values (the first at \
+                     sequence, head, dim {:?}; heads {:?}), {lse_differs} log-sum-exps",
+                    differs.len(),
+                    differs.first().map(|&i| (
+                        i / (heads * LATENT),
+                        i / LATENT % heads,
+                        i % LATENT
+                    )),
+                    differs
+                        .iter()
+                        .map(|&i| i / LATENT % heads)
+                        .collect::<std::collections::BTreeSet<_>>(),
                 );
             }
             let cache = if twin.is_some() { &rounded } else { &exact };
@@ -314,8 +326,9 @@ fn every_fp8_decode_variant_matches_the_reference_and_its_bf16_twin() {
     let backend = common::cuda_backend(StorageDtype::Bf16);
     let gpu: &Gpu = backend.gpu();
     fp8_decode_case(gpu, 16, &[1, 77, 0, 300, 130], true);
-    // The few-heads kernel at a rank's head counts, and over two groups (the last padded).
-    for heads in [1, 8, 19] {
+    // The few-heads kernels and the wgmma one at a rank's head counts, and over two groups of
+    // either (the last padded).
+    for heads in [1, 8, 19, 70] {
         fp8_decode_case(gpu, heads, &[33, 0, 700, 64, 5], false);
     }
     // A variant without an FP8 form is refused by name.
@@ -328,10 +341,12 @@ fn every_fp8_decode_variant_matches_the_reference_and_its_bf16_twin() {
     assert!(DecodeWork::for_fp8(gpu, shape, Some("mla_decode_kt3"), None).is_err());
 }
 
-/// The sparse forms of the few-heads kernels at `heads` heads: each sequence attends to its own
-/// list of positions (ragged, with -1 padding inside and after, one list of padding alone, one
-/// empty, lists shorter and longer than the context they pick from), against the f64 reference
-/// over the exactly decoded rows of the listed positions.
+/// The sparse FP8-cache kernels (the few-heads kernels' forms and the wgmma one) at `heads`
+/// heads: each sequence attends to its own list of positions (ragged, with -1 padding inside
+/// and after, one list of padding alone, one empty, lists shorter and longer than the context
+/// they pick from), against the f64 reference over the exactly decoded rows of the listed
+/// positions (the wgmma form, which rounds them to bf16 tiles as FlashMLA's FP8 decode does,
+/// over those rounded rows, and bit for bit against its bf16 twin over them).
 fn sparse_fp8_case(gpu: &Gpu, heads: usize) {
     let seed = common::seed();
     let mut rng = common::Lcg::new(seed ^ 0x5fa8 ^ heads as u64);
@@ -363,7 +378,7 @@ fn sparse_fp8_case(gpu: &Gpu, heads: usize) {
         .collect();
     let at: Vec<usize> = (0..rows.len()).collect();
     let bytes = host_cache(&rows, &at, rows.len(), Fp8Faults::default());
-    let exact = decoded(&bytes, false);
+    let (exact, rounded) = (decoded(&bytes, false), decoded(&bytes, true));
     let mut indices = vec![-1i32; batch * topk];
     for (b, &(context, len)) in seqs.iter().enumerate() {
         for e in 0..len {
@@ -382,6 +397,7 @@ fn sparse_fp8_case(gpu: &Gpu, heads: usize) {
     let scale = 1.0 / 192f32.sqrt();
     let d_q = gpu.upload(&q, Elem::Bf16).unwrap();
     let d_bytes = gpu.upload_bytes(&bytes).unwrap();
+    let d_rounded = gpu.upload(&rounded, Elem::Bf16).unwrap();
     let d_table = gpu.upload_i32(&table).unwrap();
     let d_indices = gpu.upload_i32(&indices).unwrap();
     let d_lens = gpu
@@ -422,6 +438,39 @@ fn sparse_fp8_case(gpu: &Gpu, heads: usize) {
             .unwrap();
             let (out, lse) = (gpu.download(&out).unwrap(), gpu.download(&lse).unwrap());
             let what = format!("{variant}, {heads} heads, {splits} splits (seed {seed})");
+            // The wgmma form converts the rows into bf16 tiles: bit for bit its bf16 twin's
+            // results over a bf16 copy of the decoded rows, which is then its reference.
+            let converts = variant.contains("wgmma");
+            if converts {
+                let twin =
+                    DecodeWork::sparse(gpu, shape, Some(splits), Some("mla_sparse_wgmma")).unwrap();
+                let (t_out, t_lse) = (
+                    gpu.alloc(batch * heads * LATENT, Elem::Bf16).unwrap(),
+                    gpu.alloc(batch * heads, Elem::F32).unwrap(),
+                );
+                fast::mla_decode_sparse(
+                    gpu,
+                    shape,
+                    &d_q,
+                    &d_rounded,
+                    &d_table,
+                    (&d_indices, topk),
+                    &d_lens,
+                    scale,
+                    &t_out,
+                    &t_lse,
+                    &twin,
+                )
+                .unwrap();
+                let (t_out, t_lse) = (gpu.download(&t_out).unwrap(), gpu.download(&t_lse).unwrap());
+                let same =
+                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(
+                    same(&out, &t_out) && same(&lse, &t_lse),
+                    "{what}: differs from mla_sparse_wgmma over the decoded rows"
+                );
+            }
+            let rows = if converts { &rounded } else { &exact };
             let mut worst: f64 = 0.0;
             for (b, &(_, len)) in seqs.iter().enumerate() {
                 let keys: Vec<usize> = indices[b * topk..b * topk + len]
@@ -442,7 +491,7 @@ fn sparse_fp8_case(gpu: &Gpu, heads: usize) {
                     let qv = &q[(b * heads + h) * WIDTH..][..WIDTH];
                     let key = |t: usize| {
                         let page = table[b * max_pages + t / PAGE] as usize;
-                        &exact[(page * PAGE + t % PAGE) * WIDTH..][..WIDTH]
+                        &rows[(page * PAGE + t % PAGE) * WIDTH..][..WIDTH]
                     };
                     let reference = fast::reference_attention(
                         qv,
@@ -463,7 +512,7 @@ fn sparse_fp8_case(gpu: &Gpu, heads: usize) {
 fn the_sparse_fp8_decode_matches_the_reference() {
     let backend = common::cuda_backend(StorageDtype::Bf16);
     let gpu: &Gpu = backend.gpu();
-    for heads in [1, 8, 16, 19] {
+    for heads in [1, 8, 16, 19, 70] {
         sparse_fp8_case(gpu, heads);
     }
     // A converting variant has no sparse form.

@@ -431,7 +431,10 @@ fn check_is_clean_on_an_fp8_cache_with_every_fp8_decode_variant() {
         );
         let decoded = first_decode_kernel(&report.run);
         let kernel = &decoded.launches[0].kernel;
-        assert!(kernel.starts_with("mla_decode_fp8_"), "{decoded}");
+        assert!(
+            kernel.starts_with("mla_decode_") && kernel.contains("fp8"),
+            "{decoded}"
+        );
         if let Some(v) = &variant {
             assert_eq!(kernel.replace("fp8_", ""), *v, "{decoded}");
         }
@@ -501,18 +504,18 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
         );
         eprintln!("{sparse}: clean; {decoded}");
     }
-    // Over an fp8_ds_mla cache the sparse selection runs the few-heads kernels' sparse forms
-    // (the device's choice, then each forced by its dense name).
+    // Over an fp8_ds_mla cache the sparse selection runs the sparse FP8 kernels (the device's
+    // choice, then each forced by its variant's tag: h8, h16, wgmma).
     let fp8 = mladb::backend::cuda::fast::sparse_fp8_decode_variants_for(gpu.gpu());
     assert!(
         !fp8.is_empty(),
         "no sparse FP8-cache decode variant runs here"
     );
-    let forced = fp8.iter().map(|v| Some(v.replace("mla_sparse_fp8_", "")));
+    let forced = fp8.iter().map(|&v| Some(v));
     for variant in std::iter::once(None).chain(forced) {
         let mut flags = gpu_flags();
         flags.kv_cache = mladb::ops::KvCacheDtype::Fp8DsMla;
-        flags.kernels.decode = variant.as_deref().map(|v| v.parse().unwrap());
+        flags.kernels.decode = variant.map(|v| v.parse::<DecodeVariant>().unwrap());
         let report = check_default(&j, flags);
         assert!(
             report.findings.is_empty(),
@@ -521,9 +524,12 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
         );
         let decoded = first_decode_kernel(&report.run);
         let kernel = &decoded.launches[0].kernel;
-        assert!(kernel.starts_with("mla_sparse_fp8_h"), "{decoded}");
-        if let Some(v) = &variant {
-            assert!(kernel.ends_with(&format!("_{v}")), "{decoded}");
+        assert!(
+            kernel.starts_with("mla_sparse_") && kernel.contains("fp8"),
+            "{decoded}"
+        );
+        if let Some(v) = variant {
+            assert_eq!(kernel, v, "{decoded}");
         }
         eprintln!("fp8 {variant:?}: clean; {decoded}");
     }

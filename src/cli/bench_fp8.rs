@@ -9,13 +9,13 @@ use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, RO
 use crate::error::Result;
 
 /// One shape's times: the bf16 decode, the FP8-cache decode the device chooses (and its
-/// kernel), and each few-heads FP8 kernel ([`FEW_HEADS`]) forced where it is not the choice
-/// (`None` where it is, or does not run).
+/// kernel), and each kernel of [`FORCED`] forced where it is not the choice (`None` where it
+/// is, or does not run).
 struct Fp8Times {
     bf16: f64,
     fp8: f64,
     kernel: &'static str,
-    few_heads: [Option<f64>; 2],
+    forced: [Option<f64>; 3],
 }
 
 /// [`Fp8Times`] of one shape, in µs.
@@ -64,8 +64,8 @@ fn fp8_vs_bf16(
     let fp8_work = DecodeWork::for_fp8(gpu, shape, None, None)?;
     let fp8 = fp8_time(&fp8_work)?;
     let runs = fast::fp8_decode_variants_for(gpu);
-    let mut few_heads = [None; 2];
-    for (time, kernel) in few_heads.iter_mut().zip(FEW_HEADS) {
+    let mut forced = [None; 3];
+    for (time, kernel) in forced.iter_mut().zip(FORCED) {
         if runs.contains(&kernel) && fp8_work.kernel != kernel {
             *time = Some(fp8_time(&DecodeWork::for_fp8(gpu, shape, Some(kernel), None)?)? * 1e3);
         }
@@ -74,24 +74,29 @@ fn fp8_vs_bf16(
         bf16: bf16 * 1e3,
         fp8: fp8 * 1e3,
         kernel: fp8_work.kernel,
-        few_heads,
+        forced,
     })
 }
 
-/// The FP8-cache kernels for a rank's few heads (8 and 16 heads a block).
-const FEW_HEADS: [&str; 2] = ["mla_decode_fp8_h8", "mla_decode_fp8_h16"];
+/// The FP8-cache kernels timed forced beside the choice: those for a rank's few heads (8 and
+/// 16 heads a block) and the wgmma one (64, Hopper).
+const FORCED: [&str; 3] = [
+    "mla_decode_fp8_h8",
+    "mla_decode_fp8_h16",
+    "mla_decode_wgmma_fp8",
+];
 
-/// The FP8-cache decode beside the bf16 one: batch 64 and 1 at 8k, at 64 heads (a whole GLM-5
-/// layer) and at a tensor-parallel rank's 8 and 16 heads.
+/// The FP8-cache decode beside the bf16 one: batch 64 and 1 at 8k, at 64 and 128 heads (a
+/// whole GLM-5 or DeepSeek-V3 layer) and at a tensor-parallel rank's 8 and 16 heads.
 pub fn fp8_decode(gpu: &Gpu) -> Result<()> {
     writeln!(
         Out,
-        "\nMLA decode over the FP8 latent cache (fp8_ds_mla) vs the bf16 cache (h8, h16: those \
-         kernels forced where they are not the choice)"
+        "\nMLA decode over the FP8 latent cache (fp8_ds_mla) vs the bf16 cache (h8, h16, wgmma: \
+         those kernels forced where they are not the choice)"
     )?;
     writeln!(
         Out,
-        "{:>6} {:>8} {:>6} {:>10} {:>10} {:>12} {:>20} {:>10} {:>10}",
+        "{:>6} {:>8} {:>6} {:>10} {:>10} {:>12} {:>20} {:>10} {:>10} {:>10}",
         "batch",
         "context",
         "heads",
@@ -100,23 +105,25 @@ pub fn fp8_decode(gpu: &Gpu) -> Result<()> {
         "fp8 seq/s ×",
         "fp8 kernel",
         "h8 us",
-        "h16 us"
+        "h16 us",
+        "wgmma us"
     )?;
     for (batch, context, heads) in [
         (64, 8192, 8),
         (64, 8192, 16),
         (64, 8192, 32),
         (64, 8192, 64),
+        (64, 8192, 128),
         (1, 8192, 8),
         (1, 8192, 64),
     ] {
         let t = fp8_vs_bf16(gpu, batch, context, heads, (batch + context + heads) as u64)?;
-        let [h8, h16] = t
-            .few_heads
+        let [h8, h16, wgmma] = t
+            .forced
             .map(|f| f.map_or("-".to_string(), |f| format!("{f:.1}")));
         writeln!(
             Out,
-            "{batch:>6} {context:>8} {heads:>6} {:>10.1} {:>10.1} {:>11.2}× {:>20} {h8:>10} {h16:>10}",
+            "{batch:>6} {context:>8} {heads:>6} {:>10.1} {:>10.1} {:>11.2}× {:>20} {h8:>10} {h16:>10} {wgmma:>10}",
             t.bf16,
             t.fp8,
             t.bf16 / t.fp8,

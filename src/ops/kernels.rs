@@ -121,9 +121,13 @@ impl DecodeVariant {
 impl std::str::FromStr for DecodeVariant {
     type Err = crate::Error;
     fn from_str(s: &str) -> crate::error::Result<DecodeVariant> {
-        // A kernel's name: its variant (`mla_decode_fp8_ks3` is the FP8 form of ks3).
-        let tag = s.strip_prefix("mla_decode_").unwrap_or(s);
+        // A kernel's name: its variant (`mla_decode_fp8_ks3` is the FP8 form of ks3,
+        // `mla_decode_wgmma_fp8` of wgmma, `mla_sparse_wgmma_fp8` its sparse form).
+        let tag = (s.strip_prefix("mla_decode_"))
+            .or_else(|| s.strip_prefix("mla_sparse_"))
+            .unwrap_or(s);
         let tag = tag.strip_prefix("fp8_").unwrap_or(tag);
+        let tag = tag.strip_suffix("_fp8").unwrap_or(tag);
         DecodeVariant::ALL
             .into_iter()
             .find(|v| v.tag() == tag)
@@ -283,6 +287,15 @@ mod tests {
         }
         for v in PrefillVariant::ALL {
             assert_eq!(v.tag().parse::<PrefillVariant>().unwrap(), v);
+        }
+        // The FP8-cache kernels' names, dense and sparse, read as their variants.
+        for (name, v) in [
+            ("mla_decode_fp8_ks3", DecodeVariant::Ks3),
+            ("mla_decode_wgmma_fp8", DecodeVariant::Wgmma),
+            ("mla_sparse_wgmma_fp8", DecodeVariant::Wgmma),
+            ("mla_sparse_fp8_h16", DecodeVariant::H16),
+        ] {
+            assert_eq!(name.parse::<DecodeVariant>().unwrap(), v, "{name}");
         }
         let err = "t8".parse::<DecodeVariant>().unwrap_err().to_string();
         assert!(err.contains("wgmma, kt3"), "{err}");

@@ -4,12 +4,14 @@
 //!   converted straight from the raw rows, the scales applied outside the MMAs.
 //!   `mla_decode_fp8_h8` takes up to 8 heads a block as the MMAs' columns (GLM-5 at TP 8),
 //!   `mla_decode_fp8_h16` 16 as rows (DeepSeek-V3 at TP 8). Made for a tensor-parallel rank,
-//!   where the 64-row kernels are mostly padding, and the first choice at every head count: on
-//!   the H200 h16 beats the converting kernels even at 64 heads, reading the cache once per 16.
-//! - The bf16 decode variants whose tile loader dequantizes the rows into the same shared bf16
-//!   tiles (kernels/kv_fp8.cuh), taking their twin's shared memory and split choice. The TMA and
-//!   wgmma variants have no such form: TMA copies bytes as they are, and those tiles need
-//!   converting on the way in.
+//!   where the 64-row kernels are mostly padding: the first choice up to 16 heads.
+//! - The bf16 decode variants whose tiles are dequantized into the same shared bf16 tiles
+//!   (kernels/kv_fp8.cuh), their MMAs and results bit for bit their twin's over a bf16 copy of
+//!   the decoded rows: `mla_decode_wgmma_fp8` (Hopper: raw rows by bulk copies, converted by
+//!   the warpgroup that runs the second half of P·V; the first choice past 16 heads, where the
+//!   few-heads kernels read the cache once per 16 heads), and the cp.async kernels, whose tile
+//!   loader converts (taking their twin's shared memory). The TMA-fed split-k variants have no
+//!   such form: TMA copies bytes as they are.
 
 use super::device::fast_kernels::SparseKeys;
 use super::device::fp8_kernels::Fp8Decode;
@@ -23,12 +25,16 @@ use crate::ops::KernelLaunch;
 /// The FP8-cache kernels for a rank's few heads: up to 8 heads a block, and 16.
 const EIGHT_HEADS: &str = "mla_decode_fp8_h8";
 const FEW_HEADS: &str = "mla_decode_fp8_h16";
+/// The FP8-cache decode on wgmma (Hopper), 64 heads a block.
+const WGMMA: &str = "mla_decode_wgmma_fp8";
 
-/// The FP8-cache variants, in order of preference, each with the bf16 variant it mirrors (the
-/// few-heads kernels have none).
-const VARIANTS: [(&str, Option<&str>); 6] = [
+/// The FP8-cache variants, in order of preference up to 16 heads ([`by_heads`] puts the wgmma
+/// one first past that), each with the bf16 variant it mirrors (the few-heads kernels have
+/// none).
+const VARIANTS: [(&str, Option<&str>); 7] = [
     (EIGHT_HEADS, None),
     (FEW_HEADS, None),
+    (WGMMA, Some("mla_decode_wgmma")),
     ("mla_decode_fp8_ks3", Some("mla_decode_ks3")),
     ("mla_decode_fp8_ks2", Some("mla_decode_ks2")),
     ("mla_decode_fp8_t32", Some("mla_decode_t32")),
@@ -54,10 +60,23 @@ pub fn fp8_decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
 
 /// The sparse FP8-cache kernels (the few-heads kernels' sparse forms), in order of preference,
 /// each with its dense form. The converting kernels have none.
-const SPARSE_VARIANTS: [(&str, &str); 2] = [
+const SPARSE_VARIANTS: [(&str, &str); 3] = [
     ("mla_sparse_fp8_h8", EIGHT_HEADS),
     ("mla_sparse_fp8_h16", FEW_HEADS),
+    ("mla_sparse_wgmma_fp8", WGMMA),
 ];
+
+/// `variants` in order of preference for `heads`: past 16 heads (more than one block of the
+/// few-heads kernels, each reading the whole cache) the wgmma kernel, 64 heads a block, first.
+/// On the H200 (2026-12-04), batch 64 × 8k: 64 heads 228–248 µs against h16's 425–467, 128
+/// heads 446–464 against 857–890, 32 heads 228 against 230; at 16 heads h16 120 µs against 232.
+fn by_heads(mut variants: Vec<(&'static str, u32)>, heads: usize) -> Vec<(&'static str, u32)> {
+    if heads > 16 {
+        // A stable sort: the wgmma kernels (dense or sparse) to the front.
+        variants.sort_by_key(|&(name, _)| !name.contains("wgmma"));
+    }
+    variants
+}
 
 /// The sparse FP8-cache variants this device runs, in order of preference.
 pub fn sparse_fp8_decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
@@ -68,12 +87,14 @@ pub fn sparse_fp8_decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
         .collect()
 }
 
-/// The sparse FP8-cache kernel of a few-heads kernel (named densely or sparsely); `None` for
-/// the others.
+/// The sparse FP8-cache kernel of a kernel that has one (named densely, sparsely, or as the
+/// bf16 decode it mirrors: `mla_decode_wgmma`); `None` for the others.
 pub fn sparse_fp8_form(kernel: &str) -> Option<&'static str> {
     SPARSE_VARIANTS
         .iter()
-        .find(|&&(sparse, dense)| kernel == sparse || kernel == dense)
+        .find(|&&(sparse, dense)| {
+            kernel == sparse || kernel == dense || fp8_twin(dense) == Some(kernel)
+        })
         .map(|&(sparse, _)| sparse)
 }
 
@@ -103,8 +124,8 @@ pub fn fp8_kernel_of(variant: &str) -> Result<&'static str> {
         .ok_or_else(|| {
             Error::invalid(format!(
                 "{variant} has no form that reads an fp8_ds_mla cache (those are \
-                 mla_decode_fp8_h8, mla_decode_fp8_h16, ks3, ks2, t32, t16: TMA copies the bytes as they are, and \
-                 the tiles need converting)"
+                 mla_decode_fp8_h8, mla_decode_fp8_h16, wgmma, ks3, ks2, t32, t16: the TMA-fed \
+                 split-k kernels copy the bytes as they are, and the tiles need converting)"
             ))
         })
 }
@@ -136,7 +157,7 @@ impl DecodeWork {
             Some(f) => Some(sparse_fp8_form(f).ok_or_else(|| {
                 Error::invalid(format!(
                     "{f} has no sparse form over an fp8_ds_mla cache (those are \
-                     mla_decode_fp8_h8 and mla_decode_fp8_h16)"
+                     mla_decode_fp8_h8, mla_decode_fp8_h16 and wgmma)"
                 ))
             })?),
             None => None,
@@ -158,7 +179,7 @@ fn fp8_plan(
     forced: Option<&str>,
     splits: Option<usize>,
 ) -> Result<DecodeWork> {
-    let candidates = for_heads(variants, shape.heads, forced);
+    let candidates = for_heads(by_heads(variants, shape.heads), shape.heads, forced);
     let variant = pick_variant(gpu, &candidates, forced)?;
     let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
     DecodeWork::scratch(gpu, shape, splits, variant)
@@ -282,10 +303,28 @@ mod tests {
     fn fp8_variants_are_described_with_their_twins_layouts_and_found_by_name() {
         for (&(fp8, twin), (_, bytes)) in VARIANTS.iter().zip(fp8_variants()) {
             assert_ne!(bytes, u32::MAX, "{fp8} has no row in kernels/variants.cuh");
-            if let Some(twin) = twin {
+            // The cp.async kernels convert in their twin's tiles; the wgmma one has raw stages.
+            if let Some(twin) = twin.filter(|_| fp8 != WGMMA) {
                 assert_eq!(bytes, variants::shared_bytes(twin), "{fp8}");
             }
         }
+        assert_eq!(head_group(WGMMA), 64);
+        assert_eq!(fp8_kernel_of("mla_decode_wgmma").unwrap(), WGMMA);
+        assert_eq!(
+            sparse_fp8_form("mla_decode_wgmma"),
+            Some("mla_sparse_wgmma_fp8")
+        );
+        assert_eq!(sparse_fp8_form("mla_decode_fp8_ks3"), None);
+        // Past 16 heads the wgmma kernel comes first, dense or sparse; up to 16, after h16.
+        let names = |v: Vec<(&'static str, u32)>| v.into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+        assert_eq!(
+            names(by_heads(fp8_variants(), 17))[..3],
+            [WGMMA, EIGHT_HEADS, FEW_HEADS]
+        );
+        assert_eq!(
+            names(by_heads(fp8_variants(), 16))[..3],
+            [EIGHT_HEADS, FEW_HEADS, WGMMA]
+        );
         assert_eq!(head_group(FEW_HEADS), 16);
         assert_eq!(head_group(EIGHT_HEADS), 8);
         for (sparse, dense) in SPARSE_VARIANTS {
@@ -300,7 +339,7 @@ mod tests {
             "mla_decode_fp8_ks3"
         );
         assert_eq!(fp8_kernel_of(FEW_HEADS).unwrap(), FEW_HEADS);
-        assert!(fp8_kernel_of("mla_decode_wgmma").is_err());
+        assert!(fp8_kernel_of("mla_decode_kt3").is_err());
         assert!(fp8_only(EIGHT_HEADS) && fp8_only(FEW_HEADS) && !fp8_only("mla_decode_fp8_ks3"));
     }
 }

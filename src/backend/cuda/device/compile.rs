@@ -13,6 +13,7 @@ const WGMMA: &str = include_str!("../../../../kernels/wgmma.cuh");
 const TMA: &str = include_str!("../../../../kernels/tma.cuh");
 const KV_FP8: &str = include_str!("../../../../kernels/kv_fp8.cuh");
 const SPARSE: &str = include_str!("../../../../kernels/sparse.cuh");
+const PAIR_MERGE: &str = include_str!("../../../../kernels/pair_merge_sm90.cuh");
 
 /// (file name, source) of every kernel file.
 pub const SOURCES: &[(&str, &str)] = &[
@@ -84,8 +85,8 @@ pub fn hopper_target(arch: &str) -> Option<String> {
         .then(|| format!("{}a", arch.trim_end_matches('a')))
 }
 
-/// The source with `common.cuh`, `mma.cuh`, `wgmma.cuh`, `tma.cuh`, `kv_fp8.cuh`, `sparse.cuh`
-/// and `variants.cuh` inlined (NVRTC is given no include files), each header as
+/// The source with `common.cuh`, `mma.cuh`, `wgmma.cuh`, `tma.cuh`, `kv_fp8.cuh`, `sparse.cuh`,
+/// `pair_merge_sm90.cuh` and `variants.cuh` inlined (NVRTC is given no include files), each header as
 /// [`kernel_source`] gives it.
 pub fn full_source(src: &str) -> String {
     [
@@ -95,6 +96,7 @@ pub fn full_source(src: &str) -> String {
         ("tma.cuh", TMA),
         ("kv_fp8.cuh", KV_FP8),
         ("sparse.cuh", SPARSE),
+        ("pair_merge_sm90.cuh", PAIR_MERGE),
         ("variants.cuh", VARIANTS),
     ]
     .iter()

@@ -35,13 +35,36 @@ pub const MLA_SPARSE_FP8: Sig = Sig::new(
     ],
 );
 
+/// The wgmma forms (Hopper, kernels/mla_decode_sm90.cu): the query's two tensor maps (its
+/// latent and RoPE parts) in place of its pointer, then as the others.
+pub const MLA_DECODE_WGMMA_FP8: Sig = Sig::new(
+    "mla_decode_wgmma_fp8",
+    &[
+        Map, Map, U8Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
+    ],
+);
+pub const MLA_SPARSE_WGMMA_FP8: Sig = Sig::new(
+    "mla_sparse_wgmma_fp8",
+    &[
+        Map, Map, U8Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int,
+        Bf16Ptr, F32Ptr,
+    ],
+);
+
 /// Every launcher's declaration here (compared with the `.cu` signatures by a test).
 pub const SIGNATURES: &[&Sig] = &[
     &KV_FP8_WRITE,
     &KV_CACHE_WRITE,
     &MLA_DECODE_FP8,
     &MLA_SPARSE_FP8,
+    &MLA_DECODE_WGMMA_FP8,
+    &MLA_SPARSE_WGMMA_FP8,
 ];
+
+/// Whether an FP8-cache decode kernel reads the query by TMA (the wgmma forms).
+fn wgmma_form(kernel: &str) -> bool {
+    MLA_DECODE_WGMMA_FP8.matches(kernel) || MLA_SPARSE_WGMMA_FP8.matches(kernel)
+}
 
 impl Gpu {
     /// Fills a byte buffer with `byte` (its length a multiple of 4, as a byte cache's is).
@@ -144,7 +167,8 @@ impl Gpu {
 
 /// One decode launch over an fp8_ds_mla cache: `batch` sequences of one query token each.
 pub struct Fp8Decode<'a> {
-    /// A kernel of [`MLA_DECODE_FP8`], or with `sparse` of [`MLA_SPARSE_FP8`].
+    /// A kernel of [`MLA_DECODE_FP8`] or [`MLA_DECODE_WGMMA_FP8`], or with `sparse` of
+    /// [`MLA_SPARSE_FP8`] or [`MLA_SPARSE_WGMMA_FP8`].
     pub kernel: &'a str,
     pub shared: u32,
     pub batch: usize,
@@ -198,7 +222,7 @@ impl Fp8Decode<'_> {
             None => None,
             Some(k) => Some(key_list_args(k, b, positions)?),
         };
-        if sparse.is_some() != self.kernel.starts_with("mla_sparse_fp8_") {
+        if sparse.is_some() != self.kernel.starts_with("mla_sparse_") {
             return Err(Error::invalid(format!(
                 "{} takes {}key lists",
                 self.kernel,
@@ -249,7 +273,19 @@ impl Gpu {
     /// `lse` itself).
     pub fn mla_decode_fp8_splits(&self, d: &Fp8Decode) -> Result<Launched> {
         let ([q, cache, table, lens, part_o, part_lse, out, lse], sparse) = d.check()?;
-        let mut args = vec![q, cache, table, int("pages", d.max_pages)?];
+        let mut args = Vec::with_capacity(15);
+        if wgmma_form(d.kernel) {
+            // The query by TMA: boxes of 64 rows (the MMAs') × 64 columns, eight of the latent
+            // part and one of the RoPE part (rows past the last come as zeros).
+            let (width, rows) = (LATENT + ROPE, d.batch * d.heads);
+            args.extend([
+                Arg::Map(self.tensor_map_rows(d.q, 0, [LATENT, rows], width, 64)?),
+                Arg::Map(self.tensor_map_rows(d.q, LATENT, [ROPE, rows], width, 64)?),
+            ]);
+        } else {
+            args.push(q);
+        }
+        args.extend([cache, table, int("pages", d.max_pages)?]);
         args.extend(sparse.into_iter().flatten());
         args.extend([
             lens,
@@ -271,17 +307,19 @@ impl Gpu {
             block: threads,
             shared: d.shared,
         };
-        let sig = if d.sparse.is_some() {
-            &MLA_SPARSE_FP8
-        } else {
-            &MLA_DECODE_FP8
+        let sig = match (d.sparse.is_some(), wgmma_form(d.kernel)) {
+            (true, false) => &MLA_SPARSE_FP8,
+            (false, false) => &MLA_DECODE_FP8,
+            (true, true) => &MLA_SPARSE_WGMMA_FP8,
+            (false, true) => &MLA_DECODE_WGMMA_FP8,
         };
         // SAFETY: as the bf16 decode's: block (split, b, group) reads its heads of q, the slots
         // of pages bt[b][0..⌈len_b/64⌉] (table entries in 0..pages, lengths ≤ max_pages·64: the
         // uploaded ranges) or, sparse, entries 0..len_b ≤ topk of row b of the key lists and the
         // slots bt[b][pos/64]·64 + pos%64 of their positions pos ≥ 0 (< max_pages·64), 656
         // bytes each, and writes its split's partials (or out and lse) for those heads only;
-        // every extent checked in `check`.
+        // every extent checked in `check`. The wgmma forms read q through its tensor maps,
+        // made here over the checked [batch·heads, 576] rows (zeros past the last).
         unsafe { self.launch_traced(sig, d.kernel, cfg, &args) }
     }
 }
