@@ -150,6 +150,20 @@ struct RowsAhead {
     }
 };
 
+// Warpgroup 1's P·V of a tile, issued and committed, not waited for: its slice of O (columns
+// 256..511) times the tile's rescale factors, then P (shared memory, descriptor dp) times the V
+// columns 256..511 of the stage at `stage`.
+__device__ __forceinline__ void second_half_pv(float* o, float alpha0, float alpha1, u64 dp, unsigned stage) {
+    wg_rescale_o(o, alpha0, alpha1);
+    const u64 dv = wg_desc_sw128(stage + 4 * W_BOX_BYTES, W_BOX_BYTES, 1024);
+    wg_fence();
+#pragma unroll
+    for (int i = 0; i < 128; i++) wg_hold(o[i]);
+#pragma unroll
+    for (int ks = 0; ks < W_KS; ks++) wgmma_m64n256_ss(o, dp + ks * 16, dv + ks * (2048 / 16), 1);
+    wg_commit();
+}
+
 // FP8 (mla_decode_wgmma_fp8, mla_sparse_wgmma_fp8): the cache is fp8_ds_mla rows (656 bytes),
 // copied raw into two raw stages by bulk copies (warp 0 of warpgroup 1, kv_fp8.cuh's
 // TileIssuer), and each tile is turned into the bf16 tile TMA writes for the bf16 kernel
@@ -407,14 +421,7 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             const int s = j % STAGES;
             bar_sync(BAR_P_FULL, 256);
             mbar_wait(mbar + 8 * s, (j / STAGES) & 1);  // long done: makes the stores visible here
-            wg_rescale_o(o, sAlpha[r0], sAlpha[r1]);
-            const u64 dv = wg_desc_sw128(sKV + s * W_TILE_BYTES + 4 * W_BOX_BYTES, W_BOX_BYTES, 1024);
-            wg_fence();
-#pragma unroll
-            for (int i = 0; i < 128; i++) wg_hold(o[i]);
-#pragma unroll
-            for (int ks = 0; ks < W_KS; ks++) wgmma_m64n256_ss(o, dp + ks * 16, dv + ks * (2048 / 16), 1);
-            wg_commit();
+            second_half_pv(o, sAlpha[r0], sAlpha[r1], dp, sKV + s * W_TILE_BYTES);
             // This warpgroup's half of tile j + 2, while the MMAs run, into the stage of tile
             // j − 1, which warpgroup 0 gave back when it issued S of tile j.
             const int next = j + STAGES - 1;
@@ -485,14 +492,7 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             bar_sync(BAR_P_FULL, 256);
             mbar_wait(mbar + 8 * s, (j / STAGES) & 1);  // long done: makes the copy visible here
             if constexpr (SPARSE) fence_proxy_async();     // written by cp.async, read by wgmma
-            wg_rescale_o(o, sAlpha[r0], sAlpha[r1]);
-            const u64 dv = wg_desc_sw128(sKV + s * W_TILE_BYTES + 4 * W_BOX_BYTES, W_BOX_BYTES, 1024);
-            wg_fence();
-#pragma unroll
-            for (int i = 0; i < 128; i++) wg_hold(o[i]);
-#pragma unroll
-            for (int ks = 0; ks < W_KS; ks++) wgmma_m64n256_ss(o, dp + ks * 16, dv + ks * (2048 / 16), 1);
-            wg_commit();
+            second_half_pv(o, sAlpha[r0], sAlpha[r1], dp, sKV + s * W_TILE_BYTES);
             wg_wait<0>();
 #pragma unroll
             for (int i = 0; i < 128; i++) wg_hold(o[i]);
