@@ -191,10 +191,11 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
     float* sM = sL + W_HEADS;                      // [64] row maxima (base 2) at the end
     const unsigned mbar = smem_addr(sM + W_HEADS); // [STAGES] 8-byte TMA barriers
     const unsigned mbar_q = mbar + 8 * STAGES;     // Q's TMA barrier
-    const unsigned mbar_raw = mbar_q + 8;          // FP8: [W_RAW_STAGES] the raw stages' copies landed
-    const unsigned mbar_raw_read = mbar_raw + 8 * W_RAW_STAGES;          // FP8: [W_RAW_STAGES] read by all 256 threads
-    const unsigned sRawKeys = mbar_raw + (FP8 ? 16 * W_RAW_STAGES : 0);  // FP8: [W_RAW_STAGES] their key bits
-    const unsigned sKeys = sRawKeys + (FP8 ? 4 * W_RAW_STAGES : 0);     // SPARSE: [STAGES] key bits of each tile
+    // FP8, [W_RAW_STAGES] each: the raw stages' copies landed, read by all 256 threads, their
+    // tiles' key bits. SPARSE: [STAGES] the key bits of each bf16 stage's tile.
+    const unsigned mbar_raw = mbar_q + 8, mbar_raw_read = mbar_raw + 8 * W_RAW_STAGES;
+    const unsigned sRawKeys = mbar_raw + (FP8 ? 16 * W_RAW_STAGES : 0);
+    const unsigned sKeys = sRawKeys + (FP8 ? 4 * W_RAW_STAGES : 0);
 
     const int split = blockIdx.x, b = blockIdx.y, head0 = blockIdx.z * W_HEADS;
     const int heads_here = min(W_HEADS, total_heads - head0);  // the rest of the group is padding
@@ -257,9 +258,10 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
     for (int i = 0; i < 128; i++) o[i] = 0.0f;
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
 
-    // FP8: raw tile c into raw stage c % W_RAW_STAGES (warpgroup 1: dense, thread 0 copies the tile's valid
-    // rows, one page whose number it loaded a tile ahead; sparse, warp 0 a row per list entry,
-    // its lookups ahead), and its conversion into bf16 stage c % STAGES, half H by warpgroup H:
+    // FP8: raw tile c into raw stage c % W_RAW_STAGES (warpgroup 1: dense, thread 0 copies the
+    // tile's valid rows, one page whose number it loaded a tile ahead; sparse, warp 0 a row per
+    // list entry, its lookups ahead), and its conversion into bf16 stage c % STAGES, half H by
+    // warpgroup H:
     // warpgroup 0 the dims its own P·V reads (and half the RoPE), while its S of the tile two
     // before runs; warpgroup 1 the rest, while its P·V of that tile runs. A raw stage is
     // refilled with tile c + W_RAW_STAGES once all 256 threads have read tile c.
@@ -280,8 +282,8 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
     };
     auto convert = [&](int c, auto half) {  // the caller knows bf16 stage c % STAGES is free
         constexpr int H = decltype(half)::value;
-        const int rs = c % W_RAW_STAGES, st = c % STAGES, round = (c / W_RAW_STAGES) & 1;
-        mbar_wait(mbar_raw + 8 * rs, round);
+        const int rs = c % W_RAW_STAGES, st = c % STAGES, phase = (c / W_RAW_STAGES) & 1;
+        mbar_wait(mbar_raw + 8 * rs, phase);
         unsigned keys;
         if constexpr (SPARSE) {
             asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(keys) : "r"(sRawKeys + 4 * rs) : "memory");
@@ -294,7 +296,7 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
         fence_proxy_async();
         mbar_arrive(mbar_raw_read + 8 * rs);
         if (H == 1 && c + W_RAW_STAGES < n_tiles && (SPARSE ? warp == 0 : tid == 0)) {
-            mbar_wait(mbar_raw_read + 8 * rs, round);
+            mbar_wait(mbar_raw_read + 8 * rs, phase);
             issue_raw(c + W_RAW_STAGES);
         }
         fp8_slice_store<W_BOX_BYTES, H>(sKV + st * W_TILE_BYTES, slice, warp, lane);
