@@ -160,6 +160,37 @@ fn decoded(bytes: &[u8], to_bf16: bool) -> Vec<f32> {
     out
 }
 
+/// A converting kernel's outputs and log-sum-exps ([batch, heads, 512] and [batch, heads]) bit
+/// for bit its bf16 `twin`'s over a bf16 copy of the decoded rows; where not, the count of
+/// values that differ, the (sequence, head, dim) of the first and the heads they fall in.
+fn same_bits(
+    what: &str,
+    twin: &str,
+    heads: usize,
+    (out, lse): (&[f32], &[f32]),
+    (t_out, t_lse): (&[f32], &[f32]),
+) {
+    let differs: Vec<usize> = (0..out.len())
+        .filter(|&i| out[i].to_bits() != t_out[i].to_bits())
+        .collect();
+    let lse_differs = (0..lse.len())
+        .filter(|&i| lse[i].to_bits() != t_lse[i].to_bits())
+        .count();
+    assert!(
+        differs.is_empty() && lse_differs == 0,
+        "{what}: differs from {twin} over the decoded rows: {} values (the first at sequence, \
+         head, dim {:?}; heads {:?}), {lse_differs} log-sum-exps",
+        differs.len(),
+        differs
+            .first()
+            .map(|&i| (i / (heads * LATENT), i / LATENT % heads, i % LATENT)),
+        differs
+            .iter()
+            .map(|&i| i / LATENT % heads)
+            .collect::<std::collections::BTreeSet<_>>(),
+    );
+}
+
 /// Every FP8-cache decode variant the device runs, at `heads` heads (`all`: every variant, else
 /// the few-heads kernels and the wgmma one), over sequences of `lens` tokens and 1, 4 and 40
 /// splits: against the f64 reference over the decoded rows, and (the converting variants, the
@@ -253,28 +284,7 @@ fn fp8_decode_case(gpu: &Gpu, heads: usize, lens: &[usize], all: bool) {
                 )
                 .unwrap();
                 let (twin_out, twin_lse) = read(gpu, &want);
-                // Where they differ: (sequence, head, dim) of the first output value, and counts.
-                let differs: Vec<usize> = (0..out.len())
-                    .filter(|&i| out[i].to_bits() != twin_out[i].to_bits())
-                    .collect();
-                let lse_differs = (0..lse.len())
-                    .filter(|&i| lse[i].to_bits() != twin_lse[i].to_bits())
-                    .count();
-                assert!(
-                    differs.is_empty() && lse_differs == 0,
-                    "{what}: differs from {twin} over the decoded rows: {} values (the first at \
-                     sequence, head, dim {:?}; heads {:?}), {lse_differs} log-sum-exps",
-                    differs.len(),
-                    differs.first().map(|&i| (
-                        i / (heads * LATENT),
-                        i / LATENT % heads,
-                        i % LATENT
-                    )),
-                    differs
-                        .iter()
-                        .map(|&i| i / LATENT % heads)
-                        .collect::<std::collections::BTreeSet<_>>(),
-                );
+                same_bits(&what, twin, heads, (&out, &lse), (&twin_out, &twin_lse));
             }
             let cache = if twin.is_some() { &rounded } else { &exact };
             let (mut worst, mut worst_lse): (f64, f64) = (0.0, 0.0);
@@ -463,11 +473,12 @@ fn sparse_fp8_case(gpu: &Gpu, heads: usize) {
                 )
                 .unwrap();
                 let (t_out, t_lse) = (gpu.download(&t_out).unwrap(), gpu.download(&t_lse).unwrap());
-                let same =
-                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                assert!(
-                    same(&out, &t_out) && same(&lse, &t_lse),
-                    "{what}: differs from mla_sparse_wgmma over the decoded rows"
+                same_bits(
+                    &what,
+                    "mla_sparse_wgmma",
+                    heads,
+                    (&out, &lse),
+                    (&t_out, &t_lse),
                 );
             }
             let rows = if converts { &rounded } else { &exact };

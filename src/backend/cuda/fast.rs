@@ -96,10 +96,15 @@ fn reads_cache_by_tma(kernel: &str) -> bool {
     )
 }
 
+/// The decode kernels on Hopper's warpgroup MMAs (bf16 or FP8 cache, dense or sparse).
+pub(super) fn on_wgmma(kernel: &str) -> bool {
+    kernel.contains("wgmma")
+}
+
 /// The decode kernels that need sm_90 or later: those fed by TMA, the few-heads kernels (fewer
 /// rows than [`HEAD_GROUP`]), fed by bulk copies, and the other wgmma kernels (sparse, FP8).
 fn needs_sm90(kernel: &str) -> bool {
-    reads_cache_by_tma(kernel) || head_group(kernel) < HEAD_GROUP || kernel.contains("wgmma")
+    reads_cache_by_tma(kernel) || head_group(kernel) < HEAD_GROUP || on_wgmma(kernel)
 }
 
 /// TMA exists from compute capability 9.0 on (Hopper, B200, sm_120).
@@ -182,8 +187,9 @@ pub fn planted_decode_work(
 /// walks (plus a fixed cost per split for its start), plus the partials every split writes and
 /// the merge reads back (512 f32 per sequence and head, twice), at no fewer than 64 tokens per
 /// split, a block's tokens rounded up to whole tiles as the kernels round them. The partials
-/// are weighed for the TMA-fed and wgmma kernels only, whose blocks walk their tokens fast enough that
-/// they matter: on the H200 about two tokens of a block's time per split and group of 64 heads
+/// are weighed for the TMA-fed and wgmma kernels only, whose blocks walk their tokens fast
+/// enough that they matter: on the H200 about two tokens of a block's time per split and group
+/// of 64 heads
 /// (a sweep of 16 to 128 splits over batches 1–8, contexts 1k–32k and 8, 64 and 128 heads on
 /// 2026-12-04: B1 × 8k 18.6 → 17.5 µs against four tokens, B1 × 32k 29.6 → 28.2, B4 × 8k 30.4 →
 /// 28.5), a share of that for fewer heads; the cp.async kernels (FP8 among them) went slower
@@ -207,7 +213,7 @@ pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&s
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(2)
-        * usize::from(reads_cache_by_tma(kernel) || kernel.contains("wgmma"));
+        * usize::from(reads_cache_by_tma(kernel) || on_wgmma(kernel));
     let group = head_group(kernel);
     split_count(SplitCosts {
         slots,

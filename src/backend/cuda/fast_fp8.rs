@@ -17,7 +17,8 @@ use super::device::fast_kernels::SparseKeys;
 use super::device::fp8_kernels::Fp8Decode;
 use super::device::{variants, DevBuf, DevBytes, DevI32, Gpu};
 use super::fast::{
-    decode_splits, for_heads, pick_variant, runs_on, traced, with_merge, DecodeShape, DecodeWork,
+    decode_splits, for_heads, on_wgmma, pick_variant, runs_on, traced, with_merge, DecodeShape,
+    DecodeWork,
 };
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
@@ -73,7 +74,7 @@ const SPARSE_VARIANTS: [(&str, &str); 3] = [
 fn by_heads(mut variants: Vec<(&'static str, u32)>, heads: usize) -> Vec<(&'static str, u32)> {
     if heads > 16 {
         // A stable sort: the wgmma kernels (dense or sparse) to the front.
-        variants.sort_by_key(|&(name, _)| !name.contains("wgmma"));
+        variants.sort_by_key(|&(name, _)| !on_wgmma(name));
     }
     variants
 }

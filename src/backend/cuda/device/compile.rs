@@ -86,8 +86,8 @@ pub fn hopper_target(arch: &str) -> Option<String> {
 }
 
 /// The source with `common.cuh`, `mma.cuh`, `wgmma.cuh`, `tma.cuh`, `kv_fp8.cuh`, `sparse.cuh`,
-/// `pair_merge_sm90.cuh` and `variants.cuh` inlined (NVRTC is given no include files), each header as
-/// [`kernel_source`] gives it.
+/// `pair_merge_sm90.cuh` and `variants.cuh` inlined (NVRTC is given no include files), each
+/// header as [`kernel_source`] gives it.
 pub fn full_source(src: &str) -> String {
     [
         ("common.cuh", COMMON),

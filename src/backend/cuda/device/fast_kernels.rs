@@ -356,6 +356,29 @@ pub(super) fn int(v: usize, what: &str) -> Result<Arg> {
 }
 
 impl Gpu {
+    /// The tensor maps of a decode's query for the kernels that load it by TMA (the wgmma
+    /// decodes, bf16 or FP8 cache): boxes of 64 rows (the MMAs') × 64 columns, eight of the
+    /// latent part and one of the RoPE part (rows past the last come as zeros). `rows`: the
+    /// rows of a joined query (sequences × heads); parts bring their own.
+    pub(super) fn query_maps(&self, q: DecodeQuery, rows: usize) -> Result<[Arg; 2]> {
+        let box_rows = HEAD_GROUP as u32;
+        let width = LATENT + ROPE;
+        let (latent, rope) = match q {
+            DecodeQuery::Joined(q) => (
+                self.tensor_map_rows(q, 0, [LATENT, rows], width, box_rows)?,
+                self.tensor_map_rows(q, LATENT, [ROPE, rows], width, box_rows)?,
+            ),
+            DecodeQuery::Parts { latent, rope } => {
+                let rows = latent.len() / LATENT;
+                (
+                    self.tensor_map_rows(latent, 0, [LATENT, rows], LATENT, box_rows)?,
+                    self.tensor_map_rows(rope, 0, [ROPE, rows], ROPE, box_rows)?,
+                )
+            }
+        };
+        Ok([Arg::Map(latent), Arg::Map(rope)])
+    }
+
     /// The decode kernel over every split (with one split it writes `out` and `lse` itself).
     pub fn mla_decode_splits(&self, d: &Decode) -> Result<Launched> {
         let a = d.check()?;
@@ -393,26 +416,7 @@ impl Gpu {
             )?));
         }
         if q_tma {
-            // The query by TMA too: boxes of 64 rows (the MMAs') × 64 columns, eight of the
-            // latent part and one of the RoPE part (rows past the last come as zeros).
-            let box_rows = HEAD_GROUP as u32;
-            let (latent, rope) = match d.q {
-                DecodeQuery::Joined(q) => {
-                    let rows = d.batch * d.heads;
-                    (
-                        self.tensor_map_rows(q, 0, [LATENT, rows], width, box_rows)?,
-                        self.tensor_map_rows(q, LATENT, [ROPE, rows], width, box_rows)?,
-                    )
-                }
-                DecodeQuery::Parts { latent, rope } => {
-                    let rows = latent.len() / LATENT;
-                    (
-                        self.tensor_map_rows(latent, 0, [LATENT, rows], LATENT, box_rows)?,
-                        self.tensor_map_rows(rope, 0, [ROPE, rows], ROPE, box_rows)?,
-                    )
-                }
-            };
-            args.extend([Arg::Map(latent), Arg::Map(rope)]);
+            args.extend(self.query_maps(d.q, d.batch * d.heads)?);
         }
         // The kernels that read the query by pointer take it joined (checked above).
         args.extend(a.q.filter(|_| !q_tma));

@@ -8,7 +8,7 @@
 //! is checked here; the variant and split count are `cuda::fast_fp8`'s.
 
 use super::fast_kernels::{
-    decode_block, key_list_args, partials, SparseKeys, LATENT, MAX_SPLITS, PAGE, ROPE,
+    decode_block, key_list_args, partials, DecodeQuery, SparseKeys, LATENT, MAX_SPLITS, PAGE, ROPE,
 };
 use super::kernels::{blocks, blocks_yz, int, need, need_bytes, need_i32, prod, FILL_U32};
 use super::signature::{Param::*, Sig};
@@ -275,13 +275,7 @@ impl Gpu {
         let ([q, cache, table, lens, part_o, part_lse, out, lse], sparse) = d.check()?;
         let mut args = Vec::with_capacity(15);
         if wgmma_form(d.kernel) {
-            // The query by TMA: boxes of 64 rows (the MMAs') × 64 columns, eight of the latent
-            // part and one of the RoPE part (rows past the last come as zeros).
-            let (width, rows) = (LATENT + ROPE, d.batch * d.heads);
-            args.extend([
-                Arg::Map(self.tensor_map_rows(d.q, 0, [LATENT, rows], width, 64)?),
-                Arg::Map(self.tensor_map_rows(d.q, LATENT, [ROPE, rows], width, 64)?),
-            ]);
+            args.extend(self.query_maps(DecodeQuery::Joined(d.q), d.batch * d.heads)?);
         } else {
             args.push(q);
         }
