@@ -4,6 +4,10 @@ GPU, for the README's side-by-side table.
 
 decode: absorbed MLA over a dense latent cache [B, ctx, 512+64] (torch gets a contiguous cache,
         no paging): scores = q·cacheᵀ (bmm), softmax in f32, out = P·cache[..., :512] (bmm).
+sparse: the same decode over each sequence's top-2048 rows (random, sorted, of a paged-free
+        cache [B·ctx, 576]) gathered by index_select; beside it the gather alone (rows read and
+        written), and a read-only gather of the same rows (a Triton kernel that sums them, where
+        Triton is installed): the ceilings a sparse decode's gather is weighed against.
 prefill: causal scaled_dot_product_attention, 64 heads, head dims 256/256 (torch picks its
         flash/cuDNN kernels).
 Times are medians of CUDA-event samples after a warm-up; inputs are random bf16.
@@ -72,6 +76,9 @@ def main():
             print(f"{bsz:>6} {ctx:>8} {ms * 1e3:>10.1f} {gbs:>9.0f} {100 * gbs / copy:>7.0f}%")
             del q, cache
 
+    if "--prefill-only" not in sys.argv:
+        sparse(dev, copy, quick, scale)
+
     print("\ntorch MLA prefill (causal SDPA, 64 heads, 256/256)")
     print(f"{'tokens':>8} {'time ms':>10} {'TFLOP/s':>9} {'of GEMM':>8}")
     for n in ([1024, 4096] if quick else [1024, 2048, 4096, 8192]):
@@ -83,6 +90,68 @@ def main():
         tf = flops / (ms * 1e-3) / 1e12
         print(f"{n:>8} {ms:>10.3f} {tf:>9.0f} {100 * tf / gemm:>7.0f}%")
         del q, k, v
+
+
+def read_only_gather():
+    """A Triton kernel that reads rows `idx` of a [rows, 576] bf16 cache and sums each block of
+    8 rows into one float (nothing else written), or None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def gather_sum(cache, idx, out, width: tl.constexpr, rows: tl.constexpr):
+        pid = tl.program_id(0)
+        r = tl.load(idx + pid * rows + tl.arange(0, rows)).to(tl.int64)
+        cols = tl.arange(0, 1024)
+        v = tl.load(cache + r[:, None] * width + cols[None, :], mask=cols[None, :] < width, other=0.0)
+        tl.store(out + pid, tl.sum(v.to(tl.float32)))
+
+    def run(cache, idx, out):
+        gather_sum[(idx.numel() // 8,)](cache, idx, out, LATENT + ROPE, 8)
+
+    return run
+
+
+def sparse(dev, copy, quick, scale, topk=2048):
+    """The sparse decode's torch peer and its gather ceilings (see the module's doc)."""
+    gather_sum = read_only_gather()
+    print(f"\ntorch sparse MLA decode (top-{topk} rows by index_select, then the decode above; "
+          "GB/s of the rows gathered, the query and the output)")
+    print(f"{'batch':>6} {'context':>8} {'time us':>10} {'GB/s':>9} {'of copy':>8} "
+          f"{'gather us':>10} {'of copy':>8} {'read-only us':>13} {'of copy':>8}")
+    width = LATENT + ROPE
+    for bsz, ctx in ([(64, 32768)] if quick else [(1, 32768), (64, 8192), (64, 32768)]):
+        gen = torch.Generator().manual_seed(bsz + ctx)
+        lists = [torch.randperm(ctx, generator=gen)[:topk].sort().values + b * ctx for b in range(bsz)]
+        idx = torch.cat(lists).to(dev)
+        cache = torch.empty(bsz * ctx, width, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
+        q = torch.empty(bsz, HEADS, width, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
+
+        def decode():
+            kv = cache.index_select(0, idx).view(bsz, topk, width)
+            s = torch.bmm(q, kv.transpose(1, 2)).float() * scale
+            p = torch.softmax(s, dim=-1).to(torch.bfloat16)
+            return torch.bmm(p, kv[:, :, :LATENT])
+
+        rows = bsz * topk * width * 2
+        nbytes = rows + bsz * HEADS * (width + LATENT) * 2
+        ms = timed(decode)
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        # The gather alone reads and writes the rows: weighed as a copy of them.
+        gather_ms = timed(lambda: cache.index_select(0, idx))
+        gather_copy = 2 * rows / (gather_ms * 1e-3) / 1e9 / copy
+        read = "-", "-"
+        if gather_sum is not None:
+            idx32 = idx.to(torch.int32)
+            sums = torch.empty(idx.numel() // 8, dtype=torch.float32, device=dev)
+            read_ms = timed(lambda: gather_sum(cache, idx32, sums))
+            read = f"{read_ms * 1e3:.1f}", f"{100 * rows / (read_ms * 1e-3) / 1e9 / copy:.0f}%"
+        print(f"{bsz:>6} {ctx:>8} {ms * 1e3:>10.1f} {gbs:>9.0f} {100 * gbs / copy:>7.0f}% "
+              f"{gather_ms * 1e3:>10.1f} {100 * gather_copy:>7.0f}% {read[0]:>13} {read[1]:>8}")
+        del cache, q, idx
 
 
 if __name__ == "__main__":

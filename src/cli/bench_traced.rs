@@ -17,7 +17,9 @@ use super::bench_gpu::median;
 use super::Out;
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, ROPE};
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{AttnMask, Backend, FastOutcome, MlaDims, StatsBatch};
+use crate::backend::{
+    AttnMask, Backend, DriverCall, DriverCalls, FastOutcome, MlaDims, StatsBatch,
+};
 use crate::engine::cache::LatentCache;
 use crate::error::{Error, Result};
 use crate::model::weights::synthetic::normalish;
@@ -42,6 +44,10 @@ struct StepTimes {
     traced: f64,
     /// The engine's call alone (wall).
     call: f64,
+    /// The driver calls of one traced call with its wait (every kind), and the host seconds
+    /// of those that issue work (waits and downloads, which wait for the device, left out).
+    driver_calls: f64,
+    issue_secs: f64,
     /// The bare kernel, one call and a wait for it (wall).
     bare_wall: f64,
     /// The bare kernel (device time, calls back to back).
@@ -132,6 +138,7 @@ fn traced_step(
     };
     // The first call also uploads the cache.
     let traced = wall_ms(|| call(true, None))?;
+    let (driver_calls, issue_secs) = driver_per_call(backend, || call(true, None))?;
     let call_alone = wall_ms(|| call(false, None))?;
     let stream = wall_ms(|| {
         let mut late = backend.stats_batch();
@@ -182,10 +189,27 @@ fn traced_step(
         stream,
         traced,
         call: call_alone,
+        driver_calls,
+        issue_secs,
         bare_wall,
         bare,
         splits,
     })
+}
+
+/// The driver calls `f` makes, and the host seconds of those that issue work (all but waits
+/// and downloads), per call over 5 calls.
+fn driver_per_call(backend: &CudaBackend, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    const CALLS: u64 = 5;
+    let before = backend.driver_calls().unwrap_or_default();
+    for _ in 0..CALLS {
+        f()?;
+    }
+    let d: DriverCalls = backend.driver_calls().unwrap_or_default().since(&before);
+    let waiting = [DriverCall::Wait, DriverCall::Download].map(|k| d.nanos[k as usize]);
+    let (calls, secs) = d.total();
+    let issue = secs - waiting.iter().sum::<u64>() as f64 * 1e-9;
+    Ok((calls as f64 / CALLS as f64, issue / CALLS as f64))
 }
 
 /// The traced-vs-bare table: batches 1 and 64 over contexts 1k, 8k and 32k at 64 heads (and 8,
@@ -196,11 +220,12 @@ pub fn traced_decode(backend: &CudaBackend, quick: bool) -> Result<()> {
         "\ntraced decode attention (latent 512+64, bf16): the engine's call with statistics of \
          its ops, wall time per call ({STREAM_CALLS} calls back to back, statistics brought back \
          once, as `run` and `bench` trace; and one call with its wait, as a debugger stepping \
-         op by op), vs the bare kernel, device time"
+         op by op), vs the bare kernel, device time; the driver calls of one call with its wait, \
+         and the host time of those that issue work (waits and downloads apart)"
     )?;
     writeln!(
         Out,
-        "{:>6} {:>6} {:>8} {:>7} {:>10} {:>9} {:>8} {:>10} {:>8} {:>7} {:>7}",
+        "{:>6} {:>6} {:>8} {:>7} {:>10} {:>9} {:>8} {:>10} {:>8} {:>7} {:>7} {:>7} {:>9}",
         "heads",
         "batch",
         "context",
@@ -211,7 +236,9 @@ pub fn traced_decode(backend: &CudaBackend, quick: bool) -> Result<()> {
         "bare wall",
         "bare us",
         "stream",
-        "alone"
+        "alone",
+        "calls",
+        "issue us"
     )?;
     let contexts: &[usize] = if quick { &[8192] } else { &[1024, 8192, 32768] };
     for heads in [64, 8] {
@@ -222,7 +249,7 @@ pub fn traced_decode(backend: &CudaBackend, quick: bool) -> Result<()> {
             let t = traced_step(backend, batch, context, heads)?;
             writeln!(
                 Out,
-                "{heads:>6} {batch:>6} {context:>8} {:>7} {:>10.1} {:>9.1} {:>8.1} {:>10.1} {:>8.1} {:>6.2}× {:>6.2}×",
+                "{heads:>6} {batch:>6} {context:>8} {:>7} {:>10.1} {:>9.1} {:>8.1} {:>10.1} {:>8.1} {:>6.2}× {:>6.2}× {:>7.1} {:>9.1}",
                 t.splits,
                 t.stream * 1e3,
                 t.traced * 1e3,
@@ -230,7 +257,9 @@ pub fn traced_decode(backend: &CudaBackend, quick: bool) -> Result<()> {
                 t.bare_wall * 1e3,
                 t.bare * 1e3,
                 t.stream / t.bare,
-                t.traced / t.bare
+                t.traced / t.bare,
+                t.driver_calls,
+                t.issue_secs * 1e6
             )?;
         }
     }
