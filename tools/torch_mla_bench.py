@@ -4,10 +4,11 @@ GPU, for the README's side-by-side table.
 
 decode: absorbed MLA over a dense latent cache [B, ctx, 512+64] (torch gets a contiguous cache,
         no paging): scores = q·cacheᵀ (bmm), softmax in f32, out = P·cache[..., :512] (bmm).
-sparse: the same decode over each sequence's top-2048 rows (random, sorted, of a paged-free
-        cache [B·ctx, 576]) gathered by index_select; beside it the gather alone (rows read and
-        written), and a read-only gather of the same rows (a Triton kernel that sums them, where
-        Triton is installed): the ceilings a sparse decode's gather is weighed against.
+sparse: the same decode over each sequence's top-2048 rows (random positions, sorted, in an
+        unpaged cache [B·ctx, 576]) gathered by index_select; beside it the gather alone (rows
+        read and written), and a read-only gather of the same rows (a Triton kernel that sums
+        them, where Triton is installed): the ceilings a sparse decode's gather is weighed
+        against.
 prefill: causal scaled_dot_product_attention, 64 heads, head dims 256/256 (torch picks its
         flash/cuDNN kernels).
 Times are medians of CUDA-event samples after a warm-up; inputs are random bf16.
