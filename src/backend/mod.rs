@@ -231,6 +231,17 @@ impl DriverCalls {
         }
     }
 
+    /// Every call, and the host seconds of those that issue work: waits and downloads, which
+    /// wait for the device, left out.
+    pub fn issuing(&self) -> (u64, f64) {
+        let (calls, secs) = self.total();
+        let waiting: u64 = [DriverCall::Wait, DriverCall::Download]
+            .iter()
+            .map(|&k| self.nanos[k as usize])
+            .sum();
+        (calls, secs - waiting as f64 * 1e-9)
+    }
+
     /// Every call, and their host seconds.
     pub fn total(&self) -> (u64, f64) {
         (

@@ -225,6 +225,23 @@ mod tests {
     }
 
     #[test]
+    fn issuing_leaves_out_the_calls_that_wait_for_the_device() {
+        let mut d = DriverCalls::default();
+        for (kind, calls, nanos) in [
+            (DriverCall::Launch, 4, 16_000),
+            (DriverCall::Alloc, 1, 1_000),
+            (DriverCall::Wait, 1, 150_000),
+            (DriverCall::Download, 1, 40_000),
+        ] {
+            d.calls[kind as usize] = calls;
+            d.nanos[kind as usize] = nanos;
+        }
+        let (calls, secs) = d.issuing();
+        assert_eq!(calls, 7);
+        assert!((secs - 17e-6).abs() < 1e-12, "{secs}");
+    }
+
+    #[test]
     fn layer_prefixes_are_taken_off_and_other_names_kept() {
         assert_eq!(
             without_layer("model.layers.12.self_attn.q_a_proj"),

@@ -17,9 +17,7 @@ use super::bench_gpu::median;
 use super::Out;
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, ROPE};
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{
-    AttnMask, Backend, DriverCall, DriverCalls, FastOutcome, MlaDims, StatsBatch,
-};
+use crate::backend::{AttnMask, Backend, FastOutcome, MlaDims, StatsBatch};
 use crate::engine::cache::LatentCache;
 use crate::error::{Error, Result};
 use crate::model::weights::synthetic::normalish;
@@ -205,10 +203,11 @@ fn driver_per_call(backend: &CudaBackend, mut f: impl FnMut() -> Result<()>) -> 
     for _ in 0..CALLS {
         f()?;
     }
-    let d: DriverCalls = backend.driver_calls().unwrap_or_default().since(&before);
-    let waiting = [DriverCall::Wait, DriverCall::Download].map(|k| d.nanos[k as usize]);
-    let (calls, secs) = d.total();
-    let issue = secs - waiting.iter().sum::<u64>() as f64 * 1e-9;
+    let (calls, issue) = backend
+        .driver_calls()
+        .unwrap_or_default()
+        .since(&before)
+        .issuing();
     Ok((calls as f64 / CALLS as f64, issue / CALLS as f64))
 }
 
