@@ -177,14 +177,16 @@ __device__ __forceinline__ float pow2_at_least(float x) {
 // (bit r: row r holds a key) stored at `keys_at` before the copies are armed, so that a thread
 // that saw the stage's barrier complete reads them too. Rows that hold no key are not copied:
 // the kernels take their bytes as zero and their scores as -inf.
-// - Dense: the tile's valid rows are consecutive in one page: one bulk copy by lane 0.
+// - Dense: the tile's valid rows are consecutive in one page: one bulk copy by lane 0. With
+//   PAGE_AHEAD, lane 0 loads the next tile's page number as it issues this one (the FP8 wgmma
+//   decode); without, when it issues (the few-heads kernels: ahead, h16 measured slower).
 // - Sparse: row r is list entry t0 + r; lane r copies its 656 bytes, found through the block
 //   table. The two dependent loads are pipelined in the lanes' registers: issuing tile k uses the
 //   position and page loaded with earlier issues, loads the page of tile k + 1 and the position
 //   of tile k + 2, so no issue waits on its own lookups (the first tiles' issues once do).
 // ROW bytes of a cache row (an fp8_ds_mla row by default; a bf16 row for mla_sparse_h8), DST
 // bytes between rows in the stage (a dense tile needs them packed: one copy).
-template <bool SPARSE, int TILE, int ROW = FP8_TOKEN_BYTES, int DST = ROW> struct TileIssuer {
+template <bool SPARSE, int TILE, int ROW = FP8_TOKEN_BYTES, int DST = ROW, bool PAGE_AHEAD = false> struct TileIssuer {
     static_assert(SPARSE || ROW == DST, "a dense tile is one copy of packed rows");
     static_assert(ROW % 16 == 0 && DST % 16 == 0, "bulk copies move 16-byte units");
     const unsigned char* cache;
@@ -192,11 +194,15 @@ template <bool SPARSE, int TILE, int ROW = FP8_TOKEN_BYTES, int DST = ROW> struc
     const int* list;  // its key list (sparse)
     int t_begin, t_end;
     int pos, page, next_pos;  // sparse: this lane's entry of the next tile to issue, its page, the entry after
+                              // (dense with PAGE_AHEAD: `page` is the next tile's)
 
     __device__ __forceinline__ int entry(int i) const { return i < t_end ? list[i] : -1; }
 
     __device__ __forceinline__ void start(int lane) {
-        if (!SPARSE) return;
+        if (!SPARSE) {
+            if (PAGE_AHEAD) page = lane == 0 && t_begin < t_end ? bt[t_begin / 64] : 0;
+            return;
+        }
         pos = entry(t_begin + lane);
         page = pos >= 0 ? bt[pos / 64] : 0;
         next_pos = entry(t_begin + TILE + lane);
@@ -207,10 +213,11 @@ template <bool SPARSE, int TILE, int ROW = FP8_TOKEN_BYTES, int DST = ROW> struc
         if (!SPARSE) {
             if (lane != 0) return;
             const int valid = min(TILE, t_end - t0);
-            const u64 row = (u64)bt[t0 / 64] * 64 + t0 % 64;
+            const u64 row = (u64)(PAGE_AHEAD ? page : bt[t0 / 64]) * 64 + t0 % 64;
             st_shared_u32(keys_at, valid == 32 ? 0xffffffffu : (1u << valid) - 1u);
             mbar_expect_bytes(mb, valid * ROW);
             bulk_load(dst, cache + row * ROW, valid * ROW, mb);
+            if (PAGE_AHEAD && t0 + TILE < t_end) page = bt[(t0 + TILE) / 64];
             return;
         }
         static_assert(TILE == 32, "a lane per row");

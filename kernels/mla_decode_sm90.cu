@@ -258,44 +258,31 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
     for (int i = 0; i < 128; i++) o[i] = 0.0f;
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
 
-    // FP8: raw tile c into raw stage c % W_RAW_STAGES (warpgroup 1: dense, thread 0 copies the
-    // tile's valid rows, one page whose number it loaded a tile ahead; sparse, warp 0 a row per
-    // list entry, its lookups ahead), and its conversion into bf16 stage c % STAGES, half H by
-    // warpgroup H:
+    // FP8: raw tile c into raw stage c % W_RAW_STAGES by warp 0 of warpgroup 1 (kv_fp8.cuh's
+    // TileIssuer: dense, lane 0 copies the tile's valid rows, one page whose number it loaded a
+    // tile ahead; sparse, a row per list entry, its lookups ahead), with its key bits, and its
+    // conversion into bf16 stage c % STAGES, half H by warpgroup H:
     // warpgroup 0 the dims its own P·V reads (and half the RoPE), while its S of the tile two
     // before runs; warpgroup 1 the rest, while its P·V of that tile runs. A raw stage is
     // refilled with tile c + W_RAW_STAGES once all 256 threads have read tile c.
     const unsigned char* cache8 = (const unsigned char*)cache_bytes;
-    TileIssuer<SPARSE, W_TILE> issuer{cache8, bt, SPARSE ? indices + (u64)b * topk : nullptr, t_begin, t_end};
-    int page_ahead = FP8 && !SPARSE && wg == 1 && tid == 0 ? bt[t_begin / W_PAGE] : 0;
-    auto issue_raw = [&](int c) {
+    TileIssuer<SPARSE, W_TILE, FP8_TOKEN_BYTES, FP8_TOKEN_BYTES, true> issuer{cache8, bt, SPARSE ? indices + (u64)b * topk : nullptr, t_begin,
+                                                                               t_end};
+    auto issue_raw = [&](int c) {  // warp 0 of warpgroup 1
         const int rs = c % W_RAW_STAGES;
-        const unsigned dst = sRaw + rs * FP8_RAW_TILE_BYTES, mb = mbar_raw + 8 * rs;
-        if constexpr (SPARSE) {
-            if (warp == 0) issuer.issue(c, dst, mb, sRawKeys + 4 * rs, lane);
-        } else if (tid == 0) {
-            const int t0 = t_begin + c * W_TILE, valid = min(W_TILE, t_end - t0);
-            mbar_expect_bytes(mb, valid * FP8_TOKEN_BYTES);
-            bulk_load(dst, cache8 + ((u64)page_ahead * W_PAGE + t0 % W_PAGE) * FP8_TOKEN_BYTES, valid * FP8_TOKEN_BYTES, mb);
-            if (c + 1 < n_tiles) page_ahead = bt[(t0 + W_TILE) / W_PAGE];
-        }
+        issuer.issue(c, sRaw + rs * FP8_RAW_TILE_BYTES, mbar_raw + 8 * rs, sRawKeys + 4 * rs, lane);
     };
     auto convert = [&](int c, auto half) {  // the caller knows bf16 stage c % STAGES is free
         constexpr int H = decltype(half)::value;
         const int rs = c % W_RAW_STAGES, st = c % STAGES, phase = (c / W_RAW_STAGES) & 1;
         mbar_wait(mbar_raw + 8 * rs, phase);
         unsigned keys;
-        if constexpr (SPARSE) {
-            asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(keys) : "r"(sRawKeys + 4 * rs) : "memory");
-        } else {
-            const int valid = t_end - (t_begin + c * W_TILE);
-            keys = valid >= 32 ? 0xffffffffu : (1u << valid) - 1u;
-        }
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(keys) : "r"(sRawKeys + 4 * rs) : "memory");
         const Fp8HalfSlice slice = fp8_slice_load<H>(sRaw + rs * FP8_RAW_TILE_BYTES, warp, lane, (keys >> lane) & 1u);
         // The copy engine (the async proxy) refills the stage: these reads are ordered first.
         fence_proxy_async();
         mbar_arrive(mbar_raw_read + 8 * rs);
-        if (H == 1 && c + W_RAW_STAGES < n_tiles && (SPARSE ? warp == 0 : tid == 0)) {
+        if (H == 1 && c + W_RAW_STAGES < n_tiles && warp == 0) {
             mbar_wait(mbar_raw_read + 8 * rs, phase);
             issue_raw(c + W_RAW_STAGES);
         }
@@ -415,8 +402,10 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             }
         }
     } else if constexpr (FP8) {
-        if (SPARSE && warp == 0) issuer.start(lane);
-        for (int c = 0; c < W_RAW_STAGES && c < n_tiles; c++) issue_raw(c);
+        if (warp == 0) {
+            issuer.start(lane);
+            for (int c = 0; c < W_RAW_STAGES && c < n_tiles; c++) issue_raw(c);
+        }
         for (int c = 0; c < STAGES - 1 && c < n_tiles; c++) convert(c, Half<1>{});
         const u64 dp = wg_desc(sP, 128, W_TILE * 16);
         for (int j = 0; j < n_tiles; j++) {
