@@ -406,6 +406,7 @@ extern "C" __global__ void mla_decode_combine(const float* part_o, const float* 
     const int b = blockIdx.x, h = blockIdx.y, d0 = blockIdx.z * 128;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     wait_for_prior_kernel();  // launched as a dependent of the split kernel
+    let_dependents_launch();  // a next split kernel launched as a dependent waits for our end
     // The first PREFETCH splits of this warp are loaded before their weights are known, so that
     // their latency overlaps the log-sum-exps' (a batch-1 decode waits for this merge).
     const u64 stride = (u64)heads * DV;
@@ -481,6 +482,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_decode_combine_rows(const 
     if (row >= rows) return;
     const int b = row / heads, h = row % heads;
     wait_for_prior_kernel();  // launched as a dependent of the split kernel
+    let_dependents_launch();  // a next split kernel launched as a dependent waits for our end
     const float l = lane < splits ? merge_lse(part_lse[((u64)b * splits + lane) * heads + h], faults) : -INFINITY;
     float top = l;
 #pragma unroll

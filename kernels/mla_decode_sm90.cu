@@ -216,6 +216,10 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
         }
         mbar_init(mbar_q, 1);
         mbar_init_fence();
+        // Launched as a dependent of the kernel before (the previous call's merge, say), the
+        // block was placed and set up while that kernel finished; nothing it may have written
+        // is read before this.
+        wait_for_prior_kernel();
         // Q: the group's 64 rows of this sequence, from row b·heads + head0 of the latent part
         // [rows, 512] (eight boxes) and the RoPE part [rows, 64] (the ninth), wherever the two lie.
         mbar_expect_bytes(mbar_q, W_Q_BYTES);
@@ -225,6 +229,7 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             tma_load_2d(sQ + c * W_QBOX_BYTES, rope ? qpe_map : q_map, mbar_q, rope ? 0 : c * 64, b * total_heads + head0);
         }
     }
+    wait_for_prior_kernel();
     const DecodeSplit range = decode_split(seq_lens[b], splits, split, W_TILE);
     const int t_begin = range.begin, t_end = range.end;
     const u64 out_row = ((u64)b * splits + split) * total_heads + head0;

@@ -37,6 +37,16 @@ pub(super) fn time(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>)
     Ok(median(gpu.time_ms(2, reps, inner_for(probe), work)?))
 }
 
+/// Milliseconds per call, median of `reps` samples: calls back to back on the stream, and the
+/// same calls replayed from a CUDA graph (as CUDA-graph serving runs a decode step).
+fn time_both(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    let probe = median(gpu.time_ms(2, 3, 1, &mut work)?);
+    let inner = inner_for(probe);
+    let stream = median(gpu.time_ms(2, reps, inner, &mut work)?);
+    let graph = median(gpu.time_graph_ms(1, reps, inner, work)?);
+    Ok((stream, graph))
+}
+
 pub(super) fn random(gpu: &Gpu, len: usize, elem: Elem, seed: u64, amp: f32) -> Result<DevBuf> {
     let buf = gpu.alloc(len, elem)?;
     gpu.fill_random(&buf, seed, amp)?;
@@ -68,14 +78,26 @@ fn ceilings(gpu: &Gpu) -> Result<Ceilings> {
     })
 }
 
-/// One decode shape: returns (ms, GB/s, worst relative error of the sampled heads).
+/// One decode shape's figures.
+struct DecodeTimes {
+    /// Milliseconds per call, back to back on the stream, and replayed from a CUDA graph.
+    ms: f64,
+    graph_ms: f64,
+    /// GB/s of the stream figure.
+    gbs: f64,
+    /// The worst relative error of the sampled heads against the f64 reference.
+    err: f64,
+    splits: usize,
+}
+
+/// One decode shape, timed and checked.
 fn decode_shape(
     gpu: &Gpu,
     (batch, context, heads): (usize, usize, usize),
     variant: Option<&str>,
     splits: Option<usize>,
     seed: u64,
-) -> Result<(f64, f64, f64, usize)> {
+) -> Result<DecodeTimes> {
     let width = LATENT + ROPE;
     let pages_per_seq = context.div_ceil(PAGE);
     let pages = batch * pages_per_seq;
@@ -119,7 +141,7 @@ fn decode_shape(
     };
     let scale = 1.0 / (192.0f32 + 64.0).sqrt();
     let mut turn = 0;
-    let ms = time(gpu, 15, || {
+    let (ms, graph_ms) = time_both(gpu, 15, || {
         turn = (turn + 1) % copies;
         fast::mla_decode(
             gpu,
@@ -159,7 +181,13 @@ fn decode_shape(
         }
     }
     let bytes = (batch * context * width * 2 + batch * heads * (width + LATENT) * 2) as f64;
-    Ok((ms, bytes / (ms * 1e-3) / 1e9, worst, work.splits))
+    Ok(DecodeTimes {
+        ms,
+        graph_ms,
+        gbs: bytes / (ms * 1e-3) / 1e9,
+        err: worst,
+        splits: work.splits,
+    })
 }
 
 /// One causal prefill shape at GLM-5's head dims (256/256): (ms, TFLOP/s, worst error).
@@ -319,24 +347,36 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
         let forced_splits = args.decode_splits.map(usize::from);
         writeln!(
         Out,
-            "\nMLA decode (absorbed, paged latent cache 512+64, bf16), one query token per sequence, kernel {}",
+            "\nMLA decode (absorbed, paged latent cache 512+64, bf16), one query token per sequence, kernel {}; \
+             time: calls back to back on the stream; graph: the same calls replayed from a CUDA graph",
             fast::decode_kernel(gpu, decode_variant)?
         )?;
         writeln!(
             Out,
-            "{:>6} {:>6} {:>8} {:>10} {:>9} {:>8} {:>7} {:>10}",
-            "heads", "batch", "context", "time us", "GB/s", "of copy", "splits", "rel err"
+            "{:>6} {:>6} {:>8} {:>10} {:>9} {:>8} {:>9} {:>7} {:>10}",
+            "heads",
+            "batch",
+            "context",
+            "time us",
+            "GB/s",
+            "of copy",
+            "graph us",
+            "splits",
+            "rel err"
         )?;
         for heads in decode_heads(args)? {
             for (b, ctx) in decode_shapes(args)? {
                 let seed = (b * 100_000 + ctx + heads) as u64;
-                let (ms, gbs, err, splits) =
-                    decode_shape(gpu, (b, ctx, heads), decode_variant, forced_splits, seed)?;
+                let t = decode_shape(gpu, (b, ctx, heads), decode_variant, forced_splits, seed)?;
+                let err = t.err;
                 writeln!(
                     Out,
-                    "{heads:>6} {b:>6} {ctx:>8} {:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e}",
-                    ms * 1e3,
-                    100.0 * gbs / c.copy_gbs
+                    "{heads:>6} {b:>6} {ctx:>8} {:>10.1} {:>9.0} {:>7.0}% {:>9.1} {:>7} {err:>10.1e}",
+                    t.ms * 1e3,
+                    t.gbs,
+                    100.0 * t.gbs / c.copy_gbs,
+                    t.graph_ms * 1e3,
+                    t.splits
                 )?;
                 if err.is_nan() || err >= 1e-2 {
                     return Err(Error::invalid(format!("MLA decode at batch {b}, context {ctx} disagrees with the reference (relative error {err:.2e})")));

@@ -185,6 +185,15 @@ pub fn reads_query_by_tma(kernel: &str) -> bool {
 /// (kernels/mla_decode_sm90.cu, `pair_merge`).
 pub const PAIR_MERGE_KERNELS: [&str; 2] = ["mla_decode_wgmma", "mla_sparse_wgmma"];
 
+/// The split kernels that wait for the kernel before them (`wait_for_prior_kernel`) before they
+/// read or write device memory, so that they may be launched as its dependents.
+const SPLIT_WAITS_KERNELS: [&str; 4] = [
+    "mla_decode_wgmma",
+    "mla_sparse_wgmma",
+    "mla_decode_wgmma_fp8",
+    "mla_sparse_wgmma_fp8",
+];
+
 /// A split decode's merge: the partials it reads, the output it writes.
 pub struct Merge<'a> {
     pub batch: usize,
@@ -454,6 +463,13 @@ impl Gpu {
             // `lse` for the group's heads; the grid's x extent is the two splits.
             return unsafe { self.launch_cluster(sig, d.kernel, cfg, &args, 2) };
         }
+        if SPLIT_WAITS_KERNELS.contains(&d.kernel)
+            && std::env::var("MLADB_DECODE_SPLIT_PDL").map_or(true, |v| v != "0")
+        {
+            // SAFETY: as the plain launch below; the kernel reads and writes nothing before its
+            // `wait_for_prior_kernel`.
+            return unsafe { self.launch_dependent(sig, d.kernel, cfg, &args) };
+        }
         // SAFETY: block (split, b, group) reads the group's heads of q of sequence b (the last
         // group's rows past `heads` are zeroed in shared memory, not read; the wgmma kernels'
         // TMA box reads the rows after them inside q, zeros past its end, and never writes
@@ -529,5 +545,29 @@ impl Gpu {
         // array holds 256) and writes a quarter of out row (b, h); extents checked above. Both
         // merges wait for the split kernel before they read its partials.
         unsafe { self.launch_dependent(sig, sig.pattern, cfg, &args) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::compile::{HOPPER_SOURCES, SOURCES};
+    use super::super::signature::kernel_names;
+    use super::SPLIT_WAITS_KERNELS;
+
+    /// A split kernel launched as a dependent must wait for the kernel before it: each one
+    /// listed is defined in a source that calls `wait_for_prior_kernel`.
+    #[test]
+    fn split_kernels_launched_as_dependents_wait_for_the_kernel_before() {
+        for name in SPLIT_WAITS_KERNELS {
+            let (file, src) = SOURCES
+                .iter()
+                .chain(HOPPER_SOURCES)
+                .find(|(_, src)| kernel_names(src).iter().any(|n| n == name))
+                .unwrap_or_else(|| panic!("{name} is defined in no kernel source"));
+            assert!(
+                src.contains("wait_for_prior_kernel();"),
+                "{name} ({file}) never waits for the kernel before it"
+            );
+        }
     }
 }

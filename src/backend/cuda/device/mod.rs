@@ -25,6 +25,7 @@ pub mod nccl;
 mod pool;
 pub mod prefill_kernels;
 pub mod signature;
+mod timing;
 pub mod variants;
 
 pub use blas::TensorMap;
@@ -211,7 +212,9 @@ impl Gpu {
         // one), so no buffer is used on a stream other than the one that made it.
         unsafe { ctx.disable_event_tracking() };
         pool::keep_freed_memory(&ctx)?;
-        let stream = ctx.default_stream();
+        // A stream of its own, not the legacy default stream: work on it can be captured into
+        // a CUDA graph (the benches replay decode steps as CUDA-graph serving does).
+        let stream = ctx.new_stream().map_err(CudaError::driver("stream"))?;
         let blas = CudaBlas::new(stream.clone()).map_err(CudaError::blas("handle"))?;
         let (major, minor) = ctx
             .compute_capability()
@@ -511,41 +514,6 @@ impl Gpu {
             )
             .result()
         }
-    }
-
-    /// Times `work` with device events: `reps` samples, each of `inner` back-to-back calls,
-    /// after `warmup` untimed calls; returns milliseconds per call, one value per sample.
-    pub fn time_ms(
-        &self,
-        warmup: usize,
-        reps: usize,
-        inner: usize,
-        mut work: impl FnMut() -> Result<()>,
-    ) -> Result<Vec<f64>> {
-        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-        for _ in 0..warmup {
-            work()?;
-        }
-        self.synchronize()?;
-        let mut out = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            let start = self
-                .stream
-                .record_event(Some(CU_EVENT_DEFAULT))
-                .map_err(CudaError::driver("event"))?;
-            for _ in 0..inner.max(1) {
-                work()?;
-            }
-            let end = self
-                .stream
-                .record_event(Some(CU_EVENT_DEFAULT))
-                .map_err(CudaError::driver("event"))?;
-            let ms = start
-                .elapsed_ms(&end)
-                .map_err(CudaError::driver("event timing"))?;
-            out.push(ms as f64 / inner.max(1) as f64);
-        }
-        Ok(out)
     }
 
     /// The device's free and total memory in bytes.
