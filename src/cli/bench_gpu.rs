@@ -43,7 +43,7 @@ fn time_both(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>) -> Re
     let probe = median(gpu.time_ms(2, 3, 1, &mut work)?);
     let inner = inner_for(probe);
     let stream = median(gpu.time_ms(2, reps, inner, &mut work)?);
-    let graph = median(gpu.time_graph_ms(1, reps, inner, work)?);
+    let graph = median(gpu.time_graph_ms(reps, inner, work)?);
     Ok((stream, graph))
 }
 

@@ -23,20 +23,16 @@ impl Gpu {
         self.time_samples(reps, inner, || (0..inner.max(1)).try_for_each(|_| work()))
     }
 
-    /// Times `work` replayed from a CUDA graph: `inner` calls captured once (after `warmup`
-    /// calls on the stream, so that kernels are loaded and buffers made), then `reps` replays
+    /// Times `work` replayed from a CUDA graph: `inner` calls captured once, then `reps` replays
     /// after a warm-up replay; returns milliseconds per call, one value per replay. `work` must
-    /// only issue work to the stream (no waits, downloads or allocations).
+    /// have run before (kernels loaded, buffers made) and must only issue work to the stream
+    /// (no waits, downloads or allocations).
     pub fn time_graph_ms(
         &self,
-        warmup: usize,
         reps: usize,
         inner: usize,
         mut work: impl FnMut() -> Result<()>,
     ) -> Result<Vec<f64>> {
-        for _ in 0..warmup {
-            work()?;
-        }
         self.synchronize()?;
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
