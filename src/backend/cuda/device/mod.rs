@@ -183,6 +183,34 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// The context of device `ordinal` and the one stream of every [`Gpu`] opened on it in this
+/// process, made at the first open. Every buffer, copy and kernel of a device is on that
+/// stream, whose order is all the synchronisation they need, even between two `Gpu`s of one
+/// device (the debugger makes a new backend when the device or storage type changes, and the
+/// new one may read the old one's buffers). It is a stream of its own, not the legacy default
+/// stream, so that work on it can be captured into a CUDA graph (the benches replay decode
+/// steps as CUDA-graph serving does).
+fn device_stream(ordinal: usize) -> Result<DeviceStream> {
+    static MADE: Mutex<Vec<(usize, DeviceStream)>> = Mutex::new(Vec::new());
+    let mut made = MADE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, made)) = made.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(made.clone());
+    }
+    let ctx = CudaContext::new(ordinal).map_err(CudaError::driver("context"))?;
+    // cudarc's per-buffer events (two made and destroyed with every allocation, recorded at
+    // every use) only order work across streams, and cost a traced op tens of microseconds.
+    // SAFETY: no other stream is ever made on this context (`stream` below is the only one),
+    // so no buffer is used on a stream other than the one that made it.
+    unsafe { ctx.disable_event_tracking() };
+    pool::keep_freed_memory(&ctx)?;
+    let stream = ctx.new_stream().map_err(CudaError::driver("stream"))?;
+    made.push((ordinal, (ctx.clone(), stream.clone())));
+    Ok((ctx, stream))
+}
+
+/// A device's context and its one stream.
+type DeviceStream = (Arc<CudaContext>, Arc<CudaStream>);
+
 impl Gpu {
     /// Opens device `ordinal` and compiles every kernel for it. Fails cleanly (never panics)
     /// when the driver, NVRTC or a device is missing.
@@ -203,18 +231,7 @@ impl Gpu {
                 "no CUDA device {ordinal} ({count} present)"
             )));
         }
-        let ctx = CudaContext::new(ordinal).map_err(CudaError::driver("context"))?;
-        // Every buffer, copy and kernel of a Gpu is on its one stream, whose order is all the
-        // synchronisation they need; cudarc's per-buffer events (two made and destroyed with
-        // every allocation, recorded at every use) only order work across streams, and cost a
-        // traced op tens of microseconds.
-        // SAFETY: no other stream is ever made on this context (`stream` below is the only
-        // one), so no buffer is used on a stream other than the one that made it.
-        unsafe { ctx.disable_event_tracking() };
-        pool::keep_freed_memory(&ctx)?;
-        // A stream of its own, not the legacy default stream: work on it can be captured into
-        // a CUDA graph (the benches replay decode steps as CUDA-graph serving does).
-        let stream = ctx.new_stream().map_err(CudaError::driver("stream"))?;
+        let (ctx, stream) = device_stream(ordinal)?;
         let blas = CudaBlas::new(stream.clone()).map_err(CudaError::blas("handle"))?;
         let (major, minor) = ctx
             .compute_capability()
