@@ -38,13 +38,18 @@ pub(super) fn time(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>)
 }
 
 /// Milliseconds per call, median of `reps` samples: calls back to back on the stream, and the
-/// same calls replayed from a CUDA graph (as CUDA-graph serving runs a decode step).
-fn time_both(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+/// same calls replayed from a CUDA graph (as CUDA-graph serving runs a decode step), or why
+/// they could not be (the table says so, and goes on with the stream's figures).
+fn time_both(
+    gpu: &Gpu,
+    reps: usize,
+    mut work: impl FnMut() -> Result<()>,
+) -> Result<(f64, std::result::Result<f64, String>)> {
     let probe = median(gpu.time_ms(2, 3, 1, &mut work)?);
     let inner = inner_for(probe);
     let stream = median(gpu.time_ms(2, reps, inner, &mut work)?);
-    let graph = median(gpu.time_graph_ms(reps, inner, work)?);
-    Ok((stream, graph))
+    let graph = gpu.time_graph_ms(reps, inner, work).map(median);
+    Ok((stream, graph.map_err(|e| e.to_string())))
 }
 
 pub(super) fn random(gpu: &Gpu, len: usize, elem: Elem, seed: u64, amp: f32) -> Result<DevBuf> {
@@ -80,9 +85,10 @@ fn ceilings(gpu: &Gpu) -> Result<Ceilings> {
 
 /// One decode shape's figures.
 struct DecodeTimes {
-    /// Milliseconds per call, back to back on the stream, and replayed from a CUDA graph.
+    /// Milliseconds per call, back to back on the stream, and replayed from a CUDA graph (or
+    /// why not).
     ms: f64,
-    graph_ms: f64,
+    graph_ms: std::result::Result<f64, String>,
     /// GB/s of the stream figure.
     gbs: f64,
     /// The worst relative error of the sampled heads against the f64 reference.
@@ -364,24 +370,34 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
             "splits",
             "rel err"
         )?;
+        let mut no_graph = None;
         for heads in decode_heads(args)? {
             for (b, ctx) in decode_shapes(args)? {
                 let seed = (b * 100_000 + ctx + heads) as u64;
                 let t = decode_shape(gpu, (b, ctx, heads), decode_variant, forced_splits, seed)?;
                 let err = t.err;
+                let graph = match t.graph_ms {
+                    Ok(ms) => format!("{:.1}", ms * 1e3),
+                    Err(why) => {
+                        no_graph.get_or_insert(why);
+                        "-".into()
+                    }
+                };
                 writeln!(
                     Out,
-                    "{heads:>6} {b:>6} {ctx:>8} {:>10.1} {:>9.0} {:>7.0}% {:>9.1} {:>7} {err:>10.1e}",
+                    "{heads:>6} {b:>6} {ctx:>8} {:>10.1} {:>9.0} {:>7.0}% {graph:>9} {:>7} {err:>10.1e}",
                     t.ms * 1e3,
                     t.gbs,
                     100.0 * t.gbs / c.copy_gbs,
-                    t.graph_ms * 1e3,
                     t.splits
                 )?;
                 if err.is_nan() || err >= 1e-2 {
                     return Err(Error::invalid(format!("MLA decode at batch {b}, context {ctx} disagrees with the reference (relative error {err:.2e})")));
                 }
             }
+        }
+        if let Some(why) = no_graph {
+            writeln!(Out, "note: no graph replay ('-'): {why}")?;
         }
         writeln!(
             Out,
