@@ -26,15 +26,17 @@ pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Back-to-back calls per timed sample, so that one sample lasts about a millisecond or more.
-fn inner_for(estimate_ms: f64) -> usize {
-    (1.0 / estimate_ms.max(1e-3)).ceil().clamp(1.0, 200.0) as usize
+/// Back-to-back calls per timed sample, so that one sample lasts about a millisecond or more:
+/// from a probe of `work`'s time.
+fn inner_calls(gpu: &Gpu, work: &mut impl FnMut() -> Result<()>) -> Result<usize> {
+    let estimate_ms = median(gpu.time_ms(2, 3, 1, work)?);
+    Ok((1.0 / estimate_ms.max(1e-3)).ceil().clamp(1.0, 200.0) as usize)
 }
 
 /// Milliseconds per call, median of `reps` samples.
 pub(super) fn time(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>) -> Result<f64> {
-    let probe = median(gpu.time_ms(2, 3, 1, &mut work)?);
-    Ok(median(gpu.time_ms(2, reps, inner_for(probe), work)?))
+    let inner = inner_calls(gpu, &mut work)?;
+    Ok(median(gpu.time_ms(2, reps, inner, work)?))
 }
 
 /// Milliseconds per call, median of `reps` samples: calls back to back on the stream, and the
@@ -45,8 +47,7 @@ fn time_both(
     reps: usize,
     mut work: impl FnMut() -> Result<()>,
 ) -> Result<(f64, std::result::Result<f64, String>)> {
-    let probe = median(gpu.time_ms(2, 3, 1, &mut work)?);
-    let inner = inner_for(probe);
+    let inner = inner_calls(gpu, &mut work)?;
     let stream = median(gpu.time_ms(2, reps, inner, &mut work)?);
     let graph = gpu.time_graph_ms(reps, inner, work).map(median);
     Ok((stream, graph.map_err(|e| e.to_string())))

@@ -8,7 +8,7 @@
 use super::device::fast_kernels::decode_block;
 pub use super::device::fast_kernels::PAIR_MERGE_KERNELS;
 pub use super::device::fast_kernels::{reads_query_by_tma, DecodeQuery, MergeFaults, MAX_SPLITS};
-use super::device::fast_kernels::{Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
+use super::device::fast_kernels::{switched_off, Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{variants, DevBuf, DevI32, Elem, Gpu, Launched};
 pub use super::fast_fp8::{
@@ -24,6 +24,7 @@ pub use super::fast_sparse::{
 };
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
+use std::sync::OnceLock;
 
 /// A launch as the trace records it; `splits` for the decode's split kernel.
 pub(super) fn traced(l: Launched, splits: usize) -> KernelLaunch {
@@ -316,11 +317,12 @@ impl DecodeWork {
     /// wgmma kernels at two splits on sm_90, unless a merge fault is planted: those live in the
     /// merge kernel): then it leaves no partials. `MLADB_DECODE_PAIR_MERGE=0` turns it off.
     pub fn pairs_splits(&self, gpu: &Gpu) -> bool {
+        static PAIR_MERGE_OFF: OnceLock<bool> = OnceLock::new();
         self.splits == 2
             && PAIR_MERGE_KERNELS.contains(&self.kernel)
             && has_tma(gpu)
             && !self.merge_faults.any()
-            && std::env::var("MLADB_DECODE_PAIR_MERGE").map_or(true, |v| v != "0")
+            && !switched_off("MLADB_DECODE_PAIR_MERGE", &PAIR_MERGE_OFF)
     }
 
     /// The split partials the launch left, as device buffers: outputs [batch, splits, heads,

@@ -8,6 +8,7 @@ use super::kernels::{blocks, blocks_yz, need, prod};
 use super::signature::{Param::*, Sig};
 use super::{Arg, DevBuf, DevI32, Elem, Gpu, Launch, Launched};
 use crate::error::{Error, Result};
+use std::sync::OnceLock;
 
 const DECODE: [super::signature::Param; 12] = [
     Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
@@ -193,6 +194,12 @@ const SPLIT_WAITS_KERNELS: [&str; 4] = [
     "mla_decode_wgmma_fp8",
     "mla_sparse_wgmma_fp8",
 ];
+
+/// Whether `var` is set to `0` in the environment, which turns a launch choice off (read once
+/// per process into `once`: the launch paths ask on every call).
+pub fn switched_off(var: &str, once: &OnceLock<bool>) -> bool {
+    *once.get_or_init(|| std::env::var(var).is_ok_and(|v| v == "0"))
+}
 
 /// A split decode's merge: the partials it reads, the output it writes.
 pub struct Merge<'a> {
@@ -463,8 +470,9 @@ impl Gpu {
             // `lse` for the group's heads; the grid's x extent is the two splits.
             return unsafe { self.launch_cluster(sig, d.kernel, cfg, &args, 2) };
         }
+        static SPLIT_PDL_OFF: OnceLock<bool> = OnceLock::new();
         if SPLIT_WAITS_KERNELS.contains(&d.kernel)
-            && std::env::var("MLADB_DECODE_SPLIT_PDL").map_or(true, |v| v != "0")
+            && !switched_off("MLADB_DECODE_SPLIT_PDL", &SPLIT_PDL_OFF)
         {
             // SAFETY: as the plain launch below; the kernel reads and writes nothing before its
             // `wait_for_prior_kernel`.
