@@ -4,8 +4,18 @@
 
 #define GRID_STRIDE(i, n) for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 
-extern "C" __global__ void fill_u32(u32* p, u32 v, u64 n) { GRID_STRIDE(i, n) p[i] = v; }
-extern "C" __global__ void fill_u16(unsigned short* p, u32 v, u64 n) { GRID_STRIDE(i, n) p[i] = (unsigned short)v; }
+// The fills let the next kernel on the stream place its blocks at once: launched as a
+// dependent (a decode's split kernel after its output's poison fill), it sets up while the
+// fill runs and waits for the fill's end before it touches memory. A kernel launched plainly
+// is not affected.
+extern "C" __global__ void fill_u32(u32* p, u32 v, u64 n) {
+    let_dependents_launch();
+    GRID_STRIDE(i, n) p[i] = v;
+}
+extern "C" __global__ void fill_u16(unsigned short* p, u32 v, u64 n) {
+    let_dependents_launch();
+    GRID_STRIDE(i, n) p[i] = (unsigned short)v;
+}
 
 template <typename T> __device__ void add_k(const T* a, const T* b, T* out, u64 n) {
     GRID_STRIDE(i, n) st(out, i, ld(a, i) + ld(b, i));

@@ -228,7 +228,6 @@ impl CudaBackend {
             0 => None,
             _ => Some(self.poisoned(padded * row, Elem::Bf16)?),
         };
-        let lse = self.poisoned(padded * heads, Elem::F32)?;
         let merge_faults = MergeFaults {
             lse_base: faults.lse_base_mismatch,
             skip_empty_rows: faults.skip_padded_rows,
@@ -290,22 +289,27 @@ impl CudaBackend {
             topk: *topk,
         });
         let lens = sparse.as_ref().map_or(&*seq_lens, |(_, _, counts)| counts);
-        let (mirror, pool, launches, address, bytes) = if fp8 {
+        // The log-sum-exps' poison fill comes last before the launches: the split kernel,
+        // launched as the fill's dependent, places its blocks while the fill runs.
+        let lse_len = padded * heads;
+        let (mirror, pool, launches, address, bytes, lse) = if fp8 {
             let mirror = self.sync_fp8_cache(cache)?;
             let pages = fp8_bytes(&mirror);
             let q = joined
                 .as_ref()
                 .expect("an FP8 cache's kernels read a joined query");
             let inputs = (q, pages, block_table, lens, keys);
+            let lse = self.poisoned(lse_len, Elem::F32)?;
             let launches = fp8_launches(self.gpu(), shape, inputs, scale, (o, &lse), &work)?;
             let (address, bytes) = (pages.address(), pages.bytes());
-            (mirror, None, launches, address, bytes)
+            (mirror, None, launches, address, bytes, lse)
         } else {
             let mirror = self.sync_cache(cache)?;
             let pool = overflow
                 .then(|| self.overflow_pool(mirror_buf(&mirror)))
                 .transpose()?;
             let pages = pool.as_ref().unwrap_or_else(|| mirror_buf(&mirror));
+            let lse = self.poisoned(lse_len, Elem::F32)?;
             let launches = fast::decode_launches(
                 self.gpu(),
                 shape,
@@ -320,7 +324,7 @@ impl CudaBackend {
                 &work,
             )?;
             let (address, bytes) = (pages.address(), pages.bytes());
-            (mirror, pool, launches, address, bytes)
+            (mirror, pool, launches, address, bytes, lse)
         };
         let mut reads = vec![
             DeviceRead {
