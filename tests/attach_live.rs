@@ -905,3 +905,47 @@ fn an_imported_recording_keeps_its_divergence_and_disconnect() {
         "{mismatch}"
     );
 }
+
+/// An engine's prompt too long for memory (it comes from the socket, any length) is refused
+/// before mladb's reference allocates for it: the step is noted with the estimate and the
+/// limit, not run, and attach goes on.
+#[test]
+fn a_prompt_too_long_for_memory_is_noted_not_run() {
+    let n = 20_000u32;
+    let frames = vec![
+        frame(
+            Body::Hello {
+                engine: "hf".into(),
+                model: "glm5-tiny".into(),
+                rank: 0,
+                world_size: 1,
+            },
+            &[],
+        ),
+        frame(
+            Body::Step {
+                phase: "prefill".into(),
+                step: 0,
+                tokens: vec![1; n as usize],
+                positions: (0..n).collect(),
+            },
+            &[],
+        ),
+        frame(Body::Bye { dropped: 0 }, &[]),
+    ];
+    let started = std::time::Instant::now();
+    let (lines, _) = attach_frames(frames, &["--max-memory-gb", "1"]);
+    let notes = of_event(&lines, "note");
+    assert!(
+        notes.iter().any(|n| {
+            let text = n["text"].as_str().unwrap_or("");
+            text.contains("step 0 is not compared") && text.contains("--max-memory-gb")
+        }),
+        "{lines:#?}"
+    );
+    assert!(of_event(&lines, "reference").is_empty(), "{lines:#?}");
+    assert!(
+        started.elapsed().as_secs() < 60,
+        "the prefill was refused, not run"
+    );
+}

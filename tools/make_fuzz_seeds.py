@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes the seed inputs of the fuzz targets (fuzz/seeds/TARGET/) from the project's own
 small files: HF configs of the fixtures, the built-in layouts, a short recorded session with
-and without its companion tensors, one tiny checkpoint (single shard and indexed), keys files.
+and without its companion tensors, one tiny checkpoint (single shard and indexed), keys files,
+hook frame files (the hook's own encoder), torch.save files and SGLang dumper files.
 Targets that take several files read one input split into parts, each but the last led by a
 little-endian u16 length (fuzz/fuzz_targets/common.rs).
 
@@ -69,6 +70,45 @@ def main() -> None:
     }
     put("checkpoint", "single_shard.bin", parts(config, b"", shard))
     put("checkpoint", "indexed.bin", parts(config, json.dumps(index).encode(), shard))
+
+    # Hook frames (the hook's own encoder): a prefill and a decode step of the fixtures'
+    # glm5-sparse model (hidden 64, vocab 256) with a few module outputs, one rank and two.
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    from mladb_hook import wire
+
+    def f32(n: int) -> bytes:
+        return struct.pack(f"<{n}f", *[0.01 * (i % 97) for i in range(n)])
+
+    def rank_frames(rank: int, world: int, model: str = "glm5-sparse", hidden: int = 64, vocab: int = 256) -> bytes:
+        out = wire.hello("hf", model, rank, world)
+        for step, (tokens, positions) in enumerate([([1, 2, 3], [0, 1, 2]), ([4], [3])]):
+            n = len(tokens)
+            out += wire.step("prefill" if step == 0 else "decode", step, tokens, positions)
+            out += wire.tensor("model.embed_tokens", "f32", [n, hidden], f32(n * hidden))
+            out += wire.tensor("model.layers.0.self_attn.o_proj", "f32", [n, hidden], f32(n * hidden), ptr=4096, kernel_out_ptr=4096)
+            out += wire.tensor("model.layers.0.self_attn.kv_a_proj_with_mqa", "bf16", [n, 48], f32(n * 24))
+            out += wire.tensor("lm_head", "f32", [n, vocab], f32(n * vocab))
+        return out + wire.bye(0)
+
+    put("import_frames", "one_rank.bin", parts(rank_frames(0, 1), b""))
+    put("import_frames", "two_ranks.bin", parts(rank_frames(0, 2), rank_frames(1, 2)))
+    # The live comparison's target runs glm5-tiny (hidden 256, vocab 2048).
+    put("attach_live", "one_rank.bin", parts(rank_frames(0, 1, "glm5-tiny", 256, 2048), b""))
+    put("attach_live", "two_ranks.bin", parts(rank_frames(0, 2, "glm5-tiny", 256, 2048), rank_frames(1, 2, "glm5-tiny", 256, 2048)))
+
+    # torch.save files: the single tensors of tests/fixtures/torch and a dumper file.
+    dump = os.path.join(ROOT, "tests/fixtures/sglang-dump/dump_glm5_sparse")
+    for f in sorted(glob.glob(os.path.join(ROOT, "tests/fixtures/torch/*.pt"))):
+        put("torch_file", os.path.basename(f), read(f))
+    files = {n: glob.glob(os.path.join(dump, f"step=0___rank=0___*___name={n}___*.pt"))[0]
+             for n in ["input_ids", "positions", "non_intrusive__model.layers.0.self_attn.o_proj.output",
+                       "non_intrusive__lm_head.output"]}
+    put("torch_file", "dumper_o_proj.pt", read(files["non_intrusive__model.layers.0.self_attn.o_proj.output"]))
+    # The SGLang target: each part's first byte is its name's index in the target's NAMES (low
+    # three bits), its step (two bits above), its rank (the bit above those).
+    tagged = [(0, "input_ids"), (1, "positions"), (2, "non_intrusive__model.layers.0.self_attn.o_proj.output"),
+              (6, "non_intrusive__lm_head.output")]
+    put("import_sglang", "step0.bin", parts(*[bytes([tag]) + read(files[n]) for tag, n in tagged]))
 
     put("keys", "rebind.ron", b'{ "step": ["s", "f10"], "next-layer": ["f11"] }')
     put("keys", "empty.ron", b"{}")

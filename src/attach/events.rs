@@ -2,7 +2,8 @@
 //! out of it (comparisons, findings, notes, and the totals of a whole attachment), as `mladb
 //! attach` prints them: text lines, or JSON objects with `--json`.
 
-use super::wire::Dtype;
+use super::server::Budget;
+use super::wire::{Body, Dtype, Frame};
 use crate::debug::detect::Finding;
 use crate::engine::trace::Phase;
 use serde::Serialize;
@@ -32,11 +33,58 @@ pub enum Input {
         kernel_out_ptr: Option<u64>,
         /// The frame's share of the server's memory budget, held until the comparison has
         /// taken the tensor: an engine that outruns the comparison waits at the server.
-        budget: Option<super::server::Budget>,
+        budget: Option<Budget>,
     },
     Closed {
         conn: u64,
     },
+}
+
+impl Input {
+    /// What a connection's frame gives the comparison (`None` for its `bye`); `budget` is the
+    /// frame's share of the server's memory, held until the tensor has been taken.
+    pub fn of_frame(conn: u64, frame: &Frame, budget: Option<Budget>) -> Option<Input> {
+        Some(match &frame.header.body {
+            Body::Hello {
+                engine,
+                rank,
+                world_size,
+                ..
+            } => Input::Hello {
+                conn,
+                engine: engine.clone(),
+                rank: *rank,
+                world_size: *world_size,
+            },
+            Body::Step {
+                step,
+                tokens,
+                positions,
+                ..
+            } => Input::Step {
+                conn,
+                step: *step,
+                tokens: tokens.clone(),
+                positions: positions.clone(),
+            },
+            Body::Tensor {
+                module,
+                dtype,
+                ptr,
+                kernel_out_ptr,
+                ..
+            } => Input::Tensor {
+                conn,
+                module: module.clone(),
+                dtype: *dtype,
+                data: dtype.values(&frame.payload),
+                ptr: *ptr,
+                kernel_out_ptr: *kernel_out_ptr,
+                budget,
+            },
+            Body::Bye { .. } => return None,
+        })
+    }
 }
 
 /// What the comparison reports, as it happens.

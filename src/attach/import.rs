@@ -77,7 +77,7 @@ struct Gathered {
 
 impl Gathered {
     /// A module's tensor whole: its ranks' pieces put together and its columns cut; `None`
-    /// while a rank's piece is missinself.
+    /// while a rank's piece is missing.
     fn whole(self, world: u32) -> std::result::Result<Option<ShapedData>, String> {
         let shard = self.target.shard;
         let single = world == 1 || shard == Shard::Replicated;

@@ -86,6 +86,9 @@ pub struct Comparator<'m> {
     pub sequences: usize,
     /// Keep the engine's values beside mladb's run ([`Comparator::runs`]).
     pub keep_engine: bool,
+    /// The memory a sequence's reference may need, in GB (`--max-memory-gb`; default: the
+    /// memory available): a longer prefill is refused before anything is allocated for it.
+    pub max_memory_gb: Option<f64>,
     /// The ranks that said hello, and the largest world size they gave.
     pub(super) ranks: std::collections::HashSet<u32>,
     pub(super) world: u32,
@@ -115,6 +118,7 @@ impl<'m> Comparator<'m> {
             totals: Totals::default(),
             sequences: 0,
             keep_engine: false,
+            max_memory_gb: None,
             ranks: Default::default(),
             world: 1,
         }
@@ -266,6 +270,15 @@ impl<'m> Comparator<'m> {
             ));
         }
         if p0 == 0 {
+            // A prompt of any length comes from the socket: one too long for memory is refused.
+            crate::memory::check(
+                &self.model.layout,
+                tokens.len(),
+                &self.layers,
+                self.model.weights.budget_bytes() as u64,
+                self.max_memory_gb,
+            )
+            .map_err(|e| e.to_string())?;
             let options = self
                 .flags
                 .engine_options(self.layers.clone(), true)

@@ -6,7 +6,8 @@
 //! the server stops, Ctrl-C included), so a file with the final name is whole; nothing already
 //! in the directory is replaced.
 
-use super::wire::{encode, read_frame, Body, Frame, Limits};
+use super::import::{Cursor, Importer, Record};
+use super::wire::{encode, read_frame, Body, Dtype, Frame, Limits};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::fs::File;
@@ -123,6 +124,60 @@ pub fn frame_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
         }
     }
     Ok(files)
+}
+
+/// One rank's hook frame file into the importer (`mladb_hook.attach(model, "file:...")`, `attach
+/// --save`) in order; returns how many tensors the hook dropped because its queue was full.
+pub fn import_frames(importer: &mut Importer, file: &Path, limits: Limits) -> Result<u64> {
+    let mut frames = Frames::open(file, limits)?;
+    let mut cursor: Option<Cursor> = None;
+    let name = file.display().to_string();
+    let mut dropped = 0;
+    while let Some(frame) = frames.next_frame()? {
+        let record = match frame.header.body {
+            Body::Hello {
+                engine,
+                model,
+                rank,
+                world_size,
+            } => Record::Hello {
+                engine,
+                model,
+                rank,
+                world: world_size,
+            },
+            Body::Step {
+                step,
+                tokens,
+                positions,
+                ..
+            } => Record::Step {
+                step,
+                tokens,
+                positions,
+            },
+            Body::Tensor {
+                module,
+                dtype,
+                shape,
+                ptr,
+                kernel_out_ptr,
+            } => Record::Tensor {
+                module,
+                shape: shape.iter().map(|&n| n as usize).collect(),
+                data: dtype.values(&frame.payload),
+                low_precision: matches!(dtype, Dtype::Bf16 | Dtype::F16),
+                ptr,
+                kernel_out_ptr,
+            },
+            Body::Bye { dropped: d } => {
+                dropped += d;
+                continue;
+            }
+        };
+        importer.take(&mut cursor, record, &name)?;
+    }
+    Ok(dropped)
 }
 
 /// One file's frames, read in order, one at a time.

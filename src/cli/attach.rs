@@ -18,7 +18,7 @@ use super::Out;
 use crate::attach::live::{Comparator, Input, Live};
 use crate::attach::record::{frame_files, Frames, Recorder};
 use crate::attach::server::{serve, Bound, Budget, Event, Listen, ServerConfig};
-use crate::attach::wire::{Body, Limits};
+use crate::attach::wire::Limits;
 use crate::error::{Error, Result};
 
 #[derive(Args, Debug, Clone)]
@@ -61,6 +61,11 @@ pub struct AttachArgs {
     /// Where mladb's reference runs: cpu, cuda or auto.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
+    /// Refuse to run mladb's reference for a sequence whose prefill would need more than this
+    /// many GB (weights kept, caches, attention over its tokens): that step is reported and not
+    /// compared (default: the memory the machine has available).
+    #[arg(long)]
+    pub max_memory_gb: Option<f64>,
     #[command(flatten)]
     pub flags: FlagArgs,
     /// How the engine's module names map to mladb's: hf, vllm, sglang, llamacpp (built in) or a
@@ -355,8 +360,9 @@ fn start_worker(args: &AttachArgs, screen: Option<crate::service::Send>) -> Resu
         decode: None,
         layers: args.layers.clone(),
         device: args.device,
-        max_memory_gb: None,
+        max_memory_gb: args.max_memory_gb,
     };
+    let max_memory_gb = args.max_memory_gb;
     let (tolerance, json) = (args.tolerance, args.json);
     let (inputs, mut rx) = mpsc::channel::<Input>(64);
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
@@ -379,6 +385,7 @@ fn start_worker(args: &AttachArgs, screen: Option<crate::service::Send>) -> Resu
             map,
             tolerance,
         );
+        comparator.max_memory_gb = max_memory_gb;
         let mut feed = screen.map(|send| {
             comparator.keep_engine = true;
             super::attach_tui::Feed::new(send, &p)
@@ -444,46 +451,7 @@ fn input_of(event: Event) -> Option<Input> {
             conn,
             frame,
             budget,
-        } => Some(match &frame.header.body {
-            Body::Hello {
-                engine,
-                rank,
-                world_size,
-                ..
-            } => Input::Hello {
-                conn,
-                engine: engine.clone(),
-                rank: *rank,
-                world_size: *world_size,
-            },
-            Body::Step {
-                step,
-                tokens,
-                positions,
-                ..
-            } => Input::Step {
-                conn,
-                step: *step,
-                tokens: tokens.clone(),
-                positions: positions.clone(),
-            },
-            Body::Tensor {
-                module,
-                dtype,
-                ptr,
-                kernel_out_ptr,
-                ..
-            } => Input::Tensor {
-                conn,
-                module: module.clone(),
-                dtype: *dtype,
-                data: dtype.values(&frame.payload),
-                ptr: *ptr,
-                kernel_out_ptr: *kernel_out_ptr,
-                budget: Some(budget),
-            },
-            Body::Bye { .. } => return None,
-        }),
+        } => Input::of_frame(conn, &frame, Some(budget)),
         _ => None,
     }
 }

@@ -124,8 +124,9 @@ impl Report {
                         positions,
                     } => (
                         format!(
-                            "step {step} {phase}: {} tokens {tokens:?} at positions {positions:?}",
-                            tokens.len()
+                            "step {step} {phase}: {} at positions {}",
+                            crate::debug::external::token_list(tokens),
+                            position_span(positions)
                         ),
                         json!({"event": "step", "conn": conn, "rank": rank, "phase": phase,
                                "step": step, "tokens": tokens, "positions": positions}),
@@ -194,4 +195,42 @@ impl Report {
 /// as f32).
 pub(crate) fn stats_of(dtype: Dtype, payload: &[u8]) -> TensorStats {
     TensorStats::of_unordered(&dtype.values(payload))
+}
+
+/// A step's positions for its one line: `A..=B` where they run on one by one (a sequence's
+/// prefill or decode step), else the first few; a long prefill's would fill the screen.
+fn position_span(positions: &[u32]) -> String {
+    match positions {
+        [] => "none".to_string(),
+        [p] => p.to_string(),
+        [first, .., last]
+            if positions
+                .windows(2)
+                .all(|w| w[0].checked_add(1) == Some(w[1])) =>
+        {
+            format!("{first}..={last}")
+        }
+        _ => crate::debug::external::number_list(positions, "positions"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::position_span;
+
+    #[test]
+    fn a_step_s_positions_are_one_span_or_the_first_few() {
+        assert_eq!(position_span(&[]), "none");
+        assert_eq!(position_span(&[7]), "7");
+        assert_eq!(
+            position_span(&(0..60_000).collect::<Vec<u32>>()),
+            "0..=59999"
+        );
+        let scattered: Vec<u32> = (0..40).map(|i| i * 2).collect();
+        assert_eq!(
+            position_span(&scattered),
+            "0,2,4,6,8,10,12,14,16,18,20,22,24,26,28,30,… (40 positions)"
+        );
+        assert_eq!(position_span(&[u32::MAX, 0]), "4294967295,0 (2 positions)");
+    }
 }

@@ -10,10 +10,10 @@ use std::path::PathBuf;
 use super::args::ModelArgs;
 use super::dump::{model_text, DumpCollector};
 use super::Out;
-use crate::attach::import::{Cursor, ImportOutcome, Importer, Record};
-use crate::attach::record::{frame_files, Frames};
+use crate::attach::import::{ImportOutcome, Importer};
+use crate::attach::record::{frame_files, import_frames};
 use crate::attach::sglang_dump;
-use crate::attach::wire::{Body, Dtype, Limits};
+use crate::attach::wire::Limits;
 use crate::error::{Error, Result};
 
 #[derive(Args, Debug, Clone)]
@@ -78,7 +78,13 @@ pub fn run(args: &ImportArgs) -> Result<bool> {
                 ..Limits::default()
             };
             for file in frame_files(&args.paths)? {
-                import_frames(&mut importer, &file, limits)?;
+                let dropped = import_frames(&mut importer, &file, limits)?;
+                if dropped > 0 {
+                    eprintln!(
+                        "note: {}: the hook dropped {dropped} tensors (its queue was full): they are not in the dump",
+                        file.display()
+                    );
+                }
             }
         }
         [(dir, files)] if args.paths.len() == 1 => {
@@ -110,62 +116,6 @@ pub fn run(args: &ImportArgs) -> Result<bool> {
     write(&outcome, args)?;
     report(&outcome, args)?;
     Ok(!outcome.disconnects.is_empty())
-}
-
-/// One hook frame file (one rank) into the importer.
-fn import_frames(importer: &mut Importer, file: &std::path::Path, limits: Limits) -> Result<()> {
-    let mut frames = Frames::open(file, limits)?;
-    let mut cursor: Option<Cursor> = None;
-    let name = file.display().to_string();
-    while let Some(frame) = frames.next_frame()? {
-        let record = match frame.header.body {
-            Body::Hello {
-                engine,
-                model,
-                rank,
-                world_size,
-            } => Record::Hello {
-                engine,
-                model,
-                rank,
-                world: world_size,
-            },
-            Body::Step {
-                step,
-                tokens,
-                positions,
-                ..
-            } => Record::Step {
-                step,
-                tokens,
-                positions,
-            },
-            Body::Tensor {
-                module,
-                dtype,
-                shape,
-                ptr,
-                kernel_out_ptr,
-            } => Record::Tensor {
-                module,
-                shape: shape.iter().map(|&n| n as usize).collect(),
-                data: dtype.values(&frame.payload),
-                low_precision: matches!(dtype, Dtype::Bf16 | Dtype::F16),
-                ptr,
-                kernel_out_ptr,
-            },
-            Body::Bye { dropped } => {
-                if dropped > 0 {
-                    eprintln!(
-                        "note: {name}: the hook dropped {dropped} tensors (its queue was full): they are not in the dump"
-                    );
-                }
-                continue;
-            }
-        };
-        importer.take(&mut cursor, record, &name)?;
-    }
-    Ok(())
 }
 
 /// The dump, written as `run --dump` writes its own (F32 tensors, the metadata, atomically).

@@ -180,9 +180,14 @@ pub struct ScheduleArgs {
 
 /// `3,141,59`, the first 16 of a long list.
 pub(crate) fn token_list(tokens: &[u32]) -> String {
-    let shown: Vec<String> = tokens.iter().take(16).map(u32::to_string).collect();
-    let more = if tokens.len() > 16 { ",…" } else { "" };
-    format!("{}{more} ({} tokens)", shown.join(","), tokens.len())
+    number_list(tokens, "tokens")
+}
+
+/// The first 16 of `values`, then how many there are, as `noun`.
+pub(crate) fn number_list(values: &[u32], noun: &str) -> String {
+    let shown: Vec<String> = values.iter().take(16).map(u32::to_string).collect();
+    let more = if values.len() > 16 { ",…" } else { "" };
+    format!("{}{more} ({} {noun})", shown.join(","), values.len())
 }
 
 /// A loaded dump: tensors by (phase, mladb op name), in f32.
