@@ -4,6 +4,7 @@
 
 use mladb::model::layout::Layout;
 use std::path::PathBuf;
+use std::sync::OnceLock;
 
 /// A folder of this process's own, emptied for each input.
 pub fn scratch() -> PathBuf {
@@ -49,4 +50,15 @@ pub fn walk(layout: &Layout) {
     let back = Layout::from_ron_str(&text, std::path::Path::new("fuzz.ron"))
         .expect("a validated layout's RON reads back");
     assert_eq!(back.to_ron(), text, "a layout survives its RON");
+}
+
+/// The model of the test fixtures' SGLang dump (tests/fixtures/hf/glm5-sparse), whose widths
+/// the import targets' seeds have.
+pub fn fixture_layout() -> &'static Layout {
+    static LAYOUT: OnceLock<Layout> = OnceLock::new();
+    LAYOUT.get_or_init(|| {
+        let config = include_str!("../../tests/fixtures/hf/glm5-sparse/config.json");
+        let value = serde_json::from_str(config).expect("the fixture's config");
+        mladb::model::hf_config::layout_from_config(&value, "glm5-sparse").expect("its layout")
+    })
 }

@@ -9,22 +9,9 @@ use libfuzzer_sys::fuzz_target;
 use mladb::attach::import::Importer;
 use mladb::attach::record::import_frames;
 use mladb::attach::wire::Limits;
-use mladb::model::layout::Layout;
-use std::sync::OnceLock;
 
 #[path = "common.rs"]
 mod common;
-
-/// The model of the test fixtures' SGLang dump (tests/fixtures/hf/glm5-sparse), whose widths
-/// the seeds' tensors have.
-fn layout() -> &'static Layout {
-    static LAYOUT: OnceLock<Layout> = OnceLock::new();
-    LAYOUT.get_or_init(|| {
-        let config = include_str!("../../tests/fixtures/hf/glm5-sparse/config.json");
-        let value = serde_json::from_str(config).expect("the fixture's config");
-        mladb::model::hf_config::layout_from_config(&value, "glm5-sparse").expect("its layout")
-    })
-}
 
 fuzz_target!(|data: &[u8]| {
     let p = common::parts(data, 2);
@@ -34,7 +21,7 @@ fuzz_target!(|data: &[u8]| {
         max_header: 1 << 16,
         max_payload: 1 << 20,
     };
-    let mut importer = Importer::new(layout(), None);
+    let mut importer = Importer::new(common::fixture_layout(), None);
     for (rank, bytes) in p.iter().enumerate() {
         if bytes.is_empty() && rank > 0 {
             continue;

@@ -10,8 +10,6 @@
 use libfuzzer_sys::fuzz_target;
 use mladb::attach::import::Importer;
 use mladb::attach::sglang_dump;
-use mladb::model::layout::Layout;
-use std::sync::OnceLock;
 
 #[path = "common.rs"]
 mod common;
@@ -27,17 +25,6 @@ const NAMES: [&str; 8] = [
     "non_intrusive__lm_head.output",
     "hidden_states",
 ];
-
-/// The model of the test fixtures' SGLang dump (tests/fixtures/hf/glm5-sparse), whose widths
-/// the seeds' tensors have.
-fn layout() -> &'static Layout {
-    static LAYOUT: OnceLock<Layout> = OnceLock::new();
-    LAYOUT.get_or_init(|| {
-        let config = include_str!("../../tests/fixtures/hf/glm5-sparse/config.json");
-        let value = serde_json::from_str(config).expect("the fixture's config");
-        mladb::model::hf_config::layout_from_config(&value, "glm5-sparse").expect("its layout")
-    })
-}
 
 fuzz_target!(|data: &[u8]| {
     let dir = common::scratch();
@@ -58,7 +45,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let map = mladb::debug::name_map::NameMap::resolve("hf").expect("a built-in map");
-    let mut importer = Importer::new(layout(), Some(map));
+    let mut importer = Importer::new(common::fixture_layout(), Some(map));
     for (rank, records) in ranks {
         let mut cursor = None;
         for r in records {
