@@ -565,17 +565,34 @@ impl Drop for KillSession {
 
 /// The glm5-sparse GGUF fixture with one metadata value replaced.
 fn gguf_with(key: &str, value: mladb::gguf::Value) -> (tempfile::TempDir, PathBuf) {
+    gguf_with_all("glm5-sparse-q.gguf", &[(key, value)], 0)
+}
+
+/// The GGUF fixture `name` with the metadata values `changes` in place of its own, and
+/// `fillers` more tensors of one f32 each under long names no model has.
+fn gguf_with_all(
+    name: &str,
+    changes: &[(&str, mladb::gguf::Value)],
+    fillers: usize,
+) -> (tempfile::TempDir, PathBuf) {
     use mladb::gguf::{GgufFile, GgufWriter};
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/glm5-sparse-q.gguf");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/gguf")
+        .join(name);
     let file = GgufFile::open(&src).unwrap();
     let mut w = GgufWriter::new();
     for (k, v) in file.metadata() {
         if k != "general.alignment" {
-            let v = if k == key { value.clone() } else { v.clone() };
+            let v = match changes.iter().find(|(key, _)| key == k) {
+                Some((_, value)) => value.clone(),
+                None => v.clone(),
+            };
             w.metadata(k.clone(), v).unwrap();
         }
     }
-    assert!(file.get(key).is_some(), "the fixture has {key}");
+    for (key, _) in changes {
+        assert!(file.get(key).is_some(), "the fixture has {key}");
+    }
     for t in file.tensors() {
         w.tensor(
             t.name.clone(),
@@ -584,6 +601,11 @@ fn gguf_with(key: &str, value: mladb::gguf::Value) -> (tempfile::TempDir, PathBu
             file.tensor_data(t).to_vec(),
         )
         .unwrap();
+    }
+    for i in 0..fillers {
+        let name = format!("filler.{i:05}.{}", "x".repeat(180));
+        w.tensor(name, mladb::gguf::GgmlType::F32, &[1], vec![0; 4])
+            .unwrap();
     }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("m.gguf");
@@ -963,4 +985,38 @@ fn the_debugger_holds_set_tokens_to_max_memory_gb() {
     );
     let free = answer(None);
     assert!(!free.contains("refusing to allocate"), "{free}");
+}
+
+/// A GGUF whose metadata claims far more layers and experts than it holds tensors for (found by
+/// the `gguf_model` fuzz target): mapping the catalogue onto the file looked each missing
+/// tensor up through the lookup whose error suggests close names, weighing every name of the
+/// table (2000 long ones here) for each of the catalogue's misses (1000 layers, 64 experts),
+/// which took minutes. Now it is an error at once.
+#[test]
+fn a_gguf_claiming_layers_and_experts_it_lacks_is_refused_promptly() {
+    use mladb::gguf::Value;
+    let (_dir, path) = gguf_with_all(
+        "deepseek-v3-plain-split.gguf",
+        &[
+            ("deepseek2.block_count", Value::U32(1000)),
+            ("deepseek2.expert_count", Value::U32(64)),
+        ],
+        2000,
+    );
+    let out = mladb_bounded(
+        &[
+            "run",
+            "--model",
+            path.to_str().unwrap(),
+            "--tokens",
+            "1",
+            "--decode",
+            "0",
+        ],
+        30,
+        4,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.starts_with("error: "), "{err}");
 }

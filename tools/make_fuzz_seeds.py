@@ -110,6 +110,10 @@ def main() -> None:
               (6, "non_intrusive__lm_head.output")]
     put("import_sglang", "step0.bin", parts(*[bytes([tag]) + read(files[n]) for tag, n in tagged]))
 
+    # The GGUF model loader: the fixtures' two model files (gguf-py's, tools/make_gguf_fixtures.py).
+    for name in ["deepseek-v3-plain-split.gguf", "glm5-sparse-q.gguf"]:
+        put("gguf_model", name, read(os.path.join(ROOT, "tests/fixtures/gguf", name)))
+
     put("keys", "rebind.ron", b'{ "step": ["s", "f10"], "next-layer": ["f11"] }')
     put("keys", "empty.ron", b"{}")
     print("seeds written under", SEEDS)

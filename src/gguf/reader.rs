@@ -262,6 +262,13 @@ impl GgufFile {
         &self.tensors
     }
 
+    /// Whether the file holds a tensor named `name` (without [`GgufFile::tensor`]'s
+    /// suggestions, which weigh every name of the table: a lookup that may miss often, as
+    /// mapping a model's catalogue onto the file does, must not pay for them).
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.by_name.contains_key(name)
+    }
+
     /// The tensor named `name`; the error suggests close names.
     pub fn tensor(&self, name: &str) -> Result<&TensorInfo> {
         match self.by_name.get(name) {

@@ -204,7 +204,7 @@ impl WeightSource for GgufWeights {
 
 /// The GGUF tensor behind an HF name of the catalog.
 fn place_of(file: &GgufFile, hf: &str, layout: &Layout) -> Option<Place> {
-    let has = |g: &str| file.tensor(g).is_ok();
+    let has = |g: &str| file.has_tensor(g);
     let whole = |g: String| has(&g).then_some(Place::Whole(g));
     match hf {
         "model.embed_tokens.weight" => return whole("token_embd.weight".into()),
@@ -442,11 +442,11 @@ fn config_from_metadata(file: &GgufFile) -> Result<serde_json::Value> {
     }
     c.insert(
         "tie_word_embeddings".into(),
-        json!(file.tensor("output.weight").is_err()),
+        json!(!file.has_tensor("output.weight")),
     );
     c.insert(
         "attention_bias".into(),
-        json!(file.tensor("blk.0.attn_kv_a_mqa.bias").is_ok()),
+        json!(file.has_tensor("blk.0.attn_kv_a_mqa.bias")),
     );
     Ok(serde_json::Value::Object(c))
 }
