@@ -62,3 +62,17 @@ pub fn fixture_layout() -> &'static Layout {
         mladb::model::hf_config::layout_from_config(&value, "glm5-sparse").expect("its layout")
     })
 }
+
+/// An import's end: what it gives, if anything, must hold each tensor's values in its shape.
+pub fn finish_import(importer: mladb::attach::import::Importer) {
+    if let Ok(outcome) = importer.finish("fuzz") {
+        for t in &outcome.tensors {
+            assert_eq!(
+                t.shape.iter().product::<usize>(),
+                t.data.len(),
+                "{}: an imported tensor's shape is its values",
+                t.key
+            );
+        }
+    }
+}
