@@ -1020,3 +1020,30 @@ fn a_gguf_claiming_layers_and_experts_it_lacks_is_refused_promptly() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.starts_with("error: "), "{err}");
 }
+
+/// A config (or GGUF metadata) claiming 2^32 - 1 layers, with no per-layer lists to bound it
+/// (found by the `gguf_model` fuzz target): the indexer's per-layer modes were made for every
+/// claimed layer, a 4 GB allocation, before the layer count was checked. Now the count is
+/// checked first: one error line, within a 2 GB address space.
+#[test]
+fn a_config_claiming_billions_of_layers_is_refused_before_per_layer_lists() {
+    let src =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/glm5-sparse/config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src).unwrap()).unwrap();
+    let map = config.as_object_mut().unwrap();
+    for key in ["indexer_types", "layer_types", "mlp_layer_types"] {
+        map.remove(key);
+    }
+    map.insert("num_hidden_layers".into(), serde_json::json!(u32::MAX));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let out = mladb_bounded(&["layout", "import", path.to_str().unwrap()], 20, 2);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with("error: ") && err.contains("num_layers"),
+        "{err}"
+    );
+}

@@ -168,6 +168,8 @@ pub fn layout_from_config(value: &Value, name: &str) -> Result<Layout> {
         }
     }
     let num_layers = c.usize_or("num_hidden_layers", d.num_hidden_layers)?;
+    // Before any per-layer list is made from it (the layout's validation comes later).
+    super::layout::check_num_layers(num_layers)?;
     let num_heads = c.usize_or("num_attention_heads", d.num_attention_heads)?;
     let kv_heads = c.usize_or("num_key_value_heads", num_heads)?;
     if kv_heads != num_heads {

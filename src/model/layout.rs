@@ -486,6 +486,12 @@ pub fn yarn_mscale(scale: f64, m: f64) -> f64 {
     }
 }
 
+/// The layer count's bounds, checked on its own where per-layer lists are built from it
+/// before the whole layout validates (an HF config or GGUF metadata may claim billions).
+pub(crate) fn check_num_layers(n: usize) -> Result<()> {
+    check_range("num_layers", n, MAX_LAYERS)
+}
+
 fn check_range(name: &str, value: usize, cap: usize) -> Result<()> {
     if value == 0 || value > cap {
         return Err(Error::invalid(format!(
