@@ -3,7 +3,7 @@
 //! available), so that a prompt too long for memory is an `error:` with the figure, not an abort.
 
 use crate::error::{Error, Result};
-use crate::model::Layout;
+use crate::model::{Layout, Model};
 use std::ops::Range;
 
 /// The largest buffers a run of `layers` over a context of `context` tokens holds at once, in
@@ -103,15 +103,16 @@ pub fn available() -> Option<u64> {
     Some(kib.saturating_mul(1024))
 }
 
-/// Refuses a run whose estimate exceeds `limit_gb` (GB, 10^9 bytes), or by default the memory
-/// available; `what` names the run in the error.
+/// Refuses a run of `model` over `context` tokens whose estimate (with the model's weight
+/// cache budget) exceeds `limit_gb` (GB, 10^9 bytes), or by default the memory available.
 pub fn check(
-    layout: &Layout,
+    model: &Model,
     context: usize,
     layers: &Range<usize>,
-    weight_cache_bytes: u64,
     limit_gb: Option<f64>,
 ) -> Result<()> {
+    let layout = &model.layout;
+    let weight_cache_bytes = model.weights.budget_bytes() as u64;
     let (limit, source) = match limit_gb {
         Some(gb) if gb.is_finite() && gb > 0.0 => ((gb * 1e9) as u128, "--max-memory-gb"),
         Some(gb) => {
@@ -163,8 +164,9 @@ mod tests {
         // glm5-tiny's attention probabilities alone at 20000 tokens: 4 × 20000² × 4 bytes.
         assert!(big > 4 * 20000u128 * 20000 * 4, "{big}");
         assert!(small < 100 << 20, "{small}");
-        assert!(check(&layout, 20000, &layers, 1 << 30, Some(2.0)).is_err());
-        assert!(check(&layout, 100, &layers, 1 << 30, Some(2.0)).is_ok());
-        assert!(check(&layout, 100, &layers, 1 << 30, Some(f64::NAN)).is_err());
+        let model = Model::synthetic(layout, 0, 1 << 30).unwrap();
+        assert!(check(&model, 20000, &layers, Some(2.0)).is_err());
+        assert!(check(&model, 100, &layers, Some(2.0)).is_ok());
+        assert!(check(&model, 100, &layers, Some(f64::NAN)).is_err());
     }
 }

@@ -238,10 +238,9 @@ impl RunSpec {
         let schedule = schedule_with_defaults(layout, tokens, self.prefill, self.decode);
         schedule.validate()?;
         crate::memory::check(
-            layout,
+            &model,
             schedule.prompt.len().saturating_add(schedule.decode_steps),
             &layers,
-            model.weights.budget_bytes() as u64,
             self.max_memory_gb,
         )?;
         Ok(Prepared {

@@ -271,14 +271,8 @@ impl<'m> Comparator<'m> {
         }
         if p0 == 0 {
             // A prompt of any length comes from the socket: one too long for memory is refused.
-            crate::memory::check(
-                &self.model.layout,
-                tokens.len(),
-                &self.layers,
-                self.model.weights.budget_bytes() as u64,
-                self.max_memory_gb,
-            )
-            .map_err(|e| e.to_string())?;
+            crate::memory::check(self.model, tokens.len(), &self.layers, self.max_memory_gb)
+                .map_err(|e| e.to_string())?;
             let options = self
                 .flags
                 .engine_options(self.layers.clone(), true)

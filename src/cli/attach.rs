@@ -362,7 +362,6 @@ fn start_worker(args: &AttachArgs, screen: Option<crate::service::Send>) -> Resu
         device: args.device,
         max_memory_gb: args.max_memory_gb,
     };
-    let max_memory_gb = args.max_memory_gb;
     let (tolerance, json) = (args.tolerance, args.json);
     let (inputs, mut rx) = mpsc::channel::<Input>(64);
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
@@ -385,7 +384,7 @@ fn start_worker(args: &AttachArgs, screen: Option<crate::service::Send>) -> Resu
             map,
             tolerance,
         );
-        comparator.max_memory_gb = max_memory_gb;
+        comparator.max_memory_gb = setup.max_memory_gb;
         let mut feed = screen.map(|send| {
             comparator.keep_engine = true;
             super::attach_tui::Feed::new(send, &p)

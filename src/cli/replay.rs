@@ -396,13 +396,7 @@ pub fn verify_within(
         .chain([session.prompt.len().saturating_add(session.decode)])
         .max()
         .unwrap_or(0);
-    crate::memory::check(
-        &model.layout,
-        context,
-        &layers,
-        model.weights.budget_bytes() as u64,
-        max_memory_gb,
-    )?;
+    crate::memory::check(&model, context, &layers, max_memory_gb)?;
     let mut backends: Vec<((DeviceFlag, crate::engine::StorageDtype), Box<dyn Backend>)> =
         Vec::new();
     let mut checked = 0usize;

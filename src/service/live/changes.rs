@@ -88,10 +88,9 @@ impl Host {
         }
         // A prompt too long for memory is refused before the worker allocates for it.
         crate::memory::check(
-            &self.controller.model().layout,
+            self.controller.model(),
             schedule.prompt.len().saturating_add(schedule.decode_steps),
             self.controller.layers(),
-            self.controller.model().weights.budget_bytes() as u64,
             self.max_memory_gb,
         )?;
         let change = self.controller.set_schedule(schedule.clone())?;

@@ -126,10 +126,9 @@ impl Host {
         }
         // A prompt too long for memory is refused before anything is recomputed.
         crate::memory::check(
-            &model.layout,
+            &model,
             session.prompt.len().saturating_add(session.decode),
             &(session.layers.0..session.layers.1),
-            model.weights.budget_bytes() as u64,
             self.max_memory_gb,
         )?;
         let spec = HostSpec {
