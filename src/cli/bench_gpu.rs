@@ -94,7 +94,8 @@ struct DecodeTimes {
     gbs: f64,
     /// The worst relative error of the sampled heads against the f64 reference.
     err: f64,
-    splits: usize,
+    /// The split count, with `c` and the cluster where the kernel merges them in clusters.
+    splits: String,
 }
 
 /// One decode shape, timed and checked.
@@ -193,7 +194,10 @@ fn decode_shape(
         graph_ms,
         gbs: bytes / (ms * 1e-3) / 1e9,
         err: worst,
-        splits: work.splits,
+        splits: match work.merge_cluster(gpu) {
+            1 => work.splits.to_string(),
+            c => format!("{}c{c}", work.splits),
+        },
     })
 }
 

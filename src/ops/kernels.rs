@@ -227,6 +227,14 @@ pub struct KernelLaunch {
     pub shared_bytes: u32,
     /// KV splits (1 for kernels that do not split).
     pub splits: u32,
+    /// Blocks a cluster: splits merged inside the kernel this many at a time (1: none; each
+    /// split's partials go to the merge kernel).
+    #[serde(default = "one")]
+    pub cluster: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 impl fmt::Display for KernelLaunch {
@@ -240,6 +248,9 @@ impl fmt::Display for KernelLaunch {
         )?;
         if self.splits > 1 {
             write!(f, " splits {}", self.splits)?;
+        }
+        if self.cluster > 1 {
+            write!(f, " in clusters of {}", self.cluster)?;
         }
         Ok(())
     }
@@ -315,14 +326,26 @@ mod tests {
             block: [256, 1, 1],
             shared_bytes: 222_000,
             splits: 4,
+            cluster: 1,
         };
         let info = KernelInfo {
-            launches: vec![l],
+            launches: vec![l.clone()],
             reference: None,
         };
         assert_eq!(
             info.to_string(),
             "mla_decode_ks3 grid (4,64,1) block (256,1,1) smem 222000 B splits 4"
+        );
+        let grouped = KernelLaunch {
+            kernel: "mla_decode_wgmma".into(),
+            grid: [64, 1, 1],
+            splits: 64,
+            cluster: 8,
+            ..l
+        };
+        assert_eq!(
+            grouped.to_string(),
+            "mla_decode_wgmma grid (64,1,1) block (256,1,1) smem 222000 B splits 64 in clusters of 8"
         );
         let declined = KernelInfo {
             launches: vec![],

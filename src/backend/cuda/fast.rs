@@ -6,9 +6,9 @@
 //! and take fault injections; these do neither, and are built for speed.
 
 use super::device::fast_kernels::decode_block;
-pub use super::device::fast_kernels::PAIR_MERGE_KERNELS;
+pub use super::device::fast_kernels::CLUSTER_MERGE_KERNELS;
 pub use super::device::fast_kernels::{reads_query_by_tma, DecodeQuery, MergeFaults, MAX_SPLITS};
-use super::device::fast_kernels::{switched_off, Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
+use super::device::fast_kernels::{Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{variants, DevBuf, DevI32, Elem, Gpu, Launched};
 pub use super::fast_fp8::{
@@ -22,9 +22,10 @@ pub use super::fast_prefill::{
 pub use super::fast_sparse::{
     key_lists, mla_decode_sparse, sparse_decode_variants_for, sparse_twin, KeyLists,
 };
+pub(super) use super::fast_splits::decode_splits;
+use super::fast_splits::merge_cluster;
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
-use std::sync::OnceLock;
 
 /// A launch as the trace records it; `splits` for the decode's split kernel.
 pub(super) fn traced(l: Launched, splits: usize) -> KernelLaunch {
@@ -34,6 +35,7 @@ pub(super) fn traced(l: Launched, splits: usize) -> KernelLaunch {
         block: [l.block, 1, 1],
         shared_bytes: l.shared,
         splits: splits as u32,
+        cluster: l.cluster,
     }
 }
 
@@ -90,7 +92,7 @@ pub(super) fn runs_on(gpu: &Gpu, name: &str, shared: u32) -> bool {
 }
 
 /// The decode kernels that read the cache through a TMA tensor map (their first argument).
-fn reads_cache_by_tma(kernel: &str) -> bool {
+pub(super) fn reads_cache_by_tma(kernel: &str) -> bool {
     matches!(
         kernel,
         "mla_decode_wgmma" | "mla_decode_kt3" | "mla_decode_kt16"
@@ -184,54 +186,6 @@ pub fn planted_decode_work(
     DecodeWork::scratch(gpu, shape, splits, (kernel, shared))
 }
 
-/// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
-/// walks (plus a fixed cost per split for its start), plus the partials every split writes and
-/// the merge reads back (512 f32 per sequence and head, twice), at no fewer than 64 tokens per
-/// split, a block's tokens rounded up to whole tiles as the kernels round them. The partials
-/// are weighed for the TMA-fed and wgmma kernels only, whose blocks walk their tokens fast
-/// enough that they matter: on the H200 about two tokens of a block's time per split and group
-/// of 64 heads
-/// (a sweep of 16 to 128 splits over batches 1–8, contexts 1k–32k and 8, 64 and 128 heads on
-/// 2026-12-04: B1 × 8k 18.6 → 17.5 µs against four tokens, B1 × 32k 29.6 → 28.2, B4 × 8k 30.4 →
-/// 28.5), a share of that for fewer heads; the cp.async kernels (FP8 among them) went slower
-/// with fewer splits (FP8 B1 × 8k: 25.5 → 34.5 µs), so they keep the plain count.
-pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&str, u32)) -> usize {
-    // Blocks per multiprocessor: its shared memory over the block's (plus the 1 KB the driver
-    // reserves per block), or fewer where the kernel's registers allow fewer.
-    let by_shared = (gpu.max_shared_per_multiprocessor() / (shared as usize + 1024)).max(1);
-    let per_sm = gpu
-        .resident_blocks(kernel, decode_block(kernel).1, shared)
-        .map_or(by_shared, |n| n.min(by_shared));
-    let slots = gpu.multiprocessors() * per_sm;
-    // The fixed cost in tokens; `MLADB_DECODE_SPLIT_COST` sets another, for experiments.
-    let fixed = std::env::var("MLADB_DECODE_SPLIT_COST")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(192);
-    // The partials' cost per split and head group, in tokens; `MLADB_DECODE_MERGE_COST` sets
-    // another, for experiments.
-    let merge = std::env::var("MLADB_DECODE_MERGE_COST")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(2)
-        * usize::from(reads_cache_by_tma(kernel) || on_wgmma(kernel));
-    let group = head_group(kernel);
-    split_count(SplitCosts {
-        slots,
-        groups: shape.batch * shape.heads.div_ceil(group),
-        max_len: shape.max_len,
-        fixed,
-        merge: partials_cost(merge, shape.batch, shape.heads, group),
-    })
-}
-
-/// What one split's partials cost, in tokens of a block's time: `per_group` for each group of
-/// `group` heads' rows. The partials are a row per head, so a group of fewer heads than the
-/// kernel's rows (a rank's 8 of 64) writes and reads back that share of them.
-fn partials_cost(per_group: usize, batch: usize, heads: usize, group: usize) -> usize {
-    (per_group * batch * heads).div_ceil(group)
-}
-
 /// The heads a block of a decode kernel takes: its variant's rows ([`HEAD_GROUP`] for the
 /// dense decodes, fewer for a rank's kernels).
 pub(super) fn head_group(kernel: &str) -> usize {
@@ -249,38 +203,6 @@ pub(super) fn for_heads(
         .into_iter()
         .filter(|&(name, _)| forced.is_some() || head_group(name) > 8 || heads <= 8)
         .collect()
-}
-
-/// What [`decode_splits`] weighs: block slots on the device, blocks per split (sequences × head
-/// groups), the longest sequence, and the per-split costs in tokens of a block's time: `fixed`
-/// per block, `merge` for all the partials of one split.
-struct SplitCosts {
-    slots: usize,
-    groups: usize,
-    max_len: usize,
-    fixed: usize,
-    merge: usize,
-}
-
-/// The split count of least cost (see [`decode_splits`]).
-fn split_count(c: SplitCosts) -> usize {
-    let mut best = (usize::MAX, 1);
-    for s in 1..=c.max_len.div_ceil(64).clamp(1, MAX_SPLITS) {
-        // The kernels round a split's tokens up to whole 32-token tiles; a count whose last
-        // splits would be left empty by that is a smaller count with the same work.
-        let chunk = c.max_len.div_ceil(s).div_ceil(32) * 32;
-        if c.max_len.div_ceil(chunk) < s {
-            continue;
-        }
-        let waves = (c.groups * s).div_ceil(c.slots);
-        let partials = if s > 1 { c.merge * s } else { 0 };
-        // A block walks whole tiles: its share rounded up, as the kernels round it.
-        let cost = waves * (chunk + c.fixed) + partials;
-        if cost < best.0 {
-            best = (cost, s);
-        }
-    }
-    best.1
 }
 
 /// A decode launch plan: the kernel variant for the device, the split count, and the scratch
@@ -313,28 +235,33 @@ impl DecodeWork {
         DecodeWork::with_variant(gpu, shape, decode_splits(gpu, shape, chosen), variant)
     }
 
-    /// Whether the launch merges its splits inside the kernel, in clusters of two blocks (the
-    /// wgmma kernels at two splits on sm_90, unless a merge fault is planted: those live in the
-    /// merge kernel): then it leaves no partials. `MLADB_DECODE_PAIR_MERGE=0` turns it off.
-    pub fn pairs_splits(&self, gpu: &Gpu) -> bool {
-        static PAIR_MERGE_OFF: OnceLock<bool> = OnceLock::new();
-        self.splits == 2
-            && PAIR_MERGE_KERNELS.contains(&self.kernel)
-            && has_tma(gpu)
-            && !self.merge_faults.any()
-            && !switched_off("MLADB_DECODE_PAIR_MERGE", &PAIR_MERGE_OFF)
+    /// How many splits the launch merges inside the kernel as one cluster of blocks
+    /// (`fast_splits::merge_cluster`: 2, 4 or 8 for the wgmma kernels on sm_90), or 1: none,
+    /// also where a merge fault is planted (those live in the merge kernel).
+    pub fn merge_cluster(&self, gpu: &Gpu) -> usize {
+        match self.merge_faults.any() {
+            true => 1,
+            false => merge_cluster(gpu, self.kernel, self.splits),
+        }
     }
 
-    /// The split partials the launch left, as device buffers: outputs [batch, splits, heads,
-    /// 512] and log-sum-exps [batch, splits, heads] (meaningful when it split the keys).
+    /// The partials a sequence's splits leave for the merge kernel: one a split, or one a
+    /// cluster of splits merged inside the kernel (1: the kernel wrote the result itself).
+    pub fn partial_splits(&self, gpu: &Gpu) -> usize {
+        self.splits / self.merge_cluster(gpu)
+    }
+
+    /// The split partials the launch left, as device buffers: outputs [batch, partial splits,
+    /// heads, 512] and log-sum-exps [batch, partial splits, heads] (meaningful when it wrote
+    /// them).
     pub fn into_partials(self) -> (DevBuf, DevBuf) {
         (self.part_o, self.part_lse)
     }
 
-    /// Whether the launch writes split partials for the merge kernel to read: it splits the
-    /// keys and does not merge its two splits inside the kernel.
+    /// Whether the launch writes partials for the merge kernel to read: more than one a
+    /// sequence ([`DecodeWork::partial_splits`]).
     pub fn writes_partials(&self, gpu: &Gpu) -> bool {
-        self.splits > 1 && !self.pairs_splits(gpu)
+        self.partial_splits(gpu) > 1
     }
 
     /// Plants faults in the merge (the merge kernel then runs, so the partials are made).
@@ -351,10 +278,10 @@ impl DecodeWork {
     /// The partials' buffers, at their size, where the launch writes them and they are not
     /// there yet.
     fn make_partials(&mut self, gpu: &Gpu) -> Result<()> {
-        let len = self.rows * self.splits * LATENT;
-        if self.writes_partials(gpu) && self.part_o.len() < len {
-            self.part_o = gpu.alloc(len, Elem::F32)?;
-            self.part_lse = gpu.alloc(self.rows * self.splits, Elem::F32)?;
+        let partials = self.rows * self.partial_splits(gpu);
+        if self.writes_partials(gpu) && self.part_o.len() < partials * LATENT {
+            self.part_o = gpu.alloc(partials * LATENT, Elem::F32)?;
+            self.part_lse = gpu.alloc(partials, Elem::F32)?;
         }
         Ok(())
     }
@@ -466,17 +393,15 @@ pub(super) fn decode_launches(
         part_lse: &work.part_lse,
         out,
         lse,
-        pair_merge: work.pairs_splits(gpu),
+        merge_cluster: work.merge_cluster(gpu),
     };
     let split = traced(gpu.mla_decode_splits(&launch)?, work.splits);
-    if launch.pair_merge {
-        return Ok(vec![split]);
-    }
     with_merge(gpu, shape, work, split, out, lse)
 }
 
-/// A split kernel's launch, then the merge of its partials into `out` and `lse` when it split
-/// (with one split the kernel wrote the result itself): the same for every decode kernel.
+/// A split kernel's launch, then the merge of its partials into `out` and `lse` when it left
+/// more than one a sequence (with one split, or one cluster of them, the kernel wrote the
+/// result itself): the same for every decode kernel.
 pub(super) fn with_merge(
     gpu: &Gpu,
     shape: DecodeShape,
@@ -485,17 +410,18 @@ pub(super) fn with_merge(
     out: &DevBuf,
     lse: &DevBuf,
 ) -> Result<Vec<KernelLaunch>> {
-    if work.splits == 1 {
+    let partials = work.partial_splits(gpu);
+    if partials == 1 {
         return Ok(vec![split]);
     }
     // Few splits over many rows: a warp per (sequence, head), no block barriers (the whole
     // decode at batch 64 × 1k, 2 splits, on the H200: 58 µs instead of 86). Under 64 blocks of
     // rows the block-wide merge spreads wider (batch 1 × 1k, 16 splits: 16.3 µs against 19–20).
-    let per_row = work.splits <= combine_rows_max() && shape.batch * shape.heads >= 512;
+    let per_row = partials <= combine_rows_max() && shape.batch * shape.heads >= 512;
     let merge = Merge {
         batch: shape.batch,
         heads: shape.heads,
-        splits: work.splits,
+        splits: partials,
         part_o: &work.part_o,
         part_lse: &work.part_lse,
         out,
@@ -563,67 +489,6 @@ pub fn relative_error(a: &[f32], b: &[f64]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The H200's 132 multiprocessors, one 222 KB block each.
-    fn h200(groups: usize, max_len: usize, merge: usize) -> usize {
-        split_count(SplitCosts {
-            slots: 132,
-            groups,
-            max_len,
-            fixed: 192,
-            merge: merge * groups,
-        })
-    }
-
-    #[test]
-    fn split_counts_weigh_the_partials_and_leave_no_split_empty() {
-        // One sequence of 8k: 128 splits of 64 tokens without the partials' cost, 64 of 128
-        // at two tokens a split (the best count of the H200 sweep of 2026-12-04), 43 of 192 at
-        // four (the earlier weight).
-        assert_eq!(h200(1, 8192, 0), 128);
-        assert_eq!(h200(1, 8192, 2), 64);
-        assert_eq!(h200(1, 8192, 4), 43);
-        // 32k: 128 splits of 256 at two tokens (28.2 µs in the sweep, against 29.5 on 86).
-        assert_eq!(h200(1, 32768, 2), 128);
-        // Batch 4 × 8k: 32 splits, one wave of 128 blocks (28.5 µs, against 30.4 on 20).
-        assert_eq!(h200(4, 8192, 2), 32);
-        // 64 sequences fill a wave with two splits either way.
-        assert_eq!(h200(64, 8192, 0), 2);
-        assert_eq!(h200(64, 8192, 4), 2);
-        assert_eq!(h200(64, 8192, 2), 2);
-        // A long batch needs no split at all.
-        assert_eq!(h200(128, 4096, 4), 1);
-        assert_eq!(h200(128, 4096, 2), 1);
-        // A rank's 8 heads in a group of 64 write an eighth of the partials: more splits pay
-        // (batch 1 × 8k: 86 rather than 43; batch 64 × 1k: two rather than one).
-        assert_eq!(partials_cost(4, 1, 64, 64), 4);
-        assert_eq!(partials_cost(4, 64, 128, 64), 512);
-        assert_eq!(partials_cost(4, 1, 8, 64), 1);
-        let eighth = |batch, max_len| {
-            split_count(SplitCosts {
-                slots: 132,
-                groups: batch,
-                max_len,
-                fixed: 192,
-                merge: partials_cost(4, batch, 8, 64),
-            })
-        };
-        assert_eq!(eighth(1, 8192), 86);
-        assert_eq!(eighth(64, 1024), 2);
-        assert_eq!(h200(64, 1024, 4), 1, "at 64 heads one split still");
-        // No count leaves a split empty after the rounding to 32-token tiles.
-        for len in [100, 1000, 4096, 5000, 8192, 32768] {
-            for merge in [0, 2, 4] {
-                let s = h200(1, len, merge);
-                let chunk = len.div_ceil(s).div_ceil(32) * 32;
-                assert_eq!(
-                    len.div_ceil(chunk),
-                    s,
-                    "{len} tokens, merge {merge}: {s} splits"
-                );
-            }
-        }
-    }
 
     #[test]
     fn every_decode_variant_the_launchers_pick_from_is_described() {

@@ -23,6 +23,7 @@ mod fast_attention;
 mod fast_fp8;
 mod fast_prefill;
 mod fast_sparse;
+mod fast_splits;
 mod fp8_cache;
 mod made_weights;
 mod ranks;

@@ -107,18 +107,21 @@ impl Launch {
             grid: self.grid,
             block: self.block,
             shared: self.shared,
+            cluster: 1,
         }
     }
 }
 
-/// A launch as it went to the driver, for the trace: the kernel, grid, threads per block and
-/// dynamic shared memory.
+/// A launch as it went to the driver, for the trace: the kernel, grid, threads per block,
+/// dynamic shared memory and clusters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Launched {
     pub kernel: String,
     pub grid: (u32, u32, u32),
     pub block: u32,
     pub shared: u32,
+    /// Blocks a cluster along x (1: launched without clusters).
+    pub cluster: u32,
 }
 
 /// How a kernel is launched: plainly, as a programmatic dependent of the kernel before it, or
@@ -154,6 +157,24 @@ struct Kernel {
     shared_allowed: AtomicU32,
     /// Resident blocks per multiprocessor by (threads, shared bytes), asked of the driver once.
     resident: Mutex<HashMap<(u32, u32), Option<usize>>>,
+    /// Resident clusters on the device by (threads, shared bytes, blocks a cluster), the same.
+    clusters: Mutex<HashMap<(u32, u32, u32), Option<usize>>>,
+}
+
+impl Kernel {
+    /// Grants the function `shared` bytes of dynamic shared memory where it has less.
+    fn allow_shared(&self, shared: u32) -> Result<()> {
+        if shared > self.shared_allowed.load(Ordering::Relaxed) {
+            self.function
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared as i32,
+                )
+                .map_err(CudaError::driver("shared memory attribute"))?;
+            self.shared_allowed.fetch_max(shared, Ordering::Relaxed);
+        }
+        Ok(())
+    }
 }
 
 pub struct Gpu {
@@ -270,6 +291,7 @@ impl Gpu {
                                 function,
                                 shared_allowed,
                                 resident: Mutex::default(),
+                                clusters: Mutex::default(),
                             },
                         ))
                     })
@@ -391,7 +413,10 @@ impl Gpu {
         }
         // SAFETY: the caller upholds this function's contract.
         unsafe { self.launch_with(sig, name, cfg, args, LaunchMode::Cluster(size)) }?;
-        Ok(cfg.launched(name))
+        Ok(Launched {
+            cluster: size,
+            ..cfg.launched(name)
+        })
     }
 
     unsafe fn launch_with(
@@ -420,18 +445,7 @@ impl Gpu {
             .functions
             .get(name)
             .ok_or_else(|| Error::invalid(format!("no CUDA kernel named {name}")))?;
-        if cfg.shared > kernel.shared_allowed.load(Ordering::Relaxed) {
-            kernel
-                .function
-                .set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    cfg.shared as i32,
-                )
-                .map_err(CudaError::driver("shared memory attribute"))?;
-            kernel
-                .shared_allowed
-                .fetch_max(cfg.shared, Ordering::Relaxed);
-        }
+        kernel.allow_shared(cfg.shared)?;
         if mode != LaunchMode::Plain {
             // SAFETY: as below; the values behind the parameter pointers live until the call
             // returns, and the driver copies them.
@@ -575,6 +589,60 @@ impl Gpu {
                 .occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)
                 .ok()?;
             (blocks > 0).then_some(blocks as usize)
+        })
+    }
+
+    /// How many clusters of `size` blocks of kernel `name` (`threads` threads and `shared` bytes
+    /// each) the device runs at once, as the driver reckons it from how its multiprocessors are
+    /// grouped (a cluster's blocks share one group); `None` when it cannot say or the device has
+    /// no clusters (before sm_90).
+    pub fn resident_clusters(
+        &self,
+        name: &str,
+        threads: u32,
+        shared: u32,
+        size: u32,
+    ) -> Option<usize> {
+        use cudarc::driver::sys;
+        let kernel = self.functions.get(name)?;
+        if !self.dependent_launches || size == 0 {
+            return None;
+        }
+        let mut known = kernel.clusters.lock().unwrap_or_else(|p| p.into_inner());
+        *known.entry((threads, shared, size)).or_insert_with(|| {
+            kernel.allow_shared(shared).ok()?;
+            self.ctx.bind_to_thread().ok()?;
+            // SAFETY: zero is a valid bit pattern for the attribute (a C struct and union).
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attr.value.clusterDim.x = size;
+            attr.value.clusterDim.y = 1;
+            attr.value.clusterDim.z = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: size,
+                gridDimY: 1,
+                gridDimZ: 1,
+                blockDimX: threads,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: shared,
+                hStream: self.stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            let mut clusters: std::ffi::c_int = 0;
+            // SAFETY: the function belongs to this context (bound above), the stream too; the
+            // driver only reads the configuration and writes the count.
+            unsafe {
+                sys::cuOccupancyMaxActiveClusters(
+                    &mut clusters,
+                    kernel.function.cu_function(),
+                    &config,
+                )
+            }
+            .result()
+            .ok()?;
+            (clusters > 0).then_some(clusters as usize)
         })
     }
 
