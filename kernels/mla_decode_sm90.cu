@@ -54,7 +54,6 @@
 //   P_EMPTY  warpgroup 1's P·V has read P       (1 arrives, 0 waits before writing the next)
 //   TAIL     a short tile's tail is zeroed       (1 arrives, 0 waits)
 //   MERGED   a pair's merged rows are staged     (the merging warpgroup, before its bulk stores)
-// (a cluster of four or eight splits merges through cluster barriers: pair_merge_sm90.cuh)
 // (named barriers: the side that waits uses bar.sync, the other bar.arrive).
 #include "common.cuh"
 #include "mma.cuh"
@@ -235,13 +234,11 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
     const int t_begin = range.begin, t_end = range.end;
     const u64 out_row = ((u64)b * splits + split) * total_heads + head0;
 
-    // Splits launched as clusters merge their results inside the kernel (see the end): two as a
-    // pair, four or eight as a group; an empty one still takes part, with no tiles.
-    const unsigned cluster = cluster_ctas();
-    const bool pair = cluster == 2;
+    // Two splits launched as a cluster merge each other's results (see the end); an empty one
+    // still takes part, with no tiles.
+    const bool pair = cluster_ctas() == 2;
     if (pair && splits != 2) __trap();  // the launcher pairs exactly two splits
-    if (cluster > 2 && (splits % cluster != 0 || (cluster != 4 && cluster != 8))) __trap();
-    if (t_begin >= t_end && cluster == 1) {  // an empty split (or sequence): nothing to attend to
+    if (t_begin >= t_end && !pair) {  // an empty split (or sequence): nothing to attend to
         decode_empty_split(heads_here, W_DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
         if (threadIdx.x == 0) mbar_wait(mbar_q, 0);  // the query's copy lands before the block leaves
         return;
@@ -402,7 +399,7 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             for (int r = 0; r < 2; r++) {
                 const float lse = l_run[r] > 0.0f ? (m_run[r] + log2f(l_run[r])) * ln2 : -INFINITY;
                 const int row = r ? r1 : r0;
-                if (row >= heads_here || cluster > 1) continue;  // padding, or merged below: not written
+                if (row >= heads_here || pair) continue;  // padding, or merged below: not written
                 if (splits == 1)
                     lse_out[(u64)b * total_heads + head0 + row] = lse;
                 else
@@ -517,14 +514,6 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             pair_merge_halves(smem, o, sL, sM, r0, r1, wg, qd, heads_here, rows_out, rows_lse);
         else
             pair_merge_one_way(smem, o, sL, sM, r0, r1, wg, qd, heads_here, rows_out, rows_lse);
-        return;
-    }
-    if (cluster > 2) {
-        const u64 whole_row = (u64)b * total_heads + head0, part_row = ((u64)b * (splits / cluster) + split / cluster) * total_heads + head0;
-        if (cluster == 4)
-            group_merge<4>(smem, p_base, o, sL, sM, r0, r1, wg, qd, heads_here, splits, whole_row, part_row, out, lse_out, part_o, part_lse);
-        else
-            group_merge<8>(smem, p_base, o, sL, sM, r0, r1, wg, qd, heads_here, splits, whole_row, part_row, out, lse_out, part_o, part_lse);
         return;
     }
 

@@ -1,8 +1,6 @@
-// The in-kernel merges of the Hopper decode (mla_decode_sm90.cu, included there after its
-// layout macros W_HEADS, W_DV, W_Q_BYTES, W_STAGES, W_TILE_BYTES, W_P_BYTES and BAR_MERGED):
-// splits launched as a cluster of two blocks merge each other's rows through shared memory (the
-// pair merge), and clusters of four or eight reduce theirs into one (the group merge). Hopper
-// only.
+// The pair merge of the Hopper decode (mla_decode_sm90.cu, included there after its layout
+// macros W_HEADS, W_DV, W_Q_BYTES, W_STAGES, W_TILE_BYTES and BAR_MERGED): two splits launched
+// as a cluster of two blocks merge each other's rows through shared memory. Hopper only.
 #pragma once
 
 // Thread-block clusters: the blocks in this one, a barrier over all their threads, and a store
@@ -148,78 +146,5 @@ __device__ __forceinline__ void pair_merge_one_way(unsigned char* smem, const fl
                 pack_bf16(o[4 * n + 2 * r] * inv + t.x * c, o[4 * n + 2 * r + 1] * inv + t.y * c);
         }
         if (wg == 0 && qd == 0) lse_out[row] = w.lse;
-    }
-}
-
-// The merge of a cluster of N = 4 or 8 splits (the grid's splits in clusters: split s is rank
-// s % N of cluster s / N), a reduce-scatter through distributed shared memory: every block sends
-// rank k the slice k (512 / N columns) of its normalised rows and, to every rank, their
-// log-sum-exps (base 2); rank k merges slice k of the N splits and writes it, as the output where
-// the cluster holds all the splits, else as the cluster's partial (part_o / part_lse then hold
-// splits / N partials a sequence, which the merge kernel merges). So a block writes 512 / N of
-// its columns instead of its whole 128 KB of f32 partials, and the merge kernel reads N times
-// fewer: at batch 1 the partials of every block together were what the decode waited on (all
-// 132 multiprocessors' 17 MB at once). Rows past `heads_here` (padding) are neither sent nor
-// written. The slices land in the KV stages and the log-sum-exps in P, free once every block of
-// the cluster is past its tiles.
-template <int N>
-__device__ __forceinline__ void group_merge(unsigned char* smem, unsigned char* p_base, const float* o, const float* sL, const float* sM, int r0, int r1,
-                                            int wg, int qd, int heads_here, int splits, u64 out_row, u64 part_row, bf16_t* out,
-                                            float* lse_out, float* part_o, float* part_lse) {
-    constexpr int W = W_DV / N, STRIDE = W + 8;  // 8 more: a warp's 8-byte stores in distinct banks
-    static_assert(N * W_HEADS * STRIDE * 4 <= W_STAGES * W_TILE_BYTES && N * W_HEADS * 4 <= W_P_BYTES, "the slices fit the stages");
-    float* xo = (float*)(smem + W_Q_BYTES);  // [N][64][STRIDE] slice `rank` of each split's rows
-    float* xlse = (float*)p_base;             // [N][64] each split's log-sum-exps (base 2)
-    auto lse2 = [&](int r) { return sL[r] > 0.0f ? sM[r] + log2f(sL[r]) : -INFINITY; };
-    const float inv0 = sL[r0] > 0.0f ? 1.0f / sL[r0] : 0.0f, inv1 = sL[r1] > 0.0f ? 1.0f / sL[r1] : 0.0f;
-    const unsigned rank = cluster_rank();
-    const int col = wg * 256 + 2 * qd;
-    cluster_sync();  // every block of the cluster is past its tiles: the stages and P are free
-#pragma unroll
-    for (int n = 0; n < 32; n++) {
-        const int c = col + 8 * n, to = c / W, at = c % W;
-        if (r0 < heads_here) st_cluster_f32x2(smem_addr(xo + (rank * W_HEADS + r0) * STRIDE + at), to, o[4 * n] * inv0, o[4 * n + 1] * inv0);
-        if (r1 < heads_here) st_cluster_f32x2(smem_addr(xo + (rank * W_HEADS + r1) * STRIDE + at), to, o[4 * n + 2] * inv1, o[4 * n + 3] * inv1);
-    }
-    if (wg == 0 && qd == 0) {
-        const float l0 = lse2(r0), l1 = lse2(r1);
-#pragma unroll
-        for (int k = 0; k < N; k++) {
-            if (r0 < heads_here) st_cluster_f32(smem_addr(xlse + rank * W_HEADS + r0), k, l0);
-            if (r1 < heads_here) st_cluster_f32(smem_addr(xlse + rank * W_HEADS + r1), k, l1);
-        }
-    }
-    cluster_sync();  // every slice is where it merges
-    const bool whole = splits == N;  // the cluster holds every split of the sequence
-    constexpr int Q4 = W / 4;         // 4-column pieces of a row's slice
-    for (int i = threadIdx.x; i < heads_here * Q4; i += blockDim.x) {
-        const int row = i / Q4, c = 4 * (i % Q4);
-        float top = -INFINITY;
-#pragma unroll
-        for (int k = 0; k < N; k++) top = fmaxf(top, xlse[k * W_HEADS + row]);
-        float total = 0.0f;
-        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int k = 0; k < N; k++) {
-            const float w = top == -INFINITY ? 0.0f : exp2f(xlse[k * W_HEADS + row] - top);
-            const float4 x = *(const float4*)(xo + (k * W_HEADS + row) * STRIDE + c);
-            total += w;
-            sum.x += w * x.x, sum.y += w * x.y, sum.z += w * x.z, sum.w += w * x.w;
-        }
-        const float scale = total > 0.0f ? 1.0f / total : 0.0f;
-        const int dim = rank * W + c;
-        if (whole) {
-            uint2 packed = make_uint2(pack_bf16(sum.x * scale, sum.y * scale), pack_bf16(sum.z * scale, sum.w * scale));
-            *(uint2*)(out + (out_row + row) * W_DV + dim) = packed;
-        } else {
-            *(float4*)(part_o + (part_row + row) * W_DV + dim) = make_float4(sum.x * scale, sum.y * scale, sum.z * scale, sum.w * scale);
-        }
-        if (rank == 0 && c == 0) {
-            const float lse = total > 0.0f ? (top + log2f(total)) * 0.6931471805599453f : -INFINITY;
-            if (whole)
-                lse_out[out_row + row] = lse;
-            else
-                part_lse[part_row + row] = lse;
-        }
     }
 }

@@ -194,28 +194,19 @@ fn run_decode(
         ),
     }
     .unwrap();
-    // The wgmma kernels merge two splits, or four or eight (or a multiple of them), inside
-    // the kernel (clusters of blocks): one launch where the clusters hold every split; other
-    // split decodes launch a merge after the split kernel.
-    let cluster = work.merge_cluster(gpu);
-    // (A merge fault keeps them apart: the faults live in the merge kernel. The cluster bound
-    // may be lowered for experiments.)
-    let clusterable = !work.merge_faults().any()
-        && std::env::var_os("MLADB_DECODE_MERGE_CLUSTER").is_none()
-        && fast::CLUSTER_MERGE_KERNELS.contains(&work.kernel);
-    if clusterable && (work.splits == 2 || work.splits.is_multiple_of(4)) {
-        let want = [8, 4, 2]
-            .into_iter()
-            .find(|&c| work.splits.is_multiple_of(c));
-        assert_eq!(
-            Some(cluster),
-            want,
-            "{}: {} splits on this device merge in clusters",
-            work.kernel,
-            work.splits
+    // The wgmma kernels at two splits merge them inside the kernel (clusters of two blocks):
+    // one launch; other split decodes launch a merge after the split kernel.
+    let paired = work.pairs_splits(gpu);
+    // (A merge fault keeps them apart: the faults live in the merge kernel.)
+    let pairable = !work.merge_faults().any();
+    if fast::PAIR_MERGE_KERNELS.contains(&work.kernel) && work.splits == 2 && pairable {
+        assert!(
+            paired,
+            "{}: two splits on this device pair in clusters",
+            work.kernel
         );
     }
-    let want_launches = if work.partial_splits(gpu) == 1 { 1 } else { 2 };
+    let want_launches = if work.splits == 1 || paired { 1 } else { 2 };
     assert_eq!(
         launches.len(),
         want_launches,
@@ -302,7 +293,7 @@ fn tensor_core_decode_matches_reference() {
     // (the block-wide merge).
     let what = format!("{batch} sequences × {heads} heads (seed {seed})");
     let case = (&q[..], &cache[..], (&table[..], max_pages), &lens[..]);
-    every_variant_matches(gpu, case, heads, &[1, 2, 4, 7, 12, 24, 40], &what);
+    every_variant_matches(gpu, case, heads, &[1, 2, 7, 40], &what);
 }
 
 /// A dense decode's host inputs: query, cache, (block table, pages per sequence), lengths.
@@ -407,10 +398,9 @@ fn decode_runs_every_head_count() {
             max_len: *lens.iter().max().unwrap(),
         };
         for (v, variant) in variants.iter().enumerate() {
-            // One split (the kernel writes out and lse itself), two (a pair), five (the last
-            // split of the 300-token sequence ends mid-tile; the short sequences leave splits
-            // empty) and eight (one cluster of eight on the wgmma kernels, empty splits in it).
-            for splits in [1, 2, 5, 8] {
+            // One split (the kernel writes out and lse itself) and five (the last split of the
+            // 300-token sequence ends mid-tile; the short sequences leave splits empty).
+            for splits in [1, 2, 5] {
                 let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
                 for (lens, d_lens) in &runs {
                     let input = DecodeInputs {
@@ -444,11 +434,10 @@ fn decode_runs_every_head_count() {
 }
 
 /// A plan holds split partials only where its launch writes them: none at one split, none for
-/// two splits merged inside the kernel (the wgmma kernels' clusters of two) or eight (one
-/// cluster of eight), one a cluster at 24 (three clusters of eight) and 12 (three of four), all
-/// of them at five; and a merge fault planted (the merge kernel then runs every split) makes
-/// them all, the decode still matching the reference. Before, every plan held batch × splits ×
-/// heads × 512 f32 (16.8 MB at batch 64 × 64 heads, paired) whether read or not.
+/// two splits merged inside the kernel (the wgmma kernels' clusters of two), all of them at five;
+/// and a merge fault planted in a pair (the merge kernel then runs) makes them, the decode still
+/// matching the reference. Before, every plan held batch × splits × heads × 512 f32 (16.8 MB at
+/// batch 64 × 64 heads, paired) whether read or not.
 #[test]
 #[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
 fn partials_are_made_only_where_the_merge_reads_them() {
@@ -477,25 +466,22 @@ fn partials_are_made_only_where_the_merge_reads_them() {
         let (o, l) = work.into_partials();
         (o.len(), l.len())
     };
-    let mut clustered = 0;
+    let mut pairs = 0;
     for variant in fast::decode_variants_for(gpu) {
-        for splits in [1, 2, 5, 8, 12, 24] {
+        for splits in [1, 2, 5] {
             let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
-            let cluster = work.merge_cluster(gpu);
-            clustered += usize::from(cluster > 1);
-            let left = splits / cluster;
-            let writes = left > 1;
+            let paired = work.pairs_splits(gpu);
+            pairs += usize::from(paired);
+            let writes = splits > 1 && !paired;
             assert_eq!(
                 work.writes_partials(gpu),
                 writes,
-                "{variant}, {splits} splits in clusters of {cluster}"
+                "{variant}, {splits} splits"
             );
             let (o, l) = held(work);
-            let what = format!(
-                "{variant}, {splits} splits in clusters of {cluster}: partials of {o} and {l}"
-            );
+            let what = format!("{variant}, {splits} splits: partials of {o} and {l}");
             if writes {
-                assert!(o >= rows * left * LATENT && l >= rows * left, "{what}");
+                assert!(o >= rows * splits * LATENT && l >= rows * splits, "{what}");
             } else {
                 assert!(o < LATENT && l < LATENT, "{what}, never read");
             }
@@ -525,7 +511,7 @@ fn partials_are_made_only_where_the_merge_reads_them() {
             );
         }
     }
-    if clustered == 0 {
+    if pairs == 0 {
         eprintln!(
             "note: no plan on this device merges its splits in the kernel (sm_90 wgmma only)"
         );
@@ -891,10 +877,9 @@ fn sparse_decode_matches_reference() {
         let chosen = DecodeWork::sparse(gpu, shape, None, None).unwrap().splits;
         for variant in &variants {
             // The device's choice, one split (written directly), two (merged in clusters by the
-            // wgmma kernel), three (the 5-entry list leaves two empty), four (one cluster of
-            // four), 16 (per-row merge at 64 heads and more; two clusters of eight on the wgmma
-            // kernel) and 40 (block-wide merge elsewhere).
-            for splits in [chosen, 1, 2, 3, 4, 16, 40] {
+            // wgmma kernel), three (the 5-entry list leaves two empty), 16 (per-row merge at 64
+            // heads and more) and 40 (block-wide merge).
+            for splits in [chosen, 1, 2, 3, 16, 40] {
                 let work = DecodeWork::sparse(gpu, shape, Some(splits), Some(variant)).unwrap();
                 assert_eq!(work.kernel, *variant);
                 let got = run_decode(gpu, shape, &input, &work);

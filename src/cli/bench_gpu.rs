@@ -94,8 +94,7 @@ struct DecodeTimes {
     gbs: f64,
     /// The worst relative error of the sampled heads against the f64 reference.
     err: f64,
-    /// The split count, with `c` and the cluster where the kernel merges them in clusters.
-    splits: String,
+    splits: usize,
 }
 
 /// One decode shape, timed and checked.
@@ -194,10 +193,7 @@ fn decode_shape(
         graph_ms,
         gbs: bytes / (ms * 1e-3) / 1e9,
         err: worst,
-        splits: match work.merge_cluster(gpu) {
-            1 => work.splits.to_string(),
-            c => format!("{}c{c}", work.splits),
-        },
+        splits: work.splits,
     })
 }
 

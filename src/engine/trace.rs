@@ -87,9 +87,8 @@ pub enum OpKind {
     /// A fast attention kernel's log-sum-exp (natural log) per query and head, [tokens, heads]:
     /// what production kernels keep of the softmax instead of the probabilities.
     AttentionLse,
-    /// A split-KV decode's partial results before the merge kernel: each split's (or each
-    /// cluster's, where the kernel merges its splits in clusters) normalised latent output
-    /// [tokens, partials, heads, L] (`attn_partials`), or its log-sum-exp [tokens, partials,
+    /// A split-KV decode's partial results before the merge: each split's normalised latent
+    /// output [tokens, splits, heads, L] (`attn_partials`), or its log-sum-exp [tokens, splits,
     /// heads] (`attn_partials_lse`).
     AttentionPartials,
     /// The rows past the real ones of a fast decode batch padded to a CUDA-graph capture size

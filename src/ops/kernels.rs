@@ -227,8 +227,8 @@ pub struct KernelLaunch {
     pub shared_bytes: u32,
     /// KV splits (1 for kernels that do not split).
     pub splits: u32,
-    /// Blocks a cluster: splits merged inside the kernel this many at a time (1: none; each
-    /// split's partials go to the merge kernel).
+    /// Blocks a cluster along x: 2 where a pair of splits merges inside the kernel (no
+    /// partials, no merge kernel); 1 for a launch without clusters.
     #[serde(default = "one")]
     pub cluster: u32,
 }
@@ -336,16 +336,17 @@ mod tests {
             info.to_string(),
             "mla_decode_ks3 grid (4,64,1) block (256,1,1) smem 222000 B splits 4"
         );
-        let grouped = KernelLaunch {
+        // Two splits merged inside the kernel by a cluster of two blocks (no partials).
+        let paired = KernelLaunch {
             kernel: "mla_decode_wgmma".into(),
-            grid: [64, 1, 1],
-            splits: 64,
-            cluster: 8,
+            grid: [2, 64, 1],
+            splits: 2,
+            cluster: 2,
             ..l
         };
         assert_eq!(
-            grouped.to_string(),
-            "mla_decode_wgmma grid (64,1,1) block (256,1,1) smem 222000 B splits 64 in clusters of 8"
+            paired.to_string(),
+            "mla_decode_wgmma grid (2,64,1) block (256,1,1) smem 222000 B splits 2 in clusters of 2"
         );
         let declined = KernelInfo {
             launches: vec![],

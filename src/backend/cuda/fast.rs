@@ -6,9 +6,9 @@
 //! and take fault injections; these do neither, and are built for speed.
 
 use super::device::fast_kernels::decode_block;
-pub use super::device::fast_kernels::CLUSTER_MERGE_KERNELS;
+pub use super::device::fast_kernels::PAIR_MERGE_KERNELS;
 pub use super::device::fast_kernels::{reads_query_by_tma, DecodeQuery, MergeFaults, MAX_SPLITS};
-use super::device::fast_kernels::{Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
+use super::device::fast_kernels::{switched_off, Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{variants, DevBuf, DevI32, Elem, Gpu, Launched};
 pub use super::fast_fp8::{
@@ -23,9 +23,9 @@ pub use super::fast_sparse::{
     key_lists, mla_decode_sparse, sparse_decode_variants_for, sparse_twin, KeyLists,
 };
 pub(super) use super::fast_splits::decode_splits;
-use super::fast_splits::merge_cluster;
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
+use std::sync::OnceLock;
 
 /// A launch as the trace records it; `splits` for the decode's split kernel.
 pub(super) fn traced(l: Launched, splits: usize) -> KernelLaunch {
@@ -235,33 +235,28 @@ impl DecodeWork {
         DecodeWork::with_variant(gpu, shape, decode_splits(gpu, shape, chosen), variant)
     }
 
-    /// How many splits the launch merges inside the kernel as one cluster of blocks
-    /// (`fast_splits::merge_cluster`: 2, 4 or 8 for the wgmma kernels on sm_90), or 1: none,
-    /// also where a merge fault is planted (those live in the merge kernel).
-    pub fn merge_cluster(&self, gpu: &Gpu) -> usize {
-        match self.merge_faults.any() {
-            true => 1,
-            false => merge_cluster(gpu, self.kernel, self.splits),
-        }
+    /// Whether the launch merges its splits inside the kernel, in clusters of two blocks (the
+    /// wgmma kernels at two splits on sm_90, unless a merge fault is planted: those live in the
+    /// merge kernel): then it leaves no partials. `MLADB_DECODE_PAIR_MERGE=0` turns it off.
+    pub fn pairs_splits(&self, gpu: &Gpu) -> bool {
+        static PAIR_MERGE_OFF: OnceLock<bool> = OnceLock::new();
+        self.splits == 2
+            && PAIR_MERGE_KERNELS.contains(&self.kernel)
+            && has_tma(gpu)
+            && !self.merge_faults.any()
+            && !switched_off("MLADB_DECODE_PAIR_MERGE", &PAIR_MERGE_OFF)
     }
 
-    /// The partials a sequence's splits leave for the merge kernel: one a split, or one a
-    /// cluster of splits merged inside the kernel (1: the kernel wrote the result itself).
-    pub fn partial_splits(&self, gpu: &Gpu) -> usize {
-        self.splits / self.merge_cluster(gpu)
-    }
-
-    /// The split partials the launch left, as device buffers: outputs [batch, partial splits,
-    /// heads, 512] and log-sum-exps [batch, partial splits, heads] (meaningful when it wrote
-    /// them).
+    /// The split partials the launch left, as device buffers: outputs [batch, splits, heads,
+    /// 512] and log-sum-exps [batch, splits, heads] (meaningful when it split the keys).
     pub fn into_partials(self) -> (DevBuf, DevBuf) {
         (self.part_o, self.part_lse)
     }
 
-    /// Whether the launch writes partials for the merge kernel to read: more than one a
-    /// sequence ([`DecodeWork::partial_splits`]).
+    /// Whether the launch writes split partials for the merge kernel to read: it splits the
+    /// keys and does not merge its two splits inside the kernel.
     pub fn writes_partials(&self, gpu: &Gpu) -> bool {
-        self.partial_splits(gpu) > 1
+        self.splits > 1 && !self.pairs_splits(gpu)
     }
 
     /// Plants faults in the merge (the merge kernel then runs, so the partials are made).
@@ -278,10 +273,10 @@ impl DecodeWork {
     /// The partials' buffers, at their size, where the launch writes them and they are not
     /// there yet.
     fn make_partials(&mut self, gpu: &Gpu) -> Result<()> {
-        let partials = self.rows * self.partial_splits(gpu);
-        if self.writes_partials(gpu) && self.part_o.len() < partials * LATENT {
-            self.part_o = gpu.alloc(partials * LATENT, Elem::F32)?;
-            self.part_lse = gpu.alloc(partials, Elem::F32)?;
+        let len = self.rows * self.splits * LATENT;
+        if self.writes_partials(gpu) && self.part_o.len() < len {
+            self.part_o = gpu.alloc(len, Elem::F32)?;
+            self.part_lse = gpu.alloc(self.rows * self.splits, Elem::F32)?;
         }
         Ok(())
     }
@@ -393,15 +388,17 @@ pub(super) fn decode_launches(
         part_lse: &work.part_lse,
         out,
         lse,
-        merge_cluster: work.merge_cluster(gpu),
+        pair_merge: work.pairs_splits(gpu),
     };
     let split = traced(gpu.mla_decode_splits(&launch)?, work.splits);
+    if launch.pair_merge {
+        return Ok(vec![split]);
+    }
     with_merge(gpu, shape, work, split, out, lse)
 }
 
-/// A split kernel's launch, then the merge of its partials into `out` and `lse` when it left
-/// more than one a sequence (with one split, or one cluster of them, the kernel wrote the
-/// result itself): the same for every decode kernel.
+/// A split kernel's launch, then the merge of its partials into `out` and `lse` when it split
+/// (with one split the kernel wrote the result itself): the same for every decode kernel.
 pub(super) fn with_merge(
     gpu: &Gpu,
     shape: DecodeShape,
@@ -410,18 +407,17 @@ pub(super) fn with_merge(
     out: &DevBuf,
     lse: &DevBuf,
 ) -> Result<Vec<KernelLaunch>> {
-    let partials = work.partial_splits(gpu);
-    if partials == 1 {
+    if work.splits == 1 {
         return Ok(vec![split]);
     }
     // Few splits over many rows: a warp per (sequence, head), no block barriers (the whole
     // decode at batch 64 × 1k, 2 splits, on the H200: 58 µs instead of 86). Under 64 blocks of
     // rows the block-wide merge spreads wider (batch 1 × 1k, 16 splits: 16.3 µs against 19–20).
-    let per_row = partials <= combine_rows_max() && shape.batch * shape.heads >= 512;
+    let per_row = work.splits <= combine_rows_max() && shape.batch * shape.heads >= 512;
     let merge = Merge {
         batch: shape.batch,
         heads: shape.heads,
-        splits: partials,
+        splits: work.splits,
         part_o: &work.part_o,
         part_lse: &work.part_lse,
         out,

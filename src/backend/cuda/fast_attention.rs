@@ -359,9 +359,8 @@ impl CudaBackend {
         };
         self.refresh_host(out, &od)?;
         drop(pool); // after the launches are done with it
-                    // Splits merged inside the kernel in clusters leave a partial a cluster, or none where
-                    // one cluster holds them all.
-        let splits = work.partial_splits(self.gpu());
+        let splits = work.splits;
+        // Splits merged inside the kernel (clusters of two) leave no partials in memory.
         let partials = match work.writes_partials(self.gpu()) {
             false => None,
             true => {

@@ -1,51 +1,8 @@
-//! How a decode splits its keys: the split count of least cost for a shape, and the clusters of
-//! blocks that merge their splits inside the kernel (kernels/pair_merge_sm90.cuh).
+//! How many splits a decode's keys are cut into: the split count of least cost for a shape.
 
-use super::device::fast_kernels::{decode_block, CLUSTER_MERGE_KERNELS, MAX_SPLITS};
+use super::device::fast_kernels::{decode_block, MAX_SPLITS};
 use super::device::Gpu;
-use super::fast::{has_tma, head_group, on_wgmma, reads_cache_by_tma, DecodeShape};
-use std::sync::OnceLock;
-
-/// The largest cluster of splits a decode merges inside the kernel: 8, or what
-/// `MLADB_DECODE_MERGE_CLUSTER` says (2: pairs only; 1: none, every split through the merge
-/// kernel), read once.
-fn max_merge_cluster() -> usize {
-    static MAX: OnceLock<usize> = OnceLock::new();
-    *MAX.get_or_init(|| {
-        std::env::var("MLADB_DECODE_MERGE_CLUSTER")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .map_or(8, |n| n.clamp(1, 8))
-    })
-}
-
-/// The largest cluster `kernel` merges its splits in on this device: the wgmma decodes (bf16
-/// cache, dense and sparse) where the device launches clusters (sm_90), else 1.
-fn max_cluster_of(gpu: &Gpu, kernel: &str) -> usize {
-    if CLUSTER_MERGE_KERNELS.contains(&kernel) && has_tma(gpu) {
-        max_merge_cluster()
-    } else {
-        1
-    }
-}
-
-/// How many of a launch's `splits` merge inside the kernel as one cluster of blocks: both of two
-/// (the pair merge), else eight or four where they divide the count (the group merge); 1 where
-/// the kernel or device merges none (every split writes partials for the merge kernel).
-pub(in crate::backend::cuda) fn merge_cluster(gpu: &Gpu, kernel: &str, splits: usize) -> usize {
-    cluster_for(splits, max_cluster_of(gpu, kernel))
-}
-
-/// The cluster of [`merge_cluster`] for `splits`, clusters up to `max` blocks.
-fn cluster_for(splits: usize, max: usize) -> usize {
-    if splits == 2 {
-        return if max >= 2 { 2 } else { 1 };
-    }
-    [8, 4]
-        .into_iter()
-        .find(|&c| c <= max && splits.is_multiple_of(c))
-        .unwrap_or(1)
-}
+use super::fast::{head_group, on_wgmma, reads_cache_by_tma, DecodeShape};
 
 /// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
 /// walks (plus a fixed cost per split for its start), plus the partials every split writes and
@@ -58,30 +15,14 @@ fn cluster_for(splits: usize, max: usize) -> usize {
 /// 2026-12-04: B1 × 8k 18.6 → 17.5 µs against four tokens, B1 × 32k 29.6 → 28.2, B4 × 8k 30.4 →
 /// 28.5), a share of that for fewer heads; the cp.async kernels (FP8 among them) went slower
 /// with fewer splits (FP8 B1 × 8k: 25.5 → 34.5 µs), so they keep the plain count.
-/// Splits merged inside the kernel in clusters of four or eight ([`merge_cluster`]) leave one
-/// partial a cluster (none when one cluster holds them all), and their blocks run only as many
-/// at once as the device's groups of multiprocessors hold whole clusters.
-pub(in crate::backend::cuda) fn decode_splits(
-    gpu: &Gpu,
-    shape: DecodeShape,
-    (kernel, shared): (&str, u32),
-) -> usize {
+pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&str, u32)) -> usize {
     // Blocks per multiprocessor: its shared memory over the block's (plus the 1 KB the driver
     // reserves per block), or fewer where the kernel's registers allow fewer.
     let by_shared = (gpu.max_shared_per_multiprocessor() / (shared as usize + 1024)).max(1);
     let per_sm = gpu
         .resident_blocks(kernel, decode_block(kernel).1, shared)
         .map_or(by_shared, |n| n.min(by_shared));
-    let blocks = gpu.multiprocessors() * per_sm;
-    let max_cluster = max_cluster_of(gpu, kernel);
-    let threads = decode_block(kernel).1;
-    let slots = [1usize, 2, 4, 8].map(|c| match c {
-        1 => blocks,
-        c if c > max_cluster => blocks,
-        c => gpu
-            .resident_clusters(kernel, threads, shared, c as u32)
-            .map_or(blocks, |n| (n * c).min(blocks)),
-    });
+    let slots = gpu.multiprocessors() * per_sm;
     // The fixed cost in tokens; `MLADB_DECODE_SPLIT_COST` sets another, for experiments.
     let fixed = std::env::var("MLADB_DECODE_SPLIT_COST")
         .ok()
@@ -97,7 +38,6 @@ pub(in crate::backend::cuda) fn decode_splits(
     let group = head_group(kernel);
     split_count(SplitCosts {
         slots,
-        max_cluster,
         groups: shape.batch * shape.heads.div_ceil(group),
         max_len: shape.max_len,
         fixed,
@@ -112,13 +52,11 @@ fn partials_cost(per_group: usize, batch: usize, heads: usize, group: usize) -> 
     (per_group * batch * heads).div_ceil(group)
 }
 
-/// What [`decode_splits`] weighs: block slots on the device (blocks it runs at once, launched
-/// alone and in clusters of 2, 4 and 8), the largest cluster the kernel merges in, blocks per
-/// split (sequences × head groups), the longest sequence, and the per-split costs in tokens of a
-/// block's time: `fixed` per block, `merge` for all the partials of one split.
+/// What [`decode_splits`] weighs: block slots on the device, blocks per split (sequences × head
+/// groups), the longest sequence, and the per-split costs in tokens of a block's time: `fixed`
+/// per block, `merge` for all the partials of one split.
 struct SplitCosts {
-    slots: [usize; 4],
-    max_cluster: usize,
+    slots: usize,
     groups: usize,
     max_len: usize,
     fixed: usize,
@@ -135,17 +73,8 @@ fn split_count(c: SplitCosts) -> usize {
         if c.max_len.div_ceil(chunk) < s {
             continue;
         }
-        let cluster = cluster_for(s, c.max_cluster);
-        let slots = c.slots[cluster.trailing_zeros() as usize];
-        let waves = (c.groups * s).div_ceil(slots);
-        let partials = match cluster {
-            1 if s == 1 => 0,
-            // A pair trades its rows through shared memory at about the partials' cost.
-            1 | 2 => c.merge * s,
-            // A group's exchange, then a partial a cluster where the merge kernel still runs.
-            _ if s == cluster => c.merge,
-            _ => c.merge * (1 + s / cluster),
-        };
+        let waves = (c.groups * s).div_ceil(c.slots);
+        let partials = if s > 1 { c.merge * s } else { 0 };
         // A block walks whole tiles: its share rounded up, as the kernels round it.
         let cost = waves * (chunk + c.fixed) + partials;
         if cost < best.0 {
@@ -162,55 +91,12 @@ mod tests {
     /// The H200's 132 multiprocessors, one 222 KB block each.
     fn h200(groups: usize, max_len: usize, merge: usize) -> usize {
         split_count(SplitCosts {
-            slots: [132; 4],
-            max_cluster: 1,
+            slots: 132,
             groups,
             max_len,
             fixed: 192,
             merge: merge * groups,
         })
-    }
-
-    #[test]
-    fn clusters_take_two_splits_or_four_or_eight_that_divide_the_count() {
-        assert_eq!(cluster_for(1, 8), 1);
-        assert_eq!(cluster_for(2, 8), 2);
-        assert_eq!(cluster_for(2, 1), 1, "merging in the kernel switched off");
-        assert_eq!(cluster_for(3, 8), 1);
-        assert_eq!(cluster_for(4, 8), 4);
-        assert_eq!(cluster_for(12, 8), 4);
-        assert_eq!(cluster_for(16, 8), 8);
-        assert_eq!(cluster_for(16, 4), 4);
-        assert_eq!(cluster_for(16, 2), 1, "pairs only");
-        assert_eq!(cluster_for(40, 8), 8);
-        assert_eq!(cluster_for(43, 8), 1);
-    }
-
-    #[test]
-    fn clusters_cut_the_partials_and_the_slots_they_fit() {
-        let h200 = |groups: usize, max_len: usize, eights: usize| {
-            split_count(SplitCosts {
-                slots: [132, 132, 132, eights],
-                max_cluster: 8,
-                groups,
-                max_len,
-                fixed: 192,
-                merge: 2 * groups,
-            })
-        };
-        // One sequence of 8k: clusters of eight leave 16 partials of 128 splits of 64 tokens
-        // (against 64 splits when every split writes them), where 16 clusters of eight run at
-        // once; where fewer do, 64 in one wave (no count between leaves every split tokens).
-        assert_eq!(h200(1, 8192, 128), 128);
-        assert_eq!(h200(1, 8192, 120), 64);
-        // Batch 64 × 8k: a pair still (two waves of clusters cost more than the partials).
-        assert_eq!(h200(64, 8192, 128), 2);
-        // No count leaves a split empty after the rounding to 32-token tiles.
-        for len in [100, 1000, 4096, 5000, 8192, 32768] {
-            let s = h200(1, len, 128);
-            let chunk = len.div_ceil(s).div_ceil(32) * 32;
-            assert_eq!(len.div_ceil(chunk), s, "{len} tokens: {s} splits");
-        }
     }
 
     #[test]
@@ -239,8 +125,7 @@ mod tests {
         assert_eq!(partials_cost(4, 1, 8, 64), 1);
         let eighth = |batch, max_len| {
             split_count(SplitCosts {
-                slots: [132; 4],
-                max_cluster: 1,
+                slots: 132,
                 groups: batch,
                 max_len,
                 fixed: 192,

@@ -151,11 +151,9 @@ pub struct Decode<'a> {
     /// [batch, heads, 512] bf16 and [batch, heads] f32.
     pub out: &'a DevBuf,
     pub lse: &'a DevBuf,
-    /// Splits launched as clusters of this many blocks that merge their results inside the
-    /// kernel (1: none): 2, both splits of a sequence into `out` and `lse` (no partials); 4 or 8,
-    /// a cluster's splits into one partial a cluster, or into `out` and `lse` where one cluster
-    /// holds them all. The wgmma kernels ([`CLUSTER_MERGE_KERNELS`]) only.
-    pub merge_cluster: usize,
+    /// Two splits launched as clusters of two blocks that merge each other's results into `out`
+    /// and `lse` (no partials, no merge kernel): the wgmma kernels at exactly two splits.
+    pub pair_merge: bool,
 }
 
 /// A decode's query, bf16.
@@ -184,9 +182,9 @@ pub fn reads_query_by_tma(kernel: &str) -> bool {
     MLA_DECODE_WGMMA.matches(kernel) || MLA_SPARSE_WGMMA.matches(kernel)
 }
 
-/// The kernels that merge their splits themselves when launched in clusters of 2, 4 or 8
-/// blocks (kernels/pair_merge_sm90.cuh).
-pub const CLUSTER_MERGE_KERNELS: [&str; 2] = ["mla_decode_wgmma", "mla_sparse_wgmma"];
+/// The kernels that merge their two splits themselves when launched in clusters of two
+/// (kernels/mla_decode_sm90.cu, `pair_merge`).
+pub const PAIR_MERGE_KERNELS: [&str; 2] = ["mla_decode_wgmma", "mla_sparse_wgmma"];
 
 /// The split kernels that wait for the kernel before them (`wait_for_prior_kernel`) before they
 /// read or write device memory, so that they may be launched as its dependents.
@@ -263,22 +261,6 @@ impl Decode<'_> {
                 "MLA decode: {b} sequences, {h} heads (at least 1 each) and {s} splits (1 to {MAX_SPLITS})"
             )));
         }
-        // A cluster merge: a pair of exactly two splits, or a group of 4 or 8 dividing them,
-        // on the kernels that merge so (the kernel traps on any other).
-        let c = self.merge_cluster;
-        let clusters_fit = match c {
-            1 => true,
-            2 => s == 2,
-            4 | 8 => s.is_multiple_of(c),
-            _ => false,
-        };
-        if !clusters_fit || (c > 1 && !CLUSTER_MERGE_KERNELS.contains(&self.kernel)) {
-            return Err(Error::invalid(format!(
-                "{} with {s} splits cannot merge its splits in clusters of {c}",
-                self.kernel
-            )));
-        }
-        let left = s / c;
         if !self.cache.len().is_multiple_of(PAGE * width) {
             return Err(Error::invalid(
                 "MLA decode: the cache must be pages of 64 rows of 576",
@@ -349,18 +331,17 @@ impl Decode<'_> {
             table: Arg::Ptr(I32Ptr, self.block_table.ptr()),
             lens: Arg::Ptr(I32Ptr, self.seq_lens.ptr()),
             sparse,
-            // Partials are written only by a split launch that the merge kernel merges: one a
-            // split, or one a cluster of splits merged in the kernel.
+            // Partials are written only by a split launch that the merge kernel merges.
             part_o: need(
                 "MLA decode workspace",
                 self.part_o,
-                partials(&[b, left, h, LATENT], left > 1)?,
+                partials(&[b, s, h, LATENT], s > 1 && !self.pair_merge)?,
                 Elem::F32,
             )?,
             part_lse: need(
                 "MLA decode workspace",
                 self.part_lse,
-                partials(&[b, left, h], left > 1)?,
+                partials(&[b, s, h], s > 1 && !self.pair_merge)?,
                 Elem::F32,
             )?,
             out: need(
@@ -477,15 +458,17 @@ impl Gpu {
             block: threads,
             shared: d.shared,
         };
-        if d.merge_cluster > 1 {
-            // SAFETY: as below, except that the blocks of a cluster (consecutive splits of one
-            // sequence and head group; `check` wants the count to divide the splits) write their
-            // rows into each other's shared memory instead of partials, and write the merged
-            // rows to `out` and `lse` (a pair, or a group holding every split) or to the
-            // cluster's partial, inside the extents `check` computed for splits / cluster.
-            return unsafe {
-                self.launch_cluster(sig, d.kernel, cfg, &args, d.merge_cluster as u32)
-            };
+        if d.pair_merge {
+            if d.splits != 2 || !PAIR_MERGE_KERNELS.contains(&d.kernel) {
+                return Err(Error::invalid(format!(
+                    "{} with {} splits cannot merge its splits in clusters of two",
+                    d.kernel, d.splits
+                )));
+            }
+            // SAFETY: as below, except that block 1 of each cluster (split 1) writes its rows
+            // into block 0's shared memory instead of partials, and block 0 writes `out` and
+            // `lse` for the group's heads; the grid's x extent is the two splits.
+            return unsafe { self.launch_cluster(sig, d.kernel, cfg, &args, 2) };
         }
         static SPLIT_PDL_OFF: OnceLock<bool> = OnceLock::new();
         if SPLIT_WAITS_KERNELS.contains(&d.kernel)

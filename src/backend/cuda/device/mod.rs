@@ -157,8 +157,6 @@ struct Kernel {
     shared_allowed: AtomicU32,
     /// Resident blocks per multiprocessor by (threads, shared bytes), asked of the driver once.
     resident: Mutex<HashMap<(u32, u32), Option<usize>>>,
-    /// Resident clusters on the device by (threads, shared bytes, blocks a cluster), the same.
-    clusters: Mutex<HashMap<(u32, u32, u32), Option<usize>>>,
 }
 
 impl Kernel {
@@ -291,7 +289,6 @@ impl Gpu {
                                 function,
                                 shared_allowed,
                                 resident: Mutex::default(),
-                                clusters: Mutex::default(),
                             },
                         ))
                     })
@@ -589,60 +586,6 @@ impl Gpu {
                 .occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)
                 .ok()?;
             (blocks > 0).then_some(blocks as usize)
-        })
-    }
-
-    /// How many clusters of `size` blocks of kernel `name` (`threads` threads and `shared` bytes
-    /// each) the device runs at once, as the driver reckons it from how its multiprocessors are
-    /// grouped (a cluster's blocks share one group); `None` when it cannot say or the device has
-    /// no clusters (before sm_90).
-    pub fn resident_clusters(
-        &self,
-        name: &str,
-        threads: u32,
-        shared: u32,
-        size: u32,
-    ) -> Option<usize> {
-        use cudarc::driver::sys;
-        let kernel = self.functions.get(name)?;
-        if !self.dependent_launches || size == 0 {
-            return None;
-        }
-        let mut known = kernel.clusters.lock().unwrap_or_else(|p| p.into_inner());
-        *known.entry((threads, shared, size)).or_insert_with(|| {
-            kernel.allow_shared(shared).ok()?;
-            self.ctx.bind_to_thread().ok()?;
-            // SAFETY: zero is a valid bit pattern for the attribute (a C struct and union).
-            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attr.value.clusterDim.x = size;
-            attr.value.clusterDim.y = 1;
-            attr.value.clusterDim.z = 1;
-            let config = sys::CUlaunchConfig {
-                gridDimX: size,
-                gridDimY: 1,
-                gridDimZ: 1,
-                blockDimX: threads,
-                blockDimY: 1,
-                blockDimZ: 1,
-                sharedMemBytes: shared,
-                hStream: self.stream.cu_stream(),
-                attrs: &mut attr,
-                numAttrs: 1,
-            };
-            let mut clusters: std::ffi::c_int = 0;
-            // SAFETY: the function belongs to this context (bound above), the stream too; the
-            // driver only reads the configuration and writes the count.
-            unsafe {
-                sys::cuOccupancyMaxActiveClusters(
-                    &mut clusters,
-                    kernel.function.cu_function(),
-                    &config,
-                )
-            }
-            .result()
-            .ok()?;
-            (clusters > 0).then_some(clusters as usize)
         })
     }
 
