@@ -458,6 +458,9 @@ impl Gpu {
             block: threads,
             shared: d.shared,
         };
+        static SPLIT_PDL_OFF: OnceLock<bool> = OnceLock::new();
+        let dependent = SPLIT_WAITS_KERNELS.contains(&d.kernel)
+            && !switched_off("MLADB_DECODE_SPLIT_PDL", &SPLIT_PDL_OFF);
         if d.pair_merge {
             if d.splits != 2 || !PAIR_MERGE_KERNELS.contains(&d.kernel) {
                 return Err(Error::invalid(format!(
@@ -467,13 +470,11 @@ impl Gpu {
             }
             // SAFETY: as below, except that block 1 of each cluster (split 1) writes its rows
             // into block 0's shared memory instead of partials, and block 0 writes `out` and
-            // `lse` for the group's heads; the grid's x extent is the two splits.
-            return unsafe { self.launch_cluster(sig, d.kernel, cfg, &args, 2) };
+            // `lse` for the group's heads; the grid's x extent is the two splits. As a
+            // dependent, as the launch after: the pair kernels are among those that wait.
+            return unsafe { self.launch_cluster(sig, d.kernel, cfg, &args, 2, dependent) };
         }
-        static SPLIT_PDL_OFF: OnceLock<bool> = OnceLock::new();
-        if SPLIT_WAITS_KERNELS.contains(&d.kernel)
-            && !switched_off("MLADB_DECODE_SPLIT_PDL", &SPLIT_PDL_OFF)
-        {
+        if dependent {
             // SAFETY: as the plain launch below; the kernel reads and writes nothing before its
             // `wait_for_prior_kernel`.
             return unsafe { self.launch_dependent(sig, d.kernel, cfg, &args) };

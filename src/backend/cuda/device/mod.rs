@@ -130,7 +130,8 @@ pub struct Launched {
 enum LaunchMode {
     Plain,
     Dependent,
-    Cluster(u32),
+    /// Blocks in clusters of this size along x, and whether also as a dependent.
+    Cluster(u32, bool),
 }
 
 /// A 1-D launch covering `n` elements with 256-thread blocks (grid-stride loops do the rest).
@@ -390,10 +391,13 @@ impl Gpu {
     }
 
     /// [`Gpu::launch`] with the grid's blocks in clusters of `size` along x (sm_90 and later:
-    /// the blocks of a cluster run at once and reach each other's shared memory).
+    /// the blocks of a cluster run at once and reach each other's shared memory); with
+    /// `dependent`, also as a programmatic dependent of the kernel before
+    /// ([`Gpu::launch_dependent`]).
     ///
     /// # Safety
-    /// As [`Gpu::launch`]; the grid's x extent is a multiple of `size`.
+    /// As [`Gpu::launch`]; the grid's x extent is a multiple of `size`; with `dependent`, the
+    /// kernel must not read memory the previous kernel writes before its wait.
     unsafe fn launch_cluster(
         &self,
         sig: &Sig,
@@ -401,6 +405,7 @@ impl Gpu {
         cfg: Launch,
         args: &[Arg],
         size: u32,
+        dependent: bool,
     ) -> Result<Launched> {
         if size == 0 || !cfg.grid.0.is_multiple_of(size) || !self.dependent_launches {
             return Err(Error::invalid(format!(
@@ -409,7 +414,7 @@ impl Gpu {
             )));
         }
         // SAFETY: the caller upholds this function's contract.
-        unsafe { self.launch_with(sig, name, cfg, args, LaunchMode::Cluster(size)) }?;
+        unsafe { self.launch_with(sig, name, cfg, args, LaunchMode::Cluster(size, dependent)) }?;
         Ok(Launched {
             cluster: size,
             ..cfg.launched(name)
@@ -503,20 +508,23 @@ impl Gpu {
                 Arg::StatsJobs(v) => v as *const _ as *mut c_void,
             })
             .collect();
-        // SAFETY: zero is a valid bit pattern for the attribute (a C struct and union).
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        match mode {
-            LaunchMode::Cluster(size) => {
-                attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-                attr.value.clusterDim.x = size;
-                attr.value.clusterDim.y = 1;
-                attr.value.clusterDim.z = 1;
-            }
-            _ => {
-                attr.id =
-                    sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-                attr.value.programmaticStreamSerializationAllowed = 1;
-            }
+        // SAFETY: zero is a valid bit pattern for the attributes (C structs and unions).
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0;
+        if let LaunchMode::Cluster(size, _) = mode {
+            let cluster = &mut attrs[n];
+            cluster.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            cluster.value.clusterDim.x = size;
+            cluster.value.clusterDim.y = 1;
+            cluster.value.clusterDim.z = 1;
+            n += 1;
+        }
+        if matches!(mode, LaunchMode::Dependent | LaunchMode::Cluster(_, true)) {
+            let dependent = &mut attrs[n];
+            dependent.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            dependent.value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
         }
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid.0,
@@ -527,8 +535,8 @@ impl Gpu {
             blockDimZ: 1,
             sharedMemBytes: cfg.shared,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
         };
         self.ctx.bind_to_thread()?;
         // SAFETY: the function belongs to this context, the stream too; `params` holds one
