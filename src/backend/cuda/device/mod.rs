@@ -18,6 +18,7 @@ pub mod fp8_kernels;
 mod free_list;
 mod kernel_cache;
 pub mod kernels;
+mod launch_attrs;
 mod ledger;
 pub mod mla_kernels;
 pub mod model_kernels;
@@ -125,7 +126,8 @@ pub struct Launched {
 }
 
 /// How a kernel is launched: plainly, as a programmatic dependent of the kernel before it, or
-/// with its blocks in clusters of a size along x.
+/// with its blocks in clusters of a size along x (as a dependent too, or not): the launch
+/// attributes of `launch_attrs`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum LaunchMode {
     Plain,
@@ -508,24 +510,7 @@ impl Gpu {
                 Arg::StatsJobs(v) => v as *const _ as *mut c_void,
             })
             .collect();
-        // SAFETY: zero is a valid bit pattern for the attributes (C structs and unions).
-        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
-        let mut n = 0;
-        if let LaunchMode::Cluster(size, _) = mode {
-            let cluster = &mut attrs[n];
-            cluster.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            cluster.value.clusterDim.x = size;
-            cluster.value.clusterDim.y = 1;
-            cluster.value.clusterDim.z = 1;
-            n += 1;
-        }
-        if matches!(mode, LaunchMode::Dependent | LaunchMode::Cluster(_, true)) {
-            let dependent = &mut attrs[n];
-            dependent.id =
-                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            dependent.value.programmaticStreamSerializationAllowed = 1;
-            n += 1;
-        }
+        let (mut attrs, n) = launch_attrs::of(mode);
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid.0,
             gridDimY: cfg.grid.1,
@@ -536,7 +521,7 @@ impl Gpu {
             sharedMemBytes: cfg.shared,
             hStream: self.stream.cu_stream(),
             attrs: attrs.as_mut_ptr(),
-            numAttrs: n as u32,
+            numAttrs: n,
         };
         self.ctx.bind_to_thread()?;
         // SAFETY: the function belongs to this context, the stream too; `params` holds one
