@@ -7,8 +7,10 @@
 
 use super::device::fast_kernels::decode_block;
 pub use super::device::fast_kernels::PAIR_MERGE_KERNELS;
+use super::device::fast_kernels::{
+    env_count, switched_off, Decode, Merge, SparseKeys, COMBINE_ROWS_MAX,
+};
 pub use super::device::fast_kernels::{reads_query_by_tma, DecodeQuery, MergeFaults, MAX_SPLITS};
-use super::device::fast_kernels::{switched_off, Decode, Merge, SparseKeys, COMBINE_ROWS_MAX};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
 use super::device::{variants, DevBuf, DevI32, Elem, Gpu, Launched};
 pub use super::fast_fp8::{
@@ -431,9 +433,8 @@ pub(super) fn with_merge(
 /// Up to how many splits the per-row merge runs (at most 32, a split per lane);
 /// `MLADB_COMBINE_ROWS_MAX` sets another bound, for experiments (0: never).
 fn combine_rows_max() -> usize {
-    std::env::var("MLADB_COMBINE_ROWS_MAX")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
+    static SET: OnceLock<Option<usize>> = OnceLock::new();
+    env_count("MLADB_COMBINE_ROWS_MAX", &SET)
         .unwrap_or(16)
         .min(COMBINE_ROWS_MAX)
 }

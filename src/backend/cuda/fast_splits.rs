@@ -1,8 +1,9 @@
 //! How many splits a decode's keys are cut into: the split count of least cost for a shape.
 
-use super::device::fast_kernels::{decode_block, MAX_SPLITS};
+use super::device::fast_kernels::{decode_block, env_count, MAX_SPLITS};
 use super::device::Gpu;
 use super::fast::{head_group, on_wgmma, reads_cache_by_tma, DecodeShape};
+use std::sync::OnceLock;
 
 /// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
 /// walks (plus a fixed cost per split for its start), plus the partials every split writes and
@@ -24,16 +25,12 @@ pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&s
         .map_or(by_shared, |n| n.min(by_shared));
     let slots = gpu.multiprocessors() * per_sm;
     // The fixed cost in tokens; `MLADB_DECODE_SPLIT_COST` sets another, for experiments.
-    let fixed = std::env::var("MLADB_DECODE_SPLIT_COST")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(192);
+    static FIXED: OnceLock<Option<usize>> = OnceLock::new();
+    let fixed = env_count("MLADB_DECODE_SPLIT_COST", &FIXED).unwrap_or(192);
     // The partials' cost per split and head group, in tokens; `MLADB_DECODE_MERGE_COST` sets
     // another, for experiments.
-    let merge = std::env::var("MLADB_DECODE_MERGE_COST")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(2)
+    static MERGE: OnceLock<Option<usize>> = OnceLock::new();
+    let merge = env_count("MLADB_DECODE_MERGE_COST", &MERGE).unwrap_or(2)
         * usize::from(reads_cache_by_tma(kernel) || on_wgmma(kernel));
     let group = head_group(kernel);
     split_count(SplitCosts {

@@ -201,6 +201,16 @@ pub fn switched_off(var: &str, once: &OnceLock<bool>) -> bool {
     *once.get_or_init(|| std::env::var(var).is_ok_and(|v| v == "0"))
 }
 
+/// A count set for experiments in environment variable `var` (`None` where unset or not a
+/// count), read once per process into `once`, as [`switched_off`].
+pub fn env_count(var: &str, once: &OnceLock<Option<usize>>) -> Option<usize> {
+    *once.get_or_init(|| {
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+    })
+}
+
 /// A split decode's merge: the partials it reads, the output it writes.
 pub struct Merge<'a> {
     pub batch: usize,
