@@ -480,8 +480,8 @@ impl Gpu {
             }
             // SAFETY: as below, except that block 1 of each cluster (split 1) writes its rows
             // into block 0's shared memory instead of partials, and block 0 writes `out` and
-            // `lse` for the group's heads; the grid's x extent is the two splits. As a
-            // dependent, as the launch after: the pair kernels are among those that wait.
+            // `lse` for the group's heads; the grid's x extent is the two splits. With
+            // `dependent`, as the dependent launch below (the pair kernels wait too).
             return unsafe { self.launch_cluster(sig, d.kernel, cfg, &args, 2, dependent) };
         }
         if dependent {
