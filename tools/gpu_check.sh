@@ -35,7 +35,8 @@ if [ "$what" != bench ]; then
     echo "skipped: tp's on_two_gpus_tp2_runs_a_rank_per_device_through_nccl needs two GPUs (this host has $ngpu)"
   fi
   $B/mladb kernels --arch sm_90,sm_120 > "$LOG/kernels.txt" 2>&1; tail -1 "$LOG/kernels.txt"
-  for t in fast_kernels fp8_kernels gpu_attention backends gpu_forward leaks verdicts tp; do
+  . "$(dirname "$0")/gpu_tests.sh"
+  for t in $GPU_TESTS; do
     timeout 420 $B/$t --include-ignored --test-threads=1 $skip > "$LOG/$t.txt" 2>&1 || echo "$t: exit $? (124 = timed out)"
     grep -E "^test |panicked|test result|skipped|worst" "$LOG/$t.txt" | head -30
   done

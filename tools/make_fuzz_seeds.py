@@ -110,9 +110,15 @@ def main() -> None:
               (6, "non_intrusive__lm_head.output")]
     put("import_sglang", "step0.bin", parts(*[bytes([tag]) + read(files[n]) for tag, n in tagged]))
 
-    # The GGUF model loader: the fixtures' two model files (gguf-py's, tools/make_gguf_fixtures.py).
+    # The GGUF model loader: the fixtures' two model files (gguf-py's, tools/make_gguf_fixtures.py),
+    # linked rather than copied, so that the repository holds them once.
+    d = os.path.join(SEEDS, "gguf_model")
+    os.makedirs(d, exist_ok=True)
     for name in ["deepseek-v3-plain-split.gguf", "glm5-sparse-q.gguf"]:
-        put("gguf_model", name, read(os.path.join(ROOT, "tests/fixtures/gguf", name)))
+        link = os.path.join(d, name)
+        if os.path.lexists(link):
+            os.remove(link)
+        os.symlink(os.path.join("..", "..", "..", "tests", "fixtures", "gguf", name), link)
 
     put("keys", "rebind.ron", b'{ "step": ["s", "f10"], "next-layer": ["f11"] }')
     put("keys", "empty.ron", b"{}")

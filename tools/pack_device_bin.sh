@@ -10,7 +10,8 @@ cargo test --release --no-run
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 cp target/release/mladb "$stage/"
-for t in fast_kernels fp8_kernels gpu_attention backends gpu_forward leaks verdicts tp; do
+. "$(dirname "$0")/gpu_tests.sh"
+for t in $GPU_TESTS; do
   # The newest build of each test (cargo leaves older hashes beside it).
   f=$(ls -t target/release/deps/"$t"-* | grep -v '\.d$' | head -1)
   cp "$f" "$stage/$t"
