@@ -87,6 +87,20 @@ fn process_exists(pid: i32) -> bool {
 /// over the target. A crash or a full disk leaves the old file (or none) intact. A target that
 /// [`check_output`] refuses is left alone.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |tmp| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(tmp)
+            .map_err(|e| Error::io(path, e))?;
+        f.write_all(bytes).map_err(|e| Error::io(path, e))
+    })
+}
+
+/// [`write_atomic`] for a writer that writes the file itself, at the temporary path it is given
+/// (beside `path`: an empty file, which the writer may also replace): what it wrote gets the
+/// mode a new file gets, is flushed to disk, then renamed over the target. On any error the
+/// temporary is removed and the old file stays as it was.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     check_output(path)?;
     let dir = parent_dir(path);
     let file_name = path
@@ -96,21 +110,29 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .into_owned();
     remove_stale_temporaries(dir, &file_name);
     let tmp = dir.join(format!(".{file_name}{TMP_MARK}{}", std::process::id()));
-    let result = (|| {
+    let _ = std::fs::remove_file(&tmp);
+    // The mode a new file gets here (the umask's), which a writer that makes its file through a
+    // temporary of its own would narrow to the owner's.
+    let mode = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .and_then(|f| f.metadata())
+        .map(|m| m.permissions())
+        .map_err(|e| Error::io(path, e));
+    let result = mode.and_then(|mode| {
+        write(&tmp)?;
+        (|| {
+            std::fs::set_permissions(&tmp, mode)?;
+            std::fs::File::open(&tmp)?.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })()
+        .map_err(|e| Error::io(path, e))
+    });
+    if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(Error::io(path, e));
     }
-    Ok(())
+    result
 }
 
 /// Creates the directory `path` whole or not at all: `fill` writes into a temporary directory
@@ -191,6 +213,27 @@ mod tests {
         write_atomic(&path, b"new").unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"new");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_writer_that_replaces_the_temporary_leaves_the_usual_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let plain = dir.path().join("plain.bin");
+        write_atomic(&plain, b"x").unwrap();
+        // As safetensors' serialize_to_file writes: a temporary of its own (mode 0600), renamed.
+        let via = dir.path().join("via.bin");
+        write_atomic_with(&via, |tmp| {
+            let own = tempfile::NamedTempFile::new_in(dir.path()).unwrap();
+            std::fs::write(own.path(), b"y").unwrap();
+            own.persist(tmp).unwrap();
+            Ok(())
+        })
+        .unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode();
+        assert_eq!(mode(&via), mode(&plain));
+        assert_eq!(std::fs::read(&via).unwrap(), b"y");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
     }
 
     #[test]

@@ -4,49 +4,95 @@
 use crate::debug::external::DumpMeta;
 use crate::engine::{Observer, OpEvent};
 use crate::error::{Error, Result};
-use crate::fsutil::write_atomic;
+use crate::fsutil::write_atomic_with;
 use crate::session::ModelSource;
 use crate::tensor::Tensor;
-use safetensors::tensor::TensorView;
+use safetensors::tensor::View;
 use safetensors::Dtype;
+use std::borrow::Cow;
 use std::path::Path;
 
 /// Collects the outputs to dump.
 #[derive(Default)]
 pub struct DumpCollector {
-    pub tensors: Vec<(String, Vec<usize>, Vec<u8>)>,
+    /// (name, shape, values) of each output, in the order they came.
+    pub tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
 }
 
 impl DumpCollector {
     pub fn add(&mut self, event: &OpEvent, output: &Tensor) {
-        let bytes = output.data().iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.tensors
-            .push((event.dump_name(), output.shape().to_vec(), bytes));
+        self.tensors.push((
+            event.dump_name(),
+            output.shape().to_vec(),
+            output.data().to_vec(),
+        ));
     }
 
     /// Writes the collected tensors atomically, with `meta`.
     pub fn write(&self, path: &Path, meta: &DumpMeta) -> Result<()> {
-        // safetensors needs unique names (it panics on a repeat).
-        let mut seen = std::collections::HashSet::new();
-        if let Some((name, ..)) = self.tensors.iter().find(|(n, ..)| !seen.insert(n)) {
+        let tensors =
+            self.tensors
+                .iter()
+                .map(|(name, shape, data)| DumpTensor { name, shape, data });
+        write_dump(path, meta, tensors)
+    }
+}
+
+/// One tensor of a dump: its values as F32, turned into bytes only while the file takes them.
+pub struct DumpTensor<'a> {
+    pub name: &'a str,
+    pub shape: &'a [usize],
+    pub data: &'a [f32],
+}
+
+impl View for DumpTensor<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Owned(self.data.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+    fn data_len(&self) -> usize {
+        self.data.len() * 4
+    }
+}
+
+/// Writes a dump (F32 tensors and the run's metadata) to `path` atomically. The file is written
+/// a tensor at a time (`serialize_to_file`), so the tensors' values are all that is held: not a
+/// byte copy of each as well, nor the whole file in memory before it is written.
+pub fn write_dump<'a>(
+    path: &Path,
+    meta: &DumpMeta,
+    tensors: impl IntoIterator<Item = DumpTensor<'a>>,
+) -> Result<()> {
+    let tensors: Vec<DumpTensor<'a>> = tensors.into_iter().collect();
+    // safetensors needs unique names (it panics on a repeat) and data that fills each shape.
+    let mut seen = std::collections::HashSet::new();
+    for t in &tensors {
+        if !seen.insert(t.name) {
             return Err(Error::invalid(format!(
-                "writing {}: two op outputs are both named {name}",
-                path.display()
+                "writing {}: two op outputs are both named {}",
+                path.display(),
+                t.name
             )));
         }
-        let views: Vec<(String, TensorView<'_>)> = self
-            .tensors
-            .iter()
-            .map(|(name, shape, bytes)| {
-                TensorView::new(Dtype::F32, shape.clone(), bytes)
-                    .map(|v| (name.clone(), v))
-                    .map_err(|e| Error::invalid(format!("dump of {name}: {e}")))
-            })
-            .collect::<Result<_>>()?;
-        let bytes = safetensors::serialize(views, Some(meta.to_map()))
-            .map_err(|e| Error::invalid(format!("writing {}: {e}", path.display())))?;
-        write_atomic(path, &bytes)
+        if t.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) != Some(t.data.len()) {
+            return Err(Error::invalid(format!(
+                "dump of {}: {} values for shape {:?}",
+                t.name,
+                t.data.len(),
+                t.shape
+            )));
+        }
     }
+    write_atomic_with(path, |tmp| {
+        let named = tensors.into_iter().map(|t| (t.name.to_string(), t));
+        safetensors::serialize_to_file(named, Some(meta.to_map()), tmp)
+            .map_err(|e| Error::invalid(format!("writing {}: {e}", path.display())))
+    })
 }
 
 impl Observer for DumpCollector {
@@ -77,4 +123,104 @@ pub fn model_text(source: &ModelSource) -> String {
         s.push_str(&format!(", quant {q}"));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta() -> DumpMeta {
+        DumpMeta {
+            tokens: vec![1, 2, 3],
+            prefill: 3,
+            decode: 1,
+            generated: vec![7],
+            model: "layout glm5-tiny, seed 0".into(),
+            flags: "absorbed".into(),
+            producer: "mladb test".into(),
+            dtype: None,
+        }
+    }
+
+    fn tensors() -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        vec![
+            (
+                "prefill/a".into(),
+                vec![2, 3],
+                (0..6).map(|i| i as f32 * 0.5).collect(),
+            ),
+            (
+                "decode0/b".into(),
+                vec![4],
+                vec![-1.0, f32::NAN, 3.25, 1e-30],
+            ),
+            ("prefill/c".into(), vec![0, 5], vec![]),
+        ]
+    }
+
+    #[test]
+    fn a_dump_written_a_tensor_at_a_time_is_the_file_serialize_makes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.safetensors");
+        std::fs::write(&path, b"an older dump").unwrap();
+        let dump = DumpCollector { tensors: tensors() };
+        dump.write(&path, &meta()).unwrap();
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors()
+            .into_iter()
+            .map(|(n, s, d)| (n, s, d.iter().flat_map(|v| v.to_le_bytes()).collect()))
+            .collect();
+        let views = bytes.iter().map(|(n, s, b)| {
+            let view = safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).unwrap();
+            (n.clone(), view)
+        });
+        let whole = safetensors::serialize(views, Some(meta().to_map())).unwrap();
+        // The same tensors, bytes and metadata (whose keys a map orders as it likes).
+        let file = std::fs::read(&path).unwrap();
+        assert_eq!(file.len(), whole.len());
+        let (a, b) = (
+            safetensors::SafeTensors::deserialize(&file).unwrap(),
+            safetensors::SafeTensors::deserialize(&whole).unwrap(),
+        );
+        let (_, meta_a) = safetensors::SafeTensors::read_metadata(&file).unwrap();
+        let (_, meta_b) = safetensors::SafeTensors::read_metadata(&whole).unwrap();
+        assert_eq!(meta_a.metadata(), meta_b.metadata());
+        let mut tensors_a = a.tensors();
+        let mut tensors_b = b.tensors();
+        tensors_a.sort_by(|x, y| x.0.cmp(&y.0));
+        tensors_b.sort_by(|x, y| x.0.cmp(&y.0));
+        assert_eq!(tensors_a.len(), 3);
+        for ((na, ta), (nb, tb)) in tensors_a.iter().zip(&tensors_b) {
+            assert_eq!(na, nb);
+            assert_eq!(
+                (ta.dtype(), ta.shape(), ta.data()),
+                (tb.dtype(), tb.shape(), tb.data())
+            );
+        }
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["d.safetensors"], "no temporary left beside it");
+    }
+
+    #[test]
+    fn a_dump_that_cannot_be_written_leaves_the_old_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.safetensors");
+        std::fs::write(&path, b"kept").unwrap();
+        let mut twice = tensors();
+        twice.push(twice[0].clone());
+        let e = DumpCollector { tensors: twice }
+            .write(&path, &meta())
+            .unwrap_err();
+        assert!(e.to_string().contains("both named prefill/a"), "{e}");
+        let mut short = tensors();
+        short[1].2.pop();
+        let e = DumpCollector { tensors: short }
+            .write(&path, &meta())
+            .unwrap_err();
+        assert!(e.to_string().contains("3 values for shape [4]"), "{e}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"kept");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
 }

@@ -8,7 +8,7 @@ use clap::Args;
 use std::path::PathBuf;
 
 use super::args::ModelArgs;
-use super::dump::{model_text, DumpCollector};
+use super::dump::{model_text, write_dump, DumpTensor};
 use super::Out;
 use crate::attach::import::{ImportOutcome, Importer};
 use crate::attach::record::{frame_files, import_frames};
@@ -120,15 +120,12 @@ pub fn run(args: &ImportArgs) -> Result<bool> {
 
 /// The dump, written as `run --dump` writes its own (F32 tensors, the metadata, atomically).
 fn write(outcome: &ImportOutcome, args: &ImportArgs) -> Result<()> {
-    let tensors = outcome
-        .tensors
-        .iter()
-        .map(|t| {
-            let bytes = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
-            (t.key.clone(), t.shape.clone(), bytes)
-        })
-        .collect();
-    DumpCollector { tensors }.write(&args.out, &outcome.meta)
+    let tensors = outcome.tensors.iter().map(|t| DumpTensor {
+        name: &t.key,
+        shape: &t.shape,
+        data: &t.data,
+    });
+    write_dump(&args.out, &outcome.meta, tensors)
 }
 
 fn report(outcome: &ImportOutcome, args: &ImportArgs) -> Result<()> {
