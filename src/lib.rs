@@ -26,6 +26,7 @@ pub mod session;
 pub mod setup;
 pub mod stats;
 pub mod tensor;
+pub mod tensor_file;
 pub mod tui;
 
 pub use error::{Error, Result};

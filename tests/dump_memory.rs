@@ -2,8 +2,9 @@
 //! a tensor's bytes, not the whole file (nor a byte copy of every tensor) in memory. This binary
 //! counts its allocations (its own global allocator), so it holds this one test.
 
-use mladb::cli::dump::{write_dump, DumpTensor};
+use mladb::cli::dump::write_dump;
 use mladb::debug::external::DumpMeta;
+use mladb::tensor_file::F32Tensor;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -57,8 +58,8 @@ fn writing_a_dump_holds_one_tensors_bytes_at_most() {
     let path = dir.path().join("big.safetensors");
     let before = LIVE.load(Ordering::Relaxed);
     PEAK.store(before, Ordering::Relaxed);
-    let tensors = names.iter().zip(&data).map(|(name, d)| DumpTensor {
-        name,
+    let tensors = names.iter().zip(&data).map(|(name, d)| F32Tensor {
+        name: name.clone(),
         shape: &shape,
         data: d,
     });

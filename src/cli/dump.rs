@@ -3,13 +3,10 @@
 
 use crate::debug::external::DumpMeta;
 use crate::engine::{Observer, OpEvent};
-use crate::error::{Error, Result};
-use crate::fsutil::write_atomic_with;
+use crate::error::Result;
 use crate::session::ModelSource;
 use crate::tensor::Tensor;
-use safetensors::tensor::View;
-use safetensors::Dtype;
-use std::borrow::Cow;
+use crate::tensor_file::{write_f32, F32Tensor};
 use std::path::Path;
 
 /// Collects the outputs to dump.
@@ -30,69 +27,24 @@ impl DumpCollector {
 
     /// Writes the collected tensors atomically, with `meta`.
     pub fn write(&self, path: &Path, meta: &DumpMeta) -> Result<()> {
-        let tensors =
-            self.tensors
-                .iter()
-                .map(|(name, shape, data)| DumpTensor { name, shape, data });
+        let tensors = self.tensors.iter().map(|(name, shape, data)| F32Tensor {
+            name: name.clone(),
+            shape,
+            data,
+        });
         write_dump(path, meta, tensors)
     }
 }
 
-/// One tensor of a dump: its values as F32, turned into bytes only while the file takes them.
-pub struct DumpTensor<'a> {
-    pub name: &'a str,
-    pub shape: &'a [usize],
-    pub data: &'a [f32],
-}
-
-impl View for DumpTensor<'_> {
-    fn dtype(&self) -> Dtype {
-        Dtype::F32
-    }
-    fn shape(&self) -> &[usize] {
-        self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Owned(self.data.iter().flat_map(|v| v.to_le_bytes()).collect())
-    }
-    fn data_len(&self) -> usize {
-        self.data.len() * 4
-    }
-}
-
-/// Writes a dump (F32 tensors and the run's metadata) to `path` atomically. The file is written
-/// a tensor at a time (`serialize_to_file`), so the tensors' values are all that is held: not a
-/// byte copy of each as well, nor the whole file in memory before it is written.
+/// Writes a dump (F32 tensors and the run's metadata) to `path` atomically, a tensor at a time
+/// ([`crate::tensor_file`]).
 pub fn write_dump<'a>(
     path: &Path,
     meta: &DumpMeta,
-    tensors: impl IntoIterator<Item = DumpTensor<'a>>,
+    tensors: impl IntoIterator<Item = F32Tensor<'a>>,
 ) -> Result<()> {
-    let tensors: Vec<DumpTensor<'a>> = tensors.into_iter().collect();
-    // safetensors needs unique names (it panics on a repeat) and data that fills each shape.
-    let mut seen = std::collections::HashSet::new();
-    for t in &tensors {
-        if !seen.insert(t.name) {
-            return Err(Error::invalid(format!(
-                "writing {}: two op outputs are both named {}",
-                path.display(),
-                t.name
-            )));
-        }
-        if t.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) != Some(t.data.len()) {
-            return Err(Error::invalid(format!(
-                "dump of {}: {} values for shape {:?}",
-                t.name,
-                t.data.len(),
-                t.shape
-            )));
-        }
-    }
-    write_atomic_with(path, |tmp| {
-        let named = tensors.into_iter().map(|t| (t.name.to_string(), t));
-        safetensors::serialize_to_file(named, Some(meta.to_map()), tmp)
-            .map_err(|e| Error::invalid(format!("writing {}: {e}", path.display())))
-    })
+    let tensors = tensors.into_iter().collect();
+    write_f32(path, Some(meta.to_map()), tensors, "op output")
 }
 
 impl Observer for DumpCollector {
@@ -128,6 +80,7 @@ pub fn model_text(source: &ModelSource) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use safetensors::Dtype;
 
     fn meta() -> DumpMeta {
         DumpMeta {
@@ -219,7 +172,7 @@ mod tests {
         let e = DumpCollector { tensors: short }
             .write(&path, &meta())
             .unwrap_err();
-        assert!(e.to_string().contains("3 values for shape [4]"), "{e}");
+        assert!(e.to_string().contains("has 3 values for shape [4]"), "{e}");
         assert_eq!(std::fs::read(&path).unwrap(), b"kept");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }

@@ -8,13 +8,14 @@ use clap::Args;
 use std::path::PathBuf;
 
 use super::args::ModelArgs;
-use super::dump::{model_text, write_dump, DumpTensor};
+use super::dump::{model_text, write_dump};
 use super::Out;
 use crate::attach::import::{ImportOutcome, Importer};
 use crate::attach::record::{frame_files, import_frames};
 use crate::attach::sglang_dump;
 use crate::attach::wire::Limits;
 use crate::error::{Error, Result};
+use crate::tensor_file::F32Tensor;
 
 #[derive(Args, Debug, Clone)]
 pub struct ImportArgs {
@@ -120,8 +121,8 @@ pub fn run(args: &ImportArgs) -> Result<bool> {
 
 /// The dump, written as `run --dump` writes its own (F32 tensors, the metadata, atomically).
 fn write(outcome: &ImportOutcome, args: &ImportArgs) -> Result<()> {
-    let tensors = outcome.tensors.iter().map(|t| DumpTensor {
-        name: &t.key,
+    let tensors = outcome.tensors.iter().map(|t| F32Tensor {
+        name: t.key.clone(),
         shape: &t.shape,
         data: &t.data,
     });

@@ -14,6 +14,7 @@ use crate::engine::trace::Phase;
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
 use crate::tensor::Tensor;
+use crate::tensor_file::{write_f32_hashed, F32Tensor};
 use recorded::{Annotation, RecordedCheck, RecordedRun};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -167,40 +168,22 @@ impl Session {
     pub fn save_with_tensors(&self, path: &Path, outputs: &[Vec<Arc<Tensor>>]) -> Result<()> {
         let name = companion_name(path)?;
         let companion = path.with_file_name(&name);
-        let mut names = Vec::new();
-        let mut bytes: Vec<Vec<u8>> = Vec::new();
-        let mut shapes = Vec::new();
+        let mut tensors = Vec::new();
         for (n, run) in self.runs.iter().enumerate() {
             let Some(outs) = outputs.get(n) else { continue };
             for (op, out) in run.ops.iter().zip(outs) {
-                names.push(format!("run{n}/{}", op.event.dump_name()));
-                shapes.push(out.shape().to_vec());
-                bytes.push(out.data().iter().flat_map(|v| v.to_le_bytes()).collect());
+                tensors.push(F32Tensor {
+                    name: format!("run{n}/{}", op.event.dump_name()),
+                    shape: out.shape(),
+                    data: out.data(),
+                });
             }
         }
-        // safetensors needs unique names (it panics on a repeat).
-        let mut seen = std::collections::HashSet::new();
-        if let Some(n) = names.iter().find(|n| !seen.insert(*n)) {
-            return Err(Error::invalid(format!(
-                "two recorded outputs are both named {n}"
-            )));
-        }
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = names
-            .iter()
-            .zip(shapes.iter().zip(&bytes))
-            .map(|(n, (s, b))| {
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                    .map(|v| (n.clone(), v))
-                    .map_err(|e| Error::invalid(format!("tensor {n}: {e}")))
-            })
-            .collect::<Result<_>>()?;
-        let data = safetensors::serialize(views, None)
-            .map_err(|e| Error::invalid(format!("writing {}: {e}", companion.display())))?;
         crate::fsutil::check_output(path)?;
-        write_atomic(&companion, &data)?;
+        let hash = write_f32_hashed(&companion, None, tensors, "recorded output")?;
         let mut with = self.clone();
         with.tensors = Some(PathBuf::from(name));
-        with.tensors_hash = Some(companion_hash(&data));
+        with.tensors_hash = Some(hash_text(hash));
         with.save(path)
     }
 
@@ -384,7 +367,12 @@ impl Session {
 
 /// The hash binding a companion file to its session.
 fn companion_hash(bytes: &[u8]) -> String {
-    format!("{:016x}", crate::model::weights::synthetic::fnv1a64(bytes))
+    hash_text(crate::model::weights::synthetic::fnv1a64(bytes))
+}
+
+/// A companion hash as the session writes it.
+fn hash_text(hash: u64) -> String {
+    format!("{hash:016x}")
 }
 
 /// The largest session file read (about two million recorded ops).

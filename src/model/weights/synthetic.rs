@@ -39,7 +39,15 @@ pub fn mix64(mut x: u64) -> u64 {
 
 /// FNV-1a over the bytes of a name: stable across platforms and Rust versions.
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+    fnv1a64_from(FNV1A64_START, bytes)
+}
+
+/// The FNV-1a state before any byte.
+pub const FNV1A64_START: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// FNV-1a continued from state `h` over `bytes`: a hash taken a buffer at a time.
+pub fn fnv1a64_from(h: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(h, |h, &b| {
         (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3)
     })
 }
