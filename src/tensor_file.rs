@@ -2,6 +2,9 @@
 //! (`run --dump`, `import`) and a session's companion of recorded outputs. `serialize_to_file`
 //! asks each tensor for its bytes only as it writes it, so a writer holds the tensors' values
 //! and one tensor's bytes, not a byte copy of every tensor and the whole file beside them.
+//! (`serialize_to_file` writes through a temporary of its own, `.tmpXXXXXX` beside the target,
+//! which it renames onto the atomic writer's: a kill in the middle can leave that one behind, the
+//! target untouched.)
 
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic_with;
