@@ -2,7 +2,8 @@
 
 use crate::error::{Error, Result};
 use std::io::Write;
-use std::path::Path;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
 
 /// Refuses an output target that must not be replaced: anything but a regular file or a new
 /// path (a device such as `/dev/full`, a FIFO, a socket, a directory), a symbolic link, or a
@@ -87,20 +88,62 @@ fn process_exists(pid: i32) -> bool {
 /// over the target. A crash or a full disk leaves the old file (or none) intact. A target that
 /// [`check_output`] refuses is left alone.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    write_atomic_with(path, |tmp| {
+    let tmp = temporary_beside(path)?;
+    let result = (|| {
         let mut f = std::fs::OpenOptions::new()
             .write(true)
-            .open(tmp)
-            .map_err(|e| Error::io(path, e))?;
-        f.write_all(bytes).map_err(|e| Error::io(path, e))
-    })
+            .create_new(true)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(Error::io(path, e));
+    }
+    Ok(())
 }
 
-/// [`write_atomic`] for a writer that writes the file itself, at the temporary path it is given
-/// (beside `path`: an empty file, which the writer may also replace): what it wrote gets the
-/// mode a new file gets, is flushed to disk, then renamed over the target. On any error the
-/// temporary is removed and the old file stays as it was.
+/// [`write_atomic`] for a writer that makes the file itself, at the temporary path it is given
+/// beside `path` (an empty file there, which it may replace, as safetensors' `serialize_to_file`
+/// does with a temporary of its own): what it wrote gets the mode a new file gets here, is
+/// flushed to disk, then renamed over the target. On any error the temporary is removed and the
+/// old file stays as it was.
 pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let tmp = temporary_beside(path)?;
+    let io = |e| Error::io(path, e);
+    let result = (|| {
+        // The mode a new file gets (the umask's): a writer's own temporary narrows it to 0600.
+        let mode = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .and_then(|f| f.metadata())
+            .map_err(io)?
+            .permissions();
+        write(&tmp)?;
+        (|| {
+            // What the writer left there, never a link it would follow.
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&tmp)?;
+            f.set_permissions(mode)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })()
+        .map_err(io)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// The temporary an atomic write of `path` goes through (`.NAME.mladb-tmp-PID` beside it, nothing
+/// there), once [`check_output`] accepts `path`; stale ones of dead processes are removed.
+fn temporary_beside(path: &Path) -> Result<PathBuf> {
     check_output(path)?;
     let dir = parent_dir(path);
     let file_name = path
@@ -111,28 +154,7 @@ pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -
     remove_stale_temporaries(dir, &file_name);
     let tmp = dir.join(format!(".{file_name}{TMP_MARK}{}", std::process::id()));
     let _ = std::fs::remove_file(&tmp);
-    // The mode a new file gets here (the umask's), which a writer that makes its file through a
-    // temporary of its own would narrow to the owner's.
-    let mode = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)
-        .and_then(|f| f.metadata())
-        .map(|m| m.permissions())
-        .map_err(|e| Error::io(path, e));
-    let result = mode.and_then(|mode| {
-        write(&tmp)?;
-        (|| {
-            std::fs::set_permissions(&tmp, mode)?;
-            std::fs::File::open(&tmp)?.sync_all()?;
-            std::fs::rename(&tmp, path)
-        })()
-        .map_err(|e| Error::io(path, e))
-    });
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    Ok(tmp)
 }
 
 /// Creates the directory `path` whole or not at all: `fill` writes into a temporary directory
@@ -234,6 +256,31 @@ mod tests {
         assert_eq!(mode(&via), mode(&plain));
         assert_eq!(std::fs::read(&via).unwrap(), b"y");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+    }
+
+    #[test]
+    fn a_link_left_at_the_temporary_is_refused_not_followed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let other = dir.path().join("other.bin");
+        std::fs::write(&other, b"keep").unwrap();
+        std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let out = dir.path().join("out.bin");
+        let written = write_atomic_with(&out, |tmp| {
+            std::fs::remove_file(tmp).unwrap();
+            std::os::unix::fs::symlink(&other, tmp).unwrap();
+            Ok(())
+        });
+        assert!(written.is_err());
+        assert!(!out.exists());
+        assert_eq!(std::fs::read(&other).unwrap(), b"keep");
+        let mode = std::fs::metadata(&other).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "the link's target keeps its mode");
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "the link is removed"
+        );
     }
 
     #[test]
