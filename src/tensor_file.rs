@@ -40,33 +40,13 @@ impl View for F32Tensor<'_> {
 
 /// Writes `tensors` (names unique, each holding its shape's values) and `metadata` to `path`
 /// atomically ([`write_atomic_with`]). `what` names a tensor in errors ("op output").
-pub fn write_f32(
+pub fn write_f32<'a>(
     path: &Path,
     metadata: Option<HashMap<String, String>>,
-    tensors: Vec<F32Tensor<'_>>,
+    tensors: impl IntoIterator<Item = F32Tensor<'a>>,
     what: &str,
 ) -> Result<()> {
-    write(path, metadata, tensors, what, false).map(|_| ())
-}
-
-/// [`write_f32`], returning the FNV-1a hash of the file's bytes (read back from the written
-/// temporary before it is renamed into place, a buffer at a time).
-pub fn write_f32_hashed(
-    path: &Path,
-    metadata: Option<HashMap<String, String>>,
-    tensors: Vec<F32Tensor<'_>>,
-    what: &str,
-) -> Result<u64> {
-    write(path, metadata, tensors, what, true).map(|h| h.unwrap_or(FNV1A64_START))
-}
-
-fn write(
-    path: &Path,
-    metadata: Option<HashMap<String, String>>,
-    tensors: Vec<F32Tensor<'_>>,
-    what: &str,
-    hash: bool,
-) -> Result<Option<u64>> {
+    let tensors: Vec<F32Tensor<'a>> = tensors.into_iter().collect();
     // safetensors needs unique names (it panics on a repeat) and data that fills each shape.
     let mut seen = std::collections::HashSet::new();
     for t in &tensors {
@@ -87,26 +67,21 @@ fn write(
             )));
         }
     }
-    let mut found = None;
     write_atomic_with(path, |tmp| {
         let named = tensors.into_iter().map(|t| (t.name.clone(), t));
         safetensors::serialize_to_file(named, metadata, tmp)
-            .map_err(|e| Error::invalid(format!("writing {}: {e}", path.display())))?;
-        if hash {
-            found = Some(file_hash(tmp).map_err(|e| Error::io(path, e))?);
-        }
-        Ok(())
-    })?;
-    Ok(found)
+            .map_err(|e| Error::invalid(format!("writing {}: {e}", path.display())))
+    })
 }
 
 /// The FNV-1a hash of a file's bytes, read a buffer at a time.
-fn file_hash(path: &Path) -> std::io::Result<u64> {
-    let mut file = std::fs::File::open(path)?;
+pub fn file_hash(path: &Path) -> Result<u64> {
+    let io = |e| Error::io(path, e);
+    let mut file = std::fs::File::open(path).map_err(io)?;
     let mut buf = vec![0u8; 1 << 20];
     let mut h = FNV1A64_START;
     loop {
-        let n = file.read(&mut buf)?;
+        let n = file.read(&mut buf).map_err(io)?;
         if n == 0 {
             return Ok(h);
         }
@@ -136,7 +111,8 @@ mod tests {
                 data: &[1.5, -2.0],
             },
         ];
-        let hash = write_f32_hashed(&path, None, tensors, "output").unwrap();
+        write_f32(&path, None, tensors, "output").unwrap();
+        let hash = file_hash(&path).unwrap();
         assert_eq!(hash, fnv1a64(&std::fs::read(&path).unwrap()));
         let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(names.len(), 1, "no temporary left beside it");

@@ -43,7 +43,6 @@ pub fn write_dump<'a>(
     meta: &DumpMeta,
     tensors: impl IntoIterator<Item = F32Tensor<'a>>,
 ) -> Result<()> {
-    let tensors = tensors.into_iter().collect();
     write_f32(path, Some(meta.to_map()), tensors, "op output")
 }
 
