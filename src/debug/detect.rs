@@ -292,7 +292,11 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
     v.notes.extend(super::idle::check_notes(job, &run)?);
     if options.reference.is_none() {
         // No comparison between mladb's own runs can see these: every path and phase shares them.
-        for f in [Fault::IndexerRopeLayout, Fault::YarnMscale] {
+        for f in [
+            Fault::RopeNoninterleaved,
+            Fault::IndexerRopeLayout,
+            Fault::YarnMscale,
+        ] {
             if flags.faults.contains(f) {
                 v.notes.push(format!(
                     "{}: only a reference dump shows it (every path and phase shares it): \
