@@ -43,6 +43,16 @@ pub fn open_regular(path: &Path) -> Result<File> {
     Ok(file)
 }
 
+/// A regular file of at most `cap` bytes, open for reading, and its length.
+pub fn open_capped(path: &Path, cap: u64) -> Result<(File, u64)> {
+    let file = open_regular(path)?;
+    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    if len > cap {
+        return Err(too_large(path, len, cap));
+    }
+    Ok((file, len))
+}
+
 /// What a file that is not a regular one is, in words.
 pub fn kind_of(t: &std::fs::FileType) -> &'static str {
     use std::os::unix::fs::FileTypeExt;
@@ -65,11 +75,7 @@ pub fn kind_of(t: &std::fs::FileType) -> &'static str {
 
 /// The bytes of a regular file of at most `cap` bytes.
 pub fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
-    let file = open_regular(path)?;
-    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-    if len > cap {
-        return Err(too_large(path, len, cap));
-    }
+    let (file, len) = open_capped(path, cap)?;
     let mut bytes = Vec::with_capacity(len as usize);
     // The file may grow while it is read: never past the cap.
     file.take(cap + 1)

@@ -337,3 +337,95 @@ fn replay_dumps_carry_the_sessions_run() {
     assert!(meta["producer"].starts_with("mladb "), "{meta:?}");
     assert!(meta["flags"].contains("inject none"), "{meta:?}");
 }
+
+/// A bf16 run's dump records its dtype, so an f32 run checked against it is judged by bf16's
+/// tolerances (the dump's values hold bf16's rounding: at f32's the clean pair was a finding at
+/// the first op), while a dump of other weights is still a finding.
+#[test]
+fn a_bf16_runs_dump_judges_an_f32_run_by_bf16_tolerances() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("bf16.safetensors");
+    dump_of(&dump, &["--dtype", "bf16", "--seed", "1"]);
+    assert_eq!(
+        metadata(&dump).get("dtype").map(String::as_str),
+        Some("bf16")
+    );
+    let d = dump.to_str().unwrap();
+    let check = |seed: &str| {
+        mladb(&[
+            "check",
+            "--layout",
+            "glm5-tiny",
+            "--seed",
+            seed,
+            "--dtype",
+            "f32",
+            "--reference",
+            d,
+            "--json",
+        ])
+    };
+    let same = check("1");
+    assert_eq!(same.status.code(), Some(0), "{}", stdout(&same));
+    assert!(summary(&same)["findings"] == 0, "{}", stdout(&same));
+    let other = check("2");
+    assert_eq!(other.status.code(), Some(1), "{}", stdout(&other));
+    let first: serde_json::Value =
+        serde_json::from_str(stdout(&other).lines().next().unwrap()).unwrap();
+    assert_eq!(first["kind"], "reference-mismatch");
+}
+
+/// A dump whose tensors are stored in bf16 but whose metadata does not say so (another tool's)
+/// is judged by bf16's tolerances too: its values hold bf16's rounding.
+#[test]
+fn a_dump_stored_in_bf16_is_judged_by_bf16_tolerances_without_metadata() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("bf16.safetensors");
+    dump_of(&dump, &["--dtype", "bf16", "--seed", "1"]);
+    let bytes = std::fs::read(&dump).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let as_bf16: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, v)| {
+            let halves = v
+                .data()
+                .chunks_exact(4)
+                .flat_map(|b| {
+                    let x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    half::bf16::from_f32(x).to_le_bytes()
+                })
+                .collect();
+            (name, v.shape().to_vec(), halves)
+        })
+        .collect();
+    let mut meta = metadata(&dump);
+    meta.remove("dtype");
+    let views = as_bf16.iter().map(|(name, shape, data)| {
+        let view = TensorView::new(safetensors::Dtype::BF16, shape.clone(), data).unwrap();
+        (name.clone(), view)
+    });
+    std::fs::write(&dump, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+    let d = dump.to_str().unwrap();
+    let o = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--seed",
+        "1",
+        "--dtype",
+        "f32",
+        "--reference",
+        d,
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stdout(&o));
+    // Every op compared: `compared N of N ops`.
+    let out = stdout(&o);
+    let counts: Vec<&str> = out
+        .split("reference: compared ")
+        .nth(1)
+        .and_then(|rest| rest.split(" ops").next())
+        .map(|c| c.split(" of ").collect())
+        .unwrap_or_default();
+    assert!(counts.len() == 2 && counts[0] == counts[1], "{out}");
+}

@@ -50,6 +50,8 @@ def dump_metadata(prompt, prefill, decode, generated, model, dtype):
         "model": f"checkpoint {model}",
         "flags": f"transformers eager attention, {dtype}",
         "producer": f"tools/hf_dump.py (transformers {transformers.__version__}, torch {torch.__version__})",
+        # A bf16 or f16 model's outputs carry its rounding: mladb judges them by bf16's tolerances.
+        "dtype": {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype],
     }
 
 

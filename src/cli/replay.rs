@@ -77,7 +77,7 @@ pub fn run(args: &ReplayArgs) -> Result<bool> {
     }
     if args.verify {
         // A companion from another save is refused here too, not only where it is read.
-        session.companion_bytes(&args.file)?;
+        session.verify_companion(&args.file)?;
     }
     if args.bench {
         bench(&args.file)?;
@@ -183,7 +183,7 @@ fn dump(session: &Session, file: &Path, out: &Path) -> Result<()> {
         &session.schedule(),
         &generated,
         super::dump::model_text(&session.model),
-        session.flags.to_string(),
+        &session.flags,
     );
     let bytes = safetensors::serialize(views, Some(meta.to_map()))
         .map_err(|e| Error::invalid(format!("writing {}: {e}", out.display())))?;

@@ -165,7 +165,7 @@ pub fn run_to(args: &RunArgs, out: &mut dyn Write) -> Result<()> {
     let idle = idle_flags(&flags, &kv_b, &observer.trace, true);
     if let (Some(path), Some(dump)) = (&args.dump, &observer.dump) {
         let model_text = super::dump::model_text(&args.setup.source()?);
-        let meta = DumpMeta::of_mladb(schedule, &outcome.generated, model_text, flags.to_string());
+        let meta = DumpMeta::of_mladb(schedule, &outcome.generated, model_text, &flags);
         dump.write(path, &meta)?;
     }
     if let (Some(path), Some(ops)) = (&args.record.record, observer.record.take()) {

@@ -8,7 +8,7 @@ use super::compare::{compare_outputs, OpComparison};
 use super::record::RunRecord;
 use crate::engine::trace::{OpKind, Phase};
 use crate::error::{Error, Result};
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -58,12 +58,14 @@ pub struct DumpMeta {
 }
 
 impl DumpMeta {
-    /// What mladb writes into a dump it makes.
+    /// What mladb writes into a dump it makes. A bf16 run's dump says so, so that a run checked
+    /// against it is judged by bf16's tolerances whatever its own dtype (its values hold bf16's
+    /// rounding, which an f32 run does not have).
     pub fn of_mladb(
         schedule: &crate::engine::generate::Schedule,
         generated: &[u32],
         model: String,
-        flags: String,
+        flags: &crate::debug::flags::Flags,
     ) -> DumpMeta {
         DumpMeta {
             tokens: schedule.prompt.clone(),
@@ -71,9 +73,12 @@ impl DumpMeta {
             decode: schedule.decode_steps,
             generated: generated.to_vec(),
             model,
-            flags,
+            flags: flags.to_string(),
             producer: format!("mladb {}", env!("CARGO_PKG_VERSION")),
-            dtype: None,
+            dtype: match flags.dtype {
+                crate::engine::StorageDtype::F32 => None,
+                low => Some(low.to_string()),
+            },
         }
     }
 
@@ -195,6 +200,9 @@ pub struct ExternalDump {
     pub tensors: HashMap<(Phase, String), (Vec<usize>, Vec<f32>)>,
     /// Keys the map left out or that did not parse as PHASE/NAME.
     pub skipped: usize,
+    /// Its values hold bf16 or f16 rounding, whatever its metadata says: some were stored in
+    /// bf16 or f16, or they are a bf16 run's.
+    pub low_precision_values: bool,
     /// What the dump says about its run; `None` for a dump without metadata.
     pub meta: Option<DumpMeta>,
     /// Where it was loaded from (none for a run's own outputs).
@@ -245,18 +253,8 @@ impl ExternalDump {
     /// Loads a dump. `map` turns its names into mladb's; `None` takes none for mladb's own dumps
     /// (their metadata says so) and the HF map for others.
     pub fn load(path: &Path, map: Option<&NameMap>) -> Result<ExternalDump> {
-        let bytes = {
-            use std::io::Read;
-            let mut f = crate::input::open_regular(path)?;
-            let mut bytes = Vec::new();
-            f.read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
-            bytes
-        };
-        let st = SafeTensors::deserialize(&bytes)
-            .map_err(|e| Error::parse(path, format!("not a valid safetensors file: {e}")))?;
-        let (_, header) = SafeTensors::read_metadata(&bytes)
-            .map_err(|e| Error::parse(path, format!("not a valid safetensors file: {e}")))?;
-        let meta = match header.metadata() {
+        let reader = crate::tensor_file::TensorReader::open(path, u64::MAX)?;
+        let meta = match reader.metadata() {
             Some(m) => DumpMeta::from_map(m).map_err(|e| Error::parse(path, e))?,
             None => None,
         };
@@ -265,41 +263,44 @@ impl ExternalDump {
             _ => NameMap::hf(),
         };
         let map = map.unwrap_or(&default_map);
+        // `PHASE/NAME` keys whose name the map knows; the rest are skipped.
+        let key = |k: &str| -> Option<(Phase, String)> {
+            let (phase, name) = k.split_once('/')?;
+            Some((phase.parse::<Phase>().ok()?, map.map(name)?))
+        };
+        let all = reader.tensors();
+        // Refused before any value is read: the kept tensors' values, as f32, must fit.
+        let need = all
+            .iter()
+            .filter(|(k, _)| key(k).is_some())
+            .map(|(_, info)| {
+                4 * crate::debug::sample::numel(&info.shape).unwrap_or(usize::MAX) as u128
+            })
+            .sum::<u128>();
+        if let Some(available) = crate::memory::available() {
+            if need > available as u128 {
+                return Err(Error::Allocation {
+                    what: format!("{:.2} GB", need as f64 / 1e9),
+                    detail: format!(
+                        "the values of {} as f32 need more than the {:.2} GB of memory available",
+                        path.display(),
+                        available as f64 / 1e9
+                    ),
+                });
+            }
+        }
+        let total = all.len();
+        let (read, _) = reader.read_f32(|k, _| key(k).is_some())?;
+        let skipped = total - read.len();
+        // Values stored in bf16 or f16 carry that rounding, whatever the metadata says.
+        let low_precision_values = read
+            .iter()
+            .any(|t| matches!(t.stored, Dtype::BF16 | Dtype::F16));
         let mut tensors = HashMap::new();
-        let mut skipped = 0;
-        for (key, view) in st.tensors() {
-            let Some((phase, name)) = key.split_once('/') else {
-                skipped += 1;
-                continue;
-            };
-            let (Ok(phase), Some(name)) = (phase.parse::<Phase>(), map.map(name)) else {
-                skipped += 1;
-                continue;
-            };
-            let data: Vec<f32> = match view.dtype() {
-                Dtype::F32 => view
-                    .data()
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect(),
-                Dtype::F16 => view
-                    .data()
-                    .chunks_exact(2)
-                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-                Dtype::BF16 => view
-                    .data()
-                    .chunks_exact(2)
-                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-                other => {
-                    return Err(Error::parse(
-                        path,
-                        format!("{key} is {other:?}; dumps must hold F32, F16 or BF16"),
-                    ))
-                }
-            };
-            tensors.insert((phase, name), (view.shape().to_vec(), data));
+        for t in read {
+            if let Some(k) = key(&t.name) {
+                tensors.insert(k, (t.shape, t.values));
+            }
         }
         if tensors.is_empty() {
             return Err(Error::parse(
@@ -311,6 +312,7 @@ impl ExternalDump {
             tensors,
             skipped,
             meta,
+            low_precision_values,
             path: Some(path.to_path_buf()),
         })
     }
@@ -332,6 +334,7 @@ impl ExternalDump {
             tensors,
             skipped: 0,
             meta: None,
+            low_precision_values: run.flags.dtype != crate::engine::StorageDtype::F32,
             path: None,
         }
     }
@@ -359,10 +362,11 @@ impl ExternalDump {
         out
     }
 
-    /// How the dump's engine stored its values: bf16 for a bf16 or f16 engine, else f32.
+    /// How the dump's engine stored its values: bf16 for a bf16 or f16 engine (or values stored
+    /// so), else f32.
     fn dtype(&self) -> crate::engine::StorageDtype {
         use crate::engine::StorageDtype;
-        if self.meta.as_ref().is_some_and(DumpMeta::low_precision) {
+        if self.low_precision_values || self.meta.as_ref().is_some_and(DumpMeta::low_precision) {
             StorageDtype::Bf16
         } else {
             StorageDtype::F32

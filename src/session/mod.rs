@@ -14,9 +14,10 @@ use crate::engine::trace::Phase;
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
 use crate::tensor::Tensor;
-use crate::tensor_file::{file_hash, write_f32, F32Tensor};
+use crate::tensor_file::{file_hash, write_f32, F32Tensor, TensorReader};
 use recorded::{Annotation, RecordedCheck, RecordedRun};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -228,18 +229,8 @@ impl Session {
         if let Some(layout) = &session.layout {
             layout.validate().map_err(|e| format!("layout: {e}"))?;
         }
-        if let Some(t) = &session.tensors {
-            let mut parts = t.components();
-            let plain = matches!(
-                (parts.next(), parts.next()),
-                (Some(std::path::Component::Normal(_)), None)
-            );
-            if !plain {
-                return Err(format!(
-                    "tensors: {:?} is not a file name: the companion tensors must lie beside the session",
-                    t.display().to_string()
-                ));
-            }
+        if let Some(t) = session.tensors.as_deref().filter(|t| !is_file_name(t)) {
+            return Err(not_a_file_name(t));
         }
         if session.version < 2 && (!session.runs.is_empty() || session.tensors.is_some()) {
             return Err(format!(
@@ -270,69 +261,85 @@ impl Session {
     }
 
     /// The full outputs of every run from the companion file, if the session has one:
-    /// `result[n][i]` is op i of run n.
+    /// `[run][op]`, in the ops' shapes. The file is read a tensor at a time, so loading holds the
+    /// outputs, not the file's bytes beside them.
     pub fn load_tensors(&self, session_path: &Path) -> Result<Option<Vec<Vec<Arc<Tensor>>>>> {
-        let Some((path, bytes)) = self.companion_bytes(session_path)? else {
+        let Some((path, reader)) = self.companion(session_path)? else {
             return Ok(None);
         };
-        let st = safetensors::SafeTensors::deserialize(&bytes)
-            .map_err(|e| Error::parse(&path, e.to_string()))?;
-        let mut runs = Vec::new();
-        for (n, run) in self.runs.iter().enumerate() {
-            let mut outs = Vec::new();
-            for op in &run.ops {
-                let name = format!("run{n}/{}", op.event.dump_name());
-                let view = st
-                    .tensor(&name)
-                    .map_err(|e| Error::parse(&path, format!("{name}: {e}")))?;
-                if view.dtype() != safetensors::Dtype::F32 {
-                    return Err(Error::parse(&path, format!("{name}: not F32")));
+        // Every recorded op's tensor, checked against the header before a value is read.
+        let mut places: HashMap<String, Vec<(usize, usize)>> = HashMap::new();
+        {
+            let infos: HashMap<String, &safetensors::tensor::TensorInfo> =
+                reader.tensors().into_iter().collect();
+            for (n, run) in self.runs.iter().enumerate() {
+                for (i, op) in run.ops.iter().enumerate() {
+                    let name = format!("run{n}/{}", op.event.dump_name());
+                    let Some(info) = infos.get(&name) else {
+                        return Err(Error::parse(&path, format!("{name}: not in the file")));
+                    };
+                    if info.dtype != safetensors::Dtype::F32 {
+                        return Err(Error::parse(&path, format!("{name}: not F32")));
+                    }
+                    // The event's shape is the op's; the stored one need only hold as many values.
+                    let numel = crate::debug::sample::numel(&op.event.shape);
+                    if crate::debug::sample::numel(&info.shape) != numel {
+                        return Err(Error::parse(
+                            &path,
+                            format!(
+                                "{name}: shape {:?} where the session has {:?}",
+                                info.shape, op.event.shape
+                            ),
+                        ));
+                    }
+                    places.entry(name).or_default().push((n, i));
                 }
-                // The event's shape is the op's; the stored one need only hold as many values.
-                let shape = view.shape().to_vec();
-                let numel = crate::debug::sample::numel(&op.event.shape);
-                if crate::debug::sample::numel(&shape) != numel {
-                    return Err(Error::parse(
-                        &path,
-                        format!(
-                            "{name}: shape {shape:?} where the session has {:?}",
-                            op.event.shape
-                        ),
-                    ));
-                }
-                let data: Vec<f32> = view
-                    .data()
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect();
-                outs.push(Arc::new(Tensor::from_vec(&op.event.shape, data)));
             }
-            runs.push(outs);
         }
+        let (read, hash) = reader.read_f32(|name, _| places.contains_key(name))?;
+        self.check_companion_hash(session_path, &path, hash)?;
+        let mut runs: Vec<Vec<Option<Arc<Tensor>>>> =
+            self.runs.iter().map(|r| vec![None; r.ops.len()]).collect();
+        for t in read {
+            let Some((&(n, i), others)) = places.get(&t.name).and_then(|p| p.split_last()) else {
+                continue;
+            };
+            for &(m, j) in others {
+                let shape = &self.runs[m].ops[j].event.shape;
+                runs[m][j] = Some(Arc::new(Tensor::from_vec(shape, t.values.clone())));
+            }
+            let shape = &self.runs[n].ops[i].event.shape;
+            runs[n][i] = Some(Arc::new(Tensor::from_vec(shape, t.values)));
+        }
+        // Every op was found in the header above, so every place is filled.
+        let runs = runs
+            .into_iter()
+            .map(|outs| outs.into_iter().collect::<Option<Vec<_>>>())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| Error::parse(&path, "an output the header lists was not read"))?;
         Ok(Some(runs))
+    }
+
+    /// Reads the companion file through, if the session has one, and checks that it is the
+    /// one its session was saved with (`replay --verify`), holding none of its values.
+    pub fn verify_companion(&self, session_path: &Path) -> Result<()> {
+        if let Some((path, reader)) = self.companion(session_path)? {
+            let (_, hash) = reader.read_f32(|_, _| false)?;
+            self.check_companion_hash(session_path, &path, hash)?;
+        }
+        Ok(())
     }
 }
 
 impl Session {
-    /// The companion file's path and bytes, if the session has one: a regular file beside the
-    /// session, no larger than the recorded outputs need, whose hash is the one the session
-    /// recorded (sessions saved before the hash existed are taken as they are).
-    pub fn companion_bytes(&self, session_path: &Path) -> Result<Option<(PathBuf, Vec<u8>)>> {
+    /// The companion file's path, opened with its header read, if the session has one: a
+    /// regular file beside the session, no larger than the recorded outputs need.
+    fn companion(&self, session_path: &Path) -> Result<Option<(PathBuf, TensorReader)>> {
         let Some(rel) = &self.tensors else {
             return Ok(None);
         };
-        let mut parts = rel.components();
-        if !matches!(
-            (parts.next(), parts.next()),
-            (Some(std::path::Component::Normal(_)), None)
-        ) {
-            return Err(Error::parse(
-                session_path,
-                format!(
-                    "tensors: {:?} is not a file name: the companion tensors must lie beside the session",
-                    rel.display().to_string()
-                ),
-            ));
+        if !is_file_name(rel) {
+            return Err(Error::parse(session_path, not_a_file_name(rel)));
         }
         let path = match session_path.parent() {
             Some(dir) => dir.join(rel),
@@ -348,27 +355,46 @@ impl Session {
                     .saturating_add(512);
             }
         }
-        let bytes = crate::input::read_capped(&path, cap)?;
-        if let Some(want) = &self.tensors_hash {
-            let found = companion_hash(&bytes);
-            if &found != want {
-                return Err(Error::parse(
-                    &path,
-                    format!(
-                        "does not match its session {} (hash {found}, the session recorded {want}): \
-                         the pair comes from two different saves",
-                        session_path.display()
-                    ),
-                ));
-            }
+        let reader = TensorReader::open(&path, cap)?;
+        Ok(Some((path, reader)))
+    }
+
+    /// Refuses a companion whose bytes hash to other than the session recorded: the pair comes
+    /// from two saves (sessions saved before the hash existed are taken as they are).
+    fn check_companion_hash(&self, session_path: &Path, path: &Path, hash: u64) -> Result<()> {
+        let Some(want) = &self.tensors_hash else {
+            return Ok(());
+        };
+        let found = hash_text(hash);
+        if &found != want {
+            return Err(Error::parse(
+                path,
+                format!(
+                    "does not match its session {} (hash {found}, the session recorded {want}): \
+                     the pair comes from two different saves",
+                    session_path.display()
+                ),
+            ));
         }
-        Ok(Some((path, bytes)))
+        Ok(())
     }
 }
 
-/// The hash binding a companion file to its session.
-fn companion_hash(bytes: &[u8]) -> String {
-    hash_text(crate::model::weights::synthetic::fnv1a64(bytes))
+/// The session's `tensors` is a plain file name: the companion lies beside the session.
+fn is_file_name(rel: &Path) -> bool {
+    let mut parts = rel.components();
+    matches!(
+        (parts.next(), parts.next()),
+        (Some(std::path::Component::Normal(_)), None)
+    )
+}
+
+/// The error for a `tensors` that is not a plain file name.
+fn not_a_file_name(rel: &Path) -> String {
+    format!(
+        "tensors: {:?} is not a file name: the companion tensors must lie beside the session",
+        rel.display().to_string()
+    )
 }
 
 /// A companion hash as the session writes it.
