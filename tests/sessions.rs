@@ -1153,3 +1153,47 @@ fn quitting_says_where_the_session_was_saved_or_why_not() {
     r.save_on_quit();
     assert_eq!(r.quit_line(wait), None);
 }
+
+/// `replay --dump` of a session with companion tensors writes the full outputs (a tensor at a
+/// time), the same values the companion holds, under the same names, with the run's metadata.
+#[test]
+fn replay_dumps_full_outputs_from_the_companion() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.ron");
+    let (rc, _, err) = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--tokens",
+        "1,2,3",
+        "--decode",
+        "1",
+        "--dtype",
+        "bf16",
+        "--record",
+        path.to_str().unwrap(),
+        "--record-tensors",
+    ]);
+    assert_eq!(rc, 0, "{err}");
+    let dump = dir.path().join("d.safetensors");
+    let (rc, _, err) = mladb(&[
+        "replay",
+        path.to_str().unwrap(),
+        "--dump",
+        dump.to_str().unwrap(),
+    ]);
+    assert_eq!(rc, 0, "{err}");
+    let companion = std::fs::read(dir.path().join("s.tensors.safetensors")).unwrap();
+    let companion = safetensors::SafeTensors::deserialize(&companion).unwrap();
+    let bytes = std::fs::read(&dump).unwrap();
+    let dumped = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(dumped.len(), companion.len());
+    for (name, t) in companion.tensors() {
+        let d = dumped.tensor(&name).unwrap();
+        assert_eq!(d.data(), t.data(), "{name}");
+    }
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = header.metadata().clone().unwrap();
+    assert_eq!(meta["tokens"], "[1,2,3]");
+    assert_eq!(meta["dtype"], "bf16", "a bf16 run's dump says so");
+}

@@ -11,9 +11,10 @@ use crate::debug::runner::Job;
 use crate::engine::trace::OpEvent;
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
-use crate::session::recorded::{sample_indices, sample_of, RecordedRun, RunRole};
+use crate::session::recorded::{sample_indices, sample_of, RecordedOp, RecordedRun, RunRole};
 use crate::session::Session;
 use crate::stats::TensorStats;
+use crate::tensor_file::F32Tensor;
 use clap::Args;
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -144,34 +145,6 @@ fn print_json(session: &Session, out: &mut dyn std::io::Write) -> std::io::Resul
 fn dump(session: &Session, file: &Path, out: &Path) -> Result<()> {
     use safetensors::tensor::TensorView;
     use safetensors::Dtype;
-    let tensors = session.load_tensors(file)?;
-    let mut entries: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (n, run) in session.runs.iter().enumerate() {
-        for (i, op) in run.ops.iter().enumerate() {
-            let name = format!("run{n}/{}", op.event.dump_name());
-            let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-            match &tensors {
-                Some(t) => {
-                    let t = &t[n][i];
-                    entries.push((name, Dtype::F32, t.shape().to_vec(), f32s(t.data())));
-                }
-                None => {
-                    let idx = sample_indices(op.event.shape.iter().product());
-                    let bytes = idx.iter().flat_map(|&i| (i as i64).to_le_bytes()).collect();
-                    entries.push((format!("{name}.index"), Dtype::I64, vec![idx.len()], bytes));
-                    entries.push((name, Dtype::F32, vec![op.sample.len()], f32s(&op.sample)));
-                }
-            }
-        }
-    }
-    let views: Vec<(String, TensorView<'_>)> = entries
-        .iter()
-        .map(|(name, dtype, shape, bytes)| {
-            TensorView::new(*dtype, shape.clone(), bytes)
-                .map(|v| (name.clone(), v))
-                .map_err(|e| Error::invalid(format!("dump of {name}: {e}")))
-        })
-        .collect::<Result<_>>()?;
     // The session's schedule and flags (later runs may have changed flags: see the session).
     let generated = session
         .runs
@@ -185,6 +158,44 @@ fn dump(session: &Session, file: &Path, out: &Path) -> Result<()> {
         super::dump::model_text(&session.model),
         &session.flags,
     );
+    let name = |n: usize, op: &RecordedOp| format!("run{n}/{}", op.event.dump_name());
+    // Full outputs from the companion: written a tensor at a time, as `run --dump` writes.
+    if let Some(tensors) = session.load_tensors(file)? {
+        let mut count = 0;
+        let entries = session.runs.iter().enumerate().flat_map(|(n, run)| {
+            run.ops
+                .iter()
+                .zip(&tensors[n])
+                .map(move |(op, t)| F32Tensor {
+                    name: name(n, op),
+                    shape: t.shape(),
+                    data: t.data(),
+                })
+        });
+        super::dump::write_dump(out, &meta, entries.inspect(|_| count += 1))?;
+        eprintln!("dumped {count} tensors to {}", out.display());
+        return Ok(());
+    }
+    // Samples only: each op's sampled values and their flat indices (small, written whole).
+    let mut entries: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (n, run) in session.runs.iter().enumerate() {
+        for op in &run.ops {
+            let name = name(n, op);
+            let idx = sample_indices(op.event.shape.iter().product());
+            let bytes = idx.iter().flat_map(|&i| (i as i64).to_le_bytes()).collect();
+            entries.push((format!("{name}.index"), Dtype::I64, vec![idx.len()], bytes));
+            let values = op.sample.iter().flat_map(|x| x.to_le_bytes()).collect();
+            entries.push((name, Dtype::F32, vec![op.sample.len()], values));
+        }
+    }
+    let views: Vec<(String, TensorView<'_>)> = entries
+        .iter()
+        .map(|(name, dtype, shape, bytes)| {
+            TensorView::new(*dtype, shape.clone(), bytes)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| Error::invalid(format!("dump of {name}: {e}")))
+        })
+        .collect::<Result<_>>()?;
     let bytes = safetensors::serialize(views, Some(meta.to_map()))
         .map_err(|e| Error::invalid(format!("writing {}: {e}", out.display())))?;
     write_atomic(out, &bytes)?;
