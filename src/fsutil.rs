@@ -2,7 +2,6 @@
 
 use crate::error::{Error, Result};
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 /// Refuses an output target that must not be replaced: anything but a regular file or a new
@@ -88,52 +87,30 @@ fn process_exists(pid: i32) -> bool {
 /// over the target. A crash or a full disk leaves the old file (or none) intact. A target that
 /// [`check_output`] refuses is left alone.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = temporary_beside(path)?;
-    let result = (|| {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(Error::io(path, e));
-    }
-    Ok(())
+    write_atomic_with(path, |w| w.write_all(bytes).map_err(|e| Error::io(path, e)))
 }
 
-/// [`write_atomic`] for a writer that makes the file itself, at the temporary path it is given
-/// beside `path` (an empty file there, which it may replace, as safetensors' `serialize_to_file`
-/// does with a temporary of its own): what it wrote gets the mode a new file gets here, is
-/// flushed to disk, then renamed over the target. On any error the temporary is removed and the
-/// old file stays as it was.
-pub fn write_atomic_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+/// [`write_atomic`] for a writer that streams the file: `write` writes it, a buffer at a time, into
+/// a new temporary beside `path` (named as [`temporary_beside`] says, so one a kill leaves is
+/// removed by a later write), which is then flushed to disk and renamed over the target. On any
+/// error the temporary is removed and the old file stays as it was.
+pub fn write_atomic_with(
+    path: &Path,
+    write: impl FnOnce(&mut dyn Write) -> Result<()>,
+) -> Result<()> {
     let tmp = temporary_beside(path)?;
     let io = |e| Error::io(path, e);
     let result = (|| {
-        // The mode a new file gets (the umask's): a writer's own temporary narrows it to 0600.
-        let mode = std::fs::OpenOptions::new()
+        let file = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .open(&tmp)
-            .and_then(|f| f.metadata())
-            .map_err(io)?
-            .permissions();
-        write(&tmp)?;
-        (|| {
-            // What the writer left there, never a link it would follow.
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&tmp)?;
-            f.set_permissions(mode)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, path)
-        })()
-        .map_err(io)
+            .map_err(io)?;
+        let mut buffered = std::io::BufWriter::with_capacity(1 << 20, file);
+        write(&mut buffered)?;
+        let file = buffered.into_inner().map_err(|e| io(e.into_error()))?;
+        file.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
@@ -238,49 +215,43 @@ mod tests {
     }
 
     #[test]
-    fn a_writer_that_replaces_the_temporary_leaves_the_usual_mode() {
-        use std::os::unix::fs::PermissionsExt;
+    fn a_streamed_write_that_fails_keeps_the_old_file_and_no_temporary() {
         let dir = tempfile::tempdir().unwrap();
-        let plain = dir.path().join("plain.bin");
-        write_atomic(&plain, b"x").unwrap();
-        // As safetensors' serialize_to_file writes: a temporary of its own (mode 0600), renamed.
-        let via = dir.path().join("via.bin");
-        write_atomic_with(&via, |tmp| {
-            let own = tempfile::NamedTempFile::new_in(dir.path()).unwrap();
-            std::fs::write(own.path(), b"y").unwrap();
-            own.persist(tmp).unwrap();
-            Ok(())
+        let path = dir.path().join("out.bin");
+        std::fs::write(&path, b"old").unwrap();
+        let failed = write_atomic_with(&path, |w| {
+            w.write_all(&[7; 3 << 20]).unwrap();
+            Err(Error::invalid("interrupted"))
+        });
+        assert!(failed.is_err());
+        assert_eq!(std::fs::read(&path).unwrap(), b"old");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        write_atomic_with(&path, |w| {
+            w.write_all(b"new").map_err(|e| Error::io(&path, e))
         })
         .unwrap();
-        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode();
-        assert_eq!(mode(&via), mode(&plain));
-        assert_eq!(std::fs::read(&via).unwrap(), b"y");
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
+        assert_eq!(std::fs::read(&path).unwrap(), b"new");
     }
 
     #[test]
-    fn a_link_left_at_the_temporary_is_refused_not_followed() {
+    fn a_link_left_at_the_temporary_is_removed_not_followed() {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let other = dir.path().join("other.bin");
         std::fs::write(&other, b"keep").unwrap();
         std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o600)).unwrap();
         let out = dir.path().join("out.bin");
-        let written = write_atomic_with(&out, |tmp| {
-            std::fs::remove_file(tmp).unwrap();
-            std::os::unix::fs::symlink(&other, tmp).unwrap();
-            Ok(())
-        });
-        assert!(written.is_err());
-        assert!(!out.exists());
+        let tmp = dir
+            .path()
+            .join(format!(".out.bin{TMP_MARK}{}", std::process::id()));
+        std::os::unix::fs::symlink(&other, &tmp).unwrap();
+        write_atomic(&out, b"new").unwrap();
+        assert_eq!(std::fs::read(&out).unwrap(), b"new");
+        assert!(!std::fs::symlink_metadata(&out).unwrap().is_symlink());
         assert_eq!(std::fs::read(&other).unwrap(), b"keep");
         let mode = std::fs::metadata(&other).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600, "the link's target keeps its mode");
-        assert_eq!(
-            std::fs::read_dir(dir.path()).unwrap().count(),
-            1,
-            "the link is removed"
-        );
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
     }
 
     #[test]

@@ -1,11 +1,11 @@
 //! Safetensors files of f32 values, written and read a tensor at a time: a dump's tensors
 //! (`run --dump`, `import`, `check --reference`) and a session's companion of recorded outputs.
 //!
-//! Writing: `serialize_to_file` asks each tensor for its bytes only as it writes it, so a writer
-//! holds the tensors' values and one tensor's bytes, not a byte copy of every tensor and the whole
-//! file beside them. (`serialize_to_file` writes through a temporary of its own, `.tmpXXXXXX`
-//! beside the target, which it renames onto the atomic writer's: a kill in the middle can leave
-//! that one behind, the target untouched.)
+//! Writing: [`write_f32`] makes the header with safetensors' own `Metadata` (the layout its
+//! `serialize` gives: tensors by name, the header padded to 8 bytes), then streams each tensor's
+//! bytes a buffer at a time into [`write_atomic_with`]'s temporary, so a writer holds the tensors'
+//! values and a buffer, not a byte copy of every tensor and the whole file beside them, and a kill
+//! mid-write leaves only a temporary the next write removes.
 //!
 //! Reading: [`TensorReader`] reads the header, then the file front to back a buffer at a time,
 //! turning the tensors a caller keeps into f32 values as they pass and hashing every byte, so a
@@ -14,9 +14,8 @@
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic_with;
 use crate::model::weights::synthetic::{fnv1a64_from, FNV1A64_START};
-use safetensors::tensor::{Metadata, TensorInfo, View};
+use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -28,21 +27,6 @@ pub struct F32Tensor<'a> {
     pub data: &'a [f32],
 }
 
-impl View for F32Tensor<'_> {
-    fn dtype(&self) -> Dtype {
-        Dtype::F32
-    }
-    fn shape(&self) -> &[usize] {
-        self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Owned(self.data.iter().flat_map(|v| v.to_le_bytes()).collect())
-    }
-    fn data_len(&self) -> usize {
-        self.data.len() * 4
-    }
-}
-
 /// Writes `tensors` (names unique, each holding its shape's values) and `metadata` to `path`
 /// atomically ([`write_atomic_with`]). `what` names a tensor in errors ("op output").
 pub fn write_f32<'a>(
@@ -51,8 +35,7 @@ pub fn write_f32<'a>(
     tensors: impl IntoIterator<Item = F32Tensor<'a>>,
     what: &str,
 ) -> Result<()> {
-    let tensors: Vec<F32Tensor<'a>> = tensors.into_iter().collect();
-    // safetensors needs unique names (it panics on a repeat) and data that fills each shape.
+    let mut tensors: Vec<F32Tensor<'a>> = tensors.into_iter().collect();
     let mut seen = std::collections::HashSet::new();
     for t in &tensors {
         if !seen.insert(t.name.as_str()) {
@@ -72,10 +55,47 @@ pub fn write_f32<'a>(
             )));
         }
     }
-    write_atomic_with(path, |tmp| {
-        let named = tensors.into_iter().map(|t| (t.name.clone(), t));
-        safetensors::serialize_to_file(named, metadata, tmp)
-            .map_err(|e| Error::invalid(format!("writing {}: {e}", path.display())))
+    // safetensors' order for tensors of one dtype: by name.
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut offset = 0;
+    let infos = tensors
+        .iter()
+        .map(|t| {
+            let end = offset + 4 * t.data.len();
+            let info = TensorInfo {
+                dtype: Dtype::F32,
+                shape: t.shape.to_vec(),
+                data_offsets: (offset, end),
+            };
+            offset = end;
+            (t.name.clone(), info)
+        })
+        .collect();
+    let bad = |e: String| Error::invalid(format!("writing {}: {e}", path.display()));
+    let header = Metadata::new(metadata, infos).map_err(|e| bad(e.to_string()))?;
+    let mut text = serde_json::to_vec(&header).map_err(|e| bad(e.to_string()))?;
+    text.resize(text.len().next_multiple_of(8), b' ');
+    if text.len() as u64 > MAX_HEADER_BYTES {
+        return Err(bad(format!(
+            "{} {what}s need a header of {} bytes, more than a safetensors file may have",
+            tensors.len(),
+            text.len()
+        )));
+    }
+    write_atomic_with(path, |w| {
+        let io = |e| Error::io(path, e);
+        w.write_all(&(text.len() as u64).to_le_bytes())
+            .map_err(io)?;
+        w.write_all(&text).map_err(io)?;
+        let mut bytes = Vec::with_capacity(CHUNK_BYTES);
+        for t in &tensors {
+            for chunk in t.data.chunks(CHUNK_BYTES / 4) {
+                bytes.clear();
+                bytes.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+                w.write_all(&bytes).map_err(io)?;
+            }
+        }
+        Ok(())
     })
 }
 

@@ -1,5 +1,5 @@
 //! Dumps are written and read a tensor at a time: writing one holds, beside the tensors' values,
-//! at most a tensor's bytes, and reading one holds the values it keeps and a buffer, not the whole
+//! a buffer or two, and reading one holds the values it keeps and a buffer, not the whole
 //! file (nor a byte copy of every tensor) in memory. This binary counts its allocations (its own
 //! global allocator), so it holds these tests alone, and they take turns.
 
@@ -73,7 +73,7 @@ fn meta() -> DumpMeta {
 }
 
 #[test]
-fn writing_a_dump_holds_one_tensors_bytes_at_most() {
+fn writing_a_dump_holds_its_values_and_a_buffer_or_two() {
     let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
     let data: Vec<Vec<f32>> = (0..TENSORS)
         .map(|t| (0..VALUES).map(|i| (t * VALUES + i) as f32).collect())
@@ -92,7 +92,7 @@ fn writing_a_dump_holds_one_tensors_bytes_at_most() {
     write_dump(&path, &meta(), tensors).unwrap();
     let extra = PEAK.load(Ordering::Relaxed) - before;
     assert!(
-        extra <= 2 * TENSOR_BYTES + (2 << 20),
+        extra <= 4 << 20,
         "writing a {} MiB dump held {} MiB beyond its values (one tensor is {} MiB)",
         (TENSORS * TENSOR_BYTES) >> 20,
         extra >> 20,
