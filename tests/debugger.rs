@@ -11,7 +11,7 @@ use mladb::debug::bisect::bisect;
 use mladb::debug::breakpoint::Breakpoint;
 use mladb::debug::compare::compare_runs;
 use mladb::debug::controller::{Controller, Stop};
-use mladb::debug::detect::{check, CheckOptions, Finding, FindingKind};
+use mladb::debug::detect::{check, CheckOptions, CheckReport, Finding, FindingKind};
 use mladb::debug::external::ExternalDump;
 use mladb::debug::forensics::attention_chain;
 use mladb::debug::runner::Job;
@@ -48,14 +48,16 @@ fn flags(text: &str) -> Flags {
     Flags::parse(text).unwrap()
 }
 
-fn findings(job: &Job, fault: &str, reference: Option<ExternalDump>) -> Vec<Finding> {
+fn verdict(job: &Job, fault: &str, reference: Option<ExternalDump>) -> CheckReport {
     let options = CheckOptions {
         tolerance: None,
         reference,
     };
-    check(job, flags(&format!("inject={fault}")), &options)
-        .unwrap()
-        .findings
+    check(job, flags(&format!("inject={fault}")), &options).unwrap()
+}
+
+fn findings(job: &Job, fault: &str, reference: Option<ExternalDump>) -> Vec<Finding> {
+    verdict(job, fault, reference).findings
 }
 
 fn assert_found(found: &[Finding], kind: FindingKind, op: &str, phase: Option<Phase>, fault: &str) {
@@ -182,19 +184,15 @@ fn every_injection_is_caught_at_the_op_where_it_acts() {
         // agree), so only a reference shows it.
         // Without a reference the verdict says so, rather than an unqualified all-clear.
         let f = "rope-noninterleaved";
-        let options = CheckOptions {
-            tolerance: None,
-            reference: None,
-        };
-        let verdict = check(job, flags(&format!("inject={f}")), &options).unwrap();
-        assert!(verdict.findings.is_empty(), "{:#?}", verdict.findings);
+        let without = verdict(job, f, None);
+        assert!(without.findings.is_empty(), "{:#?}", without.findings);
         assert!(
-            verdict
+            without
                 .notes
                 .iter()
                 .any(|n| n.starts_with("rope-noninterleaved: only a reference dump shows it")),
             "{:#?}",
-            verdict.notes
+            without.notes
         );
         let reference = ExternalDump::from_run(&job.run(Flags::default(), None).unwrap());
         assert_found(

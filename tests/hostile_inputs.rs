@@ -1047,3 +1047,26 @@ fn a_config_claiming_billions_of_layers_is_refused_before_per_layer_lists() {
         "{err}"
     );
 }
+
+/// A reference dump whose header claims more values than memory holds (a sparse file of 1 TiB
+/// that occupies no disk) is refused before any is read (before, its bytes were read into memory
+/// until an allocation failed, or, with no limit on the address space, the machine's memory ran out).
+#[test]
+fn a_reference_dump_too_large_for_memory_is_refused_before_it_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("huge.safetensors");
+    let values: u64 = 1 << 38;
+    let header = format!(
+        r#"{{"__metadata__":{{"dump_format":"1","tokens":"[1,2,3]","prefill":"3","decode":"0","producer":"mladb test"}},"prefill/logits":{{"dtype":"F32","shape":[{values}],"data_offsets":[0,{}]}}}}"#,
+        4 * values
+    );
+    let mut text = header.into_bytes();
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(&text);
+    std::fs::write(&path, &bytes).unwrap();
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.set_len(bytes.len() as u64 + 4 * values).unwrap();
+    let o = mladb(&["check", "--layout", "glm5-tiny", "--reference", s(&path)]);
+    assert_clean_error(&o, "refusing to allocate");
+}
