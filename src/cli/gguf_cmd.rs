@@ -3,7 +3,6 @@
 
 use super::Out;
 use crate::error::{Error, Result};
-use crate::fsutil::write_atomic;
 use crate::gguf::{dequantize_into, dequantize_into_par, GgmlType, GgufFile, TensorInfo};
 use clap::Args;
 use rayon::prelude::*;
@@ -156,15 +155,17 @@ fn print_tensors(ts: &[&TensorInfo]) -> Result<()> {
     )
 }
 
+/// Writes one tensor dequantized to f32, a buffer at a time (the values, not a byte copy beside
+/// them).
 fn dump(f: &GgufFile, t: &TensorInfo, out: &std::path::Path) -> Result<()> {
     let values = f.dequantize(&t.name)?;
     let shape: Vec<usize> = t.shape().iter().map(|&d| d as usize).collect();
-    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, &bytes)
-        .map_err(|e| Error::invalid(format!("dump of '{}': {e}", t.name)))?;
-    let data = safetensors::serialize([(t.name.clone(), view)], None)
-        .map_err(|e| Error::invalid(format!("writing {}: {e}", out.display())))?;
-    write_atomic(out, &data)
+    let tensor = crate::tensor_file::F32Tensor {
+        name: t.name.clone(),
+        shape: &shape,
+        data: &values,
+    };
+    crate::tensor_file::write_f32(out, None, [tensor], "tensor")
 }
 
 /// Running statistics over chunks (f64 sums), so a tensor never has to be dequantized whole.
