@@ -817,3 +817,38 @@ fn run_says_where_the_ranks_run_and_what_joins_them() {
     assert_eq!(code, Some(2));
     assert!(stderr.starts_with("error: --tp 65"), "{stderr}");
 }
+
+/// A fault every rank count shares (the decode's slot mapping sends the latent row one slot
+/// early, so attention reads an unwritten slot) makes the same NaN on the ranks and on one rank:
+/// the NaN/Inf finding reports it, and tp-mismatch, which used to report every such op as a
+/// difference between the two, says in a note that they agree.
+#[test]
+fn nan_alike_on_the_ranks_and_on_one_rank_is_not_a_tp_mismatch() {
+    let model = common::synthetic("glm5-tiny", 0);
+    let schedule = Schedule {
+        prompt: common::prompt(model.layout.vocab_size, 6),
+        prefill_len: 4,
+        decode_steps: 2,
+    };
+    let report = check_tp(&model, &schedule, "tp=2,inject=kv-cache-off-by-one");
+    let kinds: Vec<String> = report.findings.iter().map(|f| f.kind.to_string()).collect();
+    assert!(
+        kinds.iter().any(|k| k == "nan-inf"),
+        "{}",
+        describe(&report)
+    );
+    assert!(
+        kinds.iter().all(|k| k != "tp-mismatch"),
+        "{}",
+        describe(&report)
+    );
+    assert!(
+        report
+            .notes
+            .iter()
+            .any(|n| n.starts_with("tensor parallel vs one rank: ")
+                && n.contains("hold the same NaN/Inf")),
+        "{}",
+        describe(&report)
+    );
+}

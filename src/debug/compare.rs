@@ -44,6 +44,18 @@ impl OpComparison {
         })
     }
 
+    /// Over its tolerance only through NaN / ±Inf alike on both sides ([`Diff::fails_only_alike`]):
+    /// the pair agrees wherever it can be compared, so the difference is not the comparison's to
+    /// report (the NaN/Inf detector reports those values in the run examined).
+    pub fn fails_only_alike(&self) -> bool {
+        let tolerance = if self.tolerance.is_nan() {
+            0.0
+        } else {
+            self.tolerance
+        };
+        self.exceeds_its() && matches!(&self.diff, Ok(d) if d.fails_only_alike(tolerance))
+    }
+
     /// `tolerance 2.1e-2 (floor + gain × input error 5.0e-4)`.
     pub fn tolerance_text(&self) -> String {
         if self.input_error > 0.0 {
@@ -330,6 +342,37 @@ mod tests {
         );
         assert!(diff(&[0.0, 1.0], &masked, &[2], None).exceeds(1.0));
     }
+    /// A pair holding the same NaN / ±Inf fails its tolerance (nothing vouches for those
+    /// elements) but only through values alike on both sides, which the findings leave to the
+    /// NaN/Inf detector; a one-sided or unlike value, or a finite part beyond the tolerance, is
+    /// a difference.
+    #[test]
+    fn values_non_finite_alike_on_both_sides_are_told_apart() {
+        let judged = |a: &[f32], b: &[f32]| OpComparison {
+            phase: Phase::Prefill,
+            name: "op".into(),
+            kind: OpKind::Linear,
+            input_error: 0.0,
+            tolerance: 1e-3,
+            index: 0,
+            diff: Ok(diff(a, b, &[a.len()], None)),
+        };
+        let nan = f32::NAN;
+        let alike = judged(&[nan, 1.0, f32::INFINITY], &[nan, 1.0, f32::INFINITY]);
+        assert!(alike.exceeds_its() && alike.fails_only_alike());
+        let all = judged(&[nan, nan], &[nan, nan]);
+        assert!(all.exceeds_its() && all.fails_only_alike());
+        for (a, b) in [
+            ([nan, 1.0, 2.0], [1.0, 1.0, 2.0]),
+            ([nan, 1.0, 2.0], [f32::INFINITY, 1.0, 2.0]),
+            ([f32::INFINITY, 1.0, 2.0], [f32::NEG_INFINITY, 1.0, 2.0]),
+            ([nan, 1.0, 2.0], [nan, 1.0, 2.5]),
+        ] {
+            let c = judged(&a, &b);
+            assert!(c.exceeds_its() && !c.fails_only_alike(), "{a:?} vs {b:?}");
+        }
+    }
+
     /// NaN and ±Inf are counted per side and reported first; figures are over the elements
     /// finite on both sides, and none are given when there are none.
     #[test]

@@ -482,6 +482,18 @@ impl Verdicts {
             c.kind,
             &c.describe,
         ));
+        let alike = paired
+            .comparisons
+            .iter()
+            .filter(|c| c.fails_only_alike())
+            .count();
+        if alike > 0 {
+            self.notes.push(format!(
+                "{}: {alike} op(s) agree wherever both sides are finite and hold the same NaN/Inf \
+                 elsewhere: not a difference between the two (the NaN/Inf finding reports them)",
+                c.name
+            ));
+        }
         self.add_flips(&paired, c.name, "the second run was forced to A's choice");
         if paired.gave_up {
             self.notes.push(format!(

@@ -62,6 +62,10 @@ pub struct Diff {
     /// Elements −∞ on both sides (masked scores), which agree.
     #[serde(default)]
     pub masked: usize,
+    /// Elements non-finite alike on both sides (NaN and NaN, +Inf and +Inf; masked −∞ aside):
+    /// counted in `here` and `reference` too, since they still fail the comparison.
+    #[serde(default)]
+    pub alike: usize,
 }
 
 impl Diff {
@@ -84,6 +88,17 @@ impl Diff {
     pub fn exceeds(&self, tolerance: f64) -> bool {
         let e = self.error();
         e.is_nan() || e > tolerance
+    }
+
+    /// Fails only through values non-finite alike on both sides, the elements finite on both
+    /// sides (if any) within `tolerance`: the two computations agree wherever they can be
+    /// compared, and the non-finite values are the output's own (what the NaN/Inf detector
+    /// reports where they arise), not a difference between the two.
+    pub fn fails_only_alike(&self, tolerance: f64) -> bool {
+        self.has_non_finite()
+            && self.here.total() == self.alike
+            && self.reference.total() == self.alike
+            && (self.finite == 0 || self.rel_l2 <= tolerance)
     }
 
     /// The head with the largest error (NaN counts as largest; the first of equals).
@@ -199,7 +214,7 @@ pub fn diff(a: &[f32], b: &[f32], shape: &[usize], heads: Option<Heads>) -> Diff
     let (mut d2, mut b2, mut a2, mut ab) = (0f64, 0f64, 0f64, 0f64);
     let (mut max_abs, mut at) = (0f64, 0usize);
     let (mut here, mut reference) = (NonFinite::default(), NonFinite::default());
-    let (mut finite, mut masked, mut first_bad) = (0usize, 0usize, None);
+    let (mut finite, mut masked, mut alike, mut first_bad) = (0usize, 0usize, 0usize, None);
     for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
         if is_masked(x, y) {
             masked += 1;
@@ -209,6 +224,9 @@ pub fn diff(a: &[f32], b: &[f32], shape: &[usize], heads: Option<Heads>) -> Diff
             here.count(x);
             reference.count(y);
             first_bad.get_or_insert(i);
+            if x.is_nan() && y.is_nan() || x == y {
+                alike += 1;
+            }
             continue;
         }
         finite += 1;
@@ -250,6 +268,7 @@ pub fn diff(a: &[f32], b: &[f32], shape: &[usize], heads: Option<Heads>) -> Diff
         first_non_finite_at: first_bad.map(|i| unravel(i, shape)),
         finite,
         masked,
+        alike,
     }
 }
 

@@ -80,7 +80,8 @@ pub fn fold_repeats(findings: Vec<Finding>) -> Vec<Finding> {
 }
 
 /// The first difference in each phase, as findings: an op over its tolerance or a choice that
-/// differs at a clear margin, whichever comes first.
+/// differs at a clear margin, whichever comes first. An op over its tolerance only through
+/// NaN / ±Inf alike on both sides is not a difference ([`OpComparison::fails_only_alike`]).
 pub fn first_per_phase(
     comparisons: &[OpComparison],
     clear_flips: &[SelectionDiff],
@@ -98,7 +99,7 @@ pub fn first_per_phase(
     for phase in phases {
         let over: Vec<&OpComparison> = comparisons
             .iter()
-            .filter(|c| c.phase == phase && c.exceeds_its())
+            .filter(|c| c.phase == phase && c.exceeds_its() && !c.fails_only_alike())
             .collect();
         let flips: Vec<&SelectionDiff> = clear_flips.iter().filter(|d| d.phase == phase).collect();
         let later = |first: usize| {
