@@ -169,6 +169,18 @@ fn tp_mismatch(
     Ok(())
 }
 
+/// The note for the ops of a comparison that fail only through NaN/Inf alike on both sides,
+/// which the findings leave out ([`super::compare::OpComparison::fails_only_alike`]).
+fn alike_note(name: &str, comparisons: &[super::compare::OpComparison]) -> Option<String> {
+    let alike = comparisons.iter().filter(|c| c.fails_only_alike()).count();
+    (alike > 0).then(|| {
+        format!(
+            "{name}: {alike} op(s) agree wherever both sides are finite and hold the same NaN/Inf \
+             elsewhere: not a difference between the two (the NaN/Inf finding reports them)"
+        )
+    })
+}
+
 /// A note about a discrete choice: not a bug, but what a reader of the findings must know.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SelectionNote {
@@ -413,6 +425,7 @@ pub fn check(job: &Job, flags: Flags, options: &CheckOptions) -> Result<CheckRep
             }
         }
         v.findings.extend(found);
+        v.notes.extend(alike_note("reference", &paired.comparisons));
         v.add_flips(
             &paired,
             "reference",
@@ -482,18 +495,7 @@ impl Verdicts {
             c.kind,
             &c.describe,
         ));
-        let alike = paired
-            .comparisons
-            .iter()
-            .filter(|c| c.fails_only_alike())
-            .count();
-        if alike > 0 {
-            self.notes.push(format!(
-                "{}: {alike} op(s) agree wherever both sides are finite and hold the same NaN/Inf \
-                 elsewhere: not a difference between the two (the NaN/Inf finding reports them)",
-                c.name
-            ));
-        }
+        self.notes.extend(alike_note(c.name, &paired.comparisons));
         self.add_flips(&paired, c.name, "the second run was forced to A's choice");
         if paired.gave_up {
             self.notes.push(format!(
