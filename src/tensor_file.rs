@@ -28,23 +28,25 @@ pub struct F32Tensor<'a> {
 }
 
 /// Writes `tensors` (names unique, each holding its shape's values) and `metadata` to `path`
-/// atomically ([`write_atomic_with`]). `what` names a tensor in errors ("op output").
+/// atomically ([`write_atomic_with`]). `what` names a tensor in errors ("op output"). Returns the
+/// FNV-1a hash of the bytes written, taken as they pass (what binds a session to its companion).
 pub fn write_f32<'a>(
     path: &Path,
     metadata: Option<HashMap<String, String>>,
     tensors: impl IntoIterator<Item = F32Tensor<'a>>,
     what: &str,
-) -> Result<()> {
+) -> Result<u64> {
     let mut tensors: Vec<F32Tensor<'a>> = tensors.into_iter().collect();
-    let mut seen = std::collections::HashSet::new();
+    // safetensors' order for tensors of one dtype: by name; a repeated name is then adjacent.
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    if let Some(pair) = tensors.windows(2).find(|p| p[0].name == p[1].name) {
+        return Err(Error::invalid(format!(
+            "writing {}: two {what}s are both named {}",
+            path.display(),
+            pair[0].name
+        )));
+    }
     for t in &tensors {
-        if !seen.insert(t.name.as_str()) {
-            return Err(Error::invalid(format!(
-                "writing {}: two {what}s are both named {}",
-                path.display(),
-                t.name
-            )));
-        }
         if t.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) != Some(t.data.len()) {
             return Err(Error::invalid(format!(
                 "writing {}: {what} {} has {} values for shape {:?}",
@@ -55,8 +57,6 @@ pub fn write_f32<'a>(
             )));
         }
     }
-    // safetensors' order for tensors of one dtype: by name.
-    tensors.sort_by(|a, b| a.name.cmp(&b.name));
     let mut offset = 0;
     let infos = tensors
         .iter()
@@ -82,21 +82,25 @@ pub fn write_f32<'a>(
             text.len()
         )));
     }
+    let mut hash = FNV1A64_START;
     write_atomic_with(path, |w| {
-        let io = |e| Error::io(path, e);
-        w.write_all(&(text.len() as u64).to_le_bytes())
-            .map_err(io)?;
-        w.write_all(&text).map_err(io)?;
+        let mut put = |bytes: &[u8]| {
+            hash = fnv1a64_from(hash, bytes);
+            w.write_all(bytes).map_err(|e| Error::io(path, e))
+        };
+        put(&(text.len() as u64).to_le_bytes())?;
+        put(&text)?;
         let mut bytes = Vec::with_capacity(CHUNK_BYTES);
         for t in &tensors {
             for chunk in t.data.chunks(CHUNK_BYTES / 4) {
                 bytes.clear();
                 bytes.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
-                w.write_all(&bytes).map_err(io)?;
+                put(&bytes)?;
             }
         }
         Ok(())
-    })
+    })?;
+    Ok(hash)
 }
 
 /// A tensor read from a safetensors file: its values as f32, and how the file stored them.
@@ -265,21 +269,6 @@ fn decode(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) {
     }
 }
 
-/// The FNV-1a hash of a file's bytes, read a buffer at a time.
-pub fn file_hash(path: &Path) -> Result<u64> {
-    let io = |e| Error::io(path, e);
-    let mut file = std::fs::File::open(path).map_err(io)?;
-    let mut buf = vec![0u8; 1 << 20];
-    let mut h = FNV1A64_START;
-    loop {
-        let n = file.read(&mut buf).map_err(io)?;
-        if n == 0 {
-            return Ok(h);
-        }
-        h = fnv1a64_from(h, &buf[..n]);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -302,8 +291,7 @@ mod tests {
                 data: &[1.5, -2.0],
             },
         ];
-        write_f32(&path, None, tensors, "output").unwrap();
-        let hash = file_hash(&path).unwrap();
+        let hash = write_f32(&path, None, tensors, "output").unwrap();
         assert_eq!(hash, fnv1a64(&std::fs::read(&path).unwrap()));
         let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(names.len(), 1, "no temporary left beside it");

@@ -43,7 +43,7 @@ pub fn write_dump<'a>(
     meta: &DumpMeta,
     tensors: impl IntoIterator<Item = F32Tensor<'a>>,
 ) -> Result<()> {
-    write_f32(path, Some(meta.to_map()), tensors, "op output")
+    write_f32(path, Some(meta.to_map()), tensors, "op output").map(drop)
 }
 
 impl Observer for DumpCollector {

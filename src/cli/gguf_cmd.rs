@@ -165,7 +165,7 @@ fn dump(f: &GgufFile, t: &TensorInfo, out: &std::path::Path) -> Result<()> {
         shape: &shape,
         data: &values,
     };
-    crate::tensor_file::write_f32(out, None, [tensor], "tensor")
+    crate::tensor_file::write_f32(out, None, [tensor], "tensor").map(drop)
 }
 
 /// Running statistics over chunks (f64 sums), so a tensor never has to be dequantized whole.

@@ -35,25 +35,25 @@ impl OpComparison {
         matches!(&self.diff, Ok(d) if d.exceeds(tolerance))
     }
 
-    /// Over its judged tolerance (an unjudged comparison passes nothing but exact agreement).
+    /// Over its judged tolerance.
     pub fn exceeds_its(&self) -> bool {
-        self.exceeds(if self.tolerance.is_nan() {
-            0.0
-        } else {
-            self.tolerance
-        })
+        self.exceeds(self.judged_tolerance())
     }
 
     /// Over its tolerance only through NaN / ±Inf alike on both sides ([`Diff::fails_only_alike`]):
     /// the pair agrees wherever it can be compared, so the difference is not the comparison's to
     /// report (the NaN/Inf detector reports those values in the run examined).
     pub fn fails_only_alike(&self) -> bool {
-        let tolerance = if self.tolerance.is_nan() {
+        matches!(&self.diff, Ok(d) if d.fails_only_alike(self.judged_tolerance()))
+    }
+
+    /// The tolerance it is held to: an unjudged comparison passes nothing but exact agreement.
+    fn judged_tolerance(&self) -> f64 {
+        if self.tolerance.is_nan() {
             0.0
         } else {
             self.tolerance
-        };
-        self.exceeds_its() && matches!(&self.diff, Ok(d) if d.fails_only_alike(tolerance))
+        }
     }
 
     /// `tolerance 2.1e-2 (floor + gain × input error 5.0e-4)`.

@@ -263,16 +263,19 @@ impl ExternalDump {
             _ => NameMap::hf(),
         };
         let map = map.unwrap_or(&default_map);
-        // `PHASE/NAME` keys whose name the map knows; the rest are skipped.
-        let key = |k: &str| -> Option<(Phase, String)> {
-            let (phase, name) = k.split_once('/')?;
-            Some((phase.parse::<Phase>().ok()?, map.map(name)?))
-        };
+        // The `PHASE/NAME` keys whose name the map knows, as mladb's ops; the rest are skipped.
         let all = reader.tensors();
+        let mut keys: HashMap<String, (Phase, String)> = all
+            .iter()
+            .filter_map(|(k, _)| {
+                let (phase, name) = k.split_once('/')?;
+                Some((k.clone(), (phase.parse::<Phase>().ok()?, map.map(name)?)))
+            })
+            .collect();
         // Refused before any value is read: the kept tensors' values, as f32, must fit.
         let need = all
             .iter()
-            .filter(|(k, _)| key(k).is_some())
+            .filter(|(k, _)| keys.contains_key(k))
             .map(|(_, info)| {
                 4 * crate::debug::sample::numel(&info.shape).unwrap_or(usize::MAX) as u128
             })
@@ -289,16 +292,15 @@ impl ExternalDump {
                 });
             }
         }
-        let total = all.len();
-        let (read, _) = reader.read_f32(|k, _| key(k).is_some())?;
-        let skipped = total - read.len();
+        let skipped = all.len() - keys.len();
+        let (read, _) = reader.read_f32(|k, _| keys.contains_key(k))?;
         // Values stored in bf16 or f16 carry that rounding, whatever the metadata says.
         let low_precision_values = read
             .iter()
             .any(|t| matches!(t.stored, Dtype::BF16 | Dtype::F16));
         let mut tensors = HashMap::new();
         for t in read {
-            if let Some(k) = key(&t.name) {
+            if let Some(k) = keys.remove(&t.name) {
                 tensors.insert(k, (t.shape, t.values));
             }
         }

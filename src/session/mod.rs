@@ -14,7 +14,7 @@ use crate::engine::trace::Phase;
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
 use crate::tensor::Tensor;
-use crate::tensor_file::{file_hash, write_f32, F32Tensor, TensorReader};
+use crate::tensor_file::{write_f32, F32Tensor, TensorReader};
 use recorded::{Annotation, RecordedCheck, RecordedRun};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -181,8 +181,7 @@ impl Session {
             }
         }
         crate::fsutil::check_output(path)?;
-        write_f32(&companion, None, tensors, "recorded output")?;
-        let hash = file_hash(&companion)?;
+        let hash = write_f32(&companion, None, tensors, "recorded output")?;
         let mut with = self.clone();
         with.tensors = Some(PathBuf::from(name));
         with.tensors_hash = Some(hash_text(hash));
