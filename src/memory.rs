@@ -103,6 +103,24 @@ pub fn available() -> Option<u64> {
     Some(kib.saturating_mul(1024))
 }
 
+/// The memory a run may take, in bytes, and where that figure comes from: `limit_gb` (GB,
+/// 10^9 bytes; `--max-memory-gb`), or by default the memory available (`None` where the
+/// machine does not say).
+pub fn limit(limit_gb: Option<f64>) -> Result<Option<(u128, &'static str)>> {
+    match limit_gb {
+        Some(gb) if gb.is_finite() && gb > 0.0 => Ok(Some(((gb * 1e9) as u128, "--max-memory-gb"))),
+        Some(gb) => Err(Error::invalid(format!(
+            "--max-memory-gb {gb} is not a positive number"
+        ))),
+        None => Ok(available().map(|b| {
+            (
+                b as u128,
+                "the memory available; --max-memory-gb sets another limit",
+            )
+        })),
+    }
+}
+
 /// Refuses a run of `model` over `context` tokens whose estimate (with the model's weight
 /// cache budget) exceeds `limit_gb` (GB, 10^9 bytes), or by default the memory available.
 pub fn check(
@@ -113,20 +131,8 @@ pub fn check(
 ) -> Result<()> {
     let layout = &model.layout;
     let weight_cache_bytes = model.weights.budget_bytes() as u64;
-    let (limit, source) = match limit_gb {
-        Some(gb) if gb.is_finite() && gb > 0.0 => ((gb * 1e9) as u128, "--max-memory-gb"),
-        Some(gb) => {
-            return Err(Error::invalid(format!(
-                "--max-memory-gb {gb} is not a positive number"
-            )))
-        }
-        None => match available() {
-            Some(b) => (
-                b as u128,
-                "the memory available; --max-memory-gb sets another limit",
-            ),
-            None => return Ok(()),
-        },
+    let Some((limit, source)) = limit(limit_gb)? else {
+        return Ok(());
     };
     let e = Estimate::of(layout, context, layers, weight_cache_bytes);
     let need = e.weights + e.attention + e.rest;

@@ -272,7 +272,7 @@ fn every_hf_module_output_matches_the_op_of_the_same_name() {
         layers: &layers,
         poison: true,
     };
-    let dump = ExternalDump::load(&dump_path, Some(&NameMap::hf())).unwrap();
+    let dump = ExternalDump::load(&dump_path, Some(&NameMap::hf()), None).unwrap();
     let run = job.run(Flags::default(), None).unwrap();
     let compared = dump.compare(&run, model.layout.num_heads).unwrap();
     assert!(compared.comparisons.len() > 500, "{}", compared.summary());
@@ -290,7 +290,7 @@ fn every_hf_module_output_matches_the_op_of_the_same_name() {
         );
     }
     // A fault shows against it at the first op transformers also has.
-    let dump = ExternalDump::load(&dump_path, Some(&NameMap::hf())).unwrap();
+    let dump = ExternalDump::load(&dump_path, Some(&NameMap::hf()), None).unwrap();
     let options = CheckOptions {
         tolerance: None,
         reference: Some(dump),

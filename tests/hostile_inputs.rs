@@ -1054,8 +1054,39 @@ fn a_config_claiming_billions_of_layers_is_refused_before_per_layer_lists() {
 #[test]
 fn a_reference_dump_too_large_for_memory_is_refused_before_it_is_read() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("huge.safetensors");
-    let values: u64 = 1 << 38;
+    let path = sparse_reference_dump(dir.path(), 1 << 38);
+    let o = mladb(&["check", "--layout", "glm5-tiny", "--reference", s(&path)]);
+    assert_clean_error(&o, "refusing to allocate");
+}
+
+/// `--max-memory-gb` bounds the reference dump's values too (before, only the run's buffers
+/// were held to it and a dump was read as long as the machine's memory held it): a 4.3 GB dump
+/// is refused under a limit of 1 GB that the glm5-tiny run itself fits in.
+#[test]
+fn max_memory_gb_bounds_the_reference_dump() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sparse_reference_dump(dir.path(), 1 << 30);
+    let o = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--reference",
+        s(&path),
+        "--max-memory-gb",
+        "1",
+    ]);
+    assert_clean_error(&o, "refusing to allocate");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--max-memory-gb") && err.contains("4.29 GB"),
+        "{err}"
+    );
+}
+
+/// A dump whose one tensor (`prefill/logits`) holds `values` f32 zeros in a sparse file, which
+/// occupies no disk.
+fn sparse_reference_dump(dir: &Path, values: u64) -> PathBuf {
+    let path = dir.join("huge.safetensors");
     let header = format!(
         r#"{{"__metadata__":{{"dump_format":"1","tokens":"[1,2,3]","prefill":"3","decode":"0","producer":"mladb test"}},"prefill/logits":{{"dtype":"F32","shape":[{values}],"data_offsets":[0,{}]}}}}"#,
         4 * values
@@ -1067,6 +1098,5 @@ fn a_reference_dump_too_large_for_memory_is_refused_before_it_is_read() {
     std::fs::write(&path, &bytes).unwrap();
     let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     file.set_len(bytes.len() as u64 + 4 * values).unwrap();
-    let o = mladb(&["check", "--layout", "glm5-tiny", "--reference", s(&path)]);
-    assert_clean_error(&o, "refusing to allocate");
+    path
 }

@@ -112,7 +112,7 @@ fn reading_a_dump_holds_its_values_and_a_buffer() {
     big_dump(&path);
     let before = LIVE.load(Ordering::Relaxed);
     PEAK.store(before, Ordering::Relaxed);
-    let dump = ExternalDump::load(&path, None).unwrap();
+    let dump = ExternalDump::load(&path, None, None).unwrap();
     let extra = PEAK.load(Ordering::Relaxed) - before;
     let values = TENSORS * TENSOR_BYTES;
     assert!(

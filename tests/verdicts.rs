@@ -209,7 +209,7 @@ fn a_reference_that_breaks_ties_another_way_is_followed_not_reported() {
     for case in random_cases() {
         let Some(dump) = &case.dump else { continue };
         let model = Model::hf_checkpoint(&case.dir, 1 << 30).unwrap();
-        let reference = ExternalDump::load(dump, None).unwrap();
+        let reference = ExternalDump::load(dump, None, None).unwrap();
         let meta = reference
             .meta
             .clone()

@@ -52,7 +52,11 @@ pub fn run(args: &CheckArgs) -> Result<bool> {
             )));
         }
     }
-    let reference = load_reference(args.reference.as_deref(), args.name_map.as_deref())?;
+    let reference = load_reference(
+        args.reference.as_deref(),
+        args.name_map.as_deref(),
+        args.setup.max_memory_gb,
+    )?;
     let setup = setup_against(&args.setup, reference.as_ref())?;
     let p = setup.prepare(&flags)?;
     let job = Job {
@@ -310,7 +314,11 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
         crate::debug::tolerance::Tolerances::Table(flags_a.dtype),
         crate::debug::tolerance::Tolerances::Uniform,
     );
-    let reference = load_reference(args.reference.as_deref(), args.name_map.as_deref())?;
+    let reference = load_reference(
+        args.reference.as_deref(),
+        args.name_map.as_deref(),
+        args.setup.max_memory_gb,
+    )?;
     let setup = setup_against(&args.setup, reference.as_ref())?;
     let p = setup.prepare(&flags_a)?;
     if super::args::vllm_mla_disable()? {
@@ -442,16 +450,18 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
     Ok(diverged)
 }
 
-/// The `--reference` dump, read with `--name-map` (or the map its metadata implies).
+/// The `--reference` dump, read with `--name-map` (or the map its metadata implies), its values
+/// within `--max-memory-gb`.
 fn load_reference(
     path: Option<&std::path::Path>,
     map: Option<&str>,
+    max_memory_gb: Option<f64>,
 ) -> Result<Option<ExternalDump>> {
     let Some(path) = path else {
         return Ok(None);
     };
     let map = map.map(NameMap::resolve).transpose()?;
-    ExternalDump::load(path, map.as_ref()).map(Some)
+    ExternalDump::load(path, map.as_ref(), max_memory_gb).map(Some)
 }
 
 /// The run's setup against a reference dump (see [`RunSpec::against`]).

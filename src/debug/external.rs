@@ -251,8 +251,9 @@ impl ReferenceComparison {
 
 impl ExternalDump {
     /// Loads a dump. `map` turns its names into mladb's; `None` takes none for mladb's own dumps
-    /// (their metadata says so) and the HF map for others.
-    pub fn load(path: &Path, map: Option<&NameMap>) -> Result<ExternalDump> {
+    /// (their metadata says so) and the HF map for others. The values kept, as f32, must fit in
+    /// `limit_gb` (`--max-memory-gb`; by default the memory available), or nothing is read.
+    pub fn load(path: &Path, map: Option<&NameMap>, limit_gb: Option<f64>) -> Result<ExternalDump> {
         let reader = crate::tensor_file::TensorReader::open(path, u64::MAX)?;
         let meta = match reader.metadata() {
             Some(m) => DumpMeta::from_map(m).map_err(|e| Error::parse(path, e))?,
@@ -280,14 +281,14 @@ impl ExternalDump {
                 4 * crate::debug::sample::numel(&info.shape).unwrap_or(usize::MAX) as u128
             })
             .sum::<u128>();
-        if let Some(available) = crate::memory::available() {
-            if need > available as u128 {
+        if let Some((limit, source)) = crate::memory::limit(limit_gb)? {
+            if need > limit {
                 return Err(Error::Allocation {
                     what: format!("{:.2} GB", need as f64 / 1e9),
                     detail: format!(
-                        "the values of {} as f32 need more than the {:.2} GB of memory available",
+                        "the values of {} as f32 need more than the limit of {:.2} GB ({source})",
                         path.display(),
-                        available as f64 / 1e9
+                        limit as f64 / 1e9
                     ),
                 });
             }

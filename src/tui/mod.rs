@@ -66,7 +66,11 @@ impl TuiArgs {
             .as_deref()
             .map(crate::debug::name_map::NameMap::resolve)
             .transpose()?;
-        let dump = crate::debug::external::ExternalDump::load(path, map.as_ref())?;
+        let dump = crate::debug::external::ExternalDump::load(
+            path,
+            map.as_ref(),
+            self.setup.max_memory_gb,
+        )?;
         let mut spec = HostSpec::prepare(&self.setup.against(&dump)?, &self.flags)?;
         spec.reference = Some(std::sync::Arc::new(dump));
         Ok(spec)
