@@ -136,25 +136,37 @@ pub fn check(
     };
     let e = Estimate::of(layout, context, layers, weight_cache_bytes);
     let need = e.weights + e.attention + e.rest;
-    let gb = |b: u128| b as f64 / 1e9;
     if need > limit {
         return Err(Error::Allocation {
-            what: format!("about {:.2} GB", gb(need)),
+            what: format!("about {}", size_text(need)),
             detail: format!(
-                "{} layer(s) of {} over {context} tokens need about {:.2} GB (weights {:.2}, \
-                 attention over the context, which grows with its square, {:.2}, caches and \
-                 activations {:.2}), above the limit of {:.2} GB ({source})",
+                "{} layer(s) of {} over {context} tokens need about {} (weights {}, attention \
+                 over the context, which grows with its square, {}, caches and activations {}), \
+                 above the limit of {} ({source})",
                 layers.len(),
                 layout.name,
-                gb(need),
-                gb(e.weights),
-                gb(e.attention),
-                gb(e.rest),
-                gb(limit)
+                size_text(need),
+                size_text(e.weights),
+                size_text(e.attention),
+                size_text(e.rest),
+                size_text(limit)
             ),
         });
     }
     Ok(())
+}
+
+/// A byte count in the largest decimal unit (GB, MB, kB) that leaves at least 1, two decimals:
+/// a small `--max-memory-gb` reads as "0.50 MB", not "0.00 GB".
+pub fn size_text(bytes: u128) -> String {
+    let b = bytes as f64;
+    match [(1e9, "GB"), (1e6, "MB"), (1e3, "kB")]
+        .into_iter()
+        .find(|&(unit, _)| b >= unit)
+    {
+        Some((unit, name)) => format!("{:.2} {name}", b / unit),
+        None => format!("{bytes} bytes"),
+    }
 }
 
 #[cfg(test)]
@@ -174,5 +186,14 @@ mod tests {
         assert!(check(&model, 20000, &layers, Some(2.0)).is_err());
         assert!(check(&model, 100, &layers, Some(2.0)).is_ok());
         assert!(check(&model, 100, &layers, Some(f64::NAN)).is_err());
+    }
+
+    #[test]
+    fn sizes_read_in_a_unit_that_keeps_their_digits() {
+        assert_eq!(size_text(4_294_967_296), "4.29 GB");
+        assert_eq!(size_text(500_000), "500.00 kB");
+        assert_eq!(size_text(1_500_000), "1.50 MB");
+        assert_eq!(size_text(999), "999 bytes");
+        assert_eq!(size_text(0), "0 bytes");
     }
 }

@@ -751,7 +751,7 @@ fn verify_checks_the_memory_a_recomputation_needs() {
         "--max-memory-gb",
         "0.001",
     ]);
-    assert_clean_error(&o, "above the limit of 0.00 GB (--max-memory-gb)");
+    assert_clean_error(&o, "above the limit of 1.00 MB (--max-memory-gb)");
     let o = mladb(&["replay", s(&session), "--verify", "--max-memory-gb", "2"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
 }

@@ -284,11 +284,11 @@ impl ExternalDump {
         if let Some((limit, source)) = crate::memory::limit(limit_gb)? {
             if need > limit {
                 return Err(Error::Allocation {
-                    what: format!("{:.2} GB", need as f64 / 1e9),
+                    what: crate::memory::size_text(need),
                     detail: format!(
-                        "the values of {} as f32 need more than the limit of {:.2} GB ({source})",
+                        "the values of {} as f32 need more than the limit of {} ({source})",
                         path.display(),
-                        limit as f64 / 1e9
+                        crate::memory::size_text(limit)
                     ),
                 });
             }
