@@ -338,6 +338,51 @@ fn replay_dumps_carry_the_sessions_run() {
     assert!(meta["flags"].contains("inject none"), "{meta:?}");
 }
 
+/// A file that is not one run's `PHASE/NAME` dump is refused before its values are read, saying
+/// what it is: a replayed session's `runN/PHASE/NAME` dump (before, the same "no PHASE/NAME
+/// tensors" as any file, after reading it through), or a checkpoint's weights.
+#[test]
+fn a_file_that_is_not_a_runs_dump_is_refused_saying_what_it_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let session = dir.path().join("s.ron");
+    let dump = dir.path().join("replayed.safetensors");
+    let o = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--decode",
+        "1",
+        "--record",
+        session.to_str().unwrap(),
+        "--record-tensors",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = mladb(&[
+        "replay",
+        session.to_str().unwrap(),
+        "--dump",
+        dump.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--reference",
+        dump.to_str().unwrap(),
+    ]);
+    assert_error(&o, &["runN/PHASE/NAME", "first: run0/", "mladb run --dump"]);
+    let weights = hf_fixture().join("model.safetensors");
+    let o = mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--reference",
+        weights.to_str().unwrap(),
+    ]);
+    assert_error(&o, &["no PHASE/NAME tensors", "first: "]);
+}
+
 /// A bf16 run's dump records its dtype, so an f32 run checked against it is judged by bf16's
 /// tolerances (the dump's values hold bf16's rounding: at f32's the clean pair was a finding at
 /// the first op), while a dump of other weights is still a finding.

@@ -249,6 +249,36 @@ impl ReferenceComparison {
     }
 }
 
+/// Why a dump holds nothing to compare, said before any of its values is read: its keys are not
+/// `PHASE/NAME`, are a session's `runN/PHASE/NAME` (what `replay --dump` writes), or name ops
+/// the name map does not know.
+fn nothing_to_compare(all: &[(String, &safetensors::tensor::TensorInfo)]) -> String {
+    let phase_of = |k: &str| {
+        k.split_once('/')
+            .and_then(|(phase, _)| phase.parse::<Phase>().ok())
+    };
+    let first = all.first().map_or("none", |(k, _)| k.as_str());
+    if let Some((k, _)) = all.iter().find(|(k, _)| phase_of(k).is_some()) {
+        return format!(
+            "the name map turns none of its PHASE/NAME tensors into an op (first: {k}); give \
+             --name-map for another engine's names"
+        );
+    }
+    let in_a_run = |k: &str| {
+        k.strip_prefix("run")
+            .and_then(|rest| rest.split_once('/'))
+            .is_some_and(|(n, rest)| n.parse::<usize>().is_ok() && phase_of(rest).is_some())
+    };
+    if all.iter().any(|(k, _)| in_a_run(k)) {
+        return format!(
+            "its keys are a session's runN/PHASE/NAME (first: {first}), as `mladb replay --dump` \
+             writes them; a reference is one run's ops as PHASE/NAME, as `mladb run --dump` \
+             writes them"
+        );
+    }
+    format!("no PHASE/NAME tensors (expected keys like prefill/logits; first: {first})")
+}
+
 impl ExternalDump {
     /// Loads a dump. `map` turns its names into mladb's; `None` takes none for mladb's own dumps
     /// (their metadata says so) and the HF map for others. The values kept, as f32, must fit in
@@ -273,6 +303,9 @@ impl ExternalDump {
                 Some((k.clone(), (phase.parse::<Phase>().ok()?, map.map(name)?)))
             })
             .collect();
+        if keys.is_empty() {
+            return Err(Error::parse(path, nothing_to_compare(&all)));
+        }
         // Refused before any value is read: the kept tensors' values, as f32, must fit.
         let need = all
             .iter()
@@ -304,12 +337,6 @@ impl ExternalDump {
             if let Some(k) = keys.remove(&t.name) {
                 tensors.insert(k, (t.shape, t.values));
             }
-        }
-        if tensors.is_empty() {
-            return Err(Error::parse(
-                path,
-                "no PHASE/NAME tensors (expected keys like prefill/logits)",
-            ));
         }
         Ok(ExternalDump {
             tensors,
