@@ -293,25 +293,19 @@ fn the_hf_fixture_dump_supplies_its_own_tokens() {
     );
 }
 
-/// `replay --dump` writes the same metadata, from the session.
-#[test]
-fn replay_dumps_carry_the_sessions_run() {
-    let dir = tempfile::tempdir().unwrap();
-    let session = dir.path().join("s.ron");
-    let dump = dir.path().join("replayed.safetensors");
-    let o = mladb(&[
+/// A glm5-tiny run recorded with `run_args` in `dir`, then dumped by `replay --dump`.
+fn replayed_dump(dir: &Path, run_args: &[&str]) -> PathBuf {
+    let session = dir.join("s.ron");
+    let dump = dir.join("replayed.safetensors");
+    let mut args = vec![
         "run",
         "--layout",
         "glm5-tiny",
-        "--tokens",
-        "3,141,59",
-        "--prefill",
-        "2",
-        "--decode",
-        "1",
         "--record",
         session.to_str().unwrap(),
-    ]);
+    ];
+    args.extend_from_slice(run_args);
+    let o = mladb(&args);
     assert!(o.status.success(), "{}", stderr(&o));
     let o = mladb(&[
         "replay",
@@ -320,6 +314,17 @@ fn replay_dumps_carry_the_sessions_run() {
         dump.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
+    dump
+}
+
+/// `replay --dump` writes the same metadata, from the session.
+#[test]
+fn replay_dumps_carry_the_sessions_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = replayed_dump(
+        dir.path(),
+        &["--tokens", "3,141,59", "--prefill", "2", "--decode", "1"],
+    );
     let meta = metadata(&dump);
     for (key, want) in [
         ("dump_format", "1"),
@@ -344,26 +349,7 @@ fn replay_dumps_carry_the_sessions_run() {
 #[test]
 fn a_file_that_is_not_a_runs_dump_is_refused_saying_what_it_holds() {
     let dir = tempfile::tempdir().unwrap();
-    let session = dir.path().join("s.ron");
-    let dump = dir.path().join("replayed.safetensors");
-    let o = mladb(&[
-        "run",
-        "--layout",
-        "glm5-tiny",
-        "--decode",
-        "1",
-        "--record",
-        session.to_str().unwrap(),
-        "--record-tensors",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let o = mladb(&[
-        "replay",
-        session.to_str().unwrap(),
-        "--dump",
-        dump.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    let dump = replayed_dump(dir.path(), &["--decode", "1", "--record-tensors"]);
     let o = mladb(&[
         "check",
         "--layout",
