@@ -349,24 +349,20 @@ fn replay_dumps_carry_the_sessions_run() {
 #[test]
 fn a_file_that_is_not_a_runs_dump_is_refused_saying_what_it_holds() {
     let dir = tempfile::tempdir().unwrap();
-    let dump = replayed_dump(dir.path(), &["--decode", "1", "--record-tensors"]);
-    let o = mladb(&[
-        "check",
-        "--layout",
-        "glm5-tiny",
-        "--reference",
-        dump.to_str().unwrap(),
-    ]);
-    assert_error(&o, &["runN/PHASE/NAME", "first: run0/", "mladb run --dump"]);
+    let replayed = replayed_dump(dir.path(), &["--decode", "1", "--record-tensors"]);
     let weights = hf_fixture().join("model.safetensors");
-    let o = mladb(&[
-        "check",
-        "--layout",
-        "glm5-tiny",
-        "--reference",
-        weights.to_str().unwrap(),
-    ]);
-    assert_error(&o, &["no PHASE/NAME tensors", "first: "]);
+    let cases: [(&Path, &[&str]); 2] = [
+        (
+            &replayed,
+            &["runN/PHASE/NAME", "first: run0/", "mladb run --dump"],
+        ),
+        (&weights, &["no PHASE/NAME tensors", "first: "]),
+    ];
+    for (file, needles) in cases {
+        let file = file.to_str().unwrap();
+        let o = mladb(&["check", "--layout", "glm5-tiny", "--reference", file]);
+        assert_error(&o, needles);
+    }
 }
 
 /// A bf16 run's dump records its dtype, so an f32 run checked against it is judged by bf16's

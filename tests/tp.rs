@@ -20,6 +20,17 @@ use mladb::model::{shard, Layout, Model};
 use std::path::Path;
 use std::process::Command;
 
+/// glm5-tiny (seed 0) with a 6-token prompt, 4 of it prefilled, and 2 decode steps.
+fn glm5_tiny_short() -> (Model, Schedule) {
+    let model = common::synthetic("glm5-tiny", 0);
+    let schedule = Schedule {
+        prompt: common::prompt(model.layout.vocab_size, 6),
+        prefill_len: 4,
+        decode_steps: 2,
+    };
+    (model, schedule)
+}
+
 fn check_tp(model: &Model, schedule: &Schedule, flags: &str) -> CheckReport {
     common::check_on(&CpuBackend, model, schedule, flags, None)
 }
@@ -284,12 +295,7 @@ fn every_tensor_parallel_fault_is_caught_at_its_op_and_rank() {
 
 #[test]
 fn tensor_parallel_faults_idle_on_one_rank_and_say_why() {
-    let model = common::synthetic("glm5-tiny", 0);
-    let schedule = Schedule {
-        prompt: common::prompt(model.layout.vocab_size, 6),
-        prefill_len: 4,
-        decode_steps: 2,
-    };
+    let (model, schedule) = glm5_tiny_short();
     for fault in [
         "tp-head-offset",
         "tp-missing-allreduce",
@@ -824,12 +830,7 @@ fn run_says_where_the_ranks_run_and_what_joins_them() {
 /// difference between the two, says in a note that they agree.
 #[test]
 fn nan_alike_on_the_ranks_and_on_one_rank_is_not_a_tp_mismatch() {
-    let model = common::synthetic("glm5-tiny", 0);
-    let schedule = Schedule {
-        prompt: common::prompt(model.layout.vocab_size, 6),
-        prefill_len: 4,
-        decode_steps: 2,
-    };
+    let (model, schedule) = glm5_tiny_short();
     let report = check_tp(&model, &schedule, "tp=2,inject=kv-cache-off-by-one");
     let kinds: Vec<String> = report.findings.iter().map(|f| f.kind.to_string()).collect();
     assert!(

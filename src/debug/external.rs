@@ -249,16 +249,18 @@ impl ReferenceComparison {
     }
 }
 
+/// A dump key `PHASE/NAME` as its phase and name.
+fn phase_key(key: &str) -> Option<(Phase, &str)> {
+    let (phase, name) = key.split_once('/')?;
+    Some((phase.parse().ok()?, name))
+}
+
 /// Why a dump holds nothing to compare, said before any of its values is read: its keys are not
 /// `PHASE/NAME`, are a session's `runN/PHASE/NAME` (what `replay --dump` writes), or name ops
 /// the name map does not know.
 fn nothing_to_compare(all: &[(String, &safetensors::tensor::TensorInfo)]) -> String {
-    let phase_of = |k: &str| {
-        k.split_once('/')
-            .and_then(|(phase, _)| phase.parse::<Phase>().ok())
-    };
     let first = all.first().map_or("none", |(k, _)| k.as_str());
-    if let Some((k, _)) = all.iter().find(|(k, _)| phase_of(k).is_some()) {
+    if let Some((k, _)) = all.iter().find(|(k, _)| phase_key(k).is_some()) {
         return format!(
             "the name map turns none of its PHASE/NAME tensors into an op (first: {k}); give \
              --name-map for another engine's names"
@@ -267,7 +269,7 @@ fn nothing_to_compare(all: &[(String, &safetensors::tensor::TensorInfo)]) -> Str
     let in_a_run = |k: &str| {
         k.strip_prefix("run")
             .and_then(|rest| rest.split_once('/'))
-            .is_some_and(|(n, rest)| n.parse::<usize>().is_ok() && phase_of(rest).is_some())
+            .is_some_and(|(n, rest)| n.parse::<usize>().is_ok() && phase_key(rest).is_some())
     };
     if all.iter().any(|(k, _)| in_a_run(k)) {
         return format!(
@@ -299,8 +301,8 @@ impl ExternalDump {
         let mut keys: HashMap<String, (Phase, String)> = all
             .iter()
             .filter_map(|(k, _)| {
-                let (phase, name) = k.split_once('/')?;
-                Some((k.clone(), (phase.parse::<Phase>().ok()?, map.map(name)?)))
+                let (phase, name) = phase_key(k)?;
+                Some((k.clone(), (phase, map.map(name)?)))
             })
             .collect();
         if keys.is_empty() {
