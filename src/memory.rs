@@ -129,23 +129,44 @@ pub fn check(
     layers: &Range<usize>,
     limit_gb: Option<f64>,
 ) -> Result<()> {
+    check_beside(model, context, layers, limit_gb, 0)
+}
+
+/// [`check`] for a run beside `held` bytes its caller already holds (a reference dump's
+/// values): the two together must fit the limit.
+pub fn check_beside(
+    model: &Model,
+    context: usize,
+    layers: &Range<usize>,
+    limit_gb: Option<f64>,
+    held: u128,
+) -> Result<()> {
     let layout = &model.layout;
     let weight_cache_bytes = model.weights.budget_bytes() as u64;
     let Some((limit, source)) = limit(limit_gb)? else {
         return Ok(());
     };
     let e = Estimate::of(layout, context, layers, weight_cache_bytes);
-    let need = e.weights + e.attention + e.rest;
+    let run = e.weights + e.attention + e.rest;
+    let need = run + held;
     if need > limit {
+        let beside = if held > 0 {
+            format!(
+                ", and the reference dump's values already held {}",
+                size_text(held)
+            )
+        } else {
+            String::new()
+        };
         return Err(Error::Allocation {
             what: format!("about {}", size_text(need)),
             detail: format!(
                 "{} layer(s) of {} over {context} tokens need about {} (weights {}, attention \
-                 over the context, which grows with its square, {}, caches and activations {}), \
+                 over the context, which grows with its square, {}, caches and activations {}){beside}, \
                  above the limit of {} ({source})",
                 layers.len(),
                 layout.name,
-                size_text(need),
+                size_text(run),
                 size_text(e.weights),
                 size_text(e.attention),
                 size_text(e.rest),

@@ -164,6 +164,9 @@ pub struct RunSpec {
     pub device: DeviceChoice,
     /// The most memory the run may need, in GB (default: what the machine has available).
     pub max_memory_gb: Option<f64>,
+    /// Bytes already held for the run (a reference dump's values), counted against
+    /// `max_memory_gb` beside the run's own estimate.
+    pub held_bytes: u128,
 }
 
 /// A loaded model with the schedule and layers to run.
@@ -190,6 +193,7 @@ impl RunSpec {
             layers: None,
             device: DeviceChoice::Cpu,
             max_memory_gb: None,
+            held_bytes: 0,
         }
     }
 
@@ -237,11 +241,12 @@ impl RunSpec {
         }
         let schedule = schedule_with_defaults(layout, tokens, self.prefill, self.decode);
         schedule.validate()?;
-        crate::memory::check(
+        crate::memory::check_beside(
             &model,
             schedule.prompt.len().saturating_add(schedule.decode_steps),
             &layers,
             self.max_memory_gb,
+            self.held_bytes,
         )?;
         Ok(Prepared {
             model,
@@ -277,6 +282,7 @@ impl RunSpec {
                 .map(|t| t.iter().map(u32::to_string).collect::<Vec<_>>().join(",")),
             prefill: schedule.prefill,
             decode: schedule.decode,
+            held_bytes: self.held_bytes + dump.value_bytes(),
             ..self.clone()
         })
     }

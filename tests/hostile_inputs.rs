@@ -1083,6 +1083,37 @@ fn max_memory_gb_bounds_the_reference_dump() {
     );
 }
 
+/// The dump and the run must fit `--max-memory-gb` together: a 16 MB dump beside glm5-tiny's
+/// 19 MB run over its three tokens is refused under 30 MB, though each alone fits; under 40 MB
+/// the run starts.
+#[test]
+fn max_memory_gb_bounds_the_reference_dump_and_the_run_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sparse_reference_dump(dir.path(), 4_000_000);
+    let check = |gb: &str| {
+        mladb(&[
+            "check",
+            "--layout",
+            "glm5-tiny",
+            "--reference",
+            s(&path),
+            "--max-memory-gb",
+            gb,
+        ])
+    };
+    let o = check("0.03");
+    assert_clean_error(&o, "refusing to allocate");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("the reference dump's values already held 16.00 MB")
+            && err.contains("limit of 30.00 MB"),
+        "{err}"
+    );
+    let o = check("0.04");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("refusing to allocate"), "{err}");
+}
+
 /// A dump whose one tensor (`prefill/logits`) holds `values` f32 zeros in a sparse file, which
 /// occupies no disk.
 fn sparse_reference_dump(dir: &Path, values: u64) -> PathBuf {

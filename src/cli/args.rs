@@ -147,6 +147,7 @@ impl RunSetup {
             layers: self.layers.clone(),
             device: self.device.into(),
             max_memory_gb: self.max_memory_gb,
+            held_bytes: 0,
         }
     }
 

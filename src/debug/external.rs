@@ -349,6 +349,14 @@ impl ExternalDump {
         })
     }
 
+    /// The bytes its values hold (f32), which a run against it holds beside its own.
+    pub fn value_bytes(&self) -> u128 {
+        self.tensors
+            .values()
+            .map(|(_, v)| 4 * v.len() as u128)
+            .sum()
+    }
+
     /// A run's own outputs as a dump (what `mladb run --dump` writes, without the file).
     pub fn from_run(run: &RunRecord) -> ExternalDump {
         let tensors = run
