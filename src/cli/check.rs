@@ -4,7 +4,7 @@
 use super::args::{FlagArgs, RecordArgs, RunSetup};
 use super::Out;
 use crate::debug::detect::{check, CheckOptions, CheckReport};
-use crate::debug::external::{ExternalDump, NameMap};
+use crate::debug::external::ExternalDump;
 use crate::debug::runner::Job;
 use crate::error::{Error, Result};
 use crate::setup::RunSpec;
@@ -450,18 +450,14 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
     Ok(diverged)
 }
 
-/// The `--reference` dump, read with `--name-map` (or the map its metadata implies), its values
-/// within `--max-memory-gb`.
+/// The `--reference` dump, if one is given (see [`ExternalDump::load_reference`]).
 fn load_reference(
     path: Option<&std::path::Path>,
     map: Option<&str>,
     max_memory_gb: Option<f64>,
 ) -> Result<Option<ExternalDump>> {
-    let Some(path) = path else {
-        return Ok(None);
-    };
-    let map = map.map(NameMap::resolve).transpose()?;
-    ExternalDump::load(path, map.as_ref(), max_memory_gb).map(Some)
+    path.map(|p| ExternalDump::load_reference(p, map, max_memory_gb))
+        .transpose()
 }
 
 /// The run's setup against a reference dump (see [`RunSpec::against`]).

@@ -282,6 +282,18 @@ fn nothing_to_compare(all: &[(String, &safetensors::tensor::TensorInfo)]) -> Str
 }
 
 impl ExternalDump {
+    /// A `--reference` dump as the front ends take it: `map_name` is `--name-map` (a built-in
+    /// map's name or a map file; by default the map the dump's metadata implies), `limit_gb`
+    /// `--max-memory-gb` (see [`ExternalDump::load`]).
+    pub fn load_reference(
+        path: &Path,
+        map_name: Option<&str>,
+        limit_gb: Option<f64>,
+    ) -> Result<ExternalDump> {
+        let map = map_name.map(NameMap::resolve).transpose()?;
+        ExternalDump::load(path, map.as_ref(), limit_gb)
+    }
+
     /// Loads a dump. `map` turns its names into mladb's; `None` takes none for mladb's own dumps
     /// (their metadata says so) and the HF map for others. The values kept, as f32, must fit in
     /// `limit_gb` (`--max-memory-gb`; by default the memory available), or nothing is read.

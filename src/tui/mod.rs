@@ -61,14 +61,9 @@ impl TuiArgs {
         let Some(path) = &self.reference else {
             return HostSpec::prepare(&self.setup, &self.flags);
         };
-        let map = self
-            .name_map
-            .as_deref()
-            .map(crate::debug::name_map::NameMap::resolve)
-            .transpose()?;
-        let dump = crate::debug::external::ExternalDump::load(
+        let dump = crate::debug::external::ExternalDump::load_reference(
             path,
-            map.as_ref(),
+            self.name_map.as_deref(),
             self.setup.max_memory_gb,
         )?;
         let mut spec = HostSpec::prepare(&self.setup.against(&dump)?, &self.flags)?;
