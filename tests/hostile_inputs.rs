@@ -1066,15 +1066,7 @@ fn a_reference_dump_too_large_for_memory_is_refused_before_it_is_read() {
 fn max_memory_gb_bounds_the_reference_dump() {
     let dir = tempfile::tempdir().unwrap();
     let path = sparse_reference_dump(dir.path(), 1 << 30);
-    let o = mladb(&[
-        "check",
-        "--layout",
-        "glm5-tiny",
-        "--reference",
-        s(&path),
-        "--max-memory-gb",
-        "1",
-    ]);
+    let o = check_against_dump_within(&path, "1");
     assert_clean_error(&o, "refusing to allocate");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -1090,18 +1082,7 @@ fn max_memory_gb_bounds_the_reference_dump() {
 fn max_memory_gb_bounds_the_reference_dump_and_the_run_together() {
     let dir = tempfile::tempdir().unwrap();
     let path = sparse_reference_dump(dir.path(), 4_000_000);
-    let check = |gb: &str| {
-        mladb(&[
-            "check",
-            "--layout",
-            "glm5-tiny",
-            "--reference",
-            s(&path),
-            "--max-memory-gb",
-            gb,
-        ])
-    };
-    let o = check("0.03");
+    let o = check_against_dump_within(&path, "0.03");
     assert_clean_error(&o, "refusing to allocate");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -1109,9 +1090,22 @@ fn max_memory_gb_bounds_the_reference_dump_and_the_run_together() {
             && err.contains("limit of 30.00 MB"),
         "{err}"
     );
-    let o = check("0.04");
+    let o = check_against_dump_within(&path, "0.04");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!err.contains("refusing to allocate"), "{err}");
+}
+
+/// `mladb check` of glm5-tiny against the dump at `path` under `--max-memory-gb gb`.
+fn check_against_dump_within(path: &Path, gb: &str) -> Output {
+    mladb(&[
+        "check",
+        "--layout",
+        "glm5-tiny",
+        "--reference",
+        s(path),
+        "--max-memory-gb",
+        gb,
+    ])
 }
 
 /// A dump whose one tensor (`prefill/logits`) holds `values` f32 zeros in a sparse file, which
