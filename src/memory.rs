@@ -110,7 +110,7 @@ pub fn limit(limit_gb: Option<f64>) -> Result<Option<(u128, &'static str)>> {
     match limit_gb {
         Some(gb) if gb.is_finite() && gb > 0.0 => Ok(Some(((gb * 1e9) as u128, "--max-memory-gb"))),
         Some(gb) => Err(Error::invalid(format!(
-            "--max-memory-gb {gb} is not a positive number"
+            "--max-memory-gb {gb} is not a positive, finite number of GB"
         ))),
         None => Ok(available().map(|b| {
             (
@@ -207,6 +207,15 @@ mod tests {
         assert!(check(&model, 20000, &layers, Some(2.0)).is_err());
         assert!(check(&model, 100, &layers, Some(2.0)).is_ok());
         assert!(check(&model, 100, &layers, Some(f64::NAN)).is_err());
+    }
+
+    #[test]
+    fn a_limit_is_a_positive_finite_number_of_gb() {
+        assert_eq!(limit(Some(1.5)).unwrap().map(|l| l.0), Some(1_500_000_000));
+        for bad in [0.0, -1.0, f64::INFINITY, f64::NAN] {
+            let e = limit(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("not a positive, finite number of GB"), "{e}");
+        }
     }
 
     #[test]
