@@ -16,8 +16,13 @@ use std::path::PathBuf;
 const MODEL: &str = "tests/fixtures/hf/glm5-sparse";
 
 fn app_against_reference(inject: &[&str]) -> App {
+    app_against_reference_within(inject, None)
+}
+
+fn app_against_reference_within(inject: &[&str], max_memory_gb: Option<f64>) -> App {
     let args = mladb::tui::TuiArgs {
         setup: RunSpec {
+            max_memory_gb,
             model: ModelSpec {
                 layout: None,
                 model: Some(PathBuf::from(MODEL)),
@@ -87,4 +92,23 @@ fn a_planted_fault_shows_its_first_divergent_op_against_the_reference() {
     // The fault hands o_proj a buffer the attention kernel never wrote, from the prefill on.
     assert!(first.contains("prefill self_attn.o_proj"), "{first}");
     assert!(!text.contains("ops agree within"), "{text}");
+}
+
+/// A schedule change is held to `--max-memory-gb` beside the reference dump's values (248 kB
+/// here), as the start was: under 3.25 MB, `:set decode 100` (a 3.17 MB run alone) is refused.
+#[test]
+fn a_schedule_change_counts_the_reference_dump_against_max_memory_gb() {
+    let answer = |limit: Option<f64>| {
+        let mut app = app_against_reference_within(&[], limit);
+        common::command(&mut app, "set decode 100");
+        app.log.join("\n")
+    };
+    let held = answer(Some(0.00325));
+    assert!(
+        held.contains("refusing to allocate")
+            && held.contains("the reference dump's values already held 248.14 kB"),
+        "{held}"
+    );
+    let free = answer(None);
+    assert!(!free.contains("refusing to allocate"), "{free}");
 }

@@ -86,12 +86,14 @@ impl Host {
             self.log(format!("{key} {value}: the schedule is unchanged"));
             return Ok(());
         }
-        // A prompt too long for memory is refused before the worker allocates for it.
-        crate::memory::check(
+        // A prompt too long for memory (beside the reference dump's values, if one is held) is
+        // refused before the worker allocates for it.
+        crate::memory::check_beside(
             self.controller.model(),
             schedule.prompt.len().saturating_add(schedule.decode_steps),
             self.controller.layers(),
             self.max_memory_gb,
+            self.reference.as_ref().map_or(0, |r| r.value_bytes()),
         )?;
         let change = self.controller.set_schedule(schedule.clone())?;
         (self.send)(Update::Schedule(schedule));
