@@ -2,6 +2,8 @@
 //! thing: a dump of other tokens or other shapes is an error, the dump's own tokens are used when
 //! none are given, and ops the dump lacks are listed as not compared.
 
+mod common;
+
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use std::collections::HashMap;
@@ -455,4 +457,52 @@ fn a_dump_stored_in_bf16_is_judged_by_bf16_tolerances_without_metadata() {
         .map(|c| c.split(" of ").collect())
         .unwrap_or_default();
     assert!(counts.len() == 2 && counts[0] == counts[1], "{out}");
+}
+
+/// HF's dump holds layer 0's attention output twice: as `self_attn` (the module's output) and
+/// `self_attn.o_proj`, both mladb's `o_proj`. When the two disagree (as a wrapper that hands on
+/// another buffer than its kernel wrote makes them), the run is compared with both and the
+/// difference is found whichever of the two is wrong; the report says the dump's names differ.
+/// The loader used to keep the last one read and compare nothing else.
+#[test]
+fn a_dump_whose_names_for_one_op_disagree_is_found_whichever_name_is_wrong() {
+    let model = hf_fixture();
+    let dump = model.join("hf-dump.safetensors");
+    let m = model.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for key in [
+        "prefill/model.layers.0.self_attn",
+        "prefill/model.layers.0.self_attn.o_proj",
+    ] {
+        let wrong = dir.path().join("wrong.safetensors");
+        common::scaled_copy(&dump, &wrong, key, 1.5);
+        let o = mladb(&[
+            "check",
+            "--model",
+            m,
+            "--reference",
+            wrong.to_str().unwrap(),
+            "--json",
+        ]);
+        let out = stdout(&o);
+        let head = &out[..out.len().min(1500)];
+        assert_eq!(
+            o.status.code(),
+            Some(1),
+            "{key} scaled: {head}{}",
+            stderr(&o)
+        );
+        let first: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+        assert_eq!(first["kind"], "reference-mismatch", "{key}: {head}");
+        assert_eq!(
+            first["op"], "model.layers.0.self_attn.o_proj",
+            "{key}: {head}"
+        );
+        assert_eq!(first["phase"], "prefill", "{key}: {head}");
+        assert!(
+            out.contains("the dump holds differing tensors under several names for 1 op ")
+                && out.contains("prefill/model.layers.0.self_attn and prefill/model.layers.0.self_attn.o_proj differ"),
+            "{key}: {head}"
+        );
+    }
 }

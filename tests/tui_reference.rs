@@ -20,6 +20,11 @@ fn app_against_reference(inject: &[&str]) -> App {
 }
 
 fn app_against_reference_within(inject: &[&str], max_memory_gb: Option<f64>) -> App {
+    let dump = PathBuf::from(format!("{MODEL}/hf-dump.safetensors"));
+    app_against(dump, inject, max_memory_gb)
+}
+
+fn app_against(reference: PathBuf, inject: &[&str], max_memory_gb: Option<f64>) -> App {
     let args = mladb::tui::TuiArgs {
         setup: RunSpec {
             max_memory_gb,
@@ -35,7 +40,7 @@ fn app_against_reference_within(inject: &[&str], max_memory_gb: Option<f64>) -> 
             ..FlagOptions::default()
         },
         keys: None,
-        reference: Some(PathBuf::from(format!("{MODEL}/hf-dump.safetensors"))),
+        reference: Some(reference),
         name_map: None,
     };
     let spec = args.spec().unwrap();
@@ -94,7 +99,7 @@ fn a_planted_fault_shows_its_first_divergent_op_against_the_reference() {
     assert!(!text.contains("ops agree within"), "{text}");
 }
 
-/// A schedule change is held to `--max-memory-gb` beside the reference dump's values (248 kB
+/// A schedule change is held to `--max-memory-gb` beside the reference dump's values (261 kB
 /// here), as the start was: under 3.25 MB, `:set decode 100` (a 3.17 MB run alone) is refused.
 #[test]
 fn a_schedule_change_counts_the_reference_dump_against_max_memory_gb() {
@@ -106,9 +111,32 @@ fn a_schedule_change_counts_the_reference_dump_against_max_memory_gb() {
     let held = answer(Some(0.00325));
     assert!(
         held.contains("refusing to allocate")
-            && held.contains("the reference dump's values already held 248.14 kB"),
+            && held.contains("the reference dump's values already held 261.46 kB"),
         "{held}"
     );
     let free = answer(None);
     assert!(!free.contains("refusing to allocate"), "{free}");
+}
+
+/// A dump whose two names for layer 0's o_proj (HF's `self_attn` and `self_attn.o_proj`)
+/// disagree: the tree and the Compare pane show the one farther from the run, whichever it is.
+#[test]
+fn the_reference_side_is_the_dumps_farthest_name_for_an_op() {
+    let dir = tempfile::tempdir().unwrap();
+    let wrong = dir.path().join("wrong.safetensors");
+    let dump = PathBuf::from(format!("{MODEL}/hf-dump.safetensors"));
+    for key in [
+        "prefill/model.layers.0.self_attn",
+        "prefill/model.layers.0.self_attn.o_proj",
+    ] {
+        common::scaled_copy(&dump, &wrong, key, 1.5);
+        let mut app = app_against(wrong.clone(), &[], None);
+        let text =
+            common::compare_pane(&mut app, Phase::Prefill, "model.layers.0.self_attn.o_proj");
+        let first = text
+            .lines()
+            .find(|l| l.contains("first divergent op:"))
+            .unwrap_or_else(|| panic!("{key}: {text}"));
+        assert!(first.contains("prefill self_attn.o_proj"), "{key}: {first}");
+    }
 }

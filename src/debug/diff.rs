@@ -84,6 +84,19 @@ impl Diff {
         }
     }
 
+    /// How far apart the two are, to pick the farther of two references: the relative L2 error
+    /// over the elements finite on both sides, infinite when some value is non-finite on one side
+    /// only (NaN or ±Inf alike on both sides agree here, as [`Diff::fails_only_alike`] says).
+    pub fn severity(&self) -> f64 {
+        let alike_only = self.here.total() == self.alike && self.reference.total() == self.alike;
+        match (alike_only, self.finite) {
+            (false, _) => f64::INFINITY,
+            (true, 0) => 0.0,
+            (true, _) if self.rel_l2.is_nan() => f64::INFINITY,
+            (true, _) => self.rel_l2,
+        }
+    }
+
     /// The difference exceeds `tolerance` (non-finite values always do).
     pub fn exceeds(&self, tolerance: f64) -> bool {
         let e = self.error();

@@ -12,168 +12,8 @@ use safetensors::Dtype;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+pub use super::dump_meta::{meta_key, DumpMeta, DUMP_FORMAT};
 pub use super::name_map::NameMap;
-
-/// The metadata keys of a dump (safetensors `__metadata__`, every value a string), written by
-/// `mladb run --dump`, `mladb replay --dump`, tools/hf_dump.py and tools/make_hf_fixtures.py.
-pub mod meta_key {
-    /// The version of this set of keys ([`super::DUMP_FORMAT`]); a dump without it predates
-    /// the metadata.
-    pub const FORMAT: &str = "dump_format";
-    /// The prompt token ids, a JSON array: `[3,141,59]`.
-    pub const TOKENS: &str = "tokens";
-    /// Prompt tokens prefilled at once (the rest went through decode one by one).
-    pub const PREFILL: &str = "prefill";
-    /// Greedy tokens generated after the prompt.
-    pub const DECODE: &str = "decode";
-    /// The generated token ids, a JSON array.
-    pub const GENERATED: &str = "generated";
-    /// The model: a layout and seed, or a checkpoint with its fingerprint.
-    pub const MODEL: &str = "model";
-    /// mladb's debugging flags, or the other engine's settings.
-    pub const FLAGS: &str = "flags";
-    /// What wrote the dump, with its version: `mladb 0.1.0`, `tools/hf_dump.py (transformers
-    /// 5.17.0, ...)`. Dumps by mladb name their tensors with mladb's op names.
-    pub const PRODUCER: &str = "producer";
-    /// The precision the other engine's tensors were in (`bf16`, `f16`; absent: f32). A dump
-    /// of a bf16 engine is judged by the bf16 tolerances whatever the checked run's dtype.
-    pub const DTYPE: &str = "dtype";
-}
-
-/// The metadata format this build writes and reads.
-pub const DUMP_FORMAT: u32 = 1;
-
-/// What a dump says about the run that made it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DumpMeta {
-    pub tokens: Vec<u32>,
-    pub prefill: usize,
-    pub decode: usize,
-    pub generated: Vec<u32>,
-    pub model: String,
-    pub flags: String,
-    pub producer: String,
-    /// The other engine's precision, when not f32 (`bf16`, `f16`).
-    pub dtype: Option<String>,
-}
-
-impl DumpMeta {
-    /// What mladb writes into a dump it makes. A bf16 run's dump says so, so that a run checked
-    /// against it is judged by bf16's tolerances whatever its own dtype (its values hold bf16's
-    /// rounding, which an f32 run does not have).
-    pub fn of_mladb(
-        schedule: &crate::engine::generate::Schedule,
-        generated: &[u32],
-        model: String,
-        flags: &crate::debug::flags::Flags,
-    ) -> DumpMeta {
-        DumpMeta {
-            tokens: schedule.prompt.clone(),
-            prefill: schedule.prefill_len,
-            decode: schedule.decode_steps,
-            generated: generated.to_vec(),
-            model,
-            flags: flags.to_string(),
-            producer: format!("mladb {}", env!("CARGO_PKG_VERSION")),
-            dtype: match flags.dtype {
-                crate::engine::StorageDtype::F32 => None,
-                low => Some(low.to_string()),
-            },
-        }
-    }
-
-    /// The dump's tensors were computed in bf16 or f16.
-    pub fn low_precision(&self) -> bool {
-        matches!(self.dtype.as_deref(), Some("bf16" | "f16"))
-    }
-
-    /// mladb wrote the dump: its tensors carry mladb's op names, no name map applies.
-    pub fn by_mladb(&self) -> bool {
-        self.producer.starts_with("mladb ")
-    }
-
-    /// The safetensors metadata map.
-    pub fn to_map(&self) -> HashMap<String, String> {
-        let list = |v: &[u32]| serde_json::to_string(v).expect("a token list serialises");
-        [
-            (meta_key::FORMAT, DUMP_FORMAT.to_string()),
-            (meta_key::TOKENS, list(&self.tokens)),
-            (meta_key::PREFILL, self.prefill.to_string()),
-            (meta_key::DECODE, self.decode.to_string()),
-            (meta_key::GENERATED, list(&self.generated)),
-            (meta_key::MODEL, self.model.clone()),
-            (meta_key::FLAGS, self.flags.clone()),
-            (meta_key::PRODUCER, self.producer.clone()),
-        ]
-        .into_iter()
-        .chain(self.dtype.clone().map(|d| (meta_key::DTYPE, d)))
-        .map(|(k, v)| (k.to_string(), v))
-        .collect()
-    }
-
-    /// Reads the metadata; `None` for a dump without it (made before it existed).
-    pub fn from_map(
-        map: &HashMap<String, String>,
-    ) -> std::result::Result<Option<DumpMeta>, String> {
-        let Some(format) = map.get(meta_key::FORMAT) else {
-            return Ok(None);
-        };
-        match format.parse::<u32>() {
-            Ok(DUMP_FORMAT) => {}
-            _ => {
-                return Err(format!(
-                    "metadata {} is '{format}'; this mladb reads format {DUMP_FORMAT}",
-                    meta_key::FORMAT
-                ))
-            }
-        }
-        let get = |key: &str| {
-            map.get(key)
-                .ok_or_else(|| format!("metadata {key} is missing"))
-        };
-        let number = |key: &str| {
-            get(key)?
-                .parse::<usize>()
-                .map_err(|_| format!("metadata {key} is not a count: '{}'", map[key]))
-        };
-        let tokens = |key: &str| {
-            serde_json::from_str::<Vec<u32>>(get(key)?)
-                .map_err(|_| format!("metadata {key} is not a list of token ids: '{}'", map[key]))
-        };
-        let text = |key: &str| map.get(key).cloned().unwrap_or_default();
-        let meta = DumpMeta {
-            tokens: tokens(meta_key::TOKENS)?,
-            prefill: number(meta_key::PREFILL)?,
-            decode: number(meta_key::DECODE)?,
-            generated: match map.get(meta_key::GENERATED) {
-                Some(_) => tokens(meta_key::GENERATED)?,
-                None => Vec::new(),
-            },
-            model: text(meta_key::MODEL),
-            flags: text(meta_key::FLAGS),
-            producer: text(meta_key::PRODUCER),
-            dtype: map.get(meta_key::DTYPE).cloned(),
-        };
-        if let Some(d) = meta
-            .dtype
-            .as_deref()
-            .filter(|d| !["f32", "bf16", "f16"].contains(d))
-        {
-            return Err(format!(
-                "metadata {} is '{d}'; it is f32, bf16 or f16",
-                meta_key::DTYPE
-            ));
-        }
-        if meta.tokens.is_empty() || meta.prefill > meta.tokens.len() {
-            return Err(format!(
-                "metadata prefill {} does not fit its {} tokens",
-                meta.prefill,
-                meta.tokens.len()
-            ));
-        }
-        Ok(Some(meta))
-    }
-}
 
 /// The schedule a run compared with a dump has: what was given, the rest from the dump.
 #[derive(Debug, Clone, PartialEq)]
@@ -197,7 +37,14 @@ pub(crate) fn number_list(values: &[u32], noun: &str) -> String {
 
 /// A loaded dump: tensors by (phase, mladb op name), in f32.
 pub struct ExternalDump {
+    /// Each op's tensor: of several that stand for it, the most specific (longest) name's.
     pub tensors: HashMap<(Phase, String), (Vec<usize>, Vec<f32>)>,
+    /// Ops several of the dump's tensors stand for (HF's `self_attn` and `self_attn.o_proj`, the
+    /// hook's `attn_kernel` and `o_proj.input`): the key `tensors` holds, then the others. Every
+    /// one is compared with the run and the farthest reported, so that a dump whose names for an
+    /// op disagree (a wrapper that handed on another buffer than its kernel wrote) is never
+    /// passed through the name that agrees.
+    pub aliases: HashMap<(Phase, String), (String, Vec<Alias>)>,
     /// Keys the map left out or that did not parse as PHASE/NAME.
     pub skipped: usize,
     /// Its values hold bf16 or f16 rounding, whatever its metadata says: some were stored in
@@ -208,6 +55,17 @@ pub struct ExternalDump {
     /// Where it was loaded from (none for a run's own outputs).
     pub path: Option<PathBuf>,
 }
+
+/// A tensor of a dump that stands for an op another of its tensors already stands for.
+pub struct Alias {
+    /// Its dump key, `PHASE/NAME` as the other engine named it.
+    pub key: String,
+    pub shape: Vec<usize>,
+    pub values: Vec<f32>,
+}
+
+/// One of the dump's tensors for an op: its key (empty for an op held once), shape, values.
+type Candidate<'a> = (&'a str, &'a [usize], &'a [f32]);
 
 /// A run compared with a dump: the ops compared, and those the dump lacks.
 #[derive(Debug, Clone)]
@@ -346,14 +204,36 @@ impl ExternalDump {
         let low_precision_values = read
             .iter()
             .any(|t| matches!(t.stored, Dtype::BF16 | Dtype::F16));
+        // The most specific name first (o_proj rather than the attention module returning its
+        // output, as `mladb import` keeps): it is the op's tensor, the others its aliases.
+        let mut read = read;
+        read.sort_by(|a, b| b.name.len().cmp(&a.name.len()).then(a.name.cmp(&b.name)));
         let mut tensors = HashMap::new();
+        let mut first_keys = HashMap::new();
+        let mut aliases: HashMap<(Phase, String), (String, Vec<Alias>)> = HashMap::new();
         for t in read {
-            if let Some(k) = keys.remove(&t.name) {
-                tensors.insert(k, (t.shape, t.values));
+            let Some(op) = keys.remove(&t.name) else {
+                continue;
+            };
+            match first_keys.get(&op) {
+                None => {
+                    first_keys.insert(op.clone(), t.name);
+                    tensors.insert(op, (t.shape, t.values));
+                }
+                Some(first) => aliases
+                    .entry(op)
+                    .or_insert_with(|| (String::clone(first), Vec::new()))
+                    .1
+                    .push(Alias {
+                        key: t.name,
+                        shape: t.shape,
+                        values: t.values,
+                    }),
             }
         }
         Ok(ExternalDump {
             tensors,
+            aliases,
             skipped,
             meta,
             low_precision_values,
@@ -363,10 +243,31 @@ impl ExternalDump {
 
     /// The bytes its values hold (f32), which a run against it holds beside its own.
     pub fn value_bytes(&self) -> u128 {
+        let aliases = self.aliases.values().flat_map(|(_, a)| a.iter());
         self.tensors
             .values()
-            .map(|(_, v)| 4 * v.len() as u128)
+            .map(|(_, v)| v)
+            .chain(aliases.map(|a| &a.values))
+            .map(|v| 4 * v.len() as u128)
             .sum()
+    }
+
+    /// The dump's tensors for an op: the one [`ExternalDump::tensors`] holds, then its aliases.
+    fn candidates(&self, phase: Phase, name: &str) -> Vec<Candidate<'_>> {
+        let op = (phase, name.to_string());
+        let Some((shape, values)) = self.tensors.get(&op) else {
+            return Vec::new();
+        };
+        let mut out = vec![("", shape.as_slice(), values.as_slice())];
+        if let Some((first, others)) = self.aliases.get(&op) {
+            out[0].0 = first;
+            out.extend(
+                others
+                    .iter()
+                    .map(|a| (a.key.as_str(), a.shape.as_slice(), a.values.as_slice())),
+            );
+        }
+        out
     }
 
     /// A run's own outputs as a dump (what `mladb run --dump` writes, without the file).
@@ -384,6 +285,7 @@ impl ExternalDump {
             .collect();
         ExternalDump {
             tensors,
+            aliases: HashMap::new(),
             skipped: 0,
             meta: None,
             low_precision_values: run.flags.dtype != crate::engine::StorageDtype::F32,
@@ -399,16 +301,24 @@ impl ExternalDump {
         let mut flags = run.flags;
         flags.dtype = self.dtype();
         let mut out = RunRecord::new(flags);
-        for e in &run.events {
-            let Some((_, data)) = self.tensors.get(&(e.phase, e.name.clone())) else {
+        for (i, e) in run.events.iter().enumerate() {
+            let numel = e.shape.iter().product::<usize>();
+            let fits: Vec<Candidate<'_>> = self
+                .candidates(e.phase, &e.name)
+                .into_iter()
+                .filter(|(_, _, d)| d.len() == numel)
+                .collect();
+            // One tensor needs no comparison to be chosen.
+            let chosen = match fits.len() {
+                0 | 1 => fits.first().copied(),
+                _ => farthest(e, i, run.outputs[i].data(), fits, 1).map(|(c, _)| c),
+            };
+            let Some((_, _, data)) = chosen else {
                 continue;
             };
-            if data.len() != e.shape.iter().product::<usize>() {
-                continue;
-            }
             out.push(
                 e.clone(),
-                std::sync::Arc::new(crate::tensor::Tensor::from_vec(&e.shape, data.clone())),
+                std::sync::Arc::new(crate::tensor::Tensor::from_vec(&e.shape, data.to_vec())),
             );
         }
         out
@@ -538,42 +448,47 @@ impl ExternalDump {
         }
         let mut comparisons = Vec::new();
         let mut not_compared = Vec::new();
+        let mut disagreeing = Vec::new();
         for (i, e) in run.events.iter().enumerate() {
-            let Some((shape, data)) = self.tensors.get(&(e.phase, e.name.clone())) else {
-                not_compared.push(e.dump_name());
-                continue;
-            };
-            // An import keeps the engine's shapes, which may split the same values otherwise
-            // ([T, H·D] for mladb's [T, H, D]): there the values in order are what compare.
-            let numel = |s: &[usize]| s.iter().product::<usize>();
-            let reshaped = self.imported() && numel(shape) == numel(&e.shape);
-            // An expert's rows are the tokens routed to it: a dump whose run routed otherwise
-            // holds other rows, and the router's choice (compared as a choice) says so.
-            if e.kind == OpKind::Expert && shape != &e.shape {
-                not_compared.push(e.dump_name());
-                continue;
+            let mut candidates = Vec::new();
+            for c @ (_, shape, _) in self.candidates(e.phase, &e.name) {
+                // An import keeps the engine's shapes, which may split the same values otherwise
+                // ([T, H·D] for mladb's [T, H, D]): there the values in order are what compare.
+                let numel = |s: &[usize]| s.iter().product::<usize>();
+                let reshaped = self.imported() && numel(shape) == numel(&e.shape);
+                // An expert's rows are the tokens routed to it: a dump whose run routed otherwise
+                // holds other rows, and the router's choice (compared as a choice) says so.
+                if e.kind == OpKind::Expert && shape != e.shape.as_slice() {
+                    continue;
+                }
+                if squeezed(shape) != squeezed(&e.shape) && !reshaped {
+                    return Err(Error::invalid(format!(
+                        "{} {} has shape {:?} in this run and {:?} in the reference dump{}",
+                        e.phase,
+                        e.name,
+                        e.shape,
+                        shape,
+                        if self.meta.is_none() {
+                            " (the dump has no metadata: give the --tokens, --prefill and --decode it was made with)"
+                        } else {
+                            ""
+                        }
+                    )));
+                }
+                candidates.push(c);
             }
-            if squeezed(shape) != squeezed(&e.shape) && !reshaped {
-                return Err(Error::invalid(format!(
-                    "{} {} has shape {:?} in this run and {:?} in the reference dump{}",
-                    e.phase,
-                    e.name,
-                    e.shape,
-                    shape,
-                    if self.meta.is_none() {
-                        " (the dump has no metadata: give the --tokens, --prefill and --decode it was made with)"
-                    } else {
-                        ""
-                    }
-                )));
+            disagreeing.extend(disagreement(e, &candidates));
+            match farthest(e, i, run.outputs[i].data(), candidates, num_heads) {
+                Some((_, c)) => comparisons.push(c),
+                None => not_compared.push(e.dump_name()),
             }
-            comparisons.push(compare_outputs(
-                e,
-                i,
-                run.outputs[i].data(),
-                shape,
-                data,
-                num_heads,
+        }
+        if let Some(first) = disagreeing.first() {
+            notes.push(format!(
+                "reference: the dump holds differing tensors under several names for {} op{} \
+                 (first: {first}); each was compared with this run and the farthest is reported",
+                disagreeing.len(),
+                if disagreeing.len() == 1 { "" } else { "s" }
             ));
         }
         if comparisons.is_empty() {
@@ -590,40 +505,51 @@ impl ExternalDump {
     }
 }
 
+/// Of the dump's tensors for op `e` (index `i`, output `ours`), the one farthest from `ours`,
+/// with its comparison; the first (the most specific name) of equals.
+fn farthest<'a>(
+    e: &crate::engine::trace::OpEvent,
+    i: usize,
+    ours: &[f32],
+    candidates: Vec<Candidate<'a>>,
+    num_heads: usize,
+) -> Option<(Candidate<'a>, OpComparison)> {
+    let severity = |c: &OpComparison| c.diff.as_ref().map_or(-1.0, |d| d.severity());
+    candidates
+        .into_iter()
+        .map(|c| (c, compare_outputs(e, i, ours, c.1, c.2, num_heads)))
+        .reduce(|best, next| {
+            if severity(&next.1) > severity(&best.1) {
+                next
+            } else {
+                best
+            }
+        })
+}
+
+/// `prefill NAME: KEY and KEY differ (relative L2 …)` when the dump's tensors for op `e` are not
+/// the same values: the engine that made it handed on something other than it computed.
+fn disagreement(e: &crate::engine::trace::OpEvent, candidates: &[Candidate<'_>]) -> Option<String> {
+    let ((first, _, a), rest) = candidates.split_first()?;
+    rest.iter().find_map(|(key, _, b)| {
+        if a.len() == b.len() && a.iter().zip(*b).all(|(x, y)| x.to_bits() == y.to_bits()) {
+            return None;
+        }
+        let error = if a.len() == b.len() {
+            super::diff::diff(b, a, &[a.len()], None).error()
+        } else {
+            f64::INFINITY
+        };
+        (error.is_nan() || error > 1e-6).then(|| {
+            format!(
+                "{} {}: {key} and {first} differ (relative L2 {error:.1e})",
+                e.phase, e.name
+            )
+        })
+    })
+}
+
 /// A shape without its size-1 axes.
 fn squeezed(shape: &[usize]) -> Vec<usize> {
     shape.iter().copied().filter(|&n| n != 1).collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dump_metadata_round_trips_and_bad_values_are_named() {
-        let meta = DumpMeta {
-            tokens: vec![3, 141, 59],
-            prefill: 2,
-            decode: 1,
-            generated: vec![7],
-            model: "layout glm5-tiny, seed 0".into(),
-            flags: "inject none".into(),
-            producer: "mladb 0.1.0".into(),
-            dtype: Some("bf16".into()),
-        };
-        let map = meta.to_map();
-        assert_eq!(map[meta_key::TOKENS], "[3,141,59]");
-        assert_eq!(DumpMeta::from_map(&map), Ok(Some(meta)));
-        assert_eq!(DumpMeta::from_map(&HashMap::new()), Ok(None));
-        let broken = |key: &str, value: &str| {
-            let mut m = map.clone();
-            m.insert(key.to_string(), value.to_string());
-            DumpMeta::from_map(&m).unwrap_err()
-        };
-        assert!(broken(meta_key::FORMAT, "2").contains("reads format 1"));
-        assert!(broken(meta_key::TOKENS, "3,141").contains("metadata tokens"));
-        assert!(broken(meta_key::PREFILL, "-1").contains("metadata prefill"));
-        assert!(broken(meta_key::PREFILL, "4").contains("does not fit"));
-        assert!(broken(meta_key::DTYPE, "fp8").contains("metadata dtype"));
-    }
 }

@@ -7,6 +7,7 @@
 //!   [`sample`]: the bounded samples a replay holds of outputs instead;
 //! * [`controller`]: stepping, breakpoints and live flag changes over a running engine;
 //! * [`compare`], [`bisect`], [`external`]: per-op comparisons of runs, phases and dumps;
+//!   [`dump_meta`]: what a dump says about the run that made it;
 //! * [`forensics`], [`detect`]: buffer forensics and the detectors of `mladb check`;
 //!   [`findings`]: how their comparisons become findings;
 //! * [`idle`]: flags and faults that had nothing to act on in a run;
@@ -20,6 +21,7 @@ pub mod compare;
 pub mod controller;
 pub mod detect;
 pub mod diff;
+pub mod dump_meta;
 pub mod external;
 pub mod findings;
 pub mod flags;

@@ -306,3 +306,37 @@ pub fn check_on(
     }
     check(&job, flags, &options).unwrap()
 }
+
+/// A copy of `from` at `to` with the f32 tensor `key`'s values multiplied by `by`.
+pub fn scaled_copy(from: &std::path::Path, to: &std::path::Path, key: &str, by: f32) {
+    let bytes = std::fs::read(from).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = header.metadata().clone();
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, v)| {
+            assert_eq!(v.dtype(), safetensors::Dtype::F32, "{name}");
+            let mut data = v.data().to_vec();
+            if name == key {
+                for b in data.chunks_exact_mut(4) {
+                    let x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * by;
+                    b.copy_from_slice(&x.to_le_bytes());
+                }
+            }
+            (name, v.shape().to_vec(), data)
+        })
+        .collect();
+    assert!(
+        tensors.iter().any(|(n, _, _)| n == key),
+        "{key} is in the dump"
+    );
+    let views = tensors.iter().map(|(name, shape, data)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
+                .unwrap();
+        (name.clone(), view)
+    });
+    std::fs::write(to, safetensors::serialize(views, meta).unwrap()).unwrap();
+}
