@@ -518,6 +518,43 @@ fn check_against_a_reference_dump_from_run() {
     );
 }
 
+/// An f32 run against a bf16 one differs by bf16's rounding at every op: judged by bf16's
+/// tolerances, whichever side is bf16, it is no divergence; a fault planted on the bf16 side
+/// still is. (The f32 table was used before, and the embedding was "first divergent".)
+#[test]
+fn bisect_across_dtypes_is_judged_by_the_bf16_tolerances() {
+    let bisect = |a: &str, b: &str| {
+        mladb(&[
+            "bisect",
+            "--layout",
+            "glm5-tiny",
+            "--decode",
+            "2",
+            "--a",
+            a,
+            "--b",
+            b,
+        ])
+    };
+    for (a, b) in [("", "dtype=bf16"), ("dtype=bf16", "")] {
+        let o = bisect(a, b);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "--a '{a}' --b '{b}': {}",
+            stdout(&o)
+        );
+        assert!(stdout(&o).contains("(bf16 table)"), "{}", stdout(&o));
+    }
+    let o = bisect("", "dtype=bf16,inject=softmax-scale-latent");
+    assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains("first divergent:") && stdout(&o).contains("self_attn.attn_probs"),
+        "{}",
+        stdout(&o)
+    );
+}
+
 #[test]
 fn bisect_names_the_first_divergent_op() {
     let o = mladb(&[

@@ -18,7 +18,7 @@ use mladb::debug::runner::Job;
 use mladb::debug::tolerance::Tolerances;
 use mladb::debug::{Flags, RunRecord};
 use mladb::engine::generate::Schedule;
-use mladb::engine::trace::Phase;
+use mladb::engine::trace::{OpKind, Phase};
 use mladb::model::Model;
 use std::sync::Arc;
 
@@ -336,6 +336,33 @@ fn condition_breakpoints_stop_at_the_first_bad_op() {
     );
     let d = c.op_diff(p.index).unwrap().diff.unwrap();
     assert!(d.rel_l2 > 1e-4 && !d.per_head.is_empty());
+}
+
+/// The debugger's comparison of a bf16 run with the f32 run before it is judged by bf16's
+/// tolerances: a clean switch of dtype is no divergence (the f32 table flagged the embedding,
+/// the first op). A router's choice near a tie may still flip with bf16's rounding (this
+/// comparison does not force choices, as `check` does): nothing numeric diverges before one.
+#[test]
+fn runs_of_two_dtypes_are_compared_by_the_bf16_tolerances() {
+    let mut c = controller("");
+    assert_eq!(c.continue_run(), Stop::End);
+    // f32 → bf16, then back: the current run is bf16 against f32, then f32 against bf16.
+    for dtype in ["bf16", "f32"] {
+        c.set_flag("dtype", dtype).unwrap();
+        assert_eq!(c.continue_run(), Stop::End);
+        let diffs = c.diff_runs();
+        assert!(diffs.len() > 100, "{} ops compared", diffs.len());
+        assert!(
+            diffs.iter().any(|d| d.exceeds(1e-4)),
+            "bf16 differs from f32 beyond f32's floor"
+        );
+        if let Some(first) = diffs.iter().find(|d| d.exceeds_its()) {
+            assert!(
+                matches!(first.kind, OpKind::Router | OpKind::IndexTopK),
+                "now {dtype}: the first op over its tolerance is not a choice: {first:?}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -429,6 +429,45 @@ fn assert_summaries_match_the_ops(app: &mut App) {
     }
 }
 
+/// A run compared with one of the other dtype (f32 after bf16, as a user switching back sees
+/// it) is judged by bf16's tolerances in the tree's marks and by `goto first-divergent`: the
+/// embedding, the first op, differs by bf16's rounding only (the f32 table marked it).
+#[test]
+fn a_run_against_one_of_the_other_dtype_is_judged_by_bf16_tolerances() {
+    let mut app = common::tiny_app("");
+    press(&mut app, "c");
+    command(&mut app, "set dtype bf16");
+    press(&mut app, "c");
+    command(&mut app, "set dtype f32");
+    press(&mut app, "c");
+    let run = app.mirror.current().unwrap();
+    assert_eq!(run.flags.dtype, mladb::engine::StorageDtype::F32);
+    let other = app
+        .mirror
+        .comparison_run()
+        .expect("the bf16 run is the comparison");
+    assert_eq!(other.flags.dtype, mladb::engine::StorageDtype::Bf16);
+    screen_text(&mut app, 80, 24);
+    let (diverges, tolerance) = app.judged_against_comparison(0).expect("op 0 compared");
+    assert!(
+        !diverges && tolerance > 1e-3,
+        "the embedding: tolerance {tolerance}"
+    );
+    command(&mut app, "goto first-divergent");
+    let said = app.log.last().unwrap().clone();
+    let run = app.mirror.current().unwrap();
+    match app.selected_op() {
+        Some((i, _)) if said.contains("first divergent op") => assert!(
+            matches!(run.events[i].kind, OpKind::Router | OpKind::IndexTopK),
+            "only a near-tie choice may flip with bf16's rounding: {said}"
+        ),
+        _ => assert!(
+            said.contains("no op differs beyond its tolerance"),
+            "{said}"
+        ),
+    }
+}
+
 #[test]
 fn layer_summaries_show_where_a_decode_fault_diverges() {
     let mut app = common::tiny_app("");

@@ -310,8 +310,10 @@ pub fn bisect(args: &BisectArgs) -> Result<bool> {
             "--tolerance {t} is not a non-negative number"
         )));
     }
+    // A bf16 run on either side holds bf16's rounding: judged by that table.
+    let dtype_b = flags_b.map_or(flags_a.dtype, |b| b.dtype);
     let tolerances = args.tolerance.map_or(
-        crate::debug::tolerance::Tolerances::Table(flags_a.dtype),
+        crate::debug::tolerance::Tolerances::table_for(flags_a.dtype, dtype_b),
         crate::debug::tolerance::Tolerances::Uniform,
     );
     let reference = load_reference(

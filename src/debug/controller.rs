@@ -373,7 +373,7 @@ impl Controller {
                 &self.current,
                 other,
                 self.model.layout.num_heads,
-                &Tolerances::Table(self.current.flags.dtype),
+                &Tolerances::table_for(self.current.flags.dtype, other.flags.dtype),
             ),
             None => Vec::new(),
         }

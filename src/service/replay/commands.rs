@@ -76,7 +76,8 @@ impl DebugService for ReplayHost {
             );
         }
         let other = &self.records[self.timeline[c]];
-        let tolerances = crate::debug::tolerance::Tolerances::Table(partial.flags.dtype);
+        let tolerances =
+            crate::debug::tolerance::Tolerances::table_for(partial.flags.dtype, other.flags.dtype);
         Ok(compare_runs(
             &partial,
             other,

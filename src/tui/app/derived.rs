@@ -140,7 +140,9 @@ impl App {
         let tolerances = Tolerances::Table(run.flags.dtype);
         let list = match against {
             Against::Comparison => match (m.comparison, m.comparison_run()) {
-                (Some(_), Some(other)) => compare_runs(run, other, heads, &tolerances),
+                (Some(_), Some(other)) => {
+                    compare_runs(run, other, heads, &tolerances_of(run, other))
+                }
                 _ => return,
             },
             Against::Aux(AuxKind::OtherPath) => match m.aux(AuxKind::OtherPath) {
@@ -170,7 +172,7 @@ impl App {
         if let (Some(c), Some(other)) = (m.comparison, m.comparison_run()) {
             self.mark_cache
                 .entry((m.current_number(), c))
-                .or_insert_with(|| Marks::new(Tolerances::Table(run.flags.dtype), run))
+                .or_insert_with(|| Marks::new(tolerances_of(run, other), run))
                 .extend(run, other, heads);
         }
         if let Some(reference) = m.aux(AuxKind::Reference) {
