@@ -567,6 +567,8 @@ fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_find
         topk: String,
         row: usize,
         slot: usize,
+        top_slot: usize,
+        top_gap: f32,
         best: usize,
         worst: usize,
         gap: f32,
@@ -595,6 +597,13 @@ fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_find
                 .min_by(|a, b| row[*a.1 as usize].total_cmp(&row[*b.1 as usize]))
                 .map(|(s, &j)| (s, j as usize))
                 .unwrap();
+            let (top_slot, top) = ks
+                .iter()
+                .enumerate()
+                .filter(|(_, &j)| j >= 0.0)
+                .max_by(|a, b| row[*a.1 as usize].total_cmp(&row[*b.1 as usize]))
+                .map(|(s, &j)| (s, j as usize))
+                .unwrap();
             let passed: Vec<usize> = (0..ctx)
                 .filter(|j| row[*j].is_finite() && !ks.contains(&(*j as f32)))
                 .collect();
@@ -616,6 +625,8 @@ fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_find
                 topk: ev.name.clone(),
                 row: r,
                 slot,
+                top_slot,
+                top_gap: row[top] - row[best],
                 best,
                 worst,
                 gap: row[last] - row[best],
@@ -646,8 +657,9 @@ fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_find
         .trim_end_matches(".self_attn.indexer.topk")
         .to_string();
     let attn_output = format!("{layer}.self_attn.attn_output");
-    let keep = |key: usize| {
-        let (phase, topk, slot) = (near.phase, near.topk.clone(), near.row * k + near.slot);
+    // The engine's listing with `key` in the row's `slot` (mladb's last kept key by default).
+    let plant = |slot: usize, key: usize| {
+        let (phase, topk, slot) = (near.phase, near.topk.clone(), near.row * k + slot);
         let attn_output = attn_output.clone();
         move |p: Phase, n: &str, v: &mut Vec<f32>| {
             if p == phase && n == topk {
@@ -658,6 +670,7 @@ fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_find
             }
         }
     };
+    let keep = |key: usize| plant(near.slot, key);
     let tol = format!("{tolerance:.6e}");
     let (lines, code) = attach_frames(
         engine_frames(&run, &tokens, &keep(near.best)),
@@ -676,6 +689,45 @@ fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_find
         .as_str()
         .unwrap()
         .contains("below mladb's last kept key"));
+    assert_eq!(code, 1);
+
+    // The engine drops mladb's best kept key for the best passed-over one: the key it kept is
+    // near mladb's last, the key it dropped far above its own last. A finding (it was a flip
+    // when only the kept keys were scored).
+    assert_ne!(near.top_slot, near.slot, "the row keeps more than one key");
+    assert!(
+        near.top_gap / near.rms / 3.0 > 2.0 * tolerance,
+        "the best kept key is near a tie with the passed-over ones"
+    );
+    let (lines, code) = attach_frames(
+        engine_frames(&run, &tokens, &plant(near.top_slot, near.best)),
+        &["--tolerance", &tol],
+    );
+    let findings = of_event(&lines, "finding");
+    assert_eq!(findings.len(), 1, "{findings:#?}");
+    assert_eq!(findings[0]["op"], near.topk.as_str());
+    let detail = findings[0]["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("dropped keys scored above its own last kept key"),
+        "{detail}"
+    );
+    assert_eq!(code, 1);
+
+    // The engine drops mladb's last kept key and keeps nothing in its place (its slot repeats
+    // the best key): fewer keys, no tie at all (a flip of gap 0 before).
+    let top = run.output(near.phase, &near.topk).unwrap().data()[near.row * k + near.top_slot];
+    let (lines, code) = attach_frames(
+        engine_frames(&run, &tokens, &plant(near.slot, top as usize)),
+        &["--tolerance", &tol],
+    );
+    let findings = of_event(&lines, "finding");
+    assert_eq!(findings.len(), 1, "{findings:#?}");
+    assert_eq!(findings[0]["op"], near.topk.as_str());
+    let detail = findings[0]["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("kept another number of keys than mladb"),
+        "{detail}"
+    );
     assert_eq!(code, 1);
 }
 

@@ -9,9 +9,10 @@ use super::live::{Comparator, Live, Verdict};
 impl Comparator<'_> {
     /// The DSA indexer's choice of keys, compared as a choice: per query row, the set of keys
     /// the engine kept (its list may be sorted by score, padded, or hold masked future keys)
-    /// against mladb's. Keys the engine kept where mladb kept others are judged by mladb's
-    /// scores: within the scores' noise of mladb's last kept key, a selection flip (a note; the
-    /// attention after it follows the engine's choice); further below, a finding.
+    /// against mladb's. Where they differ, both sides are judged by mladb's scores: keys the
+    /// engine kept within the scores' noise below mladb's last kept key, and keys it dropped
+    /// within noise above its own last, make a selection flip (a note; the attention after it
+    /// follows the engine's choice); further, or another number of keys, a finding.
     pub(super) fn compare_choice(
         &mut self,
         step: u64,
@@ -46,7 +47,7 @@ impl Comparator<'_> {
             .map_or(0.0, |j| j.tolerance_of(&seq.record.events[scores_index]));
         let layer = seq.record.events[index].layer;
         let (ke, km, ctx) = (data.len() / rows, mine.len() / rows, scores.len() / rows);
-        let (mut worst_gap, mut worst_noise) = (0f64, 0f64);
+        let (mut worst_gap, mut worst_noise, mut worst_why) = (0f64, 0f64, "");
         let mut differ = Vec::new();
         for r in 0..rows {
             let last = start + r; // the newest key this row may see
@@ -75,18 +76,10 @@ impl Comparator<'_> {
                 .collect();
             let rms =
                 (finite.iter().map(|x| x * x).sum::<f64>() / finite.len().max(1) as f64).sqrt();
-            let threshold = ours
-                .iter()
-                .filter_map(|&j| row.get(j))
-                .fold(f64::INFINITY, |a, &x| a.min(x as f64));
-            let gap = engine
-                .iter()
-                .filter(|j| !ours.contains(j))
-                .map(|&j| row.get(j).map_or(f64::INFINITY, |&x| threshold - x as f64))
-                .fold(0f64, f64::max);
+            let (gap, why) = choice_gap(row, &engine, &ours);
             let noise = 3.0 * relative * rms;
             if gap - noise > worst_gap - worst_noise || differ.is_empty() {
-                (worst_gap, worst_noise) = (gap, noise);
+                (worst_gap, worst_noise, worst_why) = (gap, noise, why);
             }
             differ.push(format!("row {r}: engine {engine:?}, mladb {ours:?}"));
         }
@@ -124,7 +117,7 @@ impl Comparator<'_> {
             });
             return out;
         }
-        self.report(Verdict::at(step, phase, module, op, index, rank).says(format!("the engine kept keys scored {worst_gap:.2e} below mladb's last kept key (noise {worst_noise:.2e}): {shown}{more}"), true))
+        self.report(Verdict::at(step, phase, module, op, index, rank).says(format!("the engine {worst_why} (gap {worst_gap:.2e}, noise {worst_noise:.2e}): {shown}{more}"), true))
     }
 
     /// Remembers a flipped choice of `layer` and of the later layers that reuse its DSA
@@ -211,5 +204,37 @@ impl Comparator<'_> {
             .iter()
             .find(|&&(l, choice)| l == layer && index > choice)
             .map(|&(l, _)| l)
+    }
+}
+
+/// How far, by mladb's scores of a row, the engine's kept keys are from a choice mladb could
+/// have made with scores off by a little, and what makes it so: the larger of how far a key the
+/// engine kept and mladb did not scores below mladb's last kept key, and how far a key mladb
+/// kept and the engine dropped scores above the engine's last kept key (a swap near a tie is
+/// small both ways; an engine that drops the best key, or keeps a far-off one, is not). Keeping
+/// another number of keys than mladb is no near tie at all: infinite.
+fn choice_gap(row: &[f32], engine: &[usize], ours: &[usize]) -> (f64, &'static str) {
+    if engine.len() != ours.len() {
+        return (f64::INFINITY, "kept another number of keys than mladb");
+    }
+    let score = |j: usize| row.get(j).map_or(f64::NEG_INFINITY, |&x| x as f64);
+    let lowest = |keys: &[usize]| keys.iter().map(|&j| score(j)).fold(f64::INFINITY, f64::min);
+    let (our_last, their_last) = (lowest(ours), lowest(engine));
+    let beyond = |kept: &[usize], other: &[usize], gap: &dyn Fn(f64) -> f64| {
+        kept.iter()
+            .filter(|j| !other.contains(j))
+            .map(|&j| gap(score(j)))
+            .map(|g| if g.is_nan() { f64::INFINITY } else { g })
+            .fold(0f64, f64::max)
+    };
+    let kept_below = beyond(engine, ours, &|x| our_last - x);
+    let dropped_above = beyond(ours, engine, &|x| x - their_last);
+    if dropped_above > kept_below {
+        (
+            dropped_above,
+            "dropped keys scored above its own last kept key",
+        )
+    } else {
+        (kept_below, "kept keys scored below mladb's last kept key")
     }
 }
