@@ -267,11 +267,21 @@ pub fn diff_row(
         only_b: sb.difference(&sa).copied().collect(),
         chosen_a: a.listed.clone(),
         chosen_b: b.listed.clone(),
-        gap_a: a.ranking.as_ref().map(|r| r.change_to_choose(&b.chosen)),
-        gap_b: b.ranking.as_ref().map(|r| r.change_to_choose(&a.chosen)),
+        gap_a: a.ranking.as_ref().map(|r| gap_from(r, a, b)),
+        gap_b: b.ranking.as_ref().map(|r| gap_from(r, b, a)),
         noise_a: noise(&a.ranking),
         noise_b: noise(&b.ranking),
     })
+}
+
+/// The change of `mine`'s scores (`ranking`) that makes them choose as `theirs` did, and at
+/// least the change that makes them choose as `mine` itself listed: a listing its own scores
+/// do not choose (a top-k that wrote other keys) is no near tie, however close the other
+/// side's choice is to what the scores would choose.
+fn gap_from(ranking: &Ranking, mine: &RowChoice, theirs: &RowChoice) -> f32 {
+    ranking
+        .change_to_choose(&theirs.chosen)
+        .max(ranking.change_to_choose(&mine.chosen))
 }
 
 /// A selection op whose boundary is an exact or near tie in some rows.
@@ -417,5 +427,20 @@ mod tests {
             d.describe()
         );
         assert!(diff_row(&e, (0, 0), &a, other(), &a, 1e-2).is_none());
+        // A listed keys its own scores do not choose (its top-k wrote key 4 for key 1), and B,
+        // a dump without scores (HF's indexer listing alone), chose what A's scores choose:
+        // the flip is not noise, though A's scores are one tie-break from B's choice.
+        let wrong = RowChoice {
+            listed: vec![0, 4],
+            chosen: vec![0, 4],
+            ranking: Some(Ranking::keys(&[1.0, 0.5001, 0.1, 0.5, 0.0], 2)),
+        };
+        let b = RowChoice {
+            ranking: None,
+            ..choice(vec![0, 1], &[])
+        };
+        let d = diff_row(&e, (0, 0), &wrong, other(), &b, 1e-2).unwrap();
+        assert!(!d.within_noise(), "{}", d.describe());
+        assert!(d.gap_a.unwrap() > 0.2, "{}", d.describe());
     }
 }
