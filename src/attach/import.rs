@@ -309,7 +309,10 @@ impl<'a> Importer<'a> {
             };
             let key = format!("{phase}/{op}");
             // The most specific module (the longest name: o_proj rather than the attention
-            // module returning its output) goes into the dump; the others must agree with it.
+            // module returning its output) goes into the dump as the op; the others must agree
+            // with it, and one that does not goes in beside it as `KEY#MODULE`, so that the
+            // check compares the run with both (a wrapper that handed on another tensor than
+            // its last module computed is then found where it acts).
             let mut wholes = Vec::new();
             for (module, g) in modules {
                 match g.whole(world) {
@@ -323,19 +326,32 @@ impl<'a> Importer<'a> {
             let Some((kept, (shape, data))) = wholes.next() else {
                 continue;
             };
-            for (other, (_, d)) in wholes {
+            let mut differing = Vec::new();
+            for (other, (other_shape, d)) in wholes {
                 let e = if d.len() == data.len() {
                     crate::debug::diff::diff(&d, &data, &[d.len()], None).rel_l2
                 } else {
-                    f64::INFINITY
+                    f64::NAN
                 };
-                if e.is_nan() || e > 1e-6 {
+                if d.len() != data.len() {
                     self.notes.push(format!(
-                        "{key}: {other} and {kept} both stand for it and differ (relative L2 {e:.2e}); the dump holds {kept}'s"
+                        "{key}: {other} and {kept} both stand for it and hold {} and {} values; the dump holds {kept}'s",
+                        d.len(),
+                        data.len()
                     ));
+                } else if e.is_nan() || e > 1e-6 {
+                    self.notes.push(format!(
+                        "{key}: {other} and {kept} both stand for it and differ (relative L2 {e:.2e}); the dump holds both ({kept}'s as the op, {key}#{other}), and check compares each"
+                    ));
+                    differing.push(Imported {
+                        key: format!("{key}#{other}"),
+                        shape: other_shape,
+                        data: d,
+                    });
                 }
             }
             tensors.push(Imported { key, shape, data });
+            tensors.extend(differing);
         }
         if incomplete > 0 {
             self.notes.push(format!(

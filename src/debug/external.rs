@@ -107,9 +107,12 @@ impl ReferenceComparison {
     }
 }
 
-/// A dump key `PHASE/NAME` as its phase and name.
+/// A dump key `PHASE/NAME` as its phase and name. `PHASE/NAME#OTHER` is another tensor for
+/// the same name (`mladb import` writes a second module that stands for an op and differs from
+/// the first so): its name is NAME's.
 fn phase_key(key: &str) -> Option<(Phase, &str)> {
     let (phase, name) = key.split_once('/')?;
+    let name = name.split_once('#').map_or(name, |(name, _)| name);
     Some((phase.parse().ok()?, name))
 }
 
@@ -205,9 +208,13 @@ impl ExternalDump {
             .iter()
             .any(|t| matches!(t.stored, Dtype::BF16 | Dtype::F16));
         // The most specific name first (o_proj rather than the attention module returning its
-        // output, as `mladb import` keeps): it is the op's tensor, the others its aliases.
+        // output, as `mladb import` keeps; a `NAME#OTHER` key after NAME): it is the op's
+        // tensor, the others its aliases.
         let mut read = read;
-        read.sort_by(|a, b| b.name.len().cmp(&a.name.len()).then(a.name.cmp(&b.name)));
+        let order = |t: &crate::tensor_file::ReadTensor| {
+            (t.name.contains('#'), std::cmp::Reverse(t.name.len()))
+        };
+        read.sort_by(|a, b| order(a).cmp(&order(b)).then(a.name.cmp(&b.name)));
         let mut tensors = HashMap::new();
         let mut first_keys = HashMap::new();
         let mut aliases: HashMap<(Phase, String), (String, Vec<Alias>)> = HashMap::new();
