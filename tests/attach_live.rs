@@ -556,6 +556,90 @@ fn experts_chosen_otherwise_from_agreeing_router_logits_are_a_flip_not_a_finding
     assert_eq!(code, 1);
 }
 
+/// One token's router logits far off among many: the whole logits tensor agrees within the
+/// tolerance, but that row's experts change by much more than its logits' noise. A finding at
+/// the choice, not a flip (every row whose experts differed was a flip while the tensor agreed).
+#[test]
+fn experts_chosen_otherwise_far_beyond_a_rows_noise_are_a_finding() {
+    use mladb::ops::moe::route;
+    use mladb::tensor::Tensor;
+    let (run, tokens, _) = recorded_with((0..24).map(|i| (i * 37 + 5) % 200).collect());
+    let model = common::synthetic("glm5-tiny", SEED);
+    let moe = model.layout.moe.clone().unwrap();
+    let e = moe.n_routed_experts;
+    // The prefill row whose largest logit is smallest against the whole tensor's norm (the
+    // row a whole-tensor tolerance hides best), its best chosen expert and worst passed-over.
+    let mut best: Option<(f32, String, usize, usize, usize)> = None;
+    for (i, ev) in run.events.iter().enumerate() {
+        if ev.phase != Phase::Prefill || !ev.name.ends_with(".mlp.gate") {
+            continue;
+        }
+        let logits = run.outputs[i].data();
+        let rows = logits.len() / e;
+        let norm = logits.iter().map(|x| x * x).sum::<f32>().sqrt();
+        let bias = model
+            .weights
+            .get(&format!("{}.e_score_correction_bias", ev.name))
+            .unwrap();
+        let chosen = route(
+            &Tensor::from_vec(&[rows, e], logits.to_vec()),
+            bias.data(),
+            &moe,
+        )
+        .experts;
+        for (r, c) in chosen.iter().enumerate() {
+            let row = &logits[r * e..(r + 1) * e];
+            let scale = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let a = *c
+                .iter()
+                .max_by(|x, y| row[**x].total_cmp(&row[**y]))
+                .unwrap();
+            let b = (0..e)
+                .filter(|j| !c.contains(j))
+                .min_by(|x, y| row[*x].total_cmp(&row[*y]))
+                .unwrap();
+            let ratio = scale / norm;
+            if best.as_ref().is_none_or(|b| ratio < b.0) {
+                best = Some((ratio, ev.name.clone(), r, a, b));
+            }
+        }
+    }
+    let (_, gate, row, a, b) = best.expect("a prefill MoE row");
+    let swap = |phase: Phase, name: &str, v: &mut Vec<f32>| {
+        if phase == Phase::Prefill && name == gate {
+            v.swap(row * e + a, row * e + b);
+        }
+    };
+    let original = run.output(Phase::Prefill, &gate).unwrap().data().to_vec();
+    let mut swapped = original.clone();
+    swap(Phase::Prefill, &gate, &mut swapped);
+    let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let delta: Vec<f32> = original.iter().zip(&swapped).map(|(x, y)| x - y).collect();
+    // The whole tensor passes at 1.5 × its error; the row's noise at that tolerance (the
+    // tolerance × its largest logit, as check weighs a choice) is well under the change that
+    // swaps the two experts (half their difference).
+    let tolerance = 1.5 * norm(&delta) / norm(&original);
+    let row_logits = &original[row * e..(row + 1) * e];
+    let scale = row_logits.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+    let half_gap = ((original[row * e + a] - original[row * e + b]) / 2.0) as f64;
+    assert!(
+        half_gap > 2.0 * tolerance * scale,
+        "the row's swap is within its noise: gap {half_gap}, noise {}",
+        tolerance * scale
+    );
+    let (lines, code) = attach_frames(
+        engine_frames(&run, &tokens, &swap),
+        &["--tolerance", &format!("{tolerance:.6e}")],
+    );
+    let choice = gate.replace("mlp.gate", "mlp.gate.topk_indices");
+    let findings = of_event(&lines, "finding");
+    assert_eq!(findings.len(), 1, "{findings:#?}");
+    assert_eq!(findings[0]["op"], choice.as_str());
+    let detail = findings[0]["detail"].as_str().unwrap();
+    assert!(detail.contains("beyond their noise"), "{detail}");
+    assert_eq!(code, 1);
+}
+
 #[test]
 fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_finding() {
     // A prompt longer than the indexer keeps, so that rows pass keys over.

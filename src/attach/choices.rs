@@ -137,62 +137,106 @@ impl Comparator<'_> {
     }
 
     /// The experts the engine's router logits choose (by mladb's routing), against mladb's
-    /// choice: a note, and the layer remembered, where they differ. Only called when the logits
-    /// agree within their tolerance: the difference is then one of noise near a tie.
+    /// choice, row by row as `check` judges a choice: a row is a flip when each side's logits
+    /// could have chosen as the other did with a change within their noise (`tolerance`, the
+    /// logits' judged relative tolerance); then a note, and the layer remembered. A row beyond
+    /// that is a finding at the choice, though the whole logits tensor agrees within tolerance
+    /// (one token's logits far off among many).
     pub(super) fn selection_flip(
         &mut self,
-        step: u64,
+        at: (u64, crate::engine::trace::Phase, &str),
         gate: &str,
         logits: &[f32],
         rows: usize,
-    ) -> Option<Live> {
-        let moe = self.model.layout.moe.as_ref()?;
+        tolerance: f64,
+    ) -> Vec<Live> {
+        use crate::debug::selection::{choices_of, diff_row, run_choices, OtherRow};
+        let (step, phase, module) = at;
+        let Some(moe) = self.model.layout.moe.as_ref() else {
+            return Vec::new();
+        };
         let choice_op = format!("{gate}.topk_indices");
-        let choice_index = self.op_index(step, &choice_op)?;
-        let bias = self
+        let Some(choice_index) = self.op_index(step, &choice_op) else {
+            return Vec::new();
+        };
+        let Ok(bias) = self
             .model
             .weights
             .get(&format!("{gate}.e_score_correction_bias"))
-            .ok()?;
+        else {
+            return Vec::new();
+        };
         let e = moe.n_routed_experts;
         if rows == 0 || logits.len() != rows * e || bias.data().len() != e {
-            return None;
+            return Vec::new();
         }
         let engine = crate::ops::moe::route(
             &crate::tensor::Tensor::from_vec(&[rows, e], logits.to_vec()),
             bias.data(),
             moe,
         );
-        let seq = self.seq.as_ref()?;
-        let mine = seq.record.outputs[choice_index].data();
+        let Some(seq) = self.seq.as_ref() else {
+            return Vec::new();
+        };
+        let event = &seq.record.events[choice_index];
+        let listing: Vec<f32> = engine.experts.iter().flatten().map(|&x| x as f32).collect();
         let k = moe.num_experts_per_tok;
-        let mut differ = Vec::new();
-        for (r, chosen) in engine.experts.iter().enumerate() {
-            let mut a: Vec<usize> = chosen.clone();
-            let mut b: Vec<usize> = mine
-                .get(r * k..(r + 1) * k)?
-                .iter()
-                .map(|&x| x as usize)
-                .collect();
-            a.sort_unstable();
-            b.sort_unstable();
-            if a != b {
-                differ.push(format!("row {r}: engine {a:?}, mladb {b:?}"));
-            }
+        let theirs = choices_of(
+            event,
+            (&[rows, k], &listing),
+            Some((&[rows, e], logits)),
+            self.model,
+        );
+        let ours = run_choices(&seq.record, choice_index, self.model);
+        let (Some(theirs), Some(ours)) = (theirs, ours) else {
+            return Vec::new();
+        };
+        if theirs.len() != ours.len() {
+            return Vec::new();
         }
-        if differ.is_empty() {
-            return None;
+        let diffs: Vec<_> = ours
+            .iter()
+            .zip(&theirs)
+            .enumerate()
+            .filter_map(|(r, (a, b))| {
+                diff_row(
+                    event,
+                    (choice_index, r),
+                    a,
+                    OtherRow { phase, row: r },
+                    b,
+                    tolerance,
+                )
+            })
+            .collect();
+        let Some(layer) = event.layer.filter(|_| !diffs.is_empty()) else {
+            return Vec::new();
+        };
+        let describe = |d: &crate::debug::selection::SelectionDiff| {
+            format!("row {}: engine {:?}, mladb {:?}", d.row, d.only_b, d.only_a)
+        };
+        let rank = None;
+        if let Some(far) = diffs.iter().find(|d| !d.within_noise()) {
+            let text = format!(
+                "router logits that agree within tolerance as a whole choose other experts beyond their noise: {}",
+                far.describe()
+            );
+            return self.report(
+                super::live::Verdict::at(step, phase, module, &choice_op, choice_index, rank)
+                    .says(text, true),
+            );
         }
-        let layer = seq.record.events[choice_index].layer?;
-        self.steps.get_mut(&step)?.flips.push((layer, choice_index));
-        Some(Live::Note {
+        if let Some(run) = self.steps.get_mut(&step) {
+            run.flips.push((layer, choice_index));
+        }
+        vec![Live::Note {
             step: Some(step),
-            rank: None,
+            rank,
             text: format!(
                 "selection-flip at {choice_op}: router logits that agree within tolerance choose other experts ({}); the ops of the layer after it follow the engine's choice",
-                differ.join("; ")
+                diffs.iter().map(describe).collect::<Vec<_>>().join("; ")
             ),
-        })
+        }]
     }
 
     /// The layer whose flipped choice explains a divergence of op `index` (an op of that layer

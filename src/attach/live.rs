@@ -532,7 +532,8 @@ impl<'m> Comparator<'m> {
         let phase = e.phase;
         let mut notes = Vec::new();
         if target.op.ends_with(".mlp.gate") && !diverges {
-            notes.extend(self.selection_flip(step, &target.op, &data, whole.rows));
+            let at = (step, e.phase, module);
+            notes.extend(self.selection_flip(at, &target.op, &data, whole.rows, c.tolerance));
         }
         if diverges {
             if let Some(layer) = self.explained_by_flip(step, index) {
