@@ -425,6 +425,36 @@ fn attach_frames(frames: Vec<Vec<u8>>, extra: &[&str]) -> (Vec<Value>, i32) {
     (lines, output.status.code().unwrap_or(-1))
 }
 
+/// Each prefill MoE gate of `run`: its name, its router logits, and the experts mladb's routing
+/// chooses from them per row.
+fn prefill_routes(
+    run: &RunRecord,
+    model: &mladb::model::Model,
+) -> Vec<(String, Vec<f32>, Vec<Vec<usize>>)> {
+    let moe = model.layout.moe.clone().unwrap();
+    let e = moe.n_routed_experts;
+    let mut out = Vec::new();
+    for (i, ev) in run.events.iter().enumerate() {
+        if ev.phase != Phase::Prefill || !ev.name.ends_with(".mlp.gate") {
+            continue;
+        }
+        let logits = run.outputs[i].data().to_vec();
+        let bias = model
+            .weights
+            .get(&format!("{}.e_score_correction_bias", ev.name))
+            .unwrap();
+        let rows = logits.len() / e;
+        let chosen = mladb::ops::moe::route(
+            &mladb::tensor::Tensor::from_vec(&[rows, e], logits.clone()),
+            bias.data(),
+            &moe,
+        )
+        .experts;
+        out.push((ev.name.clone(), logits, chosen));
+    }
+    out
+}
+
 #[test]
 fn experts_chosen_otherwise_from_agreeing_router_logits_are_a_flip_not_a_finding() {
     use mladb::model::layout::Layout;
@@ -438,22 +468,12 @@ fn experts_chosen_otherwise_from_agreeing_router_logits_are_a_flip_not_a_finding
     // logits are the closest among the pairs whose swap changes the choice (the least change to
     // the logits that flips it).
     let mut pairs: Vec<(f32, String, usize, usize, usize)> = Vec::new();
-    for (i, ev) in run.events.iter().enumerate() {
-        if ev.phase != Phase::Prefill || !ev.name.ends_with(".mlp.gate") {
-            continue;
-        }
-        let logits = run.outputs[i].data();
+    for (gate, logits, chosen) in prefill_routes(&run, &model) {
         let rows = logits.len() / e;
         let bias = model
             .weights
-            .get(&format!("{}.e_score_correction_bias", ev.name))
+            .get(&format!("{gate}.e_score_correction_bias"))
             .unwrap();
-        let chosen = route(
-            &Tensor::from_vec(&[rows, e], logits.to_vec()),
-            bias.data(),
-            &moe,
-        )
-        .experts;
         for (r, c) in chosen.iter().enumerate() {
             for &a in c {
                 for b in (0..e).filter(|j| !c.contains(j)) {
@@ -466,7 +486,7 @@ fn experts_chosen_otherwise_from_agreeing_router_logits_are_a_flip_not_a_finding
                     if x != y {
                         pairs.push((
                             (logits[r * e + a] - logits[r * e + b]).abs(),
-                            ev.name.clone(),
+                            gate.clone(),
                             r,
                             a,
                             b,
@@ -561,8 +581,6 @@ fn experts_chosen_otherwise_from_agreeing_router_logits_are_a_flip_not_a_finding
 /// the choice, not a flip (every row whose experts differed was a flip while the tensor agreed).
 #[test]
 fn experts_chosen_otherwise_far_beyond_a_rows_noise_are_a_finding() {
-    use mladb::ops::moe::route;
-    use mladb::tensor::Tensor;
     let (run, tokens, _) = recorded_with((0..24).map(|i| (i * 37 + 5) % 200).collect());
     let model = common::synthetic("glm5-tiny", SEED);
     let moe = model.layout.moe.clone().unwrap();
@@ -570,23 +588,8 @@ fn experts_chosen_otherwise_far_beyond_a_rows_noise_are_a_finding() {
     // The prefill row whose largest logit is smallest against the whole tensor's norm (the
     // row a whole-tensor tolerance hides best), its best chosen expert and worst passed-over.
     let mut best: Option<(f32, String, usize, usize, usize)> = None;
-    for (i, ev) in run.events.iter().enumerate() {
-        if ev.phase != Phase::Prefill || !ev.name.ends_with(".mlp.gate") {
-            continue;
-        }
-        let logits = run.outputs[i].data();
-        let rows = logits.len() / e;
+    for (gate, logits, chosen) in prefill_routes(&run, &model) {
         let norm = logits.iter().map(|x| x * x).sum::<f32>().sqrt();
-        let bias = model
-            .weights
-            .get(&format!("{}.e_score_correction_bias", ev.name))
-            .unwrap();
-        let chosen = route(
-            &Tensor::from_vec(&[rows, e], logits.to_vec()),
-            bias.data(),
-            &moe,
-        )
-        .experts;
         for (r, c) in chosen.iter().enumerate() {
             let row = &logits[r * e..(r + 1) * e];
             let scale = row.iter().fold(0f32, |m, x| m.max(x.abs()));
@@ -600,7 +603,7 @@ fn experts_chosen_otherwise_far_beyond_a_rows_noise_are_a_finding() {
                 .unwrap();
             let ratio = scale / norm;
             if best.as_ref().is_none_or(|b| ratio < b.0) {
-                best = Some((ratio, ev.name.clone(), r, a, b));
+                best = Some((ratio, gate.clone(), r, a, b));
             }
         }
     }
@@ -762,18 +765,20 @@ fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_find
     );
     assert_flip_noted(&lines, code, &near.topk, &attn_output);
 
-    let (lines, code) = attach_frames(
-        engine_frames(&run, &tokens, &keep(near.worst)),
-        &["--tolerance", &tol],
-    );
-    let findings = of_event(&lines, "finding");
-    assert_eq!(findings.len(), 1, "{findings:#?}");
-    assert_eq!(findings[0]["op"], near.topk.as_str());
-    assert!(findings[0]["detail"]
-        .as_str()
-        .unwrap()
-        .contains("below mladb's last kept key"));
-    assert_eq!(code, 1);
+    // One finding, at the top-k, saying `says`, for the engine's listing `planted`.
+    let one_finding = |planted: &dyn Fn(Phase, &str, &mut Vec<f32>), says: &str| {
+        let (lines, code) = attach_frames(
+            engine_frames(&run, &tokens, planted),
+            &["--tolerance", &tol],
+        );
+        let findings = of_event(&lines, "finding");
+        assert_eq!(findings.len(), 1, "{findings:#?}");
+        assert_eq!(findings[0]["op"], near.topk.as_str());
+        let detail = findings[0]["detail"].as_str().unwrap();
+        assert!(detail.contains(says), "{detail}");
+        assert_eq!(code, 1);
+    };
+    one_finding(&keep(near.worst), "below mladb's last kept key");
 
     // The engine drops mladb's best kept key for the best passed-over one: the key it kept is
     // near mladb's last, the key it dropped far above its own last. A finding (it was a flip
@@ -783,36 +788,18 @@ fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_find
         near.top_gap / near.rms / 3.0 > 2.0 * tolerance,
         "the best kept key is near a tie with the passed-over ones"
     );
-    let (lines, code) = attach_frames(
-        engine_frames(&run, &tokens, &plant(near.top_slot, near.best)),
-        &["--tolerance", &tol],
+    one_finding(
+        &plant(near.top_slot, near.best),
+        "dropped keys scored above its own last kept key",
     );
-    let findings = of_event(&lines, "finding");
-    assert_eq!(findings.len(), 1, "{findings:#?}");
-    assert_eq!(findings[0]["op"], near.topk.as_str());
-    let detail = findings[0]["detail"].as_str().unwrap();
-    assert!(
-        detail.contains("dropped keys scored above its own last kept key"),
-        "{detail}"
-    );
-    assert_eq!(code, 1);
 
     // The engine drops mladb's last kept key and keeps nothing in its place (its slot repeats
     // the best key): fewer keys, no tie at all (a flip of gap 0 before).
     let top = run.output(near.phase, &near.topk).unwrap().data()[near.row * k + near.top_slot];
-    let (lines, code) = attach_frames(
-        engine_frames(&run, &tokens, &plant(near.slot, top as usize)),
-        &["--tolerance", &tol],
+    one_finding(
+        &plant(near.slot, top as usize),
+        "kept another number of keys than mladb",
     );
-    let findings = of_event(&lines, "finding");
-    assert_eq!(findings.len(), 1, "{findings:#?}");
-    assert_eq!(findings[0]["op"], near.topk.as_str());
-    let detail = findings[0]["detail"].as_str().unwrap();
-    assert!(
-        detail.contains("kept another number of keys than mladb"),
-        "{detail}"
-    );
-    assert_eq!(code, 1);
 }
 
 /// No finding, exit 0, a selection flip noted at `choice`, and `follows` noted as following it.

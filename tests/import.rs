@@ -105,70 +105,42 @@ fn scaled_copy(into: &Path, file_name_part: &str, factor: f32) -> PathBuf {
     into.join("dump")
 }
 
+/// Layer 2's attention module returns o_proj's output, and both map to o_proj. A divergence
+/// planted in either file is found at its op and step: import keeps o_proj's as the op and the
+/// module's beside it when the two differ, and check compares the run with both. (Import kept
+/// o_proj's alone before, and the module's output 1% off passed the check.)
 #[test]
-fn a_divergence_planted_in_one_dumper_file_is_found_at_its_op_and_step() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = scaled_copy(
-        tmp.path(),
+fn a_divergence_planted_in_either_module_of_one_op_is_found_at_its_op_and_step() {
+    for file in [
         "step=2___rank=0___dump_index=256___name=non_intrusive__model.layers.2.self_attn.o_proj.output",
-        1.01,
-    );
-    let (dump, o) = import(&dir, tmp.path());
-    let text = common::stdout(&o);
-    assert!(o.status.success(), "{text}{}", common::stderr(&o));
-    // The attention module returns o_proj's output: the two no longer agree, and import says so.
-    assert!(
-        text.contains("decode.1/model.layers.2.self_attn.o_proj: model.layers.2.self_attn and model.layers.2.self_attn.o_proj both stand for it and differ"),
-        "{text}"
-    );
-    let c = check(MODEL, &dump);
-    let out = common::stdout(&c);
-    assert_eq!(c.status.code(), Some(1), "{out}{}", common::stderr(&c));
-    let finding = out
-        .lines()
-        .find(|l| l.starts_with("reference-mismatch"))
-        .unwrap_or_else(|| panic!("{out}"));
-    assert!(
-        finding.contains("decode.1") && finding.contains("model.layers.2.self_attn.o_proj"),
-        "{finding}"
-    );
-}
-
-/// The attention module's own output (what the next layer reads) planted off while o_proj's
-/// is intact: import keeps o_proj's as the op and, since the two differ, the module's beside
-/// it; check compares the run with both and finds the difference. (Import kept o_proj's alone
-/// before, and check passed.)
-#[test]
-fn a_wrapper_output_that_differs_from_its_last_module_is_found_by_check() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = scaled_copy(
-        tmp.path(),
         "step=2___rank=0___dump_index=252___name=non_intrusive__model.layers.2.self_attn.output",
-        1.01,
-    );
-    let (dump, o) = import(&dir, tmp.path());
-    let text = common::stdout(&o);
-    assert!(o.status.success(), "{text}{}", common::stderr(&o));
-    assert!(
-        text.contains("decode.1/model.layers.2.self_attn.o_proj: model.layers.2.self_attn and model.layers.2.self_attn.o_proj both stand for it and differ")
-            && text.contains("the dump holds both"),
-        "{text}"
-    );
-    let c = check(MODEL, &dump);
-    let out = common::stdout(&c);
-    assert_eq!(c.status.code(), Some(1), "{out}{}", common::stderr(&c));
-    let finding = out
-        .lines()
-        .find(|l| l.starts_with("reference-mismatch"))
-        .unwrap_or_else(|| panic!("{out}"));
-    assert!(
-        finding.contains("decode.1") && finding.contains("model.layers.2.self_attn.o_proj"),
-        "{finding}"
-    );
-    assert!(
-        out.contains("the dump holds differing tensors under several names for 1 op"),
-        "{out}"
-    );
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = scaled_copy(tmp.path(), file, 1.01);
+        let (dump, o) = import(&dir, tmp.path());
+        let text = common::stdout(&o);
+        assert!(o.status.success(), "{text}{}", common::stderr(&o));
+        assert!(
+            text.contains("decode.1/model.layers.2.self_attn.o_proj: model.layers.2.self_attn and model.layers.2.self_attn.o_proj both stand for it and differ")
+                && text.contains("the dump holds both"),
+            "{file}: {text}"
+        );
+        let c = check(MODEL, &dump);
+        let out = common::stdout(&c);
+        assert_eq!(c.status.code(), Some(1), "{file}: {out}{}", common::stderr(&c));
+        let finding = out
+            .lines()
+            .find(|l| l.starts_with("reference-mismatch"))
+            .unwrap_or_else(|| panic!("{file}: {out}"));
+        assert!(
+            finding.contains("decode.1") && finding.contains("model.layers.2.self_attn.o_proj"),
+            "{file}: {finding}"
+        );
+        assert!(
+            out.contains("the dump holds differing tensors under several names for 1 op"),
+            "{file}: {out}"
+        );
+    }
 }
 
 #[test]
