@@ -328,18 +328,13 @@ impl<'a> Importer<'a> {
             };
             let mut differing = Vec::new();
             for (other, (other_shape, d)) in wholes {
-                let e = if d.len() == data.len() {
-                    crate::debug::diff::diff(&d, &data, &[d.len()], None).rel_l2
-                } else {
-                    f64::NAN
-                };
                 if d.len() != data.len() {
                     self.notes.push(format!(
                         "{key}: {other} and {kept} both stand for it and hold {} and {} values; the dump holds {kept}'s",
                         d.len(),
                         data.len()
                     ));
-                } else if e.is_nan() || e > 1e-6 {
+                } else if let Some(e) = crate::debug::diff::apart(&d, &data) {
                     self.notes.push(format!(
                         "{key}: {other} and {kept} both stand for it and differ (relative L2 {e:.2e}); the dump holds both ({kept}'s as the op, {key}#{other}), and check compares each"
                     ));

@@ -221,6 +221,17 @@ fn is_masked(x: f32, y: f32) -> bool {
     x == f32::NEG_INFINITY && y == f32::NEG_INFINITY
 }
 
+/// How far apart two tensors of one size are that should hold the same values (two names an
+/// engine gives one op): `None` when they are the same bit for bit or within 1e-6 relative L2,
+/// else their error (NaN where a non-finite value is not matched by the same bits).
+pub fn apart(a: &[f32], b: &[f32]) -> Option<f64> {
+    if a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()) {
+        return None;
+    }
+    let error = diff(a, b, &[a.len()], None).error();
+    (error.is_nan() || error > 1e-6).then_some(error)
+}
+
 /// Compares `a` with the reference `b`, both laid out as `shape` (see [`Diff`]).
 pub fn diff(a: &[f32], b: &[f32], shape: &[usize], heads: Option<Heads>) -> Diff {
     assert_eq!(a.len(), b.len(), "compared tensors differ in size");

@@ -539,20 +539,14 @@ fn farthest<'a>(
 fn disagreement(e: &crate::engine::trace::OpEvent, candidates: &[Candidate<'_>]) -> Option<String> {
     let ((first, _, a), rest) = candidates.split_first()?;
     rest.iter().find_map(|(key, _, b)| {
-        if a.len() == b.len() && a.iter().zip(*b).all(|(x, y)| x.to_bits() == y.to_bits()) {
-            return None;
-        }
-        let error = if a.len() == b.len() {
-            super::diff::diff(b, a, &[a.len()], None).error()
-        } else {
-            f64::INFINITY
+        let error = match a.len() == b.len() {
+            true => super::diff::apart(b, a)?,
+            false => f64::INFINITY,
         };
-        (error.is_nan() || error > 1e-6).then(|| {
-            format!(
-                "{} {}: {key} and {first} differ (relative L2 {error:.1e})",
-                e.phase, e.name
-            )
-        })
+        Some(format!(
+            "{} {}: {key} and {first} differ (relative L2 {error:.1e})",
+            e.phase, e.name
+        ))
     })
 }
 
