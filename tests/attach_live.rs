@@ -352,6 +352,102 @@ fn a_planted_divergence_and_disconnect_are_reported_at_their_op_and_rank() {
     assert_eq!(code, 1, "findings make attach exit 1");
 }
 
+/// vLLM hands the attention output on twice under tensor parallelism: the MLA layer's own
+/// output (`mla_attn.mla_attn`) and o_proj's input, both one op's columns. Rank 0 sends both
+/// before rank 1 sends anything, and rank 1's o_proj input is off: each module's shards must be
+/// put together apart, so the second is compared, not mixed with the first or left waiting.
+#[test]
+fn two_modules_of_one_sharded_op_are_assembled_apart() {
+    use mladb::attach::live::{Comparator, Input, Live};
+    use mladb::debug::name_map::NameMap;
+    const TWO: &str = r#"(
+        engine: "tp-two",
+        source: "tests/attach_live.rs",
+        rules: [
+            (from: "model.layers.*.self_attn.mla_attn", to: Some("model.layers.*.self_attn.attn_output"), shard: Columns, kernel_output: true),
+            (from: "model.layers.*.self_attn.o_proj.input", to: Some("model.layers.*.self_attn.attn_output"), shard: Columns, kernel_output: true),
+        ],
+    )"#;
+    let model = common::synthetic("glm5-tiny", SEED);
+    let (run, tokens, _) = recorded();
+    let map: NameMap = ron::from_str(TWO).unwrap();
+    let op = "model.layers.0.self_attn.attn_output";
+    let i = run
+        .events
+        .iter()
+        .position(|e| e.phase == Phase::Prefill && e.name == op)
+        .unwrap();
+    let whole = run.outputs[i].data();
+    let mut c = Comparator::new(
+        &model,
+        &CpuBackend,
+        Flags::parse("").unwrap(),
+        0..model.layout.num_layers,
+        Some(map),
+        None,
+    );
+    let mut lives = Vec::new();
+    for rank in 0..2u32 {
+        lives.extend(c.take(Input::Hello {
+            conn: rank as u64,
+            engine: "tp-two".into(),
+            rank,
+            world_size: 2,
+        }));
+        lives.extend(c.take(Input::Step {
+            conn: rank as u64,
+            step: 0,
+            tokens: tokens[..5].to_vec(),
+            positions: (0..5).collect(),
+        }));
+    }
+    let module = |name: &str| format!("model.layers.0.self_attn.{name}");
+    for (rank, name) in [
+        (0, "mla_attn"),
+        (0, "o_proj.input"),
+        (1, "mla_attn"),
+        (1, "o_proj.input"),
+    ] {
+        let mut data = half(whole, 5, rank);
+        if rank == 1 && name == "o_proj.input" {
+            data.iter_mut().for_each(|x| *x *= 1.5);
+        }
+        lives.extend(c.take(Input::Tensor {
+            conn: rank as u64,
+            module: module(name),
+            dtype: Dtype::F32,
+            data,
+            ptr: Some(0x9000 + rank as u64),
+            kernel_out_ptr: Some(0x9000 + rank as u64),
+            budget: None,
+        }));
+    }
+    lives.extend(c.finish());
+    let waiting: Vec<_> = lives
+        .iter()
+        .filter(|l| matches!(l, Live::Note { text, .. } if text.contains("only ranks")))
+        .collect();
+    assert!(waiting.is_empty(), "every shard was sent: {waiting:#?}");
+    let findings: Vec<_> = lives
+        .iter()
+        .filter_map(|l| match l {
+            Live::Finding { finding, .. } => Some(finding),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(findings.len(), 1, "{lives:#?}");
+    assert_eq!(findings[0].op, op);
+    assert!(
+        findings[0].detail.contains("o_proj.input"),
+        "{}",
+        findings[0].detail
+    );
+    assert_eq!(
+        c.totals.compared, 2,
+        "each module compared once, both ranks together"
+    );
+}
+
 /// One rank's frames of the recorded run, each tensor passed through `edit` first.
 fn engine_frames(
     run: &RunRecord,

@@ -178,10 +178,12 @@ impl<'m> Comparator<'m> {
         self.pending
             .drain()
             .into_iter()
-            .map(|(step, op, ranks)| Live::Note {
+            .map(|((step, module, op), ranks)| Live::Note {
                 step: Some(step),
                 rank: None,
-                text: format!("{op}: only ranks {ranks:?} sent their shards; not compared"),
+                text: format!(
+                    "{module} as {op}: only ranks {ranks:?} sent their shards; not compared"
+                ),
             })
             .collect()
     }
@@ -418,7 +420,7 @@ impl<'m> Comparator<'m> {
             if world == 1 || target.shard == Shard::Replicated {
                 out.extend(self.compare(step, module, &target, vec![piece], Some(rank), dtype));
             } else {
-                let key = (step, target.op.clone(), 0);
+                let key = (step, module.to_string(), target.op.clone());
                 if let Some(pieces) = self.pending.add(key, piece, world) {
                     out.extend(self.compare(step, module, &target, pieces, None, dtype));
                 }

@@ -161,15 +161,20 @@ pub fn rank_part(
     Ok((joined, part))
 }
 
-/// Pieces waiting for the other ranks, keyed by (step, op, occurrence in the step).
+/// Pieces waiting for the other ranks, keyed by (step, the engine's module, mladb's op): two
+/// modules that stand for one op (vLLM's MLA layer output and o_proj's input) are put together
+/// apart, so one rank's piece of the one never takes the place of its piece of the other.
 #[derive(Default)]
 pub struct Pending {
-    waiting: HashMap<(u64, String, u32), Vec<Piece>>,
+    waiting: HashMap<PendingKey, Vec<Piece>>,
 }
+
+/// (step, module, op) of [`Pending`].
+pub type PendingKey = (u64, String, String);
 
 impl Pending {
     /// Adds a rank's piece; once `world` ranks have sent theirs, returns them all.
-    pub fn add(&mut self, key: (u64, String, u32), piece: Piece, world: u32) -> Option<Vec<Piece>> {
+    pub fn add(&mut self, key: PendingKey, piece: Piece, world: u32) -> Option<Vec<Piece>> {
         let entry = self.waiting.entry(key.clone()).or_default();
         entry.retain(|p| p.rank != piece.rank);
         entry.push(piece);
@@ -180,8 +185,8 @@ impl Pending {
     }
 
     /// Drops what waits for steps before `step` (their other ranks will not come now); returns
-    /// the ops dropped, with the ranks that had sent theirs.
-    pub fn expire_before(&mut self, step: u64) -> Vec<(u64, String, Vec<u32>)> {
+    /// the keys dropped, with the ranks that had sent theirs.
+    pub fn expire_before(&mut self, step: u64) -> Vec<(PendingKey, Vec<u32>)> {
         let old: Vec<_> = self
             .waiting
             .keys()
@@ -192,7 +197,7 @@ impl Pending {
             .into_iter()
             .map(|k| {
                 let ranks = self.waiting.remove(&k).unwrap_or_default();
-                (k.0, k.1, ranks.iter().map(|p| p.rank).collect())
+                (k, ranks.iter().map(|p| p.rank).collect())
             })
             .collect();
         out.sort();
@@ -200,7 +205,7 @@ impl Pending {
     }
 
     /// Everything still waiting (at the end of a run).
-    pub fn drain(&mut self) -> Vec<(u64, String, Vec<u32>)> {
+    pub fn drain(&mut self) -> Vec<(PendingKey, Vec<u32>)> {
         self.expire_before(u64::MAX)
     }
 }
@@ -266,7 +271,7 @@ mod tests {
     #[test]
     fn pieces_wait_for_every_rank_and_expire_with_their_step() {
         let mut p = Pending::default();
-        let key = |s: u64| (s, "op".to_string(), 0);
+        let key = |s: u64| (s, "m".to_string(), "op".to_string());
         assert!(p.add(key(0), piece(1, 1, &[1.0]), 2).is_none());
         // A rank sending twice replaces its piece.
         assert!(p.add(key(0), piece(1, 1, &[2.0]), 2).is_none());
@@ -274,7 +279,7 @@ mod tests {
         assert_eq!(all.len(), 2);
         assert!(p.add(key(1), piece(0, 1, &[1.0]), 2).is_none());
         assert_eq!(p.expire_before(1), vec![]);
-        assert_eq!(p.expire_before(2), vec![(1, "op".to_string(), vec![0])]);
+        assert_eq!(p.expire_before(2), vec![(key(1), vec![0])]);
         assert!(p.drain().is_empty());
     }
 }
