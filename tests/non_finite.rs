@@ -31,28 +31,33 @@ fn stderr(o: &Output) -> String {
 /// A copy of the glm5-sparse HF fixture whose lm_head rows `rows` are NaN: the logits of those
 /// vocabulary entries are NaN at every step.
 fn checkpoint_with_nan_logits(dir: &Path, rows: std::ops::Range<usize>) {
+    checkpoint_with_nan_rows(dir, "lm_head.weight", rows)
+}
+
+/// A copy of the glm5-sparse HF fixture whose weight `name` has its rows `rows` NaN.
+fn checkpoint_with_nan_rows(dir: &Path, name: &str, rows: std::ops::Range<usize>) {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/glm5-sparse");
     std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let lm_head = st.tensor("lm_head.weight").unwrap();
-    assert_eq!(lm_head.dtype(), safetensors::Dtype::F32);
-    let hidden = lm_head.shape()[1];
-    let mut data = lm_head.data().to_vec();
+    let weight = st.tensor(name).unwrap();
+    assert_eq!(weight.dtype(), safetensors::Dtype::F32);
+    let width = weight.shape()[1];
+    let mut data = weight.data().to_vec();
     for r in rows {
-        for c in 0..hidden {
-            let at = (r * hidden + c) * 4;
+        for c in 0..width {
+            let at = (r * width + c) * 4;
             data[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
         }
     }
     let mut views: Vec<(String, TensorView<'_>)> = st
         .tensors()
         .into_iter()
-        .filter(|(name, _)| name != "lm_head.weight")
+        .filter(|(n, _)| n != name)
         .collect();
     views.push((
-        "lm_head.weight".into(),
-        TensorView::new(lm_head.dtype(), lm_head.shape().to_vec(), &data).unwrap(),
+        name.into(),
+        TensorView::new(weight.dtype(), weight.shape().to_vec(), &data).unwrap(),
     ));
     let out = safetensors::serialize(views, None).unwrap();
     std::fs::write(dir.join("model.safetensors"), out).unwrap();
@@ -199,4 +204,37 @@ fn the_debugger_flags_nan_tokens_and_counts_nan_in_its_comparison() {
     let text = screen(&mut app);
     assert!(text.contains("non-finite values: NaN"), "{text}");
     assert!(!text.contains("cos 1.000000"), "{text}");
+}
+
+/// Two runs of a model whose last prompt token embeds to NaN hold the same NaN in that row of
+/// every op after the embedding, and agree in the other rows. Where they agree, bisect says so
+/// (with a note on the NaN), and a fault planted after the embedding is still found at its op:
+/// the NaN alike used to be the first divergence, and carried an infinite error that passed every
+/// later op.
+#[test]
+fn nan_alike_in_both_runs_is_not_a_divergence_and_hides_none_after_it() {
+    let dir = tempfile::tempdir().unwrap();
+    checkpoint_with_nan_rows(dir.path(), "model.embed_tokens.weight", 7..8);
+    let model = dir.path().to_str().unwrap();
+    let bisect = |b: &str| {
+        let args = ["--model", model, "--tokens", "1,2,3,7", "--decode", "1"];
+        mladb(&[&["bisect"][..], &args, &["--a", "", "--b", b]].concat())
+    };
+    let o = bisect("");
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
+    assert!(out.contains("no op differs beyond its tolerance"), "{out}");
+    assert!(out.contains("hold the same NaN/Inf on both sides"), "{out}");
+
+    let o = bisect("inject=rope-noninterleaved@prefill");
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}{}", stderr(&o));
+    let first = out
+        .lines()
+        .find(|l| l.starts_with("first divergent:"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        first.contains("prefill model.layers.0.self_attn.q_rope"),
+        "{first}"
+    );
 }

@@ -517,7 +517,7 @@ impl<'m> Comparator<'m> {
         } else {
             judge.late(e, &mut c);
         }
-        let diverges = c.exceeds_its();
+        let diverges = c.diverges();
         let error = c.diff.as_ref().map_or(f64::NAN, |d| d.error());
         let worst_rank = rank_columns
             .iter()

@@ -61,9 +61,10 @@ impl Bisection {
     }
 }
 
-/// An op that differs: over its tolerance, or not comparable at all (outputs of other shapes).
+/// An op that differs: over its tolerance (NaN / ±Inf alike on both sides aside), or not
+/// comparable at all (outputs of other shapes).
 fn differs(c: &OpComparison) -> bool {
-    c.diff.is_err() || c.exceeds_its()
+    c.diff.is_err() || c.diverges()
 }
 
 /// Bisects judged comparisons already in execution order, of a run of `ops` ops.
@@ -76,6 +77,16 @@ pub fn bisect(comparisons: Vec<OpComparison>, ops: usize, not_compared: Vec<Stri
             .find(|c| c.diff.is_ok())
             .cloned()
     });
+    let alike = comparisons.iter().filter(|c| c.fails_only_alike()).count();
+    let notes = (alike > 0)
+        .then(|| {
+            format!(
+                "{alike} op(s) hold the same NaN/Inf on both sides and agree wherever both are \
+                 finite: not where the two part (check's nan-inf finding says where they arise)"
+            )
+        })
+        .into_iter()
+        .collect();
     Bisection {
         compared: comparisons.len(),
         ops,
@@ -85,7 +96,7 @@ pub fn bisect(comparisons: Vec<OpComparison>, ops: usize, not_compared: Vec<Stri
         first: first.map(|f| comparisons[f].clone()),
         first_choice: None,
         flips: Vec::new(),
-        notes: Vec::new(),
+        notes,
     }
 }
 
@@ -132,6 +143,6 @@ pub fn bisect_dump(
     // Choices count as compared too (as choices).
     b.compared = r.comparisons.len();
     b.not_compared = r.not_compared;
-    b.notes = r.notes;
+    b.notes.extend(r.notes);
     Ok(b)
 }

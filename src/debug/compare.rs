@@ -40,6 +40,12 @@ impl OpComparison {
         self.exceeds(self.judged_tolerance())
     }
 
+    /// A real difference between the two: over its tolerance, and not only through NaN / ±Inf
+    /// alike on both sides. What every verdict of "these differ" asks.
+    pub fn diverges(&self) -> bool {
+        self.exceeds_its() && !self.fails_only_alike()
+    }
+
     /// Over its tolerance only through NaN / ±Inf alike on both sides ([`Diff::fails_only_alike`]):
     /// the pair agrees wherever it can be compared, so the difference is not the comparison's to
     /// report (the NaN/Inf detector reports those values in the run examined).
@@ -308,9 +314,9 @@ fn expert_token_row(
     w.get(row * cols..(row + 1) * cols).map(<[f32]>::to_vec)
 }
 
-/// The first comparison over its tolerance, in execution order.
+/// The first comparison that diverges ([`OpComparison::diverges`]), in execution order.
 pub fn first_divergence(comparisons: &[OpComparison]) -> Option<&OpComparison> {
-    comparisons.iter().find(|c| c.exceeds_its())
+    comparisons.iter().find(|c| c.diverges())
 }
 
 #[cfg(test)]

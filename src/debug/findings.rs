@@ -99,7 +99,7 @@ pub fn first_per_phase(
     for phase in phases {
         let over: Vec<&OpComparison> = comparisons
             .iter()
-            .filter(|c| c.phase == phase && c.exceeds_its() && !c.fails_only_alike())
+            .filter(|c| c.phase == phase && c.diverges())
             .collect();
         let flips: Vec<&SelectionDiff> = clear_flips.iter().filter(|d| d.phase == phase).collect();
         let later = |first: usize| {

@@ -64,7 +64,7 @@ impl Paired {
         let numeric = self
             .comparisons
             .iter()
-            .find(|c| c.exceeds_its())
+            .find(|c| c.diverges())
             .map(|c| c.index);
         let clear = self.clear.first().map(|d| d.index);
         numeric.into_iter().chain(clear).min()
@@ -131,7 +131,7 @@ pub fn compare_paired(
 fn flips_to_force(comparisons: &[OpComparison], diffs: &[SelectionDiff]) -> Vec<SelectionDiff> {
     let first_numeric = comparisons
         .iter()
-        .find(|c| c.exceeds_its())
+        .find(|c| c.diverges())
         .map_or(usize::MAX, |c| c.index);
     let first_clear = diffs
         .iter()

@@ -190,9 +190,10 @@ impl Judge {
                 if requant && matches!(self.tolerances, Tolerances::Table(_)) {
                     c.tolerance += FP8_REQUANT;
                 }
+                // NaN / ±Inf alike on both sides carry only the error of the elements finite on
+                // both: carrying infinity would pass every later op of the run, whatever it did.
                 match &c.diff {
-                    Ok(d) if d.error().is_finite() => d.error(),
-                    Ok(_) => f64::INFINITY,
+                    Ok(d) => d.severity(),
                     Err(_) => input_error,
                 }
             }

@@ -58,7 +58,7 @@ impl Marks {
                     .map_or(f64::NAN, |d| d.rel_l2),
             );
             self.verdicts.push(match compared {
-                Some(c) => (c.exceeds_its(), c.tolerance),
+                Some(c) => (c.diverges(), c.tolerance),
                 None => (false, f64::NAN),
             });
         }
