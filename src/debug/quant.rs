@@ -160,6 +160,47 @@ fn attention_per_head(a: &RunRecord, b: &RunRecord, l: usize, heads: usize, v: u
     xs.iter().zip(&ys).map(|(x, y)| rel_l2(x, y)).collect()
 }
 
+/// What is wrong with a quantized weight as the run's kernels decoded it (`decoded`), if
+/// anything: against what it was quantized from (`original`, when the weights still have it)
+/// with the error of the reference codec's decoding (`reference`) as the yardstick, or else
+/// against the reference decoding itself.
+fn decoding_error(
+    ty: crate::gguf::GgmlType,
+    decoded: &[f32],
+    reference: &[f32],
+    original: Option<&[f32]>,
+) -> Option<String> {
+    // NaN / Inf of the kernel's that the reference decoding does not hold (the same NaN in both
+    // is the file's, which the NaN/Inf detector reports): a comparison with NaN is false, so it
+    // is asked first.
+    let from_reference = super::diff::diff(decoded, reference, &[decoded.len()], None);
+    if from_reference.severity().is_infinite() {
+        return Some(format!(
+            "kv_b_proj ({ty}) decodes to NaN/Inf where the reference {ty} decoding does not ({})",
+            from_reference.non_finite_summary().unwrap_or_default()
+        ));
+    }
+    let expected = original.map(|o| (rel_l2(reference, o), o));
+    match expected {
+        Some((expected, original)) if expected.is_finite() => {
+            let found = rel_l2(decoded, original);
+            (found > 1.5 * expected + 1e-6).then(|| {
+                format!(
+                    "kv_b_proj ({ty}) decodes {found:.3e} away from the weight it was quantized from; {ty} quantization explains {expected:.3e}"
+                )
+            })
+        }
+        _ => {
+            let found = from_reference.severity();
+            (found > 1e-6).then(|| {
+                format!(
+                    "kv_b_proj ({ty}) decodes {found:.3e} away from the reference {ty} decoding"
+                )
+            })
+        }
+    }
+}
+
 /// The `quant-mismatch` detector: each quantized kv_b_proj as the run's kernels decode it,
 /// against what it was quantized from (when the weights still have it: `--quant`) with the
 /// error the reference codec makes as the yardstick, or else against the reference codec's
@@ -188,27 +229,13 @@ pub fn quant_findings(job: &Job, run: &RunRecord) -> Result<(Vec<Finding>, Vec<S
             .map(|(i, e)| (i, e.name.clone()))
             .unwrap_or((0, name.clone()));
         let phase = run.events.get(index).map_or(Phase::Prefill, |e| e.phase);
-        let detail = match job.model.weights.original(&name)? {
-            Some(original) => {
-                let expected = rel_l2(&reference, original.data());
-                let found = rel_l2(decoded.data(), original.data());
-                (found > 1.5 * expected + 1e-6).then(|| {
-                    format!(
-                        "kv_b_proj ({}) decodes {found:.3e} away from the weight it was quantized from; {} quantization explains {expected:.3e}",
-                        q.ty, q.ty
-                    )
-                })
-            }
-            None => {
-                let found = rel_l2(decoded.data(), &reference);
-                (found > 1e-6).then(|| {
-                    format!(
-                        "kv_b_proj ({}) decodes {found:.3e} away from the reference {} decoding",
-                        q.ty, q.ty
-                    )
-                })
-            }
-        };
+        let original = job.model.weights.original(&name)?;
+        let detail = decoding_error(
+            q.ty,
+            decoded.data(),
+            &reference,
+            original.as_ref().map(|o| o.data()),
+        );
         if let Some(detail) = detail {
             findings.push(Finding {
                 rank: None,
@@ -230,4 +257,40 @@ pub fn quant_findings(job: &Job, run: &RunRecord) -> Result<(Vec<Finding>, Vec<S
         ));
     }
     Ok((findings, notes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::GgmlType;
+
+    /// A kernel that decodes some value as NaN or Inf where the reference codec does not is a
+    /// mismatch (a comparison with NaN is false, which once passed it); the same NaN in both
+    /// is the file's, which the NaN/Inf detector reports, not a decoding error.
+    #[test]
+    fn a_decoding_with_nan_where_the_reference_has_none_is_a_mismatch() {
+        let reference = [1.0f32, -2.0, 0.5, 4.0];
+        let original = [1.01f32, -2.02, 0.49, 4.05];
+        let mut nan = reference;
+        nan[2] = f32::NAN;
+        let mut inf = reference;
+        inf[1] = f32::INFINITY;
+        for bad in [&nan, &inf] {
+            for orig in [None, Some(&original[..])] {
+                let d = decoding_error(GgmlType::Q4_K, bad, &reference, orig);
+                assert!(d.is_some(), "{bad:?} against {orig:?}");
+            }
+        }
+        for orig in [None, Some(&original[..])] {
+            assert_eq!(
+                decoding_error(GgmlType::Q4_K, &reference, &reference, orig),
+                None
+            );
+        }
+        // NaN alike in the reference decoding and the kernel's: the file's own.
+        let d = decoding_error(GgmlType::Q4_K, &nan, &nan, None);
+        assert_eq!(d, None);
+        let d = decoding_error(GgmlType::Q4_K, &nan, &nan, Some(&original[..]));
+        assert_eq!(d, None);
+    }
 }
