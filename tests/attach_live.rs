@@ -16,6 +16,7 @@ use mladb::debug::runner::Job;
 use mladb::debug::{Flags, RunRecord};
 use mladb::engine::generate::Schedule;
 use mladb::engine::trace::Phase;
+use mladb::engine::ForcedSelections;
 use serde_json::Value;
 
 const SEED: u64 = 5;
@@ -47,6 +48,11 @@ fn recorded() -> (RunRecord, Vec<u32>, usize) {
 
 /// The same with another prompt, all of it prefilled.
 fn recorded_with(prompt: Vec<u32>) -> (RunRecord, Vec<u32>, usize) {
+    recorded_forced(prompt, ForcedSelections::default())
+}
+
+/// The same with choices imposed: the run of an engine that chose otherwise than mladb.
+fn recorded_forced(prompt: Vec<u32>, forced: ForcedSelections) -> (RunRecord, Vec<u32>, usize) {
     let model = common::synthetic("glm5-tiny", SEED);
     let schedule = Schedule {
         prefill_len: prompt.len(),
@@ -61,7 +67,10 @@ fn recorded_with(prompt: Vec<u32>) -> (RunRecord, Vec<u32>, usize) {
         layers: &layers,
         poison: true,
     };
-    let run = job.run(Flags::parse("").unwrap(), None).unwrap();
+    let forced = std::sync::Arc::new(forced);
+    let run = job
+        .run_forced(Flags::parse("").unwrap(), &schedule, &forced, None)
+        .unwrap();
     let tokens = run.outcome.as_ref().unwrap().tokens.clone();
     (run, tokens, model.layout.q_lora_rank.unwrap())
 }
@@ -647,19 +656,31 @@ fn experts_chosen_otherwise_from_agreeing_router_logits_are_a_flip_not_a_finding
     );
     let _ = Layout::builtin_names();
 
+    // The engine: its logits swapped, and everything after them computed from the experts
+    // they choose (mladb forced to that choice), the decode steps after it too.
+    let choice = gate.replace("mlp.gate", "mlp.gate.topk_indices");
+    let mut forced = ForcedSelections::default();
+    forced.force(Phase::Prefill, &choice, row, flipped.experts[row].clone());
+    let (engine, engine_tokens, _) = recorded_forced(vec![3, 14, 15, 92, 65], forced);
     let (lines, code) = attach_frames(
-        engine_frames(&run, &tokens, &|p, n, v| {
+        engine_frames(&engine, &engine_tokens, &swap),
+        &["--tolerance", &tolerance],
+    );
+    assert_flip_followed(&lines, code, &choice, &experts);
+
+    // What follows the flip is judged: the experts' output off (threefold) after it is a
+    // finding, where it used to be excused as the flip's consequence.
+    let (lines, code) = attach_frames(
+        engine_frames(&engine, &engine_tokens, &|p, n, v| {
             swap(p, n, v);
             off(p, n, v)
         }),
         &["--tolerance", &tolerance],
     );
-    assert_flip_noted(
-        &lines,
-        code,
-        &gate.replace("mlp.gate", "mlp.gate.topk_indices"),
-        &experts,
-    );
+    let findings = of_event(&lines, "finding");
+    assert_eq!(findings.len(), 1, "{findings:#?}");
+    assert_eq!(findings[0]["op"], experts.as_str());
+    assert_eq!(code, 1);
 
     // The same divergence without the flip is a finding.
     let (lines, code) = attach_frames(
@@ -843,23 +864,47 @@ fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_find
     // The engine's listing with `key` in the row's `slot` (mladb's last kept key by default).
     let plant = |slot: usize, key: usize| {
         let (phase, topk, slot) = (near.phase, near.topk.clone(), near.row * k + slot);
-        let attn_output = attn_output.clone();
         move |p: Phase, n: &str, v: &mut Vec<f32>| {
             if p == phase && n == topk {
                 v[slot] = key as f32;
-            }
-            if p == phase && n == attn_output {
-                v.iter_mut().for_each(|x| *x *= 3.0);
             }
         }
     };
     let keep = |key: usize| plant(near.slot, key);
     let tol = format!("{tolerance:.6e}");
+
+    // The engine keeps the best passed-over key in place of mladb's last kept one, and
+    // attends (and decodes on) over the keys it kept: mladb forced to that choice.
+    let listing = run.output(near.phase, &near.topk).unwrap().data();
+    let mut chosen: Vec<usize> = listing[near.row * k..(near.row + 1) * k]
+        .iter()
+        .filter(|&&j| j >= 0.0)
+        .map(|&j| j as usize)
+        .collect();
+    chosen[near.slot] = near.best;
+    let mut forced = ForcedSelections::default();
+    forced.force(near.phase, &near.topk, near.row, chosen);
+    let prompt = (0..24).map(|i| (i * 37 + 5) % 200).collect();
+    let (engine, engine_tokens, _) = recorded_forced(prompt, forced);
     let (lines, code) = attach_frames(
-        engine_frames(&run, &tokens, &keep(near.best)),
+        engine_frames(&engine, &engine_tokens, &|_, _, _| {}),
         &["--tolerance", &tol],
     );
-    assert_flip_noted(&lines, code, &near.topk, &attn_output);
+    assert_flip_followed(&lines, code, &near.topk, &attn_output);
+    // Its attention output off after the flip is a finding, no longer excused.
+    let (phase, out) = (near.phase, attn_output.clone());
+    let (lines, code) = attach_frames(
+        engine_frames(&engine, &engine_tokens, &|p, n, v| {
+            if p == phase && n == out {
+                v.iter_mut().for_each(|x| *x *= 3.0);
+            }
+        }),
+        &["--tolerance", &tol],
+    );
+    let findings = of_event(&lines, "finding");
+    assert_eq!(findings.len(), 1, "{findings:#?}");
+    assert_eq!(findings[0]["op"], attn_output.as_str());
+    assert_eq!(code, 1);
 
     // One finding, at the top-k, saying `says`, for the engine's listing `planted`.
     let one_finding = |planted: &dyn Fn(Phase, &str, &mut Vec<f32>), says: &str| {
@@ -900,7 +945,9 @@ fn keys_the_indexer_keeps_otherwise_within_noise_are_a_flip_and_far_below_a_find
 
 /// No finding, exit 0, a selection flip noted at `choice`, and `follows` noted as following it.
 #[track_caller]
-fn assert_flip_noted(lines: &[Value], code: i32, choice: &str, follows: &str) {
+/// The flip at `choice` is noted and followed: mladb re-ran with the engine's choice, and
+/// `follows`, an op after it, was compared and agrees; nothing is a finding or excused.
+fn assert_flip_followed(lines: &[Value], code: i32, choice: &str, follows: &str) {
     let findings = of_event(lines, "finding");
     assert!(findings.is_empty(), "{findings:#?}");
     let notes: Vec<&str> = of_event(lines, "note")
@@ -909,15 +956,20 @@ fn assert_flip_noted(lines: &[Value], code: i32, choice: &str, follows: &str) {
         .collect();
     let flip = format!("selection-flip at {choice}");
     assert!(
-        notes.iter().any(|n| n.starts_with(&flip)),
-        "{flip}: {notes:#?}"
-    );
-    assert!(
         notes
             .iter()
-            .any(|n| n.starts_with(follows) && n.contains("a selection flip, not a finding")),
-        "{follows}: {notes:#?}"
+            .any(|n| n.starts_with(&flip) && n.contains("re-ran its reference")),
+        "{flip}: {notes:#?}"
     );
+    let after: Vec<_> = of_event(lines, "compared")
+        .into_iter()
+        .filter(|c| c["op"] == follows)
+        .collect();
+    assert!(!after.is_empty(), "{follows} compared");
+    assert!(after.iter().all(|c| c["diverges"] == false), "{after:#?}");
+    let totals = &of_event(lines, "summary")[0]["totals"];
+    assert_eq!(totals["after_selection_flip"], 0, "{totals}");
+    assert_eq!(totals["divergent"], 0, "{totals}");
     assert_eq!(code, 0);
 }
 

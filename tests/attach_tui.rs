@@ -14,6 +14,7 @@ use mladb::debug::name_map::NameMap;
 use mladb::debug::{Flags, RunRecord};
 use mladb::engine::generate::Schedule;
 use mladb::engine::trace::Phase;
+use mladb::engine::ForcedSelections;
 use mladb::service::{Send, Update};
 use mladb::tui::app::App;
 use mladb::tui::driver::FeedDriver;
@@ -176,4 +177,184 @@ fn attach_tui_without_a_model_is_one_clear_error() {
         .output()
         .unwrap();
     common::assert_clean_error(&o, "give --layout or --model");
+}
+
+/// The DSA row of `run` whose best passed-over key scores nearest its last kept key (relative
+/// to the row's RMS): (phase, top-k op, row, the keys kept with that key in place of the last,
+/// that gap over the RMS).
+fn nearest_key_tie(run: &RunRecord) -> (Phase, String, usize, Vec<usize>, f32) {
+    let mut best: Option<(Phase, String, usize, Vec<usize>, f32)> = None;
+    for (i, ev) in run.events.iter().enumerate() {
+        if !ev.name.ends_with("indexer.topk") {
+            continue;
+        }
+        let kept = run.outputs[i].data();
+        let scores = run
+            .output(ev.phase, &ev.name.replace(".topk", ".scores"))
+            .unwrap()
+            .data();
+        let rows = ev.shape[0];
+        let (k, ctx) = (kept.len() / rows, scores.len() / rows);
+        for r in 0..rows {
+            let row = &scores[r * ctx..(r + 1) * ctx];
+            let keys: Vec<usize> = kept[r * k..(r + 1) * k]
+                .iter()
+                .filter(|&&j| j >= 0.0)
+                .map(|&j| j as usize)
+                .collect();
+            let by = |a: &&usize, b: &&usize| row[**a].total_cmp(&row[**b]);
+            let last = keys.iter().min_by(by).copied().unwrap();
+            let passed: Vec<usize> = (0..ctx)
+                .filter(|j| row[*j].is_finite() && !keys.contains(j))
+                .collect();
+            let Some(&over) = passed.iter().max_by(by) else {
+                continue;
+            };
+            let finite: Vec<f32> = row.iter().copied().filter(|x| x.is_finite()).collect();
+            let rms = (finite.iter().map(|x| x * x).sum::<f32>() / finite.len() as f32).sqrt();
+            let gap = (row[last] - row[over]) / rms;
+            if best.as_ref().is_none_or(|b| gap < b.4) {
+                let chosen = keys
+                    .iter()
+                    .map(|&j| if j == last { over } else { j })
+                    .collect();
+                best = Some((ev.phase, ev.name.clone(), r, chosen, gap));
+            }
+        }
+    }
+    best.expect("a row with keys passed over")
+}
+
+/// An engine that kept other keys than mladb within noise, and attended over its own: the
+/// comparison re-runs mladb's reference with the engine's keys, and the debugger's run shows
+/// the re-run's values from the choice on (the op recomputed in place), agreeing with the
+/// engine's, with no finding.
+#[test]
+fn a_followed_flip_recomputes_the_ops_the_debugger_shows() {
+    let model = common::synthetic("glm5-tiny", 0);
+    let p = mladb::setup::RunSpec::with_layout("glm5-tiny")
+        .prepare(&Flags::parse("").unwrap())
+        .unwrap();
+    let schedule = Schedule {
+        prompt: (0..24).map(|i| (i * 37 + 5) % 200).collect(),
+        prefill_len: 24,
+        decode_steps: 1,
+    };
+    let job = |forced: ForcedSelections| {
+        let layers = 0..model.layout.num_layers;
+        let job = mladb::debug::runner::Job {
+            model: &model,
+            backend: &CpuBackend,
+            schedule: &schedule,
+            layers: &layers,
+            poison: true,
+        };
+        job.run_forced(
+            Flags::parse("").unwrap(),
+            &schedule,
+            &Arc::new(forced),
+            None,
+        )
+        .unwrap()
+    };
+    let (phase, topk, row, chosen, gap) = nearest_key_tie(&job(ForcedSelections::default()));
+    assert!(gap < 0.3, "the nearest key is too far to call a tie: {gap}");
+    let mut forced = ForcedSelections::default();
+    forced.force(phase, &topk, row, chosen.clone());
+    let engine = job(forced);
+    let tokens = engine.outcome.as_ref().unwrap().tokens.clone();
+
+    let (tx, rx) = std::sync::mpsc::channel::<Update>();
+    let tx = Mutex::new(tx);
+    let send: Send = Arc::new(move |u| {
+        let _ = tx.lock().unwrap().send(u);
+    });
+    let mut feed = Feed::new(send, &p);
+    let tolerance = (gap / 3.0 * 1.5) as f64;
+    let mut comparator = Comparator::new(
+        &p.model,
+        p.backend.as_ref(),
+        Flags::parse("").unwrap(),
+        0..p.model.layout.num_layers,
+        Some(NameMap::identity()),
+        Some(tolerance),
+    );
+    let mut take = |input: Input, comparator: &mut Comparator| {
+        let lives = comparator.take(input);
+        feed.sync(comparator, &lives, true);
+    };
+    let hello = Input::Hello {
+        conn: 0,
+        engine: "test".into(),
+        rank: 0,
+        world_size: 1,
+    };
+    take(hello, &mut comparator);
+    for (step, ph) in engine.phases().iter().enumerate() {
+        let (toks, start) = match ph {
+            Phase::Prefill => (tokens[..24].to_vec(), 0),
+            Phase::Decode(k) => (vec![tokens[24 + k]], 24 + k),
+        };
+        let positions = (start as u32..(start + toks.len()) as u32).collect();
+        let step = step as u64;
+        take(
+            Input::Step {
+                conn: 0,
+                step,
+                tokens: toks,
+                positions,
+            },
+            &mut comparator,
+        );
+        for (i, e) in engine
+            .events
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.phase == *ph)
+        {
+            let tensor = Input::Tensor {
+                conn: 0,
+                module: e.name.clone(),
+                dtype: Dtype::F32,
+                data: engine.outputs[i].data().to_vec(),
+                ptr: Some(0x1000 + i as u64),
+                kernel_out_ptr: None,
+                budget: None,
+            };
+            take(tensor, &mut comparator);
+        }
+    }
+    let mut app = App::new(
+        Box::new(FeedDriver::new(rx, "the engine drives this run")),
+        Keymap::default(),
+        Theme::plain(),
+    );
+    app.tick();
+    let log = app.log.join("\n");
+    assert!(
+        log.contains(&format!("selection-flip at {topk}")) && log.contains("re-ran its reference"),
+        "{log}"
+    );
+    assert!(!log.contains("finding at"), "{log}");
+    // The debugger's run holds the engine's keys at the choice, and the attention after it as
+    // the engine computed it.
+    let shown = app.mirror.current().unwrap();
+    let listing = shown.output(phase, &topk).unwrap();
+    let k = listing.numel() / listing.shape()[0];
+    let mut kept: Vec<usize> = listing.data()[row * k..(row + 1) * k]
+        .iter()
+        .filter(|&&j| j >= 0.0)
+        .map(|&j| j as usize)
+        .collect();
+    let mut want = chosen;
+    kept.sort_unstable();
+    want.sort_unstable();
+    assert_eq!(kept, want);
+    let layer = topk.trim_end_matches(".self_attn.indexer.topk");
+    let out = format!("{layer}.self_attn.attn_output");
+    let d = mladb::stats::rel_l2(
+        shown.output(phase, &out).unwrap().data(),
+        engine.output(phase, &out).unwrap().data(),
+    );
+    assert!(d < 1e-6, "{out}: {d}");
 }

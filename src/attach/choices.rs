@@ -11,8 +11,9 @@ impl Comparator<'_> {
     /// the engine kept (its list may be sorted by score, padded, or hold masked future keys)
     /// against mladb's. Where they differ, both sides are judged by mladb's scores: keys the
     /// engine kept within the scores' noise below mladb's last kept key, and keys it dropped
-    /// within noise above its own last, make a selection flip (a note; the attention after it
-    /// follows the engine's choice); further, or another number of keys, a finding.
+    /// within noise above its own last, make a selection flip (a note, and mladb follows the
+    /// engine's keys from there: [`Comparator::force_choice`]); further, or another number of
+    /// keys, a finding.
     pub(super) fn compare_choice(
         &mut self,
         step: u64,
@@ -48,7 +49,7 @@ impl Comparator<'_> {
         let layer = seq.record.events[index].layer;
         let (ke, km, ctx) = (data.len() / rows, mine.len() / rows, scores.len() / rows);
         let (mut worst_gap, mut worst_noise, mut worst_why) = (0f64, 0f64, "");
-        let mut differ = Vec::new();
+        let (mut differ, mut theirs) = (Vec::new(), Vec::new());
         for r in 0..rows {
             let last = start + r; // the newest key this row may see
             let set = |v: &[f32]| {
@@ -82,6 +83,7 @@ impl Comparator<'_> {
                 (worst_gap, worst_noise, worst_why) = (gap, noise, why);
             }
             differ.push(format!("row {r}: engine {engine:?}, mladb {ours:?}"));
+            theirs.push((r, engine));
         }
         if differ.is_empty() {
             return self.report(
@@ -105,14 +107,20 @@ impl Comparator<'_> {
                 Verdict::at(step, phase, module, op, index, rank)
                     .says(format!("other keys within noise: {shown}{more}"), false),
             );
-            if let Some(layer) = layer {
-                self.flip_layers(step, layer, index);
-            }
+            let after = match self.force_choice(phase, op, &theirs) {
+                Ok(()) => FOLLOWED.to_string(),
+                Err(why) => {
+                    if let Some(layer) = layer {
+                        self.flip_layers(step, layer, index);
+                    }
+                    not_followed(&why)
+                }
+            };
             out.push(Live::Note {
                 step: Some(step),
                 rank,
                 text: format!(
-                    "selection-flip at {op}: the engine kept other keys, within the scores' noise of mladb's last kept key (gap {worst_gap:.2e}, noise {worst_noise:.2e}): {shown}{more}; the attention after it follows the engine's choice"
+                    "selection-flip at {op}: the engine kept other keys, within the scores' noise of mladb's last kept key (gap {worst_gap:.2e}, noise {worst_noise:.2e}): {shown}{more}; {after}"
                 ),
             });
             return out;
@@ -226,14 +234,21 @@ impl Comparator<'_> {
                     .says(text, true),
             );
         }
-        if let Some(run) = self.steps.get_mut(&step) {
-            run.flips.push((layer, choice_index));
-        }
+        let rows: Vec<_> = diffs.iter().map(|d| (d.row, d.chosen_b.clone())).collect();
+        let after = match self.force_choice(phase, &choice_op, &rows) {
+            Ok(()) => FOLLOWED.to_string(),
+            Err(why) => {
+                if let Some(run) = self.steps.get_mut(&step) {
+                    run.flips.push((layer, choice_index));
+                }
+                not_followed(&why)
+            }
+        };
         vec![Live::Note {
             step: Some(step),
             rank,
             text: format!(
-                "selection-flip at {choice_op}: router logits that agree within tolerance choose other experts ({}); the ops of the layer after it follow the engine's choice",
+                "selection-flip at {choice_op}: router logits that agree within tolerance choose other experts ({}); {after}",
                 diffs.iter().map(describe).collect::<Vec<_>>().join("; ")
             ),
         }]
@@ -249,6 +264,14 @@ impl Comparator<'_> {
             .find(|&&(l, choice)| l == layer && index > choice)
             .map(|&(l, _)| l)
     }
+}
+
+/// What a flip's note says when mladb follows the engine's choice.
+const FOLLOWED: &str = "mladb re-ran its reference with the engine's choice at those rows, and compares what follows with that";
+
+/// What a flip's note says when mladb could not follow the engine's choice.
+fn not_followed(why: &str) -> String {
+    format!("the ops of the layer after it follow the engine's choice and are not judged ({why})")
 }
 
 /// How far, by mladb's scores of a row, the engine's kept keys are from a choice mladb could

@@ -12,6 +12,7 @@
 //! continue the sequence (several sequences batched, a chunked prefill) is reported and not
 //! compared.
 
+use super::sequence::{run_step, Sequence};
 use super::shards::{assemble, columns, rank_part, Pending, Piece};
 use super::wire::Dtype;
 
@@ -21,11 +22,9 @@ use crate::debug::detect::{Finding, FindingKind};
 use crate::debug::diff::diff;
 use crate::debug::flags::Flags;
 use crate::debug::name_map::{NameMap, Shard, Target};
-use crate::debug::record::RunRecord;
 use crate::debug::tolerance::{Judge, Tolerances};
 use crate::engine::trace::{OpKind, Phase};
-use crate::engine::{Engine, StorageDtype};
-use crate::error::Result;
+use crate::engine::StorageDtype;
 use crate::model::Model;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -55,26 +54,18 @@ pub(super) struct StepRun {
     /// The sequence (the comparator's count) whose record `events` index.
     pub(super) sequence: usize,
     /// Layers whose choice (experts, kept keys) the engine made otherwise than mladb from
-    /// numbers that agree within their tolerance: (the layer, the index of mladb's choice op;
-    /// 0 for a later layer that shares the choice).
+    /// numbers that agree within their tolerance, where mladb could not follow the engine's
+    /// choice ([`Comparator::force_choice`]): (the layer, the index of mladb's choice op; 0 for
+    /// a later layer that shares the choice).
     pub(super) flips: Vec<(usize, usize)>,
-}
-
-pub(super) struct Sequence<'m> {
-    engine: Engine<'m>,
-    pub(super) record: RunRecord,
-    /// The engine's values at mladb's ops, in mladb's order (kept for the debugger's view).
-    pub(super) seen: RunRecord,
-    pub(super) judge: Option<Judge>,
-    judged: usize,
 }
 
 /// The comparison of one attachment (every rank of one engine).
 pub struct Comparator<'m> {
     pub(super) model: &'m Model,
-    backend: &'m dyn Backend,
-    flags: Flags,
-    layers: Range<usize>,
+    pub(super) backend: &'m dyn Backend,
+    pub(super) flags: Flags,
+    pub(super) layers: Range<usize>,
     map: Option<NameMap>,
     tolerance: Option<f64>,
     pub(super) conns: HashMap<u64, Conn>,
@@ -275,20 +266,9 @@ impl<'m> Comparator<'m> {
             // A prompt of any length comes from the socket: one too long for memory is refused.
             crate::memory::check(self.model, tokens.len(), &self.layers, self.max_memory_gb)
                 .map_err(|e| e.to_string())?;
-            let options = self
-                .flags
-                .engine_options(self.layers.clone(), true)
-                .map_err(|e| e.to_string())?;
-            let engine =
-                Engine::new(self.model, self.backend, options).map_err(|e| e.to_string())?;
+            let engine = self.new_engine(Default::default())?;
             self.sequences += 1;
-            self.seq = Some(Sequence {
-                engine,
-                record: RunRecord::new(self.flags),
-                seen: RunRecord::new(self.flags),
-                judge: None,
-                judged: 0,
-            });
+            self.seq = Some(Sequence::new(engine, self.flags));
         }
         let Some(seq) = self.seq.as_mut() else {
             return Err(format!(
@@ -302,20 +282,17 @@ impl<'m> Comparator<'m> {
             ));
         }
         let start = seq.record.len();
-        let ran: Result<_> = if tokens.len() > 1 && p0 == 0 {
-            seq.engine.prefill(tokens, &mut seq.record)
-        } else if tokens.len() == 1 {
-            seq.engine.decode(tokens[0], &mut seq.record)
-        } else {
+        if tokens.len() > 1 && p0 != 0 {
             return Err(format!(
                 "{} tokens after position 0 (a chunked prefill) are not compared yet",
                 tokens.len()
             ));
-        };
-        if let Err(e) = ran {
+        }
+        if let Err(e) = run_step(&mut seq.engine, tokens, &mut seq.record) {
             self.seq = None;
             return Err(format!("mladb's reference failed: {e}"));
         }
+        seq.history.push(tokens.to_vec());
         let range = start..seq.record.len();
         let phase = seq
             .record

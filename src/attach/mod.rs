@@ -8,6 +8,7 @@
 
 mod choices;
 pub mod events;
+pub mod forced;
 pub mod import;
 pub mod live;
 pub mod pickle;

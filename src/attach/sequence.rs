@@ -2,9 +2,68 @@
 //! op of a step is in mladb's run, and letting go of the outputs of steps that are done.
 
 use super::live::Comparator;
+use crate::debug::flags::Flags;
 use crate::debug::record::RunRecord;
+use crate::debug::tolerance::Judge;
+use crate::engine::forcing::ForcedSelections;
+use crate::engine::Engine;
 use crate::tensor::Tensor;
 use std::sync::Arc;
+
+/// mladb's reference of the sequence the engine is running.
+pub(super) struct Sequence<'m> {
+    pub(super) engine: Engine<'m>,
+    pub(super) record: RunRecord,
+    /// The engine's values at mladb's ops, in mladb's order (kept for the debugger's view).
+    pub(super) seen: RunRecord,
+    pub(super) judge: Option<Judge>,
+    /// Ops of `record` the judge has passed.
+    pub(super) judged: usize,
+    /// Each step's tokens so far, in order: what a re-run of the sequence feeds the engine.
+    pub(super) history: Vec<Vec<u32>>,
+    /// The engine's choices imposed on mladb's reference (selection flips it follows).
+    pub(super) forced: ForcedSelections,
+    /// Re-runs of the sequence made to follow them, and the first op the last one changed.
+    pub(super) reruns: usize,
+    pub(super) recomputed_from: usize,
+}
+
+impl<'m> Sequence<'m> {
+    pub(super) fn new(engine: Engine<'m>, flags: Flags) -> Sequence<'m> {
+        Sequence {
+            engine,
+            record: RunRecord::new(flags),
+            seen: RunRecord::new(flags),
+            judge: None,
+            judged: 0,
+            history: Vec::new(),
+            forced: ForcedSelections::default(),
+            reruns: 0,
+            recomputed_from: 0,
+        }
+    }
+}
+
+/// Runs one engine step on mladb's `engine` into `record`: several tokens at position 0 as a
+/// prefill, one token as a decode step (a chunked prefill is refused before this).
+pub(super) fn run_step(
+    engine: &mut Engine,
+    tokens: &[u32],
+    record: &mut RunRecord,
+) -> crate::error::Result<()> {
+    if tokens.len() > 1 && engine.position() == 0 {
+        engine.prefill(tokens, record)?;
+    } else if let [token] = tokens {
+        engine.decode(*token, record)?;
+    } else {
+        return Err(crate::error::Error::invalid(format!(
+            "{} tokens at position {} (a chunked prefill)",
+            tokens.len(),
+            engine.position()
+        )));
+    }
+    Ok(())
+}
 
 impl Comparator<'_> {
     /// Lets go of mladb's outputs of the steps every rank has gone past (their tensors all came
@@ -40,6 +99,13 @@ impl Comparator<'_> {
     /// (with `keep_engine`).
     pub fn runs(&self) -> Option<(&RunRecord, &RunRecord)> {
         self.seq.as_ref().map(|s| (&s.record, &s.seen))
+    }
+
+    /// How many times mladb re-ran the current sequence to follow the engine's choices, and the
+    /// first op of its run the last re-run changed (a view that holds the run's ops replaces
+    /// those from there on).
+    pub fn recomputed(&self) -> Option<(usize, usize)> {
+        self.seq.as_ref().map(|s| (s.reruns, s.recomputed_from))
     }
 
     /// Where mladb's run of `step` has op `op` (a step's ops are its phase's).

@@ -20,6 +20,8 @@ pub struct Feed {
     sent: usize,
     /// The engine's values sent for the sequence so far (their count).
     engine_sent: usize,
+    /// The comparator's re-runs of the sequence already reflected in what was sent.
+    reruns: usize,
 }
 
 impl Feed {
@@ -43,6 +45,7 @@ impl Feed {
             sequence: 0,
             sent: 0,
             engine_sent: 0,
+            reruns: 0,
         }
     }
 
@@ -77,6 +80,23 @@ impl Feed {
             self.sequence = number;
             self.sent = 0;
             self.engine_sent = 0;
+            self.reruns = 0;
+        }
+        // mladb re-ran the sequence with the engine's choice imposed: the ops sent from the
+        // choice on hold other values now (those it let go of stay as the debugger has them).
+        if let Some((reruns, from)) = comparator.recomputed() {
+            if reruns != self.reruns {
+                self.reruns = reruns;
+                for i in from..self.sent.min(run.len()) {
+                    if run.outputs[i].numel() > 0 {
+                        (self.send)(Update::Recomputed {
+                            run: number,
+                            event: Box::new(run.events[i].clone()),
+                            output: run.outputs[i].clone(),
+                        });
+                    }
+                }
+            }
         }
         for i in self.sent..run.len() {
             (self.send)(Update::Op {

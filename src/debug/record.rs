@@ -47,6 +47,14 @@ impl RunRecord {
         self.outputs.push(output);
     }
 
+    /// Replaces op `index` by the same op computed again (its name and phase unchanged).
+    pub fn replace(&mut self, index: usize, event: OpEvent, output: Arc<Tensor>) {
+        if index < self.events.len() {
+            self.events[index] = event;
+            self.outputs[index] = output;
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.events.len()
     }

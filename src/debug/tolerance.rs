@@ -220,6 +220,16 @@ impl Judge {
             .fold(0.0, |a: f64, &b| a.max(b))
     }
 
+    /// Follows a re-run of the ops judged so far (the same ops, new buffers): the error each
+    /// old buffer carried moves to the buffer that stands in its place.
+    pub fn rename(&mut self, ids: &HashMap<BufferId, BufferId>) {
+        let carried = std::mem::take(&mut self.carried);
+        self.carried = carried
+            .into_iter()
+            .map(|(id, e)| (ids.get(&id).copied().unwrap_or(id), e))
+            .collect();
+    }
+
     /// Judges a comparison of an op the judge has passed already (a tensor that came late):
     /// by the errors carried now, without carrying its own.
     pub fn late(&self, e: &OpEvent, comparison: &mut OpComparison) {

@@ -123,6 +123,13 @@ pub enum Update {
         event: Box<OpEvent>,
         output: Arc<Tensor>,
     },
+    /// Op `event.index` of run `run` computed again (an attached engine's choice imposed on
+    /// mladb's reference): it replaces the op the run holds there.
+    Recomputed {
+        run: usize,
+        event: Box<OpEvent>,
+        output: Arc<Tensor>,
+    },
     /// Which earlier run the current one is compared with.
     Comparison(Option<usize>),
     /// Run `run` ended.

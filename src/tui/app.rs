@@ -385,6 +385,16 @@ impl App {
                     self.select_position();
                 }
             }
+            Update::Recomputed { run, event, output } => {
+                if let Some(r) = m.runs.get_mut(run) {
+                    r.replace(event.index, *event, output);
+                }
+                // What was judged of the run from its old values is judged again.
+                self.mark_cache.retain(|k, _| k.0 != run);
+                self.reference_marks.remove(&run);
+                self.divergence_cache.retain(|k, _| k.0 != run);
+                self.summary_cache.retain(|k, _| k.0 != run);
+            }
             Update::Comparison(c) => m.comparison = c,
             Update::Finished {
                 run,
