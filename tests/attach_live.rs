@@ -457,6 +457,101 @@ fn two_modules_of_one_sharded_op_are_assembled_apart() {
     );
 }
 
+/// Two ranks; the engine runs one prompt (a prefill), then another from position 0. Rank 0
+/// gets to the second prompt before rank 1 has sent its tensors of the first: those are
+/// compared with mladb's run of the first prompt, not with the run of the second that replaced
+/// it (a false finding at every op, before).
+#[test]
+fn a_lagging_rank_is_compared_with_its_own_sequence() {
+    use mladb::attach::live::{Comparator, Input, Live};
+    use mladb::debug::name_map::NameMap;
+    let model = common::synthetic("glm5-tiny", SEED);
+    let prompts = [vec![3, 14, 15, 92, 65], vec![27, 18, 28, 18]];
+    let runs: Vec<_> = prompts.iter().map(|p| recorded_with(p.clone()).0).collect();
+    let mut c = Comparator::new(
+        &model,
+        &CpuBackend,
+        Flags::parse("").unwrap(),
+        0..model.layout.num_layers,
+        Some(NameMap::identity()),
+        None,
+    );
+    let mut lives = Vec::new();
+    let mut take = |c: &mut Comparator, input: Input| lives.extend(c.take(input));
+    let step = |rank: u32, s: usize| Input::Step {
+        conn: rank as u64,
+        step: s as u64,
+        tokens: prompts[s].clone(),
+        positions: (0..prompts[s].len() as u32).collect(),
+    };
+    let tensors = |rank: u32, s: usize| -> Vec<Input> {
+        let run = &runs[s];
+        run.events
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.phase == Phase::Prefill)
+            .map(|(i, e)| Input::Tensor {
+                conn: rank as u64,
+                module: e.name.clone(),
+                dtype: Dtype::F32,
+                data: run.outputs[i].data().to_vec(),
+                ptr: Some(0x1000 + i as u64),
+                kernel_out_ptr: None,
+                budget: None,
+            })
+            .collect()
+    };
+    for rank in 0..2u32 {
+        let hello = Input::Hello {
+            conn: rank as u64,
+            engine: "lag-test".into(),
+            rank,
+            world_size: 2,
+        };
+        take(&mut c, hello);
+    }
+    // Rank 0: the whole first prompt, then the second's step.
+    take(&mut c, step(0, 0));
+    for t in tensors(0, 0) {
+        take(&mut c, t);
+    }
+    take(&mut c, step(0, 1));
+    // Rank 1, late: the first prompt, then the second; rank 0 ends the second.
+    take(&mut c, step(1, 0));
+    for t in tensors(1, 0) {
+        take(&mut c, t);
+    }
+    take(&mut c, step(1, 1));
+    for rank in 0..2 {
+        for t in tensors(rank, 1) {
+            take(&mut c, t);
+        }
+    }
+    lives.extend(c.finish());
+    let findings: Vec<_> = lives
+        .iter()
+        .filter_map(|l| match l {
+            Live::Finding { finding, .. } => Some(format!("{} {}", finding.op, finding.detail)),
+            _ => None,
+        })
+        .collect();
+    assert!(findings.is_empty(), "{findings:#?}");
+    let per_rank = runs
+        .iter()
+        .map(|r| {
+            r.events
+                .iter()
+                .filter(|e| e.phase == Phase::Prefill)
+                .count()
+        })
+        .sum::<usize>() as u64;
+    assert_eq!(
+        c.totals.compared,
+        2 * per_rank,
+        "every tensor of both ranks compared"
+    );
+}
+
 /// One rank's frames of the recorded run, each tensor passed through `edit` first.
 fn engine_frames(
     run: &RunRecord,

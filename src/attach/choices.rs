@@ -30,7 +30,7 @@ impl Comparator<'_> {
             return Vec::new();
         };
         let (rows, start, phase) = (run.tokens.len(), run.start, run.phase);
-        let seq = self.seq.as_ref().expect("a compared step has a sequence");
+        let seq = self.seq_of(step).expect("a compared step has a sequence");
         let mine = seq.record.outputs[index].data();
         let scores = seq.record.outputs[scores_index].data();
         if rows == 0
@@ -107,7 +107,7 @@ impl Comparator<'_> {
                 Verdict::at(step, phase, module, op, index, rank)
                     .says(format!("other keys within noise: {shown}{more}"), false),
             );
-            let after = match self.force_choice(phase, op, &theirs) {
+            let after = match self.force_choice(step, phase, op, &theirs) {
                 Ok(()) => FOLLOWED.to_string(),
                 Err(why) => {
                     if let Some(layer) = layer {
@@ -183,7 +183,7 @@ impl Comparator<'_> {
             bias.data(),
             moe,
         );
-        let Some(seq) = self.seq.as_ref() else {
+        let Some(seq) = self.seq_of(step) else {
             return Vec::new();
         };
         let event = &seq.record.events[choice_index];
@@ -235,7 +235,7 @@ impl Comparator<'_> {
             );
         }
         let rows: Vec<_> = diffs.iter().map(|d| (d.row, d.chosen_b.clone())).collect();
-        let after = match self.force_choice(phase, &choice_op, &rows) {
+        let after = match self.force_choice(step, phase, &choice_op, &rows) {
             Ok(()) => FOLLOWED.to_string(),
             Err(why) => {
                 if let Some(run) = self.steps.get_mut(&step) {
@@ -257,7 +257,7 @@ impl Comparator<'_> {
     /// The layer whose flipped choice explains a divergence of op `index` (an op of that layer
     /// after the choice, the layer's output included), if any.
     pub(super) fn explained_by_flip(&self, step: u64, index: usize) -> Option<usize> {
-        let layer = self.seq.as_ref()?.record.events[index].layer?;
+        let layer = self.seq_of(step)?.record.events[index].layer?;
         let run = self.steps.get(&step)?;
         run.flips
             .iter()

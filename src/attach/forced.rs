@@ -29,16 +29,19 @@ impl<'m> Comparator<'m> {
     }
 
     /// Imposes the engine's choice (`rows`: row, the candidates it chose) at choice op `op` of
-    /// `phase` on mladb's reference, and re-runs the sequence so far with every choice imposed
+    /// `phase` on mladb's reference of `step`'s sequence, and re-runs the sequence so far with every choice imposed
     /// until now. On success mladb's run, engine and judge follow the re-run; otherwise nothing
     /// changes and the reason is returned.
     pub(super) fn force_choice(
         &mut self,
+        step: u64,
         phase: Phase,
         op: &str,
         rows: &[(usize, Vec<usize>)],
     ) -> Result<(), String> {
-        let seq = self.seq.as_mut().ok_or("no sequence is being compared")?;
+        let seq = self
+            .seq_of_mut(step)
+            .ok_or("no sequence is being compared")?;
         if seq.reruns >= MAX_RERUNS {
             return Err(format!(
                 "mladb re-ran this sequence {MAX_RERUNS} times to follow earlier flips already"
@@ -49,7 +52,7 @@ impl<'m> Comparator<'m> {
             forced.force(phase, op, *row, chosen.clone());
         }
         let mut engine = self.new_engine(forced.clone())?;
-        let seq = self.seq.as_mut().expect("checked above");
+        let seq = self.seq_of_mut(step).expect("checked above");
         let old = &seq.record;
         let mut record = RunRecord::new(old.flags);
         record.forced = Arc::new(forced.clone());

@@ -70,6 +70,8 @@ pub struct Comparator<'m> {
     tolerance: Option<f64>,
     pub(super) conns: HashMap<u64, Conn>,
     pub(super) seq: Option<Sequence<'m>>,
+    /// The sequence before the current one, while a rank still sends tensors of its steps.
+    pub(super) retired: Option<Sequence<'m>>,
     pub(super) steps: HashMap<u64, StepRun>,
     pending: Pending,
     pub totals: Totals,
@@ -104,6 +106,7 @@ impl<'m> Comparator<'m> {
             tolerance,
             conns: HashMap::new(),
             seq: None,
+            retired: None,
             steps: HashMap::new(),
             pending: Pending::default(),
             totals: Totals::default(),
@@ -268,7 +271,10 @@ impl<'m> Comparator<'m> {
                 .map_err(|e| e.to_string())?;
             let engine = self.new_engine(Default::default())?;
             self.sequences += 1;
-            self.seq = Some(Sequence::new(engine, self.flags));
+            let new = Sequence::new(engine, self.flags, self.sequences);
+            let old = self.seq.replace(new);
+            // A rank behind the others may still send the old sequence's tensors.
+            self.retired = old.filter(|s| self.steps.values().any(|r| r.sequence == s.number));
         }
         let Some(seq) = self.seq.as_mut() else {
             return Err(format!(
@@ -449,8 +455,10 @@ impl<'m> Comparator<'m> {
         };
         let tolerance = self.tolerance;
         let flags_dtype = self.flags.dtype;
-        let num_heads = self.model.layout.num_heads;
-        let seq = self.seq.as_mut().expect("a compared step has a sequence");
+        let (num_heads, keep_engine) = (self.model.layout.num_heads, self.keep_engine);
+        let seq = self
+            .seq_of_mut(step)
+            .expect("a compared step has a sequence");
         let e = &seq.record.events[index];
         let reference = seq.record.outputs[index].data();
         if data.len() != reference.len() && e.kind != OpKind::IndexTopK {
@@ -470,7 +478,7 @@ impl<'m> Comparator<'m> {
             return self.compare_choice(step, module, &target.op, index, &data, rank);
         }
         let mut c: OpComparison = compare_outputs(e, index, &data, &e.shape, reference, num_heads);
-        if self.keep_engine && seq.seen.find(e.phase, &e.name).is_none() {
+        if keep_engine && seq.seen.find(e.phase, &e.name).is_none() {
             let t = crate::tensor::Tensor::from_vec(&e.shape, data.clone());
             seq.seen.push(e.clone(), std::sync::Arc::new(t));
         }

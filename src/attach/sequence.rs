@@ -1,7 +1,7 @@
 //! The comparison's bookkeeping of its sequence: what mladb ran for each engine step, where an
 //! op of a step is in mladb's run, and letting go of the outputs of steps that are done.
 
-use super::live::Comparator;
+use super::live::{Comparator, StepRun};
 use crate::debug::flags::Flags;
 use crate::debug::record::RunRecord;
 use crate::debug::tolerance::Judge;
@@ -19,6 +19,8 @@ pub(super) struct Sequence<'m> {
     pub(super) judge: Option<Judge>,
     /// Ops of `record` the judge has passed.
     pub(super) judged: usize,
+    /// The comparator's count of sequences when this one began.
+    pub(super) number: usize,
     /// Each step's tokens so far, in order: what a re-run of the sequence feeds the engine.
     pub(super) history: Vec<Vec<u32>>,
     /// The engine's choices imposed on mladb's reference (selection flips it follows).
@@ -29,9 +31,10 @@ pub(super) struct Sequence<'m> {
 }
 
 impl<'m> Sequence<'m> {
-    pub(super) fn new(engine: Engine<'m>, flags: Flags) -> Sequence<'m> {
+    pub(super) fn new(engine: Engine<'m>, flags: Flags, number: usize) -> Sequence<'m> {
         Sequence {
             engine,
+            number,
             record: RunRecord::new(flags),
             seen: RunRecord::new(flags),
             judge: None,
@@ -65,7 +68,7 @@ pub(super) fn run_step(
     Ok(())
 }
 
-impl Comparator<'_> {
+impl<'m> Comparator<'m> {
     /// Lets go of mladb's outputs of the steps every rank has gone past (their tensors all came
     /// before: each connection sends in order), so that a long attachment holds the outputs of
     /// the steps in flight only, not of the whole sequence.
@@ -78,21 +81,45 @@ impl Comparator<'_> {
         let Some(Some(done)) = self.conns.values().map(|c| c.step).min() else {
             return;
         };
-        let (Some(seq), empty) = (
-            self.seq.as_mut(),
-            Arc::new(Tensor::from_vec(&[0], Vec::new())),
-        ) else {
-            return;
-        };
-        let current = self.sequences;
-        for (_, run) in self.steps.extract_if(|&s, _| s < done) {
-            // A step of an earlier sequence indexes a record that is gone.
-            if run.sequence == current {
+        let empty = Arc::new(Tensor::from_vec(&[0], Vec::new()));
+        let done: Vec<StepRun> = self
+            .steps
+            .extract_if(|&s, _| s < done)
+            .map(|x| x.1)
+            .collect();
+        for run in done {
+            // A step of a sequence no longer held indexes a record that is gone.
+            let held = [self.seq.as_mut(), self.retired.as_mut()]
+                .into_iter()
+                .flatten();
+            if let Some(seq) = held.into_iter().find(|s| s.number == run.sequence) {
                 for i in run.events.unwrap_or(0..0) {
                     seq.record.outputs[i] = empty.clone();
                 }
             }
         }
+        let retired = self.retired.as_ref().map(|s| s.number);
+        if retired.is_some_and(|n| self.steps.values().all(|r| r.sequence != n)) {
+            self.retired = None;
+        }
+    }
+
+    /// mladb's reference of the sequence step `step` belongs to: the current one, or the one
+    /// before it while a rank still sends its steps.
+    pub(super) fn seq_of(&self, step: u64) -> Option<&Sequence<'m>> {
+        let n = self.steps.get(&step)?.sequence;
+        [self.seq.as_ref(), self.retired.as_ref()]
+            .into_iter()
+            .flatten()
+            .find(|s| s.number == n)
+    }
+
+    pub(super) fn seq_of_mut(&mut self, step: u64) -> Option<&mut Sequence<'m>> {
+        let n = self.steps.get(&step)?.sequence;
+        [self.seq.as_mut(), self.retired.as_mut()]
+            .into_iter()
+            .flatten()
+            .find(|s| s.number == n)
     }
 
     /// The current sequence: mladb's run of it, and the engine's values at its ops so far
@@ -112,6 +139,6 @@ impl Comparator<'_> {
     pub(super) fn op_index(&self, step: u64, op: &str) -> Option<usize> {
         let run = self.steps.get(&step)?;
         run.events.as_ref().ok()?;
-        self.seq.as_ref()?.record.find(run.phase, op)
+        self.seq_of(step)?.record.find(run.phase, op)
     }
 }
