@@ -423,3 +423,80 @@ fn a_small_device_cache_evicts_and_remakes_the_same_weights() {
         }
     }
 }
+
+/// `--device auto` on a GPU host runs on the GPU and says so in the run's flags, with the GPU's
+/// default dtype (bf16): the detectors that need the device flag (kernel-mismatch) act, and a
+/// recorded session verifies against its own device. It used to run on the GPU with flags
+/// saying cpu and f32.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn device_auto_on_a_gpu_runs_there_and_says_so() {
+    common::cuda_backend(StorageDtype::Bf16);
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args(["run", "--layout", "glm5-tiny", "--device", "auto", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let out = common::stdout(&o);
+    let summary: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(summary["device"], "cuda", "{summary}");
+    assert_eq!(summary["flags"]["device"], "cuda", "{summary}");
+    assert_eq!(summary["flags"]["dtype"], "bf16", "{summary}");
+    // check's kernel-mismatch acts (it is skipped with a note on the CPU).
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args(["check", "--layout", "glm5-tiny", "--device", "auto"])
+        .output()
+        .unwrap();
+    let out = common::stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", common::stderr(&o));
+    assert!(!out.contains("fast vs reference kernels: skipped"), "{out}");
+}
+
+/// On the fast kernels (GLM-5's latent width on the GPU: glm5-rank8), softmax-scale-latent and
+/// lse-base-mismatch in the decode act, over a context that spans several of the fast decode's
+/// splits: no note may call them idle. The idle report used to look for the reference kernel's
+/// probabilities, which the fast kernels do not write, and said "every query attended to a
+/// single key" / "the longest was 0" beside the findings they caused.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn faults_acting_in_the_fast_decode_are_not_called_idle() {
+    common::cuda_backend(StorageDtype::Bf16);
+    let tokens: Vec<String> = (0..70)
+        .map(|i| ((i * 7919 + 11) % 2000).to_string())
+        .collect();
+    let tokens = tokens.join(",");
+    for fault in ["softmax-scale-latent@decode", "lse-base-mismatch@decode"] {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_mladb"))
+            .args([
+                "check", "--device", "cuda", "--layout", "glm5", "--layers", "0..1",
+            ])
+            .args([
+                "--weight-cache-mb",
+                "60000",
+                "--tokens",
+                &tokens,
+                "--decode",
+                "2",
+            ])
+            .args(["--inject", fault, "--json"])
+            .output()
+            .unwrap();
+        let out = common::stdout(&o);
+        let summary: serde_json::Value =
+            serde_json::from_str(out.lines().last().unwrap_or("{}")).unwrap();
+        let notes = summary["notes"].as_array().cloned().unwrap_or_default();
+        let name = fault.split('@').next().unwrap();
+        assert!(
+            !notes.iter().any(|n| {
+                let n = n.as_str().unwrap_or("");
+                n.contains(name) && n.contains("nothing to act on")
+            }),
+            "{fault}: {notes:#?}"
+        );
+        assert!(
+            summary["findings"].as_u64().unwrap_or(0) > 0,
+            "{fault}: {out}"
+        );
+        assert_eq!(o.status.code(), Some(1), "{}", common::stderr(&o));
+    }
+}

@@ -350,7 +350,7 @@ impl From<DeviceArg> for DeviceChoice {
         match d {
             DeviceArg::Cpu => DeviceChoice::Cpu,
             DeviceArg::Cuda => DeviceChoice::Cuda,
-            DeviceArg::Auto => DeviceChoice::Auto,
+            DeviceArg::Auto => DeviceChoice::Auto.resolved(),
         }
     }
 }

@@ -412,10 +412,10 @@ pub fn verify_within(
         Vec::new();
     let mut checked = 0usize;
     for (n, run) in session.runs.iter().enumerate() {
-        let (backend_choice, device_flag) = match device {
-            DeviceArg::Cpu => (crate::backend::DeviceChoice::Cpu, DeviceFlag::Cpu),
-            DeviceArg::Cuda => (crate::backend::DeviceChoice::Cuda, DeviceFlag::Cuda),
-            DeviceArg::Auto => (crate::backend::DeviceChoice::Auto, DeviceFlag::Cuda),
+        let backend_choice = crate::backend::DeviceChoice::from(device);
+        let device_flag = match backend_choice {
+            crate::backend::DeviceChoice::Cuda => DeviceFlag::Cuda,
+            _ => DeviceFlag::Cpu,
         };
         let key = (device_flag, run.flags.dtype);
         if !backends.iter().any(|(k, _)| *k == key) {

@@ -96,6 +96,9 @@ fn kernel_mismatch(
     paired: impl FnOnce(Flags) -> Result<Paired>,
 ) -> Result<()> {
     if flags.device != super::flags::DeviceFlag::Cuda {
+        v.notes.push(
+            "fast vs reference kernels: skipped, the CPU runs the reference kernels only".into(),
+        );
         return Ok(());
     }
     if !run.events.iter().any(|e| e.ran_fast_kernel()) {

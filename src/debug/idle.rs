@@ -281,18 +281,23 @@ impl Run<'_> {
         ))
     }
 
-    /// The longest context an absorbed attention attended over in the phases `fault` acts in
-    /// (its probabilities are [heads, tokens, context], followed by the latent output).
+    /// The longest context an absorbed attention attended over in the phases `fault` acts in:
+    /// a reference kernel's probabilities ([heads, tokens, context], just before the latent
+    /// output); a fast kernel writes none, and its last query saw every key up to its position.
     fn longest_absorbed_context(&self, fault: Fault) -> usize {
         self.events
             .iter()
-            .zip(self.events.iter().skip(1))
-            .filter(|(p, next)| {
-                self.flags.faults.active(fault, p.phase)
-                    && p.kind == OpKind::AttentionProbs
-                    && next.kind == OpKind::AttentionLatent
+            .enumerate()
+            .filter(|(_, e)| {
+                e.kind == OpKind::AttentionLatent && self.flags.faults.active(fault, e.phase)
             })
-            .filter_map(|(p, _)| p.shape.last().copied())
+            .filter_map(|(i, e)| {
+                if e.ran_fast_kernel() {
+                    return Some(e.positions.1);
+                }
+                let p = &self.events[i.checked_sub(1)?];
+                (p.kind == OpKind::AttentionProbs).then(|| p.shape.last().copied())?
+            })
             .max()
             .unwrap_or(0)
     }
