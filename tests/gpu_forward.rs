@@ -500,3 +500,70 @@ fn faults_acting_in_the_fast_decode_are_not_called_idle() {
         assert_eq!(o.status.code(), Some(1), "{}", common::stderr(&o));
     }
 }
+
+/// A session recorded on the GPU's fast kernels is verified on the GPU, and refused on the
+/// CPU with one error line (the CPU has no such kernels, so every op after the first attention
+/// would "mismatch"); a bf16 session recorded on the CPU is verified on the GPU through the
+/// reference kernels, whose ops are the CPU's. Both used to end in a false `mismatch`.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn sessions_verify_across_devices_on_the_kernels_they_ran() {
+    common::cuda_backend(StorageDtype::Bf16);
+    let dir = tempfile::tempdir().unwrap();
+    let mladb = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_mladb"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let gpu = dir.path().join("gpu.ron");
+    let cpu = dir.path().join("cpu.ron");
+    let common_args = [
+        "--layout",
+        "glm5-rank8",
+        "--layers",
+        "0..1",
+        "--tokens",
+        "5,6,7,8,9",
+    ];
+    for (device, path) in [("cuda", &gpu), ("cpu", &cpu)] {
+        let o = mladb(
+            &[
+                &[
+                    "run", "--device", device, "--dtype", "bf16", "--decode", "2",
+                ][..],
+                &common_args,
+                &["--record", path.to_str().unwrap()],
+            ]
+            .concat(),
+        );
+        assert!(o.status.success(), "{}", common::stderr(&o));
+    }
+    let verify = |path: &std::path::Path, device: &str| {
+        mladb(&[
+            "replay",
+            path.to_str().unwrap(),
+            "--verify",
+            "--device",
+            device,
+        ])
+    };
+    let o = verify(&gpu, "cuda");
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}{}",
+        common::stdout(&o),
+        common::stderr(&o)
+    );
+    let o = verify(&gpu, "cpu");
+    common::assert_clean_error(&o, "verify it with --device cuda");
+    let o = verify(&cpu, "cuda");
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}{}",
+        common::stdout(&o),
+        common::stderr(&o)
+    );
+}

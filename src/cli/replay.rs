@@ -433,6 +433,18 @@ pub fn verify_within(
         } else {
             DeviceFlag::Cuda
         };
+        // The fast GPU kernels trace ops of their own (log-sum-exps, split partials, the merge)
+        // where the reference kernels trace probabilities: a run recorded on one is recomputed
+        // on the same kind of kernel, or not at all.
+        if !on_cpu && run.flags.device == DeviceFlag::Cpu {
+            flags.kernels.kernel = crate::ops::AttnKernel::Reference;
+        }
+        if on_cpu && run.ops.iter().any(|op| op.event.ran_fast_kernel()) {
+            return Err(Error::invalid(format!(
+                "run {n} attended on the fast GPU kernels, whose ops (attn_lse, split partials) \
+                 the CPU does not have: verify it with --device cuda"
+            )));
+        }
         let how = if on_cpu && run.flags.device == DeviceFlag::Cpu {
             Agreement::Exact
         } else {

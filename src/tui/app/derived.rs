@@ -76,6 +76,8 @@ fn tolerances_of(run: &crate::debug::RunRecord, other: &crate::debug::RunRecord)
 pub struct Divergence {
     pub first: Option<(usize, Phase, String)>,
     pub compared: usize,
+    /// Ops over their tolerance only through NaN / ±Inf alike on both sides (not differences).
+    pub alike: usize,
     /// The judged tolerance of each compared op, by index.
     pub tolerances: HashMap<usize, f64>,
     pub not_compared: Option<(usize, String)>,
@@ -87,6 +89,7 @@ impl Divergence {
         Divergence {
             first: first_divergence(list).map(|c| (c.index, c.phase, c.name.clone())),
             compared: list.len() - failed.len(),
+            alike: list.iter().filter(|c| c.fails_only_alike()).count(),
             tolerances: list.iter().map(|c| (c.index, c.tolerance)).collect(),
             not_compared: failed.first().map(|why| (failed.len(), why.to_string())),
         }

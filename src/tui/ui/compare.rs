@@ -147,9 +147,14 @@ fn first<'a>(
             format!("  {label}: no op could be compared"),
             t.warn(),
         )),
-        (None, n) => Line::from(Span::styled(
+        (None, n) if d.alike == 0 => Line::from(Span::styled(
             format!("  {label}: all {n} ops agree within their tolerances"),
             t.ok(),
+        )),
+        // Agreement through the same NaN / Inf is said as such, not as plain agreement.
+        (None, n) => Line::from(Span::styled(
+            format!("  {label}: {n} ops agree ({} NaN/Inf alike)", d.alike),
+            t.warn(),
         )),
     }];
     if let Some((n, why)) = d.not_compared {
