@@ -13,7 +13,7 @@ pub use choice::{select, DeviceChoice};
 use crate::error::Result;
 use crate::model::layout::MoeLayout;
 use crate::model::quant::{QuantFaults, QuantTensor};
-use crate::ops::{AttnKernels, KernelFaults, KernelLaunch, RopeTable, RowSource, StorageDtype};
+use crate::ops::{AttnKernels, KernelFaults, KernelLaunch, RopeTable, RowSource};
 use crate::stats::TensorStats;
 use crate::tensor::Tensor;
 
