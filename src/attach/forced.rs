@@ -47,7 +47,8 @@ impl<'m> Comparator<'m> {
                 "mladb re-ran this sequence {MAX_RERUNS} times to follow earlier flips already"
             ));
         }
-        let mut forced = seq.forced.clone();
+        // The choices imposed so far are the record's (the engine's flips it follows).
+        let mut forced = (*seq.record.forced).clone();
         for (row, chosen) in rows {
             forced.force(phase, op, *row, chosen.clone());
         }
@@ -86,7 +87,6 @@ impl<'m> Comparator<'m> {
         }
         seq.record = record;
         seq.engine = engine;
-        seq.forced = forced;
         seq.reruns += 1;
         seq.recomputed_from = from;
         Ok(())

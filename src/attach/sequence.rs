@@ -5,7 +5,6 @@ use super::live::{Comparator, StepRun};
 use crate::debug::flags::Flags;
 use crate::debug::record::RunRecord;
 use crate::debug::tolerance::Judge;
-use crate::engine::forcing::ForcedSelections;
 use crate::engine::Engine;
 use crate::tensor::Tensor;
 use std::sync::Arc;
@@ -23,8 +22,6 @@ pub(super) struct Sequence<'m> {
     pub(super) number: usize,
     /// Each step's tokens so far, in order: what a re-run of the sequence feeds the engine.
     pub(super) history: Vec<Vec<u32>>,
-    /// The engine's choices imposed on mladb's reference (selection flips it follows).
-    pub(super) forced: ForcedSelections,
     /// Re-runs of the sequence made to follow them, and the first op the last one changed.
     pub(super) reruns: usize,
     pub(super) recomputed_from: usize,
@@ -40,7 +37,6 @@ impl<'m> Sequence<'m> {
             judge: None,
             judged: 0,
             history: Vec::new(),
-            forced: ForcedSelections::default(),
             reruns: 0,
             recomputed_from: 0,
         }
@@ -89,10 +85,10 @@ impl<'m> Comparator<'m> {
             .collect();
         for run in done {
             // A step of a sequence no longer held indexes a record that is gone.
-            let held = [self.seq.as_mut(), self.retired.as_mut()]
+            let mut held = [self.seq.as_mut(), self.retired.as_mut()]
                 .into_iter()
                 .flatten();
-            if let Some(seq) = held.into_iter().find(|s| s.number == run.sequence) {
+            if let Some(seq) = held.find(|s| s.number == run.sequence) {
                 for i in run.events.unwrap_or(0..0) {
                     seq.record.outputs[i] = empty.clone();
                 }

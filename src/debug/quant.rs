@@ -174,7 +174,8 @@ fn decoding_error(
     // is the file's, which the NaN/Inf detector reports): a comparison with NaN is false, so it
     // is asked first.
     let from_reference = super::diff::diff(decoded, reference, &[decoded.len()], None);
-    if from_reference.severity().is_infinite() {
+    let severity = from_reference.severity();
+    if severity.is_infinite() {
         return Some(format!(
             "kv_b_proj ({ty}) decodes to NaN/Inf where the reference {ty} decoding does not ({})",
             from_reference.non_finite_summary().unwrap_or_default()
@@ -190,14 +191,9 @@ fn decoding_error(
                 )
             })
         }
-        _ => {
-            let found = from_reference.severity();
-            (found > 1e-6).then(|| {
-                format!(
-                    "kv_b_proj ({ty}) decodes {found:.3e} away from the reference {ty} decoding"
-                )
-            })
-        }
+        _ => (severity > 1e-6).then(|| {
+            format!("kv_b_proj ({ty}) decodes {severity:.3e} away from the reference {ty} decoding")
+        }),
     }
 }
 
