@@ -361,6 +361,38 @@ fn verify_passes_bit_exact_and_names_the_first_mismatch() {
     let (rc, out, _) = mladb(&["replay", edited.to_str().unwrap(), "--verify"]);
     assert_eq!(rc, 1);
     assert!(out.contains("op #9") && out.contains("value [3]"), "{out}");
+    // A complete run cut short in the file: every op left still matches, but the recomputation
+    // runs on past them, so the recording is not what it recomputes.
+    let mut s = Session::parse(&text).unwrap();
+    let all = s.runs[0].ops.len();
+    s.runs[0].ops.truncate(all - 3);
+    s.save(&edited).unwrap();
+    let (rc, out, _) = mladb(&["replay", edited.to_str().unwrap(), "--verify"]);
+    assert_eq!(rc, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "run 0: recorded complete with {} ops, the recomputed run has {all}",
+            all - 3
+        )),
+        "{out}"
+    );
+    // Runs stopped before their first op (no outcome): nothing was compared, which is no
+    // "all match".
+    let mut s = Session::parse(&text).unwrap();
+    for run in &mut s.runs {
+        run.ops.clear();
+        run.outcome = None;
+    }
+    s.check = None;
+    s.annotations.clear();
+    s.save(&edited).unwrap();
+    let (rc, out, err) = mladb(&["replay", edited.to_str().unwrap(), "--verify"]);
+    assert_eq!(rc, 2, "{out}{err}");
+    assert!(
+        err.contains("error: the session holds no recorded ops"),
+        "{err}"
+    );
+    assert!(!out.contains("all match"), "{out}");
 
     // Export: JSON lines and a safetensors dump of the samples.
     let (rc, out, _) = mladb(&["replay", path.to_str().unwrap(), "--json"]);

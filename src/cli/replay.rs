@@ -485,6 +485,12 @@ pub fn verify_within(
         )
         .map_err(io)?;
     }
+    if checked == 0 {
+        // "All match" over nothing compared would be a verdict on nothing.
+        return Err(Error::invalid(
+            "the session holds no recorded ops: there is nothing to verify",
+        ));
+    }
     writeln!(
         out,
         "verified {checked} ops of {} run(s): all match",
@@ -522,23 +528,40 @@ fn compare_run(
             return Some(format!("run {n}, op #{i} {} {}: {d}", e.phase, e.name));
         }
     }
-    if let (Some(a), Some(b)) = (&run.outcome, &record.outcome) {
-        let complete = run.ops.len() == record.len();
-        let logit_same = match how {
-            Agreement::Exact => a.next_logit.to_bits() == b.next_logit.to_bits(),
-            Agreement::Within(t) => same_f64(
-                a.next_logit as f64,
-                b.next_logit as f64,
-                1.0,
-                Agreement::Within(t),
-            ),
-        };
-        if complete && (a.tokens != b.tokens || a.next_token != b.next_token || !logit_same) {
-            return Some(format!(
-                "run {n}, outcome: recorded tokens {:?} next {} ({}), recomputed {:?} next {} ({})",
-                a.generated, a.next_token, a.next_logit, b.generated, b.next_token, b.next_logit
-            ));
-        }
+    // A run recorded with its outcome ran to its end: the recomputation must end where it did
+    // and with the same outcome. One recorded without (stopped midway) may run on past it.
+    let Some(a) = &run.outcome else {
+        return None;
+    };
+    if record.len() != run.ops.len() {
+        return Some(format!(
+            "run {n}: recorded complete with {} ops, the recomputed run has {}",
+            run.ops.len(),
+            record.len()
+        ));
+    }
+    let Some(b) = &record.outcome else {
+        return Some(format!(
+            "run {n}, outcome: recorded tokens {:?} next {}, the recomputed run has none ({})",
+            a.generated,
+            a.next_token,
+            record.error.as_deref().unwrap_or("no error given")
+        ));
+    };
+    let logit_same = match how {
+        Agreement::Exact => a.next_logit.to_bits() == b.next_logit.to_bits(),
+        Agreement::Within(t) => same_f64(
+            a.next_logit as f64,
+            b.next_logit as f64,
+            1.0,
+            Agreement::Within(t),
+        ),
+    };
+    if a.tokens != b.tokens || a.next_token != b.next_token || !logit_same {
+        return Some(format!(
+            "run {n}, outcome: recorded tokens {:?} next {} ({}), recomputed {:?} next {} ({})",
+            a.generated, a.next_token, a.next_logit, b.generated, b.next_token, b.next_logit
+        ));
     }
     None
 }

@@ -114,8 +114,39 @@ fn kernel_mismatch(
     }
     let mut other = flags;
     other.kernels.kernel = crate::ops::AttnKernel::Reference;
+    let paired = paired(other)?;
+    // Both runs compute the same model: an op of either kernel's that cannot be set beside its
+    // counterpart (another shape) is itself a mismatch, and how many ops were compared is said,
+    // so that a comparison of nothing never reads as agreement.
+    let failed: Vec<_> = paired
+        .comparisons
+        .iter()
+        .filter_map(|c| c.diff.as_ref().err().map(|why| (c, why)))
+        .collect();
+    if let Some((c, why)) = failed.first() {
+        v.findings.push(Finding {
+            kind: FindingKind::KernelMismatch,
+            phase: c.phase,
+            op: c.name.clone(),
+            index: c.index,
+            rank: None,
+            detail: format!(
+                "the fast kernels' op cannot be compared with the reference kernels' ({why}); {} \
+                 op(s) like it",
+                failed.len()
+            ),
+        });
+    }
+    v.notes.push(format!(
+        "fast vs reference kernels: {} ops compared{}",
+        paired.comparisons.len() - failed.len(),
+        match failed.len() {
+            0 => String::new(),
+            n => format!(", {n} could not be"),
+        }
+    ));
     v.add(
-        paired(other)?,
+        paired,
         Comparison {
             name: "fast vs reference kernels",
             kind: FindingKind::KernelMismatch,
@@ -547,3 +578,7 @@ fn tie_before(
         tie.phase, tie.op, row.margin, row.kept_near, row.dropped_near
     ))
 }
+
+#[cfg(test)]
+#[path = "detect_tests.rs"]
+mod tests;
