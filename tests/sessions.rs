@@ -1229,3 +1229,54 @@ fn replay_dumps_full_outputs_from_the_companion() {
     assert_eq!(meta["tokens"], "[1,2,3]");
     assert_eq!(meta["dtype"], "bf16", "a bf16 run's dump says so");
 }
+
+/// Verified on another device, a value agrees within the dtype's tolerance of the op's largest
+/// value; a choice (the DSA top-k's key positions) agrees exactly or not at all. A neighbouring
+/// key used to pass as agreement: 1 is within 3e-2 of a position past 33.
+#[test]
+fn verify_across_devices_holds_choices_exactly() {
+    use mladb::engine::trace::OpKind;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.ron");
+    let tokens: Vec<String> = (0..72).map(|i| (1 + i * 7 % 97).to_string()).collect();
+    let (rc, out, err) = mladb(&[
+        "run",
+        "--layout",
+        "glm5-tiny",
+        "--dtype",
+        "bf16",
+        "--tokens",
+        &tokens.join(","),
+        "--decode",
+        "0",
+        "--record",
+        path.to_str().unwrap(),
+    ]);
+    assert_eq!(rc, 0, "{out}{err}");
+    // As if recorded on a GPU's reference kernels: the CPU verifies it within bf16's tolerance.
+    let mut s = Session::load(&path).unwrap();
+    s.runs[0].flags.device = mladb::debug::flags::DeviceFlag::Cuda;
+    s.runs[0].flags.kernels.kernel = mladb::ops::AttnKernel::Reference;
+    let edited = dir.path().join("edited.ron");
+    s.save(&edited).unwrap();
+    let (rc, out, err) = mladb(&["replay", edited.to_str().unwrap(), "--verify"]);
+    assert_eq!(rc, 0, "{out}{err}");
+    assert!(out.contains("match within 3e-2"), "{out}");
+
+    // One sampled key position of the top-k moved to its neighbour.
+    let (i, k) = s.runs[0]
+        .ops
+        .iter()
+        .enumerate()
+        .filter(|(_, op)| op.event.kind == OpKind::IndexTopK)
+        .find_map(|(i, op)| Some((i, op.sample.iter().position(|&p| p >= 40.0)?)))
+        .expect("a top-k sample holding a position past 40");
+    s.runs[0].ops[i].sample[k] -= 1.0;
+    s.save(&edited).unwrap();
+    let (rc, out, err) = mladb(&["replay", edited.to_str().unwrap(), "--verify"]);
+    assert_eq!(rc, 1, "{out}{err}");
+    assert!(
+        out.contains(&format!("run 0, op #{i}")) && out.contains("choice ["),
+        "{out}"
+    );
+}
