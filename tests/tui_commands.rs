@@ -427,3 +427,52 @@ fn mladb_tui_toggles_mla_on_decode_ops_by_default() {
     assert!(!logged(&app, "no op so far is affected"));
     assert!(app.mirror.flags.mla_disable && app.mirror.flags != Flags::default());
 }
+
+/// Two runs that chose differently (here the DSA top-k of the run before a flag change, one key
+/// of one row swapped for another) say so in the Compare pane, even where every numeric op
+/// agrees. The pane used to say "all ops agree": choices are left out of the numeric
+/// comparison, so a choice made otherwise was passed over.
+#[test]
+fn the_compare_pane_names_a_choice_the_two_runs_made_otherwise() {
+    use mladb::engine::trace::OpKind;
+    let mut app = common::tiny_app("");
+    press(&mut app, "c");
+    command(&mut app, "set mla-disable on");
+    press(&mut app, "c");
+    assert_eq!(app.mirror.comparison, Some(0), "{:?}", app.log);
+    let agree = common::compare_pane(&mut app, Phase::Decode(1), "model.norm");
+    assert!(
+        agree.contains("all ") && agree.contains(" ops agree"),
+        "{agree}"
+    );
+    assert!(!agree.contains("choices differ"), "{agree}");
+
+    // Decode step 1 (position 10) chose keys 0..=10 but 8 of them (index_topk): one kept key
+    // becomes one it left out.
+    let before = &mut app.mirror.runs[0];
+    let i = before
+        .events
+        .iter()
+        .position(|e| e.kind == OpKind::IndexTopK && e.phase == Phase::Decode(1))
+        .expect("a DSA top-k in decode step 1");
+    let mut listing = before.outputs[i].data().to_vec();
+    let kept: Vec<usize> = listing.iter().map(|&v| v as usize).collect();
+    let left_out = (0..=10)
+        .find(|k| !kept.contains(k))
+        .expect("a key left out");
+    listing[0] = left_out as f32;
+    let shape = before.outputs[i].shape().to_vec();
+    before.outputs[i] = std::sync::Arc::new(mladb::tensor::Tensor::from_vec(&shape, listing));
+    app.divergence_cache.clear();
+    let text = common::compare_pane(&mut app, Phase::Decode(1), "model.norm");
+    let name = &app.mirror.current().unwrap().events[i].name;
+    assert!(name.ends_with(".self_attn.indexer.topk"), "{name}");
+    assert!(
+        text.contains(&format!(
+            "choices differ at #{i} {} self_attn.indexer.topk (1 row(s)): later ops may differ \
+             through that choice alone",
+            Phase::Decode(1)
+        )),
+        "{text}"
+    );
+}

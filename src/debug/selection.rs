@@ -79,21 +79,11 @@ pub fn choices_of(
     scores: Option<(&[usize], &[f32])>,
     model: &Model,
 ) -> Option<Vec<RowChoice>> {
-    let cols = *shape.last()?;
-    if cols == 0 || listing.len() % cols != 0 {
-        return None;
-    }
-    let rows = listing.len() / cols;
     Some(
-        (0..rows)
-            .map(|r| {
-                let causal =
-                    |v: &f32| e.kind != OpKind::IndexTopK || *v <= (e.positions.0 + r) as f32;
-                let listed: Vec<usize> = listing[r * cols..(r + 1) * cols]
-                    .iter()
-                    .filter(|v| **v >= 0.0 && causal(v))
-                    .map(|&v| v as usize)
-                    .collect();
+        listed_rows(e, (shape, listing))?
+            .into_iter()
+            .enumerate()
+            .map(|(r, listed)| {
                 let mut chosen = listed.clone();
                 chosen.sort_unstable();
                 let ranking = scores.and_then(|(shape, data)| ranking_of(e, r, shape, data, model));
@@ -105,6 +95,57 @@ pub fn choices_of(
             })
             .collect(),
     )
+}
+
+/// Each row of a selection op's listing `[rows, k]` as it lists it, without padding (−1) and,
+/// for the DSA top-k, without keys after the row's own token (see [`choices_of`]).
+fn listed_rows(e: &OpEvent, (shape, listing): (&[usize], &[f32])) -> Option<Vec<Vec<usize>>> {
+    let cols = *shape.last()?;
+    if cols == 0 || listing.len() % cols != 0 {
+        return None;
+    }
+    let rows = listing.len() / cols;
+    Some(
+        (0..rows)
+            .map(|r| {
+                let causal =
+                    |v: &f32| e.kind != OpKind::IndexTopK || *v <= (e.positions.0 + r) as f32;
+                listing[r * cols..(r + 1) * cols]
+                    .iter()
+                    .filter(|v| **v >= 0.0 && causal(v))
+                    .map(|&v| v as usize)
+                    .collect()
+            })
+            .collect(),
+    )
+}
+
+/// The first selection op of `a` (in its order) whose choice differs from the op of the same
+/// phase, rank and name in `b` (as sets: the order a listing gives is not a choice), with the
+/// number of its rows that differ. What a plain comparison of two runs must say beside its
+/// first divergent op: a later difference may follow from the choice rather than a fault (a
+/// flip within the scores' noise is not one; `check` weighs it and forces it).
+pub fn first_choice_difference(a: &RunRecord, b: &RunRecord) -> Option<(usize, usize)> {
+    a.events.iter().enumerate().find_map(|(i, e)| {
+        if !is_selection(e) {
+            return None;
+        }
+        let j = b.find_for(e, &e.name)?;
+        let rows = |run: &RunRecord, k: usize| {
+            // A replay's sample of a listing is no listing.
+            let (e, out) = (&run.events[k], &run.outputs[k]);
+            if out.shape() != e.shape.as_slice() {
+                return None;
+            }
+            let mut rows = listed_rows(e, (&e.shape, out.data()))?;
+            rows.iter_mut().for_each(|r| r.sort_unstable());
+            Some(rows)
+        };
+        let (ours, theirs) = (rows(a, i)?, rows(b, j)?);
+        let differ = ours.len().abs_diff(theirs.len())
+            + ours.iter().zip(&theirs).filter(|(x, y)| x != y).count();
+        (differ > 0).then_some((i, differ))
+    })
 }
 
 /// The ranking of row `r` of selection op `e` from its scores op's output.

@@ -6,6 +6,7 @@
 use super::{App, Tab};
 use crate::debug::compare::OpComparison;
 use crate::debug::compare::{compare_outputs, compare_runs, first_divergence, prefill_vs_decode};
+use crate::debug::selection::first_choice_difference;
 use crate::debug::tolerance::{Judge, Tolerances};
 use crate::engine::trace::Phase;
 use crate::service::AuxKind;
@@ -81,12 +82,16 @@ pub struct Divergence {
     /// The judged tolerance of each compared op, by index.
     pub tolerances: HashMap<usize, f64>,
     pub not_compared: Option<(usize, String)>,
+    /// The first choice (DSA top-k, MoE routing) the two runs made differently: its index, phase
+    /// and name, and how many of its rows differ.
+    pub choice: Option<(usize, Phase, String, usize)>,
 }
 
 impl Divergence {
     fn of(list: &[OpComparison]) -> Divergence {
         let failed: Vec<&String> = list.iter().filter_map(|c| c.diff.as_ref().err()).collect();
         Divergence {
+            choice: None,
             first: first_divergence(list).map(|c| (c.index, c.phase, c.name.clone())),
             compared: list.len() - failed.len(),
             alike: list.iter().filter(|c| c.fails_only_alike()).count(),
@@ -141,27 +146,37 @@ impl App {
         };
         let heads = layout.num_heads;
         let tolerances = Tolerances::Table(run.flags.dtype);
-        let list = match against {
+        // Runs of one schedule are also compared choice by choice (a decode row against the
+        // whole prefill's is `check`'s to pair).
+        let (list, same_schedule) = match against {
             Against::Comparison => match (m.comparison, m.comparison_run()) {
-                (Some(_), Some(other)) => {
-                    compare_runs(run, other, heads, &tolerances_of(run, other))
-                }
+                (Some(_), Some(other)) => (
+                    compare_runs(run, other, heads, &tolerances_of(run, other)),
+                    Some(other),
+                ),
                 _ => return,
             },
             Against::Aux(AuxKind::OtherPath) => match m.aux(AuxKind::OtherPath) {
-                Some(other) => compare_runs(run, other, heads, &tolerances),
+                Some(other) => (compare_runs(run, other, heads, &tolerances), Some(other)),
                 None => return,
             },
             Against::Aux(AuxKind::WholePrefill) => match m.aux(AuxKind::WholePrefill) {
-                Some(whole) => prefill_vs_decode(run, whole, heads, &tolerances),
+                Some(whole) => (prefill_vs_decode(run, whole, heads, &tolerances), None),
                 None => return,
             },
             Against::Aux(AuxKind::Reference) => match m.aux(AuxKind::Reference) {
-                Some(r) => compare_runs(run, r, heads, &tolerances_of(run, r)),
+                Some(r) => (compare_runs(run, r, heads, &tolerances_of(run, r)), Some(r)),
                 None => return,
             },
         };
-        self.divergence_cache.insert(key, Divergence::of(&list));
+        let mut divergence = Divergence::of(&list);
+        divergence.choice = same_schedule
+            .and_then(|other| first_choice_difference(run, other))
+            .map(|(i, rows)| {
+                let e = &run.events[i];
+                (i, e.phase, e.name.clone(), rows)
+            });
+        self.divergence_cache.insert(key, divergence);
     }
 
     /// Judges the ops of the current run not judged yet against the comparison run and the

@@ -134,6 +134,7 @@ fn first<'a>(
     };
     let d = d.clone();
     let tolerance = d.tolerances.get(&selected).copied();
+    let first_index = d.first.as_ref().map(|f| f.0);
     let mut lines = vec![match (d.first, d.compared) {
         (Some((index, phase, name)), _) => Line::from(Span::styled(
             format!(
@@ -157,6 +158,22 @@ fn first<'a>(
             t.warn(),
         )),
     }];
+    // A choice made otherwise before (or without) the first divergent op: what follows it may
+    // differ through that choice, a flip within the scores' noise included, and not a fault.
+    // (After the first divergent op a choice is expected to follow the difference.)
+    if let Some((index, phase, name, rows)) = d.choice {
+        if first_index.is_none_or(|f| index <= f) {
+            lines.push(Line::from(Span::styled(
+                format!(
+                    "  choices differ at #{index} {phase} {} ({rows} row(s)): later ops may differ \
+                     through that choice alone (`check` weighs a flip against the scores' noise \
+                     and forces it)",
+                    short_name(&name),
+                ),
+                t.warn(),
+            )));
+        }
+    }
     if let Some((n, why)) = d.not_compared {
         lines.push(Line::from(Span::styled(
             format!("  {n} ops not compared: {why}"),
