@@ -359,18 +359,16 @@ pub fn op_differs(
             Agreement::Within(_) if choice => a == b,
             Agreement::Within(_) => same_f64(a as f64, b as f64, scale, how),
         };
-        if !same && choice {
-            return Some(format!(
-                "choice [{}] recorded {a}, recomputed {b} (across devices a choice within noise \
-                 can flip: verify on the recording's device to compare bit for bit)",
-                idx[k]
-            ));
-        }
         if !same {
-            return Some(format!(
-                "value [{}] recorded {a:e}, recomputed {b:e}",
-                idx[k]
-            ));
+            return Some(if choice {
+                format!(
+                    "choice [{}] recorded {a}, recomputed {b} (across devices a choice within \
+                     noise can flip: verify on the recording's device to compare bit for bit)",
+                    idx[k]
+                )
+            } else {
+                format!("value [{}] recorded {a:e}, recomputed {b:e}", idx[k])
+            });
         }
     }
     if sample.len() != now.len() {

@@ -15,6 +15,7 @@
 //! Mismatch and NaN detectors report the first op of each phase (where a fault shows first) and
 //! count the rest; unwritten elements and disconnects are reported at every op that has them.
 
+use super::compare::OpComparison;
 use super::external::{ExternalDump, ReferenceComparison};
 use super::findings::{first_per_phase, fold_repeats, headroom_of};
 use super::flags::Flags;
@@ -118,11 +119,7 @@ fn kernel_mismatch(
     // Both runs compute the same model: an op of either kernel's that cannot be set beside its
     // counterpart (another shape) is itself a mismatch, and how many ops were compared is said,
     // so that a comparison of nothing never reads as agreement.
-    let failed: Vec<_> = paired
-        .comparisons
-        .iter()
-        .filter_map(|c| c.diff.as_ref().err().map(|why| (c, why)))
-        .collect();
+    let failed = not_compared(&paired.comparisons);
     if let Some((c, why)) = failed.first() {
         v.findings.push(Finding {
             kind: FindingKind::KernelMismatch,
@@ -173,21 +170,17 @@ fn tp_mismatch(
     let one = Flags { tp: 1, ..flags };
     let paired = paired(one)?;
     let partial = super::tp::partial_sums(run);
-    let failed: Vec<&String> = paired
-        .comparisons
-        .iter()
-        .filter_map(|c| c.diff.as_ref().err())
-        .collect();
-    let mut not_compared = match failed.first() {
-        Some(why) => format!("; {} could not be compared (first: {why})", failed.len()),
+    let failed = not_compared(&paired.comparisons);
+    let mut uncompared = match failed.first() {
+        Some((_, why)) => format!("; {} could not be compared (first: {why})", failed.len()),
         None => String::new(),
     };
     let missing = super::tp::without_counterpart(run, &paired.other);
     if missing > 0 {
-        not_compared.push_str(&format!("; {missing} have no op of their name on one rank"));
+        uncompared.push_str(&format!("; {missing} have no op of their name on one rank"));
     }
     v.notes.push(format!(
-        "tp {} vs one rank: {} ops compared{not_compared}; {partial} partial sums compared \
+        "tp {} vs one rank: {} ops compared{uncompared}; {partial} partial sums compared \
          through their all-reduce",
         flags.tp,
         paired.comparisons.len() - failed.len(),
@@ -203,9 +196,18 @@ fn tp_mismatch(
     Ok(())
 }
 
+/// The comparisons that could not be made (shapes differ, a sample against a whole tensor),
+/// each with why: what a detector's note counts beside the ops it compared.
+fn not_compared(comparisons: &[OpComparison]) -> Vec<(&OpComparison, &String)> {
+    comparisons
+        .iter()
+        .filter_map(|c| c.diff.as_ref().err().map(|why| (c, why)))
+        .collect()
+}
+
 /// The note for the ops of a comparison that fail only through NaN/Inf alike on both sides,
 /// which the findings leave out ([`super::compare::OpComparison::fails_only_alike`]).
-fn alike_note(name: &str, comparisons: &[super::compare::OpComparison]) -> Option<String> {
+fn alike_note(name: &str, comparisons: &[OpComparison]) -> Option<String> {
     let alike = comparisons.iter().filter(|c| c.fails_only_alike()).count();
     (alike > 0).then(|| {
         format!(

@@ -88,10 +88,10 @@ pub struct Divergence {
 }
 
 impl Divergence {
-    fn of(list: &[OpComparison]) -> Divergence {
+    fn of(list: &[OpComparison], choice: Option<(usize, Phase, String, usize)>) -> Divergence {
         let failed: Vec<&String> = list.iter().filter_map(|c| c.diff.as_ref().err()).collect();
         Divergence {
-            choice: None,
+            choice,
             first: first_divergence(list).map(|c| (c.index, c.phase, c.name.clone())),
             compared: list.len() - failed.len(),
             alike: list.iter().filter(|c| c.fails_only_alike()).count(),
@@ -169,14 +169,14 @@ impl App {
                 None => return,
             },
         };
-        let mut divergence = Divergence::of(&list);
-        divergence.choice = same_schedule
+        let choice = same_schedule
             .and_then(|other| first_choice_difference(run, other))
             .map(|(i, rows)| {
                 let e = &run.events[i];
                 (i, e.phase, e.name.clone(), rows)
             });
-        self.divergence_cache.insert(key, divergence);
+        self.divergence_cache
+            .insert(key, Divergence::of(&list, choice));
     }
 
     /// Judges the ops of the current run not judged yet against the comparison run and the
