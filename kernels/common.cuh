@@ -140,12 +140,12 @@ __device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync
 __device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 
 __device__ __forceinline__ void decode_empty_split(int rows, int dv, int splits, u64 row, u64 part_row, bf16_t* out,
-                                                   float* lse_out, float* part_o, float* part_lse) {
+                                                   float* lse_out, bf16_t* part_o, float* part_lse) {
     if (splits == 1) {
         for (int i = threadIdx.x; i < rows * dv; i += blockDim.x) out[row * dv + i] = 0;
         for (int i = threadIdx.x; i < rows; i += blockDim.x) lse_out[row + i] = -INFINITY;
     } else {
-        for (int i = threadIdx.x; i < rows * dv; i += blockDim.x) part_o[part_row * dv + i] = 0.0f;
+        for (int i = threadIdx.x; i < rows * dv; i += blockDim.x) part_o[part_row * dv + i] = 0;
         for (int i = threadIdx.x; i < rows; i += blockDim.x) part_lse[part_row + i] = -INFINITY;
     }
 }

@@ -264,18 +264,16 @@ __device__ __forceinline__ void fp8_query16(const bf16_t* src, bool real, float*
 }
 
 // The end of a few-heads kernel: the block's O, already put in dim order in shared memory at
-// `rows_at` (row r, dim d at float r·stride + d + d/32), out for its `rows` real heads: bf16
-// into out when the decode did not split, else f32 into the split's partials.
+// `rows_at` (row r, dim d at float r·stride + d + d/32), out in bf16 for its `rows` real heads:
+// into out when the decode did not split, else into the split's partials.
 __device__ __forceinline__ void fp8_store_o(unsigned rows_at, int stride, int rows, int splits, bf16_t* out, u64 out_head,
-                                            float* part_o, u64 part_head) {
+                                            bf16_t* part_o, u64 part_head) {
     for (int i = threadIdx.x; i < rows * FP8_LATENT / 2; i += blockDim.x) {
         const int row = i / (FP8_LATENT / 2), dim = 2 * (i % (FP8_LATENT / 2));
         const unsigned at = rows_at + (row * stride + dim + dim / 32) * 4;
         const float x = fp8_ld_shared_f32(at), y = fp8_ld_shared_f32(at + 4);
-        if (splits == 1)
-            *(unsigned*)(out + (out_head + row) * FP8_LATENT + dim) = pack_bf16(x, y);
-        else
-            *(float2*)(part_o + (part_head + row) * FP8_LATENT + dim) = make_float2(x, y);
+        bf16_t* dst = splits == 1 ? out + (out_head + row) * FP8_LATENT : part_o + (part_head + row) * FP8_LATENT;
+        *(unsigned*)(dst + dim) = pack_bf16(x, y);
     }
 }
 

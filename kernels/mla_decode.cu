@@ -13,8 +13,8 @@
 // of TILE tokens stream through (double-buffered with cp.async when STAGES = 2).
 // Warp w owns heads 16·(w%4).. of the block and, for S = Q·Kᵀ, tokens of half (w/4) of the tile;
 // for O += P·V, output dims of half (w/4). Softmax runs in base 2 on the fly (online softmax);
-// each split writes its normalised output and natural-log LSE, and mla_decode_combine weighs the
-// splits by exp(lse_split − lse_total).
+// each split writes its normalised output (bf16) and natural-log LSE (f32), and
+// mla_decode_combine weighs the splits by exp(lse_split − lse_total), summing in f32.
 //
 // The sparse twins (mla_sparse_t32/t16 here, mla_sparse_ks3/ks2 in mla_decode_splitk.cu: what
 // GLM-5 runs over the DSA indexer's top-k) are the same templates with SPARSE set: sequence b
@@ -52,7 +52,7 @@ template <int TILE, int STAGES, bool SPARSE> struct TiledSmem {
 
 template <int TILE, int STAGES, bool SPARSE, bool FP8 = false, bool WRAP32 = false>
 __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
-                             const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse, int splits,
+                             const int* indices, int topk, const int* seq_lens, float scale_log2, bf16_t* part_o, float* part_lse, int splits,
                              int total_heads, bf16_t* out, float* lse_out) {
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int PSTRIDE = TILE + 8;
@@ -317,9 +317,9 @@ __device__ void mla_decode_k(const bf16_t* q, const bf16_t* cache, const int* bl
     for (int nt = 0; nt < DV / 2 / 8; nt++) {
         int dim = half * (DV / 2) + nt * 8 + qd * 2;
         if (own0)
-            *(float2*)(part_o + (out_row + mt * 16 + g) * DV + dim) = make_float2(o[nt][0] * inv0, o[nt][1] * inv0);
+            *(unsigned*)(part_o + (out_row + mt * 16 + g) * DV + dim) = pack_bf16(o[nt][0] * inv0, o[nt][1] * inv0);
         if (own1)
-            *(float2*)(part_o + (out_row + mt * 16 + g + 8) * DV + dim) = make_float2(o[nt][2] * inv1, o[nt][3] * inv1);
+            *(unsigned*)(part_o + (out_row + mt * 16 + g + 8) * DV + dim) = pack_bf16(o[nt][2] * inv1, o[nt][3] * inv1);
     }
     if (qd == 0 && half == 0) {
         if (own0) part_lse[out_row + mt * 16 + g] = lse0;
@@ -340,48 +340,48 @@ CHECK_TILED(mla_decode_fp8_t16_v, false)
 CHECK_TILED(mla_decode_t16_o32_v, false)
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t32(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
-               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_k<mla_decode_t32_v.tile, mla_decode_t32_v.stages, false>(q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t16(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
-               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_k<mla_decode_t16_v.tile, mla_decode_t16_v.stages, false>(q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // mla_decode_t16 with the page-index-overflow fault planted (see mla_decode_ks3_o32).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_t16_o32(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
-               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_k<mla_decode_t16_o32_v.tile, mla_decode_t16_o32_v.stages, false, false, true>(q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // The sparse twins: lens[b] is the length of sequence b's list, indices[b, 0..lens[b]] (≤ topk).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_t32(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* indices, int topk,
-               const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               const int* lens, float scale_log2, bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_k<mla_sparse_t32_v.tile, mla_sparse_t32_v.stages, true>(q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_t16(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* indices, int topk,
-               const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               const int* lens, float scale_log2, bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_k<mla_sparse_t16_v.tile, mla_sparse_t16_v.stages, true>(q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // The same over an fp8_ds_mla cache (kernels/kv_fp8.cuh): the tile loader dequantizes the
 // latent part of each 656-byte row into the same shared bf16 rows, so the MMAs are unchanged.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_t32(const bf16_t* q, const unsigned char* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
-               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_k<mla_decode_fp8_t32_v.tile, mla_decode_fp8_t32_v.stages, false, true>(q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_t16(const bf16_t* q, const unsigned char* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
-               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_k<mla_decode_fp8_t16_v.tile, mla_decode_fp8_t16_v.stages, false, true>(q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // out[b, h, :] = Σ_s exp(lse_s − lse) · O_s with lse = log Σ_s exp(lse_s). Block = (b, h, a
 // quarter of the 512 dims), one warp per split up to 8 (blockDim.x = 32 × warps): the split
-// weights go to shared memory once; warp w sums splits w, w + warps, ... with a float4 of 4 dims
-// per lane (many loads in flight: with one query per
+// weights go to shared memory once; warp w sums splits w, w + warps, ... with 4 dims (8 bytes
+// of bf16) per lane (many loads in flight: with one query per
 // sequence and many splits this merge is the larger part of the decode), then the warps' sums
 // are added through shared memory.
 #define MAX_SPLITS 256
@@ -398,7 +398,14 @@ __device__ __forceinline__ float merge_lse(float l, int faults) {
     return (faults & FAULT_LSE_BASE) ? l * 1.4426950408889634f : l;
 }
 
-extern "C" __global__ void mla_decode_combine(const float* part_o, const float* part_lse, bf16_t* out, float* lse_out,
+// Four bf16 partials of a lane (8 bytes) as floats.
+__device__ __forceinline__ float4 ld_bf16x4(const bf16_t* p) {
+    const uint2 u = *(const uint2*)p;
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                       __uint_as_float(u.y & 0xffff0000u));
+}
+
+extern "C" __global__ void mla_decode_combine(const bf16_t* part_o, const float* part_lse, bf16_t* out, float* lse_out,
                                               int splits, int heads, int faults) {
     __shared__ float w[MAX_SPLITS];
     __shared__ float scratch[32];
@@ -410,13 +417,13 @@ extern "C" __global__ void mla_decode_combine(const float* part_o, const float* 
     // The first PREFETCH splits of this warp are loaded before their weights are known, so that
     // their latency overlaps the log-sum-exps' (a batch-1 decode waits for this merge).
     const u64 stride = (u64)heads * DV;
-    const float* base = part_o + ((u64)b * splits * heads + h) * DV + d0 + lane * 4;
+    const bf16_t* base = part_o + ((u64)b * splits * heads + h) * DV + d0 + lane * 4;
     constexpr int PREFETCH = 8;
     float4 early[PREFETCH];
 #pragma unroll
     for (int i = 0; i < PREFETCH; i++) {
         const int s = warp + i * warps;
-        early[i] = s < splits ? *(const float4*)(base + s * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        early[i] = s < splits ? ld_bf16x4(base + s * stride) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
     float top = -INFINITY;
     for (int s = threadIdx.x; s < splits; s += blockDim.x) top = fmaxf(top, merge_lse(part_lse[((u64)b * splits + s) * heads + h], faults));
@@ -446,7 +453,7 @@ extern "C" __global__ void mla_decode_combine(const float* part_o, const float* 
     for (int s = warp + PREFETCH * warps; s < splits; s += warps) {
         float ws = w[s];
         if (ws > 0.0f) {
-            float4 v = *(const float4*)(base + s * stride);
+            float4 v = ld_bf16x4(base + s * stride);
             acc.x += ws * v.x;
             acc.y += ws * v.y;
             acc.z += ws * v.z;
@@ -474,8 +481,8 @@ extern "C" __global__ void mla_decode_combine(const float* part_o, const float* 
 // The merge for few splits (at most 32; the host uses it up to 16): one warp per (sequence,
 // head) row, eight rows per block, no block barriers. Lane s holds split s's LSE; the weights
 // and their total come by shuffles; lane l sums dims 4l + 128j (j < 4) over the splits with
-// four float4 loads per split in flight.
-extern "C" __global__ void __launch_bounds__(256) mla_decode_combine_rows(const float* part_o, const float* part_lse, bf16_t* out,
+// four 8-byte loads (4 bf16 each) per split in flight.
+extern "C" __global__ void __launch_bounds__(256) mla_decode_combine_rows(const bf16_t* part_o, const float* part_lse, bf16_t* out,
                                                                           float* lse_out, int splits, int heads, int rows, int faults) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = blockIdx.x * 8 + warp;  // b · heads + h
@@ -493,7 +500,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_decode_combine_rows(const 
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
     const u64 stride = (u64)heads * DV;
-    const float* base = part_o + ((u64)b * splits * heads + h) * DV + lane * 4;
+    const bf16_t* base = part_o + ((u64)b * splits * heads + h) * DV + lane * 4;
     float4 acc[4];
 #pragma unroll
     for (int j = 0; j < 4; j++) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -503,7 +510,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_decode_combine_rows(const 
         if (ws > 0.0f) {
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                const float4 v = *(const float4*)(base + s * stride + 128 * j);
+                const float4 v = ld_bf16x4(base + s * stride + 128 * j);
                 acc[j].x += ws * v.x;
                 acc[j].y += ws * v.y;
                 acc[j].z += ws * v.z;

@@ -57,7 +57,7 @@ static_assert(H_ROWS * H_O_STRIDE * 4 <= H_STAGES * H_STAGE_BYTES, "O fits in th
 
 template <bool SPARSE>
 __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* cache, const int* block_table, int max_pages, const int* indices,
-                                        int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse, int splits,
+                                        int topk, const int* seq_lens, float scale_log2, bf16_t* part_o, float* part_lse, int splits,
                                         int total_heads, bf16_t* out, float* lse_out) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned sKV = smem_addr(smem), sX = sKV + H_STAGES * H_STAGE_BYTES, mbar = sX + 2 * H_XCHG_BYTES;
@@ -311,7 +311,7 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
 }
 
 extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(const bf16_t* q, const unsigned char* cache, const int* block_table,
-                                                                          int max_pages, const int* seq_lens, float scale_log2, float* part_o,
+                                                                          int max_pages, const int* seq_lens, float scale_log2, bf16_t* part_o,
                                                                           float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                           float* lse_out) {
     fp8_h16<false>(q, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out, lse_out);
@@ -321,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_decode_fp8_h16(co
 // ([batch, topk] token positions, -1 padding), the splits and tiles running over the entries.
 extern "C" __global__ void __launch_bounds__(H_THREADS, 2) mla_sparse_fp8_h16(const bf16_t* q, const unsigned char* cache, const int* block_table,
                                                                           int max_pages, const int* indices, int topk, const int* seq_lens,
-                                                                          float scale_log2, float* part_o, float* part_lse, int splits,
+                                                                          float scale_log2, bf16_t* part_o, float* part_lse, int splits,
                                                                           int total_heads, bf16_t* out, float* lse_out) {
     fp8_h16<true>(q, cache, block_table, max_pages, indices, topk, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out, lse_out);
 }

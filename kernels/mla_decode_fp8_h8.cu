@@ -43,7 +43,7 @@ static_assert(E_HEADS * E_O_STRIDE * 4 <= E_STAGES * E_STAGE_BYTES, "O fits in t
 
 template <bool SPARSE>
 __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cache, const int* block_table, int max_pages, const int* indices,
-                                        int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse, int splits,
+                                        int topk, const int* seq_lens, float scale_log2, bf16_t* part_o, float* part_lse, int splits,
                                         int total_heads, bf16_t* out, float* lse_out) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned sKV = smem_addr(smem), sX = sKV + E_STAGES * E_STAGE_BYTES, mbar = sX + 2 * E_XCHG_BYTES;
@@ -251,7 +251,7 @@ __device__ __forceinline__ void fp8_h8(const bf16_t* q, const unsigned char* cac
 }
 
 extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_decode_fp8_h8(const bf16_t* q, const unsigned char* cache, const int* block_table,
-                                                                         int max_pages, const int* seq_lens, float scale_log2, float* part_o,
+                                                                         int max_pages, const int* seq_lens, float scale_log2, bf16_t* part_o,
                                                                          float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                          float* lse_out) {
     fp8_h8<false>(q, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out, lse_out);
@@ -261,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(E_THREADS, 3) mla_decode_fp8_h8(con
 // ([batch, topk] token positions, -1 padding), the splits and tiles running over the entries.
 extern "C" __global__ void __launch_bounds__(E_SPARSE_THREADS, 3) mla_sparse_fp8_h8(const bf16_t* q, const unsigned char* cache, const int* block_table,
                                                                           int max_pages, const int* indices, int topk, const int* seq_lens,
-                                                                          float scale_log2, float* part_o, float* part_lse, int splits,
+                                                                          float scale_log2, bf16_t* part_o, float* part_lse, int splits,
                                                                           int total_heads, bf16_t* out, float* lse_out) {
     fp8_h8<true>(q, cache, block_table, max_pages, indices, topk, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out, lse_out);
 }

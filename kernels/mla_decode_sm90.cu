@@ -176,7 +176,7 @@ __device__ __forceinline__ void second_half_pv(float* o, float alpha0, float alp
 // 166 µs with its whole cache traffic).
 template <bool SPARSE, bool FP8>
 __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaMap* q_map, const TmaMap* qpe_map, const void* cache_bytes, const int* block_table, int max_pages,
-                                             const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o,
+                                             const int* indices, int topk, const int* seq_lens, float scale_log2, bf16_t* part_o,
                                              float* part_lse, int splits, int total_heads, bf16_t* out, float* lse_out) {
     // The swizzled stages need 1024-byte alignment; the host gives 1 KB of slack for it.
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -519,28 +519,23 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
 
     // The rows go out through shared memory (the stages, free now) and the copy engine in whole
     // rows; stored from registers, each warp's store touched 16 rows 32 bytes each. On the H200:
-    // batch 16 × 8k at 64 heads (8 splits) 61 → 57.7 µs. A batch-1 block still spends about 4 µs
-    // (stamped with clock64) on its 128 KB of partials either way: that is the SM's write rate.
+    // batch 16 × 8k at 64 heads (8 splits) 61 → 57.7 µs. A batch-1 block spent about 4 µs
+    // (stamped with clock64) on its 128 KB of f32 partials either way, the SM's write rate: the
+    // partials are bf16 since 2026-12-06 (64 KB a block; on an H100, batch 1 × 8k 17.8 → 16.7 µs,
+    // 1 × 32k 31.8 → 28.5, 4 × 8k 32.0 → 29.3, 16 × 8k 71.7 → 68.0; the merge sums in f32).
     const float inv0 = sL[r0] > 0.0f ? 1.0f / sL[r0] : 0.0f, inv1 = sL[r1] > 0.0f ? 1.0f / sL[r1] : 0.0f;
     const int col = wg * 256 + 2 * qd;
 #pragma unroll
     for (int n = 0; n < 32; n++) {
-        if (splits == 1) {
-            st_shared_u32(sKV + (r0 * ROW_STRIDE + col + 8 * n) * 2, pack_bf16(o[4 * n] * inv0, o[4 * n + 1] * inv0));
-            st_shared_u32(sKV + (r1 * ROW_STRIDE + col + 8 * n) * 2, pack_bf16(o[4 * n + 2] * inv1, o[4 * n + 3] * inv1));
-        } else {
-            st_shared_f2(sKV + (r0 * ROW_STRIDE + col + 8 * n) * 4, o[4 * n] * inv0, o[4 * n + 1] * inv0);
-            st_shared_f2(sKV + (r1 * ROW_STRIDE + col + 8 * n) * 4, o[4 * n + 2] * inv1, o[4 * n + 3] * inv1);
-        }
+        st_shared_u32(sKV + (r0 * ROW_STRIDE + col + 8 * n) * 2, pack_bf16(o[4 * n] * inv0, o[4 * n + 1] * inv0));
+        st_shared_u32(sKV + (r1 * ROW_STRIDE + col + 8 * n) * 2, pack_bf16(o[4 * n + 2] * inv1, o[4 * n + 3] * inv1));
     }
     fence_proxy_async();  // written by st.shared, read by the copy engine
     __syncthreads();
     if (threadIdx.x < 32) {
         for (int row = threadIdx.x; row < heads_here; row += 32) {  // padding rows are not written
-            if (splits == 1)
-                bulk_store(out + ((u64)b * total_heads + head0 + row) * W_DV, sKV + row * ROW_STRIDE * 2, W_DV * 2);
-            else
-                bulk_store(part_o + (out_row + row) * W_DV, sKV + row * ROW_STRIDE * 4, W_DV * 4);
+            bf16_t* dst = splits == 1 ? out + ((u64)b * total_heads + head0 + row) * W_DV : part_o + (out_row + row) * W_DV;
+            bulk_store(dst, sKV + row * ROW_STRIDE * 2, W_DV * 2);
         }
         bulk_store_wait();
     }
@@ -549,7 +544,7 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
 extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __grid_constant__ TmaMap cache_map, const __grid_constant__ TmaMap q_map,
                                                                    const __grid_constant__ TmaMap qpe_map, const bf16_t* cache,
                                                                    const int* block_table, int max_pages, const int* seq_lens, float scale_log2,
-                                                                   float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
+                                                                   bf16_t* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                    float* lse_out) {
     decode_wgmma<false, false>(&cache_map, &q_map, &qpe_map, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out,
                         lse_out);
@@ -559,7 +554,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
 // padding); its rows are copied by cp.async (Q's tensor maps only).
 extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap qpe_map, const bf16_t* cache, const int* block_table, int max_pages,
                                                                    const int* indices, int topk, const int* lens, float scale_log2,
-                                                                   float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
+                                                                   bf16_t* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                    float* lse_out) {
     decode_wgmma<true, false>(nullptr, &q_map, &qpe_map, cache, block_table, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, total_heads, out,
                        lse_out);
@@ -569,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma(const __gr
 // its tensor maps, the byte cache, then as their bf16 twins.
 extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma_fp8(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap qpe_map,
                                                                        const unsigned char* cache, const int* block_table, int max_pages,
-                                                                       const int* seq_lens, float scale_log2, float* part_o, float* part_lse,
+                                                                       const int* seq_lens, float scale_log2, bf16_t* part_o, float* part_lse,
                                                                        int splits, int total_heads, bf16_t* out, float* lse_out) {
     decode_wgmma<false, true>(nullptr, &q_map, &qpe_map, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits,
                               total_heads, out, lse_out);
@@ -578,7 +573,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma_fp8(const 
 extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma_fp8(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap qpe_map,
                                                                        const unsigned char* cache, const int* block_table, int max_pages,
                                                                        const int* indices, int topk, const int* lens, float scale_log2,
-                                                                       float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
+                                                                       bf16_t* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                        float* lse_out) {
     decode_wgmma<true, true>(nullptr, &q_map, &qpe_map, cache, block_table, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits,
                              total_heads, out, lse_out);

@@ -88,7 +88,7 @@ template <int BH, int TILE, int STAGES, bool TMA, bool SPARSE> struct SplitKSmem
 
 template <int BH, int TILE, int STAGES, bool TMA, bool SPARSE, bool FP8 = false, bool WRAP32 = false>
 __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf16_t* cache, const int* block_table,
-                              int max_pages, const int* indices, int topk, const int* seq_lens, float scale_log2, float* part_o, float* part_lse,
+                              int max_pages, const int* indices, int topk, const int* seq_lens, float scale_log2, bf16_t* part_o, float* part_lse,
                               int splits, int total_heads, bf16_t* out, float* lse_out) {
     static_assert(!(TMA && SPARSE), "the sparse tiles are gathered by cp.async");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -511,8 +511,8 @@ __device__ void mla_decode_ks(const TmaMap* cache_map, const bf16_t* q, const bf
             } else {
 #pragma unroll
                 for (int nt = 0; nt < 8; nt++)
-                    *(float2*)(part_o + (out_row + row) * DV + warp * 64 + nt * 8 + qd * 2) =
-                        make_float2(o[i][nt][2 * r] * inv, o[i][nt][2 * r + 1] * inv);
+                    *(unsigned*)(part_o + (out_row + row) * DV + warp * 64 + nt * 8 + qd * 2) =
+                        pack_bf16(o[i][nt][2 * r] * inv, o[i][nt][2 * r + 1] * inv);
                 if (warp == 0 && qd == 0) part_lse[out_row + row] = lse;
             }
         }
@@ -534,30 +534,30 @@ CHECK_SPLIT_K(mla_decode_fp8_ks2_v, 64, 32, false, false)
 CHECK_SPLIT_K(mla_decode_ks3_o32_v, 64, 32, false, false)
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks3(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
-               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_ks<64, 32, mla_decode_ks3_v.stages, false, false>(nullptr, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks2(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
-               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_ks<64, 32, mla_decode_ks2_v.stages, false, false>(nullptr, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // mla_decode_ks3 with the page-index-overflow fault planted (WRAP32: its page offsets in 32
 // bits, common.cuh), which the debugger runs in its place when the fault is injected.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_ks3_o32(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
-               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_ks<64, 32, mla_decode_ks3_o32_v.stages, false, false, false, true>(nullptr, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 // The same over an fp8_ds_mla cache (kernels/kv_fp8.cuh), as mla_decode_fp8_t32/t16 are.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_ks3(const bf16_t* q, const unsigned char* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
-               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_ks<64, 32, mla_decode_fp8_ks3_v.stages, false, false, true>(nullptr, q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_ks2(const bf16_t* q, const unsigned char* cache, const int* bt, int max_pages, const int* lens, float scale_log2,
-               float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_ks<64, 32, mla_decode_fp8_ks2_v.stages, false, false, true>(nullptr, q, (const bf16_t*)cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
@@ -565,7 +565,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_fp8_ks2(cons
 // loads held the portable kernels to under half the copy bandwidth on the H200. The host never
 // launches it below sm_90 (there it is a trap).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_kt3(const __grid_constant__ TmaMap cache_map, const bf16_t* q, const bf16_t* cache, const int* bt,
-               int max_pages, const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               int max_pages, const int* lens, float scale_log2, bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     mla_decode_ks<64, 32, mla_decode_kt3_v.stages, true, false>(&cache_map, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 #else
@@ -578,7 +578,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_kt3(const __
 // go in groups of 32, so 64 heads read each tile twice (once per group, the second mostly from
 // L2), and a rank's 8 or 16 heads pad 32 rows instead of 64.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_kt16(const __grid_constant__ TmaMap cache_map, const bf16_t* q, const bf16_t* cache, const int* bt,
-               int max_pages, const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               int max_pages, const int* lens, float scale_log2, bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     mla_decode_ks<32, 16, mla_decode_kt16_v.stages, true, false>(&cache_map, q, cache, bt, max_pages, nullptr, 0, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 #else
@@ -589,11 +589,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_kt16(const _
 // The sparse twins of mla_decode_ks3/ks2: lens[b] is the length of sequence b's list,
 // indices[b, 0..lens[b]] (≤ topk).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_ks3(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* indices, int topk,
-               const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               const int* lens, float scale_log2, bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_ks<64, 32, mla_sparse_ks3_v.stages, false, true>(nullptr, q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_sparse_ks2(const bf16_t* q, const bf16_t* cache, const int* bt, int max_pages, const int* indices, int topk,
-               const int* lens, float scale_log2, float* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
+               const int* lens, float scale_log2, bf16_t* part_o, float* part_lse, int splits, int heads, bf16_t* out, float* lse_out) {
     mla_decode_ks<64, 32, mla_sparse_ks2_v.stages, false, true>(nullptr, q, cache, bt, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, heads, out, lse_out);
 }

@@ -46,7 +46,7 @@ static_assert(S_HEADS * S_O_STRIDE * 4 <= S_STAGES * S_STAGE_BYTES, "O fits in t
 
 extern "C" __global__ void __launch_bounds__(S_THREADS, 2) mla_sparse_h8(const bf16_t* q, const bf16_t* cache, const int* block_table, int max_pages,
                                                                      const int* indices, int topk, const int* seq_lens, float scale_log2,
-                                                                     float* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
+                                                                     bf16_t* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                      float* lse_out) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned sKV = smem_addr(smem), sX = sKV + S_STAGES * S_STAGE_BYTES, mbar = sX + 2 * S_XCHG_BYTES;

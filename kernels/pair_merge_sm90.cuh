@@ -32,8 +32,9 @@ __device__ __forceinline__ void st_cluster_f32(unsigned addr, unsigned rank, flo
 // The merge of a sequence's two splits launched as a cluster of two blocks (the split kernel's
 // grid is then split × ...: split s is rank s), instead of partials through global memory and a
 // merge kernel: the blocks trade normalised output rows and their log-sum-exps (base 2) through
-// their KV stages, free by then, and the merged rows are written from there. Saves the 2 × 128 KB
-// of f32 partials per sequence and head group written and read back. Two forms:
+// their KV stages, free by then, and the merged rows are written from there. Saves the 2 × 64 KB
+// of bf16 partials (128 KB of f32 when this was measured) per sequence and head group written
+// and read back. Two forms:
 //   halves (more than 32 real heads): each block merges half of the columns, block 0 the first
 //     256 (its warpgroup 0's slice), block 1 the last 256; each block's other warpgroup sends its
 //     slice to the partner, so the two halves cross at once. At 64 heads, batch 64 × 8k, this

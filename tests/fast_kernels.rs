@@ -462,8 +462,11 @@ fn partials_are_made_only_where_the_merge_reads_them() {
         max_len: 200,
     };
     let rows = lens.len() * heads;
+    // The outputs in bf16 (half the bytes of f32 to write and read back), the log-sum-exps
+    // in f32.
     let held = |work: DecodeWork| {
         let (o, l) = work.into_partials();
+        assert_eq!((o.elem(), l.elem()), (Elem::Bf16, Elem::F32));
         (o.len(), l.len())
     };
     let mut pairs = 0;

@@ -88,8 +88,8 @@ pub enum OpKind {
     /// what production kernels keep of the softmax instead of the probabilities.
     AttentionLse,
     /// A split-KV decode's partial results before the merge: each split's normalised latent
-    /// output [tokens, splits, heads, L] (`attn_partials`), or its log-sum-exp [tokens, splits,
-    /// heads] (`attn_partials_lse`).
+    /// output [tokens, splits, heads, L] (`attn_partials`, bf16 on the GPU, as the kernels write
+    /// it), or its log-sum-exp [tokens, splits, heads] (`attn_partials_lse`).
     AttentionPartials,
     /// The rows past the real ones of a fast decode batch padded to a CUDA-graph capture size
     /// (sequences of no keys), [pad, heads, L]: zeros when written (`attn_padding`).

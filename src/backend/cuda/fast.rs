@@ -250,7 +250,8 @@ impl DecodeWork {
     }
 
     /// The split partials the launch left, as device buffers: outputs [batch, splits, heads,
-    /// 512] and log-sum-exps [batch, splits, heads] (meaningful when it split the keys).
+    /// 512] in bf16 and natural log-sum-exps [batch, splits, heads] in f32 (meaningful when it
+    /// split the keys).
     pub fn into_partials(self) -> (DevBuf, DevBuf) {
         (self.part_o, self.part_lse)
     }
@@ -277,7 +278,7 @@ impl DecodeWork {
     fn make_partials(&mut self, gpu: &Gpu) -> Result<()> {
         let len = self.rows * self.splits * LATENT;
         if self.writes_partials(gpu) && self.part_o.len() < len {
-            self.part_o = gpu.alloc(len, Elem::F32)?;
+            self.part_o = gpu.alloc(len, Elem::Bf16)?;
             self.part_lse = gpu.alloc(self.rows * self.splits, Elem::F32)?;
         }
         Ok(())
@@ -314,7 +315,7 @@ impl DecodeWork {
         let mut work = DecodeWork {
             kernel,
             shared,
-            part_o: gpu.alloc(0, Elem::F32)?,
+            part_o: gpu.alloc(0, Elem::Bf16)?,
             part_lse: gpu.alloc(0, Elem::F32)?,
             rows: shape.batch * shape.heads,
             splits,

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 /// How many KV splits for a shape: the fewest waves of blocks times the tokens each block
 /// walks (plus a fixed cost per split for its start), plus the partials every split writes and
-/// the merge reads back (512 f32 per sequence and head, twice), at no fewer than 64 tokens per
+/// the merge reads back (512 values per sequence and head, twice), at no fewer than 64 tokens per
 /// split, a block's tokens rounded up to whole tiles as the kernels round them. The partials
 /// are weighed for the TMA-fed and wgmma kernels only, whose blocks walk their tokens fast
 /// enough that they matter: on the H200 about two tokens of a block's time per split and group
@@ -15,7 +15,9 @@ use std::sync::OnceLock;
 /// (a sweep of 16 to 128 splits over batches 1–8, contexts 1k–32k and 8, 64 and 128 heads on
 /// 2026-12-04: B1 × 8k 18.6 → 17.5 µs against four tokens, B1 × 32k 29.6 → 28.2, B4 × 8k 30.4 →
 /// 28.5), a share of that for fewer heads; the cp.async kernels (FP8 among them) went slower
-/// with fewer splits (FP8 B1 × 8k: 25.5 → 34.5 µs), so they keep the plain count.
+/// with fewer splits (FP8 B1 × 8k: 25.5 → 34.5 µs), so they keep the plain count. The sweep
+/// wrote the partials in f32; they are bf16 since 2026-12-06, half the bytes, and the weight
+/// was not fitted again.
 pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&str, u32)) -> usize {
     // Blocks per multiprocessor: its shared memory over the block's (plus the 1 KB the driver
     // reserves per block), or fewer where the kernel's registers allow fewer.

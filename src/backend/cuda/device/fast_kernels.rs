@@ -11,23 +11,23 @@ use crate::error::{Error, Result};
 use std::sync::OnceLock;
 
 const DECODE: [super::signature::Param; 12] = [
-    Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
+    Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
 ];
 const DECODE_TMA: [super::signature::Param; 13] = [
-    Map, Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
+    Map, Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
 ];
 /// The wgmma decode: the cache's tensor map, then the query's two (its latent and RoPE parts).
 const DECODE_WGMMA: [super::signature::Param; 14] = [
-    Map, Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
+    Map, Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
 ];
 /// The sparse twins: the dense list with the key lists (indices, topk) after the block table.
 const SPARSE: [super::signature::Param; 14] = [
-    Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr,
+    Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr,
     F32Ptr,
 ];
 /// The sparse wgmma decode: the query's two tensor maps, then the sparse list.
 const SPARSE_WGMMA: [super::signature::Param; 15] = [
-    Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr,
+    Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr,
     F32Ptr,
 ];
 pub const MLA_DECODE_TILED: Sig = Sig::new("mla_decode_t*", &DECODE);
@@ -43,11 +43,11 @@ pub const MLA_SPARSE_SPLIT_K: Sig = Sig::new("mla_sparse_ks*", &SPARSE);
 pub const MLA_SPARSE_FEW_HEADS: Sig = Sig::new("mla_sparse_h*", &SPARSE);
 pub const MLA_DECODE_COMBINE: Sig = Sig::new(
     "mla_decode_combine",
-    &[F32Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int],
+    &[Bf16Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int],
 );
 pub const MLA_DECODE_COMBINE_ROWS: Sig = Sig::new(
     "mla_decode_combine_rows",
-    &[F32Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int, Int],
+    &[Bf16Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int, Int],
 );
 /// Every launcher's declaration (compared with the `.cu` signatures by a test).
 pub const SIGNATURES: &[&Sig] = &[
@@ -346,7 +346,7 @@ impl Decode<'_> {
                 "MLA decode workspace",
                 self.part_o,
                 partials(&[b, s, h, LATENT], s > 1 && !self.pair_merge)?,
-                Elem::F32,
+                Elem::Bf16,
             )?,
             part_lse: need(
                 "MLA decode workspace",
@@ -517,7 +517,7 @@ impl Gpu {
                 "MLA decode workspace",
                 m.part_o,
                 prod(&[b, s, h, LATENT])?,
-                Elem::F32,
+                Elem::Bf16,
             )?,
             need(
                 "MLA decode workspace",

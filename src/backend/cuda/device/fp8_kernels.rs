@@ -22,7 +22,7 @@ pub const KV_CACHE_WRITE: Sig =
 pub const MLA_DECODE_FP8: Sig = Sig::new(
     "mla_decode_fp8_*",
     &[
-        Bf16Ptr, U8Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
+        Bf16Ptr, U8Ptr, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
     ],
 );
 
@@ -30,8 +30,8 @@ pub const MLA_DECODE_FP8: Sig = Sig::new(
 pub const MLA_SPARSE_FP8: Sig = Sig::new(
     "mla_sparse_fp8_*",
     &[
-        Bf16Ptr, U8Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr,
-        F32Ptr,
+        Bf16Ptr, U8Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int,
+        Bf16Ptr, F32Ptr,
     ],
 );
 
@@ -40,13 +40,13 @@ pub const MLA_SPARSE_FP8: Sig = Sig::new(
 pub const MLA_DECODE_WGMMA_FP8: Sig = Sig::new(
     "mla_decode_wgmma_fp8",
     &[
-        Map, Map, U8Ptr, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
+        Map, Map, U8Ptr, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
     ],
 );
 pub const MLA_SPARSE_WGMMA_FP8: Sig = Sig::new(
     "mla_sparse_wgmma_fp8",
     &[
-        Map, Map, U8Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, F32Ptr, F32Ptr, Int, Int,
+        Map, Map, U8Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int,
         Bf16Ptr, F32Ptr,
     ],
 );
@@ -248,7 +248,7 @@ impl Fp8Decode<'_> {
                 "MLA decode workspace",
                 self.part_o,
                 partials(&[b, s, h, LATENT], s > 1)?,
-                Elem::F32,
+                Elem::Bf16,
             )?,
             need(
                 "MLA decode workspace",
