@@ -16,6 +16,9 @@ typedef unsigned long long u64;
 #define POISON_BF16 0x7FA5u
 
 __device__ __forceinline__ float bf16_to_f32(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
+// The two bf16 of a 32-bit word as memory holds them (the first in the low half), as floats.
+__device__ __forceinline__ float bf16_lo(u32 word) { return __uint_as_float(word << 16); }
+__device__ __forceinline__ float bf16_hi(u32 word) { return __uint_as_float(word & 0xffff0000u); }
 
 // Round to nearest even; NaN stays a (quiet) NaN.
 __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
@@ -52,7 +55,7 @@ template <> struct Vec16<bf16_t> {
     typedef uint4 Raw;
     static __device__ __forceinline__ float get(const Raw& r, int i) {
         u32 word = i < 2 ? r.x : i < 4 ? r.y : i < 6 ? r.z : r.w;
-        return __uint_as_float((i & 1) ? (word & 0xffff0000u) : (word << 16));
+        return (i & 1) ? bf16_hi(word) : bf16_lo(word);
     }
 };
 

@@ -258,8 +258,8 @@ __device__ __forceinline__ void fp8_query16(const bf16_t* src, bool real, float*
     const u32 words[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
 #pragma unroll
     for (int k = 0; k < 8; k++) {
-        v[2 * k] = bf16_to_f32((bf16_t)(words[k] & 0xffffu));
-        v[2 * k + 1] = bf16_to_f32((bf16_t)(words[k] >> 16));
+        v[2 * k] = bf16_lo(words[k]);
+        v[2 * k + 1] = bf16_hi(words[k]);
     }
 }
 

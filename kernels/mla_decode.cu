@@ -401,8 +401,7 @@ __device__ __forceinline__ float merge_lse(float l, int faults) {
 // Four bf16 partials of a lane (8 bytes) as floats.
 __device__ __forceinline__ float4 ld_bf16x4(const bf16_t* p) {
     const uint2 u = *(const uint2*)p;
-    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
-                       __uint_as_float(u.y & 0xffff0000u));
+    return make_float4(bf16_lo(u.x), bf16_hi(u.x), bf16_lo(u.y), bf16_hi(u.y));
 }
 
 extern "C" __global__ void mla_decode_combine(const bf16_t* part_o, const float* part_lse, bf16_t* out, float* lse_out,
