@@ -11,6 +11,7 @@ use super::Out;
 use crate::backend::cuda::device::{DevBuf, Elem, Gpu};
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
 use crate::backend::cuda::CudaBackend;
+use crate::backend::DriverCall;
 use crate::engine::generate::{self, Schedule};
 use crate::engine::trace::StatsObserver;
 use crate::engine::{Engine, EngineOptions, MlaPaths, NullObserver, Phase, StorageDtype};
@@ -39,18 +40,45 @@ pub(super) fn time(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>)
     Ok(median(gpu.time_ms(2, reps, inner, work)?))
 }
 
-/// Milliseconds per call, median of `reps` samples: calls back to back on the stream, and the
-/// same calls replayed from a CUDA graph (as CUDA-graph serving runs a decode step), or why
-/// they could not be (the table says so, and goes on with the stream's figures).
-fn time_both(
-    gpu: &Gpu,
-    reps: usize,
-    mut work: impl FnMut() -> Result<()>,
-) -> Result<(f64, std::result::Result<f64, String>)> {
+/// One call's figures in milliseconds: back to back on the stream (median of `reps` samples),
+/// the same calls replayed from a CUDA graph (as CUDA-graph serving runs a decode step) or why
+/// they could not be (the table says so, and goes on with the stream's figures), and the host's
+/// time to issue a call (median of `reps` bursts of calls issued after the stream drained).
+struct CallTimes {
+    stream: f64,
+    graph: std::result::Result<f64, String>,
+    host: f64,
+    /// Of `host`, the driver's kernel launches and its tensor-map encodes (the ledger's).
+    host_launch: f64,
+    host_maps: f64,
+}
+
+/// Times `work` three ways (see [`CallTimes`]). Where the host's time to issue a call comes
+/// near the stream's time per call, the stream's figure is the launches' and not the kernels':
+/// the graph's is then the device's.
+fn time_both(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>) -> Result<CallTimes> {
     let inner = inner_calls(gpu, &mut work)?;
     let stream = median(gpu.time_ms(2, reps, inner, &mut work)?);
+    let mut host = Vec::with_capacity(reps);
+    let before = gpu.driver_calls();
+    for _ in 0..reps {
+        gpu.synchronize()?;
+        let start = std::time::Instant::now();
+        (0..inner).try_for_each(|_| work())?;
+        host.push(start.elapsed().as_secs_f64() * 1e3 / inner as f64);
+    }
+    let calls = gpu.driver_calls().since(&before);
+    let per_call =
+        |kind: DriverCall| calls.nanos[kind as usize] as f64 * 1e-6 / (reps * inner) as f64;
+    gpu.synchronize()?;
     let graph = gpu.time_graph_ms(reps, inner, work).map(median);
-    Ok((stream, graph.map_err(|e| e.to_string())))
+    Ok(CallTimes {
+        stream,
+        graph: graph.map_err(|e| e.to_string()),
+        host: median(host),
+        host_launch: per_call(DriverCall::Launch),
+        host_maps: per_call(DriverCall::TensorMap),
+    })
 }
 
 pub(super) fn random(gpu: &Gpu, len: usize, elem: Elem, seed: u64, amp: f32) -> Result<DevBuf> {
@@ -86,10 +114,12 @@ fn ceilings(gpu: &Gpu) -> Result<Ceilings> {
 
 /// One decode shape's figures.
 struct DecodeTimes {
-    /// Milliseconds per call, back to back on the stream, and replayed from a CUDA graph (or
-    /// why not).
+    /// Milliseconds per call (see [`CallTimes`]).
     ms: f64,
     graph_ms: std::result::Result<f64, String>,
+    host_ms: f64,
+    host_launch_ms: f64,
+    host_maps_ms: f64,
     /// GB/s of the stream figure.
     gbs: f64,
     /// The worst relative error of the sampled heads against the f64 reference.
@@ -148,7 +178,7 @@ fn decode_shape(
     };
     let scale = 1.0 / (192.0f32 + 64.0).sqrt();
     let mut turn = 0;
-    let (ms, graph_ms) = time_both(gpu, 15, || {
+    let times = time_both(gpu, 15, || {
         turn = (turn + 1) % copies;
         fast::mla_decode(
             gpu,
@@ -188,9 +218,13 @@ fn decode_shape(
         }
     }
     let bytes = (batch * context * width * 2 + batch * heads * (width + LATENT) * 2) as f64;
+    let ms = times.stream;
     Ok(DecodeTimes {
         ms,
-        graph_ms,
+        graph_ms: times.graph,
+        host_ms: times.host,
+        host_launch_ms: times.host_launch,
+        host_maps_ms: times.host_maps,
         gbs: bytes / (ms * 1e-3) / 1e9,
         err: worst,
         splits: work.splits,
@@ -355,12 +389,14 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
         writeln!(
         Out,
             "\nMLA decode (absorbed, paged latent cache 512+64, bf16), one query token per sequence, kernel {}; \
-             time: calls back to back on the stream; graph: the same calls replayed from a CUDA graph",
+             time: calls back to back on the stream; graph: the same calls replayed from a CUDA graph; \
+             host: the host's time to issue a call (near the stream's time, the stream's figure is the launches'), \
+             launch and maps: the driver's kernel launches and tensor-map encodes in it",
             fast::decode_kernel(gpu, decode_variant)?
         )?;
         writeln!(
             Out,
-            "{:>6} {:>6} {:>8} {:>10} {:>9} {:>8} {:>9} {:>7} {:>10}",
+            "{:>6} {:>6} {:>8} {:>10} {:>9} {:>8} {:>9} {:>8} {:>7} {:>5} {:>7} {:>10}",
             "heads",
             "batch",
             "context",
@@ -368,6 +404,9 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
             "GB/s",
             "of copy",
             "graph us",
+            "host us",
+            "launch",
+            "maps",
             "splits",
             "rel err"
         )?;
@@ -386,10 +425,13 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
                 };
                 writeln!(
                     Out,
-                    "{heads:>6} {b:>6} {ctx:>8} {:>10.1} {:>9.0} {:>7.0}% {graph:>9} {:>7} {err:>10.1e}",
+                    "{heads:>6} {b:>6} {ctx:>8} {:>10.1} {:>9.0} {:>7.0}% {graph:>9} {:>8.1} {:>7.1} {:>5.1} {:>7} {err:>10.1e}",
                     t.ms * 1e3,
                     t.gbs,
                     100.0 * t.gbs / c.copy_gbs,
+                    t.host_ms * 1e3,
+                    t.host_launch_ms * 1e3,
+                    t.host_maps_ms * 1e3,
                     t.splits
                 )?;
                 if err.is_nan() || err >= 1e-2 {

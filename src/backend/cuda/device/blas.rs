@@ -6,6 +6,8 @@ use super::kernels::{name, need, GEMV1, GEMV8};
 use super::{Arg, DevBuf, Elem, Gpu, Launch};
 use crate::backend::DriverCall;
 use crate::error::{CudaError, Error, Result};
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 /// Rows of x up to which [`Gpu::gemm_xwt`] runs gemv.cu instead of cuBLAS (its GEMV_TOKENS).
 pub const GEMV_TOKENS: usize = 8;
@@ -19,6 +21,39 @@ pub struct TensorMap([u64; 16]);
 // SAFETY: plain bytes with the size and alignment of CUtensorMap, copied into the kernel's
 // parameter space as they are.
 unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
+
+/// The tensor maps the decodes asked for, by what they were made from: the driver's encode is a
+/// pure function of the address and geometry, and a decode call needs three (the cache's and
+/// the query's two), every call, over the same buffers. Made again they cost the host about a
+/// microsecond each (`mladb bench --device cuda`'s `maps` column); looked up, nothing. Cleared
+/// when full, so that it stays small whatever buffers come and go.
+#[derive(Default)]
+pub(super) struct MapCache(Mutex<HashMap<MapKey, TensorMap>>);
+
+/// A tensor map's inputs: base address, sizes and byte strides (unused entries 0), box rows.
+type MapKey = (u64, [u64; 3], [u64; 2], u32);
+
+/// Maps kept at most before the cache starts over.
+const MAPS_KEPT: usize = 256;
+
+impl MapCache {
+    fn get_or_make(
+        &self,
+        key: MapKey,
+        make: impl FnOnce() -> Result<TensorMap>,
+    ) -> Result<TensorMap> {
+        let mut maps = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(map) = maps.get(&key) {
+            return Ok(*map);
+        }
+        let map = make()?;
+        if maps.len() >= MAPS_KEPT {
+            maps.clear();
+        }
+        maps.insert(key, map);
+        Ok(map)
+    }
+}
 
 fn dim(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::invalid(format!("GEMM: {what} {v} past cuBLAS's int")))
@@ -210,7 +245,6 @@ impl Gpu {
         strides: &[u64],
         box_rows: u32,
     ) -> Result<TensorMap> {
-        use cudarc::driver::sys;
         if buf.elem() != Elem::Bf16
             || dims.is_empty()
             || !dims[0].is_multiple_of(64)
@@ -223,35 +257,105 @@ impl Gpu {
                 "tensor map: the buffer is not a bf16 tensor of whole 64-element boxes",
             ));
         }
-        let mut map = sys::CUtensorMap { opaque: [0; 16] };
-        let rank = dims.len();
-        let sizes: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
-        let mut boxes = vec![1u32; rank];
-        boxes[0] = 64;
-        boxes[rank - 1] = box_rows;
-        let steps = vec![1u32; rank];
         let base = buf.ptr() + (offset * 2) as u64;
-        // SAFETY: every pointer is to a live local of the length the driver reads (`rank`, or
-        // `rank` − 1 strides); the global address is inside a live device allocation from which
-        // the dimensions and strides do not reach past its end (checked by the callers).
-        let r = super::ledger::LEDGER.time(DriverCall::TensorMap, || unsafe {
-            sys::cuTensorMapEncodeTiled(
-                &mut map,
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                rank as u32,
-                base as *mut std::ffi::c_void,
-                sizes.as_ptr(),
-                strides.as_ptr(),
-                boxes.as_ptr(),
-                steps.as_ptr(),
-                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            )
-        });
-        r.result()
-            .map_err(CudaError::driver("cuTensorMapEncodeTiled"))?;
-        Ok(TensorMap(map.opaque))
+        let mut key: MapKey = (base, [0; 3], [0; 2], box_rows);
+        if dims.len() > key.1.len() {
+            return Err(Error::invalid("tensor map: more than three dimensions"));
+        }
+        for (k, &d) in key.1.iter_mut().zip(dims) {
+            *k = d as u64;
+        }
+        key.2[..strides.len()].copy_from_slice(strides);
+        self.tensor_maps
+            .get_or_make(key, || encode_tiled_bf16(base, dims, strides, box_rows))
+    }
+}
+
+/// cuTensorMapEncodeTiled of a bf16 tensor at device address `base` (see [`Gpu::encode_bf16`],
+/// which checked the geometry against a live buffer).
+fn encode_tiled_bf16(
+    base: u64,
+    dims: &[usize],
+    strides: &[u64],
+    box_rows: u32,
+) -> Result<TensorMap> {
+    use cudarc::driver::sys;
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    let rank = dims.len();
+    let sizes: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+    let mut boxes = vec![1u32; rank];
+    boxes[0] = 64;
+    boxes[rank - 1] = box_rows;
+    let steps = vec![1u32; rank];
+    // SAFETY: every pointer is to a live local of the length the driver reads (`rank`, or
+    // `rank` − 1 strides); the global address is inside a live device allocation from which
+    // the dimensions and strides do not reach past its end (checked by the callers).
+    let r = super::ledger::LEDGER.time(DriverCall::TensorMap, || unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            rank as u32,
+            base as *mut std::ffi::c_void,
+            sizes.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    });
+    r.result()
+        .map_err(CudaError::driver("cuTensorMapEncodeTiled"))?;
+    Ok(TensorMap(map.opaque))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(tag: u64) -> TensorMap {
+        TensorMap([tag; 16])
+    }
+
+    #[test]
+    fn a_map_is_made_once_per_address_and_geometry() {
+        let cache = MapCache::default();
+        let key: MapKey = (1 << 20, [576, 64, 0], [1152, 0], 64);
+        let made = std::cell::Cell::new(0);
+        let make = |tag| {
+            made.set(made.get() + 1);
+            Ok(map(tag))
+        };
+        assert_eq!(cache.get_or_make(key, || make(1)).unwrap().0[0], 1);
+        // The same inputs: the map made before, not a new one.
+        assert_eq!(cache.get_or_make(key, || make(2)).unwrap().0[0], 1);
+        // Another box height, stride or address is another map.
+        let other_box = (key.0, key.1, key.2, 32);
+        let other_stride = (key.0, key.1, [2304, 0], key.3);
+        let other_base = (key.0 + 128, key.1, key.2, key.3);
+        for (k, tag) in [(other_box, 3), (other_stride, 4), (other_base, 5)] {
+            assert_eq!(cache.get_or_make(k, || make(tag)).unwrap().0[0], tag);
+        }
+        assert_eq!(made.get(), 4);
+        // A failed encode is not kept.
+        let bad: MapKey = (0, [64, 1, 0], [128, 0], 1);
+        assert!(cache
+            .get_or_make(bad, || Err(Error::invalid("no")))
+            .is_err());
+        assert_eq!(cache.get_or_make(bad, || make(6)).unwrap().0[0], 6);
+    }
+
+    #[test]
+    fn the_cache_starts_over_when_full() {
+        let cache = MapCache::default();
+        for i in 0..MAPS_KEPT as u64 + 1 {
+            cache
+                .get_or_make((i, [64, 1, 0], [128, 0], 1), || Ok(map(i)))
+                .unwrap();
+        }
+        let kept = cache.0.lock().unwrap().len();
+        assert_eq!(kept, 1, "cleared at {MAPS_KEPT}, then the new one");
     }
 }

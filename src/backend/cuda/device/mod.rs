@@ -197,6 +197,8 @@ pub struct Gpu {
     /// Buffers dropped, kept for the next allocations of their sizes.
     free: Arc<free_list::FreeList>,
     limits: Limits,
+    /// Tensor maps made so far (see [`blas::MapCache`]).
+    tensor_maps: blas::MapCache,
 }
 
 /// Whether the CUDA driver library can be loaded (cudarc panics on its first call without it).
@@ -319,6 +321,7 @@ impl Gpu {
             unavailable,
             free: Arc::default(),
             limits,
+            tensor_maps: Default::default(),
         })
     }
 
