@@ -114,12 +114,8 @@ fn ceilings(gpu: &Gpu) -> Result<Ceilings> {
 
 /// One decode shape's figures.
 struct DecodeTimes {
-    /// Milliseconds per call (see [`CallTimes`]).
-    ms: f64,
-    graph_ms: std::result::Result<f64, String>,
-    host_ms: f64,
-    host_launch_ms: f64,
-    host_maps_ms: f64,
+    /// Milliseconds per call.
+    ms: CallTimes,
     /// GB/s of the stream figure.
     gbs: f64,
     /// The worst relative error of the sampled heads against the f64 reference.
@@ -218,14 +214,9 @@ fn decode_shape(
         }
     }
     let bytes = (batch * context * width * 2 + batch * heads * (width + LATENT) * 2) as f64;
-    let ms = times.stream;
     Ok(DecodeTimes {
-        ms,
-        graph_ms: times.graph,
-        host_ms: times.host,
-        host_launch_ms: times.host_launch,
-        host_maps_ms: times.host_maps,
-        gbs: bytes / (ms * 1e-3) / 1e9,
+        gbs: bytes / (times.stream * 1e-3) / 1e9,
+        ms: times,
         err: worst,
         splits: work.splits,
     })
@@ -416,22 +407,22 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
                 let seed = (b * 100_000 + ctx + heads) as u64;
                 let t = decode_shape(gpu, (b, ctx, heads), decode_variant, forced_splits, seed)?;
                 let err = t.err;
-                let graph = match t.graph_ms {
+                let graph = match &t.ms.graph {
                     Ok(ms) => format!("{:.1}", ms * 1e3),
                     Err(why) => {
-                        no_graph.get_or_insert(why);
+                        no_graph.get_or_insert(why.clone());
                         "-".into()
                     }
                 };
                 writeln!(
                     Out,
                     "{heads:>6} {b:>6} {ctx:>8} {:>10.1} {:>9.0} {:>7.0}% {graph:>9} {:>8.1} {:>7.1} {:>5.1} {:>7} {err:>10.1e}",
-                    t.ms * 1e3,
+                    t.ms.stream * 1e3,
                     t.gbs,
                     100.0 * t.gbs / c.copy_gbs,
-                    t.host_ms * 1e3,
-                    t.host_launch_ms * 1e3,
-                    t.host_maps_ms * 1e3,
+                    t.ms.host * 1e3,
+                    t.ms.host_launch * 1e3,
+                    t.ms.host_maps * 1e3,
                     t.splits
                 )?;
                 if err.is_nan() || err >= 1e-2 {

@@ -24,9 +24,10 @@ unsafe impl cudarc::driver::DeviceRepr for TensorMap {}
 
 /// The tensor maps the decodes asked for, by what they were made from: the driver's encode is a
 /// pure function of the address and geometry, and a decode call needs three (the cache's and
-/// the query's two), every call, over the same buffers. Made again they cost the host about a
-/// microsecond each (`mladb bench --device cuda`'s `maps` column); looked up, nothing. Cleared
-/// when full, so that it stays small whatever buffers come and go.
+/// the query's two), every call, over the same buffers. Made again they cost the host 0.1–0.2
+/// µs each on the H100 hosts of 2026-12-06 (`mladb bench --device cuda`'s `maps` column), and a
+/// driver call each, which a traced call counts; looked up, nothing. Cleared when full, so that
+/// it stays small whatever buffers come and go.
 #[derive(Default)]
 pub(super) struct MapCache(Mutex<HashMap<MapKey, TensorMap>>);
 
