@@ -56,7 +56,7 @@ struct CallTimes {
 /// Times `work` three ways (see [`CallTimes`]). Where the host's time to issue a call comes
 /// near the stream's time per call, the stream's figure is the launches' and not the kernels':
 /// the graph's is then the device's.
-fn time_both(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>) -> Result<CallTimes> {
+fn call_times(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>) -> Result<CallTimes> {
     let inner = inner_calls(gpu, &mut work)?;
     let stream = median(gpu.time_ms(2, reps, inner, &mut work)?);
     let mut host = Vec::with_capacity(reps);
@@ -115,7 +115,7 @@ fn ceilings(gpu: &Gpu) -> Result<Ceilings> {
 /// One decode shape's figures.
 struct DecodeTimes {
     /// Milliseconds per call.
-    ms: CallTimes,
+    times: CallTimes,
     /// GB/s of the stream figure.
     gbs: f64,
     /// The worst relative error of the sampled heads against the f64 reference.
@@ -174,7 +174,7 @@ fn decode_shape(
     };
     let scale = 1.0 / (192.0f32 + 64.0).sqrt();
     let mut turn = 0;
-    let times = time_both(gpu, 15, || {
+    let times = call_times(gpu, 15, || {
         turn = (turn + 1) % copies;
         fast::mla_decode(
             gpu,
@@ -216,7 +216,7 @@ fn decode_shape(
     let bytes = (batch * context * width * 2 + batch * heads * (width + LATENT) * 2) as f64;
     Ok(DecodeTimes {
         gbs: bytes / (times.stream * 1e-3) / 1e9,
-        ms: times,
+        times,
         err: worst,
         splits: work.splits,
     })
@@ -407,7 +407,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
                 let seed = (b * 100_000 + ctx + heads) as u64;
                 let t = decode_shape(gpu, (b, ctx, heads), decode_variant, forced_splits, seed)?;
                 let err = t.err;
-                let graph = match &t.ms.graph {
+                let graph = match &t.times.graph {
                     Ok(ms) => format!("{:.1}", ms * 1e3),
                     Err(why) => {
                         no_graph.get_or_insert(why.clone());
@@ -417,12 +417,12 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
                 writeln!(
                     Out,
                     "{heads:>6} {b:>6} {ctx:>8} {:>10.1} {:>9.0} {:>7.0}% {graph:>9} {:>8.1} {:>7.1} {:>5.1} {:>7} {err:>10.1e}",
-                    t.ms.stream * 1e3,
+                    t.times.stream * 1e3,
                     t.gbs,
                     100.0 * t.gbs / c.copy_gbs,
-                    t.ms.host * 1e3,
-                    t.ms.host_launch * 1e3,
-                    t.ms.host_maps * 1e3,
+                    t.times.host * 1e3,
+                    t.times.host_launch * 1e3,
+                    t.times.host_maps * 1e3,
                     t.splits
                 )?;
                 if err.is_nan() || err >= 1e-2 {

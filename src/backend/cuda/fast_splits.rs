@@ -16,8 +16,9 @@ use std::sync::OnceLock;
 /// 2026-12-04: B1 × 8k 18.6 → 17.5 µs against four tokens, B1 × 32k 29.6 → 28.2, B4 × 8k 30.4 →
 /// 28.5), a share of that for fewer heads; the cp.async kernels (FP8 among them) went slower
 /// with fewer splits (FP8 B1 × 8k: 25.5 → 34.5 µs), so they keep the plain count. The sweep
-/// wrote the partials in f32; they are bf16 since 2026-12-06, half the bytes, and the weight
-/// was not fitted again.
+/// wrote the partials in f32; they are bf16 since 2026-12-06, half the bytes, and a second
+/// sweep then (an H100: B1 × 8k forced to 43, 64, 86, 128 splits, and weights 0, 1, 2) still
+/// found two tokens and its 64 splits the best.
 pub(super) fn decode_splits(gpu: &Gpu, shape: DecodeShape, (kernel, shared): (&str, u32)) -> usize {
     // Blocks per multiprocessor: its shared memory over the block's (plus the 1 KB the driver
     // reserves per block), or fewer where the kernel's registers allow fewer.
