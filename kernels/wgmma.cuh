@@ -1,8 +1,8 @@
 // Hopper (sm_90a) warpgroup MMA: wgmma.mma_async with f32 accumulators and bf16 operands, the
 // fences around it, shared-memory matrix descriptors and named barriers (TMA is in tma.cuh).
 // The three MMA wrappers below are written out by tools/gen_wgmma_wrappers.py (each accumulator
-// register is one asm operand). Only kernels/mla_decode_sm90.cu includes this file; it is
-// compiled for compute_90a alone.
+// register is one asm operand). Only the sm_90a files (mla_decode_sm90.cu, flash_prefill_sm90.cu)
+// include this file; they are compiled for compute_90a alone.
 #pragma once
 
 // A shared-memory matrix descriptor without swizzling: the operand is made of 8×8 "core
