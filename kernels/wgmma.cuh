@@ -1,6 +1,6 @@
 // Hopper (sm_90a) warpgroup MMA: wgmma.mma_async with f32 accumulators and bf16 operands, the
 // fences around it, shared-memory matrix descriptors and named barriers (TMA is in tma.cuh).
-// The three MMA wrappers below are written out by tools/gen_wgmma_wrappers.py (each accumulator
+// The MMA wrappers at its end are written out by tools/gen_wgmma_wrappers.py (each accumulator
 // register is one asm operand). Only the sm_90a files (mla_decode_sm90.cu, flash_prefill_sm90.cu)
 // include this file; they are compiled for compute_90a alone.
 #pragma once

@@ -267,29 +267,29 @@ impl Gpu {
             *k = d as u64;
         }
         key.2[..strides.len()].copy_from_slice(strides);
+        let sizes = &key.1[..dims.len()];
         self.tensor_maps
-            .get_or_make(key, || encode_tiled_bf16(base, dims, strides, box_rows))
+            .get_or_make(key, || encode_tiled_bf16(base, sizes, strides, box_rows))
     }
 }
 
-/// cuTensorMapEncodeTiled of a bf16 tensor at device address `base` (see [`Gpu::encode_bf16`],
-/// which checked the geometry against a live buffer).
+/// cuTensorMapEncodeTiled of a bf16 tensor of `sizes` (one to three dimensions) at device
+/// address `base` (see [`Gpu::encode_bf16`], which checked the geometry against a live buffer).
 fn encode_tiled_bf16(
     base: u64,
-    dims: &[usize],
+    sizes: &[u64],
     strides: &[u64],
     box_rows: u32,
 ) -> Result<TensorMap> {
     use cudarc::driver::sys;
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
-    let rank = dims.len();
-    let sizes: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
-    let mut boxes = vec![1u32; rank];
+    let rank = sizes.len();
+    let mut boxes = [1u32; 3];
     boxes[0] = 64;
     boxes[rank - 1] = box_rows;
-    let steps = vec![1u32; rank];
-    // SAFETY: every pointer is to a live local of the length the driver reads (`rank`, or
-    // `rank` − 1 strides); the global address is inside a live device allocation from which
+    let steps = [1u32; 3];
+    // SAFETY: every pointer is to a live local at least as long as the driver reads (`rank` ≤ 3,
+    // or `rank` − 1 strides); the global address is inside a live device allocation from which
     // the dimensions and strides do not reach past its end (checked by the callers).
     let r = super::ledger::LEDGER.time(DriverCall::TensorMap, || unsafe {
         sys::cuTensorMapEncodeTiled(
