@@ -10,8 +10,8 @@
 // (common.cuh, longest_first).
 // Shared memory (all in TMA's 128-byte swizzle, boxes of 64 rows × 64 dims): Q 2 × 32 KB,
 // two stages of K and V (32 KB each) = 192 KB.
-// Per tile and warpgroup: S = Q·Kᵀ (16 MMAs of 64×64×16), the online softmax (exact row
-// maxima), then O += P·V (4 MMAs of 64×256×16 with P from registers), left in flight while the
+// Per tile and warpgroup: S = Q·Kᵀ (16 MMAs of 64×64×16), the causal and end-of-sequence mask
+// (only on the tiles that need it: the loop is split in two), the online softmax, then O += P·V (4 MMAs of 64×256×16 with P from registers), left in flight while the
 // next tile's S is issued. A stage is reloaded (tile j + 1 into the stage of tile j − 1) once
 // all eight warps have finished that tile's P·V: each counts itself done on the stage's counter
 // and the last one issues the copies, so neither warpgroup waits for the other.
@@ -32,6 +32,11 @@
 #define FP_KV_BYTES (4 * FP_BOX)       // 64 keys × 256 dims
 // Q (two warpgroups' rows), two stages of K and V, three TMA barriers, the stages' two done
 // counters, 1 KB of alignment slack: the bytes of the kernel's row in variants.cuh.
+// A compile-time flag passed to a generic lambda (the tile loop's body, with or without its mask).
+template <bool B> struct Flag {
+    static constexpr bool value = B;
+};
+
 static_assert(flash_prefill_wgmma_d256_v.rows == FP_ROWS && flash_prefill_wgmma_d256_v.tile == FP_TILE &&
                   flash_prefill_wgmma_d256_v.stages == 2 &&
                   2 * FP_Q_BYTES + 4 * FP_KV_BYTES + 3 * 8 + 2 * 4 + 1024 == flash_prefill_wgmma_d256_v.shared,
@@ -88,7 +93,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_prefill_wgmma_d256(co
     mbar_wait(bars, 0);
     const u64 dq = wg_desc_sw128(sQ + wg * FP_Q_BYTES, 16, 1024);
 
-    for (int j = 0; j < n_tiles; j++) {
+    // Tile j of this warpgroup; `masked` (a Flag) compiles the causal and end-of-sequence mask
+    // in. ptxas turns the mask into predicated instructions rather than a branch, a third of the
+    // softmax's instructions, so the tiles that need none run a copy of the body without it.
+    auto tile = [&](int j, auto masked) {
         const int s = j % 2, t0 = j * FP_TILE;
         mbar_wait(bars + 8 * (1 + s), (j / 2) & 1);
         const bool work = active && t0 <= r_lo + 63;  // warpgroup-uniform
@@ -112,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_prefill_wgmma_d256(co
         if (!work) {  // no row of this warpgroup sees these keys (or it has no rows)
             wg_wait<0>();
             release();
-            continue;
+            return;
         }
         float sc[32];
 #pragma unroll
@@ -132,11 +140,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_prefill_wgmma_d256(co
 #pragma unroll
         for (int i = 0; i < 32; i++) wg_hold(sc[i]);
 
-        const bool edge = t0 + FP_TILE - 1 > r_lo || t0 + FP_TILE > n;  // the diagonal or the end
+        if constexpr (decltype(masked)::value) {
+            // Key t0 + 2·qd + c (c = 8·(i / 4) + i % 2 for element i) is seen by a row up to
+            // the row itself and the sequence's last key: c ≤ last[row].
+            int last[2];
 #pragma unroll
-        for (int i = 0; i < 32; i++) {
-            const int tok = t0 + 8 * (i / 4) + 2 * qd + (i & 1), row = row0 + 8 * ((i >> 1) & 1);
-            if (edge && (tok > row || tok >= n)) sc[i] = -INFINITY;
+            for (int r = 0; r < 2; r++) last[r] = min(row0 + 8 * r, n - 1) - t0 - 2 * qd;
+#pragma unroll
+            for (int i = 0; i < 32; i++)
+                if (8 * (i / 4) + (i & 1) > last[(i >> 1) & 1]) sc[i] = -INFINITY;
         }
         float alpha[2];
         wg_online_softmax<8>(sc, scale_log2, m_run, l_run, o, pa, alpha);
@@ -148,7 +160,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_prefill_wgmma_d256(co
 #pragma unroll
         for (int ks = 0; ks < 4; ks++) wgmma_m64n256_rs(o, pa + 4 * ks, dv + ks * (2048 / 16), 1);
         wg_commit();
-    }
+    };
+    // Tiles before n_plain lie wholly at or below this warpgroup's first row and inside the
+    // sequence; the rest (one or two: the diagonal and the end) are masked. The second loop
+    // always runs, so no path goes around both (note C7515).
+    const int n_plain = min(n_tiles - 1, min(r_lo + 1, n) / FP_TILE);
+    for (int j = 0; j < n_plain; j++) tile(j, Flag<false>{});
+    for (int j = n_plain; j < n_tiles; j++) tile(j, Flag<true>{});
     wg_wait<0>();
 #pragma unroll
     for (int i = 0; i < 128; i++) wg_hold(o[i]);
