@@ -358,6 +358,18 @@ fn outputs_onto_special_files_are_refused_before_the_run() {
 }
 
 #[test]
+fn kernels_out_onto_a_file_is_refused_before_compiling() {
+    // Checked before NVRTC is looked for, so this holds on a machine without it as well.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("not-a-folder");
+    std::fs::write(&file, b"keep").unwrap();
+    let o = mladb(&["kernels", "--arch", "sm_90", "--out", s(&file)]);
+    assert_clean_error(&o, "not a directory");
+    assert!(o.stdout.is_empty(), "refused before anything compiled");
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep");
+}
+
+#[test]
 fn stale_temporaries_of_dead_processes_are_removed() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.safetensors");

@@ -1,19 +1,56 @@
 //! `mladb kernels --arch ARCH`: compiles every kernel of kernels/ through NVRTC for an
 //! architecture and reports, per kernel, whether it compiled and its registers, shared memory
 //! and spills. Needs no GPU, only NVRTC: this is how Blackwell (sm_100, sm_120) is checked here.
+//! With `--out DIR` it also writes what it compiled, for reading the machine code
+//! (`cuobjdump -sass`): ptxas' choices (a branch made into predicated instructions, registers
+//! moved around an MMA) show only there.
 
 use super::Out;
 use crate::backend::cuda::compile::{
     compile, describe_version, hopper_target, kernel_source, resources, HOPPER_SOURCES, SOURCES,
 };
 use crate::error::{Error, Result};
+use crate::fsutil::write_atomic;
 use clap::Args;
+use std::path::{Path, PathBuf};
 
 #[derive(Args, Debug, Clone)]
 pub struct KernelsArgs {
     /// Architectures, comma-separated (sm_80, sm_90, sm_100, sm_120, or compute_XY for PTX only).
     #[arg(long, default_value = "sm_80,sm_90,sm_100,sm_120")]
     pub arch: String,
+    /// Also write each file's compiled code under DIR: DIR/<target>/<file>.cubin (PTX as .ptx
+    /// for compute_XY), Hopper files under sm_90a. Made if missing.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+}
+
+/// The folder `--out` names, made if missing; refused before anything compiles when it is not a
+/// folder.
+fn out_dir(dir: &Path) -> Result<()> {
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(Error::invalid(format!(
+            "--out {}: not a directory",
+            dir.display()
+        ))),
+        Err(_) => std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e)),
+    }
+}
+
+/// Writes one compiled file under `dir`: `<target>/<stem>.cubin` (or `.ptx`); returns its path.
+fn write_code(dir: &Path, target: &str, file: &str, code: &[u8]) -> Result<PathBuf> {
+    let sub = dir.join(target);
+    std::fs::create_dir_all(&sub).map_err(|e| Error::io(&sub, e))?;
+    let stem = file.strip_suffix(".cu").unwrap_or(file);
+    let ext = if target.starts_with("sm_") {
+        "cubin"
+    } else {
+        "ptx"
+    };
+    let path = sub.join(format!("{stem}.{ext}"));
+    write_atomic(&path, code)?;
+    Ok(path)
 }
 
 /// Returns whether every kernel compiled for every architecture.
@@ -34,6 +71,9 @@ pub fn run(args: &KernelsArgs) -> Result<bool> {
                 "--arch: '{a}' is not an architecture like sm_90 or compute_90"
             )));
         }
+    }
+    if let Some(dir) = &args.out {
+        out_dir(dir)?;
     }
     writeln!(
         Out,
@@ -58,6 +98,10 @@ pub fn run(args: &KernelsArgs) -> Result<bool> {
                 Ok(c) => {
                     let res = resources(&c.log);
                     writeln!(Out, "{arch:<8} {file:<16} ok ({} bytes)", c.code.len())?;
+                    if let Some(dir) = &args.out {
+                        let path = write_code(dir, arch, file, &c.code)?;
+                        writeln!(Out, "           written to {}", path.display())?;
+                    }
                     // ptxas' performance notes (for example wgmma serialised on Hopper).
                     for line in c.log.lines().filter(|l| l.contains("Performance")) {
                         writeln!(Out, "           note: {}", line.trim())?;
