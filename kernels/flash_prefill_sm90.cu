@@ -13,9 +13,9 @@
 // Per tile and warpgroup: S = Q·Kᵀ (16 MMAs of 64×64×16), the causal and end-of-sequence mask
 // (only on the tiles that need it: the loop is split in two), the online softmax, then
 // O += P·V (4 MMAs of 64×256×16 with P from registers), left in flight while the next tile's S
-// is issued. A stage is reloaded (tile j + 1 into the stage of tile j − 1) once
-// all eight warps have finished that tile's P·V: each counts itself done on the stage's counter
-// and the last one issues the copies, so neither warpgroup waits for the other.
+// is issued. A stage is reloaded (tile j + 1 into the stage of tile j − 1) once all eight warps
+// have finished that tile's P·V: each counts itself done on the stage's counter and the last
+// one issues the copies, so neither warpgroup waits for the other.
 // Every wgmma's accumulators are touched only between a wait and the next fence, and with no
 // path around the tile loop: ptxas serialises all of a kernel's wgmma otherwise (its notes
 // C7514/C7515 in `mladb kernels --arch sm_90`), which cost this kernel a third of its speed.
