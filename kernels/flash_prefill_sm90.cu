@@ -31,11 +31,6 @@
 #define FP_BOX (64 * 128)              // one box: 64 rows × 64 dims
 #define FP_Q_BYTES (4 * FP_BOX)        // 64 rows × 256 dims, per warpgroup
 #define FP_KV_BYTES (4 * FP_BOX)       // 64 keys × 256 dims
-// A compile-time flag passed to a generic lambda (the tile loop's body, with or without its mask).
-template <bool B> struct Flag {
-    static constexpr bool value = B;
-};
-
 // Q (two warpgroups' rows), two stages of K and V, three TMA barriers, the stages' two done
 // counters, 1 KB of alignment slack: the bytes of the kernel's row in variants.cuh.
 static_assert(flash_prefill_wgmma_d256_v.rows == FP_ROWS && flash_prefill_wgmma_d256_v.tile == FP_TILE &&
@@ -94,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_prefill_wgmma_d256(co
     mbar_wait(bars, 0);
     const u64 dq = wg_desc_sw128(sQ + wg * FP_Q_BYTES, 16, 1024);
 
-    // Tile j of this warpgroup; `masked` (a Flag) compiles the causal and end-of-sequence mask
+    // Tile j of this warpgroup; `masked` (Const<1>) compiles the causal and end-of-sequence mask
     // in. ptxas turns the mask into predicated instructions rather than a branch, a third of the
     // softmax's instructions, so the tiles that need none run a copy of the body without it.
     auto tile = [&](int j, auto masked) {
@@ -167,8 +162,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) flash_prefill_wgmma_d256(co
     // sequence; the rest (one or two: the diagonal and the end) are masked. The second loop
     // always runs, so no path goes around both (note C7515).
     const int n_plain = min(n_tiles - 1, min(r_lo + 1, n) / FP_TILE);
-    for (int j = 0; j < n_plain; j++) tile(j, Flag<false>{});
-    for (int j = n_plain; j < n_tiles; j++) tile(j, Flag<true>{});
+    for (int j = 0; j < n_plain; j++) tile(j, Const<0>{});
+    for (int j = n_plain; j < n_tiles; j++) tile(j, Const<1>{});
     wg_wait<0>();
 #pragma unroll
     for (int i = 0; i < 128; i++) wg_hold(o[i]);

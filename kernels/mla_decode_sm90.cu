@@ -106,9 +106,7 @@ static_assert(W_HEADS * 520 * 4 <= W_FP8_STAGES * W_TILE_BYTES + W_RAW_STAGES * 
 #define BAR_MERGED (4 + W_STAGES)  // the merging warpgroup of a pair has staged its rows
 
 // A half of an FP8 tile's conversion, as a type (the warpgroups' halves are compiled apart).
-template <int H> struct Half {
-    static constexpr int value = H;
-};
+template <int H> using Half = Const<H>;
 
 #include "pair_merge_sm90.cuh"
 
