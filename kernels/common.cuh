@@ -11,6 +11,13 @@ typedef unsigned short bf16_t;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// A compile-time value as a type, to pass to a generic lambda that compiles a variant of its
+// body for it (`decltype(arg)::value` in an `if constexpr`): a warpgroup's half of a tile, a
+// tile with or without its mask, a tile whose rows all hold keys.
+template <int V> struct Const {
+    static constexpr int value = V;
+};
+
 // The poison pattern of unwritten outputs (a signalling NaN: arithmetic never produces it).
 #define POISON_F32 0x7FA5A5A5u
 #define POISON_BF16 0x7FA5u

@@ -11,9 +11,12 @@
 //   valid·656 bytes (sparse: a copy per list entry), which completes a shared-memory barrier;
 //   four stages in flight.
 // - Warp w owns latent tile w (dims 128w..128w+127, one E4M3 scale per token) and RoPE dims
-//   16w..16w+15. S = Q·Kᵀ is summed over the four warps' dims through shared memory (one
-//   barrier per tile, which also frees the stage read two tiles ago), then every warp holds
-//   the whole S of its 16 rows and runs the same online softmax.
+//   16w..16w+15. S = Q·Kᵀ is summed over the four warps' dims through shared memory (a
+//   barrier per tile, which also frees the stage read two tiles ago), each warp summing only
+//   the four rows it owns and running their online softmax; their P and rescale factors go
+//   back through the same buffer (a second barrier), so every warp then holds P of all 16 rows
+//   for its P·V. (With every warp summing and exponentiating all 16 rows, a tile took a sixth
+//   more instructions.)
 // - MMAs in f16 (m16n8k16), which holds every E4M3 value exactly (the conversion is one
 //   instruction per pair): K and V enter unscaled, and the scales are applied outside the
 //   MMAs, in f32: S_w = scale_w(token) · (q_w · k̂_w) + q_rope · k_rope (the RoPE part in bf16,
@@ -135,12 +138,13 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
     for (int j = 0; j < 16; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f}, sigma = 0.0f;
 
-    for (int j = 0; j < n_tiles; j++) {
+    // Tile j, whose rows hold keys where `keys` has bits. FULL: all 32 do (every tile of a dense
+    // split but its last), so no row is tested: compiled apart, that body has an eighth fewer
+    // instructions (the tests, and the address arithmetic of the loads they guard).
+    auto tile = [&](int j, unsigned keys, auto full) {
+        constexpr bool FULL = decltype(full)::value;
         const unsigned kv = sKV + (j % H_STAGES) * H_STAGE_BYTES;
-        mbar_wait(mbar + 8 * (j % H_STAGES), (j / H_STAGES) & 1);
-        unsigned keys;  // bit r: row r of the tile holds a key
-        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(keys) : "r"(sKeys + 4 * (j % H_STAGES)));
-        auto is_key = [&](int r) { return (keys >> r) & 1u; };
+        auto is_key = [&](int r) { return FULL || ((keys >> r) & 1u); };
 
         // This warp's part of S for the tile: n-block nb is tokens 8nb.., lane's B column g.
         float sc[4][4], ts[4][2];
@@ -169,8 +173,10 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
                 sc[nb][2 + c] = acc[2 + c] * unscale[1] * ts[nb][c] + accr[2 + c];
             }
         }
-        // The four warps' parts summed in one order (every warp gets the same S): n-block nb of
-        // warp w's lane l as a float4 at ((w·4 + nb)·32 + l)·16 (conflict-free).
+        // The four warps' parts summed in one order, each warp for the rows it owns: rows
+        // 2·warp + (lane / 4) % 2 and that + 8, tokens 8·(lane / 8) + 2·(lane % 4) + {0, 1},
+        // i.e. item lane / 8 of lane 8·warp + lane % 8 of the exchange (four lanes' loads
+        // instead of sixteen, and a quarter of the softmax each).
         const unsigned x = sX + (j & 1) * H_XCHG_BYTES;
 #pragma unroll
         for (int nb = 0; nb < 4; nb++) xchg_store<4>(x, warp, lane, nb, sc[nb]);
@@ -180,51 +186,61 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
             fence_proxy_async();
             issue_tile(j - 1 + H_STAGES);
         }
-#pragma unroll
-        for (int nb = 0; nb < 4; nb++) {
-            const float4 sum = xchg_sum<4>(x, lane, nb);
-            const int tok = 8 * nb + 2 * qd;
-            sc[nb][0] = is_key(tok) ? sum.x * scale_log2 : -INFINITY;
-            sc[nb][1] = is_key(tok + 1) ? sum.y * scale_log2 : -INFINITY;
-            sc[nb][2] = is_key(tok) ? sum.z * scale_log2 : -INFINITY;
-            sc[nb][3] = is_key(tok + 1) ? sum.w * scale_log2 : -INFINITY;
+        const int own_nb = lane / 8, own_lane = 8 * warp + lane % 8;
+        float p[4];
+        {
+            const float4 sum = xchg_sum<4>(x, own_lane, own_nb);
+            const int tok = 8 * own_nb + 2 * qd;
+            p[0] = is_key(tok) ? sum.x * scale_log2 : -INFINITY;
+            p[1] = is_key(tok + 1) ? sum.y * scale_log2 : -INFINITY;
+            p[2] = is_key(tok) ? sum.z * scale_log2 : -INFINITY;
+            p[3] = is_key(tok + 1) ? sum.w * scale_log2 : -INFINITY;
         }
-
-        // Online softmax in base 2; σ grows to cover this tile's scales.
-        float mx[2] = {-INFINITY, -INFINITY}, alpha[2], m_use[2];
-        float smax = 0.0f;
+        // Online softmax in base 2 over the owned rows: a row's 32 scores lie in the 16 lanes
+        // that share bit 2 of the lane.
+        float mx[2] = {fmaxf(p[0], p[1]), fmaxf(p[2], p[3])}, own_alpha[2];
 #pragma unroll
-        for (int nb = 0; nb < 4; nb++) {
-            mx[0] = fmaxf(mx[0], fmaxf(sc[nb][0], sc[nb][1]));
-            mx[1] = fmaxf(mx[1], fmaxf(sc[nb][2], sc[nb][3]));
-            smax = fmaxf(smax, fmaxf(ts[nb][0], ts[nb][1]));
-        }
-#pragma unroll
-        for (int sh = 1; sh <= 2; sh <<= 1) {
+        for (int sh = 1; sh <= 16; sh <<= 1) {
+            if (sh == 4) continue;
             mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], sh));
             mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], sh));
-            smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, sh));
         }
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            own_alpha[r] = raise_max(m_run[r], mx[r]);
+            const float m_use = exp_base(m_run[r]);
+            p[2 * r] = fast_exp2(p[2 * r] - m_use);
+            p[2 * r + 1] = fast_exp2(p[2 * r + 1] - m_use);
+            l_run[r] = l_run[r] * own_alpha[r] + (p[2 * r] + p[2 * r + 1]);
+        }
+        // P goes back where its scores came from (warp 0's item own_nb of lane own_lane, which
+        // only this lane read), the owned rows' factors (lanes 0 and 4) to warp 1's item 0 of the
+        // same lane (read only by this lane too).
+        asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(x + (own_nb * 32 + own_lane) * 16), "f"(p[0]), "f"(p[1]), "f"(p[2]),
+                     "f"(p[3]));
+        if ((lane & ~4) == 0)
+            asm volatile("st.shared.v2.f32 [%0], {%1,%2};\n" ::"r"(x + (4 * 32 + own_lane) * 16), "f"(own_alpha[0]), "f"(own_alpha[1]));
+        __syncthreads();
+        // This lane's P in the accumulators' layout (rows g, g + 8), and those rows' factors
+        // (owned by warp g / 2, lane 4·(g % 2)).
+#pragma unroll
+        for (int nb = 0; nb < 4; nb++)
+            asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=f"(sc[nb][0]), "=f"(sc[nb][1]), "=f"(sc[nb][2]), "=f"(sc[nb][3])
+                         : "r"(x + (nb * 32 + lane) * 16));
+        float alpha[2];
+        asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];\n" : "=f"(alpha[0]), "=f"(alpha[1]) : "r"(x + (4 * 32 + 8 * (g / 2) + 4 * (g % 2)) * 16));
+
+        // σ grows to cover this tile's scales (this warp's latent tile).
+        float smax = 0.0f;
+#pragma unroll
+        for (int nb = 0; nb < 4; nb++) smax = fmaxf(smax, fmaxf(ts[nb][0], ts[nb][1]));
+#pragma unroll
+        for (int sh = 1; sh <= 2; sh <<= 1) smax = fmaxf(smax, __shfl_xor_sync(0xffffffffu, smax, sh));
         const float grow = fp8_sigma_grow(smax, sigma);
         const float inv_sigma = sigma > 0.0f ? 1.0f / sigma : 0.0f;  // 0: all scales 0 so far
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            alpha[r] = raise_max(m_run[r], mx[r]);
-            m_use[r] = exp_base(m_run[r]);
-        }
-        float sum[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int nb = 0; nb < 4; nb++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                sc[nb][c] = fast_exp2(sc[nb][c] - m_use[c / 2]);
-                sum[c / 2] += sc[nb][c];
-            }
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            l_run[r] = l_run[r] * alpha[r] + sum[r];
-            alpha[r] *= grow;  // O is also in units of σ
-        }
+        for (int r = 0; r < 2; r++) alpha[r] *= grow;  // O is also in units of σ
         // Most tiles change neither the maxima nor σ: then O stays as it is.
         if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f))
 #pragma unroll
@@ -271,18 +287,31 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
                 mma_f16(o[4 * a + 3], pa, bv);
             }
         }
+    };
+    for (int j = 0; j < n_tiles; j++) {
+        mbar_wait(mbar + 8 * (j % H_STAGES), (j / H_STAGES) & 1);
+        unsigned keys;  // bit r: row r of the tile holds a key
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(keys) : "r"(sKeys + 4 * (j % H_STAGES)));
+        if (keys == 0xffffffffu)
+            tile(j, keys, Const<1>{});
+        else
+            tile(j, keys, Const<0>{});
     }
 
+    // The owned rows' sums over their 16 lanes; their LSEs (lanes 0 and 4); the sums to every
+    // warp through the exchange buffer the last tile did not use.
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-    }
+    for (int r = 0; r < 2; r++)
+#pragma unroll
+        for (int sh = 1; sh <= 16; sh <<= 1)
+            if (sh != 4) l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], sh);
     const float ln2 = 0.6931471805599453f;
-    if (warp == 0 && qd == 0)
+    const unsigned xl = sX + (n_tiles & 1) * H_XCHG_BYTES;
+    if ((lane & ~4) == 0) {
+        asm volatile("st.shared.v2.f32 [%0], {%1,%2};\n" ::"r"(xl + (4 * 32 + 8 * warp + lane) * 16), "f"(l_run[0]), "f"(l_run[1]));
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            const int row = g + 8 * r;
+            const int row = 2 * warp + lane / 4 + 8 * r;
             if (row >= heads_here) continue;  // padding: not written
             const float lse = l_run[r] > 0.0f ? (m_run[r] + log2f(l_run[r])) * ln2 : -INFINITY;
             if (splits == 1)
@@ -290,13 +319,16 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
             else
                 part_lse[out_row + row] = lse;
         }
+    }
 
     // O in dim order through shared memory (the stages are free: every copy issued has landed
     // and been read), then out row by row.
     __syncthreads();
+    float l_rows[2];
+    asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];\n" : "=f"(l_rows[0]), "=f"(l_rows[1]) : "r"(xl + (4 * 32 + 8 * (g / 2) + 4 * (g % 2)) * 16));
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        const float k = l_run[r] > 0.0f ? sigma / l_run[r] : 0.0f;
+        const float k = l_rows[r] > 0.0f ? sigma / l_rows[r] : 0.0f;
         const int row = g + 8 * r;
 #pragma unroll
         for (int j = 0; j < 16; j++)

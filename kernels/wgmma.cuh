@@ -18,13 +18,6 @@ __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.s
 template <int N> __device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
-// A compile-time value as a type, to pass to a generic lambda that compiles a variant of its
-// body for it (`decltype(arg)::value` in an `if constexpr`): a warpgroup's half of a tile, a
-// tile with or without its mask.
-template <int V> struct Const {
-    static constexpr int value = V;
-};
-
 // Keeps the compiler from moving reads or writes of accumulator registers across the
 // asynchronous MMA's issue and wait (the registers are in flight in between).
 __device__ __forceinline__ void wg_hold(float& r) { asm volatile("" : "+f"(r)::"memory"); }
