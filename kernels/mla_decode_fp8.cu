@@ -58,6 +58,10 @@ static_assert(mla_sparse_fp8_h16_v.shared == mla_decode_fp8_h16_v.shared && mla_
               "the sparse form has the dense one's layout");
 static_assert(H_ROWS * H_O_STRIDE * 4 <= H_STAGES * H_STAGE_BYTES, "O fits in the stages");
 
+// The exchange item in buffer x where the owner of rows g and g + 8 (warp g / 2, lane
+// 4·(g % 2)) leaves two floats for them: warp 1's item 0 of its own lane, read only by it.
+__device__ __forceinline__ unsigned owned_rows_slot(unsigned x, int g) { return x + (4 * 32 + 8 * (g / 2) + 4 * (g % 2)) * 16; }
+
 template <bool SPARSE>
 __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* cache, const int* block_table, int max_pages, const int* indices,
                                         int topk, const int* seq_lens, float scale_log2, bf16_t* part_o, float* part_lse, int splits,
@@ -214,22 +218,21 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
             l_run[r] = l_run[r] * own_alpha[r] + (p[2 * r] + p[2 * r + 1]);
         }
         // P goes back where its scores came from (warp 0's item own_nb of lane own_lane, which
-        // only this lane read), the owned rows' factors (lanes 0 and 4) to warp 1's item 0 of the
-        // same lane (read only by this lane too).
+        // only this lane read); lanes 0 and 4 leave the owned rows' factors in their
+        // owned_rows_slot (own_lane is 8·warp + 4·(g % 2) there).
         asm volatile("st.shared.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"r"(x + (own_nb * 32 + own_lane) * 16), "f"(p[0]), "f"(p[1]), "f"(p[2]),
                      "f"(p[3]));
         if ((lane & ~4) == 0)
             asm volatile("st.shared.v2.f32 [%0], {%1,%2};\n" ::"r"(x + (4 * 32 + own_lane) * 16), "f"(own_alpha[0]), "f"(own_alpha[1]));
         __syncthreads();
-        // This lane's P in the accumulators' layout (rows g, g + 8), and those rows' factors
-        // (owned by warp g / 2, lane 4·(g % 2)).
+        // This lane's P in the accumulators' layout (rows g, g + 8), and those rows' factors.
 #pragma unroll
         for (int nb = 0; nb < 4; nb++)
             asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n"
                          : "=f"(sc[nb][0]), "=f"(sc[nb][1]), "=f"(sc[nb][2]), "=f"(sc[nb][3])
                          : "r"(x + (nb * 32 + lane) * 16));
         float alpha[2];
-        asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];\n" : "=f"(alpha[0]), "=f"(alpha[1]) : "r"(x + (4 * 32 + 8 * (g / 2) + 4 * (g % 2)) * 16));
+        asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];\n" : "=f"(alpha[0]), "=f"(alpha[1]) : "r"(owned_rows_slot(x, g)));
 
         // σ grows to cover this tile's scales (this warp's latent tile).
         float smax = 0.0f;
@@ -325,7 +328,7 @@ __device__ __forceinline__ void fp8_h16(const bf16_t* q, const unsigned char* ca
     // and been read), then out row by row.
     __syncthreads();
     float l_rows[2];
-    asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];\n" : "=f"(l_rows[0]), "=f"(l_rows[1]) : "r"(xl + (4 * 32 + 8 * (g / 2) + 4 * (g % 2)) * 16));
+    asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];\n" : "=f"(l_rows[0]), "=f"(l_rows[1]) : "r"(owned_rows_slot(xl, g)));
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const float k = l_rows[r] > 0.0f ? sigma / l_rows[r] : 0.0f;
