@@ -284,6 +284,18 @@ fn bad_input_is_one_error_line_and_exit_2() {
         assert_clean_error(&mladb(&["bench", "--decode-splits", bad]), "1..=256");
     }
     assert_clean_error(&mladb(&["bench", "--prompt", "x"]), "--prompt");
+    // The kernel-grid flags on the CPU (the default device) are refused, not ignored.
+    for flags in [
+        &["--decode-heads", "16"][..],
+        &["--quick"],
+        &["--decode-shapes", "1:1024"],
+        &["--decode-splits", "4"],
+        &["--no-layers"],
+    ] {
+        let o = mladb(&[&["bench"][..], flags].concat());
+        assert_clean_error(&o, flags[0]);
+        assert!(stderr(&o).contains("needs --device cuda"), "{}", stderr(&o));
+    }
     assert_clean_error(&mladb(&["run", "--no-such-flag"]), "--no-such-flag");
     assert_clean_error(&mladb(&["no-such-command"]), "no-such-command");
     // Help is not an error: it goes to stdout with exit 0.

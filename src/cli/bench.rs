@@ -89,6 +89,24 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// The first flag given that only the CUDA bench reads: on the CPU it would be ignored
+/// silently, and a figure the user asked for would be missing without a word.
+fn cuda_only_flag(args: &BenchArgs) -> Option<&'static str> {
+    [
+        (args.quick, "--quick"),
+        (args.no_kernels, "--no-kernels"),
+        (args.no_layers, "--no-layers"),
+        (args.decode_shapes.is_some(), "--decode-shapes"),
+        (args.prefill_lengths.is_some(), "--prefill-lengths"),
+        (args.decode_heads.is_some(), "--decode-heads"),
+        (args.decode_variant.is_some(), "--decode-variant"),
+        (args.decode_splits.is_some(), "--decode-splits"),
+        (args.prefill_variant.is_some(), "--prefill-variant"),
+    ]
+    .into_iter()
+    .find_map(|(given, flag)| given.then_some(flag))
+}
+
 pub fn bench(args: &BenchArgs) -> Result<()> {
     if args.attach_ingest {
         return super::bench_attach::run(args.quick);
@@ -98,6 +116,11 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     }
     if args.device == "cuda" {
         return super::bench_gpu::bench_gpu(args);
+    }
+    if let Some(flag) = cuda_only_flag(args) {
+        return Err(crate::error::Error::invalid(format!(
+            "{flag} times the GPU kernels: it needs --device cuda"
+        )));
     }
     let model = args.model.load()?;
     let layers = parse_layers(&args.layers, model.layout.num_layers)?;
