@@ -119,7 +119,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     }
     if let Some(flag) = cuda_only_flag(args) {
         return Err(crate::error::Error::invalid(format!(
-            "{flag} times the GPU kernels: it needs --device cuda"
+            "{flag} is a flag of the GPU bench: it needs --device cuda"
         )));
     }
     let model = args.model.load()?;
