@@ -296,6 +296,21 @@ fn bad_input_is_one_error_line_and_exit_2() {
         assert_clean_error(&o, flags[0]);
         assert!(stderr(&o).contains("needs --device cuda"), "{}", stderr(&o));
     }
+    // The attach benches read few flags: the rest are refused beside them, not ignored (the
+    // GPU grid's flags used to pass silently with --attach-verdict).
+    for (mode, flags) in [
+        ("--attach-verdict", &["--device", "cuda"][..]),
+        ("--attach-verdict", &["--quick"]),
+        ("--attach-verdict", &["--decode-heads", "16"]),
+        ("--attach-verdict", &["--tp", "2"]),
+        ("--attach-ingest", &["--layout", "glm5-tiny"]),
+        ("--attach-ingest", &["--decode-shapes", "1:1024"]),
+        ("--attach-ingest", &["--attach-verdict"]),
+    ] {
+        let o = mladb(&[&["bench", mode][..], flags].concat());
+        assert_clean_error(&o, flags[0]);
+        assert!(stderr(&o).contains("cannot be used with"), "{}", stderr(&o));
+    }
     assert_clean_error(&mladb(&["run", "--no-such-flag"]), "--no-such-flag");
     assert_clean_error(&mladb(&["no-such-command"]), "no-such-command");
     // Help is not an error: it goes to stdout with exit 0.

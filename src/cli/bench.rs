@@ -68,18 +68,66 @@ pub struct BenchArgs {
     #[arg(long)]
     pub prefill_variant: Option<String>,
     /// Measure how fast `mladb attach` takes a hook's frames over loopback instead (no model).
-    #[arg(long)]
+    /// It reads --quick only: every flag it would ignore is refused.
+    #[arg(long, conflicts_with_all = ATTACH_INGEST_IGNORES)]
     pub attach_ingest: bool,
     /// Measure what `mladb attach`'s live comparison costs per step and per tensor, on the CPU,
     /// for this model, layers, prompt and decode count (mladb's own run stands in for the
-    /// engine).
-    #[arg(long)]
+    /// engine). Flags it would ignore (the GPU bench's, --tp, --check, ...) are refused.
+    #[arg(long, conflicts_with_all = ATTACH_VERDICT_IGNORES)]
     pub attach_verdict: bool,
     /// Also run the layers once more with the device synchronised after every op, and print the
     /// slowest ops of the prefill and of a decode step (a profile: it serialises the run).
     #[arg(long)]
     pub op_times: bool,
 }
+
+/// What `--attach-verdict` does not read (it times the CPU comparison of the model's run): the
+/// GPU bench's flags and the layer timing's. Given beside it, they are refused rather than
+/// ignored without a word.
+const ATTACH_VERDICT_IGNORES: [&str; 14] = [
+    "device",
+    "quick",
+    "no_kernels",
+    "no_layers",
+    "decode_shapes",
+    "prefill_lengths",
+    "decode_heads",
+    "decode_variant",
+    "decode_splits",
+    "prefill_variant",
+    "mla_disable",
+    "tp",
+    "check",
+    "op_times",
+];
+
+/// What `--attach-ingest` does not read (it times loopback frames, no model): all but --quick.
+const ATTACH_INGEST_IGNORES: [&str; 23] = [
+    "attach_verdict",
+    "device",
+    "no_kernels",
+    "no_layers",
+    "decode_shapes",
+    "prefill_lengths",
+    "decode_heads",
+    "decode_variant",
+    "decode_splits",
+    "prefill_variant",
+    "mla_disable",
+    "tp",
+    "check",
+    "op_times",
+    "layers",
+    "prompt",
+    "decode",
+    "layout",
+    "model",
+    "seed",
+    "weight_cache_mb",
+    "device_cache_gb",
+    "quant",
+];
 
 /// Peak resident memory of this process in bytes, where the OS tells it.
 pub fn peak_rss_bytes() -> Option<u64> {
