@@ -69,12 +69,12 @@ pub struct BenchArgs {
     pub prefill_variant: Option<String>,
     /// Measure how fast `mladb attach` takes a hook's frames over loopback instead (no model).
     /// It reads --quick only: every flag it would ignore is refused.
-    #[arg(long, conflicts_with_all = ATTACH_INGEST_IGNORES)]
+    #[arg(long, conflicts_with_all = UNREAD_BY_ATTACH.iter().chain(&UNREAD_BY_ATTACH_INGEST))]
     pub attach_ingest: bool,
     /// Measure what `mladb attach`'s live comparison costs per step and per tensor, on the CPU,
     /// for this model, layers, prompt and decode count (mladb's own run stands in for the
     /// engine). Flags it would ignore (the GPU bench's, --tp, --check, ...) are refused.
-    #[arg(long, conflicts_with_all = ATTACH_VERDICT_IGNORES)]
+    #[arg(long, conflicts_with_all = UNREAD_BY_ATTACH.iter().chain(&["quick"]))]
     pub attach_verdict: bool,
     /// Also run the layers once more with the device synchronised after every op, and print the
     /// slowest ops of the prefill and of a decode step (a profile: it serialises the run).
@@ -82,12 +82,10 @@ pub struct BenchArgs {
     pub op_times: bool,
 }
 
-/// What `--attach-verdict` does not read (it times the CPU comparison of the model's run): the
-/// GPU bench's flags and the layer timing's. Given beside it, they are refused rather than
-/// ignored without a word.
-const ATTACH_VERDICT_IGNORES: [&str; 14] = [
+/// What neither attach bench reads: the GPU bench's flags (but --quick) and the layer
+/// timing's. Given beside one, they are refused rather than ignored without a word.
+const UNREAD_BY_ATTACH: [&str; 13] = [
     "device",
-    "quick",
     "no_kernels",
     "no_layers",
     "decode_shapes",
@@ -102,22 +100,9 @@ const ATTACH_VERDICT_IGNORES: [&str; 14] = [
     "op_times",
 ];
 
-/// What `--attach-ingest` does not read (it times loopback frames, no model): all but --quick.
-const ATTACH_INGEST_IGNORES: [&str; 23] = [
+/// What `--attach-ingest` reads besides none of those: --quick alone (no model, no schedule).
+const UNREAD_BY_ATTACH_INGEST: [&str; 10] = [
     "attach_verdict",
-    "device",
-    "no_kernels",
-    "no_layers",
-    "decode_shapes",
-    "prefill_lengths",
-    "decode_heads",
-    "decode_variant",
-    "decode_splits",
-    "prefill_variant",
-    "mla_disable",
-    "tp",
-    "check",
-    "op_times",
     "layers",
     "prompt",
     "decode",
