@@ -412,15 +412,17 @@ impl<'a> Importer<'a> {
     /// sequence ends early.
     fn sequence(&mut self) -> BTreeMap<u64, Phase> {
         let mut phases = BTreeMap::new();
-        let mut next: Option<u32> = None;
+        // Positions in u64: a recording's u32 positions near u32::MAX must not overflow the
+        // sums below (a hostile or corrupt file).
+        let mut next: Option<u64> = None;
         let mut decode = 0;
         for (&step, s) in &self.steps {
-            let first = s.positions.first().copied();
+            let first = s.positions.first().map(|&p| u64::from(p));
             let runs_on = s.positions.len() == s.tokens.len()
                 && s.positions
                     .iter()
                     .enumerate()
-                    .all(|(i, &p)| Some(p) == first.map(|f| f + i as u32));
+                    .all(|(i, &p)| Some(u64::from(p)) == first.map(|f| f + i as u64));
             let why = match (next, first) {
                 (_, None) => Some("holds no tokens".to_string()),
                 _ if !runs_on => Some(
@@ -453,7 +455,7 @@ impl<'a> Importer<'a> {
                 Phase::Decode(decode - 1)
             };
             phases.insert(step, phase);
-            next = Some(first.unwrap_or(0) + s.tokens.len() as u32);
+            next = Some(first.unwrap_or(0) + s.tokens.len() as u64);
         }
         phases
     }
@@ -583,6 +585,53 @@ mod tests {
             out.disconnects[0].contains("@0x40"),
             "{}",
             out.disconnects[0]
+        );
+    }
+
+    /// Found by the import_sglang fuzz target: positions that run on up to u32::MAX made the
+    /// run-on test's sum overflow (a panic) instead of a note.
+    #[test]
+    fn positions_at_the_end_of_u32_are_noted_not_a_panic() {
+        let layout = Layout::resolve("glm5-tiny").unwrap();
+        let mut imp = Importer::new(&layout, None);
+        let mut c = None;
+        imp.take(&mut c, hello(0, 1), "r0").unwrap();
+        imp.take(&mut c, step(0, &[5, 6], 0), "r0").unwrap();
+        let norm = "model.layers.0.input_layernorm";
+        imp.take(
+            &mut c,
+            tensor(norm, 2, vec![1.0; 2 * layout.hidden_size]),
+            "r0",
+        )
+        .unwrap();
+        imp.take(
+            &mut c,
+            Record::Step {
+                step: 1,
+                tokens: vec![7, 8],
+                positions: vec![u32::MAX, 0],
+            },
+            "r0",
+        )
+        .unwrap();
+        imp.take(
+            &mut c,
+            Record::Step {
+                step: 2,
+                tokens: vec![9],
+                positions: vec![u32::MAX],
+            },
+            "r0",
+        )
+        .unwrap();
+        let out = imp.finish("test").unwrap();
+        assert_eq!(out.meta.tokens, vec![5, 6]);
+        assert!(
+            out.notes
+                .iter()
+                .any(|n| n.contains("step 1 has positions that do not run on")),
+            "{:?}",
+            out.notes
         );
     }
 
