@@ -70,7 +70,10 @@ const SPARSE_VARIANTS: [(&str, &str); 3] = [
 /// `variants` in order of preference for `heads`: past 16 heads (more than one block of the
 /// few-heads kernels, each reading the whole cache) the wgmma kernel, 64 heads a block, first.
 /// On the H200 (2026-12-04), batch 64 × 8k: 64 heads 228–248 µs against h16's 425–467, 128
-/// heads 446–464 against 857–890, 32 heads 228 against 230; at 16 heads h16 120 µs against 232.
+/// heads 446–464 against 857–890; at 16 heads h16 120 µs against 232. At 32 heads h16 has
+/// since become the faster on the H200 (2026-12-07: 206–209 µs against 214–226), but it reads
+/// the cache once per 16 heads, which on an H100's slower memory is estimated (not measured)
+/// to cost more than it saves; the wgmma kernel stays first past 16 until both are measured.
 fn by_heads(mut variants: Vec<(&'static str, u32)>, heads: usize) -> Vec<(&'static str, u32)> {
     if heads > 16 {
         // A stable sort: the wgmma kernels (dense or sparse) to the front.
