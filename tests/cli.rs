@@ -298,9 +298,12 @@ fn bad_input_is_one_error_line_and_exit_2() {
     }
     // The attach benches read few flags: the rest are refused beside them, not ignored (the
     // GPU grid's flags used to pass silently with --attach-verdict).
+    for mode in ["--attach-verdict", "--attach-ingest"] {
+        let o = mladb(&["bench", mode, "--device", "cuda"]);
+        assert_clean_error(&o, "measures on the CPU: it takes no --device cuda");
+    }
     for (mode, flags) in [
-        ("--attach-verdict", &["--device", "cuda"][..]),
-        ("--attach-verdict", &["--quick"]),
+        ("--attach-verdict", &["--quick"][..]),
         ("--attach-verdict", &["--decode-heads", "16"]),
         ("--attach-verdict", &["--tp", "2"]),
         ("--attach-ingest", &["--layout", "glm5-tiny"]),

@@ -82,10 +82,10 @@ pub struct BenchArgs {
     pub op_times: bool,
 }
 
-/// What neither attach bench reads: the GPU bench's flags (but --quick) and the layer
+/// What neither attach bench reads: the GPU bench's flags (but --quick and --device, which
+/// [`bench`] refuses only as `cuda`, so that `--device cpu` stays allowed) and the layer
 /// timing's. Given beside one, they are refused rather than ignored without a word.
-const UNREAD_BY_ATTACH: [&str; 13] = [
-    "device",
+const UNREAD_BY_ATTACH: [&str; 12] = [
     "no_kernels",
     "no_layers",
     "decode_shapes",
@@ -100,7 +100,7 @@ const UNREAD_BY_ATTACH: [&str; 13] = [
     "op_times",
 ];
 
-/// What `--attach-ingest` reads besides none of those: --quick alone (no model, no schedule).
+/// What `--attach-ingest` does not read either: it takes --quick alone (no model, no schedule).
 const UNREAD_BY_ATTACH_INGEST: [&str; 10] = [
     "attach_verdict",
     "layers",
@@ -141,6 +141,16 @@ fn cuda_only_flag(args: &BenchArgs) -> Option<&'static str> {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
+    if args.device == "cuda" && (args.attach_ingest || args.attach_verdict) {
+        let mode = if args.attach_ingest {
+            "--attach-ingest"
+        } else {
+            "--attach-verdict"
+        };
+        return Err(crate::error::Error::invalid(format!(
+            "{mode} measures on the CPU: it takes no --device cuda"
+        )));
+    }
     if args.attach_ingest {
         return super::bench_attach::run(args.quick);
     }
