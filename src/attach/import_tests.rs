@@ -13,10 +13,15 @@ fn hello(rank: u32, world: u32) -> Record {
 }
 
 fn step(step: u64, tokens: &[u32], first: u32) -> Record {
+    step_at(step, tokens, (first..first + tokens.len() as u32).collect())
+}
+
+/// A step with the positions given as they are (they need not run on).
+fn step_at(step: u64, tokens: &[u32], positions: Vec<u32>) -> Record {
     Record::Step {
         step,
         tokens: tokens.to_vec(),
-        positions: (first..first + tokens.len() as u32).collect(),
+        positions,
     }
 }
 
@@ -138,26 +143,10 @@ fn positions_at_the_end_of_u32_are_noted_not_a_panic() {
         "r0",
     )
     .unwrap();
-    imp.take(
-        &mut c,
-        Record::Step {
-            step: 1,
-            tokens: vec![7, 8],
-            positions: vec![u32::MAX, 0],
-        },
-        "r0",
-    )
-    .unwrap();
-    imp.take(
-        &mut c,
-        Record::Step {
-            step: 2,
-            tokens: vec![9],
-            positions: vec![u32::MAX],
-        },
-        "r0",
-    )
-    .unwrap();
+    imp.take(&mut c, step_at(1, &[7, 8], vec![u32::MAX, 0]), "r0")
+        .unwrap();
+    imp.take(&mut c, step_at(2, &[9], vec![u32::MAX]), "r0")
+        .unwrap();
     let out = imp.finish("test").unwrap();
     assert_eq!(out.meta.tokens, vec![5, 6]);
     assert!(

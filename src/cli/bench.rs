@@ -68,7 +68,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub prefill_variant: Option<String>,
     /// Measure how fast `mladb attach` takes a hook's frames over loopback instead (no model).
-    /// It reads --quick only: every flag it would ignore is refused.
+    /// It reads --quick only: the flags it would ignore are refused (--device cpu aside).
     #[arg(long, conflicts_with_all = UNREAD_BY_ATTACH.iter().chain(&UNREAD_BY_ATTACH_INGEST))]
     pub attach_ingest: bool,
     /// Measure what `mladb attach`'s live comparison costs per step and per tensor, on the CPU,
@@ -82,9 +82,9 @@ pub struct BenchArgs {
     pub op_times: bool,
 }
 
-/// What neither attach bench reads: the GPU bench's flags (but --quick and --device, which
-/// [`bench`] refuses only as `cuda`, so that `--device cpu` stays allowed) and the layer
-/// timing's. Given beside one, they are refused rather than ignored without a word.
+/// What neither attach bench reads, refused beside one rather than ignored without a word: the
+/// layer timing's flags and the GPU bench's (those of [`cuda_only_flag`]: a new one goes in
+/// both lists), but --quick, and --device, which [`bench`] refuses only as `cuda`.
 const UNREAD_BY_ATTACH: [&str; 12] = [
     "no_kernels",
     "no_layers",
