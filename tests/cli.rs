@@ -247,6 +247,28 @@ fn check_names_the_flags_in_the_readme_words() {
     }
 }
 
+/// `--inject`'s help names every fault of the catalogue, so a fault added to the engine cannot
+/// stay unknown to the user reading `--help` (five were, until 2026-12-07).
+#[test]
+fn inject_help_names_every_fault() {
+    for command in ["run", "check"] {
+        let o = mladb(&[command, "--help"]);
+        // The help wraps at hyphens; join its lines before looking names up.
+        let text: String = stdout(&o)
+            .lines()
+            .map(str::trim)
+            .collect::<Vec<_>>()
+            .join(" ");
+        for fault in mladb::engine::Fault::ALL {
+            assert!(
+                text.contains(fault.name()),
+                "`mladb {command} --help` does not name {}",
+                fault.name()
+            );
+        }
+    }
+}
+
 #[test]
 fn bad_input_is_one_error_line_and_exit_2() {
     assert_clean_error(

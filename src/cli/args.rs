@@ -207,9 +207,12 @@ pub struct FlagArgs {
     /// Plant a fault: NAME, NAME@prefill, NAME@decode or NAME@both (repeatable: each adds one).
     /// Names: output-buffer-disconnect, softmax-scale-latent, absorb-wrong-split,
     /// rope-noninterleaved, lse-base-mismatch, skip-padded-rows and kv-cache-off-by-one (these two
-    /// default to decode), q4k-scale-unpack, fp8-scale-default and fp8-amax-padded-rows (these
-    /// two act with --kv-cache-dtype fp8_ds_mla). A fault with nothing to act on in the run is
-    /// reported as such.
+    /// default to decode); in the fast GPU kernels alone, exp2-scale, kv-stride-mismatch and
+    /// page-index-overflow; seen only against a --reference, indexer-rope-layout and
+    /// yarn-mscale; q4k-scale-unpack (with --quant q4_k or a Q4_K file); fp8-scale-default and
+    /// fp8-amax-padded-rows (with --kv-cache-dtype fp8_ds_mla); tp-head-offset,
+    /// tp-missing-allreduce, tp-double-reduce and tp-absorb-unsliced (with --tp 2 or more). A
+    /// fault with nothing to act on in the run is reported as such.
     #[arg(long = "inject")]
     pub inject: Vec<String>,
     /// Storage of values: f32, or bf16 (f32 arithmetic, every op's output stored as bf16).
