@@ -28,7 +28,8 @@ fn selection(context: usize, count: usize, seed: u64) -> Vec<i32> {
 }
 
 /// (µs, GB/s gathered, worst error, splits, kernel) of one sparse decode shape, over an
-/// fp8_ds_mla cache written from the same random rows when `fp8`.
+/// fp8_ds_mla cache written from the same random rows when `fp8`; `forced`: the kernel (a
+/// sparse variant of that cache) instead of the device's choice.
 fn sparse_shape(
     gpu: &Gpu,
     (batch, context, topk, heads): (usize, usize, usize, usize),
@@ -75,7 +76,7 @@ fn sparse_shape(
         None
     };
     let work = match fp8_cache {
-        Some(_) => DecodeWork::for_fp8_sparse(gpu, shape, None, None)?,
+        Some(_) => DecodeWork::for_fp8_sparse(gpu, shape, forced, None)?,
         None => DecodeWork::sparse(gpu, shape, None, forced)?,
     };
     let run = || {
@@ -127,8 +128,10 @@ fn sparse_shape(
 }
 
 /// The sparse decode table: top-k 2048 over 8k and 32k contexts, batch 1 and 64; over the
-/// bf16 cache at 64 and 8 heads, over the fp8_ds_mla cache at 64, 16 and 8 heads (where the
+/// bf16 cache at 64 and 8 heads, over the fp8_ds_mla cache at 64, 32, 16 and 8 heads (where the
 /// device runs its sparse kernels: sm_90 on). `forced`: the bf16 rows' kernel (a sparse variant).
+/// At 16 and 32 heads, where the FP8 choice turns from the 16-head kernel to the wgmma one, the
+/// other of the two is timed forced beside it, so the choice can be weighed on each device.
 pub fn sparse_decode(
     gpu: &Gpu,
     copy_gbs: f64,
@@ -160,10 +163,11 @@ pub fn sparse_decode(
     } else {
         &[(1, 32768), (64, 8192), (64, 32768)]
     };
-    let fp8_runs = !fast::sparse_fp8_decode_variants_for(gpu).is_empty();
+    let fp8_kernels = fast::sparse_fp8_decode_variants_for(gpu);
+    let fp8_runs = !fp8_kernels.is_empty();
     let caches: [(&str, bool, &[usize]); 2] = [
         ("bf16", false, &[64, 8]),
-        ("fp8_ds_mla", true, &[64, 16, 8]),
+        ("fp8_ds_mla", true, &[64, 32, 16, 8]),
     ];
     for (cache, fp8, heads_list) in caches {
         if fp8 && !fp8_runs {
@@ -174,13 +178,31 @@ pub fn sparse_decode(
             continue;
         }
         for &heads in heads_list {
-            for &(batch, context) in shapes {
+            // The FP8 rows' kernels: the choice, then at 16 and 32 heads the other one forced.
+            let kernels: &[Option<&'static str>] = match (fp8, heads) {
+                (false, _) => &[forced],
+                (true, 16) => &[None, Some("mla_sparse_wgmma_fp8")],
+                (true, 32) => &[None, Some("mla_sparse_fp8_h16")],
+                (true, _) => &[None],
+            };
+            for (&(batch, context), &kernel_forced) in shapes
+                .iter()
+                .flat_map(|shape| kernels.iter().map(move |k| (shape, k)))
+            {
+                if fp8 && kernel_forced.is_some_and(|k| !fp8_kernels.contains(&k)) {
+                    continue;
+                }
                 let seed = (batch * 1000 + context + heads) as u64;
                 let (us, gbs, err, splits, kernel) =
-                    sparse_shape(gpu, (batch, context, 2048, heads), fp8, forced, seed)?;
+                    sparse_shape(gpu, (batch, context, 2048, heads), fp8, kernel_forced, seed)?;
+                let mark = if fp8 && kernel_forced.is_some() {
+                    " (forced)"
+                } else {
+                    ""
+                };
                 writeln!(
                     Out,
-                    "{cache:>10} {heads:>6} {batch:>6} {context:>8} {:>6} {us:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e} {kernel:>18}",
+                    "{cache:>10} {heads:>6} {batch:>6} {context:>8} {:>6} {us:>10.1} {gbs:>9.0} {:>7.0}% {splits:>7} {err:>10.1e} {kernel:>18}{mark}",
                     2048,
                     100.0 * gbs / copy_gbs
                 )?;
