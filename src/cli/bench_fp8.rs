@@ -87,7 +87,8 @@ const FORCED: [&str; 3] = [
 ];
 
 /// The FP8-cache decode beside the bf16 one: batch 64 and 1 at 8k, at 64 and 128 heads (a
-/// whole GLM-5 or DeepSeek-V3 layer) and at a tensor-parallel rank's 8 and 16 heads.
+/// whole GLM-5 or DeepSeek-V3 layer), at a tensor-parallel rank's 8 and 16 heads, and at 32
+/// (where the choice turns from the few-heads kernels to the wgmma one) at batch 1, 16 and 64.
 pub fn fp8_decode(gpu: &Gpu) -> Result<()> {
     writeln!(
         Out,
@@ -115,7 +116,9 @@ pub fn fp8_decode(gpu: &Gpu) -> Result<()> {
         (64, 8192, 64),
         (64, 8192, 128),
         (1, 8192, 8),
+        (1, 8192, 32),
         (1, 8192, 64),
+        (16, 8192, 32),
     ] {
         let t = fp8_vs_bf16(gpu, batch, context, heads, (batch + context + heads) as u64)?;
         let [h8, h16, wgmma] = t

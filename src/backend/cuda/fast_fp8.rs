@@ -4,14 +4,14 @@
 //!   converted straight from the raw rows, the scales applied outside the MMAs.
 //!   `mla_decode_fp8_h8` takes up to 8 heads a block as the MMAs' columns (GLM-5 at TP 8),
 //!   `mla_decode_fp8_h16` 16 as rows (DeepSeek-V3 at TP 8). Made for a tensor-parallel rank,
-//!   where the 64-row kernels are mostly padding: the first choice up to 16 heads.
+//!   where the 64-row kernels are mostly padding: the first choice up to 32 heads (sparse: 16).
 //! - The bf16 decode variants whose tiles are dequantized into the same shared bf16 tiles
 //!   (kernels/kv_fp8.cuh), their MMAs and results bit for bit their twin's over a bf16 copy of
 //!   the decoded rows: `mla_decode_wgmma_fp8` (Hopper: raw rows by bulk copies, converted by
-//!   the warpgroup that runs the second half of P·V; the first choice past 16 heads, where the
-//!   few-heads kernels read the cache once per 16 heads), and the cp.async kernels, whose tile
-//!   loader converts (taking their twin's shared memory). The TMA-fed split-k variants have no
-//!   such form: TMA copies bytes as they are.
+//!   the warpgroup that runs the second half of P·V; the first choice past 32 heads (sparse:
+//!   16), where the few-heads kernels read the cache once per 16 heads), and the cp.async
+//!   kernels, whose tile loader converts (taking their twin's shared memory). The TMA-fed
+//!   split-k variants have no such form: TMA copies bytes as they are.
 
 use super::device::fast_kernels::SparseKeys;
 use super::device::fp8_kernels::Fp8Decode;
@@ -29,8 +29,8 @@ const FEW_HEADS: &str = "mla_decode_fp8_h16";
 /// The FP8-cache decode on wgmma (Hopper), 64 heads a block.
 const WGMMA: &str = "mla_decode_wgmma_fp8";
 
-/// The FP8-cache variants, in order of preference up to 16 heads ([`by_heads`] puts the wgmma
-/// one first past that), each with the bf16 variant it mirrors (the few-heads kernels have
+/// The FP8-cache variants, in order of preference for a rank's few heads ([`by_heads`] puts the
+/// wgmma one first past them), each with the bf16 variant it mirrors (the few-heads kernels have
 /// none).
 const VARIANTS: [(&str, Option<&str>); 7] = [
     (EIGHT_HEADS, None),
@@ -67,20 +67,32 @@ const SPARSE_VARIANTS: [(&str, &str); 3] = [
     ("mla_sparse_wgmma_fp8", WGMMA),
 ];
 
-/// `variants` in order of preference for `heads`: past 16 heads (more than one block of the
-/// few-heads kernels, each reading the whole cache) the wgmma kernel, 64 heads a block, first.
-/// On the H200 (2026-12-04), batch 64 × 8k: 64 heads 228–248 µs against h16's 425–467, 128
-/// heads 446–464 against 857–890; at 16 heads h16 120 µs against 232. At 32 heads h16 has
-/// since become the faster on the H200 (2026-12-07: 206–209 µs against 214–226), but it reads
-/// the cache once per 16 heads, which on an H100's slower memory is estimated (not measured)
-/// to cost more than it saves; the wgmma kernel stays first past 16 until both are measured.
-fn by_heads(mut variants: Vec<(&'static str, u32)>, heads: usize) -> Vec<(&'static str, u32)> {
-    if heads > 16 {
+/// `variants` in order of preference for `heads`: past `few_heads_up_to` heads the wgmma
+/// kernel, 64 heads a block, first; up to it the few-heads kernels, a block per 8 or 16 heads,
+/// each block reading the whole cache.
+fn by_heads(
+    mut variants: Vec<(&'static str, u32)>,
+    heads: usize,
+    few_heads_up_to: usize,
+) -> Vec<(&'static str, u32)> {
+    if heads > few_heads_up_to {
         // A stable sort: the wgmma kernels (dense or sparse) to the front.
         variants.sort_by_key(|&(name, _)| !on_wgmma(name));
     }
     variants
 }
+
+/// Up to how many heads the dense FP8 decode prefers the few-heads kernels ([`by_heads`]). At
+/// 32 heads `h16` (two blocks a sequence, the cache read twice) beat the wgmma kernel on both
+/// Hopper cards at batch 64 × 8k: on the H200 (2026-12-07) 206–209 µs against 214–226, on an
+/// H100 (the same day, three runs) 203.9–206.4 against 212.3–215.5. At 64 heads and more it
+/// loses by far (H100: 390–392 against 218–220 µs; H200 2026-12-04: 425–467 against 228–248).
+const DENSE_FEW_HEADS_UP_TO: usize = 32;
+
+/// The same for the sparse FP8 decode, kept at one block of `h16`: at 32 heads, batch 64 over
+/// top-2048 of 32k, the two were within a run's spread on an H100 (2026-12-07: 90.4 µs forced
+/// against the wgmma kernel's 92.0, one run), and the H200 is not measured there.
+const SPARSE_FEW_HEADS_UP_TO: usize = 16;
 
 /// The sparse FP8-cache variants this device runs, in order of preference.
 pub fn sparse_fp8_decode_variants_for(gpu: &Gpu) -> Vec<&'static str> {
@@ -145,7 +157,8 @@ impl DecodeWork {
         splits: Option<usize>,
     ) -> Result<DecodeWork> {
         let forced = forced.map(fp8_kernel_of).transpose()?;
-        fp8_plan(gpu, shape, fp8_variants(), forced, splits)
+        let variants = by_heads(fp8_variants(), shape.heads, DENSE_FEW_HEADS_UP_TO);
+        fp8_plan(gpu, shape, variants, forced, splits)
     }
 
     /// The plan of a sparse decode over an FP8 cache: `forced` (a few-heads kernel, by its
@@ -170,12 +183,14 @@ impl DecodeWork {
             .iter()
             .map(|&(name, _)| (name, variants::shared_bytes(name)))
             .collect();
+        let sparse = by_heads(sparse, shape.heads, SPARSE_FEW_HEADS_UP_TO);
         fp8_plan(gpu, shape, sparse, forced, splits)
     }
 }
 
-/// The plan of one of `variants` (in order of preference): `forced`, or the device's first
-/// for the head count ([`super::fast::for_heads`]); `splits`, or the count chosen for the shape.
+/// The plan of one of `variants` (in order of preference for the head count, [`by_heads`]):
+/// `forced`, or the device's first ([`super::fast::for_heads`]); `splits`, or the count chosen
+/// for the shape.
 fn fp8_plan(
     gpu: &Gpu,
     shape: DecodeShape,
@@ -183,7 +198,7 @@ fn fp8_plan(
     forced: Option<&str>,
     splits: Option<usize>,
 ) -> Result<DecodeWork> {
-    let candidates = for_heads(by_heads(variants, shape.heads), shape.heads, forced);
+    let candidates = for_heads(variants, shape.heads, forced);
     let variant = pick_variant(gpu, &candidates, forced)?;
     let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
     DecodeWork::scratch(gpu, shape, splits, variant)
@@ -319,16 +334,19 @@ mod tests {
             Some("mla_sparse_wgmma_fp8")
         );
         assert_eq!(sparse_fp8_form("mla_decode_fp8_ks3"), None);
-        // Past 16 heads the wgmma kernel comes first, dense or sparse; up to 16, after h16.
+        // Past the few heads the wgmma kernel comes first; up to them, after h16: dense up to
+        // 32 heads, sparse up to 16.
         let names = |v: Vec<(&'static str, u32)>| v.into_iter().map(|(n, _)| n).collect::<Vec<_>>();
-        assert_eq!(
-            names(by_heads(fp8_variants(), 17))[..3],
-            [WGMMA, EIGHT_HEADS, FEW_HEADS]
-        );
-        assert_eq!(
-            names(by_heads(fp8_variants(), 16))[..3],
-            [EIGHT_HEADS, FEW_HEADS, WGMMA]
-        );
+        let dense = |heads| names(by_heads(fp8_variants(), heads, DENSE_FEW_HEADS_UP_TO));
+        assert_eq!(dense(33)[..3], [WGMMA, EIGHT_HEADS, FEW_HEADS]);
+        assert_eq!(dense(32)[..3], [EIGHT_HEADS, FEW_HEADS, WGMMA]);
+        assert_eq!(dense(16)[..3], [EIGHT_HEADS, FEW_HEADS, WGMMA]);
+        let sparse = |heads| {
+            let all = SPARSE_VARIANTS.iter().map(|&(n, _)| (n, 0)).collect();
+            names(by_heads(all, heads, SPARSE_FEW_HEADS_UP_TO))
+        };
+        assert_eq!(sparse(17)[0], "mla_sparse_wgmma_fp8");
+        assert_eq!(sparse(16)[..2], ["mla_sparse_fp8_h8", "mla_sparse_fp8_h16"]);
         assert_eq!(head_group(FEW_HEADS), 16);
         assert_eq!(head_group(EIGHT_HEADS), 8);
         for (sparse, dense) in SPARSE_VARIANTS {
