@@ -83,8 +83,8 @@ pub struct BenchArgs {
 }
 
 /// What neither attach bench reads, refused beside one rather than ignored without a word: the
-/// layer timing's flags and the GPU bench's (those of [`cuda_only_flag`]: a new one goes in
-/// both lists), but --quick, and --device, which [`bench`] refuses only as `cuda`.
+/// layer timing's flags and the GPU bench's (those of [`CUDA_ONLY`] by clap id, a test holds
+/// them to it), but --quick, and --device, which [`bench`] refuses only as `cuda`.
 const UNREAD_BY_ATTACH: [&str; 12] = [
     "no_kernels",
     "no_layers",
@@ -122,22 +122,37 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// The flags only the CUDA bench reads, in the order [`cuda_only_flag`] tests them.
+const CUDA_ONLY: [&str; 9] = [
+    "--quick",
+    "--no-kernels",
+    "--no-layers",
+    "--decode-shapes",
+    "--prefill-lengths",
+    "--decode-heads",
+    "--decode-variant",
+    "--decode-splits",
+    "--prefill-variant",
+];
+
 /// The first flag given that only the CUDA bench reads: on the CPU it would be ignored
 /// silently, and a figure the user asked for would be missing without a word.
 fn cuda_only_flag(args: &BenchArgs) -> Option<&'static str> {
-    [
-        (args.quick, "--quick"),
-        (args.no_kernels, "--no-kernels"),
-        (args.no_layers, "--no-layers"),
-        (args.decode_shapes.is_some(), "--decode-shapes"),
-        (args.prefill_lengths.is_some(), "--prefill-lengths"),
-        (args.decode_heads.is_some(), "--decode-heads"),
-        (args.decode_variant.is_some(), "--decode-variant"),
-        (args.decode_splits.is_some(), "--decode-splits"),
-        (args.prefill_variant.is_some(), "--prefill-variant"),
-    ]
-    .into_iter()
-    .find_map(|(given, flag)| given.then_some(flag))
+    let given = [
+        args.quick,
+        args.no_kernels,
+        args.no_layers,
+        args.decode_shapes.is_some(),
+        args.prefill_lengths.is_some(),
+        args.decode_heads.is_some(),
+        args.decode_variant.is_some(),
+        args.decode_splits.is_some(),
+        args.prefill_variant.is_some(),
+    ];
+    given
+        .into_iter()
+        .zip(CUDA_ONLY)
+        .find_map(|(given, flag)| given.then_some(flag))
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
@@ -345,4 +360,19 @@ pub fn bench_check(
         report.findings.len()
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every flag the CUDA bench alone reads (but --quick, which --attach-ingest takes) is one
+    /// that the attach benches refuse, so a new GPU-bench flag cannot slip past them unread.
+    #[test]
+    fn the_attach_benches_refuse_every_cuda_only_flag() {
+        for flag in CUDA_ONLY.into_iter().filter(|&f| f != "--quick") {
+            let id = flag.trim_start_matches("--").replace('-', "_");
+            assert!(UNREAD_BY_ATTACH.contains(&id.as_str()), "{flag}");
+        }
+    }
 }
