@@ -269,6 +269,21 @@ fn inject_help_names_every_fault() {
     }
 }
 
+/// `tools/noise_sweep.py --faults` accounts for every fault of the catalogue: run, or named as
+/// GPU-only or reference-only, so a new fault cannot be left out of the sweep unseen.
+#[test]
+fn the_noise_sweep_names_every_fault() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/noise_sweep.py");
+    let text = std::fs::read_to_string(&path).expect("tools/noise_sweep.py");
+    for fault in mladb::engine::Fault::ALL {
+        assert!(
+            text.contains(&format!("\"{}\"", fault.name())),
+            "tools/noise_sweep.py does not name {}",
+            fault.name()
+        );
+    }
+}
+
 #[test]
 fn bad_input_is_one_error_line_and_exit_2() {
     assert_clean_error(

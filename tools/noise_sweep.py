@@ -4,8 +4,10 @@
 Runs `mladb check --json` on clean models (built-in layouts over several seeds and schedules,
 and any HF checkpoints given) and prints, per op kind and layer, the largest relative L2 error
 any comparison of a clean run produced (the `headroom` of check's JSON summary), beside the
-tolerance check applied. With --faults it also runs every fault of the catalogue and prints
-whether check caught it. Exits 1 when a clean run had findings or a fault was missed.
+tolerance check applied. With --faults it also runs every fault of the catalogue that check can
+show without a reference (the TP faults at --tp 2, the FP8-cache ones over that cache, the fast
+kernels' with --device cuda) and prints whether check caught it. Exits 1 when a clean run had
+findings or a fault was missed.
 
 Usage:
     python3 tools/noise_sweep.py [--mladb target/release/mladb] [--dtype bf16] [--seeds 6]
@@ -26,6 +28,26 @@ FAULTS = [
     "skip-padded-rows",
     "kv-cache-off-by-one",
 ]
+# Faults that act only under a flag, each with the layouts and flags it is run with.
+FLAGGED_FAULTS = [
+    (["tp-head-offset", "tp-missing-allreduce", "tp-double-reduce", "tp-absorb-unsliced"],
+     ["glm5-tiny", "deepseek-v3-tiny"], ["--tp", "2"]),
+    (["fp8-scale-default", "fp8-amax-padded-rows"],
+     ["glm5-rank8", "deepseek-v3-rank16"], ["--kv-cache-dtype", "fp8_ds_mla"]),
+]
+# Faults planted in the fast GPU kernels alone (--device cuda), with the layouts they act on:
+# the fast kernels' latent dims (512 + 64, the rank layouts; the tiny ones run the reference
+# kernels), a prompt long enough to fill their tiles, and for kv-stride-mismatch value rows
+# narrower than key rows (DeepSeek-V3's dims).
+GPU_FAULTS = [
+    ("exp2-scale", ["glm5-rank8", "deepseek-v3-rank16"]),
+    ("kv-stride-mismatch", ["deepseek-v3-rank16"]),
+    ("page-index-overflow", ["glm5-rank8", "deepseek-v3-rank16"]),
+]
+GPU_FAULT_SCHEDULE = ["--tokens", ",".join(str(t) for t in range(1, 141)), "--decode", "2"]
+# Faults that only a reference dump shows (check --reference): every path of mladb shares
+# what they corrupt.
+REFERENCE_FAULTS = ["rope-noninterleaved", "indexer-rope-layout", "yarn-mscale"]
 
 
 def check(mladb, args):
@@ -64,6 +86,12 @@ def main():
         for c in json.load(open(f"{a.random}/cases.json")):
             tokens = ",".join(map(str, c["tokens"]))
             runs.append(["--model", f"{a.random}/{c['name']}", "--tokens", tokens, "--prefill", str(c["prefill"]), "--decode", str(c["decode"])])
+    # The FP8 latent cache and tensor parallelism, clean.
+    for seed in range(min(a.seeds, 3)):
+        for layout in ["glm5-rank8", "deepseek-v3-rank16"]:
+            runs.append(["--layout", layout, "--seed", str(seed), "--prefill", "9", "--decode", "4", "--kv-cache-dtype", "fp8_ds_mla"])
+        for layout in ["glm5-tiny", "deepseek-v3-tiny"]:
+            runs.append(["--layout", layout, "--seed", str(seed), "--prefill", "9", "--decode", "4", "--tp", "2"])
     if a.full_size:
         for layout in ["glm5", "deepseek-v3"]:
             runs.append(["--layout", layout, "--layers", "0..4", "--tokens", "1,2,3", "--decode", "2"])
@@ -88,7 +116,8 @@ def main():
             floor[k] = max(floor[k], h["floor_error"])
             gain[k] = max(gain[k], h["gain_needed"] if h["gain_needed"] is not None else float("inf"))
             rel = h["rel_l2"] if h["rel_l2"] is not None else float("inf")
-            ratio = rel / h["tolerance"] if h["tolerance"] > 0 else 0.0
+            # No tolerance: a comparison of this kind that check does not judge (under --tp).
+            ratio = rel / h["tolerance"] if h["tolerance"] else 0.0
             if ratio > closest[k][0]:
                 closest[k] = (ratio, f"{' '.join(r)} [{h['comparison']} {h['phase']} {h['op']}] {rel:.2e}/{h['tolerance']:.2e}")
         table = summary["tolerances"]
@@ -111,6 +140,21 @@ def main():
         findings, _ = check(a.mladb, ["--layout", "glm5-tiny-wide", "--quant", "q4_k", "--decode", "3", "--inject", "q4k-scale-unpack"] + common)
         missed += not findings
         print(f"  {'glm5-tiny-wide':<18} {'q4k-scale-unpack':<26} {findings[0]['kind'] if findings else 'MISSED'}")
+        flagged = [(f, layouts, flags) for faults, layouts, flags in FLAGGED_FAULTS for f in faults]
+        if a.device == "cuda":
+            flagged += [(f, layouts, GPU_FAULT_SCHEDULE) for f, layouts in GPU_FAULTS]
+        else:
+            print(f"  not run on the CPU (planted in the fast GPU kernels): {', '.join(f for f, _ in GPU_FAULTS)}")
+        for fault, layouts, flags in flagged:
+            for layout in layouts:
+                schedule = [] if "--tokens" in flags else ["--prefill", "9", "--decode", "4"]
+                findings, _ = check(a.mladb, ["--layout", layout, "--inject", fault] + schedule + flags + common)
+                first = findings[0] if findings else None
+                status = f"{first['kind']} {first['phase']} {first['op']}" if first else "MISSED"
+                missed += first is None
+                shown = "140 tokens, 2 decode steps" if flags is GPU_FAULT_SCHEDULE else " ".join(flags)
+                print(f"  {layout:<18} {fault:<26} {status} {shown}")
+        print(f"  not run (only a reference dump shows them: check --reference): {', '.join(REFERENCE_FAULTS)}")
     sys.exit(1 if dirty or missed else 0)
 
 
