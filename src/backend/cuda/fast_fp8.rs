@@ -85,13 +85,15 @@ fn by_heads(
 /// Up to how many heads the dense FP8 decode prefers the few-heads kernels ([`by_heads`]). At
 /// 32 heads `h16` (two blocks a sequence, the cache read twice) beat the wgmma kernel on both
 /// Hopper cards at batch 64 × 8k: on the H200 (2026-12-07) 206–209 µs against 214–226, on an
-/// H100 (the same day, three runs) 203.9–206.4 against 212.3–215.5. At 64 heads and more it
-/// loses by far (H100: 390–392 against 218–220 µs; H200 2026-12-04: 425–467 against 228–248).
+/// H100 (the same day, seven runs) 203–207 against 212–216, and on the H100 at batch 1 and 16
+/// too. At 64 heads and more it loses by far (H100: 390–394 against 217–222 µs; H200
+/// 2026-12-04: 425–467 against 228–248).
 const DENSE_FEW_HEADS_UP_TO: usize = 32;
 
 /// The same for the sparse FP8 decode, kept at one block of `h16`: at 32 heads, batch 64 over
-/// top-2048 of 32k, the two were within a run's spread on an H100 (2026-12-07: 90.4 µs forced
-/// against the wgmma kernel's 92.0, one run), and the H200 is not measured there.
+/// top-2048 of 32k, the two were within a run's spread on an H100 (2026-12-07, four runs:
+/// 90.4–92.2 µs forced against the wgmma kernel's 91.1–92.6), and the H200 is not measured
+/// there.
 const SPARSE_FEW_HEADS_UP_TO: usize = 16;
 
 /// The sparse FP8-cache variants this device runs, in order of preference.
