@@ -4,10 +4,10 @@
 Runs `mladb check --json` on clean models (built-in layouts over several seeds and schedules,
 and any HF checkpoints given) and prints, per op kind and layer, the largest relative L2 error
 any comparison of a clean run produced (the `headroom` of check's JSON summary), beside the
-tolerance check applied. With --faults it also runs every fault of the catalogue that check can
-show without a reference (the TP faults at --tp 2, the FP8-cache ones over that cache, the fast
-kernels' with --device cuda) and prints whether check caught it. Exits 1 when a clean run had
-findings or a fault was missed.
+tolerance check applied. With --faults it also runs every fault of the catalogue (the TP faults
+at --tp 2, the FP8-cache ones over that cache, the fast kernels' with --device cuda, those only
+a reference shows against a dump of mladb's own clean run) and prints whether check caught it.
+Exits 1 when a clean run had findings or a fault was missed.
 
 Usage:
     python3 tools/noise_sweep.py [--mladb target/release/mladb] [--dtype bf16] [--seeds 6]
@@ -16,8 +16,10 @@ Usage:
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from collections import defaultdict
 
 FAULTS = [
@@ -46,8 +48,39 @@ GPU_FAULTS = [
 ]
 GPU_FAULT_SCHEDULE = ["--tokens", ",".join(str(t) for t in range(1, 141)), "--decode", "2"]
 # Faults that only a reference dump shows (check --reference): every path of mladb shares
-# what they corrupt.
-REFERENCE_FAULTS = ["rope-noninterleaved", "indexer-rope-layout", "yarn-mscale"]
+# what they corrupt. Each is checked against a dump of mladb's own clean run (`run --dump`) of
+# a layout it acts on: yarn-mscale needs YaRN with mscale and mscale_all_dim apart, which no
+# built-in layout has, so deepseek-v3-tiny with its mscale set to 0.707.
+REFERENCE_FAULTS = [
+    ("rope-noninterleaved", "glm5-tiny"),
+    ("indexer-rope-layout", "glm5-tiny"),
+    ("yarn-mscale", "deepseek-v3-tiny:mscale=0.707"),
+]
+
+
+def reference_faults(mladb, common):
+    """(fault, layout, the clean run's findings against its own dump, the fault's first finding
+    or None) for each of REFERENCE_FAULTS."""
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for fault, spec in REFERENCE_FAULTS:
+            layout = spec
+            if ":mscale=" in spec:
+                base, mscale = spec.split(":mscale=")
+                ron = subprocess.run([mladb, "layout", "show", base, "--ron"], capture_output=True, text=True, check=True).stdout
+                assert "mscale: Some(1.0)" in ron, f"{base} has no YaRN mscale of 1.0 to change"
+                layout = os.path.join(tmp, f"{base}-mscale.ron")
+                with open(layout, "w") as f:
+                    f.write(ron.replace("mscale: Some(1.0)", f"mscale: Some({mscale})", 1))
+            schedule = ["--layout", layout, "--prefill", "9", "--decode", "4"]
+            dump = os.path.join(tmp, f"{fault}.safetensors")
+            out = subprocess.run([mladb, "run", *schedule, "--dump", dump] + common, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"mladb run --dump for {fault} failed: {out.stderr.strip()}")
+            clean, _ = check(mladb, schedule + ["--reference", dump] + common)
+            findings, _ = check(mladb, schedule + ["--reference", dump, "--inject", fault] + common)
+            results.append((fault, spec, clean, findings[0] if findings else None))
+    return results
 
 
 def check(mladb, args):
@@ -154,7 +187,13 @@ def main():
                 missed += first is None
                 shown = "140 tokens, 2 decode steps" if flags is GPU_FAULT_SCHEDULE else " ".join(flags)
                 print(f"  {layout:<18} {fault:<26} {status} {shown}")
-        print(f"  not run (only a reference dump shows them: check --reference): {', '.join(REFERENCE_FAULTS)}")
+        for fault, spec, clean, first in reference_faults(a.mladb, common):
+            dirty += bool(clean)
+            missed += first is None
+            status = f"{first['kind']} {first['phase']} {first['op']}" if first else "MISSED"
+            if clean:
+                status += f"; the clean run had {len(clean)} finding(s) against its own dump"
+            print(f"  {spec:<18} {fault:<26} {status} --reference (its own clean run's dump)")
     sys.exit(1 if dirty or missed else 0)
 
 
