@@ -269,8 +269,8 @@ fn inject_help_names_every_fault() {
     }
 }
 
-/// `tools/noise_sweep.py --faults` accounts for every fault of the catalogue: run, or named as
-/// GPU-only or reference-only, so a new fault cannot be left out of the sweep unseen.
+/// `tools/noise_sweep.py --faults` plants every fault of the catalogue (the fast kernels' with
+/// `--device cuda`), so a new fault cannot be left out of the sweep unseen.
 #[test]
 fn the_noise_sweep_names_every_fault() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/noise_sweep.py");
