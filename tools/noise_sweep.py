@@ -22,64 +22,67 @@ import sys
 import tempfile
 from collections import defaultdict
 
-FAULTS = [
-    "output-buffer-disconnect",
-    "softmax-scale-latent",
-    "absorb-wrong-split",
-    "lse-base-mismatch",
-    "skip-padded-rows",
-    "kv-cache-off-by-one",
-]
-# Faults that act only under a flag, each with the layouts and flags it is run with.
-FLAGGED_FAULTS = [
+# A fault run's schedule: nine tokens prefilled, four decoded.
+SCHEDULE = ["--prefill", "9", "--decode", "4"]
+# The fast GPU kernels' faults need their latent dims (512 + 64: the rank layouts; the tiny ones
+# run the reference kernels) and a prompt long enough to fill their tiles.
+GPU_SCHEDULE = ["--tokens", ",".join(str(t) for t in range(1, 141)), "--decode", "2"]
+
+# The faults check shows without a reference: (faults, layouts, the run's flags, what the row
+# says of them). kv-stride-mismatch needs value rows narrower than key rows (DeepSeek-V3's).
+FAULT_GROUPS = [
+    (["output-buffer-disconnect", "softmax-scale-latent", "absorb-wrong-split", "lse-base-mismatch",
+      "skip-padded-rows", "kv-cache-off-by-one"],
+     ["glm5-tiny", "deepseek-v3-tiny"], SCHEDULE, ""),
+    (["q4k-scale-unpack"], ["glm5-tiny-wide"], ["--quant", "q4_k", "--decode", "3"], "--quant q4_k"),
     (["tp-head-offset", "tp-missing-allreduce", "tp-double-reduce", "tp-absorb-unsliced"],
-     ["glm5-tiny", "deepseek-v3-tiny"], ["--tp", "2"]),
+     ["glm5-tiny", "deepseek-v3-tiny"], SCHEDULE + ["--tp", "2"], "--tp 2"),
     (["fp8-scale-default", "fp8-amax-padded-rows"],
-     ["glm5-rank8", "deepseek-v3-rank16"], ["--kv-cache-dtype", "fp8_ds_mla"]),
+     ["glm5-rank8", "deepseek-v3-rank16"], SCHEDULE + ["--kv-cache-dtype", "fp8_ds_mla"], "--kv-cache-dtype fp8_ds_mla"),
 ]
-# Faults planted in the fast GPU kernels alone (--device cuda), with the layouts they act on:
-# the fast kernels' latent dims (512 + 64, the rank layouts; the tiny ones run the reference
-# kernels), a prompt long enough to fill their tiles, and for kv-stride-mismatch value rows
-# narrower than key rows (DeepSeek-V3's dims).
-GPU_FAULTS = [
-    ("exp2-scale", ["glm5-rank8", "deepseek-v3-rank16"]),
-    ("kv-stride-mismatch", ["deepseek-v3-rank16"]),
-    ("page-index-overflow", ["glm5-rank8", "deepseek-v3-rank16"]),
+# Those planted in the fast GPU kernels alone (--device cuda).
+GPU_FAULT_GROUPS = [
+    (["exp2-scale", "page-index-overflow"], ["glm5-rank8", "deepseek-v3-rank16"], GPU_SCHEDULE, "140 tokens"),
+    (["kv-stride-mismatch"], ["deepseek-v3-rank16"], GPU_SCHEDULE, "140 tokens"),
 ]
-GPU_FAULT_SCHEDULE = ["--tokens", ",".join(str(t) for t in range(1, 141)), "--decode", "2"]
-# Faults that only a reference dump shows (check --reference): every path of mladb shares
-# what they corrupt. Each is checked against a dump of mladb's own clean run (`run --dump`) of
-# a layout it acts on: yarn-mscale needs YaRN with mscale and mscale_all_dim apart, which no
-# built-in layout has, so deepseek-v3-tiny with its mscale set to 0.707.
+# Faults that only a reference dump shows (check --reference): every path of mladb shares what
+# they corrupt. Each is checked against a dump of mladb's own clean run (`run --dump`) of a
+# layout it acts on: (fault, layout, YaRN mscale to set). yarn-mscale needs mscale and
+# mscale_all_dim apart, which no built-in layout has: deepseek-v3-tiny with mscale 0.707.
 REFERENCE_FAULTS = [
-    ("rope-noninterleaved", "glm5-tiny"),
-    ("indexer-rope-layout", "glm5-tiny"),
-    ("yarn-mscale", "deepseek-v3-tiny:mscale=0.707"),
+    ("rope-noninterleaved", "glm5-tiny", None),
+    ("indexer-rope-layout", "glm5-tiny", None),
+    ("yarn-mscale", "deepseek-v3-tiny", 0.707),
 ]
+
+
+def status(first):
+    """A fault row's verdict: the first finding, or MISSED."""
+    return f"{first['kind']} {first['phase']} {first['op']}" if first else "MISSED"
 
 
 def reference_faults(mladb, common):
-    """(fault, layout, the clean run's findings against its own dump, the fault's first finding
-    or None) for each of REFERENCE_FAULTS."""
+    """(fault, layout shown, the clean run's findings against its own dump, the fault's first
+    finding or None) for each of REFERENCE_FAULTS."""
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for fault, spec in REFERENCE_FAULTS:
-            layout = spec
-            if ":mscale=" in spec:
-                base, mscale = spec.split(":mscale=")
-                ron = subprocess.run([mladb, "layout", "show", base, "--ron"], capture_output=True, text=True, check=True).stdout
-                assert "mscale: Some(1.0)" in ron, f"{base} has no YaRN mscale of 1.0 to change"
-                layout = os.path.join(tmp, f"{base}-mscale.ron")
+        for fault, layout, mscale in REFERENCE_FAULTS:
+            shown = layout
+            if mscale is not None:
+                ron = subprocess.run([mladb, "layout", "show", layout, "--ron"], capture_output=True, text=True, check=True).stdout
+                assert "mscale: Some(1.0)" in ron, f"{layout} has no YaRN mscale of 1.0 to change"
+                shown = f"{layout}, mscale {mscale}"
+                layout = os.path.join(tmp, f"{layout}-mscale.ron")
                 with open(layout, "w") as f:
                     f.write(ron.replace("mscale: Some(1.0)", f"mscale: Some({mscale})", 1))
-            schedule = ["--layout", layout, "--prefill", "9", "--decode", "4"]
+            schedule = ["--layout", layout] + SCHEDULE
             dump = os.path.join(tmp, f"{fault}.safetensors")
             out = subprocess.run([mladb, "run", *schedule, "--dump", dump] + common, capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"mladb run --dump for {fault} failed: {out.stderr.strip()}")
             clean, _ = check(mladb, schedule + ["--reference", dump] + common)
             findings, _ = check(mladb, schedule + ["--reference", dump, "--inject", fault] + common)
-            results.append((fault, spec, clean, findings[0] if findings else None))
+            results.append((fault, shown, clean, findings[0] if findings else None))
     return results
 
 
@@ -122,9 +125,9 @@ def main():
     # The FP8 latent cache and tensor parallelism, clean.
     for seed in range(min(a.seeds, 3)):
         for layout in ["glm5-rank8", "deepseek-v3-rank16"]:
-            runs.append(["--layout", layout, "--seed", str(seed), "--prefill", "9", "--decode", "4", "--kv-cache-dtype", "fp8_ds_mla"])
+            runs.append(["--layout", layout, "--seed", str(seed)] + SCHEDULE + ["--kv-cache-dtype", "fp8_ds_mla"])
         for layout in ["glm5-tiny", "deepseek-v3-tiny"]:
-            runs.append(["--layout", layout, "--seed", str(seed), "--prefill", "9", "--decode", "4", "--tp", "2"])
+            runs.append(["--layout", layout, "--seed", str(seed)] + SCHEDULE + ["--tp", "2"])
     if a.full_size:
         for layout in ["glm5", "deepseek-v3"]:
             runs.append(["--layout", layout, "--layers", "0..4", "--tokens", "1,2,3", "--decode", "2"])
@@ -163,37 +166,26 @@ def main():
     missed = 0
     if a.faults:
         print("\nfaults:")
-        for layout in ["glm5-tiny", "deepseek-v3-tiny"]:
-            for fault in FAULTS:
-                findings, _ = check(a.mladb, ["--layout", layout, "--prefill", "9", "--decode", "4", "--inject", fault] + common)
-                first = findings[0] if findings else None
-                status = f"{first['kind']} {first['phase']} {first['op']}" if first else "MISSED"
-                missed += first is None
-                print(f"  {layout:<18} {fault:<26} {status}")
-        findings, _ = check(a.mladb, ["--layout", "glm5-tiny-wide", "--quant", "q4_k", "--decode", "3", "--inject", "q4k-scale-unpack"] + common)
-        missed += not findings
-        print(f"  {'glm5-tiny-wide':<18} {'q4k-scale-unpack':<26} {findings[0]['kind'] if findings else 'MISSED'}")
-        flagged = [(f, layouts, flags) for faults, layouts, flags in FLAGGED_FAULTS for f in faults]
+        groups = FAULT_GROUPS
         if a.device == "cuda":
-            flagged += [(f, layouts, GPU_FAULT_SCHEDULE) for f, layouts in GPU_FAULTS]
+            groups = groups + GPU_FAULT_GROUPS
         else:
-            print(f"  not run on the CPU (planted in the fast GPU kernels): {', '.join(f for f, _ in GPU_FAULTS)}")
-        for fault, layouts, flags in flagged:
+            gpu_only = [f for faults, _, _, _ in GPU_FAULT_GROUPS for f in faults]
+            print(f"  not run on the CPU (planted in the fast GPU kernels): {', '.join(gpu_only)}")
+        for faults, layouts, flags, shown in groups:
             for layout in layouts:
-                schedule = [] if "--tokens" in flags else ["--prefill", "9", "--decode", "4"]
-                findings, _ = check(a.mladb, ["--layout", layout, "--inject", fault] + schedule + flags + common)
-                first = findings[0] if findings else None
-                status = f"{first['kind']} {first['phase']} {first['op']}" if first else "MISSED"
-                missed += first is None
-                shown = "140 tokens, 2 decode steps" if flags is GPU_FAULT_SCHEDULE else " ".join(flags)
-                print(f"  {layout:<18} {fault:<26} {status} {shown}")
-        for fault, spec, clean, first in reference_faults(a.mladb, common):
+                for fault in faults:
+                    findings, _ = check(a.mladb, ["--layout", layout, "--inject", fault] + flags + common)
+                    first = findings[0] if findings else None
+                    missed += first is None
+                    print(f"  {layout:<18} {fault:<26} {status(first)} {shown}".rstrip())
+        for fault, shown, clean, first in reference_faults(a.mladb, common):
             dirty += bool(clean)
             missed += first is None
-            status = f"{first['kind']} {first['phase']} {first['op']}" if first else "MISSED"
+            row = status(first)
             if clean:
-                status += f"; the clean run had {len(clean)} finding(s) against its own dump"
-            print(f"  {spec:<18} {fault:<26} {status} --reference (its own clean run's dump)")
+                row += f"; the clean run had {len(clean)} finding(s) against its own dump"
+            print(f"  {shown:<18} {fault:<26} {row} --reference (its own clean run's dump)")
     sys.exit(1 if dirty or missed else 0)
 
 

@@ -36,6 +36,12 @@ fn tensor(module: &str, rows: usize, data: Vec<f32>) -> Record {
     }
 }
 
+/// Asserts that one of the import's notes says `text`.
+#[track_caller]
+fn assert_noted(notes: &[String], text: &str) {
+    assert!(notes.iter().any(|n| n.contains(text)), "{notes:?}");
+}
+
 #[test]
 fn two_ranks_become_one_dump_with_phases_and_metadata() {
     let layout = Layout::resolve("glm5-tiny").unwrap();
@@ -77,13 +83,7 @@ fn two_ranks_become_one_dump_with_phases_and_metadata() {
     );
     assert!(out.tensors[0].data.iter().all(|&v| v == 3.0));
     assert!(out.tensors[1].data.iter().all(|&v| v == 1.0));
-    assert!(
-        out.notes
-            .iter()
-            .any(|n| n.contains("step 2 starts a new sequence")),
-        "{:?}",
-        out.notes
-    );
+    assert_noted(&out.notes, "step 2 starts a new sequence");
 }
 
 #[test]
@@ -118,7 +118,7 @@ fn a_missing_rank_and_a_disconnect_are_reported() {
     .unwrap();
     let out = imp.finish("test").unwrap();
     assert_eq!(out.tensors.len(), 1, "only the replicated norm is whole");
-    assert!(out.notes.iter().any(|n| n.contains("lacked some")));
+    assert_noted(&out.notes, "lacked some");
     assert_eq!(out.disconnects.len(), 1);
     assert!(
         out.disconnects[0].contains("@0x40"),
@@ -149,13 +149,7 @@ fn positions_at_the_end_of_u32_are_noted_not_a_panic() {
         .unwrap();
     let out = imp.finish("test").unwrap();
     assert_eq!(out.meta.tokens, vec![5, 6]);
-    assert!(
-        out.notes
-            .iter()
-            .any(|n| n.contains("step 1 has positions that do not run on")),
-        "{:?}",
-        out.notes
-    );
+    assert_noted(&out.notes, "step 1 has positions that do not run on");
 }
 
 #[test]
