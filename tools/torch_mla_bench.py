@@ -11,7 +11,9 @@ sparse: the same decode over each sequence's top-2048 rows (random positions, so
         against.
 prefill: causal scaled_dot_product_attention, 64 heads, head dims 256/256 (torch picks its
         flash/cuDNN kernels).
-Times are medians of CUDA-event samples after a warm-up; inputs are random bf16.
+Times are medians of CUDA-event samples after a warm-up; inputs are random bf16. The caches
+rotate among copies, as mladb bench's do (src/cli/bench_timing.rs): enough to cycle through five
+times the L2, so that no call reads what an earlier one left there.
 Usage: python3 tools/torch_mla_bench.py [--quick] [--prefill-only]
 """
 import sys
@@ -19,6 +21,20 @@ import torch
 import torch.nn.functional as F
 
 HEADS, LATENT, ROPE = 64, 512, 64
+ROTATION_BYTES = 5 * (50 << 20)  # five times the L2 of an H100 or H200
+
+
+def rotation(make, nbytes):
+    """Copies of an input of `nbytes` made by `make()`, enough to cycle through ROTATION_BYTES,
+    and a function that hands them out in turn."""
+    copies = [make() for _ in range(-(-ROTATION_BYTES // max(nbytes, 1 << 20)))]
+    turn = [0]
+
+    def next_copy():
+        turn[0] = (turn[0] + 1) % len(copies)
+        return copies[turn[0]]
+
+    return next_copy
 
 
 def timed(fn, reps=15):
@@ -64,9 +80,12 @@ def main():
     for bsz in batches:
         for ctx in ([1024, 8192] if quick else [1024, 2048, 4096, 8192, 16384, 32768]):
             q = torch.empty(bsz, HEADS, LATENT + ROPE, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
-            cache = torch.empty(bsz, ctx, LATENT + ROPE, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
+            caches = rotation(
+                lambda: torch.empty(bsz, ctx, LATENT + ROPE, dtype=torch.bfloat16, device=dev).uniform_(-1, 1),
+                bsz * ctx * (LATENT + ROPE) * 2)
 
             def decode():
+                cache = caches()
                 s = torch.bmm(q, cache.transpose(1, 2)).float() * scale
                 p = torch.softmax(s, dim=-1).to(torch.bfloat16)
                 return torch.bmm(p, cache[:, :, :LATENT])
@@ -75,7 +94,7 @@ def main():
             nbytes = bsz * ctx * (LATENT + ROPE) * 2 + bsz * HEADS * (LATENT + ROPE + LATENT) * 2
             gbs = nbytes / (ms * 1e-3) / 1e9
             print(f"{bsz:>6} {ctx:>8} {ms * 1e3:>10.1f} {gbs:>9.0f} {100 * gbs / copy:>7.0f}%")
-            del q, cache
+            del q, caches
 
     if "--prefill-only" not in sys.argv:
         sparse(dev, copy, quick, scale)
@@ -128,31 +147,32 @@ def sparse(dev, copy, quick, scale, topk=2048):
         gen = torch.Generator().manual_seed(bsz + ctx)
         lists = [torch.randperm(ctx, generator=gen)[:topk].sort().values + b * ctx for b in range(bsz)]
         idx = torch.cat(lists).to(dev)
-        cache = torch.empty(bsz * ctx, width, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
+        rows = bsz * topk * width * 2
+        # As many copies as the rows a call gathers ask for (batch 1: more than the cache's size would).
+        caches = rotation(lambda: torch.empty(bsz * ctx, width, dtype=torch.bfloat16, device=dev).uniform_(-1, 1), rows)
         q = torch.empty(bsz, HEADS, width, dtype=torch.bfloat16, device=dev).uniform_(-1, 1)
 
         def decode():
-            kv = cache.index_select(0, idx).view(bsz, topk, width)
+            kv = caches().index_select(0, idx).view(bsz, topk, width)
             s = torch.bmm(q, kv.transpose(1, 2)).float() * scale
             p = torch.softmax(s, dim=-1).to(torch.bfloat16)
             return torch.bmm(p, kv[:, :, :LATENT])
 
-        rows = bsz * topk * width * 2
         nbytes = rows + bsz * HEADS * (width + LATENT) * 2
         ms = timed(decode)
         gbs = nbytes / (ms * 1e-3) / 1e9
         # The gather alone reads and writes the rows: weighed as a copy of them.
-        gather_ms = timed(lambda: cache.index_select(0, idx))
+        gather_ms = timed(lambda: caches().index_select(0, idx))
         gather_copy = 2 * rows / (gather_ms * 1e-3) / 1e9 / copy
         read = "-", "-"
         if gather_sum is not None:
             idx32 = idx.to(torch.int32)
             sums = torch.empty(idx.numel() // 8, dtype=torch.float32, device=dev)
-            read_ms = timed(lambda: gather_sum(cache, idx32, sums))
+            read_ms = timed(lambda: gather_sum(caches(), idx32, sums))
             read = f"{read_ms * 1e3:.1f}", f"{100 * rows / (read_ms * 1e-3) / 1e9 / copy:.0f}%"
         print(f"{bsz:>6} {ctx:>8} {ms * 1e3:>10.1f} {gbs:>9.0f} {100 * gbs / copy:>7.0f}% "
               f"{gather_ms * 1e3:>10.1f} {100 * gather_copy:>7.0f}% {read[0]:>13} {read[1]:>8}")
-        del cache, q, idx
+        del caches, q, idx
 
 
 if __name__ == "__main__":

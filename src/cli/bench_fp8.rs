@@ -1,10 +1,11 @@
 //! `mladb bench --device cuda`: the decode over the FP8 latent cache (fp8_ds_mla, 656 bytes a
 //! token) against the bf16 decode (1152 bytes a token) on the same shapes, in sequences per
-//! second, the FP8 cache written by its write kernel from random bf16 rows.
+//! second, the FP8 cache written by its write kernel from random bf16 rows; both caches rotate
+//! among copies, as the bf16 decode table's do.
 
-use super::bench_gpu::{random, time};
+use super::bench_timing::{random, rotating_copies, time};
 use super::Out;
-use crate::backend::cuda::device::{Elem, Gpu};
+use crate::backend::cuda::device::{DevBuf, DevVec, Elem, Gpu};
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
 use crate::error::Result;
 
@@ -29,10 +30,19 @@ fn fp8_vs_bf16(
     let width = LATENT + ROPE;
     let pages_per_seq = context.div_ceil(PAGE);
     let slots = batch * pages_per_seq * PAGE;
-    let rows = random(gpu, slots * width, Elem::Bf16, seed, 1.0)?;
-    let cache = gpu.alloc_vec::<u8>(slots * crate::ops::kv_fp8::TOKEN_BYTES)?;
-    let all: Vec<i32> = (0..slots as i32).collect();
-    gpu.kv_fp8_write(&rows, &gpu.upload_i32(&all)?, &cache, slots, 0)?;
+    // Each kind of cache rotates among its copies (each FP8 copy written from a bf16 one).
+    let rows: Vec<DevBuf> = (0..rotating_copies(slots * width * 2))
+        .map(|i| random(gpu, slots * width, Elem::Bf16, seed + 10 * i as u64, 1.0))
+        .collect::<Result<_>>()?;
+    let fp8_bytes = slots * crate::ops::kv_fp8::TOKEN_BYTES;
+    let all = gpu.upload_i32(&(0..slots as i32).collect::<Vec<_>>())?;
+    let caches: Vec<DevVec<u8>> = (0..rotating_copies(fp8_bytes))
+        .map(|i| {
+            let cache = gpu.alloc_vec::<u8>(fp8_bytes)?;
+            gpu.kv_fp8_write(&rows[i % rows.len()], &all, &cache, slots, 0)?;
+            Ok(cache)
+        })
+        .collect::<Result<_>>()?;
     let q = random(gpu, batch * heads * width, Elem::Bf16, seed + 1, 1.0)?;
     let table: Vec<i32> = (0..(batch * pages_per_seq) as i32).collect();
     let table = gpu.upload_i32(&table)?;
@@ -47,16 +57,22 @@ fn fp8_vs_bf16(
     };
     let scale = 1.0 / 256f32.sqrt();
     let bf16_work = DecodeWork::new(gpu, shape)?;
+    let mut turn = 0;
     let bf16 = time(gpu, 15, || {
+        turn = (turn + 1) % rows.len();
+        let rows = &rows[turn];
         fast::mla_decode(
-            gpu, shape, &q, &rows, &table, &lens, scale, &out, &lse, &bf16_work,
+            gpu, shape, &q, rows, &table, &lens, scale, &out, &lse, &bf16_work,
         )
         .map(|_| ())
     })?;
     let fp8_time = |work: &DecodeWork| {
+        let mut turn = 0;
         time(gpu, 15, || {
+            turn = (turn + 1) % caches.len();
+            let cache = &caches[turn];
             fast::mla_decode_fp8(
-                gpu, shape, &q, &cache, &table, &lens, scale, &out, &lse, work,
+                gpu, shape, &q, cache, &table, &lens, scale, &out, &lse, work,
             )
             .map(|_| ())
         })

@@ -4,14 +4,15 @@
 //! whole decoder layers through the engine with and without trace statistics.
 //!
 //! Inputs are random (never zeros), outputs poisoned before the run; every time is the median
-//! of event-timed samples after a warm-up; shapes whose data would sit in L2 rotate among copies.
+//! of event-timed samples after a warm-up; the decode caches rotate among copies, so that no
+//! call reads what an earlier one left in L2 (see [`super::bench_timing`]).
 
 use super::bench::BenchArgs;
+use super::bench_timing::{call_times, median, random, rotating_copies, time, CallTimes};
 use super::Out;
 use crate::backend::cuda::device::{DevBuf, Elem, Gpu};
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
 use crate::backend::cuda::CudaBackend;
-use crate::backend::DriverCall;
 use crate::engine::generate::{self, Schedule};
 use crate::engine::trace::StatsObserver;
 use crate::engine::{Engine, EngineOptions, MlaPaths, NullObserver, Phase, StorageDtype};
@@ -19,74 +20,6 @@ use crate::error::{Error, Result};
 use crate::ops::{DecodeVariant, PrefillVariant};
 
 const GLM5_HEADS: usize = 64;
-/// Data per timed call below which copies of the inputs rotate (H200's L2 is 50 MB).
-const ROTATE_BELOW: usize = 256 << 20;
-
-pub(super) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// Back-to-back calls per timed sample, so that one sample lasts about a millisecond or more:
-/// from a probe of `work`'s time.
-fn inner_calls(gpu: &Gpu, work: &mut impl FnMut() -> Result<()>) -> Result<usize> {
-    let estimate_ms = median(gpu.time_ms(2, 3, 1, work)?);
-    Ok((1.0 / estimate_ms.max(1e-3)).ceil().clamp(1.0, 200.0) as usize)
-}
-
-/// Milliseconds per call, median of `reps` samples.
-pub(super) fn time(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>) -> Result<f64> {
-    let inner = inner_calls(gpu, &mut work)?;
-    Ok(median(gpu.time_ms(2, reps, inner, work)?))
-}
-
-/// One call's figures in milliseconds: back to back on the stream (median of `reps` samples),
-/// the same calls replayed from a CUDA graph (as CUDA-graph serving runs a decode step) or why
-/// they could not be (the table says so, and goes on with the stream's figures), and the host's
-/// time to issue a call (median of `reps` bursts of calls issued after the stream drained).
-struct CallTimes {
-    stream: f64,
-    graph: std::result::Result<f64, String>,
-    host: f64,
-    /// Of `host`, the driver's kernel launches and its tensor-map encodes (the ledger's).
-    host_launch: f64,
-    host_maps: f64,
-}
-
-/// Times `work` three ways (see [`CallTimes`]). Where the host's time to issue a call comes
-/// near the stream's time per call, the stream's figure is the launches' and not the kernels':
-/// the graph's is then the device's.
-fn call_times(gpu: &Gpu, reps: usize, mut work: impl FnMut() -> Result<()>) -> Result<CallTimes> {
-    let inner = inner_calls(gpu, &mut work)?;
-    let stream = median(gpu.time_ms(2, reps, inner, &mut work)?);
-    let mut host = Vec::with_capacity(reps);
-    let before = gpu.driver_calls();
-    for _ in 0..reps {
-        gpu.synchronize()?;
-        let start = std::time::Instant::now();
-        (0..inner).try_for_each(|_| work())?;
-        host.push(start.elapsed().as_secs_f64() * 1e3 / inner as f64);
-    }
-    let calls = gpu.driver_calls().since(&before);
-    let per_call =
-        |kind: DriverCall| calls.nanos[kind as usize] as f64 * 1e-6 / (reps * inner) as f64;
-    gpu.synchronize()?;
-    let graph = gpu.time_graph_ms(reps, inner, work).map(median);
-    Ok(CallTimes {
-        stream,
-        graph: graph.map_err(|e| e.to_string()),
-        host: median(host),
-        host_launch: per_call(DriverCall::Launch),
-        host_maps: per_call(DriverCall::TensorMap),
-    })
-}
-
-pub(super) fn random(gpu: &Gpu, len: usize, elem: Elem, seed: u64, amp: f32) -> Result<DevBuf> {
-    let buf = gpu.alloc(len, elem)?;
-    gpu.fill_random(&buf, seed, amp)?;
-    Ok(buf)
-}
-
 pub struct Ceilings {
     pub copy_gbs: f64,
     pub gemm_tflops: f64,
@@ -135,7 +68,7 @@ fn decode_shape(
     let pages_per_seq = context.div_ceil(PAGE);
     let pages = batch * pages_per_seq;
     let cache_bytes = pages * PAGE * width * 2;
-    let copies = (ROTATE_BELOW / cache_bytes.max(1)).clamp(1, 8);
+    let copies = rotating_copies(cache_bytes);
     let caches: Vec<DevBuf> = (0..copies)
         .map(|i| {
             random(

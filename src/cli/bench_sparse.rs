@@ -4,9 +4,9 @@
 //! device's copy bandwidth, each shape checked against the f64 reference (over the FP8 cache:
 //! the rows as the CPU codec decodes them).
 
-use super::bench_gpu::{random, time};
+use super::bench_timing::{random, rotating_copies, time};
 use super::Out;
-use crate::backend::cuda::device::{Elem, Gpu};
+use crate::backend::cuda::device::{DevBuf, DevVec, Elem, Gpu};
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
 use crate::error::{Error, Result};
 use crate::ops::kv_fp8::{self, Fp8Faults};
@@ -40,13 +40,13 @@ fn sparse_shape(
     let width = LATENT + ROPE;
     let pages_per_seq = context.div_ceil(PAGE);
     let slots = batch * pages_per_seq * PAGE;
-    let cache = random(
-        gpu,
-        batch * pages_per_seq * PAGE * width,
-        Elem::Bf16,
-        seed,
-        1.0,
-    )?;
+    // The cache rotates among copies (bench_gpu's rotating_copies), as many as the rows a call
+    // gathers ask for (at batch 1, 2048 rows of a 32k cache: more copies than the cache's size
+    // would); copy 0 is checked.
+    let caches: Vec<DevBuf> = (0..rotating_copies(batch * topk * width * 2))
+        .map(|i| random(gpu, slots * width, Elem::Bf16, seed + 10 * i as u64, 1.0))
+        .collect::<Result<_>>()?;
+    let cache = &caches[0];
     let q = random(gpu, batch * heads * width, Elem::Bf16, seed + 1, 1.0)?;
     let table: Vec<i32> = (0..(batch * pages_per_seq) as i32).collect();
     let table = gpu.upload_i32(&table)?;
@@ -67,37 +67,58 @@ fn sparse_shape(
     };
     let scale = 1.0 / 256f32.sqrt();
     let keys = (&indices_dev, topk);
-    let fp8_cache = if fp8 {
-        let bytes = gpu.alloc_vec::<u8>(slots * kv_fp8::TOKEN_BYTES)?;
-        let all: Vec<i32> = (0..slots as i32).collect();
-        gpu.kv_fp8_write(&cache, &gpu.upload_i32(&all)?, &bytes, slots, 0)?;
-        Some(bytes)
+    // Over the FP8 cache: a copy written from each bf16 one.
+    let fp8_caches: Vec<DevVec<u8>> = if fp8 {
+        let all = gpu.upload_i32(&(0..slots as i32).collect::<Vec<_>>())?;
+        caches
+            .iter()
+            .map(|rows| {
+                let bytes = gpu.alloc_vec::<u8>(slots * kv_fp8::TOKEN_BYTES)?;
+                gpu.kv_fp8_write(rows, &all, &bytes, slots, 0)?;
+                Ok(bytes)
+            })
+            .collect::<Result<_>>()?
     } else {
-        None
+        Vec::new()
     };
-    let work = match fp8_cache {
-        Some(_) => DecodeWork::for_fp8_sparse(gpu, shape, forced, None)?,
-        None => DecodeWork::sparse(gpu, shape, None, forced)?,
+    let work = match fp8 {
+        true => DecodeWork::for_fp8_sparse(gpu, shape, forced, None)?,
+        false => DecodeWork::sparse(gpu, shape, None, forced)?,
     };
-    let run = || {
-        match &fp8_cache {
+    let run = |copy: usize| {
+        match fp8_caches.get(copy) {
             Some(bytes) => fast::mla_decode_fp8_sparse(
                 gpu, shape, &q, bytes, &table, keys, &lens, scale, &out, &lse, &work,
             ),
             None => fast::mla_decode_sparse(
-                gpu, shape, &q, &cache, &table, keys, &lens, scale, &out, &lse, &work,
+                gpu,
+                shape,
+                &q,
+                &caches[copy],
+                &table,
+                keys,
+                &lens,
+                scale,
+                &out,
+                &lse,
+                &work,
             ),
         }
         .map(|_| ())
     };
-    let ms = time(gpu, 15, run)?;
+    let mut turn = 0;
+    let ms = time(gpu, 15, || {
+        turn = (turn + 1) % caches.len();
+        run(turn)
+    })?;
+    run(0)?; // the output the check reads: copy 0's
     let mut worst: f64 = 0.0;
     for b in [0, batch - 1] {
         let rows: Vec<Vec<f32>> = lists[b]
             .iter()
             .map(|&p| {
                 let row = b * pages_per_seq * PAGE + p as usize;
-                let row = gpu.download_range(&cache, row * width, width)?;
+                let row = gpu.download_range(cache, row * width, width)?;
                 if fp8 {
                     kv_fp8::round_trip(&row, Fp8Faults::default())
                 } else {

@@ -13,7 +13,7 @@
 //! step): to the kernel, a batch of that many sequences of neighbouring lengths over the same
 //! pages.
 
-use super::bench_gpu::median;
+use super::bench_timing::median;
 use super::Out;
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, ROPE};
 use crate::backend::cuda::CudaBackend;

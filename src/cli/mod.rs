@@ -17,6 +17,7 @@ pub mod bench_fp8;
 pub mod bench_gpu;
 pub mod bench_ops;
 pub mod bench_sparse;
+pub mod bench_timing;
 pub mod bench_traced;
 pub mod bench_verdict;
 pub mod check;
