@@ -284,6 +284,23 @@ fn the_noise_sweep_names_every_fault() {
     }
 }
 
+/// `mladb kernels` where NVRTC cannot be loaded: the header, then one `error:` line and exit 2
+/// (it used to print FAILED and the same reason for every file, and exit 1).
+#[test]
+fn kernels_without_nvrtc_is_one_error_line() {
+    let o = Command::new(env!("CARGO_BIN_EXE_mladb"))
+        .args(["kernels", "--arch", "sm_90,sm_120"])
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .expect("the mladb binary runs");
+    if !stdout(&o).contains("NVRTC not found") {
+        eprintln!("skipped: NVRTC loads on this machine without LD_LIBRARY_PATH, so its absence cannot be tried");
+        return;
+    }
+    assert_clean_error(&o, "NVRTC (libnvrtc.so) is not on the library path");
+    assert!(!stdout(&o).contains("FAILED"), "{}", stdout(&o));
+}
+
 #[test]
 fn bad_input_is_one_error_line_and_exit_2() {
     assert_clean_error(
