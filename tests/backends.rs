@@ -8,7 +8,7 @@
 mod common;
 
 use mladb::backend::cpu::CpuBackend;
-use mladb::backend::{AttnMask, Backend, KvbSplit, MlaDims};
+use mladb::backend::{AttnMask, AttnParams, Backend, KvbSplit, MlaDims};
 use mladb::engine::cache::{LatentCache, RowCache};
 use mladb::engine::faults::KernelFaults;
 use mladb::engine::rope::RopeTable;
@@ -530,34 +530,29 @@ fn attention_both_paths_with_causal_and_sparse_masks(gpu: bool) {
                 ..KernelFaults::default()
             },
         ] {
+            let call = AttnParams {
+                dims: d,
+                mask: &mask,
+                scale: 0.125,
+                faults,
+            };
             let mut want_out = cpu.alloc(&[n, d.heads * d.v], true).unwrap();
             let want_p = cpu
-                .attention_naive(&q, &k, &v, d, &mask, 0.125, &mut want_out, faults)
+                .attention_naive(&q, &k, &v, call, &mut want_out)
                 .unwrap();
             let mut want_lat = cpu.alloc(&[n, d.heads, d.latent], true).unwrap();
             let want_lp = cpu
-                .attention_latent(
-                    &q_lat,
-                    &q_pe,
-                    &latent,
-                    d,
-                    &mask,
-                    0.125,
-                    &mut want_lat,
-                    faults,
-                )
+                .attention_latent(&q_lat, &q_pe, &latent, call, &mut want_lat)
                 .unwrap();
             for u in backends(gpu) {
                 let b = &*u.backend;
                 let mut out = b.alloc(&[n, d.heads * d.v], true).unwrap();
-                let p = b
-                    .attention_naive(&q, &k, &v, d, &mask, 0.125, &mut out, faults)
-                    .unwrap();
+                let p = b.attention_naive(&q, &k, &v, call, &mut out).unwrap();
                 check(&u, "attention_naive out", &out, &want_out);
                 check(&u, "attention_naive probs", &p, &want_p);
                 let mut lat = b.alloc(&[n, d.heads, d.latent], true).unwrap();
                 let lp = b
-                    .attention_latent(&q_lat, &q_pe, &latent, d, &mask, 0.125, &mut lat, faults)
+                    .attention_latent(&q_lat, &q_pe, &latent, call, &mut lat)
                     .unwrap();
                 check(&u, "attention_latent out", &lat, &want_lat);
                 check(&u, "attention_latent probs", &lp, &want_lp);
@@ -578,17 +573,15 @@ fn a_kernel_that_skips_rows_leaves_them_unwritten_everywhere(gpu: bool) {
     for u in backends(gpu) {
         let b = &*u.backend;
         let mut out = b.alloc(&[1, d.heads, d.latent], true).unwrap();
-        b.attention_latent(
-            &q_lat,
-            &q_pe,
-            &latent,
-            d,
-            &AttnMask::causal(vec![19]),
-            0.1,
-            &mut out,
+        let mask = AttnMask::causal(vec![19]);
+        let call = AttnParams {
+            dims: d,
+            mask: &mask,
+            scale: 0.1,
             faults,
-        )
-        .unwrap();
+        };
+        b.attention_latent(&q_lat, &q_pe, &latent, call, &mut out)
+            .unwrap();
         assert_eq!(
             b.stats(&out).unwritten,
             d.latent,

@@ -61,6 +61,24 @@ impl Iterator for KeyIter<'_> {
     }
 }
 
+/// What an attention call takes beside its query, its key and value rows, and its output: the
+/// head dims, which keys each query sees, the softmax scale and the faults the kernel itself
+/// carries out. One value for the reference and the production kernels, which are called alike.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnParams<'a> {
+    pub dims: MlaDims,
+    pub mask: &'a AttnMask,
+    pub scale: f32,
+    pub faults: KernelFaults,
+}
+
+impl<'a> AttnParams<'a> {
+    /// Dims, mask, scale and faults apart, for a kernel body that uses each throughout.
+    pub fn parts(self) -> (MlaDims, &'a AttnMask, f32, KernelFaults) {
+        (self.dims, self.mask, self.scale, self.faults)
+    }
+}
+
 /// Head geometry of MLA, as the attention ops need it.
 #[derive(Debug, Clone, Copy)]
 pub struct MlaDims {
@@ -401,33 +419,25 @@ pub trait Backend: Send + Sync {
 
     /// Multi-head attention over cached per-head K/V rows. q [n, heads, P+R]. Writes the output
     /// into `out` [n, heads·V] and returns the probabilities [heads, n, context].
-    #[allow(clippy::too_many_arguments)]
     fn attention_naive(
         &self,
         q: &Tensor,
         k: &dyn RowSource,
         v: &dyn RowSource,
-        dims: MlaDims,
-        mask: &AttnMask,
-        scale: f32,
+        call: AttnParams<'_>,
         out: &mut Tensor,
-        faults: KernelFaults,
     ) -> Result<Tensor>;
 
     /// MQA over the latent cache (rows c_kv | k_pe): score = q_lat·c_kv + q_pe·k_pe, value = c_kv.
     /// q_lat [n, heads, L], q_pe [n, heads, R]. Writes o_lat into `out` [n, heads, L] and returns
     /// the probabilities [heads, n, context].
-    #[allow(clippy::too_many_arguments)]
     fn attention_latent(
         &self,
         q_lat: &Tensor,
         q_pe: &Tensor,
         cache: &dyn RowSource,
-        dims: MlaDims,
-        mask: &AttnMask,
-        scale: f32,
+        call: AttnParams<'_>,
         out: &mut Tensor,
-        faults: KernelFaults,
     ) -> Result<Tensor>;
 
     /// Whether this backend has production attention kernels (the `fast_*` methods); the CPU
@@ -440,18 +450,14 @@ pub trait Backend: Send + Sync {
     /// paged latent cache, split-KV with a merge): writes `out` and returns the log-sum-exps,
     /// the partials and the launches, or declines (shape, dtype, mask or fault it does not
     /// take) without touching `out`.
-    #[allow(clippy::too_many_arguments)]
     fn fast_attention_latent(
         &self,
         _q_lat: &Tensor,
         _q_pe: &Tensor,
         _cache: &dyn RowSource,
-        _dims: MlaDims,
-        _mask: &AttnMask,
-        _scale: f32,
+        _call: AttnParams<'_>,
         _out: &mut Tensor,
         _kernels: AttnKernels,
-        _faults: KernelFaults,
     ) -> Result<FastOutcome> {
         Ok(FastOutcome::Declined(format!(
             "the {} backend has the reference kernels alone",
@@ -461,18 +467,14 @@ pub trait Backend: Send + Sync {
 
     /// [`Backend::attention_naive`] on the production kernel (the flash prefill of a whole
     /// sequence), or declined as [`Backend::fast_attention_latent`] is.
-    #[allow(clippy::too_many_arguments)]
     fn fast_attention_naive(
         &self,
         _q: &Tensor,
         _k: &dyn RowSource,
         _v: &dyn RowSource,
-        _dims: MlaDims,
-        _mask: &AttnMask,
-        _scale: f32,
+        _call: AttnParams<'_>,
         _out: &mut Tensor,
         _kernels: AttnKernels,
-        _faults: KernelFaults,
     ) -> Result<FastOutcome> {
         Ok(FastOutcome::Declined(format!(
             "the {} backend has the reference kernels alone",

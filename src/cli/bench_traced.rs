@@ -17,7 +17,7 @@ use super::bench_timing::median;
 use super::Out;
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, ROPE};
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{AttnMask, Backend, FastOutcome, MlaDims, StatsBatch};
+use crate::backend::{AttnMask, AttnParams, Backend, FastOutcome, MlaDims, StatsBatch};
 use crate::engine::cache::LatentCache;
 use crate::error::{Error, Result};
 use crate::model::weights::synthetic::normalish;
@@ -105,12 +105,14 @@ fn traced_step(
             &q_lat,
             &q_pe,
             &cache,
-            dims,
-            &mask,
-            scale,
+            AttnParams {
+                dims,
+                mask: &mask,
+                scale,
+                faults: KernelFaults::default(),
+            },
             &mut out,
             AttnKernels::default(),
-            KernelFaults::default(),
         )?;
         let FastOutcome::Ran(f) = outcome else {
             return Err(Error::invalid(

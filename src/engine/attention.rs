@@ -34,7 +34,7 @@ use super::forward::MlaPath;
 use super::rope::RopeTable;
 use super::sink::{Computed, Sink};
 use super::trace::{BufferRef, OpKind, Phase};
-use crate::backend::{AttnMask, Backend, MlaDims};
+use crate::backend::{AttnMask, AttnParams, Backend, MlaDims};
 use crate::error::Result;
 use crate::model::catalog::layer_prefix;
 use crate::model::layout::Layout;
@@ -241,6 +241,18 @@ struct KernelCall {
     disconnect: bool,
 }
 
+impl KernelCall {
+    /// The kernel's own arguments for heads of `dims` at this softmax scale.
+    fn params(&self, dims: MlaDims, scale: f32) -> AttnParams<'_> {
+        AttnParams {
+            dims,
+            mask: &self.mask,
+            scale,
+            faults: self.faults,
+        }
+    }
+}
+
 /// Attention on the chosen path, up to the heads' output [n, heads·V] (before o_proj).
 fn attend(
     ctx: &LayerCtx,
@@ -361,13 +373,10 @@ fn attend_naive(
     let kernel = |out: &mut Tensor| {
         let q_full = b.concat_groups(&q_nope, &chunk.q_pe, dims.heads)?;
         let (k, v) = (&expanded.k, &expanded.v);
-        let fast = |out: &mut Tensor| {
-            let (mask, faults) = (&call.mask, call.faults);
-            b.fast_attention_naive(&q_full, k, v, dims, mask, scale, out, ctx.kernels, faults)
-        };
-        let reference = |out: &mut Tensor| {
-            b.attention_naive(&q_full, k, v, dims, &call.mask, scale, out, call.faults)
-        };
+        let params = call.params(dims, scale);
+        let fast =
+            |out: &mut Tensor| b.fast_attention_naive(&q_full, k, v, params, out, ctx.kernels);
+        let reference = |out: &mut Tensor| b.attention_naive(&q_full, k, v, params, out);
         KernelOutput::run(ctx, out, fast, reference)
     };
     let out_shape = [ctx.positions.len(), dims.heads * dims.v];
@@ -416,16 +425,11 @@ fn attend_absorbed(
     )?;
     let latent = &cache.latent;
     let kernel = |out: &mut Tensor| {
-        let (q_pe, mask, faults) = (&chunk.q_pe, &call.mask, call.faults);
+        let (q_pe, params) = (&chunk.q_pe, call.params(dims, scale));
         let fast = |out: &mut Tensor| {
-            let kernels = ctx.kernels;
-            b.fast_attention_latent(
-                &q_lat, q_pe, latent, dims, mask, scale, out, kernels, faults,
-            )
+            b.fast_attention_latent(&q_lat, q_pe, latent, params, out, ctx.kernels)
         };
-        let reference = |out: &mut Tensor| {
-            b.attention_latent(&q_lat, q_pe, latent, dims, mask, scale, out, faults)
-        };
+        let reference = |out: &mut Tensor| b.attention_latent(&q_lat, q_pe, latent, params, out);
         KernelOutput::run(ctx, out, fast, reference)
     };
     let out_shape = [ctx.positions.len(), dims.heads, dims.latent];

@@ -12,7 +12,7 @@
 //! was left unwritten.
 
 use super::matmul::{axpy, dot};
-use crate::backend::{AttnMask, KvbSplit, MlaDims};
+use crate::backend::{AttnParams, KvbSplit, MlaDims};
 use crate::error::Result;
 use crate::ops::{KernelFaults, RowSource};
 use crate::tensor::Tensor;
@@ -83,17 +83,14 @@ fn skipped(faults: KernelFaults, h: usize, dims: MlaDims) -> bool {
     faults.skip_padded_rows && h + 1 == dims.heads
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn naive(
     q: &Tensor,
     k: &dyn RowSource,
     v: &dyn RowSource,
-    dims: MlaDims,
-    mask: &AttnMask,
-    scale: f32,
+    call: AttnParams<'_>,
     out: &mut Tensor,
-    faults: KernelFaults,
 ) -> Result<Tensor> {
+    let (dims, mask, scale, faults) = call.parts();
     let n = super::super::checks::attention_naive(q, k, v, dims, mask)?;
     let d = dims.nope + dims.rope;
     let context = k.len();
@@ -126,17 +123,14 @@ struct Partial {
     acc: Vec<f32>,
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn latent(
     q_lat: &Tensor,
     q_pe: &Tensor,
     cache: &dyn RowSource,
-    dims: MlaDims,
-    mask: &AttnMask,
-    scale: f32,
+    call: AttnParams<'_>,
     out: &mut Tensor,
-    faults: KernelFaults,
 ) -> Result<Tensor> {
+    let (dims, mask, scale, faults) = call.parts();
     let n = super::super::checks::attention_latent(q_lat, q_pe, cache, dims, mask)?;
     let (l, r) = (dims.latent, dims.rope);
     let context = cache.len();

@@ -5,10 +5,10 @@ pub mod matmul;
 mod ranks;
 
 use super::checks::{self, same_shape};
-use super::{AttnMask, Backend, KvbSplit, MlaDims, Routing};
+use super::{AttnParams, Backend, KvbSplit, MlaDims, Routing};
 use crate::error::Result;
 use crate::model::layout::MoeLayout;
-use crate::ops::{KernelFaults, RopeTable, RowSource};
+use crate::ops::{RopeTable, RowSource};
 use crate::stats::TensorStats;
 use crate::tensor::Tensor;
 
@@ -232,13 +232,10 @@ impl Backend for CpuBackend {
         q: &Tensor,
         k: &dyn RowSource,
         v: &dyn RowSource,
-        dims: MlaDims,
-        mask: &AttnMask,
-        scale: f32,
+        call: AttnParams<'_>,
         out: &mut Tensor,
-        faults: KernelFaults,
     ) -> Result<Tensor> {
-        attention::naive(q, k, v, dims, mask, scale, out, faults)
+        attention::naive(q, k, v, call, out)
     }
 
     fn attention_latent(
@@ -246,13 +243,10 @@ impl Backend for CpuBackend {
         q_lat: &Tensor,
         q_pe: &Tensor,
         cache: &dyn RowSource,
-        dims: MlaDims,
-        mask: &AttnMask,
-        scale: f32,
+        call: AttnParams<'_>,
         out: &mut Tensor,
-        faults: KernelFaults,
     ) -> Result<Tensor> {
-        attention::latent(q_lat, q_pe, cache, dims, mask, scale, out, faults)
+        attention::latent(q_lat, q_pe, cache, call, out)
     }
 
     fn index_scores(

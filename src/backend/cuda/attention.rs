@@ -8,9 +8,9 @@
 use super::device::mla_kernels::{LatentAttention, NaiveAttention};
 use super::device::{DevBuf, DevBytes, DevI32, Elem};
 use super::{buf, CudaBackend};
-use crate::backend::{checks, AttnMask, MlaDims};
+use crate::backend::{checks, AttnMask, AttnParams};
 use crate::error::Result;
-use crate::ops::{KernelFaults, RowSource, PAGE_SIZE};
+use crate::ops::{RowSource, PAGE_SIZE};
 use crate::tensor::{DeviceBuffer, Tensor};
 use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -252,18 +252,15 @@ impl CudaBackend {
         self.gpu.upload_bytes(&bytes).map(Some)
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn naive_attention(
         &self,
         q: &Tensor,
         k: &dyn RowSource,
         v: &dyn RowSource,
-        dims: MlaDims,
-        mask: &AttnMask,
-        scale: f32,
+        call: AttnParams<'_>,
         out: &mut Tensor,
-        faults: KernelFaults,
     ) -> Result<Tensor> {
+        let (dims, mask, scale, faults) = call.parts();
         let n = checks::attention_naive(q, k, v, dims, mask)?;
         let context = k.len();
         let heads = dims.heads;
@@ -296,18 +293,15 @@ impl CudaBackend {
         self.finish(probs, &[heads, n, context])
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn latent_attention(
         &self,
         q_lat: &Tensor,
         q_pe: &Tensor,
         cache: &dyn RowSource,
-        dims: MlaDims,
-        mask: &AttnMask,
-        scale: f32,
+        call: AttnParams<'_>,
         out: &mut Tensor,
-        faults: KernelFaults,
     ) -> Result<Tensor> {
+        let (dims, mask, scale, faults) = call.parts();
         let n = checks::attention_latent(q_lat, q_pe, cache, dims, mask)?;
         let context = cache.len();
         let heads = dims.heads;

@@ -18,7 +18,7 @@ use super::fast::{
 use super::fast_fp8::{fp8_kernel_of, fp8_launches};
 use super::fp8_cache::fp8_bytes;
 use super::{buf, CudaBackend};
-use crate::backend::{checks, AttnMask, DeviceRead, FastAttention, FastOutcome, MlaDims};
+use crate::backend::{checks, AttnMask, AttnParams, DeviceRead, FastAttention, FastOutcome};
 use crate::error::Result;
 use crate::ops::{AttnKernels, KernelFaults, KvCacheDtype, RowSource};
 use crate::tensor::{BufferId, DeviceBuffer, Tensor};
@@ -114,19 +114,16 @@ impl CudaBackend {
     }
 
     /// See [`crate::backend::Backend::fast_attention_latent`].
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn fast_latent(
         &self,
         q_lat: &Tensor,
         q_pe: &Tensor,
         cache: &dyn RowSource,
-        dims: MlaDims,
-        mask: &AttnMask,
-        scale: f32,
+        call: AttnParams<'_>,
         out: &mut Tensor,
         kernels: AttnKernels,
-        faults: KernelFaults,
     ) -> Result<FastOutcome> {
+        let (dims, mask, scale, faults) = call.parts();
         let n = checks::attention_latent(q_lat, q_pe, cache, dims, mask)?;
         checks::attention_out(out, n, dims, dims.latent)?;
         if (dims.latent, dims.rope) != (LATENT, ROPE) {
@@ -386,19 +383,16 @@ impl CudaBackend {
     }
 
     /// See [`crate::backend::Backend::fast_attention_naive`]: the flash prefill of a whole sequence.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn fast_naive(
         &self,
         q: &Tensor,
         k: &dyn RowSource,
         v: &dyn RowSource,
-        dims: MlaDims,
-        mask: &AttnMask,
-        scale: f32,
+        call: AttnParams<'_>,
         out: &mut Tensor,
         kernels: AttnKernels,
-        faults: KernelFaults,
     ) -> Result<FastOutcome> {
+        let (dims, mask, scale, faults) = call.parts();
         let n = checks::attention_naive(q, k, v, dims, mask)?;
         checks::attention_out(out, n, dims, dims.v)?;
         let (dqk, dv) = (dims.nope + dims.rope, dims.v);

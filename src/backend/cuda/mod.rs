@@ -33,11 +33,11 @@ pub use attention::live_cache_mirrors;
 pub use device::compile;
 
 use super::checks::{self, same_shape};
-use super::{AttnMask, Backend, FastOutcome, KvbSplit, MlaDims, Routing};
+use super::{AttnParams, Backend, FastOutcome, KvbSplit, MlaDims, Routing};
 use crate::error::{Error, Result};
 use crate::model::layout::MoeLayout;
 use crate::model::quant::{QuantFaults, QuantTensor};
-use crate::ops::{AttnKernels, KernelFaults, RopeTable, RowSource, StorageDtype};
+use crate::ops::{AttnKernels, RopeTable, RowSource, StorageDtype};
 use crate::stats::TensorStats;
 use crate::tensor::{DeviceBuffer, Tensor};
 use device::model_kernels::quant_kernel_name;
@@ -221,14 +221,11 @@ impl Backend for CudaBackend {
         q_lat: &Tensor,
         q_pe: &Tensor,
         cache: &dyn RowSource,
-        dims: MlaDims,
-        mask: &AttnMask,
-        scale: f32,
+        call: AttnParams<'_>,
         out: &mut Tensor,
         kernels: AttnKernels,
-        faults: KernelFaults,
     ) -> Result<FastOutcome> {
-        self.fast_latent(q_lat, q_pe, cache, dims, mask, scale, out, kernels, faults)
+        self.fast_latent(q_lat, q_pe, cache, call, out, kernels)
     }
 
     fn fast_attention_naive(
@@ -236,14 +233,11 @@ impl Backend for CudaBackend {
         q: &Tensor,
         k: &dyn RowSource,
         v: &dyn RowSource,
-        dims: MlaDims,
-        mask: &AttnMask,
-        scale: f32,
+        call: AttnParams<'_>,
         out: &mut Tensor,
         kernels: AttnKernels,
-        faults: KernelFaults,
     ) -> Result<FastOutcome> {
-        self.fast_naive(q, k, v, dims, mask, scale, out, kernels, faults)
+        self.fast_naive(q, k, v, call, out, kernels)
     }
 
     fn rank_backends(&self, size: usize) -> Result<Option<super::RankBackends>> {
@@ -508,13 +502,10 @@ impl Backend for CudaBackend {
         q: &Tensor,
         k: &dyn RowSource,
         v: &dyn RowSource,
-        dims: MlaDims,
-        mask: &AttnMask,
-        scale: f32,
+        call: AttnParams<'_>,
         out: &mut Tensor,
-        faults: KernelFaults,
     ) -> Result<Tensor> {
-        self.naive_attention(q, k, v, dims, mask, scale, out, faults)
+        self.naive_attention(q, k, v, call, out)
     }
 
     fn attention_latent(
@@ -522,13 +513,10 @@ impl Backend for CudaBackend {
         q_lat: &Tensor,
         q_pe: &Tensor,
         cache: &dyn RowSource,
-        dims: MlaDims,
-        mask: &AttnMask,
-        scale: f32,
+        call: AttnParams<'_>,
         out: &mut Tensor,
-        faults: KernelFaults,
     ) -> Result<Tensor> {
-        self.latent_attention(q_lat, q_pe, cache, dims, mask, scale, out, faults)
+        self.latent_attention(q_lat, q_pe, cache, call, out)
     }
 
     fn index_scores(
