@@ -40,7 +40,7 @@ fn sparse_shape(
     let width = LATENT + ROPE;
     let pages_per_seq = context.div_ceil(PAGE);
     let slots = batch * pages_per_seq * PAGE;
-    // The cache rotates among copies (bench_gpu's rotating_copies), as many as the rows a call
+    // The cache rotates among copies (bench_timing's rotating_copies), as many as the rows a call
     // gathers ask for (at batch 1, 2048 rows of a 32k cache: more copies than the cache's size
     // would); copy 0 is checked.
     let caches: Vec<DevBuf> = (0..rotating_copies(batch * topk * width * 2))
@@ -81,9 +81,10 @@ fn sparse_shape(
     } else {
         Vec::new()
     };
-    let work = match fp8 {
-        true => DecodeWork::for_fp8_sparse(gpu, shape, forced, None)?,
-        false => DecodeWork::sparse(gpu, shape, None, forced)?,
+    let work = if fp8 {
+        DecodeWork::for_fp8_sparse(gpu, shape, forced, None)?
+    } else {
+        DecodeWork::sparse(gpu, shape, None, forced)?
     };
     let run = |copy: usize| {
         match fp8_caches.get(copy) {
