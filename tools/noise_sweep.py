@@ -65,25 +65,36 @@ def reference_faults(mladb, common):
     """(fault, layout shown, the clean run's findings against its own dump, the fault's first
     finding or None) for each of REFERENCE_FAULTS."""
     results = []
+    # One clean run, dump and clean check per (layout, mscale), shared by the faults planted in it.
+    clean_runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for fault, layout, mscale in REFERENCE_FAULTS:
-            shown = layout
-            if mscale is not None:
-                ron = subprocess.run([mladb, "layout", "show", layout, "--ron"], capture_output=True, text=True, check=True).stdout
-                assert "mscale: Some(1.0)" in ron, f"{layout} has no YaRN mscale of 1.0 to change"
-                shown = f"{layout}, mscale {mscale}"
-                layout = os.path.join(tmp, f"{layout}-mscale.ron")
-                with open(layout, "w") as f:
-                    f.write(ron.replace("mscale: Some(1.0)", f"mscale: Some({mscale})", 1))
-            schedule = ["--layout", layout] + SCHEDULE
-            dump = os.path.join(tmp, f"{fault}.safetensors")
-            out = subprocess.run([mladb, "run", *schedule, "--dump", dump] + common, capture_output=True, text=True)
-            if out.returncode != 0:
-                raise SystemExit(f"mladb run --dump for {fault} failed: {out.stderr.strip()}")
-            clean, _ = check(mladb, schedule + ["--reference", dump] + common)
+            if (layout, mscale) not in clean_runs:
+                clean_runs[(layout, mscale)] = clean_reference(mladb, common, tmp, layout, mscale)
+            shown, schedule, dump, clean = clean_runs[(layout, mscale)]
             findings, _ = check(mladb, schedule + ["--reference", dump, "--inject", fault] + common)
             results.append((fault, shown, clean, findings[0] if findings else None))
     return results
+
+
+def clean_reference(mladb, common, tmp, layout, mscale):
+    """(layout shown, the run's flags, a dump of its clean run, that run's findings against its
+    own dump) for `layout`, its YaRN mscale set to `mscale` where given."""
+    shown = layout
+    if mscale is not None:
+        ron = subprocess.run([mladb, "layout", "show", layout, "--ron"], capture_output=True, text=True, check=True).stdout
+        assert "mscale: Some(1.0)" in ron, f"{layout} has no YaRN mscale of 1.0 to change"
+        shown = f"{layout}, mscale {mscale}"
+        layout = os.path.join(tmp, f"{layout}-mscale.ron")
+        with open(layout, "w") as f:
+            f.write(ron.replace("mscale: Some(1.0)", f"mscale: Some({mscale})", 1))
+    schedule = ["--layout", layout] + SCHEDULE
+    dump = os.path.join(tmp, f"{os.path.basename(layout)}-{mscale}.safetensors")
+    out = subprocess.run([mladb, "run", *schedule, "--dump", dump] + common, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"mladb run --dump of {shown} failed: {out.stderr.strip()}")
+    clean, _ = check(mladb, schedule + ["--reference", dump] + common)
+    return shown, schedule, dump, clean
 
 
 def check(mladb, args):

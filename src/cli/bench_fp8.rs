@@ -5,7 +5,7 @@
 
 use super::bench_timing::{random, rotating_copies, time};
 use super::Out;
-use crate::backend::cuda::device::{DevBuf, DevVec, Elem, Gpu};
+use crate::backend::cuda::device::{DevBuf, DevI32, DevVec, Elem, Gpu};
 use crate::backend::cuda::fast::{self, DecodeShape, DecodeWork, LATENT, PAGE, ROPE};
 use crate::error::Result;
 
@@ -17,6 +17,14 @@ struct Fp8Times {
     fp8: f64,
     kernel: &'static str,
     forced: [Option<f64>; 3],
+}
+
+/// The fp8_ds_mla cache of the tokens `slots` names, written from bf16 `rows` by the GPU's
+/// write kernel (slot i from row i).
+pub(super) fn fp8_cache(gpu: &Gpu, rows: &DevBuf, slots: &DevI32) -> Result<DevVec<u8>> {
+    let cache = gpu.alloc_vec::<u8>(slots.len() * crate::ops::kv_fp8::TOKEN_BYTES)?;
+    gpu.kv_fp8_write(rows, slots, &cache, slots.len(), 0)?;
+    Ok(cache)
 }
 
 /// [`Fp8Times`] of one shape, in µs.
@@ -34,14 +42,9 @@ fn fp8_vs_bf16(
     let rows: Vec<DevBuf> = (0..rotating_copies(slots * width * 2))
         .map(|i| random(gpu, slots * width, Elem::Bf16, seed + 10 * i as u64, 1.0))
         .collect::<Result<_>>()?;
-    let fp8_bytes = slots * crate::ops::kv_fp8::TOKEN_BYTES;
     let all = gpu.upload_i32(&(0..slots as i32).collect::<Vec<_>>())?;
-    let caches: Vec<DevVec<u8>> = (0..rotating_copies(fp8_bytes))
-        .map(|i| {
-            let cache = gpu.alloc_vec::<u8>(fp8_bytes)?;
-            gpu.kv_fp8_write(&rows[i % rows.len()], &all, &cache, slots, 0)?;
-            Ok(cache)
-        })
+    let caches: Vec<DevVec<u8>> = (0..rotating_copies(slots * crate::ops::kv_fp8::TOKEN_BYTES))
+        .map(|i| fp8_cache(gpu, &rows[i % rows.len()], &all))
         .collect::<Result<_>>()?;
     let q = random(gpu, batch * heads * width, Elem::Bf16, seed + 1, 1.0)?;
     let table: Vec<i32> = (0..(batch * pages_per_seq) as i32).collect();

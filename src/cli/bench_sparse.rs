@@ -4,6 +4,7 @@
 //! device's copy bandwidth, each shape checked against the f64 reference (over the FP8 cache:
 //! the rows as the CPU codec decodes them).
 
+use super::bench_fp8::fp8_cache;
 use super::bench_timing::{random, rotating_copies, time};
 use super::Out;
 use crate::backend::cuda::device::{DevBuf, DevVec, Elem, Gpu};
@@ -72,11 +73,7 @@ fn sparse_shape(
         let all = gpu.upload_i32(&(0..slots as i32).collect::<Vec<_>>())?;
         caches
             .iter()
-            .map(|rows| {
-                let bytes = gpu.alloc_vec::<u8>(slots * kv_fp8::TOKEN_BYTES)?;
-                gpu.kv_fp8_write(rows, &all, &bytes, slots, 0)?;
-                Ok(bytes)
-            })
+            .map(|rows| fp8_cache(gpu, rows, &all))
             .collect::<Result<_>>()?
     } else {
         Vec::new()

@@ -8,7 +8,7 @@
 use super::Out;
 use crate::backend::cuda::compile::{
     compile, describe_version, hopper_target, kernel_source, nvrtc_present, resources,
-    HOPPER_SOURCES, SOURCES,
+    HOPPER_SOURCES, NVRTC_NOT_FOUND, SOURCES,
 };
 use crate::error::{Error, Result};
 use crate::fsutil::write_atomic;
@@ -84,11 +84,11 @@ pub fn run(args: &KernelsArgs) -> Result<bool> {
     )?;
     // Without NVRTC every file would fail alike: one error line instead of one per file.
     if !nvrtc_present() {
-        return Err(Error::invalid(
-            "NVRTC (libnvrtc.so) is not on the library path: CUDA kernels cannot be compiled \
-             (it comes with the CUDA toolkit, or from PyPI as nvidia-cuda-nvrtc; put the folder \
-             holding libnvrtc.so on LD_LIBRARY_PATH)",
-        ));
+        return Err(Error::invalid(format!(
+            "{NVRTC_NOT_FOUND}: CUDA kernels cannot be compiled (it comes with the CUDA toolkit, \
+             or from PyPI as nvidia-cuda-nvrtc; put the folder holding libnvrtc.so on \
+             LD_LIBRARY_PATH)"
+        )));
     }
     let mut all_ok = true;
     for arch in &archs {

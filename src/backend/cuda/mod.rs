@@ -69,7 +69,7 @@ pub fn probe() -> std::result::Result<(), String> {
         return Err("no CUDA driver (libcuda.so) on this machine".into());
     }
     if !compile::nvrtc_present() {
-        return Err("NVRTC (libnvrtc.so) is not on the library path".into());
+        return Err(compile::NVRTC_NOT_FOUND.into());
     }
     match cudarc::driver::CudaContext::device_count() {
         Ok(n) if n > 0 => Ok(()),

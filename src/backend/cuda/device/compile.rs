@@ -158,6 +158,9 @@ fn source_in(dir: &std::path::Path, file: &str) -> Option<String> {
     }
 }
 
+/// What every refusal says where NVRTC cannot be loaded.
+pub const NVRTC_NOT_FOUND: &str = "NVRTC (libnvrtc.so) is not on the library path";
+
 /// Whether NVRTC can be loaded (probe before the first NVRTC call: cudarc panics otherwise).
 pub fn nvrtc_present() -> bool {
     // SAFETY: only tries to open the shared library.
@@ -178,9 +181,9 @@ pub const NVRTC_FLAGS: &[&str] = &["--std=c++17", "--fmad=true", "-default-devic
 /// Compiles `name` for `arch`: `compute_XY` gives PTX, `sm_XY` a cubin (with ptxas' report).
 pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled> {
     if !nvrtc_present() {
-        return Err(Error::invalid(
-            "NVRTC (libnvrtc.so) is not on the library path: CUDA kernels cannot be compiled",
-        ));
+        return Err(Error::invalid(format!(
+            "{NVRTC_NOT_FOUND}: CUDA kernels cannot be compiled"
+        )));
     }
     let cubin = arch.starts_with("sm_");
     let source = CString::new(full_source(src))

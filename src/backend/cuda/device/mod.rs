@@ -245,9 +245,7 @@ impl Gpu {
             ));
         }
         if !compile::nvrtc_present() {
-            return Err(Error::invalid(
-                "NVRTC (libnvrtc.so) is not on the library path",
-            ));
+            return Err(Error::invalid(compile::NVRTC_NOT_FOUND));
         }
         let count = CudaContext::device_count().map_err(CudaError::driver("device count"))?;
         if count <= ordinal as i32 {
