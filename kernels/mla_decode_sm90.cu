@@ -228,11 +228,12 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
         }
     }
     // Dense bf16: the split's first tiles warmed into L2 while the kernel before ends, a tile by
-    // each of the first lanes of warpgroup 1 (on an H100, batch 1 × 8k 16.3 → 15.7 µs, 14.9 →
-    // 14.4 from a graph; batch 64 × 8k 218 → 216.5). The length and the pages are read before
-    // the wait, where the kernel before may still be writing them: past L1 (so that no stale
-    // line is left for the reads after the wait), the length clamped to the table, and a row
-    // off the cache is not fetched, so a stale value costs only a wasted prefetch.
+    // each of the first lanes of warpgroup 1 (a first form, one lane for all four tiles, on an
+    // H100: batch 1 × 8k 16.3 → 15.7 µs, 15.1 → 14.5 from a graph; batch 64 × 8k 218 → 216.5;
+    // batch 16 × 8k 1% slower, its issuing lane reading four pages). The length and the pages
+    // are read before the wait, where the kernel before may still be writing them: past L1 (so
+    // that no stale line is left for the reads after the wait), the length clamped to the
+    // table, and a row off the cache is not fetched, so a stale value costs a wasted prefetch.
     if (!SPARSE && !FP8 && threadIdx.x >= 128 && threadIdx.x < 128 + STAGES) {
         const int len = min(max(__ldcg(seq_lens + b), 0), max_pages * W_PAGE);
         const DecodeSplit ahead = decode_split(len, splits, split, W_TILE);
