@@ -227,23 +227,6 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             tma_load_2d(sQ + c * W_QBOX_BYTES, rope ? qpe_map : q_map, mbar_q, rope ? 0 : c * 64, b * total_heads + head0);
         }
     }
-    // Dense bf16: the split's first tiles warmed into L2 while the kernel before ends, a tile by
-    // each of the first lanes of warpgroup 1 (a first form, one lane for all four tiles, on an
-    // H100: batch 1 × 8k 16.3 → 15.7 µs, 15.1 → 14.5 from a graph; batch 64 × 8k 218 → 216.5;
-    // batch 16 × 8k 1% slower, its issuing lane reading four pages). The length and the pages
-    // are read before the wait, where the kernel before may still be writing them: past L1 (so
-    // that no stale line is left for the reads after the wait), the length clamped to the
-    // table, and a row off the cache is not fetched, so a stale value costs a wasted prefetch.
-    if (!SPARSE && !FP8 && threadIdx.x >= 128 && threadIdx.x < 128 + STAGES) {
-        const int len = min(max(__ldcg(seq_lens + b), 0), max_pages * W_PAGE);
-        const DecodeSplit ahead = decode_split(len, splits, split, W_TILE);
-        const int t0 = ahead.begin + (threadIdx.x - 128) * W_TILE;
-        if (t0 < ahead.end) {
-            const int row = __ldcg(block_table + (u64)b * max_pages + t0 / W_PAGE) * W_PAGE + t0 % W_PAGE;
-#pragma unroll
-            for (int c = 0; c < W_DQK / 64; c++) tma_prefetch_l2_2d(cache_map, c * 64, row);
-        }
-    }
     wait_for_prior_kernel();
     const DecodeSplit range = decode_split(seq_lens[b], splits, split, W_TILE);
     const int t_begin = range.begin, t_end = range.end;

@@ -46,12 +46,6 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaMap* map, uns
         : "memory");
 }
 
-// Warms one box of a 2-D tensor (column c0, row c1) into L2 ahead of its copy. It writes no
-// memory, and a box off the tensor is not fetched, so a stale coordinate costs a wasted fetch.
-__device__ __forceinline__ void tma_prefetch_l2_2d(const TmaMap* map, int c0, int c1) {
-    TMA_ASM("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"((u64)map), "r"(c0), "r"(c1) : "memory");
-}
-
 // Fetches a tensor map's descriptor ahead of its first copy.
 __device__ __forceinline__ void prefetch_tensormap(const TmaMap* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"((u64)map) : "memory");

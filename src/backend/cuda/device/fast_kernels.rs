@@ -485,9 +485,8 @@ impl Gpu {
             return unsafe { self.launch_cluster(sig, d.kernel, cfg, &args, 2, dependent) };
         }
         if dependent {
-            // SAFETY: as the plain launch below; before its `wait_for_prior_kernel` the kernel
-            // writes nothing and reads only lengths and block-table entries in the ranges below
-            // (the dense bf16 decode, for L2 prefetches of its first tiles).
+            // SAFETY: as the plain launch below; the kernel reads and writes nothing before its
+            // `wait_for_prior_kernel`.
             return unsafe { self.launch_dependent(sig, d.kernel, cfg, &args) };
         }
         // SAFETY: block (split, b, group) reads the group's heads of q of sequence b (the last

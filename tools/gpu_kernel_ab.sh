@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# A kernel change against the shipped kernels, alternated on one GPU machine in one call (the
+# device tool's METHOD.md: compare only figures of the same machine and run). Runs `mladb bench
+# --device cuda` RUNS times with the kernel files of DIR (MLADB_KERNEL_SRC: the files there
+# replace the embedded ones of the same name) and RUNS times without, in turn, then sets every
+# timed row of both side by side (tools/bench_ab.py). With TESTS=1 the tensor-core kernels'
+# tests run first with DIR. Binaries as for tools/gpu_check.sh (.device-bin, from
+# tools/pack_device_bin.sh). Make DIR on the build machine from a commit's kernels with
+#   mkdir -p .device-bin/k && git archive REV kernels | tar -x -C .device-bin/k --strip-components=1
+# Usage: tools/gpu_kernel_ab.sh DIR [RUNS] [bench flags]   (flags default: --no-layers --quick)
+set -u
+dir=${1:?usage: tools/gpu_kernel_ab.sh DIR [RUNS] [bench flags]}
+runs=${2:-2}
+shift $(( $# >= 2 ? 2 : 1 ))
+flags=${*:---no-layers --quick}
+[ -d "$dir" ] || { echo "error: no kernel folder $dir"; exit 2; }
+for lib in libnvrtc.so.13 libcublas.so.13; do
+  d=$(dirname "$(find /usr/local/cuda* /usr/lib /opt -name "$lib*" 2>/dev/null | head -1)" 2>/dev/null)
+  [ -n "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+# The tests find their fixtures under the path they were built at.
+mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
+[ -f .device-bin/bin.tar.xz ] && tar -C .device-bin -xJf .device-bin/bin.tar.xz
+mkdir -p target/release && cp .device-bin/mladb target/release/mladb
+export MLADB_CACHE_DIR=${MLADB_CACHE_DIR:-/tmp/kc} NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
+B=.device-bin
+if [ "${TESTS:-0}" = 1 ]; then
+  for t in fast_kernels fp8_kernels gpu_attention; do
+    MLADB_KERNEL_SRC=$dir timeout 300 $B/$t --include-ignored --test-threads=1 > "$OUT/ab_test_$t.txt" 2>&1
+    echo "$t with $dir: exit $?"; grep -E "test result|FAILED|panicked" "$OUT/ab_test_$t.txt" | head -5
+  done
+fi
+a=() b=()
+for i in $(seq "$runs"); do
+  # shellcheck disable=SC2086 # the flags are words
+  timeout 300 $B/mladb bench --device cuda $flags > "$OUT/ab_a_$i.txt" 2>&1 || echo "shipped run $i: exit $?"
+  MLADB_KERNEL_SRC=$dir timeout 300 $B/mladb bench --device cuda $flags > "$OUT/ab_b_$i.txt" 2>&1 || echo "$dir run $i: exit $?"
+  a+=("$OUT/ab_a_$i.txt") b+=("$OUT/ab_b_$i.txt")
+done
+echo "A: the shipped kernels; B: those of $dir; each run's figure in turn"
+python3 tools/bench_ab.py --a "${a[@]}" --b "${b[@]}"
