@@ -14,6 +14,7 @@ runs=${2:-2}
 shift $(( $# >= 2 ? 2 : 1 ))
 flags=${*:---no-layers --quick}
 [ -d "$dir" ] || { echo "error: no kernel folder $dir"; exit 2; }
+[[ $runs =~ ^[1-9][0-9]?$ ]] || { echo "error: RUNS is a count from 1 to 99, not $runs"; exit 2; }
 for lib in libnvrtc.so.13 libcublas.so.13; do
   d=$(dirname "$(find /usr/local/cuda* /usr/lib /opt -name "$lib*" 2>/dev/null | head -1)" 2>/dev/null)
   [ -n "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
