@@ -34,8 +34,9 @@ def rows(path):
                 if NUMBER.match(w) or ERROR.match(w):
                     break
                 name.append(w)
-            times = [w for w in words[len(name):] if NUMBER.match(w)][:2]
-            kernel = [w for w in words[len(name):] if w.startswith("mla_") or w == "(forced)"]
+            rest = words[len(name):]
+            times = [w for w in rest if NUMBER.match(w)][:2]
+            kernel = [w for w in rest if w.startswith("mla_") or w == "(forced)"]
             found[(table, " ".join(name + kernel))] = times
     return found
 

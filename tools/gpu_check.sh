@@ -8,17 +8,9 @@
 # as they are. Usage: tools/gpu_check.sh [tests|bench|all]
 set -u
 what=${1:-all}
-for lib in libnvrtc.so.13 libcublas.so.13; do
-  dir=$(dirname "$(find /usr/local/cuda* /usr/lib /opt -name "$lib*" 2>/dev/null | head -1)" 2>/dev/null)
-  [ -n "$dir" ] && export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
-done
+. "$(dirname "$0")/gpu_setup.sh"
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
-# The tests find their fixtures under the path they were built at.
-mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
-[ -f .device-bin/bin.tar.xz ] && tar -C .device-bin -xJf .device-bin/bin.tar.xz
-# Tests that run the binary look for it where cargo built it (CARGO_BIN_EXE_mladb).
-mkdir -p target/release && cp .device-bin/mladb target/release/mladb
 B=.device-bin
 # The logs go to a folder of their own and come back as one archive in $OUT (the device tool
 # returns a few files a call, not one per log).

@@ -15,14 +15,7 @@ shift $(( $# >= 2 ? 2 : 1 ))
 flags=${*:---no-layers --quick}
 [ -d "$dir" ] || { echo "error: no kernel folder $dir"; exit 2; }
 [[ $runs =~ ^[1-9][0-9]?$ ]] || { echo "error: RUNS is a count from 1 to 99, not $runs"; exit 2; }
-for lib in libnvrtc.so.13 libcublas.so.13; do
-  d=$(dirname "$(find /usr/local/cuda* /usr/lib /opt -name "$lib*" 2>/dev/null | head -1)" 2>/dev/null)
-  [ -n "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
-done
-# The tests find their fixtures under the path they were built at.
-mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
-[ -f .device-bin/bin.tar.xz ] && tar -C .device-bin -xJf .device-bin/bin.tar.xz
-mkdir -p target/release && cp .device-bin/mladb target/release/mladb
+. "$(dirname "$0")/gpu_setup.sh"
 export MLADB_CACHE_DIR=${MLADB_CACHE_DIR:-/tmp/kc} NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader

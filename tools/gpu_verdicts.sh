@@ -6,15 +6,8 @@
 # in bf16. Then full-size GLM-5 and DeepSeek-V3 (layers 0..4) checked on the device, and the
 # cost of check against a plain run. Usage: tools/gpu_verdicts.sh
 set -u
-for lib in libnvrtc.so.13 libcublas.so.13; do
-  dir=$(dirname "$(find /usr/local/cuda* /usr/lib /opt -name "$lib*" 2>/dev/null | head -1)" 2>/dev/null)
-  [ -n "$dir" ] && export LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}"
-done
+. "$(dirname "$0")/gpu_setup.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-# The tests find their fixtures under the path they were built at.
-mkdir -p /work && [ -e /work/main ] || ln -s "$PWD" /work/main
-# Tests that run the binary look for it where cargo built it (CARGO_BIN_EXE_mladb).
-mkdir -p target/release && cp .device-bin/mladb target/release/mladb
 B=.device-bin
 OUT=${OUT:-/tmp}
 for t in verdicts gpu_forward; do
