@@ -541,6 +541,47 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
     }
 }
 
+/// GLM-5's real index_topk (2048), not a lowered one: a 2046-token prompt whose decode steps
+/// cross it (step s attends over 2047 + s keys, so steps 0 and 1 are dense and step 2 on picks
+/// 2048 keys of more). `check` stays clean over the bf16 and the fp8_ds_mla cache, and the
+/// decode runs the sparse kernels once the context passes the top-k.
+#[test]
+#[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
+fn check_is_clean_across_the_real_index_topk() {
+    let gpu = cuda_backend(StorageDtype::Bf16);
+    let model = synthetic("glm5-rank8", 13);
+    assert_eq!(model.layout.indexer.as_ref().unwrap().topk, 2048);
+    let case = Case::new(model, 2046, 6);
+    let j = case.job(&gpu);
+    for kv_cache in [
+        mladb::ops::KvCacheDtype::Bf16,
+        mladb::ops::KvCacheDtype::Fp8DsMla,
+    ] {
+        let mut flags = gpu_flags();
+        flags.kv_cache = kv_cache;
+        let report = check_clean(&j, flags, &format!("{kv_cache:?} cache"));
+        let kernel_at = |step| {
+            report
+                .run
+                .events
+                .iter()
+                .find(|e| e.kind == OpKind::AttentionLatent && e.phase == Phase::Decode(step))
+                .and_then(|e| e.kernel.clone())
+                .unwrap_or_else(|| panic!("decode step {step} ran no kernel"))
+        };
+        let (dense, sparse) = (kernel_at(1), kernel_at(5));
+        assert!(
+            dense.reference.is_none() && !dense.launches[0].kernel.starts_with("mla_sparse_"),
+            "{kv_cache:?}, 2048 keys: {dense}"
+        );
+        assert!(
+            sparse.reference.is_none() && sparse.launches[0].kernel.starts_with("mla_sparse_"),
+            "{kv_cache:?}, 2052 keys: {sparse}"
+        );
+        eprintln!("{kv_cache:?}: clean; 2048 keys {dense}; 2052 keys {sparse}");
+    }
+}
+
 /// page-index-overflow, at the kernel: every decode variant reads pages placed past the first
 /// 4 GiB of a pool exactly as it reads them at the bottom (its offsets are 64-bit); each planted
 /// kernel reads the bottom pages exactly as its unplanted twin, wraps past 4 GiB and gives

@@ -183,9 +183,7 @@ pub fn planted_decode_work(
     forced: Option<&str>,
 ) -> Result<DecodeWork> {
     let planted = PLANTED_DECODE.map(|kernel| (kernel, variants::shared_bytes(kernel)));
-    let (kernel, shared) = pick_variant(gpu, &planted, forced)?;
-    let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, (kernel, shared)));
-    DecodeWork::scratch(gpu, shape, splits, (kernel, shared))
+    DecodeWork::pick(gpu, shape, &planted, forced, splits)
 }
 
 /// The heads a block of a decode kernel takes: its variant's rows ([`HEAD_GROUP`] for the
@@ -226,6 +224,20 @@ pub struct DecodeWork {
 }
 
 impl DecodeWork {
+    /// The plan of one of `candidates` (in order of preference): `forced`, or the device's
+    /// first ([`pick_variant`]); `splits`, or the count chosen for the shape.
+    pub(super) fn pick(
+        gpu: &Gpu,
+        shape: DecodeShape,
+        candidates: &[(&'static str, u32)],
+        forced: Option<&str>,
+        splits: Option<usize>,
+    ) -> Result<DecodeWork> {
+        let variant = pick_variant(gpu, candidates, forced)?;
+        let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
+        DecodeWork::scratch(gpu, shape, splits, variant)
+    }
+
     pub fn new(gpu: &Gpu, shape: DecodeShape) -> Result<DecodeWork> {
         DecodeWork::for_variant(gpu, shape, None)
     }

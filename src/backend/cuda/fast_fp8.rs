@@ -16,10 +16,7 @@
 use super::device::fast_kernels::SparseKeys;
 use super::device::fp8_kernels::Fp8Decode;
 use super::device::{variants, DevBuf, DevBytes, DevI32, Gpu};
-use super::fast::{
-    decode_splits, for_heads, on_wgmma, pick_variant, runs_on, traced, with_merge, DecodeShape,
-    DecodeWork,
-};
+use super::fast::{for_heads, on_wgmma, runs_on, traced, with_merge, DecodeShape, DecodeWork};
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
 
@@ -201,9 +198,7 @@ fn fp8_plan(
     splits: Option<usize>,
 ) -> Result<DecodeWork> {
     let candidates = for_heads(variants, shape.heads, forced);
-    let variant = pick_variant(gpu, &candidates, forced)?;
-    let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
-    DecodeWork::scratch(gpu, shape, splits, variant)
+    DecodeWork::pick(gpu, shape, &candidates, forced, splits)
 }
 
 /// Absorbed MLA decode over an fp8_ds_mla cache: `q` [batch, heads, 576] bf16, `cache` the paged

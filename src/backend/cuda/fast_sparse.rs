@@ -6,10 +6,7 @@
 
 use super::device::fast_kernels::SparseKeys;
 use super::device::{variants, DevBuf, DevI32, Gpu};
-use super::fast::{
-    decode_launches, decode_splits, for_heads, pick_variant, runs_on, DecodeQuery, DecodeShape,
-    DecodeWork,
-};
+use super::fast::{decode_launches, for_heads, runs_on, DecodeQuery, DecodeShape, DecodeWork};
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
 
@@ -75,9 +72,7 @@ impl DecodeWork {
             None => None,
         };
         let candidates = for_heads(sparse_variants().to_vec(), shape.heads, forced);
-        let variant = pick_variant(gpu, &candidates, forced)?;
-        let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
-        DecodeWork::scratch(gpu, shape, splits, variant)
+        DecodeWork::pick(gpu, shape, &candidates, forced, splits)
     }
 }
 

@@ -511,23 +511,15 @@ impl Gpu {
         cols: usize,
         eps: f32,
     ) -> Result<()> {
-        let e = out.elem();
-        let total = prod(&[rows, cols])?;
-        let args = [
-            need("rmsnorm", x, total, e)?,
-            need("rmsnorm weight", weight, cols, e)?,
-            need("rmsnorm", out, total, e)?,
-            size(cols),
-            Arg::F32(eps),
-        ];
-        let cfg = Launch {
-            grid: (blocks("rmsnorm", rows)?, 1, 1),
-            block: 256,
-            shared: 0,
-        };
-        // SAFETY: block r reads row r of x and writes row r of out (r < rows), and the weight's
-        // cols values: all checked above.
-        unsafe { self.launch(&RMSNORM, &name("rmsnorm", e), cfg, &args) }
+        self.row_norm(
+            &RMSNORM,
+            "rmsnorm",
+            x,
+            &[("rmsnorm weight", weight)],
+            out,
+            (rows, cols),
+            eps,
+        )
     }
 
     /// LayerNorm of `rows` rows of `cols`: one block per row.
@@ -542,23 +534,38 @@ impl Gpu {
         cols: usize,
         eps: f32,
     ) -> Result<()> {
+        let params = [("layernorm weight", weight), ("layernorm bias", bias)];
+        self.row_norm(&LAYERNORM, "layernorm", x, &params, out, (rows, cols), eps)
+    }
+
+    /// A normalisation kernel `sig` over `rows` rows of `cols`, one block per row: its
+    /// arguments are x, the per-column parameters (`cols` values each), out, cols and eps.
+    #[allow(clippy::too_many_arguments)]
+    fn row_norm(
+        &self,
+        sig: &Sig,
+        base: &str,
+        x: &DevBuf,
+        params: &[(&str, &DevBuf)],
+        out: &DevBuf,
+        (rows, cols): (usize, usize),
+        eps: f32,
+    ) -> Result<()> {
         let e = out.elem();
         let total = prod(&[rows, cols])?;
-        let args = [
-            need("layernorm", x, total, e)?,
-            need("layernorm weight", weight, cols, e)?,
-            need("layernorm bias", bias, cols, e)?,
-            need("layernorm", out, total, e)?,
-            size(cols),
-            Arg::F32(eps),
-        ];
+        let mut args = vec![need(base, x, total, e)?];
+        for &(what, param) in params {
+            args.push(need(what, param, cols, e)?);
+        }
+        args.extend([need(base, out, total, e)?, size(cols), Arg::F32(eps)]);
         let cfg = Launch {
-            grid: (blocks("layernorm", rows)?, 1, 1),
+            grid: (blocks(base, rows)?, 1, 1),
             block: 256,
             shared: 0,
         };
-        // SAFETY: as rmsnorm, with the bias's cols values.
-        unsafe { self.launch(&LAYERNORM, &name("layernorm", e), cfg, &args) }
+        // SAFETY: block r reads row r of x and writes row r of out (r < rows), and `cols`
+        // values of each parameter: all checked above, in the order `sig` takes them.
+        unsafe { self.launch(sig, &name(base, e), cfg, &args) }
     }
 
     /// RoPE on x [n, heads, d]: the first 2·half values of each head rotated for the token's
