@@ -542,9 +542,9 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
 }
 
 /// GLM-5's real index_topk (2048), not a lowered one: a 2046-token prompt whose decode steps
-/// cross it (step s attends over 2047 + s keys, so steps 0 and 1 are dense and step 2 on picks
-/// 2048 keys of more). `check` stays clean over the bf16 and the fp8_ds_mla cache, and the
-/// decode runs the sparse kernels once the context passes the top-k.
+/// cross it (step s attends over 2047 + s keys: steps 0 and 1 are dense, and from step 2 on
+/// the indexer picks 2048 of more keys). `check` stays clean over the bf16 and the fp8_ds_mla
+/// cache, and the decode runs the sparse kernels once the context passes the top-k.
 #[test]
 #[ignore = "needs a GPU: tools/gpu_check.sh runs it with --include-ignored"]
 fn check_is_clean_across_the_real_index_topk() {
