@@ -101,11 +101,16 @@ fn check_clean(j: &Job, flags: Flags, what: &str) -> CheckReport {
 
 /// What ran the first decode step's latent attention.
 fn first_decode_kernel(run: &RunRecord) -> mladb::ops::KernelInfo {
+    latent_kernel(run, Phase::Decode(0))
+}
+
+/// What ran the first latent attention of `phase` (layer 0's).
+fn latent_kernel(run: &RunRecord, phase: Phase) -> mladb::ops::KernelInfo {
     run.events
         .iter()
-        .find(|e| e.kind == OpKind::AttentionLatent && e.phase == Phase::Decode(0))
+        .find(|e| e.kind == OpKind::AttentionLatent && e.phase == phase)
         .and_then(|e| e.kernel.clone())
-        .expect("the first decode step's attn_latent ran a kernel")
+        .unwrap_or_else(|| panic!("no latent attention of {phase} ran a kernel"))
 }
 
 fn event<'a>(run: &'a RunRecord, phase: Phase, suffix: &str) -> &'a mladb::engine::OpEvent {
@@ -487,16 +492,7 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
         let mut flags = gpu_flags();
         flags.kernels.decode = Some(dense.parse::<DecodeVariant>().unwrap());
         let report = check_clean(&j, flags, sparse);
-        let kernel_of = |phase| {
-            report
-                .run
-                .events
-                .iter()
-                .find(|e| e.kind == OpKind::AttentionLatent && e.phase == phase)
-                .and_then(|e| e.kernel.clone())
-                .unwrap()
-        };
-        let decoded = kernel_of(Phase::Decode(0));
+        let decoded = first_decode_kernel(&report.run);
         assert_eq!(decoded.launches[0].kernel, sparse, "{decoded}");
         assert!(decoded.reference.is_none(), "{decoded}");
         // The naive prefill declines the sparse selection and says so.
@@ -560,16 +556,10 @@ fn check_is_clean_across_the_real_index_topk() {
         let mut flags = gpu_flags();
         flags.kv_cache = kv_cache;
         let report = check_clean(&j, flags, &format!("{kv_cache:?} cache"));
-        let kernel_at = |step| {
-            report
-                .run
-                .events
-                .iter()
-                .find(|e| e.kind == OpKind::AttentionLatent && e.phase == Phase::Decode(step))
-                .and_then(|e| e.kernel.clone())
-                .unwrap_or_else(|| panic!("decode step {step} ran no kernel"))
-        };
-        let (dense, sparse) = (kernel_at(1), kernel_at(5));
+        let (dense, sparse) = (
+            latent_kernel(&report.run, Phase::Decode(1)),
+            latent_kernel(&report.run, Phase::Decode(5)),
+        );
         assert!(
             dense.reference.is_none() && !dense.launches[0].kernel.starts_with("mla_sparse_"),
             "{kv_cache:?}, 2048 keys: {dense}"

@@ -183,7 +183,7 @@ pub fn planted_decode_work(
     forced: Option<&str>,
 ) -> Result<DecodeWork> {
     let planted = PLANTED_DECODE.map(|kernel| (kernel, variants::shared_bytes(kernel)));
-    DecodeWork::pick(gpu, shape, &planted, forced, splits)
+    DecodeWork::pick(gpu, shape, planted.to_vec(), forced, splits)
 }
 
 /// The heads a block of a decode kernel takes: its variant's rows ([`HEAD_GROUP`] for the
@@ -194,7 +194,7 @@ pub(super) fn head_group(kernel: &str) -> usize {
 
 /// `variants` without the 8-head kernels when a group of 8 does not hold every head (they would
 /// read the cache once per 8 heads instead of once per 16 or 64), unless one is `forced`.
-pub(super) fn for_heads(
+fn for_heads(
     variants: Vec<(&'static str, u32)>,
     heads: usize,
     forced: Option<&str>,
@@ -224,16 +224,18 @@ pub struct DecodeWork {
 }
 
 impl DecodeWork {
-    /// The plan of one of `candidates` (in order of preference): `forced`, or the device's
-    /// first ([`pick_variant`]); `splits`, or the count chosen for the shape.
+    /// The plan of one of `variants` (in order of preference, those the head count wants:
+    /// [`for_heads`]): `forced`, or the device's first ([`pick_variant`]); `splits`, or the
+    /// count chosen for the shape.
     pub(super) fn pick(
         gpu: &Gpu,
         shape: DecodeShape,
-        candidates: &[(&'static str, u32)],
+        variants: Vec<(&'static str, u32)>,
         forced: Option<&str>,
         splits: Option<usize>,
     ) -> Result<DecodeWork> {
-        let variant = pick_variant(gpu, candidates, forced)?;
+        let candidates = for_heads(variants, shape.heads, forced);
+        let variant = pick_variant(gpu, &candidates, forced)?;
         let splits = splits.unwrap_or_else(|| decode_splits(gpu, shape, variant));
         DecodeWork::scratch(gpu, shape, splits, variant)
     }

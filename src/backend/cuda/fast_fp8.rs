@@ -16,7 +16,7 @@
 use super::device::fast_kernels::SparseKeys;
 use super::device::fp8_kernels::Fp8Decode;
 use super::device::{variants, DevBuf, DevBytes, DevI32, Gpu};
-use super::fast::{for_heads, on_wgmma, runs_on, traced, with_merge, DecodeShape, DecodeWork};
+use super::fast::{on_wgmma, runs_on, traced, with_merge, DecodeShape, DecodeWork};
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
 
@@ -157,7 +157,7 @@ impl DecodeWork {
     ) -> Result<DecodeWork> {
         let forced = forced.map(fp8_kernel_of).transpose()?;
         let variants = by_heads(fp8_variants(), shape.heads, DENSE_FEW_HEADS_UP_TO);
-        fp8_plan(gpu, shape, variants, forced, splits)
+        DecodeWork::pick(gpu, shape, variants, forced, splits)
     }
 
     /// The plan of a sparse decode over an FP8 cache: `forced` (a few-heads kernel, by its
@@ -183,22 +183,8 @@ impl DecodeWork {
             .map(|&(name, _)| (name, variants::shared_bytes(name)))
             .collect();
         let sparse = by_heads(sparse, shape.heads, SPARSE_FEW_HEADS_UP_TO);
-        fp8_plan(gpu, shape, sparse, forced, splits)
+        DecodeWork::pick(gpu, shape, sparse, forced, splits)
     }
-}
-
-/// The plan of one of `variants` (in order of preference for the head count, [`by_heads`]):
-/// `forced`, or the device's first ([`super::fast::for_heads`]); `splits`, or the count chosen
-/// for the shape.
-fn fp8_plan(
-    gpu: &Gpu,
-    shape: DecodeShape,
-    variants: Vec<(&'static str, u32)>,
-    forced: Option<&str>,
-    splits: Option<usize>,
-) -> Result<DecodeWork> {
-    let candidates = for_heads(variants, shape.heads, forced);
-    DecodeWork::pick(gpu, shape, &candidates, forced, splits)
 }
 
 /// Absorbed MLA decode over an fp8_ds_mla cache: `q` [batch, heads, 576] bf16, `cache` the paged

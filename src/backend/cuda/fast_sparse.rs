@@ -6,7 +6,7 @@
 
 use super::device::fast_kernels::SparseKeys;
 use super::device::{variants, DevBuf, DevI32, Gpu};
-use super::fast::{decode_launches, for_heads, runs_on, DecodeQuery, DecodeShape, DecodeWork};
+use super::fast::{decode_launches, runs_on, DecodeQuery, DecodeShape, DecodeWork};
 use crate::error::{Error, Result};
 use crate::ops::KernelLaunch;
 
@@ -71,8 +71,7 @@ impl DecodeWork {
             })?),
             None => None,
         };
-        let candidates = for_heads(sparse_variants().to_vec(), shape.heads, forced);
-        DecodeWork::pick(gpu, shape, &candidates, forced, splits)
+        DecodeWork::pick(gpu, shape, sparse_variants().to_vec(), forced, splits)
     }
 }
 
