@@ -15,9 +15,10 @@
 // 4 µs to land, a fifth of a batch-1 decode (on the H200, stamped with %globaltimer). The last group
 // of a head count off a multiple of 64 is padded as in mla_decode.cu: zero query rows, whose
 // results are never written.
-//   Warpgroup 0: S = Q·Kᵀ (64 heads × 32 tokens, 36 MMAs over the 576 dims), the online softmax
-//     (exact row maxima: it holds the whole tile's S), P in bf16 to shared memory with each row's
-//     rescale factor, then O[:, 0:256] += P·V with P straight from its registers.
+//   Warpgroup 0: S = Q·Kᵀ (64 heads × 32 tokens, 36 MMAs over the 576 dims; the first 16 take
+//     Q from registers, the rest from shared memory), the online softmax (exact row maxima: it
+//     holds the whole tile's S), P in bf16 to shared memory with each row's rescale factor, then
+//     O[:, 0:256] += P·V with P straight from its registers.
 //   Warpgroup 1: issues the TMA copies (one thread), then per tile rescales O[:, 256:512] and
 //     adds P·V from shared memory.
 // So warpgroup 1's P·V of tile j runs beside warpgroup 0's S and softmax of tile j+1, and
@@ -77,6 +78,7 @@
 #define W_KS (W_TILE / 16)                     // k-steps of P·V per tile
 
 #define W_BOX_BYTES (W_TILE * 128)             // one TMA box: W_TILE rows × 64 dims
+#define W_Q_REG_STEPS 16                       // k-steps of S with Q in registers (of 36)
 
 // Q, the KV stages, P, the rescale factors, row sums and row maxima, the TMA barriers (one per
 // stage, one for Q), 1 KB of alignment slack: the bytes of the kernel's row in variants.cuh.
@@ -300,6 +302,22 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             for (int c = 0; c < STAGES - 1 && c < n_tiles; c++) convert(c, Half<0>{});
         mbar_wait(mbar_q, 0);  // Q landed
         const u64 dq = wg_desc_sw128(sQ, 16, 1024);
+        // The first W_Q_REG_STEPS k-steps of S take Q from registers (the A fragments of rows
+        // r0 and r1, read once from the swizzled boxes), so that for them each tile's S reads
+        // only K from shared memory: a tile's shared-memory traffic (Q 72 KB, K 36 KB, V and P
+        // 40 KB, the copy's 36 KB) is most of its time. 16 is what fits: 250 registers, where
+        // 18 spills and 20 makes ptxas serialise the MMAs (C7512). The FP8 forms have no room.
+        constexpr int QR = FP8 ? 0 : W_Q_REG_STEPS;
+        unsigned qa[4 * (QR > 0 ? QR : 1)];
+#pragma unroll
+        for (int kk = 0; kk < QR; kk++) {
+            const unsigned box = sQ + (kk / 4) * W_QBOX_BYTES, c = 2 * (kk % 4);
+            const unsigned a0 = box + r0 * 128 + 4 * qd, a1 = box + r1 * 128 + 4 * qd;
+            qa[4 * kk] = ld_shared_u32(a0 + ((c ^ (r0 % 8)) << 4));
+            qa[4 * kk + 1] = ld_shared_u32(a1 + ((c ^ (r1 % 8)) << 4));
+            qa[4 * kk + 2] = ld_shared_u32(a0 + (((c + 1) ^ (r0 % 8)) << 4));
+            qa[4 * kk + 3] = ld_shared_u32(a1 + (((c + 1) ^ (r1 % 8)) << 4));
+        }
         unsigned pa[4 * W_KS];  // P as the A operand of the k-steps of P·V
         for (int j = 0; j < n_tiles; j++) {
             const int s = j % STAGES, t0 = t_begin + j * W_TILE;
@@ -323,7 +341,12 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             for (int kk = 0; kk < W_DQK / 16; kk++) {
                 const u64 dkk = dk + (kk / 4) * (W_BOX_BYTES / 16) + (kk % 4) * 2;
                 const u64 dqk = dq + (kk / 4) * (W_QBOX_BYTES / 16) + (kk % 4) * 2;
-                if constexpr (W_TILE == 32)
+                if (kk < QR) {
+                    if constexpr (W_TILE == 32)
+                        wgmma_m64n32_rs(sc, qa + 4 * kk, dkk, kk > 0);
+                    else
+                        wgmma_m64n64_rs(sc, qa + 4 * kk, dkk, kk > 0);
+                } else if constexpr (W_TILE == 32)
                     wgmma_m64n32_ss(sc, dqk, dkk, kk > 0);
                 else
                     wgmma_m64n64_ss(sc, dqk, dkk, kk > 0);

@@ -81,6 +81,11 @@ __device__ __forceinline__ void cp_async4(unsigned dst, const void* src) {
 __device__ __forceinline__ void st_shared_zero16(unsigned dst) {
     asm volatile("st.shared.v4.u32 [%0], {%1,%1,%1,%1};\n" ::"r"(dst), "r"(0));
 }
+__device__ __forceinline__ unsigned ld_shared_u32(unsigned src) {
+    unsigned x;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(x) : "r"(src) : "memory");
+    return x;
+}
 __device__ __forceinline__ void st_shared_u32(unsigned dst, unsigned x) {
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst), "r"(x) : "memory");
 }

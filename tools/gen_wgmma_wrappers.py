@@ -49,6 +49,16 @@ def main():
             "wgmma_m64n32_ss", "u64 desc_a, u64 desc_b, int accumulate", "m64n32k16", 16,
             "%16, %17", "1, 1, 0, 0", ['"l"(desc_a)', '"l"(desc_b)']),
         wrapper(
+            "D (64×64 f32, 32 per thread) = A·B (+ D if accumulate), A (64×16) in registers, B K-major in shared memory.",
+            "wgmma_m64n64_rs", "const unsigned* a, u64 desc_b, int accumulate", "m64n64k16", 32,
+            "{%32, %33, %34, %35}, %36", "1, 1, 0",
+            ['"r"(a[0])', '"r"(a[1])', '"r"(a[2])', '"r"(a[3])', '"l"(desc_b)']),
+        wrapper(
+            "D (64×32 f32, 16 per thread) = A·B (+ D if accumulate), A (64×16) in registers, B K-major in shared memory.",
+            "wgmma_m64n32_rs", "const unsigned* a, u64 desc_b, int accumulate", "m64n32k16", 16,
+            "{%16, %17, %18, %19}, %20", "1, 1, 0",
+            ['"r"(a[0])', '"r"(a[1])', '"r"(a[2])', '"r"(a[3])', '"l"(desc_b)']),
+        wrapper(
             "D (64×256 f32, 128 per thread) (+)= A·B, A (64×16) in registers, B N-major in shared memory.",
             "wgmma_m64n256_rs", "const unsigned* a, u64 desc_b, int accumulate", "m64n256k16", 128,
             "{%128, %129, %130, %131}, %132", "1, 1, 1",
