@@ -36,6 +36,16 @@ __device__ __forceinline__ void {name}(float* d, {params}) {{
 '''
 
 
+def register_a(comment, n, trans_b):
+    """A wrapper whose A (64×16 bf16) is four registers of each thread and B a descriptor;
+    trans_b 1 for an N-major B."""
+    acc = n // 2
+    return wrapper(
+        comment, f"wgmma_m64n{n}_rs", "const unsigned* a, u64 desc_b, int accumulate", f"m64n{n}k16", acc,
+        f"{{%{acc}, %{acc + 1}, %{acc + 2}, %{acc + 3}}}, %{acc + 4}", f"1, 1, {trans_b}",
+        ['"r"(a[0])', '"r"(a[1])', '"r"(a[2])', '"r"(a[3])', '"l"(desc_b)'])
+
+
 def main():
     text = PATH.read_text()
     head = text[: text.index(MARKER) + len(MARKER)]
@@ -48,21 +58,15 @@ def main():
             "D (64×32 f32, 16 per thread) = A·B (+ D if accumulate), A and B K-major in shared memory.",
             "wgmma_m64n32_ss", "u64 desc_a, u64 desc_b, int accumulate", "m64n32k16", 16,
             "%16, %17", "1, 1, 0, 0", ['"l"(desc_a)', '"l"(desc_b)']),
-        wrapper(
+        register_a(
             "D (64×64 f32, 32 per thread) = A·B (+ D if accumulate), A (64×16) in registers, B K-major in shared memory.",
-            "wgmma_m64n64_rs", "const unsigned* a, u64 desc_b, int accumulate", "m64n64k16", 32,
-            "{%32, %33, %34, %35}, %36", "1, 1, 0",
-            ['"r"(a[0])', '"r"(a[1])', '"r"(a[2])', '"r"(a[3])', '"l"(desc_b)']),
-        wrapper(
+            64, 0),
+        register_a(
             "D (64×32 f32, 16 per thread) = A·B (+ D if accumulate), A (64×16) in registers, B K-major in shared memory.",
-            "wgmma_m64n32_rs", "const unsigned* a, u64 desc_b, int accumulate", "m64n32k16", 16,
-            "{%16, %17, %18, %19}, %20", "1, 1, 0",
-            ['"r"(a[0])', '"r"(a[1])', '"r"(a[2])', '"r"(a[3])', '"l"(desc_b)']),
-        wrapper(
+            32, 0),
+        register_a(
             "D (64×256 f32, 128 per thread) (+)= A·B, A (64×16) in registers, B N-major in shared memory.",
-            "wgmma_m64n256_rs", "const unsigned* a, u64 desc_b, int accumulate", "m64n256k16", 128,
-            "{%128, %129, %130, %131}, %132", "1, 1, 1",
-            ['"r"(a[0])', '"r"(a[1])', '"r"(a[2])', '"r"(a[3])', '"l"(desc_b)']),
+            256, 1),
         wrapper(
             "D (64×256 f32) (+)= A·B, A K-major and B N-major in shared memory.",
             "wgmma_m64n256_ss", "u64 desc_a, u64 desc_b, int accumulate", "m64n256k16", 128,
