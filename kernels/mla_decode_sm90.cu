@@ -78,6 +78,9 @@
 #define W_KS (W_TILE / 16)                     // k-steps of P·V per tile
 
 #define W_BOX_BYTES (W_TILE * 128)             // one TMA box: W_TILE rows × 64 dims
+// S's MMAs are m64n32: a tile is 32 tokens (64-token tiles were slower on every shape: see the
+// README's third session of 2026-12-06).
+static_assert(W_TILE == 32, "mla_decode_wgmma: S is written for 32-token tiles");
 #define W_Q_REG_STEPS 16                       // k-steps of S with Q in registers (of 36)
 
 // Q, the KV stages, P, the rescale factors, row sums and row maxima, the TMA barriers (one per
@@ -341,15 +344,10 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
             for (int kk = 0; kk < W_DQK / 16; kk++) {
                 const u64 dkk = dk + (kk / 4) * (W_BOX_BYTES / 16) + (kk % 4) * 2;
                 const u64 dqk = dq + (kk / 4) * (W_QBOX_BYTES / 16) + (kk % 4) * 2;
-                if (kk < QR) {
-                    if constexpr (W_TILE == 32)
-                        wgmma_m64n32_rs(sc, qa + 4 * kk, dkk, kk > 0);
-                    else
-                        wgmma_m64n64_rs(sc, qa + 4 * kk, dkk, kk > 0);
-                } else if constexpr (W_TILE == 32)
-                    wgmma_m64n32_ss(sc, dqk, dkk, kk > 0);
+                if (kk < QR)
+                    wgmma_m64n32_rs(sc, qa + 4 * kk, dkk, kk > 0);
                 else
-                    wgmma_m64n64_ss(sc, dqk, dkk, kk > 0);
+                    wgmma_m64n32_ss(sc, dqk, dkk, kk > 0);
             }
             wg_commit();
             if (j > 0) {

@@ -99,11 +99,6 @@ fn check_clean(j: &Job, flags: Flags, what: &str) -> CheckReport {
     report
 }
 
-/// What ran the first decode step's latent attention.
-fn first_decode_kernel(run: &RunRecord) -> mladb::ops::KernelInfo {
-    latent_kernel(run, Phase::Decode(0))
-}
-
 /// What ran the first latent attention of `phase` (layer 0's).
 fn latent_kernel(run: &RunRecord, phase: Phase) -> mladb::ops::KernelInfo {
     run.events
@@ -244,7 +239,7 @@ fn check_is_clean_on_the_fast_kernels_of_every_decode_variant() {
         let mut flags = gpu_flags();
         flags.kernels.decode = Some(kernel.parse::<DecodeVariant>().unwrap());
         let report = check_clean(&j, flags, kernel);
-        let decoded = first_decode_kernel(&report.run);
+        let decoded = latent_kernel(&report.run, Phase::Decode(0));
         assert_eq!(decoded.launches[0].kernel, kernel, "{decoded}");
         eprintln!("{kernel}: clean; {decoded}");
     }
@@ -440,7 +435,7 @@ fn check_is_clean_on_an_fp8_cache_with_every_fp8_decode_variant() {
             report.findings,
             report.notes
         );
-        let decoded = first_decode_kernel(&report.run);
+        let decoded = latent_kernel(&report.run, Phase::Decode(0));
         let kernel = &decoded.launches[0].kernel;
         assert!(
             kernel.starts_with("mla_decode_") && kernel.contains("fp8"),
@@ -492,7 +487,7 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
         let mut flags = gpu_flags();
         flags.kernels.decode = Some(dense.parse::<DecodeVariant>().unwrap());
         let report = check_clean(&j, flags, sparse);
-        let decoded = first_decode_kernel(&report.run);
+        let decoded = latent_kernel(&report.run, Phase::Decode(0));
         assert_eq!(decoded.launches[0].kernel, sparse, "{decoded}");
         assert!(decoded.reference.is_none(), "{decoded}");
         // The naive prefill declines the sparse selection and says so.
@@ -524,7 +519,7 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
             "{variant:?}: a clean sparse fp8 run has findings: {:#?}",
             report.findings
         );
-        let decoded = first_decode_kernel(&report.run);
+        let decoded = latent_kernel(&report.run, Phase::Decode(0));
         let kernel = &decoded.launches[0].kernel;
         assert!(
             kernel.starts_with("mla_sparse_") && kernel.contains("fp8"),

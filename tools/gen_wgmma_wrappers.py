@@ -59,9 +59,6 @@ def main():
             "wgmma_m64n32_ss", "u64 desc_a, u64 desc_b, int accumulate", "m64n32k16", 16,
             "%16, %17", "1, 1, 0, 0", ['"l"(desc_a)', '"l"(desc_b)']),
         register_a(
-            "D (64×64 f32, 32 per thread) = A·B (+ D if accumulate), A (64×16) in registers, B K-major in shared memory.",
-            64, 0),
-        register_a(
             "D (64×32 f32, 16 per thread) = A·B (+ D if accumulate), A (64×16) in registers, B K-major in shared memory.",
             32, 0),
         register_a(
