@@ -54,6 +54,8 @@ struct DecodeTimes {
     /// The worst relative error of the sampled heads against the f64 reference.
     err: f64,
     splits: usize,
+    /// Whether the split kernel's own grid merged the splits (no merge kernel).
+    grid_merge: bool,
 }
 
 /// One decode shape, timed and checked.
@@ -152,6 +154,7 @@ fn decode_shape(
         times,
         err: worst,
         splits: work.splits,
+        grid_merge: work.merges_in_grid(gpu),
     })
 }
 
@@ -334,7 +337,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
             "splits",
             "rel err"
         )?;
-        let mut no_graph = None;
+        let (mut no_graph, mut merged_in_grid) = (None, false);
         for heads in decode_heads(args)? {
             for (b, ctx) in decode_shapes(args)? {
                 let seed = (b * 100_000 + ctx + heads) as u64;
@@ -356,8 +359,9 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
                     t.times.host * 1e3,
                     t.times.host_launch * 1e3,
                     t.times.host_maps * 1e3,
-                    t.splits
+                    format!("{}{}", t.splits, if t.grid_merge { "g" } else { "" })
                 )?;
+                merged_in_grid |= t.grid_merge;
                 if err.is_nan() || err >= 1e-2 {
                     return Err(Error::invalid(format!("MLA decode at batch {b}, context {ctx} disagrees with the reference (relative error {err:.2e})")));
                 }
@@ -365,6 +369,12 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
         }
         if let Some(why) = no_graph {
             writeln!(Out, "note: no graph replay ('-'): {why}")?;
+        }
+        if merged_in_grid {
+            writeln!(
+                Out,
+                "note: splits marked g were merged by the split kernel's own grid, with no merge kernel (MLADB_DECODE_GRID_MERGE=1)"
+            )?;
         }
         writeln!(
             Out,

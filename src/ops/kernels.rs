@@ -122,12 +122,14 @@ impl std::str::FromStr for DecodeVariant {
     type Err = crate::Error;
     fn from_str(s: &str) -> crate::error::Result<DecodeVariant> {
         // A kernel's name: its variant (`mla_decode_fp8_ks3` is the FP8 form of ks3,
-        // `mla_decode_wgmma_fp8` of wgmma, `mla_sparse_wgmma_fp8` its sparse form).
+        // `mla_decode_wgmma_fp8` of wgmma, `mla_sparse_wgmma_fp8` its sparse form,
+        // `mla_decode_wgmma_gm` the form that merges its splits in its own grid).
         let tag = (s.strip_prefix("mla_decode_"))
             .or_else(|| s.strip_prefix("mla_sparse_"))
             .unwrap_or(s);
         let tag = tag.strip_prefix("fp8_").unwrap_or(tag);
         let tag = tag.strip_suffix("_fp8").unwrap_or(tag);
+        let tag = tag.strip_suffix("_gm").unwrap_or(tag);
         DecodeVariant::ALL
             .into_iter()
             .find(|v| v.tag() == tag)
@@ -231,6 +233,10 @@ pub struct KernelLaunch {
     /// partials, no merge kernel); 1 for a launch without clusters.
     #[serde(default = "one")]
     pub cluster: u32,
+    /// Whether the kernel's own blocks merged its splits once all had written their partials
+    /// (no merge kernel: a grid that fits the device at once, batch 1 say).
+    #[serde(default)]
+    pub grid_merge: bool,
 }
 
 fn one() -> u32 {
@@ -251,6 +257,9 @@ impl fmt::Display for KernelLaunch {
         }
         if self.cluster > 1 {
             write!(f, " in clusters of {}", self.cluster)?;
+        }
+        if self.grid_merge {
+            write!(f, " merged in the grid")?;
         }
         Ok(())
     }
@@ -304,6 +313,8 @@ mod tests {
             ("mla_decode_fp8_ks3", DecodeVariant::Ks3),
             ("mla_decode_wgmma_fp8", DecodeVariant::Wgmma),
             ("mla_sparse_wgmma_fp8", DecodeVariant::Wgmma),
+            ("mla_decode_wgmma_gm", DecodeVariant::Wgmma),
+            ("mla_sparse_wgmma_gm", DecodeVariant::Wgmma),
             ("mla_sparse_fp8_h16", DecodeVariant::H16),
         ] {
             assert_eq!(name.parse::<DecodeVariant>().unwrap(), v, "{name}");
@@ -327,6 +338,7 @@ mod tests {
             shared_bytes: 222_000,
             splits: 4,
             cluster: 1,
+            grid_merge: false,
         };
         let info = KernelInfo {
             launches: vec![l.clone()],
@@ -347,6 +359,18 @@ mod tests {
         assert_eq!(
             paired.to_string(),
             "mla_decode_wgmma grid (2,64,1) block (256,1,1) smem 222000 B splits 2 in clusters of 2"
+        );
+        // Splits merged by the split kernel's own grid (partials, but no merge kernel).
+        let in_grid = KernelLaunch {
+            kernel: "mla_decode_wgmma_gm".into(),
+            grid: [64, 1, 1],
+            splits: 64,
+            grid_merge: true,
+            ..l.clone()
+        };
+        assert_eq!(
+            in_grid.to_string(),
+            "mla_decode_wgmma_gm grid (64,1,1) block (256,1,1) smem 222000 B splits 64 merged in the grid"
         );
         let declined = KernelInfo {
             launches: vec![],

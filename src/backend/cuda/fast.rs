@@ -38,6 +38,7 @@ pub(super) fn traced(l: Launched, splits: usize) -> KernelLaunch {
         shared_bytes: l.shared,
         splits: splits as u32,
         cluster: l.cluster,
+        grid_merge: false,
     }
 }
 
@@ -217,6 +218,14 @@ pub struct DecodeWork {
     pub(super) part_lse: DevBuf,
     /// Sequences × heads of the shape the partials are for.
     rows: usize,
+    /// Sequences × head groups: the blocks of one split, and the grid merge's counters.
+    groups: usize,
+    /// Whether the plan asks for the grid merge where it can run
+    /// ([`DecodeWork::merges_in_grid`]): off unless `MLADB_DECODE_GRID_MERGE=1`, or
+    /// [`DecodeWork::ask_grid_merge`].
+    grid_merge: bool,
+    /// The grid merge's counters, zeroed when made.
+    arrivals: Option<DevI32>,
     pub splits: usize,
     /// Faults planted in the merge (the debugger's; none by default): set by
     /// [`DecodeWork::plant_merge_faults`].
@@ -263,6 +272,29 @@ impl DecodeWork {
             && !switched_off("MLADB_DECODE_PAIR_MERGE", &PAIR_MERGE_OFF)
     }
 
+    /// Whether the split kernel's own blocks merge its splits after writing the partials, with
+    /// no merge kernel after it (kernels/grid_merge.cuh): where the plan asks for it, for the
+    /// wgmma kernels over more than one split where they do not pair, no merge fault is planted
+    /// (those live in the merge kernel) and the whole grid fits the multiprocessors at once,
+    /// one block each (its blocks wait for each other). Batch 1 × 8k at 64 heads is 64 blocks.
+    /// Off by default: written for batch 1's latency, and not yet timed on a GPU.
+    pub fn merges_in_grid(&self, gpu: &Gpu) -> bool {
+        self.grid_merge
+            && self.splits > 1
+            && !self.pairs_splits(gpu)
+            && PAIR_MERGE_KERNELS.contains(&self.kernel)
+            && has_tma(gpu)
+            && !self.merge_faults.any()
+            && self.splits * self.groups <= gpu.multiprocessors()
+    }
+
+    /// Asks for the grid merge (or not) where it can run, as `MLADB_DECODE_GRID_MERGE=1` does
+    /// for every plan: for tests and experiments.
+    pub fn ask_grid_merge(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
+        self.grid_merge = on;
+        self.make_partials(gpu)
+    }
+
     /// The split partials the launch left, as device buffers: outputs [batch, splits, heads,
     /// 512] in bf16 and natural log-sum-exps [batch, splits, heads] in f32 (meaningful when it
     /// split the keys).
@@ -294,6 +326,9 @@ impl DecodeWork {
         if self.writes_partials(gpu) && self.part_o.len() < len {
             self.part_o = gpu.alloc(len, Elem::Bf16)?;
             self.part_lse = gpu.alloc(self.rows * self.splits, Elem::F32)?;
+        }
+        if self.merges_in_grid(gpu) && self.arrivals.is_none() {
+            self.arrivals = Some(gpu.upload_i32(&vec![0; self.groups])?);
         }
         Ok(())
     }
@@ -332,6 +367,9 @@ impl DecodeWork {
             part_o: gpu.alloc(0, Elem::Bf16)?,
             part_lse: gpu.alloc(0, Elem::F32)?,
             rows: shape.batch * shape.heads,
+            groups: shape.batch * shape.heads.div_ceil(decode_block(kernel).0),
+            grid_merge: grid_merge_asked(),
+            arrivals: None,
             splits,
             merge_faults: MergeFaults::default(),
         };
@@ -406,9 +444,14 @@ pub(super) fn decode_launches(
         out,
         lse,
         pair_merge: work.pairs_splits(gpu),
+        grid_merge: work.arrivals.as_ref().filter(|_| work.merges_in_grid(gpu)),
     };
-    let split = traced(gpu.mla_decode_splits(&launch)?, work.splits);
+    let mut split = traced(gpu.mla_decode_splits(&launch)?, work.splits);
     if launch.pair_merge {
+        return Ok(vec![split]);
+    }
+    if launch.grid_merge.is_some() {
+        split.grid_merge = true;
         return Ok(vec![split]);
     }
     with_merge(gpu, shape, work, split, out, lse)
@@ -443,6 +486,13 @@ pub(super) fn with_merge(
     };
     let merge = traced(gpu.mla_decode_merge(&merge, per_row)?, 1);
     Ok(vec![split, merge])
+}
+
+/// Whether `MLADB_DECODE_GRID_MERGE=1` asks every decode plan for the grid merge
+/// ([`DecodeWork::merges_in_grid`]).
+fn grid_merge_asked() -> bool {
+    static ASKED: OnceLock<bool> = OnceLock::new();
+    *ASKED.get_or_init(|| std::env::var("MLADB_DECODE_GRID_MERGE").is_ok_and(|v| v == "1"))
 }
 
 /// Up to how many splits the per-row merge runs (at most 32, a split per lane);

@@ -112,13 +112,18 @@ fn sides(
                 });
             }
             // The merge's launch and what it wrote (the wrapper's output, or under the
-            // disconnect fault the phantom buffer the wrapper never returns).
+            // disconnect fault the phantom buffer the wrapper never returns). A grid that
+            // merged its own splits has no merge launch: the split kernel's is the merge's.
             if let Some(tensor) = merged {
+                let merging = match info.launches.first() {
+                    Some(split) if split.grid_merge => 0,
+                    _ => 1,
+                };
                 sides.push(Side {
                     op: MERGE,
                     tensor,
                     kernel: Some(KernelInfo {
-                        launches: info.launches.iter().skip(1).cloned().collect(),
+                        launches: info.launches.iter().skip(merging).cloned().collect(),
                         reference: None,
                     }),
                 });

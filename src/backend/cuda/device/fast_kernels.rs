@@ -20,6 +20,11 @@ const DECODE_TMA: [super::signature::Param; 13] = [
 const DECODE_WGMMA: [super::signature::Param; 14] = [
     Map, Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
 ];
+/// The same merging its splits in its own grid: last, a counter per (sequence, head group).
+const DECODE_WGMMA_GM: [super::signature::Param; 15] = [
+    Map, Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
+    I32Ptr,
+];
 /// The sparse twins: the dense list with the key lists (indices, topk) after the block table.
 const SPARSE: [super::signature::Param; 14] = [
     Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr,
@@ -30,6 +35,10 @@ const SPARSE_WGMMA: [super::signature::Param; 15] = [
     Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr,
     F32Ptr,
 ];
+const SPARSE_WGMMA_GM: [super::signature::Param; 16] = [
+    Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr,
+    F32Ptr, I32Ptr,
+];
 pub const MLA_DECODE_TILED: Sig = Sig::new("mla_decode_t*", &DECODE);
 pub const MLA_DECODE_SPLIT_K: Sig = Sig::new("mla_decode_ks*", &DECODE);
 /// The split-k kernels fed by TMA (`mla_decode_kt3`, `mla_decode_kt16`).
@@ -38,6 +47,12 @@ pub const MLA_DECODE_WGMMA: Sig = Sig::new("mla_decode_wgmma", &DECODE_WGMMA);
 /// The sparse twin of [`MLA_DECODE_WGMMA`] (rows gathered by cp.async: the query's tensor map
 /// alone).
 pub const MLA_SPARSE_WGMMA: Sig = Sig::new("mla_sparse_wgmma", &SPARSE_WGMMA);
+/// The two merging their splits in their own grid (kernels/grid_merge.cuh): the kernel's name
+/// and [`GRID_MERGE_SUFFIX`].
+pub const MLA_DECODE_WGMMA_GM: Sig = Sig::new("mla_decode_wgmma_gm", &DECODE_WGMMA_GM);
+pub const MLA_SPARSE_WGMMA_GM: Sig = Sig::new("mla_sparse_wgmma_gm", &SPARSE_WGMMA_GM);
+/// The name suffix of a wgmma decode that merges its splits in its own grid.
+pub const GRID_MERGE_SUFFIX: &str = "_gm";
 pub const MLA_SPARSE_TILED: Sig = Sig::new("mla_sparse_t*", &SPARSE);
 pub const MLA_SPARSE_SPLIT_K: Sig = Sig::new("mla_sparse_ks*", &SPARSE);
 pub const MLA_SPARSE_FEW_HEADS: Sig = Sig::new("mla_sparse_h*", &SPARSE);
@@ -56,6 +71,8 @@ pub const SIGNATURES: &[&Sig] = &[
     &MLA_DECODE_KT,
     &MLA_DECODE_WGMMA,
     &MLA_SPARSE_WGMMA,
+    &MLA_DECODE_WGMMA_GM,
+    &MLA_SPARSE_WGMMA_GM,
     &MLA_SPARSE_TILED,
     &MLA_SPARSE_SPLIT_K,
     &MLA_SPARSE_FEW_HEADS,
@@ -154,6 +171,11 @@ pub struct Decode<'a> {
     /// Two splits launched as clusters of two blocks that merge each other's results into `out`
     /// and `lse` (no partials, no merge kernel): the wgmma kernels at exactly two splits.
     pub pair_merge: bool,
+    /// The grid merges its own splits into `out` and `lse` after writing the partials (no merge
+    /// kernel; kernels/grid_merge.cuh): a counter per (sequence, head group), zeroed, for the
+    /// wgmma kernels ([`PAIR_MERGE_KERNELS`]) over more than one split, unpaired, where the whole grid
+    /// fits the multiprocessors at once.
+    pub grid_merge: Option<&'a DevI32>,
 }
 
 /// A decode's query, bf16.
@@ -459,11 +481,26 @@ impl Gpu {
             a.lse,
         ]);
         let (group, threads) = decode_block(d.kernel);
+        let groups = d.heads.div_ceil(group);
+        // A grid that merges its own splits runs the kernel's _gm form, with its counters.
+        let merging;
+        let (sig, name) = match d.grid_merge {
+            None => (sig, d.kernel),
+            Some(counters) => {
+                args.push(self.grid_merge_counters(d, counters, groups)?);
+                merging = format!("{}{GRID_MERGE_SUFFIX}", d.kernel);
+                let sig = match sparse {
+                    false => &MLA_DECODE_WGMMA_GM,
+                    true => &MLA_SPARSE_WGMMA_GM,
+                };
+                (sig, merging.as_str())
+            }
+        };
         let cfg = Launch {
             grid: (
                 blocks("MLA decode", d.splits)?,
                 blocks_yz("MLA decode", d.batch)?,
-                blocks_yz("MLA decode", d.heads.div_ceil(group))?,
+                blocks_yz("MLA decode", groups)?,
             ),
             block: threads,
             shared: d.shared,
@@ -486,8 +523,12 @@ impl Gpu {
         }
         if dependent {
             // SAFETY: as the plain launch below; the kernel reads and writes nothing before its
-            // `wait_for_prior_kernel`.
-            return unsafe { self.launch_dependent(sig, d.kernel, cfg, &args) };
+            // `wait_for_prior_kernel`. With `grid_merge`, each block also counts on its
+            // (sequence, group)'s counter and waits for the group's other splits, which
+            // `grid_merge_counters` checked to fit the device at once, then writes `out` and
+            // `lse` for a share of the group's heads from the partials (inside their extents,
+            // checked in `check`).
+            return unsafe { self.launch_dependent(sig, name, cfg, &args) };
         }
         // SAFETY: block (split, b, group) reads the group's heads of q of sequence b (the last
         // group's rows past `heads` are zeroed in shared memory, not read; the wgmma kernels'
@@ -498,8 +539,37 @@ impl Gpu {
         // the pages bt[b][pos/64] of their positions pos ≥ 0 (all < max_pages·64), and writes
         // its split's partials (or out and lse) for those heads only; every extent checked in
         // `check`. A kernel with page-index-overflow planted reads row offsets taken modulo
-        // 4 GiB, inside the cache because `check` wants it larger than 4 GiB.
-        unsafe { self.launch_traced(sig, d.kernel, cfg, &args) }
+        // 4 GiB, inside the cache because `check` wants it larger than 4 GiB. With
+        // `grid_merge`, as the dependent launch above says.
+        unsafe { self.launch_traced(sig, name, cfg, &args) }
+    }
+
+    /// The counters argument of a wgmma decode's _gm form ([`Decode::grid_merge`]), checked to
+    /// be one per (sequence, head group), for a wgmma kernel over more than one split, not
+    /// paired, and for a grid that fits the multiprocessors at once (one block each: its
+    /// blocks wait for each other, so a block left unplaced would be waited for forever).
+    fn grid_merge_counters(&self, d: &Decode, counters: &DevI32, groups: usize) -> Result<Arg> {
+        let blocks = d.splits * d.batch * groups;
+        if !PAIR_MERGE_KERNELS.contains(&d.kernel)
+            || d.splits < 2
+            || d.pair_merge
+            || blocks > self.multiprocessors()
+        {
+            return Err(Error::invalid(format!(
+                "{}: {} splits over {blocks} blocks cannot merge in their own grid (more than one \
+                 splits, no pairs, at most one block per multiprocessor: {})",
+                d.kernel,
+                d.splits,
+                self.multiprocessors()
+            )));
+        }
+        if counters.len() < d.batch * groups || !counters.values_within(d.batch * groups, 0, 1) {
+            return Err(Error::invalid(
+                "MLA decode: the grid merge's counters must be one per sequence and head group, \
+                 at zero",
+            ));
+        }
+        Ok(Arg::Ptr(I32Ptr, counters.ptr()))
     }
 
     /// Merges a split decode's partials (any decode: bf16, sparse or FP8 cache) into `out` and
