@@ -4,7 +4,7 @@
 # --device cuda` RUNS times with the kernel files of DIR (MLADB_KERNEL_SRC: the files there
 # replace the embedded ones of the same name) and RUNS times without, in turn, then sets every
 # timed row of both side by side (tools/bench_ab.py). With TESTS=1 the tensor-core kernels'
-# tests run first with DIR. Binaries as for tools/gpu_check.sh (.device-bin, from
+# tests and the verdicts' run first with DIR. Binaries as for tools/gpu_check.sh (.device-bin, from
 # tools/pack_device_bin.sh). Make DIR on the build machine from a commit's kernels with
 #   mkdir -p .device-bin/k && git archive REV kernels | tar -x -C .device-bin/k --strip-components=1
 # In place of DIR, env:VAR=VALUE runs B with that environment setting and the binary's own
@@ -30,7 +30,7 @@ OUT=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 B=.device-bin
 if [ "${TESTS:-0}" = 1 ]; then
-  for t in fast_kernels fp8_kernels gpu_attention; do
+  for t in fast_kernels fp8_kernels gpu_attention verdicts; do
     env "$b_env" timeout 300 $B/$t --include-ignored --test-threads=1 > "$OUT/ab_test_$t.txt" 2>&1
     echo "$t with $dir: exit $?"; grep -E "test result|FAILED|panicked" "$OUT/ab_test_$t.txt" | head -5
   done
