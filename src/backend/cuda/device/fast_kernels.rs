@@ -5,6 +5,7 @@
 //! here.
 
 use super::kernels::{blocks, blocks_yz, need, prod};
+pub use super::merge_kernels::{Merge, MergeFaults, COMBINE_ROWS_MAX};
 use super::signature::{Param::*, Sig};
 use super::{Arg, DevBuf, DevI32, Elem, Gpu, Launch, Launched};
 use crate::error::{Error, Result};
@@ -56,14 +57,6 @@ pub const GRID_MERGE_SUFFIX: &str = "_gm";
 pub const MLA_SPARSE_TILED: Sig = Sig::new("mla_sparse_t*", &SPARSE);
 pub const MLA_SPARSE_SPLIT_K: Sig = Sig::new("mla_sparse_ks*", &SPARSE);
 pub const MLA_SPARSE_FEW_HEADS: Sig = Sig::new("mla_sparse_h*", &SPARSE);
-pub const MLA_DECODE_COMBINE: Sig = Sig::new(
-    "mla_decode_combine",
-    &[Bf16Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int],
-);
-pub const MLA_DECODE_COMBINE_ROWS: Sig = Sig::new(
-    "mla_decode_combine_rows",
-    &[Bf16Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int, Int],
-);
 /// Every launcher's declaration (compared with the `.cu` signatures by a test).
 pub const SIGNATURES: &[&Sig] = &[
     &MLA_DECODE_TILED,
@@ -76,8 +69,6 @@ pub const SIGNATURES: &[&Sig] = &[
     &MLA_SPARSE_TILED,
     &MLA_SPARSE_SPLIT_K,
     &MLA_SPARSE_FEW_HEADS,
-    &MLA_DECODE_COMBINE,
-    &MLA_DECODE_COMBINE_ROWS,
 ];
 
 /// Latent width (kv_lora_rank) and RoPE width the decode kernels are built for.
@@ -90,8 +81,6 @@ pub const PAGE: usize = 64;
 pub const HEAD_GROUP: usize = 64;
 /// The most KV splits (the merge's shared array, mla_decode.cu's MAX_SPLITS).
 pub const MAX_SPLITS: usize = 256;
-/// The most splits the per-row merge takes (a split per lane).
-pub const COMBINE_ROWS_MAX: usize = 32;
 
 /// Few-heads kernels with a fifth warp that only issues the copies (4 compute warps + 1; the
 /// kernel traps on another block size rather than wait for a producer that is not there).
@@ -162,7 +151,7 @@ pub struct Decode<'a> {
     /// The key lists of a sparse kernel; `None` for the dense ones.
     pub sparse: Option<SparseKeys<'a>>,
     pub scale_log2: f32,
-    /// [batch, splits, heads, 512] f32 and [batch, splits, heads] f32.
+    /// [batch, splits, heads, 512] bf16 and [batch, splits, heads] f32.
     pub part_o: &'a DevBuf,
     pub part_lse: &'a DevBuf,
     /// [batch, heads, 512] bf16 and [batch, heads] f32.
@@ -171,10 +160,10 @@ pub struct Decode<'a> {
     /// Two splits launched as clusters of two blocks that merge each other's results into `out`
     /// and `lse` (no partials, no merge kernel): the wgmma kernels at exactly two splits.
     pub pair_merge: bool,
-    /// The grid merges its own splits into `out` and `lse` after writing the partials (no merge
-    /// kernel; kernels/grid_merge.cuh): a counter per (sequence, head group), zeroed, for the
-    /// wgmma kernels ([`PAIR_MERGE_KERNELS`]) over more than one split, unpaired, where the whole grid
-    /// fits the multiprocessors at once.
+    /// The grid merges its own splits into `out` and `lse` after writing the partials (the
+    /// kernel's _gm form, no merge kernel; kernels/grid_merge.cuh): a zeroed counter per
+    /// (sequence, head group), for the wgmma kernels ([`PAIR_MERGE_KERNELS`]) over more than one
+    /// split, unpaired, where the whole grid fits the multiprocessors at once.
     pub grid_merge: Option<&'a DevI32>,
 }
 
@@ -231,40 +220,6 @@ pub fn env_count(var: &str, once: &OnceLock<Option<usize>>) -> Option<usize> {
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
     })
-}
-
-/// A split decode's merge: the partials it reads, the output it writes.
-pub struct Merge<'a> {
-    pub batch: usize,
-    pub heads: usize,
-    pub splits: usize,
-    /// [batch, splits, heads, 512] f32 and [batch, splits, heads] f32.
-    pub part_o: &'a DevBuf,
-    pub part_lse: &'a DevBuf,
-    /// [batch, heads, 512] bf16 and [batch, heads] f32.
-    pub out: &'a DevBuf,
-    pub lse: &'a DevBuf,
-    pub faults: MergeFaults,
-}
-
-/// The faults the debugger plants in the split merges (kernels/mla_decode.cu, `FAULT_*`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct MergeFaults {
-    /// lse-base-mismatch: the splits' natural-log LSEs weighed as base 2.
-    pub lse_base: bool,
-    /// skip-padded-rows: rows with no keys in any split (a batch's zero-length padding)
-    /// left unwritten.
-    pub skip_empty_rows: bool,
-}
-
-impl MergeFaults {
-    pub fn any(self) -> bool {
-        self.lse_base || self.skip_empty_rows
-    }
-
-    fn bits(self) -> Arg {
-        Arg::I32(i32::from(self.lse_base) | (i32::from(self.skip_empty_rows) << 1))
-    }
 }
 
 /// The pointer arguments every decode kernel and merge share, checked.
@@ -487,7 +442,12 @@ impl Gpu {
         let (sig, name) = match d.grid_merge {
             None => (sig, d.kernel),
             Some(counters) => {
-                args.push(self.grid_merge_counters(d, counters, groups)?);
+                args.push(self.grid_merge_counters(
+                    d.kernel,
+                    (d.splits, d.batch * groups),
+                    d.pair_merge,
+                    counters,
+                )?);
                 merging = format!("{}{GRID_MERGE_SUFFIX}", d.kernel);
                 let sig = match sparse {
                     false => &MLA_DECODE_WGMMA_GM,
@@ -542,98 +502,6 @@ impl Gpu {
         // 4 GiB, inside the cache because `check` wants it larger than 4 GiB. With
         // `grid_merge`, as the dependent launch above says.
         unsafe { self.launch_traced(sig, name, cfg, &args) }
-    }
-
-    /// The counters argument of a wgmma decode's _gm form ([`Decode::grid_merge`]), checked to
-    /// be one per (sequence, head group), for a wgmma kernel over more than one split, not
-    /// paired, and for a grid that fits the multiprocessors at once (one block each: its
-    /// blocks wait for each other, so a block left unplaced would be waited for forever).
-    fn grid_merge_counters(&self, d: &Decode, counters: &DevI32, groups: usize) -> Result<Arg> {
-        let blocks = d.splits * d.batch * groups;
-        if !PAIR_MERGE_KERNELS.contains(&d.kernel)
-            || d.splits < 2
-            || d.pair_merge
-            || blocks > self.multiprocessors()
-        {
-            return Err(Error::invalid(format!(
-                "{}: {} splits over {blocks} blocks cannot merge in their own grid (more than one \
-                 splits, no pairs, at most one block per multiprocessor: {})",
-                d.kernel,
-                d.splits,
-                self.multiprocessors()
-            )));
-        }
-        if counters.len() < d.batch * groups || !counters.values_within(d.batch * groups, 0, 1) {
-            return Err(Error::invalid(
-                "MLA decode: the grid merge's counters must be one per sequence and head group, \
-                 at zero",
-            ));
-        }
-        Ok(Arg::Ptr(I32Ptr, counters.ptr()))
-    }
-
-    /// Merges a split decode's partials (any decode: bf16, sparse or FP8 cache) into `out` and
-    /// `lse`: a warp per (sequence, head) when `per_row` (at most 32 splits), else a block per
-    /// (sequence, head, quarter of the dims).
-    pub fn mla_decode_merge(&self, m: &Merge, per_row: bool) -> Result<Launched> {
-        let (b, h, s) = (m.batch, m.heads, m.splits);
-        if b == 0 || h == 0 || !(1..=MAX_SPLITS).contains(&s) {
-            return Err(Error::invalid(format!(
-                "MLA decode merge: {b} sequences, {h} heads, {s} splits (1 to {MAX_SPLITS})"
-            )));
-        }
-        let mut args = vec![
-            need(
-                "MLA decode workspace",
-                m.part_o,
-                prod(&[b, s, h, LATENT])?,
-                Elem::Bf16,
-            )?,
-            need(
-                "MLA decode workspace",
-                m.part_lse,
-                prod(&[b, s, h])?,
-                Elem::F32,
-            )?,
-            need("MLA decode out", m.out, prod(&[b, h, LATENT])?, Elem::Bf16)?,
-            need("MLA decode lse", m.lse, prod(&[b, h])?, Elem::F32)?,
-            int(s, "splits")?,
-            int(h, "heads")?,
-        ];
-        let rows = prod(&[b, h])?;
-        if per_row {
-            if s > COMBINE_ROWS_MAX {
-                return Err(Error::invalid(
-                    "MLA decode: the per-row merge takes 32 splits",
-                ));
-            }
-            args.push(int(rows, "rows")?);
-            args.push(m.faults.bits());
-            let cfg = Launch {
-                grid: (blocks("MLA decode merge", rows.div_ceil(8))?, 1, 1),
-                block: 256,
-                shared: 0,
-            };
-            let sig = &MLA_DECODE_COMBINE_ROWS;
-            // SAFETY: warp w of block x merges row 8x + w < rows (the kernel returns past it),
-            // reading its ≤ 32 splits; extents checked above.
-            return unsafe { self.launch_dependent(sig, sig.pattern, cfg, &args) };
-        }
-        args.push(m.faults.bits());
-        let cfg = Launch {
-            grid: (
-                blocks("MLA decode merge", b)?,
-                blocks_yz("MLA decode merge", h)?,
-                (LATENT / 128) as u32,
-            ),
-            block: 256,
-            shared: 0,
-        };
-        let sig = &MLA_DECODE_COMBINE;
-        // SAFETY: block (b, h, quarter) reads the ≤ 256 splits of (b, h) (the kernel's shared
-        // array holds 256) and writes a quarter of out row (b, h); extents checked above. Both
-        // merges wait for the split kernel before they read its partials.
-        unsafe { self.launch_dependent(sig, sig.pattern, cfg, &args) }
     }
 }
 

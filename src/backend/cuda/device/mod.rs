@@ -20,6 +20,7 @@ mod kernel_cache;
 pub mod kernels;
 mod launch_attrs;
 mod ledger;
+pub mod merge_kernels;
 pub mod mla_kernels;
 pub mod model_kernels;
 pub mod nccl;

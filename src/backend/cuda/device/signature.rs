@@ -213,7 +213,7 @@ mod tests {
     use super::*;
     use crate::backend::cuda::device::compile::{HOPPER_SOURCES, SOURCES};
     use crate::backend::cuda::device::{
-        expert_kernels, fast_kernels, fp8_kernels, kernels, prefill_kernels, Elem,
+        expert_kernels, fast_kernels, fp8_kernels, kernels, merge_kernels, prefill_kernels, Elem,
     };
 
     #[test]
@@ -249,6 +249,7 @@ mod tests {
         let declared: Vec<&Sig> = kernels::SIGNATURES
             .iter()
             .chain(fast_kernels::SIGNATURES.iter())
+            .chain(merge_kernels::SIGNATURES.iter())
             .chain(prefill_kernels::SIGNATURES.iter())
             .chain(fp8_kernels::SIGNATURES.iter())
             .chain(expert_kernels::SIGNATURES.iter())

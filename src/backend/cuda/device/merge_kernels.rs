@@ -1,0 +1,159 @@
+//! Typed launchers of the split decode's merges (kernels/mla_decode.cu, grid_merge.cuh): the
+//! merge kernel after a split kernel, and the counters of a grid that merges its own splits.
+//! Which one runs is `cuda::fast`'s choice.
+
+use super::fast_kernels::{int, LATENT, MAX_SPLITS, PAIR_MERGE_KERNELS};
+use super::kernels::{blocks, blocks_yz, need, prod};
+use super::signature::{Param::*, Sig};
+use super::{Arg, DevBuf, DevI32, Elem, Gpu, Launch, Launched};
+use crate::error::{Error, Result};
+
+pub const MLA_DECODE_COMBINE: Sig = Sig::new(
+    "mla_decode_combine",
+    &[Bf16Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int],
+);
+pub const MLA_DECODE_COMBINE_ROWS: Sig = Sig::new(
+    "mla_decode_combine_rows",
+    &[Bf16Ptr, F32Ptr, Bf16Ptr, F32Ptr, Int, Int, Int, Int],
+);
+/// Every launcher's declaration here (compared with the `.cu` signatures by a test).
+pub const SIGNATURES: &[&Sig] = &[&MLA_DECODE_COMBINE, &MLA_DECODE_COMBINE_ROWS];
+
+/// The most splits the per-row merge takes (a split per lane).
+pub const COMBINE_ROWS_MAX: usize = 32;
+
+/// A split decode's merge: the partials it reads, the output it writes.
+pub struct Merge<'a> {
+    pub batch: usize,
+    pub heads: usize,
+    pub splits: usize,
+    /// [batch, splits, heads, 512] bf16 and [batch, splits, heads] f32.
+    pub part_o: &'a DevBuf,
+    pub part_lse: &'a DevBuf,
+    /// [batch, heads, 512] bf16 and [batch, heads] f32.
+    pub out: &'a DevBuf,
+    pub lse: &'a DevBuf,
+    pub faults: MergeFaults,
+}
+
+/// The faults the debugger plants in the split merges (kernels/mla_decode.cu, `FAULT_*`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MergeFaults {
+    /// lse-base-mismatch: the splits' natural-log LSEs weighed as base 2.
+    pub lse_base: bool,
+    /// skip-padded-rows: rows with no keys in any split (a batch's zero-length padding)
+    /// left unwritten.
+    pub skip_empty_rows: bool,
+}
+
+impl MergeFaults {
+    pub fn any(self) -> bool {
+        self.lse_base || self.skip_empty_rows
+    }
+
+    fn bits(self) -> Arg {
+        Arg::I32(i32::from(self.lse_base) | (i32::from(self.skip_empty_rows) << 1))
+    }
+}
+
+impl Gpu {
+    /// The counters argument of a wgmma decode's _gm form
+    /// ([`super::fast_kernels::Decode::grid_merge`]), checked to be one per (sequence, head
+    /// group) and at zero, for a wgmma kernel over more than one split, not paired, and for a
+    /// grid that fits the multiprocessors at once (one block each: its blocks wait for each
+    /// other, so a block left unplaced would be waited for forever). `groups`: sequences × head
+    /// groups, the blocks of one split.
+    pub(super) fn grid_merge_counters(
+        &self,
+        kernel: &str,
+        (splits, groups): (usize, usize),
+        pair_merge: bool,
+        counters: &DevI32,
+    ) -> Result<Arg> {
+        let blocks = splits * groups;
+        if !PAIR_MERGE_KERNELS.contains(&kernel)
+            || splits < 2
+            || pair_merge
+            || blocks > self.multiprocessors()
+        {
+            return Err(Error::invalid(format!(
+                "{}: {} splits over {blocks} blocks cannot merge in their own grid (more than one \
+                 split, no pairs, at most one block per multiprocessor: {})",
+                kernel,
+                splits,
+                self.multiprocessors()
+            )));
+        }
+        if counters.len() < groups || !counters.values_within(groups, 0, 1) {
+            return Err(Error::invalid(
+                "MLA decode: the grid merge's counters must be one per sequence and head group, \
+                 at zero",
+            ));
+        }
+        Ok(Arg::Ptr(I32Ptr, counters.ptr()))
+    }
+
+    /// Merges a split decode's partials (any decode: bf16, sparse or FP8 cache) into `out` and
+    /// `lse`: a warp per (sequence, head) when `per_row` (at most 32 splits), else a block per
+    /// (sequence, head, quarter of the dims).
+    pub fn mla_decode_merge(&self, m: &Merge, per_row: bool) -> Result<Launched> {
+        let (b, h, s) = (m.batch, m.heads, m.splits);
+        if b == 0 || h == 0 || !(1..=MAX_SPLITS).contains(&s) {
+            return Err(Error::invalid(format!(
+                "MLA decode merge: {b} sequences, {h} heads, {s} splits (1 to {MAX_SPLITS})"
+            )));
+        }
+        let mut args = vec![
+            need(
+                "MLA decode workspace",
+                m.part_o,
+                prod(&[b, s, h, LATENT])?,
+                Elem::Bf16,
+            )?,
+            need(
+                "MLA decode workspace",
+                m.part_lse,
+                prod(&[b, s, h])?,
+                Elem::F32,
+            )?,
+            need("MLA decode out", m.out, prod(&[b, h, LATENT])?, Elem::Bf16)?,
+            need("MLA decode lse", m.lse, prod(&[b, h])?, Elem::F32)?,
+            int(s, "splits")?,
+            int(h, "heads")?,
+        ];
+        let rows = prod(&[b, h])?;
+        if per_row {
+            if s > COMBINE_ROWS_MAX {
+                return Err(Error::invalid(
+                    "MLA decode: the per-row merge takes 32 splits",
+                ));
+            }
+            args.push(int(rows, "rows")?);
+            args.push(m.faults.bits());
+            let cfg = Launch {
+                grid: (blocks("MLA decode merge", rows.div_ceil(8))?, 1, 1),
+                block: 256,
+                shared: 0,
+            };
+            let sig = &MLA_DECODE_COMBINE_ROWS;
+            // SAFETY: warp w of block x merges row 8x + w < rows (the kernel returns past it),
+            // reading its ≤ 32 splits; extents checked above.
+            return unsafe { self.launch_dependent(sig, sig.pattern, cfg, &args) };
+        }
+        args.push(m.faults.bits());
+        let cfg = Launch {
+            grid: (
+                blocks("MLA decode merge", b)?,
+                blocks_yz("MLA decode merge", h)?,
+                (LATENT / 128) as u32,
+            ),
+            block: 256,
+            shared: 0,
+        };
+        let sig = &MLA_DECODE_COMBINE;
+        // SAFETY: block (b, h, quarter) reads the ≤ 256 splits of (b, h) (the kernel's shared
+        // array holds 256) and writes a quarter of out row (b, h); extents checked above. Both
+        // merges wait for the split kernel before they read its partials.
+        unsafe { self.launch_dependent(sig, sig.pattern, cfg, &args) }
+    }
+}
