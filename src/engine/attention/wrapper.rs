@@ -235,3 +235,50 @@ pub(super) fn run_attention(
         })
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::KernelLaunch;
+
+    fn launch(kernel: &str, splits: u32, grid_merge: bool) -> KernelLaunch {
+        KernelLaunch {
+            kernel: kernel.into(),
+            grid: [splits, 1, 1],
+            block: [256, 1, 1],
+            shared_bytes: 0,
+            splits,
+            cluster: 1,
+            grid_merge,
+        }
+    }
+
+    /// The launches the merge op reports for a split decode of `launches`.
+    fn merge_launches(launches: Vec<KernelLaunch>) -> Vec<String> {
+        let t = |shape: &[usize]| Tensor::zeros(shape).unwrap();
+        let fast = FastAttention {
+            lse: t(&[1, 8]),
+            partials: Some((t(&[1, 4, 8, 512]), t(&[1, 4, 8]))),
+            padding: None,
+            launches,
+            reads: Vec::new(),
+        };
+        let (sides, _, _) = sides(KernelOutput::Fast(Box::new(fast)), Some(t(&[1, 8, 512])));
+        let merge = sides.iter().find(|s| s.op == MERGE).expect("a merge op");
+        let info = merge.kernel.as_ref().unwrap();
+        info.launches.iter().map(|l| l.kernel.clone()).collect()
+    }
+
+    /// The merge op names the launch that merged: the merge kernel after the split kernel, or
+    /// the split kernel itself where its grid merged its splits.
+    #[test]
+    fn the_merge_op_names_the_launch_that_merged() {
+        let apart = vec![
+            launch("mla_decode_wgmma", 4, false),
+            launch("mla_decode_combine_rows", 1, false),
+        ];
+        assert_eq!(merge_launches(apart), ["mla_decode_combine_rows"]);
+        let in_grid = vec![launch("mla_decode_wgmma_gm", 4, true)];
+        assert_eq!(merge_launches(in_grid), ["mla_decode_wgmma_gm"]);
+    }
+}
