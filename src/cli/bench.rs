@@ -77,7 +77,7 @@ pub struct BenchArgs {
     #[arg(long, conflicts_with_all = UNREAD_BY_ATTACH.iter().chain(&["quick"]))]
     pub attach_verdict: bool,
     /// Also run the layers once more with the device synchronised after every op, and print the
-    /// slowest ops of the prefill and of a decode step (a profile: it serialises the run).
+    /// ops of the prefill and of a decode step, slowest first (a profile: it serialises the run).
     #[arg(long)]
     pub op_times: bool,
 }
