@@ -66,8 +66,9 @@ __device__ __noinline__ void grid_merge(int* counter, int splits, int split, con
     // pass, each by a team of warps / rows warps (at batch 1 × 8k, 64 splits of 64 heads: one
     // row, eight warps of eight splits each; at 8 splits of 64 heads: eight rows, a warp each).
     // Warp w of a team sums the team's splits w, w + team, ... over lane l's 16 dims (two
-    // 16-byte loads a split, read past L1: other blocks wrote those lines), then the team's
-    // sums meet in shared memory ([warps][512] floats, then each row's max and total).
+    // 16-byte loads a split, read past L1: other blocks wrote those lines), eight splits a
+    // batch, then the team's sums meet in shared memory ([warps][512] floats, then each row's
+    // max and total).
     float* info = scratch + warps * 512;
     const int mine = split < g.rows ? (g.rows - 1 - split) / splits + 1 : 0;
     for (int first = 0; first < mine; first += warps) {
@@ -75,33 +76,58 @@ __device__ __noinline__ void grid_merge(int* counter, int splits, int split, con
         if (i < in_pass) {
             const int row = split + (first + i) * splits, tw = warp % team;
             const float* lse = g.part_lse + row;
-            float top = -INFINITY;
-            for (int s = lane; s < splits; s += 32) top = fmaxf(top, __ldcg(lse + (u64)s * g.split_rows));
+            const bf16_t* base = g.part_o + (u64)row * 512 + 16 * lane;
+            // A batch: the warp's next BATCH splits s0, s0 + team, ...: every lane's 32 bytes
+            // of each one's row (a clamped split past the last is loaded and not used), and
+            // lane k's log-sum-exp of the k-th. The first batch is issued with the LSEs the
+            // row's maximum needs, so that both take one round trip, not two.
+            constexpr int BATCH = 8;
+            uint4 part[BATCH][2];
+            float own_lse = -INFINITY;
+            auto load_batch = [&](int s0) {
+#pragma unroll
+                for (int k = 0; k < BATCH; k++) {
+                    const uint4* src = (const uint4*)(base + (u64)min(s0 + k * team, splits - 1) * g.split_rows * 512);
+                    part[k][0] = __ldcg(src);
+                    part[k][1] = __ldcg(src + 1);
+                }
+                const int mine = s0 + lane * team;
+                own_lse = lane < BATCH && mine < splits ? __ldcg(lse + (u64)mine * g.split_rows) : -INFINITY;
+            };
+            load_batch(tw);
+            constexpr int CHUNKS = 8;  // LSEs of splits lane + 32c: up to 256 splits
+            static_assert(32 * CHUNKS >= 256, "every split's LSE is held");
+            float lv[CHUNKS], top = -INFINITY;
+#pragma unroll
+            for (int c = 0; c < CHUNKS; c++) {
+                const int s = lane + 32 * c;
+                lv[c] = s < splits ? __ldcg(lse + (u64)s * g.split_rows) : -INFINITY;
+                top = fmaxf(top, lv[c]);
+            }
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
             float total = 0.0f;
-            for (int s = lane; s < splits; s += 32) {
-                const float l = __ldcg(lse + (u64)s * g.split_rows);
-                total += l > -INFINITY ? expf(l - top) : 0.0f;
-            }
+#pragma unroll
+            for (int c = 0; c < CHUNKS; c++) total += lv[c] > -INFINITY ? expf(lv[c] - top) : 0.0f;
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
             float acc[16];
 #pragma unroll
             for (int k = 0; k < 16; k++) acc[k] = 0.0f;
-            const bf16_t* base = g.part_o + (u64)row * 512 + 16 * lane;
-#pragma unroll 4
-            for (int s = tw; s < splits; s += team) {
-                const float l = __ldcg(lse + (u64)s * g.split_rows);
-                const uint4* src = (const uint4*)(base + (u64)s * g.split_rows * 512);
-                const uint4 a = __ldcg(src), b = __ldcg(src + 1);
-                const float w = l > -INFINITY ? expf(l - top) : 0.0f;
-                if (w > 0.0f) {  // a split with no keys adds nothing (not even 0 · NaN)
-                    const unsigned words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            for (int s0 = tw; s0 < splits; s0 += BATCH * team) {
+                if (s0 != tw) load_batch(s0);
+                const float own_w = own_lse > -INFINITY ? expf(own_lse - top) : 0.0f;
 #pragma unroll
-                    for (int k = 0; k < 8; k++) {
-                        acc[2 * k] += w * __uint_as_float(words[k] << 16);
-                        acc[2 * k + 1] += w * __uint_as_float(words[k] & 0xffff0000u);
+                for (int k = 0; k < BATCH; k++) {
+                    const float w = __shfl_sync(0xffffffffu, own_w, k);
+                    if (s0 + k * team < splits && w > 0.0f) {  // a split with no keys adds nothing (not even 0 · NaN)
+                        const unsigned words[8] = {part[k][0].x, part[k][0].y, part[k][0].z, part[k][0].w,
+                                                   part[k][1].x, part[k][1].y, part[k][1].z, part[k][1].w};
+#pragma unroll
+                        for (int e = 0; e < 8; e++) {
+                            acc[2 * e] += w * __uint_as_float(words[e] << 16);
+                            acc[2 * e + 1] += w * __uint_as_float(words[e] & 0xffff0000u);
+                        }
                     }
                 }
             }
