@@ -8,7 +8,7 @@
 use super::device::fast_kernels::decode_block;
 pub use super::device::fast_kernels::PAIR_MERGE_KERNELS;
 use super::device::fast_kernels::{
-    env_count, switched_off, Decode, Merge, SparseKeys, COMBINE_ROWS_MAX,
+    env_count, switched_off, Decode, Merge, SparseKeys, SplitOutputs, COMBINE_ROWS_MAX,
 };
 pub use super::device::fast_kernels::{reads_query_by_tma, DecodeQuery, MergeFaults, MAX_SPLITS};
 pub use super::device::fast_kernels::{HEAD_GROUP, LATENT, PAGE, ROPE};
@@ -295,6 +295,16 @@ impl DecodeWork {
         self.make_partials(gpu)
     }
 
+    /// Where a launch of this plan writes: its partials, and `out` and `lse`.
+    pub(super) fn outputs<'a>(&'a self, out: &'a DevBuf, lse: &'a DevBuf) -> SplitOutputs<'a> {
+        SplitOutputs {
+            part_o: &self.part_o,
+            part_lse: &self.part_lse,
+            out,
+            lse,
+        }
+    }
+
     /// The split partials the launch left, as device buffers: outputs [batch, splits, heads,
     /// 512] in bf16 and natural log-sum-exps [batch, splits, heads] in f32 (meaningful when it
     /// split the keys).
@@ -439,10 +449,7 @@ pub(super) fn decode_launches(
         seq_lens,
         sparse,
         scale_log2: scale * std::f32::consts::LOG2_E,
-        part_o: &work.part_o,
-        part_lse: &work.part_lse,
-        out,
-        lse,
+        outputs: work.outputs(out, lse),
         pair_merge: work.pairs_splits(gpu),
         grid_merge: work.arrivals.as_ref().filter(|_| work.merges_in_grid(gpu)),
     };
@@ -478,10 +485,7 @@ pub(super) fn with_merge(
         batch: shape.batch,
         heads: shape.heads,
         splits: work.splits,
-        part_o: &work.part_o,
-        part_lse: &work.part_lse,
-        out,
-        lse,
+        outputs: work.outputs(out, lse),
         faults: work.merge_faults,
     };
     let merge = traced(gpu.mla_decode_merge(&merge, per_row)?, 1);

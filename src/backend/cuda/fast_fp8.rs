@@ -287,10 +287,7 @@ pub(super) fn fp8_launches(
         seq_lens,
         sparse,
         scale_log2: scale * std::f32::consts::LOG2_E,
-        part_o: &work.part_o,
-        part_lse: &work.part_lse,
-        out,
-        lse,
+        outputs: work.outputs(out, lse),
     };
     let split = traced(gpu.mla_decode_fp8_splits(&launch)?, work.splits);
     with_merge(gpu, shape, work, split, out, lse)

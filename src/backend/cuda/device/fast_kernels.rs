@@ -5,7 +5,7 @@
 //! here.
 
 use super::kernels::{blocks, blocks_yz, need, prod};
-pub use super::merge_kernels::{Merge, MergeFaults, COMBINE_ROWS_MAX};
+pub use super::merge_kernels::{Merge, MergeFaults, SplitOutputs, COMBINE_ROWS_MAX};
 use super::signature::{Param::*, Sig};
 use super::{Arg, DevBuf, DevI32, Elem, Gpu, Launch, Launched};
 use crate::error::{Error, Result};
@@ -151,12 +151,7 @@ pub struct Decode<'a> {
     /// The key lists of a sparse kernel; `None` for the dense ones.
     pub sparse: Option<SparseKeys<'a>>,
     pub scale_log2: f32,
-    /// [batch, splits, heads, 512] bf16 and [batch, splits, heads] f32.
-    pub part_o: &'a DevBuf,
-    pub part_lse: &'a DevBuf,
-    /// [batch, heads, 512] bf16 and [batch, heads] f32.
-    pub out: &'a DevBuf,
-    pub lse: &'a DevBuf,
+    pub outputs: SplitOutputs<'a>,
     /// Two splits launched as clusters of two blocks that merge each other's results into `out`
     /// and `lse` (no partials, no merge kernel): the wgmma kernels at exactly two splits.
     pub pair_merge: bool,
@@ -231,10 +226,8 @@ struct DecodeArgs {
     lens: Arg,
     /// The key lists and their row length (sparse kernels only).
     sparse: Option<[Arg; 2]>,
-    part_o: Arg,
-    part_lse: Arg,
-    out: Arg,
-    lse: Arg,
+    /// [part_o, part_lse, out, lse] ([`SplitOutputs::args`]).
+    outputs: [Arg; 4],
 }
 
 impl Decode<'_> {
@@ -318,37 +311,9 @@ impl Decode<'_> {
             table: Arg::Ptr(I32Ptr, self.block_table.ptr()),
             lens: Arg::Ptr(I32Ptr, self.seq_lens.ptr()),
             sparse,
-            // Partials are written only by a split launch that the merge kernel merges.
-            part_o: need(
-                "MLA decode workspace",
-                self.part_o,
-                partials(&[b, s, h, LATENT], s > 1 && !self.pair_merge)?,
-                Elem::Bf16,
-            )?,
-            part_lse: need(
-                "MLA decode workspace",
-                self.part_lse,
-                partials(&[b, s, h], s > 1 && !self.pair_merge)?,
-                Elem::F32,
-            )?,
-            out: need(
-                "MLA decode out",
-                self.out,
-                prod(&[b, h, LATENT])?,
-                Elem::Bf16,
-            )?,
-            lse: need("MLA decode lse", self.lse, prod(&[b, h])?, Elem::F32)?,
+            // Partials are written by a split launch that does not pair its splits.
+            outputs: self.outputs.args((b, s, h), s > 1 && !self.pair_merge)?,
         })
-    }
-}
-
-/// The elements of a split decode's partials of shape `dims` that a launch touches: all of
-/// them where it `writes` partials, none where it writes its result itself.
-pub(super) fn partials(dims: &[usize], writes: bool) -> Result<usize> {
-    if writes {
-        prod(dims)
-    } else {
-        Ok(0)
     }
 }
 
@@ -425,15 +390,16 @@ impl Gpu {
         args.extend(a.q.filter(|_| !q_tma));
         args.extend([a.cache, a.table, int(d.max_pages, "pages")?]);
         args.extend(a.sparse.into_iter().flatten());
+        let [part_o, part_lse, out, lse] = a.outputs;
         args.extend([
             a.lens,
             Arg::F32(d.scale_log2),
-            a.part_o,
-            a.part_lse,
+            part_o,
+            part_lse,
             int(d.splits, "splits")?,
             int(d.heads, "heads")?,
-            a.out,
-            a.lse,
+            out,
+            lse,
         ]);
         let (group, threads) = decode_block(d.kernel);
         let groups = d.heads.div_ceil(group);

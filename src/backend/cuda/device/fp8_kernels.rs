@@ -8,7 +8,8 @@
 //! is checked here; the variant and split count are `cuda::fast_fp8`'s.
 
 use super::fast_kernels::{
-    decode_block, key_list_args, partials, DecodeQuery, SparseKeys, LATENT, MAX_SPLITS, PAGE, ROPE,
+    decode_block, key_list_args, DecodeQuery, SparseKeys, SplitOutputs, LATENT, MAX_SPLITS, PAGE,
+    ROPE,
 };
 use super::kernels::{blocks, blocks_yz, int, need, need_bytes, need_i32, prod, FILL_U32};
 use super::signature::{Param::*, Sig};
@@ -187,12 +188,7 @@ pub struct Fp8Decode<'a> {
     /// The key lists of a sparse kernel ([`MLA_SPARSE_FP8`]); `None` for the dense ones.
     pub sparse: Option<SparseKeys<'a>>,
     pub scale_log2: f32,
-    /// [batch, splits, heads, 512] f32 and [batch, splits, heads] f32.
-    pub part_o: &'a DevBuf,
-    pub part_lse: &'a DevBuf,
-    /// [batch, heads, 512] bf16 and [batch, heads] f32.
-    pub out: &'a DevBuf,
-    pub lse: &'a DevBuf,
+    pub outputs: SplitOutputs<'a>,
 }
 
 /// The checked pointers of a launch: q, cache, table, lens, part_o, part_lse, out, lse, and
@@ -229,6 +225,7 @@ impl Fp8Decode<'_> {
                 if sparse.is_some() { "no " } else { "" }
             )));
         }
+        let [part_o, part_lse, out, lse] = self.outputs.args((b, s, h), s > 1)?;
         let dense = [
             need(
                 "MLA decode q",
@@ -244,25 +241,10 @@ impl Fp8Decode<'_> {
                 Some((0, pages)),
             )?,
             need_i32("MLA decode lengths", self.seq_lens, b, Some((0, longest)))?,
-            need(
-                "MLA decode workspace",
-                self.part_o,
-                partials(&[b, s, h, LATENT], s > 1)?,
-                Elem::Bf16,
-            )?,
-            need(
-                "MLA decode workspace",
-                self.part_lse,
-                partials(&[b, s, h], s > 1)?,
-                Elem::F32,
-            )?,
-            need(
-                "MLA decode out",
-                self.out,
-                prod(&[b, h, LATENT])?,
-                Elem::Bf16,
-            )?,
-            need("MLA decode lse", self.lse, prod(&[b, h])?, Elem::F32)?,
+            part_o,
+            part_lse,
+            out,
+            lse,
         ];
         Ok((dense, sparse))
     }

@@ -22,17 +22,59 @@ pub const SIGNATURES: &[&Sig] = &[&MLA_DECODE_COMBINE, &MLA_DECODE_COMBINE_ROWS]
 /// The most splits the per-row merge takes (a split per lane).
 pub const COMBINE_ROWS_MAX: usize = 32;
 
+/// Where a split decode writes (any decode: bf16, sparse or FP8 cache, and its merge): each
+/// split's partials and the merged result.
+#[derive(Clone, Copy)]
+pub struct SplitOutputs<'a> {
+    /// [batch, splits, heads, 512] bf16 and [batch, splits, heads] f32 (natural log-sum-exps):
+    /// each split's normalised output, which the merge reads.
+    pub part_o: &'a DevBuf,
+    pub part_lse: &'a DevBuf,
+    /// [batch, heads, 512] bf16 and [batch, heads] f32: the merged result.
+    pub out: &'a DevBuf,
+    pub lse: &'a DevBuf,
+}
+
+impl SplitOutputs<'_> {
+    /// The four pointers [part_o, part_lse, out, lse] of a launch over `batch` sequences,
+    /// `splits` and `heads`, each checked to hold what it touches; `partials`: whether the
+    /// launch touches the partials (a launch that writes its result itself may pass empty ones).
+    pub(super) fn args(
+        &self,
+        (b, s, h): (usize, usize, usize),
+        partials: bool,
+    ) -> Result<[Arg; 4]> {
+        let touched = |dims: &[usize]| if partials { prod(dims) } else { Ok(0) };
+        Ok([
+            need(
+                "MLA decode workspace",
+                self.part_o,
+                touched(&[b, s, h, LATENT])?,
+                Elem::Bf16,
+            )?,
+            need(
+                "MLA decode workspace",
+                self.part_lse,
+                touched(&[b, s, h])?,
+                Elem::F32,
+            )?,
+            need(
+                "MLA decode out",
+                self.out,
+                prod(&[b, h, LATENT])?,
+                Elem::Bf16,
+            )?,
+            need("MLA decode lse", self.lse, prod(&[b, h])?, Elem::F32)?,
+        ])
+    }
+}
+
 /// A split decode's merge: the partials it reads, the output it writes.
 pub struct Merge<'a> {
     pub batch: usize,
     pub heads: usize,
     pub splits: usize,
-    /// [batch, splits, heads, 512] bf16 and [batch, splits, heads] f32.
-    pub part_o: &'a DevBuf,
-    pub part_lse: &'a DevBuf,
-    /// [batch, heads, 512] bf16 and [batch, heads] f32.
-    pub out: &'a DevBuf,
-    pub lse: &'a DevBuf,
+    pub outputs: SplitOutputs<'a>,
     pub faults: MergeFaults,
 }
 
@@ -103,24 +145,8 @@ impl Gpu {
                 "MLA decode merge: {b} sequences, {h} heads, {s} splits (1 to {MAX_SPLITS})"
             )));
         }
-        let mut args = vec![
-            need(
-                "MLA decode workspace",
-                m.part_o,
-                prod(&[b, s, h, LATENT])?,
-                Elem::Bf16,
-            )?,
-            need(
-                "MLA decode workspace",
-                m.part_lse,
-                prod(&[b, s, h])?,
-                Elem::F32,
-            )?,
-            need("MLA decode out", m.out, prod(&[b, h, LATENT])?, Elem::Bf16)?,
-            need("MLA decode lse", m.lse, prod(&[b, h])?, Elem::F32)?,
-            int(s, "splits")?,
-            int(h, "heads")?,
-        ];
+        let mut args = m.outputs.args((b, s, h), true)?.to_vec();
+        args.extend([int(s, "splits")?, int(h, "heads")?]);
         let rows = prod(&[b, h])?;
         if per_row {
             if s > COMBINE_ROWS_MAX {
