@@ -255,7 +255,7 @@ fn check_is_clean_on_the_fast_kernels_of_every_decode_variant() {
         flags.kernels.decode = Some(kernel.parse::<DecodeVariant>().unwrap());
         let report = check_clean(&j, flags, kernel);
         let decoded = latent_kernel(&report.run, Phase::Decode(0));
-        assert_eq!(decoded.launches[0].kernel, kernel, "{decoded}");
+        assert_eq!(decoded.launches[0].variant_kernel(), kernel, "{decoded}");
         eprintln!("{kernel}: clean; {decoded}");
     }
 }
@@ -503,7 +503,7 @@ fn a_sparse_selection_runs_the_sparse_decode_and_check_is_clean() {
         flags.kernels.decode = Some(dense.parse::<DecodeVariant>().unwrap());
         let report = check_clean(&j, flags, sparse);
         let decoded = latent_kernel(&report.run, Phase::Decode(0));
-        assert_eq!(decoded.launches[0].kernel, sparse, "{decoded}");
+        assert_eq!(decoded.launches[0].variant_kernel(), sparse, "{decoded}");
         assert!(decoded.reference.is_none(), "{decoded}");
         // The naive prefill declines the sparse selection and says so.
         let prefill = event(&report.run, Phase::Prefill, "attn_output");

@@ -243,6 +243,17 @@ fn one() -> u32 {
     1
 }
 
+impl KernelLaunch {
+    /// The variant's kernel the launch ran: its name, with the form that merges its splits in
+    /// its own grid (`mla_decode_wgmma_gm`) read as the kernel it is a form of.
+    pub fn variant_kernel(&self) -> &str {
+        match self.grid_merge {
+            true => self.kernel.strip_suffix("_gm").unwrap_or(&self.kernel),
+            false => &self.kernel,
+        }
+    }
+}
+
 impl fmt::Display for KernelLaunch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let [gx, gy, gz] = self.grid;
@@ -372,6 +383,8 @@ mod tests {
             in_grid.to_string(),
             "mla_decode_wgmma_gm grid (64,1,1) block (256,1,1) smem 222000 B splits 64 merged in the grid"
         );
+        assert_eq!(in_grid.variant_kernel(), "mla_decode_wgmma");
+        assert_eq!(paired.variant_kernel(), "mla_decode_wgmma");
         let declined = KernelInfo {
             launches: vec![],
             reference: Some("latent width 64 (built for 512)".into()),
