@@ -91,8 +91,8 @@ __device__ __noinline__ void grid_merge(int* counter, int splits, int split, con
                     part[k][0] = __ldcg(src);
                     part[k][1] = __ldcg(src + 1);
                 }
-                const int mine = s0 + lane * team;
-                own_lse = lane < BATCH && mine < splits ? __ldcg(lse + (u64)mine * g.split_rows) : -INFINITY;
+                const int own = s0 + lane * team;  // lane k < BATCH: the batch's k-th split
+                own_lse = lane < BATCH && own < splits ? __ldcg(lse + (u64)own * g.split_rows) : -INFINITY;
             };
             load_batch(tw);
             constexpr int CHUNKS = 8;  // LSEs of splits lane + 32c: up to 256 splits

@@ -222,7 +222,7 @@ fn run_decode(
     );
     assert_eq!(launches[0].grid_merge, in_grid, "{launches:?}");
     assert_eq!(
-        launches[0].kernel.ends_with("_gm"),
+        launches[0].kernel.ends_with(mladb::ops::GRID_MERGE_SUFFIX),
         in_grid,
         "the grid-merging form runs where the grid merges: {launches:?}"
     );
@@ -337,16 +337,12 @@ fn every_variant_matches(
     for variant in variants {
         for &splits in std::iter::once(&chosen).chain(splits) {
             let mut work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
-            for in_grid in [false, true] {
-                work.ask_grid_merge(gpu, in_grid).unwrap();
-                if in_grid && !grid_merge_runs(gpu, shape, &work) {
-                    continue;
-                }
-                let got = run_decode(gpu, shape, &input, &work);
+            each_merge(gpu, shape, &mut work, |work, in_grid| {
+                let got = run_decode(gpu, shape, &input, work);
                 let what = format!("{variant}, {splits} splits, grid merge {in_grid}, {what}");
                 if in_grid {
                     // Its counters went back to zero: a second launch merges as the first.
-                    let again = run_decode(gpu, shape, &input, &work);
+                    let again = run_decode(gpu, shape, &input, work);
                     assert!(again == got, "{what}: a second launch differs");
                 }
                 let worst = check_decode(
@@ -358,7 +354,23 @@ fn every_variant_matches(
                 );
                 eprintln!("decode {what}: worst relative error {worst:.2e}");
                 assert!(worst < 1e-2, "decode {what}: relative error {worst}");
-            }
+            });
+        }
+    }
+}
+
+/// Runs `f` on the plan with the merge kernel, then again with the grid merge where the plan
+/// can run it (`f` is told which).
+fn each_merge(
+    gpu: &Gpu,
+    shape: DecodeShape,
+    work: &mut DecodeWork,
+    mut f: impl FnMut(&DecodeWork, bool),
+) {
+    for in_grid in [false, true] {
+        work.ask_grid_merge(gpu, in_grid).unwrap();
+        if !in_grid || grid_merge_runs(gpu, shape, work) {
+            f(work, in_grid);
         }
     }
 }
@@ -929,12 +941,8 @@ fn sparse_decode_matches_reference() {
             for splits in [chosen, 1, 2, 3, 16, 40] {
                 let mut work = DecodeWork::sparse(gpu, shape, Some(splits), Some(variant)).unwrap();
                 assert_eq!(work.kernel, *variant);
-                for in_grid in [false, true] {
-                    work.ask_grid_merge(gpu, in_grid).unwrap();
-                    if in_grid && !grid_merge_runs(gpu, shape, &work) {
-                        continue;
-                    }
-                    let got = run_decode(gpu, shape, &input, &work);
+                each_merge(gpu, shape, &mut work, |work, in_grid| {
+                    let got = run_decode(gpu, shape, &input, work);
                     let what = format!(
                         "{variant}, {heads} heads, {splits} splits, grid merge {in_grid} (seed {seed})"
                     );
@@ -947,7 +955,7 @@ fn sparse_decode_matches_reference() {
                     );
                     eprintln!("sparse decode {what}: worst relative error {worst:.2e}");
                     assert!(worst < 1e-2, "sparse decode {what}: relative error {worst}");
-                }
+                });
             }
         }
     }

@@ -129,7 +129,7 @@ impl std::str::FromStr for DecodeVariant {
             .unwrap_or(s);
         let tag = tag.strip_prefix("fp8_").unwrap_or(tag);
         let tag = tag.strip_suffix("_fp8").unwrap_or(tag);
-        let tag = tag.strip_suffix("_gm").unwrap_or(tag);
+        let tag = tag.strip_suffix(GRID_MERGE_SUFFIX).unwrap_or(tag);
         DecodeVariant::ALL
             .into_iter()
             .find(|v| v.tag() == tag)
@@ -248,7 +248,10 @@ impl KernelLaunch {
     /// its own grid (`mla_decode_wgmma_gm`) read as the kernel it is a form of.
     pub fn variant_kernel(&self) -> &str {
         match self.grid_merge {
-            true => self.kernel.strip_suffix("_gm").unwrap_or(&self.kernel),
+            true => self
+                .kernel
+                .strip_suffix(GRID_MERGE_SUFFIX)
+                .unwrap_or(&self.kernel),
             false => &self.kernel,
         }
     }
@@ -280,6 +283,10 @@ impl fmt::Display for KernelLaunch {
 /// (`mla_decode_ks3_o32`): the launcher runs them in place of the device's variant when the
 /// fault is injected, and the debugger recognises them in the trace by it.
 pub const PLANTED_OFFSET32: &str = "_o32";
+
+/// The name suffix of a wgmma decode's form that merges its splits in its own grid
+/// (`mla_decode_wgmma_gm`): the launcher runs it where the grid merge is asked for and can run.
+pub const GRID_MERGE_SUFFIX: &str = "_gm";
 
 /// Which kernels ran an attention op: their launches (the split kernel, then the merge), or that
 /// the reference kernel ran and why (the flag asked for it, or the fast kernel declined).

@@ -38,7 +38,7 @@ pub(super) fn traced(l: Launched, splits: usize) -> KernelLaunch {
         shared_bytes: l.shared,
         splits: splits as u32,
         cluster: l.cluster,
-        grid_merge: false,
+        grid_merge: l.grid_merge,
     }
 }
 
@@ -453,12 +453,9 @@ pub(super) fn decode_launches(
         pair_merge: work.pairs_splits(gpu),
         grid_merge: work.arrivals.as_ref().filter(|_| work.merges_in_grid(gpu)),
     };
-    let mut split = traced(gpu.mla_decode_splits(&launch)?, work.splits);
-    if launch.pair_merge {
-        return Ok(vec![split]);
-    }
-    if launch.grid_merge.is_some() {
-        split.grid_merge = true;
+    let split = traced(gpu.mla_decode_splits(&launch)?, work.splits);
+    // Splits merged inside the kernel (pairs in clusters, or by the grid): no merge kernel.
+    if launch.pair_merge || split.grid_merge {
         return Ok(vec![split]);
     }
     with_merge(gpu, shape, work, split, out, lse)

@@ -9,6 +9,7 @@ pub use super::merge_kernels::{Merge, MergeFaults, SplitOutputs, COMBINE_ROWS_MA
 use super::signature::{Param::*, Sig};
 use super::{Arg, DevBuf, DevI32, Elem, Gpu, Launch, Launched};
 use crate::error::{Error, Result};
+use crate::ops::GRID_MERGE_SUFFIX;
 use std::sync::OnceLock;
 
 const DECODE: [super::signature::Param; 12] = [
@@ -52,8 +53,6 @@ pub const MLA_SPARSE_WGMMA: Sig = Sig::new("mla_sparse_wgmma", &SPARSE_WGMMA);
 /// and [`GRID_MERGE_SUFFIX`].
 pub const MLA_DECODE_WGMMA_GM: Sig = Sig::new("mla_decode_wgmma_gm", &DECODE_WGMMA_GM);
 pub const MLA_SPARSE_WGMMA_GM: Sig = Sig::new("mla_sparse_wgmma_gm", &SPARSE_WGMMA_GM);
-/// The name suffix of a wgmma decode that merges its splits in its own grid.
-pub const GRID_MERGE_SUFFIX: &str = "_gm";
 pub const MLA_SPARSE_TILED: Sig = Sig::new("mla_sparse_t*", &SPARSE);
 pub const MLA_SPARSE_SPLIT_K: Sig = Sig::new("mla_sparse_ks*", &SPARSE);
 pub const MLA_SPARSE_FEW_HEADS: Sig = Sig::new("mla_sparse_h*", &SPARSE);
@@ -447,27 +446,31 @@ impl Gpu {
             // `dependent`, as the dependent launch below (the pair kernels wait too).
             return unsafe { self.launch_cluster(sig, d.kernel, cfg, &args, 2, dependent) };
         }
-        if dependent {
-            // SAFETY: as the plain launch below; the kernel reads and writes nothing before its
+        let launched = if dependent {
+            // SAFETY: as the plain launch; the kernel reads and writes nothing before its
             // `wait_for_prior_kernel`. With `grid_merge`, each block also counts on its
             // (sequence, group)'s counter and waits for the group's other splits, which
             // `grid_merge_counters` checked to fit the device at once, then writes `out` and
             // `lse` for a share of the group's heads from the partials (inside their extents,
             // checked in `check`).
-            return unsafe { self.launch_dependent(sig, name, cfg, &args) };
-        }
-        // SAFETY: block (split, b, group) reads the group's heads of q of sequence b (the last
-        // group's rows past `heads` are zeroed in shared memory, not read; the wgmma kernels'
-        // TMA box reads the rows after them inside q, zeros past its end, and never writes
-        // their results), pages
-        // bt[b][0..⌈len_b/64⌉] of the cache (table entries in 0..pages, lengths ≤ max_pages·64:
-        // the uploaded ranges) or, sparse, entries 0..len_b ≤ topk of row b of the key lists and
-        // the pages bt[b][pos/64] of their positions pos ≥ 0 (all < max_pages·64), and writes
-        // its split's partials (or out and lse) for those heads only; every extent checked in
-        // `check`. A kernel with page-index-overflow planted reads row offsets taken modulo
-        // 4 GiB, inside the cache because `check` wants it larger than 4 GiB. With
-        // `grid_merge`, as the dependent launch above says.
-        unsafe { self.launch_traced(sig, name, cfg, &args) }
+            unsafe { self.launch_dependent(sig, name, cfg, &args) }
+        } else {
+            // SAFETY: block (split, b, group) reads the group's heads of q of sequence b (the last
+            // group's rows past `heads` are zeroed in shared memory, not read; the wgmma kernels'
+            // TMA box reads the rows after them inside q, zeros past its end, and never writes
+            // their results), pages bt[b][0..⌈len_b/64⌉] of the cache (table entries in 0..pages,
+            // lengths ≤ max_pages·64: the uploaded ranges) or, sparse, entries 0..len_b ≤ topk of
+            // row b of the key lists and the pages bt[b][pos/64] of their positions pos ≥ 0 (all <
+            // max_pages·64), and writes its split's partials (or out and lse) for those heads only;
+            // every extent checked in `check`. A kernel with page-index-overflow planted reads row
+            // offsets taken modulo 4 GiB, inside the cache because `check` wants it larger than
+            // 4 GiB. With `grid_merge`, as the dependent launch says.
+            unsafe { self.launch_traced(sig, name, cfg, &args) }
+        }?;
+        Ok(Launched {
+            grid_merge: d.grid_merge.is_some(),
+            ..launched
+        })
     }
 }
 
