@@ -48,9 +48,6 @@
 // with one more arrival. Every warp looks the 32 rows of a tile up a tile ahead (lane r: row r;
 // list entry two tiles ahead, page one tile ahead), so the lookups never stall.
 //
-// A small grid (batch 1, say) may merge its splits itself, with no merge kernel after it: the
-// _gm kernels, given a counter per (sequence, head group) (grid_merge.cuh).
-//
 // Handshakes:
 //   full[s]  (TMA barrier) tile in stage s landed: both warpgroups wait on its phase
 //   EMPTY[s] warpgroup 0 is done with stage s   (0 arrives, 1 waits before reloading it)
@@ -117,7 +114,6 @@ static_assert(W_HEADS * 520 * 4 <= W_FP8_STAGES * W_TILE_BYTES + W_RAW_STAGES * 
 template <int H> using Half = Const<H>;
 
 #include "pair_merge_sm90.cuh"
-#include "grid_merge.cuh"
 
 // A 16-byte cp.async that copies zeros instead when `real` is false (nothing is read then), and
 // the arrival on a barrier once this thread's earlier cp.async writes have landed.
@@ -181,10 +177,10 @@ __device__ __forceinline__ void second_half_pv(float* o, float alpha0, float alp
 // the conversion adds the raw tile's reads and the bf16 tile's stores (57 KB) to the MMAs'
 // 144 KB; with no copies at all it took 197 µs at batch 64 × 8k, 64 heads (the bf16 kernel
 // 166 µs with its whole cache traffic).
-template <bool SPARSE, bool FP8, bool GRID_MERGE = false>
+template <bool SPARSE, bool FP8>
 __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaMap* q_map, const TmaMap* qpe_map, const void* cache_bytes, const int* block_table, int max_pages,
                                              const int* indices, int topk, const int* seq_lens, float scale_log2, bf16_t* part_o,
-                                             float* part_lse, int splits, int total_heads, bf16_t* out, float* lse_out, int* arrivals) {
+                                             float* part_lse, int splits, int total_heads, bf16_t* out, float* lse_out) {
     // The swizzled stages need 1024-byte alignment; the host gives 1 KB of slack for it.
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -245,18 +241,9 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
     // still takes part, with no tiles.
     const bool pair = cluster_ctas() == 2;
     if (pair && splits != 2) __trap();  // the launcher pairs exactly two splits
-    // GRID_MERGE (the _gm kernels: bf16, more than one split, no pair): the grid merges its own
-    // splits (grid_merge.cuh), sequence b's group counting on its counter in `arrivals`, after
-    // the partials below. A template flag, so that the kernels without it stay as they were.
-    auto merge_in_grid = [&]() {
-        const GridMergeRows rows{part_o + ((u64)b * splits * total_heads + head0) * W_DV, part_lse + (u64)b * splits * total_heads + head0,
-                                 out + ((u64)b * total_heads + head0) * W_DV, lse_out + (u64)b * total_heads + head0, heads_here, total_heads};
-        grid_merge(arrivals + (u64)b * gridDim.z + blockIdx.z, splits, split, rows, (float*)(smem + W_Q_BYTES));
-    };
     if (t_begin >= t_end && !pair) {  // an empty split (or sequence): nothing to attend to
         decode_empty_split(heads_here, W_DV, splits, (u64)b * total_heads + head0, out_row, out, lse_out, part_o, part_lse);
         if (threadIdx.x == 0) mbar_wait(mbar_q, 0);  // the query's copy lands before the block leaves
-        if constexpr (GRID_MERGE) merge_in_grid();
         return;
     }
 
@@ -571,7 +558,6 @@ __device__ __forceinline__ void decode_wgmma(const TmaMap* cache_map, const TmaM
         }
         bulk_store_wait();
     }
-    if constexpr (GRID_MERGE) merge_in_grid();
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __grid_constant__ TmaMap cache_map, const __grid_constant__ TmaMap q_map,
@@ -580,18 +566,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(const __gr
                                                                    bf16_t* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                    float* lse_out) {
     decode_wgmma<false, false>(&cache_map, &q_map, &qpe_map, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits, total_heads, out,
-                        lse_out, nullptr);
-}
-
-// The same merging its splits in its own grid (grid_merge.cuh): `arrivals`, a zeroed counter
-// per (sequence, head group).
-extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma_gm(const __grid_constant__ TmaMap cache_map, const __grid_constant__ TmaMap q_map,
-                                                                      const __grid_constant__ TmaMap qpe_map, const bf16_t* cache,
-                                                                      const int* block_table, int max_pages, const int* seq_lens, float scale_log2,
-                                                                      bf16_t* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
-                                                                      float* lse_out, int* arrivals) {
-    decode_wgmma<false, false, true>(&cache_map, &q_map, &qpe_map, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits,
-                                     total_heads, out, lse_out, arrivals);
+                        lse_out);
 }
 
 // The sparse twin: lens[b] is the length of row b of `indices` ([batch, topk] positions, -1
@@ -601,15 +576,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma(const __gr
                                                                    bf16_t* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                    float* lse_out) {
     decode_wgmma<true, false>(nullptr, &q_map, &qpe_map, cache, block_table, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits, total_heads, out,
-                       lse_out, nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma_gm(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap qpe_map, const bf16_t* cache,
-                                                                      const int* block_table, int max_pages, const int* indices, int topk,
-                                                                      const int* lens, float scale_log2, bf16_t* part_o, float* part_lse,
-                                                                      int splits, int total_heads, bf16_t* out, float* lse_out, int* arrivals) {
-    decode_wgmma<true, false, true>(nullptr, &q_map, &qpe_map, cache, block_table, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits,
-                                    total_heads, out, lse_out, arrivals);
+                       lse_out);
 }
 
 // The FP8-cache forms (fp8_ds_mla rows converted by warpgroup 1, see decode_wgmma): the query by
@@ -619,7 +586,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma_fp8(const 
                                                                        const int* seq_lens, float scale_log2, bf16_t* part_o, float* part_lse,
                                                                        int splits, int total_heads, bf16_t* out, float* lse_out) {
     decode_wgmma<false, true>(nullptr, &q_map, &qpe_map, cache, block_table, max_pages, nullptr, 0, seq_lens, scale_log2, part_o, part_lse, splits,
-                              total_heads, out, lse_out, nullptr);
+                              total_heads, out, lse_out);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma_fp8(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap qpe_map,
@@ -628,5 +595,5 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_sparse_wgmma_fp8(const 
                                                                        bf16_t* part_o, float* part_lse, int splits, int total_heads, bf16_t* out,
                                                                        float* lse_out) {
     decode_wgmma<true, true>(nullptr, &q_map, &qpe_map, cache, block_table, max_pages, indices, topk, lens, scale_log2, part_o, part_lse, splits,
-                             total_heads, out, lse_out, nullptr);
+                             total_heads, out, lse_out);
 }

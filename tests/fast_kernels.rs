@@ -206,25 +206,13 @@ fn run_decode(
             work.kernel
         );
     }
-    // A grid that merges its own splits launches no merge kernel either.
-    let in_grid = work.merges_in_grid(gpu);
-    let want_launches = if work.splits == 1 || paired || in_grid {
-        1
-    } else {
-        2
-    };
+    let want_launches = if work.splits == 1 || paired { 1 } else { 2 };
     assert_eq!(
         launches.len(),
         want_launches,
         "{}, {} splits: {launches:?}",
         work.kernel,
         work.splits
-    );
-    assert_eq!(launches[0].grid_merge, in_grid, "{launches:?}");
-    assert_eq!(
-        launches[0].kernel.ends_with(mladb::ops::GRID_MERGE_SUFFIX),
-        in_grid,
-        "the grid-merging form runs where the grid merges: {launches:?}"
     );
     let mut got = gpu.download(&out).unwrap();
     let mut got_lse = gpu.download(&lse).unwrap();
@@ -336,63 +324,20 @@ fn every_variant_matches(
     assert!(!variants.is_empty(), "no decode variant fits the device");
     for variant in variants {
         for &splits in std::iter::once(&chosen).chain(splits) {
-            let mut work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
-            each_merge(gpu, shape, &mut work, |work, in_grid| {
-                let got = run_decode(gpu, shape, &input, work);
-                let what = format!("{variant}, {splits} splits, grid merge {in_grid}, {what}");
-                if in_grid {
-                    // Its counters went back to zero: a second launch merges as the first.
-                    let again = run_decode(gpu, shape, &input, work);
-                    assert!(again == got, "{what}: a second launch differs");
-                }
-                let worst = check_decode(
-                    (&got.0, &got.1),
-                    lens,
-                    heads,
-                    |b, h| &want[b * heads + h],
-                    &what,
-                );
-                eprintln!("decode {what}: worst relative error {worst:.2e}");
-                assert!(worst < 1e-2, "decode {what}: relative error {worst}");
-            });
+            let work = DecodeWork::with_variant(gpu, shape, splits, Some(variant)).unwrap();
+            let got = run_decode(gpu, shape, &input, &work);
+            let what = format!("{variant}, {splits} splits, {what}");
+            let worst = check_decode(
+                (&got.0, &got.1),
+                lens,
+                heads,
+                |b, h| &want[b * heads + h],
+                &what,
+            );
+            eprintln!("decode {what}: worst relative error {worst:.2e}");
+            assert!(worst < 1e-2, "decode {what}: relative error {worst}");
         }
     }
-}
-
-/// Runs `f` on the plan with the merge kernel, then again with the grid merge where the plan
-/// can run it (`f` is told which).
-fn each_merge(
-    gpu: &Gpu,
-    shape: DecodeShape,
-    work: &mut DecodeWork,
-    mut f: impl FnMut(&DecodeWork, bool),
-) {
-    for in_grid in [false, true] {
-        work.ask_grid_merge(gpu, in_grid).unwrap();
-        if !in_grid || grid_merge_runs(gpu, shape, work) {
-            f(work, in_grid);
-        }
-    }
-}
-
-/// Whether a plan that asked for the grid merge runs it, checked against where it must: the
-/// wgmma kernels (sm_90) over more than one split, unpaired, no merge fault, the grid's blocks
-/// at most the multiprocessors.
-fn grid_merge_runs(gpu: &Gpu, shape: DecodeShape, work: &DecodeWork) -> bool {
-    let blocks = work.splits * shape.batch * shape.heads.div_ceil(HEAD_GROUP);
-    let can = fast::PAIR_MERGE_KERNELS.contains(&work.kernel)
-        && work.splits > 1
-        && !work.pairs_splits(gpu)
-        && !work.merge_faults().any()
-        && blocks <= gpu.multiprocessors();
-    assert_eq!(
-        work.merges_in_grid(gpu),
-        can,
-        "{}: {} splits over {blocks} blocks",
-        work.kernel,
-        work.splits
-    );
-    can
 }
 
 #[test]
@@ -937,25 +882,20 @@ fn sparse_decode_matches_reference() {
             // The device's choice, one split (written directly), two (merged in clusters by the
             // wgmma kernel), three (the 5-entry list leaves two empty), 16 (per-row merge at 64
             // heads and more) and 40 (block-wide merge).
-            // Each also merged by its own grid where that can run.
             for splits in [chosen, 1, 2, 3, 16, 40] {
-                let mut work = DecodeWork::sparse(gpu, shape, Some(splits), Some(variant)).unwrap();
+                let work = DecodeWork::sparse(gpu, shape, Some(splits), Some(variant)).unwrap();
                 assert_eq!(work.kernel, *variant);
-                each_merge(gpu, shape, &mut work, |work, in_grid| {
-                    let got = run_decode(gpu, shape, &input, work);
-                    let what = format!(
-                        "{variant}, {heads} heads, {splits} splits, grid merge {in_grid} (seed {seed})"
-                    );
-                    let worst = check_decode(
-                        (&got.0, &got.1),
-                        &key_counts,
-                        heads,
-                        |b, h| &want[b * most + h],
-                        &what,
-                    );
-                    eprintln!("sparse decode {what}: worst relative error {worst:.2e}");
-                    assert!(worst < 1e-2, "sparse decode {what}: relative error {worst}");
-                });
+                let got = run_decode(gpu, shape, &input, &work);
+                let what = format!("{variant}, {heads} heads, {splits} splits (seed {seed})");
+                let worst = check_decode(
+                    (&got.0, &got.1),
+                    &key_counts,
+                    heads,
+                    |b, h| &want[b * most + h],
+                    &what,
+                );
+                eprintln!("sparse decode {what}: worst relative error {worst:.2e}");
+                assert!(worst < 1e-2, "sparse decode {what}: relative error {worst}");
             }
         }
     }

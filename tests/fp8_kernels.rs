@@ -276,11 +276,7 @@ fn fp8_decode_case(gpu: &Gpu, heads: usize, lens: &[usize], all: bool) {
             // twin over the bf16 copy: the same bits. Their reference is that copy.
             let twin = fast::fp8_twin(variant);
             if let Some(twin) = twin {
-                let mut bf16_work =
-                    DecodeWork::with_variant(gpu, shape, splits, Some(twin)).unwrap();
-                // Merged as the FP8 kernel's splits are (by the merge kernel: the FP8 forms
-                // have no grid merge), whatever MLADB_DECODE_GRID_MERGE says.
-                bf16_work.ask_grid_merge(gpu, false).unwrap();
+                let bf16_work = DecodeWork::with_variant(gpu, shape, splits, Some(twin)).unwrap();
                 let want = outputs(gpu);
                 fast::mla_decode(
                     gpu, shape, &d_q, &d_rounded, &d_table, &d_lens, scale, &want.0, &want.1,
@@ -456,9 +452,8 @@ fn sparse_fp8_case(gpu: &Gpu, heads: usize) {
             // results over a bf16 copy of the decoded rows, which is then its reference.
             let converts = variant.contains("wgmma");
             if converts {
-                let mut twin =
+                let twin =
                     DecodeWork::sparse(gpu, shape, Some(splits), Some("mla_sparse_wgmma")).unwrap();
-                twin.ask_grid_merge(gpu, false).unwrap(); // merged as the FP8 form's splits are
                 let (t_out, t_lse) = (
                     gpu.alloc(batch * heads * LATENT, Elem::Bf16).unwrap(),
                     gpu.alloc(batch * heads, Elem::F32).unwrap(),

@@ -8,7 +8,7 @@
 # tools/pack_device_bin.sh). Make DIR on the build machine from a commit's kernels with
 #   mkdir -p .device-bin/k && git archive REV kernels | tar -x -C .device-bin/k --strip-components=1
 # In place of DIR, env:VAR=VALUE runs B with that environment setting and the binary's own
-# kernels (a launch choice behind a switch, such as env:MLADB_DECODE_GRID_MERGE=1).
+# kernels (a launch choice behind a switch, such as env:MLADB_DECODE_PAIR_MERGE=0).
 # Usage: tools/gpu_kernel_ab.sh DIR|env:VAR=VALUE [RUNS] [bench flags]
 #   (flags default: --no-layers --quick)
 set -u

@@ -54,8 +54,6 @@ struct DecodeTimes {
     /// The worst relative error of the sampled heads against the f64 reference.
     err: f64,
     splits: usize,
-    /// Whether the split kernel's own grid merged the splits (no merge kernel).
-    grid_merge: bool,
 }
 
 /// One decode shape, timed and checked.
@@ -154,7 +152,6 @@ fn decode_shape(
         times,
         err: worst,
         splits: work.splits,
-        grid_merge: work.merges_in_grid(gpu),
     })
 }
 
@@ -337,7 +334,7 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
             "splits",
             "rel err"
         )?;
-        let (mut no_graph, mut merged_in_grid) = (None, false);
+        let mut no_graph = None;
         for heads in decode_heads(args)? {
             for (b, ctx) in decode_shapes(args)? {
                 let seed = (b * 100_000 + ctx + heads) as u64;
@@ -359,9 +356,8 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
                     t.times.host * 1e3,
                     t.times.host_launch * 1e3,
                     t.times.host_maps * 1e3,
-                    format!("{}{}", t.splits, if t.grid_merge { "g" } else { "" })
+                    t.splits
                 )?;
-                merged_in_grid |= t.grid_merge;
                 if err.is_nan() || err >= 1e-2 {
                     return Err(Error::invalid(format!("MLA decode at batch {b}, context {ctx} disagrees with the reference (relative error {err:.2e})")));
                 }
@@ -369,12 +365,6 @@ pub fn bench_gpu(args: &BenchArgs) -> Result<()> {
         }
         if let Some(why) = no_graph {
             writeln!(Out, "note: no graph replay ('-'): {why}")?;
-        }
-        if merged_in_grid {
-            writeln!(
-                Out,
-                "note: splits marked g were merged by the split kernel's own grid, with no merge kernel (MLADB_DECODE_GRID_MERGE=1)"
-            )?;
         }
         writeln!(
             Out,

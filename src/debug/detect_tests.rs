@@ -41,7 +41,6 @@ fn fast_run(model: &Model) -> (RunRecord, Flags) {
             shared_bytes: 0,
             splits: 1,
             cluster: 1,
-            grid_merge: false,
         }],
         reference: None,
     });

@@ -122,14 +122,12 @@ impl std::str::FromStr for DecodeVariant {
     type Err = crate::Error;
     fn from_str(s: &str) -> crate::error::Result<DecodeVariant> {
         // A kernel's name: its variant (`mla_decode_fp8_ks3` is the FP8 form of ks3,
-        // `mla_decode_wgmma_fp8` of wgmma, `mla_sparse_wgmma_fp8` its sparse form,
-        // `mla_decode_wgmma_gm` the form that merges its splits in its own grid).
+        // `mla_decode_wgmma_fp8` of wgmma, `mla_sparse_wgmma_fp8` its sparse form).
         let tag = (s.strip_prefix("mla_decode_"))
             .or_else(|| s.strip_prefix("mla_sparse_"))
             .unwrap_or(s);
         let tag = tag.strip_prefix("fp8_").unwrap_or(tag);
         let tag = tag.strip_suffix("_fp8").unwrap_or(tag);
-        let tag = tag.strip_suffix(GRID_MERGE_SUFFIX).unwrap_or(tag);
         DecodeVariant::ALL
             .into_iter()
             .find(|v| v.tag() == tag)
@@ -233,28 +231,10 @@ pub struct KernelLaunch {
     /// partials, no merge kernel); 1 for a launch without clusters.
     #[serde(default = "one")]
     pub cluster: u32,
-    /// Whether the kernel's own blocks merged its splits once all had written their partials
-    /// (no merge kernel: a grid that fits the device at once, batch 1 say).
-    #[serde(default)]
-    pub grid_merge: bool,
 }
 
 fn one() -> u32 {
     1
-}
-
-impl KernelLaunch {
-    /// The variant's kernel the launch ran: its name, with the form that merges its splits in
-    /// its own grid (`mla_decode_wgmma_gm`) read as the kernel it is a form of.
-    pub fn variant_kernel(&self) -> &str {
-        match self.grid_merge {
-            true => self
-                .kernel
-                .strip_suffix(GRID_MERGE_SUFFIX)
-                .unwrap_or(&self.kernel),
-            false => &self.kernel,
-        }
-    }
 }
 
 impl fmt::Display for KernelLaunch {
@@ -272,9 +252,6 @@ impl fmt::Display for KernelLaunch {
         if self.cluster > 1 {
             write!(f, " in clusters of {}", self.cluster)?;
         }
-        if self.grid_merge {
-            write!(f, " merged in the grid")?;
-        }
         Ok(())
     }
 }
@@ -283,10 +260,6 @@ impl fmt::Display for KernelLaunch {
 /// (`mla_decode_ks3_o32`): the launcher runs them in place of the device's variant when the
 /// fault is injected, and the debugger recognises them in the trace by it.
 pub const PLANTED_OFFSET32: &str = "_o32";
-
-/// The name suffix of a wgmma decode's form that merges its splits in its own grid
-/// (`mla_decode_wgmma_gm`): the launcher runs it where the grid merge is asked for and can run.
-pub const GRID_MERGE_SUFFIX: &str = "_gm";
 
 /// Which kernels ran an attention op: their launches (the split kernel, then the merge), or that
 /// the reference kernel ran and why (the flag asked for it, or the fast kernel declined).
@@ -331,8 +304,6 @@ mod tests {
             ("mla_decode_fp8_ks3", DecodeVariant::Ks3),
             ("mla_decode_wgmma_fp8", DecodeVariant::Wgmma),
             ("mla_sparse_wgmma_fp8", DecodeVariant::Wgmma),
-            ("mla_decode_wgmma_gm", DecodeVariant::Wgmma),
-            ("mla_sparse_wgmma_gm", DecodeVariant::Wgmma),
             ("mla_sparse_fp8_h16", DecodeVariant::H16),
         ] {
             assert_eq!(name.parse::<DecodeVariant>().unwrap(), v, "{name}");
@@ -356,7 +327,6 @@ mod tests {
             shared_bytes: 222_000,
             splits: 4,
             cluster: 1,
-            grid_merge: false,
         };
         let info = KernelInfo {
             launches: vec![l.clone()],
@@ -378,20 +348,6 @@ mod tests {
             paired.to_string(),
             "mla_decode_wgmma grid (2,64,1) block (256,1,1) smem 222000 B splits 2 in clusters of 2"
         );
-        // Splits merged by the split kernel's own grid (partials, but no merge kernel).
-        let in_grid = KernelLaunch {
-            kernel: "mla_decode_wgmma_gm".into(),
-            grid: [64, 1, 1],
-            splits: 64,
-            grid_merge: true,
-            ..l.clone()
-        };
-        assert_eq!(
-            in_grid.to_string(),
-            "mla_decode_wgmma_gm grid (64,1,1) block (256,1,1) smem 222000 B splits 64 merged in the grid"
-        );
-        assert_eq!(in_grid.variant_kernel(), "mla_decode_wgmma");
-        assert_eq!(paired.variant_kernel(), "mla_decode_wgmma");
         let declined = KernelInfo {
             launches: vec![],
             reference: Some("latent width 64 (built for 512)".into()),

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 pub use kernels::{
     AttnKernel, AttnKernels, DecodeVariant, KernelInfo, KernelLaunch, PrefillVariant,
-    GRID_MERGE_SUFFIX, PLANTED_OFFSET32,
+    PLANTED_OFFSET32,
 };
 pub use kv_fp8::{Fp8Faults, KvCacheDtype};
 pub use moe::{top_k_indices, Routing};

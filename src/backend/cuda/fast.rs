@@ -38,7 +38,6 @@ pub(super) fn traced(l: Launched, splits: usize) -> KernelLaunch {
         shared_bytes: l.shared,
         splits: splits as u32,
         cluster: l.cluster,
-        grid_merge: l.grid_merge,
     }
 }
 
@@ -218,14 +217,6 @@ pub struct DecodeWork {
     pub(super) part_lse: DevBuf,
     /// Sequences × heads of the shape the partials are for.
     rows: usize,
-    /// Sequences × head groups: the blocks of one split, and the grid merge's counters.
-    groups: usize,
-    /// Whether the plan asks for the grid merge where it can run
-    /// ([`DecodeWork::merges_in_grid`]): off unless `MLADB_DECODE_GRID_MERGE=1`, or
-    /// [`DecodeWork::ask_grid_merge`].
-    grid_merge: bool,
-    /// The grid merge's counters, zeroed when made.
-    arrivals: Option<DevI32>,
     pub splits: usize,
     /// Faults planted in the merge (the debugger's; none by default): set by
     /// [`DecodeWork::plant_merge_faults`].
@@ -272,29 +263,6 @@ impl DecodeWork {
             && !switched_off("MLADB_DECODE_PAIR_MERGE", &PAIR_MERGE_OFF)
     }
 
-    /// Whether the split kernel's own blocks merge its splits after writing the partials, with
-    /// no merge kernel after it (kernels/grid_merge.cuh): where the plan asks for it, for the
-    /// wgmma kernels over more than one split where they do not pair, no merge fault is planted
-    /// (those live in the merge kernel) and the whole grid fits the multiprocessors at once,
-    /// one block each (its blocks wait for each other). Batch 1 × 8k at 64 heads is 64 blocks.
-    /// Off by default: written for batch 1's latency, and not yet timed on a GPU.
-    pub fn merges_in_grid(&self, gpu: &Gpu) -> bool {
-        self.grid_merge
-            && self.splits > 1
-            && !self.pairs_splits(gpu)
-            && PAIR_MERGE_KERNELS.contains(&self.kernel)
-            && has_tma(gpu)
-            && !self.merge_faults.any()
-            && self.splits * self.groups <= gpu.multiprocessors()
-    }
-
-    /// Asks for the grid merge (or not) where it can run, as `MLADB_DECODE_GRID_MERGE=1` does
-    /// for every plan: for tests and experiments.
-    pub fn ask_grid_merge(&mut self, gpu: &Gpu, on: bool) -> Result<()> {
-        self.grid_merge = on;
-        self.make_partials(gpu)
-    }
-
     /// Where a launch of this plan writes: its partials, and `out` and `lse`.
     pub(super) fn outputs<'a>(&'a self, out: &'a DevBuf, lse: &'a DevBuf) -> SplitOutputs<'a> {
         SplitOutputs {
@@ -337,9 +305,6 @@ impl DecodeWork {
             self.part_o = gpu.alloc(len, Elem::Bf16)?;
             self.part_lse = gpu.alloc(self.rows * self.splits, Elem::F32)?;
         }
-        if self.merges_in_grid(gpu) && self.arrivals.is_none() {
-            self.arrivals = Some(gpu.upload_i32(&vec![0; self.groups])?);
-        }
         Ok(())
     }
 
@@ -377,9 +342,6 @@ impl DecodeWork {
             part_o: gpu.alloc(0, Elem::Bf16)?,
             part_lse: gpu.alloc(0, Elem::F32)?,
             rows: shape.batch * shape.heads,
-            groups: shape.batch * shape.heads.div_ceil(decode_block(kernel).0),
-            grid_merge: grid_merge_asked(),
-            arrivals: None,
             splits,
             merge_faults: MergeFaults::default(),
         };
@@ -451,11 +413,9 @@ pub(super) fn decode_launches(
         scale_log2: scale * std::f32::consts::LOG2_E,
         outputs: work.outputs(out, lse),
         pair_merge: work.pairs_splits(gpu),
-        grid_merge: work.arrivals.as_ref().filter(|_| work.merges_in_grid(gpu)),
     };
     let split = traced(gpu.mla_decode_splits(&launch)?, work.splits);
-    // Splits merged inside the kernel (pairs in clusters, or by the grid): no merge kernel.
-    if launch.pair_merge || split.grid_merge {
+    if launch.pair_merge {
         return Ok(vec![split]);
     }
     with_merge(gpu, shape, work, split, out, lse)
@@ -487,13 +447,6 @@ pub(super) fn with_merge(
     };
     let merge = traced(gpu.mla_decode_merge(&merge, per_row)?, 1);
     Ok(vec![split, merge])
-}
-
-/// Whether `MLADB_DECODE_GRID_MERGE=1` asks every decode plan for the grid merge
-/// ([`DecodeWork::merges_in_grid`]).
-fn grid_merge_asked() -> bool {
-    static ASKED: OnceLock<bool> = OnceLock::new();
-    *ASKED.get_or_init(|| std::env::var("MLADB_DECODE_GRID_MERGE").is_ok_and(|v| v == "1"))
 }
 
 /// Up to how many splits the per-row merge runs (at most 32, a split per lane);

@@ -112,18 +112,13 @@ fn sides(
                 });
             }
             // The merge's launch and what it wrote (the wrapper's output, or under the
-            // disconnect fault the phantom buffer the wrapper never returns). A grid that
-            // merged its own splits has no merge launch: the split kernel's is the merge's.
+            // disconnect fault the phantom buffer the wrapper never returns).
             if let Some(tensor) = merged {
-                let merging = match info.launches.first() {
-                    Some(split) if split.grid_merge => 0,
-                    _ => 1,
-                };
                 sides.push(Side {
                     op: MERGE,
                     tensor,
                     kernel: Some(KernelInfo {
-                        launches: info.launches.iter().skip(merging).cloned().collect(),
+                        launches: info.launches.iter().skip(1).cloned().collect(),
                         reference: None,
                     }),
                 });
@@ -241,7 +236,7 @@ mod tests {
     use super::*;
     use crate::ops::KernelLaunch;
 
-    fn launch(kernel: &str, splits: u32, grid_merge: bool) -> KernelLaunch {
+    fn launch(kernel: &str, splits: u32) -> KernelLaunch {
         KernelLaunch {
             kernel: kernel.into(),
             grid: [splits, 1, 1],
@@ -249,7 +244,6 @@ mod tests {
             shared_bytes: 0,
             splits,
             cluster: 1,
-            grid_merge,
         }
     }
 
@@ -269,16 +263,14 @@ mod tests {
         info.launches.iter().map(|l| l.kernel.clone()).collect()
     }
 
-    /// The merge op names the launch that merged: the merge kernel after the split kernel, or
-    /// the split kernel itself where its grid merged its splits.
+    /// The merge op names the launch that merged, the merge kernel after the split kernel, and
+    /// not the split kernel.
     #[test]
     fn the_merge_op_names_the_launch_that_merged() {
         let apart = vec![
-            launch("mla_decode_wgmma", 4, false),
-            launch("mla_decode_combine_rows", 1, false),
+            launch("mla_decode_wgmma", 4),
+            launch("mla_decode_combine_rows", 1),
         ];
         assert_eq!(merge_launches(apart), ["mla_decode_combine_rows"]);
-        let in_grid = vec![launch("mla_decode_wgmma_gm", 4, true)];
-        assert_eq!(merge_launches(in_grid), ["mla_decode_wgmma_gm"]);
     }
 }

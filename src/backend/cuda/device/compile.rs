@@ -14,7 +14,6 @@ const TMA: &str = include_str!("../../../../kernels/tma.cuh");
 const KV_FP8: &str = include_str!("../../../../kernels/kv_fp8.cuh");
 const SPARSE: &str = include_str!("../../../../kernels/sparse.cuh");
 const PAIR_MERGE: &str = include_str!("../../../../kernels/pair_merge_sm90.cuh");
-const GRID_MERGE: &str = include_str!("../../../../kernels/grid_merge.cuh");
 
 /// (file name, source) of every kernel file.
 pub const SOURCES: &[(&str, &str)] = &[
@@ -87,7 +86,7 @@ pub fn hopper_target(arch: &str) -> Option<String> {
 }
 
 /// The source with `common.cuh`, `mma.cuh`, `wgmma.cuh`, `tma.cuh`, `kv_fp8.cuh`, `sparse.cuh`,
-/// `pair_merge_sm90.cuh`, `grid_merge.cuh` and `variants.cuh` inlined (NVRTC is given no include files), each
+/// `pair_merge_sm90.cuh` and `variants.cuh` inlined (NVRTC is given no include files), each
 /// header as [`kernel_source`] gives it.
 pub fn full_source(src: &str) -> String {
     [
@@ -98,7 +97,6 @@ pub fn full_source(src: &str) -> String {
         ("kv_fp8.cuh", KV_FP8),
         ("sparse.cuh", SPARSE),
         ("pair_merge_sm90.cuh", PAIR_MERGE),
-        ("grid_merge.cuh", GRID_MERGE),
         ("variants.cuh", VARIANTS),
     ]
     .iter()

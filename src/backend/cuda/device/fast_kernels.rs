@@ -9,7 +9,6 @@ pub use super::merge_kernels::{Merge, MergeFaults, SplitOutputs, COMBINE_ROWS_MA
 use super::signature::{Param::*, Sig};
 use super::{Arg, DevBuf, DevI32, Elem, Gpu, Launch, Launched};
 use crate::error::{Error, Result};
-use crate::ops::GRID_MERGE_SUFFIX;
 use std::sync::OnceLock;
 
 const DECODE: [super::signature::Param; 12] = [
@@ -22,11 +21,6 @@ const DECODE_TMA: [super::signature::Param; 13] = [
 const DECODE_WGMMA: [super::signature::Param; 14] = [
     Map, Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
 ];
-/// The same merging its splits in its own grid: last, a counter per (sequence, head group).
-const DECODE_WGMMA_GM: [super::signature::Param; 15] = [
-    Map, Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr, F32Ptr,
-    I32Ptr,
-];
 /// The sparse twins: the dense list with the key lists (indices, topk) after the block table.
 const SPARSE: [super::signature::Param; 14] = [
     Bf16Ptr, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr,
@@ -37,10 +31,6 @@ const SPARSE_WGMMA: [super::signature::Param; 15] = [
     Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr,
     F32Ptr,
 ];
-const SPARSE_WGMMA_GM: [super::signature::Param; 16] = [
-    Map, Map, Bf16Ptr, I32Ptr, Int, I32Ptr, Int, I32Ptr, Float, Bf16Ptr, F32Ptr, Int, Int, Bf16Ptr,
-    F32Ptr, I32Ptr,
-];
 pub const MLA_DECODE_TILED: Sig = Sig::new("mla_decode_t*", &DECODE);
 pub const MLA_DECODE_SPLIT_K: Sig = Sig::new("mla_decode_ks*", &DECODE);
 /// The split-k kernels fed by TMA (`mla_decode_kt3`, `mla_decode_kt16`).
@@ -49,10 +39,6 @@ pub const MLA_DECODE_WGMMA: Sig = Sig::new("mla_decode_wgmma", &DECODE_WGMMA);
 /// The sparse twin of [`MLA_DECODE_WGMMA`] (rows gathered by cp.async: the query's tensor map
 /// alone).
 pub const MLA_SPARSE_WGMMA: Sig = Sig::new("mla_sparse_wgmma", &SPARSE_WGMMA);
-/// The two merging their splits in their own grid (kernels/grid_merge.cuh): the kernel's name
-/// and [`GRID_MERGE_SUFFIX`].
-pub const MLA_DECODE_WGMMA_GM: Sig = Sig::new("mla_decode_wgmma_gm", &DECODE_WGMMA_GM);
-pub const MLA_SPARSE_WGMMA_GM: Sig = Sig::new("mla_sparse_wgmma_gm", &SPARSE_WGMMA_GM);
 pub const MLA_SPARSE_TILED: Sig = Sig::new("mla_sparse_t*", &SPARSE);
 pub const MLA_SPARSE_SPLIT_K: Sig = Sig::new("mla_sparse_ks*", &SPARSE);
 pub const MLA_SPARSE_FEW_HEADS: Sig = Sig::new("mla_sparse_h*", &SPARSE);
@@ -63,8 +49,6 @@ pub const SIGNATURES: &[&Sig] = &[
     &MLA_DECODE_KT,
     &MLA_DECODE_WGMMA,
     &MLA_SPARSE_WGMMA,
-    &MLA_DECODE_WGMMA_GM,
-    &MLA_SPARSE_WGMMA_GM,
     &MLA_SPARSE_TILED,
     &MLA_SPARSE_SPLIT_K,
     &MLA_SPARSE_FEW_HEADS,
@@ -154,11 +138,6 @@ pub struct Decode<'a> {
     /// Two splits launched as clusters of two blocks that merge each other's results into `out`
     /// and `lse` (no partials, no merge kernel): the wgmma kernels at exactly two splits.
     pub pair_merge: bool,
-    /// The grid merges its own splits into `out` and `lse` after writing the partials (the
-    /// kernel's _gm form, no merge kernel; kernels/grid_merge.cuh): a zeroed counter per
-    /// (sequence, head group), for the wgmma kernels ([`PAIR_MERGE_KERNELS`]) over more than one
-    /// split, unpaired, where the whole grid fits the multiprocessors at once.
-    pub grid_merge: Option<&'a DevI32>,
 }
 
 /// A decode's query, bf16.
@@ -401,31 +380,11 @@ impl Gpu {
             lse,
         ]);
         let (group, threads) = decode_block(d.kernel);
-        let groups = d.heads.div_ceil(group);
-        // A grid that merges its own splits runs the kernel's _gm form, with its counters.
-        let merging;
-        let (sig, name) = match d.grid_merge {
-            None => (sig, d.kernel),
-            Some(counters) => {
-                args.push(self.grid_merge_counters(
-                    d.kernel,
-                    (d.splits, d.batch * groups),
-                    d.pair_merge,
-                    counters,
-                )?);
-                merging = format!("{}{GRID_MERGE_SUFFIX}", d.kernel);
-                let sig = match sparse {
-                    false => &MLA_DECODE_WGMMA_GM,
-                    true => &MLA_SPARSE_WGMMA_GM,
-                };
-                (sig, merging.as_str())
-            }
-        };
         let cfg = Launch {
             grid: (
                 blocks("MLA decode", d.splits)?,
                 blocks_yz("MLA decode", d.batch)?,
-                blocks_yz("MLA decode", groups)?,
+                blocks_yz("MLA decode", d.heads.div_ceil(group))?,
             ),
             block: threads,
             shared: d.shared,
@@ -446,31 +405,22 @@ impl Gpu {
             // `dependent`, as the dependent launch below (the pair kernels wait too).
             return unsafe { self.launch_cluster(sig, d.kernel, cfg, &args, 2, dependent) };
         }
-        let launched = if dependent {
-            // SAFETY: as the plain launch; the kernel reads and writes nothing before its
-            // `wait_for_prior_kernel`. With `grid_merge`, each block also counts on its
-            // (sequence, group)'s counter and waits for the group's other splits, which
-            // `grid_merge_counters` checked to fit the device at once, then writes `out` and
-            // `lse` for a share of the group's heads from the partials (inside their extents,
-            // checked in `check`).
-            unsafe { self.launch_dependent(sig, name, cfg, &args) }
-        } else {
-            // SAFETY: block (split, b, group) reads the group's heads of q of sequence b (the last
-            // group's rows past `heads` are zeroed in shared memory, not read; the wgmma kernels'
-            // TMA box reads the rows after them inside q, zeros past its end, and never writes
-            // their results), pages bt[b][0..⌈len_b/64⌉] of the cache (table entries in 0..pages,
-            // lengths ≤ max_pages·64: the uploaded ranges) or, sparse, entries 0..len_b ≤ topk of
-            // row b of the key lists and the pages bt[b][pos/64] of their positions pos ≥ 0 (all <
-            // max_pages·64), and writes its split's partials (or out and lse) for those heads only;
-            // every extent checked in `check`. A kernel with page-index-overflow planted reads row
-            // offsets taken modulo 4 GiB, inside the cache because `check` wants it larger than
-            // 4 GiB. With `grid_merge`, as the dependent launch says.
-            unsafe { self.launch_traced(sig, name, cfg, &args) }
-        }?;
-        Ok(Launched {
-            grid_merge: d.grid_merge.is_some(),
-            ..launched
-        })
+        if dependent {
+            // SAFETY: as the plain launch below; the kernel reads and writes nothing before its
+            // `wait_for_prior_kernel`.
+            return unsafe { self.launch_dependent(sig, d.kernel, cfg, &args) };
+        }
+        // SAFETY: block (split, b, group) reads the group's heads of q of sequence b (the last
+        // group's rows past `heads` are zeroed in shared memory, not read; the wgmma kernels'
+        // TMA box reads the rows after them inside q, zeros past its end, and never writes
+        // their results), pages
+        // bt[b][0..⌈len_b/64⌉] of the cache (table entries in 0..pages, lengths ≤ max_pages·64:
+        // the uploaded ranges) or, sparse, entries 0..len_b ≤ topk of row b of the key lists and
+        // the pages bt[b][pos/64] of their positions pos ≥ 0 (all < max_pages·64), and writes
+        // its split's partials (or out and lse) for those heads only; every extent checked in
+        // `check`. A kernel with page-index-overflow planted reads row offsets taken modulo
+        // 4 GiB, inside the cache because `check` wants it larger than 4 GiB.
+        unsafe { self.launch_traced(sig, d.kernel, cfg, &args) }
     }
 }
 

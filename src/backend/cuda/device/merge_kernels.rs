@@ -1,11 +1,10 @@
-//! Typed launchers of the split decode's merges (kernels/mla_decode.cu, grid_merge.cuh): the
-//! merge kernel after a split kernel, and the counters of a grid that merges its own splits.
-//! Which one runs is `cuda::fast`'s choice.
+//! Typed launchers of the split decode's merge kernels (kernels/mla_decode.cu), run after a split
+//! kernel; which one runs is `cuda::fast`'s choice.
 
-use super::fast_kernels::{int, LATENT, MAX_SPLITS, PAIR_MERGE_KERNELS};
+use super::fast_kernels::{int, LATENT, MAX_SPLITS};
 use super::kernels::{blocks, blocks_yz, need, prod};
 use super::signature::{Param::*, Sig};
-use super::{Arg, DevBuf, DevI32, Elem, Gpu, Launch, Launched};
+use super::{Arg, DevBuf, Elem, Gpu, Launch, Launched};
 use crate::error::{Error, Result};
 
 pub const MLA_DECODE_COMBINE: Sig = Sig::new(
@@ -99,42 +98,6 @@ impl MergeFaults {
 }
 
 impl Gpu {
-    /// The counters argument of a wgmma decode's _gm form
-    /// ([`super::fast_kernels::Decode::grid_merge`]), checked to be one per (sequence, head
-    /// group) and at zero, for a wgmma kernel over more than one split, not paired, and for a
-    /// grid that fits the multiprocessors at once (one block each: its blocks wait for each
-    /// other, so a block left unplaced would be waited for forever). `groups`: sequences × head
-    /// groups, the blocks of one split.
-    pub(super) fn grid_merge_counters(
-        &self,
-        kernel: &str,
-        (splits, groups): (usize, usize),
-        pair_merge: bool,
-        counters: &DevI32,
-    ) -> Result<Arg> {
-        let blocks = splits * groups;
-        if !PAIR_MERGE_KERNELS.contains(&kernel)
-            || splits < 2
-            || pair_merge
-            || blocks > self.multiprocessors()
-        {
-            return Err(Error::invalid(format!(
-                "{}: {} splits over {blocks} blocks cannot merge in their own grid (more than one \
-                 split, no pairs, at most one block per multiprocessor: {})",
-                kernel,
-                splits,
-                self.multiprocessors()
-            )));
-        }
-        if counters.len() < groups || !counters.values_within(groups, 0, 1) {
-            return Err(Error::invalid(
-                "MLA decode: the grid merge's counters must be one per sequence and head group, \
-                 at zero",
-            ));
-        }
-        Ok(Arg::Ptr(I32Ptr, counters.ptr()))
-    }
-
     /// Merges a split decode's partials (any decode: bf16, sparse or FP8 cache) into `out` and
     /// `lse`: a warp per (sequence, head) when `per_row` (at most 32 splits), else a block per
     /// (sequence, head, quarter of the dims).

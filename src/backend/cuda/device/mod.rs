@@ -110,13 +110,12 @@ impl Launch {
             block: self.block,
             shared: self.shared,
             cluster: 1,
-            grid_merge: false,
         }
     }
 }
 
 /// A launch as it went to the driver, for the trace: the kernel, grid, threads per block,
-/// dynamic shared memory, clusters, and whether the grid merged its own splits.
+/// dynamic shared memory and clusters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Launched {
     pub kernel: String,
@@ -125,8 +124,6 @@ pub struct Launched {
     pub shared: u32,
     /// Blocks a cluster along x (1: launched without clusters).
     pub cluster: u32,
-    /// A split decode whose own blocks merged its splits (kernels/grid_merge.cuh).
-    pub grid_merge: bool,
 }
 
 /// How a kernel is launched: plainly, as a programmatic dependent of the kernel before it, or
