@@ -173,6 +173,59 @@ fn clean_tiny_layouts_report_nothing_in_f32_and_bf16(gpu: bool) {
     }
 }
 
+/// Short contexts, where the DSA indexer scores one to a dozen keys with its 4 heads: each of
+/// these clean runs had a finding at `indexer.scores` (found by a sweep of random clean runs,
+/// 2026-12-08). A single key scored 0 (every head's dot negative: the ReLU's zero, reported as
+/// all-zero); scores made of terms that cancel, or of a dot small beside its vectors, moved
+/// 20 to 40 times their inputs' relative error, past a gain fitted on longer contexts.
+fn short_contexts_report_nothing(gpu: bool) {
+    // (layout, seed, prompt, prefill, decode steps, flags)
+    type Short<'a> = (&'a str, u64, &'a [u32], usize, usize, &'a str);
+    let cases: &[Short] = &[
+        ("glm5-tiny", 557, &[74], 1, 7, "dtype=f32"),
+        ("glm5-tiny", 376, &[7], 1, 11, "dtype=bf16"),
+        ("glm5-tiny-wide", 0, &[9, 145, 190], 1, 4, "dtype=bf16"),
+        ("glm5-tiny-wide", 235, &[152], 1, 4, "dtype=bf16"),
+        (
+            "glm5-tiny-wide",
+            493,
+            &[166],
+            1,
+            7,
+            "dtype=bf16,prefill-path=absorbed",
+        ),
+        ("glm5-tiny", 783, &[34], 1, 5, "dtype=bf16,tp=2"),
+        (
+            "glm5-tiny",
+            359,
+            &[169],
+            1,
+            4,
+            "dtype=bf16,tp=2,mla-disable",
+        ),
+    ];
+    for &(layout, seed, prompt, prefill, decode, flags) in cases {
+        let model = common::synthetic(layout, seed);
+        let schedule = Schedule {
+            prompt: prompt.to_vec(),
+            prefill_len: prefill,
+            decode_steps: decode,
+        };
+        for (name, backend, dtype) in backends(gpu) {
+            // Each case in its own dtype: the CPU's side of it, or the GPU backend of that dtype.
+            if !flags.starts_with(dtype) {
+                continue;
+            }
+            let report = common::check_on(&*backend, &model, &schedule, flags, None);
+            assert!(
+                report.findings.is_empty(),
+                "{layout} seed {seed} prompt {prompt:?} {flags} {name}:\n{}",
+                describe(&report)
+            );
+        }
+    }
+}
+
 fn random_hf_checkpoints_are_clean_in_f32_and_bf16(gpu: bool) {
     let cases = random_cases();
     assert!(cases.len() >= 20, "the fixture holds {} cases", cases.len());
@@ -571,5 +624,6 @@ fn the_debugger_compares_as_check_does() {
 
 cpu_and_gpu!(
     clean_tiny_layouts_report_nothing_in_f32_and_bf16,
+    short_contexts_report_nothing,
     random_hf_checkpoints_are_clean_in_f32_and_bf16,
 );

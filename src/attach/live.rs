@@ -493,6 +493,7 @@ impl<'m> Comparator<'m> {
             })
             .with_kv_cache(seq.record.flags.kv_cache)
         });
+        c.conditioning = crate::debug::tolerance::conditioning(&seq.record, index);
         if index >= seq.judged {
             for i in seq.judged..index {
                 judge.next(&seq.record.events[i], None);

@@ -24,10 +24,19 @@ pub struct OpComparison {
     /// gives it (see [`Tolerances::judge`]); NaN until judged, which no error passes.
     pub input_error: f64,
     pub tolerance: f64,
+    /// How far the op's own values may amplify its inputs' relative error beyond what its kind's
+    /// gain allows (the indexer scores' conditioning, see `super::indexer_scores`); 1 for other
+    /// ops. The gain applies to `input_error × conditioning`.
+    #[serde(default = "unconditioned")]
+    pub conditioning: f64,
     /// Index of the op in the run being examined.
     pub index: usize,
     /// The figures, or why there are none.
     pub diff: Result<Diff, String>,
+}
+
+fn unconditioned() -> f64 {
+    1.0
 }
 
 impl OpComparison {
@@ -62,9 +71,14 @@ impl OpComparison {
         }
     }
 
-    /// `tolerance 2.1e-2 (floor + gain × input error 5.0e-4)`.
+    /// `tolerance 2.1e-2, for an input error of 5.0e-4` (`, × 47.6 by the scores' conditioning`).
     pub fn tolerance_text(&self) -> String {
-        if self.input_error > 0.0 {
+        if self.input_error > 0.0 && self.conditioning > 1.0 {
+            format!(
+                "tolerance {:.1e}, for an input error of {:.1e} × {:.1} by the scores' conditioning",
+                self.tolerance, self.input_error, self.conditioning
+            )
+        } else if self.input_error > 0.0 {
             format!(
                 "tolerance {:.1e}, for an input error of {:.1e}",
                 self.tolerance, self.input_error
@@ -165,6 +179,7 @@ pub fn compare_outputs(
         kind: e.kind,
         input_error: 0.0,
         tolerance: f64::NAN,
+        conditioning: 1.0,
         index,
         diff,
     }
@@ -195,6 +210,7 @@ pub fn prefill_vs_decode(
             kind: e.kind,
             input_error: 0.0,
             tolerance: f64::NAN,
+            conditioning: 1.0,
             index: i,
             diff: Err(why),
         };
@@ -360,6 +376,7 @@ mod tests {
             kind: OpKind::Linear,
             input_error: 0.0,
             tolerance: 1e-3,
+            conditioning: 1.0,
             index: 0,
             diff: Ok(diff(a, b, &[a.len()], None)),
         };

@@ -25,7 +25,10 @@ pub fn headroom_of(
         let (floor_error, gain_needed) = if c.input_error == 0.0 {
             (rel, 0.0)
         } else {
-            (0.0, ((rel - floor) / c.input_error).max(0.0))
+            (
+                0.0,
+                ((rel - floor) / (c.input_error * c.conditioning)).max(0.0),
+            )
         };
         let h = match out.iter_mut().find(|h| h.kind == c.kind) {
             Some(h) => h,

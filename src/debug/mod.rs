@@ -11,6 +11,7 @@
 //! * [`forensics`], [`detect`]: buffer forensics and the detectors of `mladb check`;
 //!   [`findings`]: how their comparisons become findings;
 //! * [`idle`]: flags and faults that had nothing to act on in a run;
+//! * [`indexer_scores`]: the DSA indexer's scores recomputed, for their zeros and conditioning;
 //! * [`quant`]: a quantized kv_b_proj's two derivations compared, and its decoding checked;
 //!   [`kv_quant`]: an FP8 latent cache's rows against what E4M3 explains;
 //! * [`tp`]: a tensor-parallel run's ranks against the run on one rank.
@@ -27,6 +28,7 @@ pub mod findings;
 pub mod flags;
 pub mod forensics;
 pub mod idle;
+pub mod indexer_scores;
 pub mod kv_quant;
 pub mod name_map;
 pub mod paired;

@@ -4,6 +4,7 @@
 
 use super::detect::{Finding, FindingKind};
 use super::forensics::{disconnects, orphan_reads};
+use super::indexer_scores::relu_explains_zero;
 use super::record::RunRecord;
 use crate::engine::trace::{OpKind, Phase};
 
@@ -59,7 +60,8 @@ pub fn per_op_findings(run: &RunRecord) -> Vec<Finding> {
         // no token routed to its experts.
         let zero_ok = e.dtype == crate::tensor::DType::I32
             || e.kind == OpKind::AttentionPadding
-            || (e.rank.is_some() && crate::model::shard::partial_sum(&e.name));
+            || (e.rank.is_some() && crate::model::shard::partial_sum(&e.name))
+            || (e.kind == OpKind::IndexScores && relu_explains_zero(run, i));
         if s.all_zero() && !zero_ok {
             note_first(&mut zero_seen, &mut findings, e.phase, || {
                 f(
@@ -137,5 +139,86 @@ fn count_later(findings: &mut [Finding], seen: &[(Phase, usize)], kind: FindingK
             f.detail
                 .push_str(&format!("; {later} later {what}s of {phase} too"));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::debug::detect::FindingKind;
+    use crate::debug::flags::Flags;
+    use crate::debug::runner::Job;
+    use crate::engine::generate::Schedule;
+    use crate::model::{Layout, Model};
+    use crate::stats::TensorStats;
+    use crate::tensor::Tensor;
+    use std::sync::Arc;
+
+    /// glm5-tiny, seed 557, one prompt token: layer 1's indexer scores its one key 0 (every head's
+    /// dot is negative), layer 0's does not.
+    fn one_token_run() -> RunRecord {
+        let model = Model::synthetic(Layout::resolve("glm5-tiny").unwrap(), 557, 1 << 30).unwrap();
+        let schedule = Schedule {
+            prompt: vec![74],
+            prefill_len: 1,
+            decode_steps: 0,
+        };
+        let layers = 0..model.layout.num_layers;
+        let job = Job {
+            model: &model,
+            backend: &CpuBackend,
+            schedule: &schedule,
+            layers: &layers,
+            poison: true,
+        };
+        job.run(Flags::default(), None).unwrap()
+    }
+
+    fn scores_of(run: &RunRecord, layer: usize) -> usize {
+        let name = format!("model.layers.{layer}.self_attn.indexer.scores");
+        run.find(Phase::Prefill, &name).unwrap()
+    }
+
+    fn zeros(run: &RunRecord) -> Vec<String> {
+        per_op_findings(run)
+            .into_iter()
+            .filter(|f| f.kind == FindingKind::AllZero)
+            .map(|f| f.op)
+            .collect()
+    }
+
+    /// Scores that the ReLU makes zero are no finding (they were one: a false alarm on one
+    /// prompt token in 16 per indexer layer of glm5-tiny).
+    #[test]
+    fn indexer_scores_zero_by_the_relu_are_no_finding() {
+        let run = one_token_run();
+        let i = scores_of(&run, 1);
+        assert!(run.events[i].stats.all_zero(), "the fixture lost its zero");
+        assert!(zeros(&run).is_empty(), "{:?}", per_op_findings(&run));
+    }
+
+    /// Scores zeroed where a head's dot is positive (a kernel that wrote nothing) still are.
+    #[test]
+    fn indexer_scores_zeroed_against_their_dots_are_a_finding() {
+        let mut run = one_token_run();
+        let i = scores_of(&run, 0);
+        assert!(!run.events[i].stats.all_zero());
+        let n = run.outputs[i].numel();
+        let shape = run.events[i].shape.clone();
+        run.outputs[i] = Arc::new(Tensor::from_vec(&shape, vec![0.0; n]));
+        run.events[i].stats = TensorStats::of(&vec![0.0; n]);
+        assert_eq!(zeros(&run), [run.events[i].name.clone()]);
+    }
+
+    /// The scores' conditioning: every score free to move where the ReLU zeroed them all (the
+    /// zero is no measure of their noise), a finite factor of at least 1 where it did not.
+    #[test]
+    fn the_relu_zero_leaves_the_scores_free_and_others_conditioned() {
+        use crate::debug::indexer_scores::conditioning;
+        let run = one_token_run();
+        assert!(conditioning(&run, scores_of(&run, 1)) >= 1e6);
+        let k = conditioning(&run, scores_of(&run, 0));
+        assert!((1.0..1e3).contains(&k), "{k}");
     }
 }

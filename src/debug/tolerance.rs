@@ -114,8 +114,8 @@ impl Tolerances {
         let mut by_index: HashMap<usize, &mut OpComparison> =
             comparisons.iter_mut().map(|c| (c.index, c)).collect();
         let mut judge = Judge::new(*self).with_kv_cache(run.flags.kv_cache);
-        for (i, e) in run.events.iter().enumerate() {
-            judge.next(e, by_index.remove(&i));
+        for i in 0..run.events.len() {
+            judge.next_of(run, i, by_index.remove(&i));
         }
     }
 
@@ -173,6 +173,16 @@ impl Judge {
         self
     }
 
+    /// [`Judge::next`] for op `i` of `run`, whose own values may say that its error outgrows
+    /// its inputs' more than its kind's gain allows (the indexer scores' conditioning).
+    pub fn next_of(&mut self, run: &RunRecord, i: usize, comparison: Option<&mut OpComparison>) {
+        let mut comparison = comparison;
+        if let Some(c) = comparison.as_deref_mut() {
+            c.conditioning = conditioning(run, i);
+        }
+        self.next(&run.events[i], comparison);
+    }
+
     /// Takes the run's next op and, when it was compared, its comparison, whose input error and
     /// tolerance are set.
     pub fn next(&mut self, e: &OpEvent, comparison: Option<&mut OpComparison>) {
@@ -180,7 +190,7 @@ impl Judge {
         let error = match comparison {
             Some(c) => {
                 c.input_error = input_error;
-                c.tolerance = self.tolerances.of(c.kind, input_error);
+                c.tolerance = self.tolerances.of(c.kind, input_error * c.conditioning);
                 // A rank's partial sum is held to no tolerance of its own: its error is carried
                 // to the all-reduce after it, which is judged.
                 if e.rank.is_some() && crate::model::shard::partial_sum(&e.name) {
@@ -240,6 +250,15 @@ impl Judge {
     /// The tolerance `e` would be judged by now, from the errors its inputs carry.
     pub fn tolerance_of(&self, e: &OpEvent) -> f64 {
         self.tolerances.of(e.kind, self.input_error(e))
+    }
+}
+
+/// How far op `i` of `run` may amplify its inputs' relative error beyond its kind's gain, from
+/// its own values: the indexer scores' conditioning; 1 for every other op.
+pub fn conditioning(run: &RunRecord, i: usize) -> f64 {
+    match run.events.get(i).map(|e| e.kind) {
+        Some(OpKind::IndexScores) => super::indexer_scores::conditioning(run, i),
+        _ => 1.0,
     }
 }
 

@@ -51,7 +51,7 @@ impl Marks {
                     compare_outputs(e, i, a, &other.events[j].shape, b, heads)
                 })
                 .filter(|c| c.diff.is_ok());
-            self.judge.next(e, compared.as_mut());
+            self.judge.next_of(run, i, compared.as_mut());
             self.errors.push(
                 compared
                     .as_ref()
