@@ -16,7 +16,8 @@ use mladb::debug::Flags;
 use mladb::engine::generate::Schedule;
 use mladb::engine::trace::{OpKind, Phase};
 use mladb::engine::ForcedSelections;
-use mladb::model::Model;
+use mladb::gguf::GgmlType;
+use mladb::model::{Layout, Model};
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
@@ -174,19 +175,38 @@ fn clean_tiny_layouts_report_nothing_in_f32_and_bf16(gpu: bool) {
 }
 
 /// Short contexts, where the DSA indexer scores one to a dozen keys with its 4 heads: each of
-/// these clean runs had a finding at `indexer.scores` (found by a sweep of random clean runs,
-/// 2026-12-08). A single key scored 0 (every head's dot negative: the ReLU's zero, reported as
-/// all-zero); scores made of terms that cancel, or of a dot small beside its vectors, moved
-/// 20 to 40 times their inputs' relative error, past a gain fitted on longer contexts.
+/// these clean runs had a finding (found by a sweep of random clean runs, 2026-12-08). At
+/// `indexer.scores`: a single key scored 0 (every head's dot negative: the ReLU's zero,
+/// reported as all-zero); scores made of terms that cancel, or of a dot small beside its
+/// vectors, moved 20 to 40 times their inputs' relative error, past a gain fitted on longer
+/// contexts; scores the other run's ReLU zeroed were +∞ apart, relative (the two before the
+/// last case). At `indexer.weights_proj` (the last case, projections quantized): a projection to
+/// 4 values that were all near 0.05 at one token, where they are near 0.7 at the others.
 fn short_contexts_report_nothing(gpu: bool) {
-    // (layout, seed, prompt, prefill, decode steps, flags)
-    type Short<'a> = (&'a str, u64, &'a [u32], usize, usize, &'a str);
-    let cases: &[Short] = &[
-        ("glm5-tiny", 557, &[74], 1, 7, "dtype=f32"),
-        ("glm5-tiny", 376, &[7], 1, 11, "dtype=bf16"),
-        ("glm5-tiny-wide", 0, &[9, 145, 190], 1, 4, "dtype=bf16"),
-        ("glm5-tiny-wide", 235, &[152], 1, 4, "dtype=bf16"),
-        (
+    struct Short {
+        layout: &'static str,
+        seed: u64,
+        prompt: &'static [u32],
+        prefill: usize,
+        decode: usize,
+        flags: &'static str,
+        quant: Option<GgmlType>,
+    }
+    let short = |layout, seed, prompt, prefill, decode, flags| Short {
+        layout,
+        seed,
+        prompt,
+        prefill,
+        decode,
+        flags,
+        quant: None,
+    };
+    let cases = [
+        short("glm5-tiny", 557, &[74], 1, 7, "dtype=f32"),
+        short("glm5-tiny", 376, &[7], 1, 11, "dtype=bf16"),
+        short("glm5-tiny-wide", 0, &[9, 145, 190], 1, 4, "dtype=bf16"),
+        short("glm5-tiny-wide", 235, &[152], 1, 4, "dtype=bf16"),
+        short(
             "glm5-tiny-wide",
             493,
             &[166],
@@ -194,8 +214,8 @@ fn short_contexts_report_nothing(gpu: bool) {
             7,
             "dtype=bf16,prefill-path=absorbed",
         ),
-        ("glm5-tiny", 783, &[34], 1, 5, "dtype=bf16,tp=2"),
-        (
+        short("glm5-tiny", 783, &[34], 1, 5, "dtype=bf16,tp=2"),
+        short(
             "glm5-tiny",
             359,
             &[169],
@@ -203,23 +223,44 @@ fn short_contexts_report_nothing(gpu: bool) {
             4,
             "dtype=bf16,tp=2,mla-disable",
         ),
+        short(
+            "glm5-tiny-wide",
+            728,
+            &[138, 5, 190],
+            1,
+            10,
+            "dtype=bf16,decode-path=naive",
+        ),
+        Short {
+            quant: Some(GgmlType::Q4_K),
+            ..short("glm5-tiny", 422, &[27], 1, 11, "dtype=bf16,mla-disable")
+        },
+        Short {
+            quant: Some(GgmlType::Q8_0),
+            ..short("glm5-tiny", 59, &[51, 132, 155], 3, 8, "dtype=bf16")
+        },
     ];
-    for &(layout, seed, prompt, prefill, decode, flags) in cases {
-        let model = common::synthetic(layout, seed);
+    for c in &cases {
+        let layout = Layout::resolve(c.layout).unwrap();
+        let model = Model::synthetic_quantized(layout, c.seed, c.quant, common::BUDGET).unwrap();
         let schedule = Schedule {
-            prompt: prompt.to_vec(),
-            prefill_len: prefill,
-            decode_steps: decode,
+            prompt: c.prompt.to_vec(),
+            prefill_len: c.prefill,
+            decode_steps: c.decode,
         };
         for (name, backend, dtype) in backends(gpu) {
             // Each case in its own dtype: the CPU's side of it, or the GPU backend of that dtype.
-            if !flags.starts_with(dtype) {
+            if !c.flags.starts_with(dtype) {
                 continue;
             }
-            let report = common::check_on(&*backend, &model, &schedule, flags, None);
+            let report = common::check_on(&*backend, &model, &schedule, c.flags, None);
             assert!(
                 report.findings.is_empty(),
-                "{layout} seed {seed} prompt {prompt:?} {flags} {name}:\n{}",
+                "{} seed {} prompt {:?} {} {name}:\n{}",
+                c.layout,
+                c.seed,
+                c.prompt,
+                c.flags,
                 describe(&report)
             );
         }

@@ -45,7 +45,7 @@ impl Comparator<'_> {
         let relative = seq
             .judge
             .as_ref()
-            .map_or(0.0, |j| j.tolerance_of(&seq.record.events[scores_index]));
+            .map_or(0.0, |j| j.tolerance_of(&seq.record, scores_index));
         let layer = seq.record.events[index].layer;
         let (ke, km, ctx) = (data.len() / rows, mine.len() / rows, scores.len() / rows);
         let (mut worst_gap, mut worst_noise, mut worst_why) = (0f64, 0f64, "");

@@ -493,15 +493,14 @@ impl<'m> Comparator<'m> {
             })
             .with_kv_cache(seq.record.flags.kv_cache)
         });
-        c.conditioning = crate::debug::tolerance::conditioning(&seq.record, index);
         if index >= seq.judged {
             for i in seq.judged..index {
                 judge.next(&seq.record.events[i], None);
             }
-            judge.next(e, Some(&mut c));
+            judge.next_of(&seq.record, index, Some(&mut c));
             seq.judged = index + 1;
         } else {
-            judge.late(e, &mut c);
+            judge.late_of(&seq.record, index, &mut c);
         }
         let diverges = c.diverges();
         let error = c.diff.as_ref().map_or(f64::NAN, |d| d.error());

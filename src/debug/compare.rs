@@ -41,7 +41,18 @@ fn unconditioned() -> f64 {
 
 impl OpComparison {
     pub fn exceeds(&self, tolerance: f64) -> bool {
-        matches!(&self.diff, Ok(d) if d.exceeds(tolerance))
+        matches!(&self.diff, Ok(d) if d.exceeds(tolerance) && !self.zero_within(d, tolerance))
+    }
+
+    /// A reference of zeros (relative error +∞) where the op's own values lie within their
+    /// noise: its conditioning says rounding may move them by `tolerance` times their own size,
+    /// and that is at least their size. The indexer's scores, when the other run's ReLU zeroed
+    /// scores this run keeps small beside their terms.
+    fn zero_within(&self, d: &Diff, tolerance: f64) -> bool {
+        self.conditioning > 1.0
+            && d.rel_l2 == f64::INFINITY
+            && !d.has_non_finite()
+            && tolerance >= 1.0
     }
 
     /// Over its judged tolerance.
@@ -394,6 +405,33 @@ mod tests {
             let c = judged(&a, &b);
             assert!(c.exceeds_its() && !c.fails_only_alike(), "{a:?} vs {b:?}");
         }
+    }
+
+    /// A reference of zeros is +∞ apart, relative: a difference, unless the op's conditioning
+    /// puts its own values within its noise (a tolerance of at least 1 once conditioned).
+    #[test]
+    fn a_zero_reference_passes_only_where_the_values_are_within_their_noise() {
+        let judged = |conditioning: f64, tolerance: f64| OpComparison {
+            phase: Phase::Prefill,
+            name: "op".into(),
+            kind: OpKind::IndexScores,
+            input_error: 1e-2,
+            tolerance,
+            conditioning,
+            index: 0,
+            diff: Ok(diff(&[0.01, 0.02], &[0.0, 0.0], &[2], None)),
+        };
+        assert!(!judged(100.0, 16.0).diverges());
+        assert!(
+            judged(100.0, 0.5).diverges(),
+            "noise below the values' size"
+        );
+        assert!(judged(1.0, 16.0).diverges(), "unconditioned");
+        let nan = OpComparison {
+            diff: Ok(diff(&[f32::NAN, 0.02], &[0.0, 0.0], &[2], None)),
+            ..judged(100.0, 16.0)
+        };
+        assert!(nan.diverges());
     }
 
     /// NaN and ±Inf are counted per side and reported first; figures are over the elements

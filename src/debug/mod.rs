@@ -11,7 +11,8 @@
 //! * [`forensics`], [`detect`]: buffer forensics and the detectors of `mladb check`;
 //!   [`findings`]: how their comparisons become findings;
 //! * [`idle`]: flags and faults that had nothing to act on in a run;
-//! * [`indexer_scores`]: the DSA indexer's scores recomputed, for their zeros and conditioning;
+//! * [`conditioning`], [`indexer_scores`]: how far an op's own values let its error outgrow its
+//!   inputs' (the indexer's scores recomputed, small projections), and the ReLU's zeros;
 //! * [`quant`]: a quantized kv_b_proj's two derivations compared, and its decoding checked;
 //!   [`kv_quant`]: an FP8 latent cache's rows against what E4M3 explains;
 //! * [`tp`]: a tensor-parallel run's ranks against the run on one rank.
@@ -19,6 +20,7 @@
 pub mod bisect;
 pub mod breakpoint;
 pub mod compare;
+pub mod conditioning;
 pub mod controller;
 pub mod detect;
 pub mod diff;

@@ -25,6 +25,7 @@
 //! the measurements.
 
 use super::compare::OpComparison;
+use super::conditioning::OutputScales;
 use super::record::RunRecord;
 use super::selection::is_selection;
 use crate::engine::trace::{BufferRole, OpEvent, OpKind};
@@ -156,6 +157,8 @@ pub struct Judge {
     carried: HashMap<BufferId, f64>,
     /// The runs write an fp8_ds_mla latent cache (see [`FP8_REQUANT`]).
     fp8_cache: bool,
+    /// What the ops' own values say of their conditioning.
+    scales: OutputScales,
 }
 
 impl Judge {
@@ -164,6 +167,7 @@ impl Judge {
             tolerances,
             carried: HashMap::new(),
             fp8_cache: false,
+            scales: OutputScales::default(),
         }
     }
 
@@ -174,11 +178,11 @@ impl Judge {
     }
 
     /// [`Judge::next`] for op `i` of `run`, whose own values may say that its error outgrows
-    /// its inputs' more than its kind's gain allows (the indexer scores' conditioning).
+    /// its inputs' more than its kind's gain allows (see [`super::conditioning`]).
     pub fn next_of(&mut self, run: &RunRecord, i: usize, comparison: Option<&mut OpComparison>) {
         let mut comparison = comparison;
         if let Some(c) = comparison.as_deref_mut() {
-            c.conditioning = conditioning(run, i);
+            c.conditioning = self.scales.next(run, i);
         }
         self.next(&run.events[i], comparison);
     }
@@ -240,25 +244,21 @@ impl Judge {
             .collect();
     }
 
-    /// Judges a comparison of an op the judge has passed already (a tensor that came late):
-    /// by the errors carried now, without carrying its own.
-    pub fn late(&self, e: &OpEvent, comparison: &mut OpComparison) {
-        comparison.input_error = self.input_error(e);
-        comparison.tolerance = self.tolerance_of(e);
+    /// Judges a comparison of op `i` of `run`, which the judge has passed already (a tensor
+    /// that came late): by the errors carried now, without carrying its own.
+    pub fn late_of(&self, run: &RunRecord, i: usize, comparison: &mut OpComparison) {
+        comparison.input_error = self.input_error(&run.events[i]);
+        comparison.conditioning = self.scales.peek(run, i);
+        comparison.tolerance = self.tolerance_of(run, i);
     }
 
-    /// The tolerance `e` would be judged by now, from the errors its inputs carry.
-    pub fn tolerance_of(&self, e: &OpEvent) -> f64 {
-        self.tolerances.of(e.kind, self.input_error(e))
-    }
-}
-
-/// How far op `i` of `run` may amplify its inputs' relative error beyond its kind's gain, from
-/// its own values: the indexer scores' conditioning; 1 for every other op.
-pub fn conditioning(run: &RunRecord, i: usize) -> f64 {
-    match run.events.get(i).map(|e| e.kind) {
-        Some(OpKind::IndexScores) => super::indexer_scores::conditioning(run, i),
-        _ => 1.0,
+    /// The tolerance op `i` of `run` would be judged by now, from the errors its inputs carry
+    /// and its conditioning.
+    pub fn tolerance_of(&self, run: &RunRecord, i: usize) -> f64 {
+        let e = &run.events[i];
+        let conditioning = self.scales.peek(run, i);
+        self.tolerances
+            .of(e.kind, self.input_error(e) * conditioning)
     }
 }
 
