@@ -7,16 +7,21 @@ any comparison of a clean run produced (the `headroom` of check's JSON summary),
 tolerance check applied. With --faults it also runs every fault of the catalogue (the TP faults
 at --tp 2, the FP8-cache ones over that cache, the fast kernels' with --device cuda, those only
 a reference shows against a dump of mladb's own clean run) and prints whether check caught it.
-Exits 1 when a clean run had findings or a fault was missed.
+With --short N it adds N random short-context runs (1 to 40 prompt tokens, 1 to all of them
+prefilled, 0 to 11 decode steps, random seeds and flags; --short-seed picks them), where the DSA
+indexer scores a few keys with few heads. Exits 1 when a clean run had findings or a fault was
+missed.
 
 Usage:
     python3 tools/noise_sweep.py [--mladb target/release/mladb] [--dtype bf16] [--seeds 6]
         [--device cpu|cuda] [--faults] [--model DIR ...] [--random tests/fixtures/random] [--full-size]
+        [--short N] [--short-seed S]
 """
 
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -97,6 +102,31 @@ def clean_reference(mladb, common, tmp, layout, mscale):
     return shown, schedule, dump, clean
 
 
+def short_runs(n, seed):
+    """n random short-context runs: few prompt tokens, some prefilled, the rest and more decoded,
+    with random flags (the layouts' vocabularies all hold token ids below 200)."""
+    rng = random.Random(seed)
+    runs = []
+    for _ in range(n):
+        layout = rng.choice(["glm5-tiny", "glm5-tiny-wide", "glm5-rank8", "deepseek-v3-tiny", "deepseek-v3-rank16"])
+        r = ["--layout", layout, "--seed", str(rng.randrange(1000))]
+        length = rng.choice([1, 1, 2, 3, rng.randrange(1, 40)])
+        r += ["--tokens", ",".join(str(rng.randrange(200)) for _ in range(length))]
+        r += ["--prefill", str(rng.randrange(1, length + 1)), "--decode", str(rng.randrange(12))]
+        if layout in ("glm5-rank8", "deepseek-v3-rank16") and rng.random() < 0.3:
+            r += ["--kv-cache-dtype", "fp8_ds_mla"]
+        if rng.random() < 0.25:
+            r += ["--quant", rng.choice(["q8_0", "q4_0", "q4_k", "q6_k"])]
+        if rng.random() < 0.2:
+            r += ["--tp", str(rng.choice([2, 4]))]
+        if rng.random() < 0.15:
+            r += ["--mla-disable"]
+        elif rng.random() < 0.3:
+            r += ["--prefill-path", rng.choice(["naive", "absorbed"]), "--decode-path", rng.choice(["naive", "absorbed"])]
+        runs.append(r)
+    return runs
+
+
 def check(mladb, args):
     out = subprocess.run([mladb, "check", "--json", *args], capture_output=True, text=True)
     if out.returncode not in (0, 1):
@@ -117,6 +147,8 @@ def main():
     ap.add_argument("--model", action="append", default=[])
     ap.add_argument("--random", help="a folder of tools/make_random_checkpoints.py (cases.json)")
     ap.add_argument("--full-size", action="store_true", help="also glm5 and deepseek-v3, layers 0..4")
+    ap.add_argument("--short", type=int, default=0, help="this many random short-context runs")
+    ap.add_argument("--short-seed", type=int, default=0)
     a = ap.parse_args()
     common = ["--dtype", a.dtype, "--device", a.device]
 
@@ -139,6 +171,7 @@ def main():
             runs.append(["--layout", layout, "--seed", str(seed)] + SCHEDULE + ["--kv-cache-dtype", "fp8_ds_mla"])
         for layout in ["glm5-tiny", "deepseek-v3-tiny"]:
             runs.append(["--layout", layout, "--seed", str(seed)] + SCHEDULE + ["--tp", "2"])
+    runs += short_runs(a.short, a.short_seed)
     if a.full_size:
         for layout in ["glm5", "deepseek-v3"]:
             runs.append(["--layout", layout, "--layers", "0..4", "--tokens", "1,2,3", "--decode", "2"])

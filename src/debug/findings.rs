@@ -16,10 +16,11 @@ pub fn headroom_of(
     let mut out: Vec<Headroom> = Vec::new();
     for c in comparisons {
         let Ok(d) = &c.diff else { continue };
-        let rel = if d.rel_l2.is_nan() {
-            f64::INFINITY
-        } else {
-            d.rel_l2
+        // A zero reference passed within the op's noise: the difference is its values' own size.
+        let rel = match d.rel_l2 {
+            r if r.is_nan() => f64::INFINITY,
+            r if r.is_infinite() && !c.exceeds_its() => 1.0,
+            r => r,
         };
         let floor = tolerances.row(c.kind).0;
         let (floor_error, gain_needed) = if c.input_error == 0.0 {

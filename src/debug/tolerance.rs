@@ -13,7 +13,9 @@
 //!
 //! where `input_error` is the largest relative L2 error, in the same comparison, of what the op
 //! read (activations and caches, weights excluded; an op that was not compared passes on its
-//! inputs' error; a discrete choice, once both runs agree on it, passes on none). An op is a
+//! inputs' error; a discrete choice, once both runs agree on it, passes on none), times the
+//! op's conditioning where its own values say it amplifies more than its kind's gain allows
+//! (`super::conditioning`: the indexer's scores, a projection's small output). An op is a
 //! finding when its error exceeds that: the first op whose error its inputs do not explain. At
 //! the first layer, where both runs read identical inputs, a fault is held against the floor
 //! alone; deep in a bf16 run the noise grows, and so does the tolerance.
