@@ -93,12 +93,9 @@ fn matrix(run: &RunRecord, i: usize) -> Option<(&[f32], usize)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::CpuBackend;
-    use crate::debug::flags::Flags;
-    use crate::debug::runner::Job;
+    use crate::debug::runner::cpu_run;
     use crate::engine::generate::Schedule;
     use crate::engine::trace::Phase;
-    use crate::model::{Layout, Model};
     use crate::tensor::Tensor;
     use std::sync::Arc;
 
@@ -106,21 +103,12 @@ mod tests {
     /// rounding error stays the projection's size); outputs of their usual size near 1.
     #[test]
     fn a_small_output_of_a_projection_is_conditioned_by_its_usual_size() {
-        let model = Model::synthetic(Layout::resolve("glm5-tiny").unwrap(), 0, 1 << 30).unwrap();
         let schedule = Schedule {
             prompt: vec![3, 1, 4],
             prefill_len: 3,
             decode_steps: 6,
         };
-        let layers = 0..model.layout.num_layers;
-        let job = Job {
-            model: &model,
-            backend: &CpuBackend,
-            schedule: &schedule,
-            layers: &layers,
-            poison: true,
-        };
-        let mut run = job.run(Flags::default(), None).unwrap();
+        let mut run = cpu_run("glm5-tiny", 0, schedule);
         let name = "model.layers.0.self_attn.indexer.weights_proj";
         let shrunk = run.find(Phase::Decode(4), name).unwrap();
         let t = &run.outputs[shrunk];

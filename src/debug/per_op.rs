@@ -145,12 +145,9 @@ fn count_later(findings: &mut [Finding], seen: &[(Phase, usize)], kind: FindingK
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::CpuBackend;
     use crate::debug::detect::FindingKind;
-    use crate::debug::flags::Flags;
-    use crate::debug::runner::Job;
+    use crate::debug::runner::cpu_run;
     use crate::engine::generate::Schedule;
-    use crate::model::{Layout, Model};
     use crate::stats::TensorStats;
     use crate::tensor::Tensor;
     use std::sync::Arc;
@@ -158,21 +155,12 @@ mod tests {
     /// glm5-tiny, seed 557, one prompt token: layer 1's indexer scores its one key 0 (every head's
     /// dot is negative), layer 0's does not.
     fn one_token_run() -> RunRecord {
-        let model = Model::synthetic(Layout::resolve("glm5-tiny").unwrap(), 557, 1 << 30).unwrap();
         let schedule = Schedule {
             prompt: vec![74],
             prefill_len: 1,
             decode_steps: 0,
         };
-        let layers = 0..model.layout.num_layers;
-        let job = Job {
-            model: &model,
-            backend: &CpuBackend,
-            schedule: &schedule,
-            layers: &layers,
-            poison: true,
-        };
-        job.run(Flags::default(), None).unwrap()
+        cpu_run("glm5-tiny", 557, schedule)
     }
 
     fn scores_of(run: &RunRecord, layer: usize) -> usize {

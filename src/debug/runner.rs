@@ -59,3 +59,24 @@ impl Job<'_> {
         Ok(record)
     }
 }
+
+/// A whole CPU run of built-in layout `layout` with synthetic weights of `seed`, poisoned,
+/// default flags: what unit tests of the detectors examine.
+#[cfg(test)]
+pub fn cpu_run(layout: &str, seed: u64, schedule: Schedule) -> RunRecord {
+    let model = Model::synthetic(
+        crate::model::Layout::resolve(layout).unwrap(),
+        seed,
+        1 << 30,
+    )
+    .unwrap();
+    let layers = 0..model.layout.num_layers;
+    let job = Job {
+        model: &model,
+        backend: &crate::backend::cpu::CpuBackend,
+        schedule: &schedule,
+        layers: &layers,
+        poison: true,
+    };
+    job.run(Flags::default(), None).unwrap()
+}
