@@ -25,8 +25,8 @@ pub struct OpComparison {
     pub input_error: f64,
     pub tolerance: f64,
     /// How far the op's own values may amplify its inputs' relative error beyond what its kind's
-    /// gain allows (the indexer scores' conditioning, see `super::indexer_scores`); 1 for other
-    /// ops. The gain applies to `input_error × conditioning`.
+    /// gain allows (the indexer's scores, a projection's small output: `super::conditioning`); 1
+    /// for other ops. The gain applies to `input_error × conditioning`.
     #[serde(default = "unconditioned")]
     pub conditioning: f64,
     /// Index of the op in the run being examined.
@@ -82,11 +82,11 @@ impl OpComparison {
         }
     }
 
-    /// `tolerance 2.1e-2, for an input error of 5.0e-4` (`, × 47.6 by the scores' conditioning`).
+    /// `tolerance 2.1e-2, for an input error of 5.0e-4` (`× 47.6 by its conditioning`).
     pub fn tolerance_text(&self) -> String {
         if self.input_error > 0.0 && self.conditioning > 1.0 {
             format!(
-                "tolerance {:.1e}, for an input error of {:.1e} × {:.1} by the scores' conditioning",
+                "tolerance {:.1e}, for an input error of {:.1e} × {:.1} by its conditioning",
                 self.tolerance, self.input_error, self.conditioning
             )
         } else if self.input_error > 0.0 {

@@ -27,28 +27,20 @@ impl OutputScales {
     /// The conditioning of op `i` of `run`, having added its outputs to what it has seen (call
     /// once per op, in execution order).
     pub fn next(&mut self, run: &RunRecord, i: usize) -> f64 {
-        let Some(e) = run.events.get(i) else {
-            return 1.0;
-        };
-        match e.kind {
-            OpKind::IndexScores => super::indexer_scores::conditioning(run, i),
-            OpKind::Linear => {
-                if let Some((rows, cols)) = matrix(run, i) {
-                    let key = (e.rank, e.name.clone());
-                    let (sums, count) = self.seen.entry(key).or_insert((vec![0.0; cols], 0));
-                    if sums.len() == cols {
-                        for row in rows.chunks_exact(cols) {
-                            for (s, &v) in sums.iter_mut().zip(row) {
-                                *s += v as f64 * v as f64;
-                            }
-                        }
-                        *count += rows.len() / cols;
+        let linear = run.events.get(i).filter(|e| e.kind == OpKind::Linear);
+        if let (Some(e), Some((rows, cols))) = (linear, matrix(run, i)) {
+            let key = (e.rank, e.name.clone());
+            let (sums, count) = self.seen.entry(key).or_insert((vec![0.0; cols], 0));
+            if sums.len() == cols {
+                for row in rows.chunks_exact(cols) {
+                    for (s, &v) in sums.iter_mut().zip(row) {
+                        *s += v as f64 * v as f64;
                     }
                 }
-                self.linear(run, i)
+                *count += rows.len() / cols;
             }
-            _ => 1.0,
         }
+        self.peek(run, i)
     }
 
     /// The conditioning of op `i` from what has been seen, adding nothing (an op judged late).

@@ -7,6 +7,7 @@
 
 use super::record::RunRecord;
 use super::sample::holds_all;
+use crate::engine::trace::Phase;
 
 /// The most multiply-adds one recomputation spends: a full-size prefill's scores would take
 /// billions, so beyond it the scores recomputed are a sample, evenly spread.
@@ -40,9 +41,15 @@ impl<'a> Terms<'a> {
         let q = whole(run.find_at(e.phase, e.rank, &format!("{prefix}q_rope"))?)?;
         let w = whole(run.find_at(e.phase, e.rank, &format!("{prefix}weights_proj"))?)?;
         let scores = whole(i)?;
+        // The key rows each phase up to this one wrote (found by name, not by a scan of the run).
         let keys_name = format!("{prefix}key_cache");
-        let key_ops: Vec<usize> = (0..i)
-            .filter(|&k| run.events[k].rank == e.rank && run.events[k].name == keys_name)
+        let phases = match e.phase {
+            Phase::Prefill => 0,
+            Phase::Decode(k) => k + 1,
+        };
+        let key_ops: Vec<usize> = std::iter::once(Phase::Prefill)
+            .chain((0..phases).map(Phase::Decode))
+            .filter_map(|p| run.find_at(p, e.rank, &keys_name))
             .collect();
         let width = *run.events[*key_ops.first()?].shape.last()?;
         let mut keys = Vec::new();
@@ -82,11 +89,12 @@ impl<'a> Terms<'a> {
             }
             let (t, j) = (p / self.context, p % self.context);
             let k = &self.keys[j * self.width..][..self.width];
+            let k_norm = norm(k);
             heads.clear();
             for h in 0..self.heads {
                 let q = &self.q[(t * self.heads + h) * self.width..][..self.width];
                 let dot = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>();
-                heads.push((dot, norm(q) * norm(k), self.w[t * self.heads + h]));
+                heads.push((dot, norm(q) * k_norm, self.w[t * self.heads + h]));
             }
             f(&heads);
         }

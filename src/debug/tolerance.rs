@@ -249,18 +249,21 @@ impl Judge {
     /// Judges a comparison of op `i` of `run`, which the judge has passed already (a tensor
     /// that came late): by the errors carried now, without carrying its own.
     pub fn late_of(&self, run: &RunRecord, i: usize, comparison: &mut OpComparison) {
-        comparison.input_error = self.input_error(&run.events[i]);
-        comparison.conditioning = self.scales.peek(run, i);
-        comparison.tolerance = self.tolerance_of(run, i);
+        let (input_error, conditioning) =
+            (self.input_error(&run.events[i]), self.scales.peek(run, i));
+        comparison.input_error = input_error;
+        comparison.conditioning = conditioning;
+        comparison.tolerance = self
+            .tolerances
+            .of(comparison.kind, input_error * conditioning);
     }
 
     /// The tolerance op `i` of `run` would be judged by now, from the errors its inputs carry
     /// and its conditioning.
     pub fn tolerance_of(&self, run: &RunRecord, i: usize) -> f64 {
         let e = &run.events[i];
-        let conditioning = self.scales.peek(run, i);
         self.tolerances
-            .of(e.kind, self.input_error(e) * conditioning)
+            .of(e.kind, self.input_error(e) * self.scales.peek(run, i))
     }
 }
 
